@@ -1,0 +1,211 @@
+//! Named crash points for fault-injection tests.
+//!
+//! A crash point marks a place where a crash leaves a duplicate window open, for example
+//! between a Kafka delivery report and the outbox `UPDATE` that records it. Tests and the chaos
+//! runner arm a point to prove that the window is absorbed downstream.
+//!
+//! The points are compiled in only with the `failpoints` cargo feature; without it
+//! [`crash_point`] is an inlined `Ok(())`. They are armed through the `IDEM_CRASH_POINTS`
+//! environment variable (read by [`arm_from_env`]) or [`arm`]:
+//!
+//! ```text
+//! IDEM_CRASH_POINTS=relay.after_publish_before_mark          # abort on the first hit
+//! IDEM_CRASH_POINTS=relay.after_publish_before_mark@3        # abort on the third hit
+//! IDEM_CRASH_POINTS=a,b@2                                    # several points
+//! ```
+//!
+//! When an armed point fires in [`Action::Abort`] mode, idem writes `idem: crash point NAME
+//! fired` to standard error, appends `NAME` to the file named by `IDEM_CRASH_LOG` (synced, so
+//! a test can prove the crash happened), and calls [`std::process::abort`].
+
+use crate::error::{Error, Result};
+
+/// Every crash point idem defines. Arming any other name is an error.
+pub const CRASH_POINTS: &[&str] = &[
+    RELAY_AFTER_CLAIM_BEFORE_PUBLISH,
+    RELAY_AFTER_PUBLISH_BEFORE_MARK,
+];
+
+/// The relay has claimed a batch but produced nothing yet. Recovery: the lease expires and
+/// another claim takes the rows again (attempt number + 1, no duplicate in Kafka).
+pub const RELAY_AFTER_CLAIM_BEFORE_PUBLISH: &str = "relay.after_claim_before_publish";
+/// Kafka acknowledged the batch but the rows are not marked published. Recovery: the rows are
+/// published again (a republish, a duplicate in Kafka that the consumer inbox absorbs).
+pub const RELAY_AFTER_PUBLISH_BEFORE_MARK: &str = "relay.after_publish_before_mark";
+
+/// What an armed crash point does when it fires.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Abort the whole process (a real crash: no destructor, no flush, no commit).
+    Abort,
+    /// Return [`Error::CrashPoint`] to the caller (for in-process restarts).
+    Error,
+}
+
+/// Whether this build has crash points compiled in.
+pub const ENABLED: bool = cfg!(feature = "failpoints");
+
+#[cfg(feature = "failpoints")]
+mod imp {
+    use super::*;
+    use std::collections::HashMap;
+    use std::io::Write;
+    use std::sync::Mutex;
+
+    struct Armed {
+        action: Action,
+        /// Fire on this hit (1 = first).
+        fire_on: u64,
+        hits: u64,
+    }
+
+    static ARMED: Mutex<Option<HashMap<&'static str, Armed>>> = Mutex::new(None);
+
+    pub fn arm(name: &str, action: Action, fire_on: u64) -> Result<()> {
+        let known = known(name)?;
+        let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+        guard.get_or_insert_with(HashMap::new).insert(
+            known,
+            Armed {
+                action,
+                fire_on: fire_on.max(1),
+                hits: 0,
+            },
+        );
+        Ok(())
+    }
+
+    pub fn disarm_all() {
+        let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+        *guard = None;
+    }
+
+    pub fn crash_point(name: &'static str) -> Result<()> {
+        let action = {
+            let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(map) = guard.as_mut() else {
+                return Ok(());
+            };
+            let Some(armed) = map.get_mut(name) else {
+                return Ok(());
+            };
+            armed.hits += 1;
+            if armed.hits != armed.fire_on {
+                return Ok(());
+            }
+            let action = armed.action;
+            map.remove(name);
+            action
+        };
+        match action {
+            Action::Error => Err(Error::CrashPoint(name)),
+            Action::Abort => {
+                eprintln!("idem: crash point {name} fired");
+                if let Some(path) = std::env::var_os("IDEM_CRASH_LOG") {
+                    if let Ok(mut f) = std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(path)
+                    {
+                        let _ = writeln!(f, "{name}");
+                        let _ = f.sync_all();
+                    }
+                }
+                std::process::abort()
+            }
+        }
+    }
+}
+
+fn known(name: &str) -> Result<&'static str> {
+    CRASH_POINTS
+        .iter()
+        .copied()
+        .find(|p| *p == name)
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "unknown crash point {name:?}; known points: {}",
+                CRASH_POINTS.join(", ")
+            ))
+        })
+}
+
+/// Arms `name` to perform `action` on its `fire_on`-th hit (1 = first).
+///
+/// Fails on an unknown name, or when the build has no `failpoints` feature.
+pub fn arm(name: &str, action: Action, fire_on: u64) -> Result<()> {
+    #[cfg(feature = "failpoints")]
+    {
+        imp::arm(name, action, fire_on)
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = (known(name)?, action, fire_on);
+        Err(Error::Config(
+            "crash points are not compiled in; build with the `failpoints` feature".to_owned(),
+        ))
+    }
+}
+
+/// Disarms every crash point.
+pub fn disarm_all() {
+    #[cfg(feature = "failpoints")]
+    imp::disarm_all();
+}
+
+/// Arms the points listed in `IDEM_CRASH_POINTS` (`name[@hit],...`) in abort mode.
+pub fn arm_from_env() -> Result<()> {
+    let Ok(spec) = std::env::var("IDEM_CRASH_POINTS") else {
+        return Ok(());
+    };
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (name, hit) = match item.split_once('@') {
+            Some((n, h)) => (
+                n,
+                h.parse::<u64>().map_err(|_| {
+                    Error::Config(format!(
+                        "IDEM_CRASH_POINTS: {item:?}: the hit after '@' must be a positive number"
+                    ))
+                })?,
+            ),
+            None => (item, 1),
+        };
+        arm(name, Action::Abort, hit)?;
+    }
+    Ok(())
+}
+
+/// Passes through crash point `name`: does nothing unless the point is armed.
+#[inline(always)]
+pub fn crash_point(name: &'static str) -> Result<()> {
+    #[cfg(feature = "failpoints")]
+    {
+        imp::crash_point(name)
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = name;
+        Ok(())
+    }
+}
+
+#[cfg(all(test, feature = "failpoints"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_mode_fires_on_the_chosen_hit_once() {
+        arm(RELAY_AFTER_CLAIM_BEFORE_PUBLISH, Action::Error, 2).unwrap();
+        assert!(crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH).is_ok());
+        assert!(matches!(
+            crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH),
+            Err(Error::CrashPoint(RELAY_AFTER_CLAIM_BEFORE_PUBLISH))
+        ));
+        assert!(crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH).is_ok());
+    }
+
+    #[test]
+    fn unknown_points_are_refused() {
+        assert!(arm("relay.nowhere", Action::Error, 1).is_err());
+    }
+}

@@ -1,0 +1,108 @@
+//! The one error type of idem's libraries.
+
+/// A boxed error from a lower layer (database driver, Kafka client, I/O).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Result with idem's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in idem's libraries.
+///
+/// Every message names what was wrong and, where there is one, what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An event failed validation before anything was written.
+    #[error("invalid event: {field} {reason}")]
+    InvalidEvent {
+        /// The envelope field that was rejected (`event_type`, `aggregate_id`, `payload`, ...).
+        field: &'static str,
+        /// Why it was rejected, with the allowed form.
+        reason: String,
+    },
+
+    /// A configured SQL identifier (schema or table prefix) was rejected.
+    #[error("invalid SQL identifier {value:?} for {what}: {reason}")]
+    InvalidIdentifier {
+        /// What the identifier names (`schema`, `table prefix`).
+        what: &'static str,
+        /// The rejected value.
+        value: String,
+        /// The rule it broke.
+        reason: &'static str,
+    },
+
+    /// A configuration value is unusable.
+    #[error("configuration error: {0}")]
+    Config(String),
+
+    /// The database refused or failed an operation.
+    #[error("database error while {context}: {source}")]
+    Database {
+        /// What idem was doing (`claiming outbox rows`, `running migration 1`, ...).
+        context: String,
+        /// The driver's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// The database holds a schema newer than this build understands.
+    #[error(
+        "the database schema is at version {found}, newer than the {supported} this idem build knows; \
+         upgrade idem before running it against this database"
+    )]
+    SchemaTooNew {
+        /// Version found in the migrations table.
+        found: i64,
+        /// Highest version this build ships.
+        supported: i64,
+    },
+
+    /// A row read back from the outbox could not be decoded.
+    #[error("outbox row {id} is corrupt: {reason}")]
+    CorruptRow {
+        /// The row's `id` column.
+        id: i64,
+        /// What could not be decoded.
+        reason: String,
+    },
+
+    /// The broker client failed in a way that is not about one message.
+    #[error("broker error while {context}: {source}")]
+    Broker {
+        /// What idem was doing.
+        context: String,
+        /// The client's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// A named crash point fired in error mode (in-process fault injection).
+    #[error("crash point {0} fired")]
+    CrashPoint(&'static str),
+}
+
+impl Error {
+    /// Wraps a database driver error with what idem was doing.
+    pub fn database(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Error::Database {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    /// Wraps a broker client error with what idem was doing.
+    pub fn broker(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Error::Broker {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidEvent {
+            field,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,22 @@
+//! Core types of idem: the event envelope, the error type, validated table names, the
+//! [`OutboxStore`] and [`Publisher`] traits that the database and Kafka crates implement, and the
+//! named crash points used by fault-injection tests.
+//!
+//! Most users depend on the `idem` facade crate instead of this one.
+
+pub mod crash;
+pub mod error;
+pub mod event;
+pub mod outbox;
+pub mod publish;
+pub mod tables;
+pub mod trace;
+
+pub use error::{BoxError, Error, Result};
+pub use event::{Event, EventBuilder, EventId};
+pub use outbox::{
+    Claim, ClaimRequest, Completed, Failure, OutboxRecord, OutboxStatus, OutboxStore, Outcome,
+    ParkedRow, PrunePolicy,
+};
+pub use publish::{FailureKind, Message, PublishError, Publisher};
+pub use tables::TableNames;

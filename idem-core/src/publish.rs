@@ -1,0 +1,51 @@
+//! The broker side of the relay: a [`Publisher`] sends a batch of messages and reports, for each
+//! one, whether the broker acknowledged it.
+
+use std::future::Future;
+
+/// One message to publish.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Message {
+    /// Destination topic.
+    pub topic: String,
+    /// Record key (the aggregate id).
+    pub key: String,
+    /// Record value (the JSON payload).
+    pub payload: String,
+    /// Record headers, in order.
+    pub headers: Vec<(String, String)>,
+}
+
+/// Whether retrying a failed publish can help.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The broker was unreachable, slow or busy: retry later, forever.
+    Transient,
+    /// The message itself is unpublishable (too large, invalid or unknown topic, not
+    /// authorized): retried a bounded number of times, then parked.
+    Permanent,
+    /// Never handed to the broker because an earlier message with the same topic and key
+    /// failed in the same call (sending it would break per-key order). Not an attempt.
+    NotSent,
+}
+
+/// Why one message was not acknowledged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PublishError {
+    /// Retry class.
+    pub kind: FailureKind,
+    /// Person-readable reason.
+    pub reason: String,
+}
+
+/// Sends messages and waits for their delivery reports.
+pub trait Publisher: Send + Sync + 'static {
+    /// Publishes `messages` and resolves once every message has a delivery report (success or
+    /// failure). Messages with the same topic and key must reach the broker in slice order; once
+    /// one of them fails before it is sent, the later ones are reported [`FailureKind::NotSent`].
+    /// The result has one entry per message, in the same order.
+    fn publish(
+        &self,
+        messages: &[Message],
+    ) -> impl Future<Output = Vec<Result<(), PublishError>>> + Send;
+}

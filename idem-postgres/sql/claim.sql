@@ -1,0 +1,54 @@
+-- Leases up to $1 rows to claim $2 (relay $3) for $4 milliseconds.
+-- $5 bounds how many of the oldest pending rows are looked at for aggregate heads.
+--
+-- A head is the earliest pending row (in aggregate commit order) of its aggregate. Only heads
+-- that are not leased and are past their backoff are locked (SKIP LOCKED: two relays never
+-- wait for each other); the claim then takes a prefix of each locked head's pending rows.
+-- Another relay cannot take a later row of a locked aggregate: that row is not a head.
+WITH window_rows AS (
+    SELECT id FROM {outbox}
+    WHERE status = 'pending'
+    ORDER BY id
+    LIMIT $5
+),
+heads AS (
+    SELECT o.id, o.aggregate_type, o.aggregate_id, o.aggregate_seq
+    FROM {outbox} o
+    WHERE o.id IN (SELECT id FROM window_rows)
+      AND o.status = 'pending'
+      AND o.next_attempt_at <= now()
+      AND (o.claimed_until IS NULL OR o.claimed_until < clock_timestamp())
+      AND NOT EXISTS (
+          SELECT 1 FROM {outbox} p
+          WHERE p.status = 'pending'
+            AND p.aggregate_type = o.aggregate_type
+            AND p.aggregate_id = o.aggregate_id
+            AND p.aggregate_seq < o.aggregate_seq)
+    ORDER BY o.id
+    LIMIT $1
+    FOR UPDATE OF o SKIP LOCKED
+),
+members AS (
+    SELECT r.id,
+           row_number() OVER (PARTITION BY r.aggregate_type, r.aggregate_id ORDER BY r.aggregate_seq) AS rank,
+           h.id AS head_id
+    FROM heads h
+    JOIN {outbox} r
+      ON r.status = 'pending'
+     AND r.aggregate_type = h.aggregate_type
+     AND r.aggregate_id = h.aggregate_id
+     AND r.aggregate_seq >= h.aggregate_seq
+),
+chosen AS (
+    SELECT id FROM members ORDER BY rank, head_id LIMIT $1
+)
+UPDATE {outbox} u
+SET claim_id = $2,
+    claimed_by = $3,
+    claimed_until = clock_timestamp() + $4 * interval '1 millisecond',
+    attempts = u.attempts + 1
+FROM chosen
+WHERE u.id = chosen.id
+RETURNING u.id, u.event_id, u.aggregate_type, u.aggregate_id, u.aggregate_seq, u.event_type,
+          u.payload::text AS payload, u.headers, u.topic, u.traceparent, u.occurred_at, u.created_at,
+          u.attempts

@@ -1,0 +1,545 @@
+//! PostgreSQL store for idem.
+//!
+//! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
+//! * [`migrate`] creates or upgrades idem's tables (the SQL lives in `migrations/`).
+//! * [`PgStore`] is the relay's view of the outbox ([`idem_core::OutboxStore`]); its SQL lives in
+//!   `sql/`, one statement per file.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::Event;
+//! let outbox = idem_postgres::Outbox::default();
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("INSERT INTO orders (id, amount_minor) VALUES ($1, $2)")
+//!     .bind("10042").bind(1250_i64).execute(&mut *tx).await?;
+//! let event = Event::builder("order", "10042", "order.paid")
+//!     .payload(&serde_json::json!({"order_id": "10042", "amount_minor": 1250}))
+//!     .build()?;
+//! outbox.enqueue(&mut *tx, &event).await?;
+//! tx.commit().await?; // both rows, or neither
+//! # Ok(()) }
+//! ```
+//!
+//! # Commit order
+//!
+//! A `BEFORE INSERT` trigger numbers each aggregate's events (`aggregate_seq`) from a counter
+//! row in `<prefix>outbox_aggregates`. The counter's row lock is held until the writing
+//! transaction commits or rolls back, so a second transaction writing the same aggregate waits,
+//! and `aggregate_seq` order is commit order. The relay publishes each aggregate in that order.
+//! Two transactions that enqueue events of the same aggregates in opposite orders can deadlock;
+//! PostgreSQL aborts one of them, which the caller retries. [`Outbox::enqueue_all`] sorts its
+//! events by aggregate to take the locks in one order.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use idem_core::outbox::{
+    Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow, PrunePolicy,
+};
+use idem_core::{Error, Event, EventId, OutboxStore, Result, TableNames};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Row};
+use uuid::Uuid;
+
+/// Table bases used in the SQL files.
+const BASES: &[&str] = &[
+    "outbox_aggregates",
+    "outbox_assign_seq",
+    "outbox_archive",
+    "outbox",
+    "schema_migrations",
+];
+
+/// Migrations shipped with this build: (version, description, SQL).
+const MIGRATIONS: &[(i64, &str, &str)] =
+    &[(1, "outbox", include_str!("../migrations/0001_outbox.sql"))];
+
+/// How many of the oldest pending rows a claim looks at, per row of batch size.
+const CLAIM_WINDOW_FACTOR: u32 = 4;
+
+#[derive(Debug)]
+struct Queries {
+    enqueue: String,
+    claim: String,
+    mark_published: String,
+    release: String,
+    prune_delete: String,
+    prune_archive: String,
+    status: String,
+    parked: String,
+    retry_parked: String,
+}
+
+impl Queries {
+    fn render(t: &TableNames) -> Self {
+        let r = |sql: &str| t.render(sql, BASES);
+        Queries {
+            enqueue: r(include_str!("../sql/enqueue.sql")),
+            claim: r(include_str!("../sql/claim.sql")),
+            mark_published: r(include_str!("../sql/mark_published.sql")),
+            release: r(include_str!("../sql/release.sql")),
+            prune_delete: r(include_str!("../sql/prune_delete.sql")),
+            prune_archive: r(include_str!("../sql/prune_archive.sql")),
+            status: r(include_str!("../sql/status.sql")),
+            parked: r(include_str!("../sql/parked.sql")),
+            retry_parked: r(include_str!("../sql/retry_parked.sql")),
+        }
+    }
+}
+
+/// Enqueues events in the caller's transaction. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Outbox {
+    tables: TableNames,
+    queries: Arc<Queries>,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Outbox::new(TableNames::default())
+    }
+}
+
+impl Outbox {
+    /// An outbox in the given (validated) tables.
+    pub fn new(tables: TableNames) -> Self {
+        let queries = Arc::new(Queries::render(&tables));
+        Outbox { tables, queries }
+    }
+
+    /// The table names in use.
+    pub fn tables(&self) -> &TableNames {
+        &self.tables
+    }
+
+    /// Inserts one event as part of the transaction `conn` belongs to.
+    ///
+    /// Nothing is visible to the relay until that transaction commits; a rollback removes it.
+    pub async fn enqueue(&self, conn: &mut PgConnection, event: &Event) -> Result<()> {
+        self.enqueue_all(conn, std::slice::from_ref(event)).await
+    }
+
+    /// Inserts several events in one statement as part of the transaction `conn` belongs to.
+    ///
+    /// Events of one aggregate keep their slice order; events are grouped by aggregate so that
+    /// the per-aggregate counter locks are always taken in the same order.
+    pub async fn enqueue_all(&self, conn: &mut PgConnection, events: &[Event]) -> Result<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let mut sorted: Vec<&Event> = events.iter().collect();
+        sorted.sort_by(|a, b| {
+            (a.aggregate_type(), a.aggregate_id()).cmp(&(b.aggregate_type(), b.aggregate_id()))
+        });
+        let n = sorted.len();
+        let (mut ids, mut agg_types, mut agg_ids, mut types) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut payloads, mut headers, mut topics, mut tps, mut times) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for e in sorted {
+            ids.push(e.id().as_uuid());
+            agg_types.push(e.aggregate_type());
+            agg_ids.push(e.aggregate_id());
+            types.push(e.event_type());
+            payloads.push(e.payload());
+            headers.push(e.headers_json());
+            topics.push(e.topic());
+            tps.push(e.traceparent());
+            times.push(e.occurred_at());
+        }
+        sqlx::query(&self.queries.enqueue)
+            .bind(ids)
+            .bind(agg_types)
+            .bind(agg_ids)
+            .bind(types)
+            .bind(payloads)
+            .bind(headers)
+            .bind(topics)
+            .bind(tps)
+            .bind(times)
+            .execute(conn)
+            .await
+            .map_err(|e| enqueue_error(e, &self.tables))?;
+        Ok(())
+    }
+}
+
+fn enqueue_error(e: sqlx::Error, tables: &TableNames) -> Error {
+    if let Some(db) = e.as_database_error() {
+        if db.constraint() == Some(&format!("{}_event_id_key", tables.bare("outbox"))) {
+            return Error::InvalidEvent {
+                field: "event_id",
+                reason: format!("is already in the outbox ({})", db.message()),
+            };
+        }
+        if db.code().as_deref() == Some("42P01") {
+            return Error::database("enqueueing events (run `idem migrate` first?)", e);
+        }
+    }
+    Error::database("enqueueing events", e)
+}
+
+/// What [`migrate`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// Versions applied by this call.
+    pub applied: Vec<i64>,
+    /// Highest version now in the database.
+    pub current: i64,
+}
+
+/// Creates or upgrades idem's tables. Safe to run concurrently (an advisory lock serializes
+/// migrators) and repeatedly (applied versions are recorded in `<prefix>schema_migrations`).
+pub async fn migrate(pool: &PgPool, tables: &TableNames) -> Result<MigrationReport> {
+    let mut conn = pool
+        .acquire()
+        .await
+        .map_err(|e| Error::database("connecting to migrate", e))?;
+    let mut tx = conn
+        .begin()
+        .await
+        .map_err(|e| Error::database("starting the migration", e))?;
+    let lock_key = format!(
+        "idem_migrate:{}:{}",
+        tables.schema().unwrap_or(""),
+        tables.prefix()
+    );
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(&lock_key)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| Error::database("taking the migration lock", e))?;
+    if let Some(schema) = tables.schema() {
+        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| Error::database("creating the schema", e))?;
+    }
+    let mig_table = tables.qualified("schema_migrations");
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {mig_table} (version bigint PRIMARY KEY, description text NOT NULL, \
+         applied_at timestamptz NOT NULL DEFAULT now())"
+    ))
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| Error::database("creating the migrations table", e))?;
+    let current: Option<i64> = sqlx::query_scalar(&format!("SELECT max(version) FROM {mig_table}"))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| Error::database("reading the schema version", e))?;
+    let current = current.unwrap_or(0);
+    let supported = MIGRATIONS.last().map_or(0, |m| m.0);
+    if current > supported {
+        return Err(Error::SchemaTooNew {
+            found: current,
+            supported,
+        });
+    }
+    let mut report = MigrationReport {
+        applied: vec![],
+        current,
+    };
+    for (version, description, sql) in MIGRATIONS.iter().filter(|m| m.0 > current) {
+        sqlx::raw_sql(&tables.render(sql, BASES))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| {
+                Error::database(format!("running migration {version} ({description})"), e)
+            })?;
+        sqlx::query(&format!(
+            "INSERT INTO {mig_table} (version, description) VALUES ($1, $2)"
+        ))
+        .bind(version)
+        .bind(description)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| Error::database("recording the migration", e))?;
+        report.applied.push(*version);
+        report.current = *version;
+    }
+    tx.commit()
+        .await
+        .map_err(|e| Error::database("committing the migration", e))?;
+    Ok(report)
+}
+
+/// Connects a pool suited to the relay and the CLI.
+pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect(url)
+        .await
+        .map_err(|e| Error::database(format!("connecting to PostgreSQL at {}", redact(url)), e))
+}
+
+/// `url` without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// The relay's PostgreSQL store.
+#[derive(Clone, Debug)]
+pub struct PgStore {
+    pool: PgPool,
+    outbox: Outbox,
+}
+
+impl PgStore {
+    /// A store over `pool` with the given tables.
+    pub fn new(pool: PgPool, tables: TableNames) -> Self {
+        PgStore {
+            pool,
+            outbox: Outbox::new(tables),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The enqueue handle for the same tables.
+    pub fn outbox(&self) -> &Outbox {
+        &self.outbox
+    }
+
+    fn q(&self) -> &Queries {
+        &self.outbox.queries
+    }
+}
+
+fn decode_record(row: &PgRow) -> std::result::Result<OutboxRecord, sqlx::Error> {
+    let headers_value: serde_json::Value = row.try_get("headers")?;
+    Ok(OutboxRecord {
+        id: row.try_get("id")?,
+        event_id: EventId(row.try_get::<Uuid, _>("event_id")?),
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        aggregate_seq: row.try_get("aggregate_seq")?,
+        event_type: row.try_get("event_type")?,
+        payload: row.try_get("payload")?,
+        headers: headers_from_json(headers_value),
+        topic: row.try_get("topic")?,
+        traceparent: row.try_get("traceparent")?,
+        occurred_at: row.try_get::<DateTime<Utc>, _>("occurred_at")?,
+        created_at: row.try_get::<DateTime<Utc>, _>("created_at")?,
+        attempt: row.try_get("attempts")?,
+    })
+}
+
+/// Header values written by other languages may not be strings; they are sent as their JSON
+/// text rather than failing the row.
+pub fn headers_from_json(v: serde_json::Value) -> BTreeMap<String, String> {
+    match v {
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+/// Sorts claimed rows by aggregate, then commit order within the aggregate.
+pub fn sort_records(records: &mut [OutboxRecord]) {
+    records.sort_by(|a, b| {
+        (&a.aggregate_type, &a.aggregate_id, a.aggregate_seq).cmp(&(
+            &b.aggregate_type,
+            &b.aggregate_id,
+            b.aggregate_seq,
+        ))
+    });
+}
+
+fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl OutboxStore for PgStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
+        let claim_id = Uuid::now_v7();
+        let window = i64::from(
+            request
+                .batch_size
+                .saturating_mul(CLAIM_WINDOW_FACTOR)
+                .max(64),
+        );
+        let rows = sqlx::query(&self.q().claim)
+            .bind(i64::from(request.batch_size))
+            .bind(claim_id)
+            .bind(&request.relay_id)
+            .bind(millis(request.lease))
+            .bind(window)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("claiming outbox rows", e))?;
+        let mut records = rows
+            .iter()
+            .map(decode_record)
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::database("decoding claimed outbox rows", e))?;
+        sort_records(&mut records);
+        Ok(Claim { claim_id, records })
+    }
+
+    async fn complete(&self, claim: &Claim, outcome: &Outcome) -> Result<Completed> {
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(|e| Error::database("starting to mark rows", e))?;
+        let mut done = Completed::default();
+        if !outcome.published.is_empty() {
+            done.marked = sqlx::query(&self.q().mark_published)
+                .bind(&outcome.published)
+                .bind(claim.claim_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| Error::database("marking rows published", e))?
+                .rows_affected();
+        }
+        if !outcome.failed.is_empty() {
+            let f = &outcome.failed;
+            done.released = sqlx::query(&self.q().release)
+                .bind(f.iter().map(|x| x.id).collect::<Vec<_>>())
+                .bind(f.iter().map(|x| x.reason.as_str()).collect::<Vec<_>>())
+                .bind(f.iter().map(|x| millis(x.backoff)).collect::<Vec<_>>())
+                .bind(f.iter().map(|x| x.park).collect::<Vec<_>>())
+                .bind(f.iter().map(|x| x.attempted).collect::<Vec<_>>())
+                .bind(claim.claim_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| Error::database("releasing failed rows", e))?
+                .rows_affected();
+        }
+        tx.commit()
+            .await
+            .map_err(|e| Error::database("committing marks", e))?;
+        let expected = (outcome.published.len() + outcome.failed.len()) as u64;
+        done.fenced = expected.saturating_sub(done.marked + done.released);
+        Ok(done)
+    }
+
+    async fn prune(&self, policy: &PrunePolicy) -> Result<u64> {
+        let sql = if policy.archive {
+            &self.q().prune_archive
+        } else {
+            &self.q().prune_delete
+        };
+        let n = sqlx::query(sql)
+            .bind(policy.retention.as_secs_f64())
+            .bind(i64::from(policy.batch))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("pruning published rows", e))?
+            .rows_affected();
+        Ok(n)
+    }
+
+    async fn status(&self) -> Result<OutboxStatus> {
+        let row = sqlx::query(&self.q().status)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| Error::database("counting outbox rows", e))?;
+        let get = |c: &str| {
+            row.try_get::<i64, _>(c)
+                .map_err(|e| Error::database("decoding status", e))
+        };
+        Ok(OutboxStatus {
+            pending: get("pending")?,
+            parked: get("parked")?,
+            published: get("published")?,
+            oldest_pending_age_seconds: row
+                .try_get("oldest_pending_age")
+                .map_err(|e| Error::database("decoding status", e))?,
+        })
+    }
+
+    async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
+        let rows = sqlx::query(&self.q().parked)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("listing parked rows", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(ParkedRow {
+                    id: r.try_get("id")?,
+                    event_id: EventId(r.try_get("event_id")?),
+                    aggregate_type: r.try_get("aggregate_type")?,
+                    aggregate_id: r.try_get("aggregate_id")?,
+                    event_type: r.try_get("event_type")?,
+                    attempts: r.try_get("attempts")?,
+                    last_error: r.try_get("last_error")?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding parked rows", e))
+    }
+
+    async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
+        let ids: Option<Vec<Uuid>> =
+            event_ids.map(|ids| ids.iter().map(EventId::as_uuid).collect());
+        let n = sqlx::query(&self.q().retry_parked)
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("retrying parked rows", e))?
+            .rows_affected();
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+    }
+
+    #[test]
+    fn every_placeholder_is_rendered() {
+        let q = Queries::render(&TableNames::new(Some("s"), "p_").unwrap());
+        for sql in [
+            &q.enqueue,
+            &q.claim,
+            &q.mark_published,
+            &q.release,
+            &q.prune_archive,
+            &q.status,
+        ] {
+            assert!(!sql.contains('{'), "unrendered placeholder in {sql}");
+        }
+        let m = TableNames::default().render(MIGRATIONS[0].2, BASES);
+        for base in BASES {
+            assert!(
+                !m.contains(&format!("{{{base}}}")) && !m.contains(&format!("{{bare:{base}}}")),
+                "unrendered {base} in migration"
+            );
+        }
+    }
+}

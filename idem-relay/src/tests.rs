@@ -1,0 +1,381 @@
+//! Engine tests against a real SQLite outbox and a scripted publisher. The guarantees against a
+//! real broker are tested in `idem-cli/tests` (mock cluster and Tansu).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use idem_core::{Event, TableNames};
+use idem_sqlite::SqliteStore;
+
+use super::*;
+
+/// Records every message; fails the event ids it is told to, with the given kind.
+#[derive(Default)]
+struct ScriptedPublisher {
+    sent: Mutex<Vec<Message>>,
+    fail: Mutex<HashMap<String, FailureKind>>,
+}
+
+impl ScriptedPublisher {
+    fn fail(&self, event_id: impl ToString, kind: FailureKind) {
+        self.fail.lock().unwrap().insert(event_id.to_string(), kind);
+    }
+    fn heal(&self) {
+        self.fail.lock().unwrap().clear();
+    }
+    fn sent_ids(&self) -> Vec<String> {
+        self.sent
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|m| header(m, "ce_id"))
+            .collect()
+    }
+}
+
+fn header(m: &Message, k: &str) -> String {
+    m.headers
+        .iter()
+        .find(|(hk, _)| hk == k)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default()
+}
+
+impl Publisher for &'static ScriptedPublisher {
+    async fn publish(&self, messages: &[Message]) -> Vec<std::result::Result<(), PublishError>> {
+        let fail = self.fail.lock().unwrap().clone();
+        let mut out = vec![];
+        for m in messages {
+            match fail.get(&header(m, "ce_id")) {
+                Some(kind) => out.push(Err(PublishError {
+                    kind: *kind,
+                    reason: "scripted failure".into(),
+                })),
+                None => {
+                    self.sent.lock().unwrap().push(m.clone());
+                    out.push(Ok(()));
+                }
+            }
+        }
+        out
+    }
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    store: SqliteStore,
+    publisher: &'static ScriptedPublisher,
+}
+
+async fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
+    let pool = idem_sqlite::connect(&url).await.unwrap();
+    idem_sqlite::migrate(&pool, &TableNames::default())
+        .await
+        .unwrap();
+    Fixture {
+        _dir: dir,
+        store: SqliteStore::new(pool, TableNames::default()),
+        publisher: Box::leak(Box::default()),
+    }
+}
+
+impl Fixture {
+    async fn enqueue(&self, agg: &str, n: usize) -> Vec<Event> {
+        let events: Vec<Event> = (0..n)
+            .map(|i| {
+                Event::builder("order", agg, "order.paid")
+                    .payload(&serde_json::json!({ "i": i }))
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let mut tx = self.store.pool().begin().await.unwrap();
+        self.store
+            .outbox()
+            .enqueue_all(&mut tx, &events)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        events
+    }
+
+    fn relay(&self, config: RelayConfig) -> Relay<SqliteStore, &'static ScriptedPublisher> {
+        let metrics = RelayMetrics::new(&prometheus::Registry::new()).unwrap();
+        Relay::new(self.store.clone(), self.publisher, config, metrics)
+    }
+
+    async fn expire_leases(&self) {
+        sqlx::query("UPDATE idem_outbox SET claimed_until = 0, next_attempt_at = 0")
+            .execute(self.store.pool())
+            .await
+            .unwrap();
+    }
+}
+
+fn fast() -> RelayConfig {
+    RelayConfig {
+        retry_backoff: Duration::ZERO,
+        max_attempts: 3,
+        ..RelayConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn publishes_each_aggregate_in_order_with_cloudevents_headers() {
+    let f = fixture().await;
+    let a = f.enqueue("a", 3).await;
+    let b = f.enqueue("b", 2).await;
+    let relay = f.relay(fast());
+    let r = relay.run_once().await.unwrap();
+    assert_eq!((r.claimed, r.published, r.republished), (5, 5, 0));
+    let sent = f.publisher.sent.lock().unwrap().clone();
+    let ids_of = |key: &str| {
+        sent.iter()
+            .filter(|m| m.key == key)
+            .map(|m| header(m, "ce_id"))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        ids_of("a"),
+        a.iter().map(|e| e.id().to_string()).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        ids_of("b"),
+        b.iter().map(|e| e.id().to_string()).collect::<Vec<_>>()
+    );
+    let m = &sent[0];
+    assert_eq!(m.topic, "outbox.event.order");
+    for k in [
+        "ce_specversion",
+        "ce_id",
+        "ce_type",
+        "ce_source",
+        "ce_time",
+        "idem_aggregate_type",
+        "idem_aggregate_id",
+        "idem_attempt",
+    ] {
+        assert!(!header(m, k).is_empty(), "missing header {k}");
+    }
+    assert_eq!(header(m, "ce_type"), "order.paid");
+    assert_eq!(header(m, "idem_attempt"), "1");
+    assert_eq!(relay.store().status().await.unwrap().published, 5);
+    assert_eq!(
+        relay.run_once().await.unwrap().claimed,
+        0,
+        "published rows are not claimed again"
+    );
+}
+
+#[tokio::test]
+async fn a_later_row_is_not_marked_while_an_earlier_one_of_its_aggregate_failed() {
+    let f = fixture().await;
+    let a = f.enqueue("a", 2).await;
+    f.publisher.fail(a[0].id(), FailureKind::Transient);
+    let relay = f.relay(fast());
+    let r = relay.run_once().await.unwrap();
+    assert_eq!((r.claimed, r.published, r.retried), (2, 0, 2));
+    assert_eq!(
+        f.publisher.sent_ids(),
+        vec![a[1].id().to_string()],
+        "row 2 reached the broker"
+    );
+    f.publisher.heal();
+    f.expire_leases().await;
+    let r = relay.run_once().await.unwrap();
+    assert_eq!((r.published, r.republished), (2, 2));
+    assert_eq!(
+        f.publisher.sent_ids(),
+        vec![
+            a[1].id().to_string(),
+            a[0].id().to_string(),
+            a[1].id().to_string()
+        ],
+        "after the retry, row 1 precedes a second copy of row 2"
+    );
+    assert_eq!(relay.metrics().republished_total(), 2);
+}
+
+#[tokio::test]
+async fn permanent_failures_are_parked_without_blocking_other_aggregates() {
+    let f = fixture().await;
+    let bad = f.enqueue("bad", 1).await;
+    let good = f.enqueue("good", 1).await;
+    f.publisher.fail(bad[0].id(), FailureKind::Permanent);
+    let relay = f.relay(fast());
+    let r = relay.run_once().await.unwrap();
+    assert_eq!((r.published, r.parked), (1, 0));
+    assert_eq!(f.publisher.sent_ids(), vec![good[0].id().to_string()]);
+    for attempt in 2..=3 {
+        f.expire_leases().await;
+        let r = relay.run_once().await.unwrap();
+        assert_eq!(r.claimed, 1, "attempt {attempt}");
+        assert_eq!(r.parked, u64::from(attempt == 3));
+    }
+    f.expire_leases().await;
+    assert_eq!(
+        relay.run_once().await.unwrap().claimed,
+        0,
+        "a parked row is not retried"
+    );
+    let parked = relay.store().parked(10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].last_error.as_deref(), Some("scripted failure"));
+    assert_eq!(relay.store().status().await.unwrap().parked, 1);
+    f.publisher.heal();
+    assert_eq!(
+        relay
+            .store()
+            .retry_parked(Some(&[bad[0].id()]))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        relay.run_once().await.unwrap().published,
+        1,
+        "a retried row is published"
+    );
+}
+
+#[tokio::test]
+async fn an_invalid_topic_is_never_sent_and_ends_parked() {
+    let f = fixture().await;
+    f.enqueue("a", 1).await;
+    let mut config = fast();
+    config.max_attempts = 1;
+    config
+        .topics
+        .overrides
+        .insert("order".into(), "no spaces allowed".into());
+    let relay = f.relay(config);
+    let r = relay.run_once().await.unwrap();
+    assert_eq!((r.claimed, r.parked), (1, 1));
+    assert!(f.publisher.sent_ids().is_empty());
+    let parked = relay.store().parked(10).await.unwrap();
+    assert!(
+        parked[0]
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("no spaces allowed")
+    );
+}
+
+#[tokio::test]
+async fn not_sent_rows_do_not_count_as_attempts() {
+    let f = fixture().await;
+    let a = f.enqueue("a", 2).await;
+    f.publisher.fail(a[0].id(), FailureKind::Transient);
+    f.publisher.fail(a[1].id(), FailureKind::NotSent);
+    let relay = f.relay(fast());
+    relay.run_once().await.unwrap();
+    f.publisher.heal();
+    f.expire_leases().await;
+    relay.run_once().await.unwrap();
+    let sent = f.publisher.sent.lock().unwrap().clone();
+    let attempts: Vec<(String, String)> = sent
+        .iter()
+        .map(|m| (header(m, "ce_id"), header(m, "idem_attempt")))
+        .collect();
+    assert_eq!(
+        attempts,
+        vec![
+            (a[0].id().to_string(), "2".into()),
+            (a[1].id().to_string(), "1".into())
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_stale_relay_cannot_mark_rows_taken_over_by_another() {
+    let f = fixture().await;
+    f.enqueue("a", 1).await;
+    let stale = f
+        .store
+        .claim(&ClaimRequest {
+            relay_id: "stale".into(),
+            batch_size: 10,
+            lease: Duration::from_secs(60),
+        })
+        .await
+        .unwrap();
+    f.expire_leases().await;
+    let relay = f.relay(fast());
+    assert_eq!(relay.run_once().await.unwrap().published, 1);
+    let outcome = Outcome {
+        published: vec![stale.records[0].id],
+        failed: vec![],
+    };
+    let done = f.store.complete(&stale, &outcome).await.unwrap();
+    assert_eq!((done.marked, done.fenced), (0, 1));
+}
+
+#[tokio::test]
+async fn two_relays_never_hold_the_same_aggregate() {
+    let f = fixture().await;
+    let a = f.enqueue("a", 3).await;
+    let b = f.enqueue("b", 3).await;
+    let req = |id: &str, batch| ClaimRequest {
+        relay_id: id.into(),
+        batch_size: batch,
+        lease: Duration::from_secs(60),
+    };
+    let one = f.store.claim(&req("one", 2)).await.unwrap();
+    let ids = |c: &idem_core::Claim| c.records.iter().map(|r| r.event_id).collect::<Vec<_>>();
+    assert_eq!(
+        ids(&one),
+        vec![a[0].id(), b[0].id()],
+        "heads of both aggregates"
+    );
+    let two = f.store.claim(&req("two", 10)).await.unwrap();
+    assert!(
+        two.records.is_empty(),
+        "later rows of leased aggregates are not heads: {:?}",
+        ids(&two)
+    );
+    let done = Outcome {
+        published: one.records.iter().map(|r| r.id).collect(),
+        failed: vec![],
+    };
+    f.store.complete(&one, &done).await.unwrap();
+    let three = f.store.claim(&req("three", 3)).await.unwrap();
+    assert_eq!(
+        ids(&three),
+        vec![a[1].id(), a[2].id(), b[1].id()],
+        "prefixes by rank: heads first"
+    );
+    let four = f.store.claim(&req("four", 10)).await.unwrap();
+    assert!(
+        four.records.is_empty(),
+        "b's last row waits behind b's leased row"
+    );
+}
+
+#[tokio::test]
+async fn crash_point_after_publish_before_mark_leads_to_a_counted_republish() {
+    let f = fixture().await;
+    let a = f.enqueue("a", 1).await;
+    let relay = f.relay(fast());
+    crash::arm(RELAY_AFTER_PUBLISH_BEFORE_MARK, crash::Action::Error, 1).unwrap();
+    let err = relay.run_once().await.unwrap_err();
+    assert!(
+        matches!(err, Error::CrashPoint(RELAY_AFTER_PUBLISH_BEFORE_MARK)),
+        "{err}"
+    );
+    assert_eq!(
+        relay.store().status().await.unwrap().pending,
+        1,
+        "not marked"
+    );
+    f.expire_leases().await;
+    let r = relay.run_once().await.unwrap();
+    assert_eq!((r.published, r.republished), (1, 1));
+    assert_eq!(
+        f.publisher.sent_ids(),
+        vec![a[0].id().to_string(); 2],
+        "the event is in the topic twice"
+    );
+}

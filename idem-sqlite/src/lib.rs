@@ -1,0 +1,557 @@
+//! SQLite store for idem, the embedded default.
+//!
+//! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
+//! * [`migrate`] creates or upgrades idem's tables (the SQL lives in `migrations/`).
+//! * [`SqliteStore`] is the relay's view of the outbox ([`idem_core::OutboxStore`]); its SQL
+//!   lives in `sql/`.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::{Event, TableNames};
+//! let pool = idem_sqlite::connect("sqlite://orders.db").await?;
+//! idem_sqlite::migrate(&pool, &TableNames::default()).await?;
+//! let outbox = idem_sqlite::Outbox::default();
+//! let mut tx = pool.begin().await?;
+//! let event = Event::builder("order", "10042", "order.paid")
+//!     .payload(&serde_json::json!({"order_id": "10042", "amount_minor": 1250}))
+//!     .build()?;
+//! outbox.enqueue(&mut *tx, &event).await?;
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Commit order
+//!
+//! SQLite has one writer at a time, holding the database from its first write to its commit,
+//! so `id` order is commit order: the relay uses `id` as each aggregate's sequence.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use idem_core::outbox::{
+    Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow, PrunePolicy,
+};
+use idem_core::{Error, Event, EventId, OutboxStore, Result, TableNames};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
+};
+use sqlx::{Executor, Row};
+use uuid::Uuid;
+
+const BASES: &[&str] = &["outbox_archive", "outbox", "schema_migrations"];
+
+const MIGRATIONS: &[(i64, &str, &str)] =
+    &[(1, "outbox", include_str!("../migrations/0001_outbox.sql"))];
+
+const CLAIM_WINDOW_FACTOR: u32 = 4;
+
+/// The text format of SQLite timestamps written by idem (same as the column defaults).
+const TS_FORMAT: &str = "%Y-%m-%dT%H:%M:%S%.3fZ";
+
+#[derive(Debug)]
+struct Queries {
+    enqueue: String,
+    claim: String,
+    mark_published: String,
+    release: String,
+    prune_delete: String,
+    prune_archive: String,
+    status: String,
+    parked: String,
+    retry_parked: String,
+    retry_parked_one: String,
+}
+
+impl Queries {
+    fn render(t: &TableNames) -> Self {
+        let r = |sql: &str| t.render(sql, BASES);
+        Queries {
+            enqueue: r(include_str!("../sql/enqueue.sql")),
+            claim: r(include_str!("../sql/claim.sql")),
+            mark_published: r(include_str!("../sql/mark_published.sql")),
+            release: r(include_str!("../sql/release.sql")),
+            prune_delete: r(include_str!("../sql/prune_delete.sql")),
+            prune_archive: r(include_str!("../sql/prune_archive.sql")),
+            status: r(include_str!("../sql/status.sql")),
+            parked: r(include_str!("../sql/parked.sql")),
+            retry_parked: r(include_str!("../sql/retry_parked.sql")),
+            retry_parked_one: r(include_str!("../sql/retry_parked_one.sql")),
+        }
+    }
+}
+
+/// Enqueues events in the caller's transaction. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Outbox {
+    tables: TableNames,
+    queries: Arc<Queries>,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Outbox::new(TableNames::default())
+    }
+}
+
+impl Outbox {
+    /// An outbox in the given (validated) tables. SQLite has no schemas: a schema in `tables`
+    /// names an attached database.
+    pub fn new(tables: TableNames) -> Self {
+        let queries = Arc::new(Queries::render(&tables));
+        Outbox { tables, queries }
+    }
+
+    /// The table names in use.
+    pub fn tables(&self) -> &TableNames {
+        &self.tables
+    }
+
+    /// Inserts one event as part of the transaction `conn` belongs to.
+    pub async fn enqueue(&self, conn: &mut SqliteConnection, event: &Event) -> Result<()> {
+        self.enqueue_all(conn, std::slice::from_ref(event)).await
+    }
+
+    /// Inserts several events, in slice order, as part of the transaction `conn` belongs to.
+    pub async fn enqueue_all(&self, conn: &mut SqliteConnection, events: &[Event]) -> Result<()> {
+        for e in events {
+            sqlx::query(&self.queries.enqueue)
+                .bind(e.id().to_string())
+                .bind(e.aggregate_type())
+                .bind(e.aggregate_id())
+                .bind(e.event_type())
+                .bind(e.payload())
+                .bind(e.headers_json())
+                .bind(e.topic())
+                .bind(e.traceparent())
+                .bind(e.occurred_at().format(TS_FORMAT).to_string())
+                .execute(&mut *conn)
+                .await
+                .map_err(|err| enqueue_error(err, &self.tables))?;
+        }
+        Ok(())
+    }
+}
+
+fn enqueue_error(e: sqlx::Error, tables: &TableNames) -> Error {
+    if let Some(db) = e.as_database_error() {
+        let unique_event = format!("{}.event_id", tables.bare("outbox"));
+        if db.message().contains("UNIQUE") && db.message().contains(&unique_event) {
+            return Error::InvalidEvent {
+                field: "event_id",
+                reason: format!("is already in the outbox ({})", db.message()),
+            };
+        }
+        if db.message().contains("no such table") {
+            return Error::database("enqueueing events (run `idem migrate` first?)", e);
+        }
+    }
+    Error::database("enqueueing events", e)
+}
+
+/// Opens (creating if missing) a SQLite database with the settings idem relies on: WAL
+/// journal, `synchronous=FULL` (a commit survives power loss), a 5 s busy timeout.
+pub async fn connect(url: &str) -> Result<SqlitePool> {
+    let opts = SqliteConnectOptions::from_str(url)
+        .map_err(|e| Error::Config(format!("invalid SQLite URL {url:?}: {e}")))?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(Duration::from_secs(5));
+    SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(opts)
+        .await
+        .map_err(|e| Error::database(format!("opening SQLite database {url}"), e))
+}
+
+/// What [`migrate`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// Versions applied by this call.
+    pub applied: Vec<i64>,
+    /// Highest version now in the database.
+    pub current: i64,
+}
+
+/// Creates or upgrades idem's tables, in one `BEGIN IMMEDIATE` transaction.
+pub async fn migrate(pool: &SqlitePool, tables: &TableNames) -> Result<MigrationReport> {
+    let mut conn = pool
+        .acquire()
+        .await
+        .map_err(|e| Error::database("connecting to migrate", e))?;
+    immediate(&mut conn, "running migrations", async |conn| {
+        let mig = tables.qualified("schema_migrations");
+        conn.execute(
+            format!(
+                "CREATE TABLE IF NOT EXISTS {mig} (version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
+                 applied_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')))"
+            )
+            .as_str(),
+        )
+        .await?;
+        let current: Option<i64> = sqlx::query_scalar(&format!("SELECT max(version) FROM {mig}")).fetch_one(&mut *conn).await?;
+        let current = current.unwrap_or(0);
+        let supported = MIGRATIONS.last().map_or(0, |m| m.0);
+        if current > supported {
+            return Ok(Err(Error::SchemaTooNew { found: current, supported }));
+        }
+        let mut report = MigrationReport { applied: vec![], current };
+        for (version, description, sql) in MIGRATIONS.iter().filter(|m| m.0 > current) {
+            sqlx::raw_sql(&tables.render(sql, BASES)).execute(&mut *conn).await?;
+            sqlx::query(&format!("INSERT INTO {mig} (version, description) VALUES (?1, ?2)"))
+                .bind(version)
+                .bind(description)
+                .execute(&mut *conn)
+                .await?;
+            report.applied.push(*version);
+            report.current = *version;
+        }
+        Ok(Ok(report))
+    })
+    .await?
+}
+
+/// Runs `f` inside `BEGIN IMMEDIATE` (the write lock is taken up front, so the busy timeout
+/// applies instead of a snapshot conflict), committing on success and rolling back otherwise.
+async fn immediate<T>(
+    conn: &mut SqliteConnection,
+    context: &str,
+    f: impl AsyncFnOnce(&mut SqliteConnection) -> std::result::Result<T, sqlx::Error>,
+) -> Result<T> {
+    conn.execute("BEGIN IMMEDIATE")
+        .await
+        .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+    match f(&mut *conn).await {
+        Ok(v) => {
+            conn.execute("COMMIT")
+                .await
+                .map_err(|e| Error::database(format!("{context}: committing"), e))?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = conn.execute("ROLLBACK").await;
+            Err(Error::database(context.to_owned(), e))
+        }
+    }
+}
+
+/// The relay's SQLite store.
+#[derive(Clone, Debug)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    outbox: Outbox,
+}
+
+impl SqliteStore {
+    /// A store over `pool` with the given tables.
+    pub fn new(pool: SqlitePool, tables: TableNames) -> Self {
+        SqliteStore {
+            pool,
+            outbox: Outbox::new(tables),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The enqueue handle for the same tables.
+    pub fn outbox(&self) -> &Outbox {
+        &self.outbox
+    }
+
+    fn q(&self) -> &Queries {
+        &self.outbox.queries
+    }
+
+    async fn conn(&self, context: &str) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>> {
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| Error::database(format!("{context}: acquiring a connection"), e))
+    }
+}
+
+fn now_ms() -> i64 {
+    Utc::now().timestamp_millis()
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn parse_ts(s: &str) -> std::result::Result<DateTime<Utc>, String> {
+    DateTime::parse_from_rfc3339(s)
+        .map(|d| d.with_timezone(&Utc))
+        .or_else(|_| {
+            chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f").map(|n| n.and_utc())
+        })
+        .map_err(|e| format!("timestamp {s:?}: {e}"))
+}
+
+fn decode_record(row: &SqliteRow) -> Result<OutboxRecord> {
+    let id: i64 = row
+        .try_get("id")
+        .map_err(|e| Error::database("decoding a claimed row", e))?;
+    let corrupt = |reason: String| Error::CorruptRow { id, reason };
+    let get_s = |c: &str| {
+        row.try_get::<String, _>(c)
+            .map_err(|e| corrupt(format!("{c}: {e}")))
+    };
+    let get_os = |c: &str| {
+        row.try_get::<Option<String>, _>(c)
+            .map_err(|e| corrupt(format!("{c}: {e}")))
+    };
+    let event_id = EventId::from_str(&get_s("event_id")?).map_err(|e| corrupt(e.to_string()))?;
+    let headers: serde_json::Value =
+        serde_json::from_str(&get_s("headers")?).map_err(|e| corrupt(format!("headers: {e}")))?;
+    Ok(OutboxRecord {
+        id,
+        event_id,
+        aggregate_type: get_s("aggregate_type")?,
+        aggregate_id: get_s("aggregate_id")?,
+        aggregate_seq: row
+            .try_get("aggregate_seq")
+            .map_err(|e| corrupt(format!("aggregate_seq: {e}")))?,
+        event_type: get_s("event_type")?,
+        payload: get_s("payload")?,
+        headers: headers_from_json(headers),
+        topic: get_os("topic")?,
+        traceparent: get_os("traceparent")?,
+        occurred_at: parse_ts(&get_s("occurred_at")?).map_err(corrupt)?,
+        created_at: parse_ts(&get_s("created_at")?).map_err(corrupt)?,
+        attempt: row
+            .try_get("attempts")
+            .map_err(|e| corrupt(format!("attempts: {e}")))?,
+    })
+}
+
+fn headers_from_json(v: serde_json::Value) -> std::collections::BTreeMap<String, String> {
+    match v {
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        _ => Default::default(),
+    }
+}
+
+impl OutboxStore for SqliteStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
+        let claim_id = Uuid::now_v7();
+        let now = now_ms();
+        let window = i64::from(
+            request
+                .batch_size
+                .saturating_mul(CLAIM_WINDOW_FACTOR)
+                .max(64),
+        );
+        let mut conn = self.conn("claiming outbox rows").await?;
+        let q = &self.q().claim;
+        let rows = immediate(&mut conn, "claiming outbox rows", async |c| {
+            sqlx::query(q)
+                .bind(i64::from(request.batch_size))
+                .bind(claim_id.to_string())
+                .bind(&request.relay_id)
+                .bind(now.saturating_add(millis(request.lease)))
+                .bind(now)
+                .bind(window)
+                .fetch_all(&mut *c)
+                .await
+        })
+        .await?;
+        let mut records = rows.iter().map(decode_record).collect::<Result<Vec<_>>>()?;
+        records.sort_by(|a, b| {
+            (&a.aggregate_type, &a.aggregate_id, a.aggregate_seq).cmp(&(
+                &b.aggregate_type,
+                &b.aggregate_id,
+                b.aggregate_seq,
+            ))
+        });
+        Ok(Claim { claim_id, records })
+    }
+
+    async fn complete(&self, claim: &Claim, outcome: &Outcome) -> Result<Completed> {
+        let claim_id = claim.claim_id.to_string();
+        let mut conn = self.conn("marking rows").await?;
+        let q = self.q();
+        let now = now_ms();
+        let done = immediate(&mut conn, "marking rows", async |c| {
+            let mut done = Completed::default();
+            for id in &outcome.published {
+                done.marked += sqlx::query(&q.mark_published)
+                    .bind(id)
+                    .bind(&claim_id)
+                    .execute(&mut *c)
+                    .await?
+                    .rows_affected();
+            }
+            for f in &outcome.failed {
+                done.released += sqlx::query(&q.release)
+                    .bind(f.id)
+                    .bind(&f.reason)
+                    .bind(now.saturating_add(millis(f.backoff)))
+                    .bind(f.park)
+                    .bind(f.attempted)
+                    .bind(&claim_id)
+                    .execute(&mut *c)
+                    .await?
+                    .rows_affected();
+            }
+            Ok(done)
+        })
+        .await?;
+        let expected = (outcome.published.len() + outcome.failed.len()) as u64;
+        Ok(Completed {
+            fenced: expected.saturating_sub(done.marked + done.released),
+            ..done
+        })
+    }
+
+    async fn prune(&self, policy: &PrunePolicy) -> Result<u64> {
+        let cutoff = (Utc::now()
+            - chrono::Duration::from_std(policy.retention).unwrap_or(chrono::Duration::MAX))
+        .format(TS_FORMAT)
+        .to_string();
+        let mut conn = self.conn("pruning published rows").await?;
+        let q = self.q();
+        immediate(&mut conn, "pruning published rows", async |c| {
+            if policy.archive {
+                sqlx::query(&q.prune_archive)
+                    .bind(&cutoff)
+                    .bind(i64::from(policy.batch))
+                    .execute(&mut *c)
+                    .await?;
+            }
+            Ok(sqlx::query(&q.prune_delete)
+                .bind(&cutoff)
+                .bind(i64::from(policy.batch))
+                .execute(&mut *c)
+                .await?
+                .rows_affected())
+        })
+        .await
+    }
+
+    async fn status(&self) -> Result<OutboxStatus> {
+        let row = sqlx::query(&self.q().status)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| Error::database("counting outbox rows", e))?;
+        let get = |c: &str| {
+            row.try_get::<i64, _>(c)
+                .map_err(|e| Error::database("decoding status", e))
+        };
+        let oldest: Option<String> = row
+            .try_get("oldest_pending")
+            .map_err(|e| Error::database("decoding status", e))?;
+        let age = match oldest {
+            Some(ts) => {
+                let at = parse_ts(&ts).map_err(Error::Config)?;
+                Some((Utc::now() - at).num_milliseconds() as f64 / 1000.0)
+            }
+            None => None,
+        };
+        Ok(OutboxStatus {
+            pending: get("pending")?,
+            parked: get("parked")?,
+            published: get("published")?,
+            oldest_pending_age_seconds: age,
+        })
+    }
+
+    async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
+        let rows = sqlx::query(&self.q().parked)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("listing parked rows", e))?;
+        rows.iter()
+            .map(|r| {
+                let id: i64 = r
+                    .try_get("id")
+                    .map_err(|e| Error::database("decoding parked rows", e))?;
+                let dec = |e: sqlx::Error| Error::CorruptRow {
+                    id,
+                    reason: e.to_string(),
+                };
+                Ok(ParkedRow {
+                    id,
+                    event_id: EventId::from_str(&r.try_get::<String, _>("event_id").map_err(dec)?)?,
+                    aggregate_type: r.try_get("aggregate_type").map_err(dec)?,
+                    aggregate_id: r.try_get("aggregate_id").map_err(dec)?,
+                    event_type: r.try_get("event_type").map_err(dec)?,
+                    attempts: r.try_get("attempts").map_err(dec)?,
+                    last_error: r.try_get("last_error").map_err(dec)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
+        let mut conn = self.conn("retrying parked rows").await?;
+        let q = self.q();
+        immediate(
+            &mut conn,
+            "retrying parked rows",
+            async |c| match event_ids {
+                None => Ok(sqlx::query(&q.retry_parked)
+                    .execute(&mut *c)
+                    .await?
+                    .rows_affected()),
+                Some(ids) => {
+                    let mut n = 0;
+                    for id in ids {
+                        n += sqlx::query(&q.retry_parked_one)
+                            .bind(id.to_string())
+                            .execute(&mut *c)
+                            .await?
+                            .rows_affected();
+                    }
+                    Ok(n)
+                }
+            },
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_placeholder_is_rendered() {
+        let q = Queries::render(&TableNames::default());
+        for sql in [
+            &q.enqueue,
+            &q.claim,
+            &q.mark_published,
+            &q.release,
+            &q.prune_archive,
+            &q.status,
+        ] {
+            assert!(
+                !sql.contains("{outbox") && !sql.contains("{bare:"),
+                "unrendered placeholder in {sql}"
+            );
+        }
+    }
+
+    #[test]
+    fn timestamps_round_trip() {
+        let now = Utc::now();
+        let s = now.format(TS_FORMAT).to_string();
+        assert_eq!(
+            parse_ts(&s).unwrap().timestamp_millis(),
+            now.timestamp_millis()
+        );
+    }
+}
