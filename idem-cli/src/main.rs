@@ -1,1 +1,87 @@
-fn main() {}
+//! `idem`: migrate the outbox, run the relay, inspect the outbox and topics.
+
+mod db;
+mod metrics_server;
+mod outbox_cmd;
+mod relay_cmd;
+mod topic_cmd;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Effectively-once business effects on top of at-least-once delivery.
+#[derive(Parser, Debug)]
+#[command(name = "idem", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Create or upgrade idem's tables (PostgreSQL or sqlite:// URL).
+    Migrate(DbArgs),
+    /// Publish outbox rows to Kafka, at least once, in per-aggregate commit order.
+    Relay(relay_cmd::RelayArgs),
+    /// Inspect and repair the outbox.
+    Outbox {
+        #[command(subcommand)]
+        command: outbox_cmd::OutboxCommand,
+    },
+    /// Create and read topics.
+    Topic {
+        #[command(subcommand)]
+        command: topic_cmd::TopicCommand,
+    },
+}
+
+/// Where idem's tables are.
+#[derive(Args, Debug, Clone)]
+pub struct DbArgs {
+    /// Database URL: postgres://… or sqlite://path (sqlite::memory: is not useful across processes).
+    #[arg(long, env = "IDEM_DB")]
+    pub db: String,
+    /// PostgreSQL schema of idem's tables (default: the search path).
+    #[arg(long, env = "IDEM_SCHEMA")]
+    pub schema: Option<String>,
+    /// Prefix of idem's table names.
+    #[arg(long, env = "IDEM_TABLE_PREFIX", default_value = "idem_")]
+    pub table_prefix: String,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idem: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idem: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    idem_core::crash::arm_from_env()?;
+    match cli.command {
+        Command::Migrate(args) => db::migrate(&args).await,
+        Command::Relay(args) => relay_cmd::run(args).await,
+        Command::Outbox { command } => outbox_cmd::run(command).await,
+        Command::Topic { command } => topic_cmd::run(command).await,
+    }
+}

@@ -1,1 +1,45 @@
-//! stub
+//! Test support for idem, not shipped: backend-agnostic store scenarios that run once per
+//! database ([`scenarios`]), throwaway PostgreSQL databases ([`pg`]) and a Tansu broker process
+//! ([`tansu`]).
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+pub mod backend;
+pub mod pg;
+pub mod scenarios;
+pub mod tansu;
+
+/// Generates one `#[tokio::test]` per scenario for a backend constructor.
+///
+/// ```ignore
+/// idem_conformance::conformance_tests!(idem_conformance::backend::Sqlite::new().await);
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@each $make;
+            commit_keeps_business_row_and_events,
+            rollback_leaves_neither,
+            enqueue_all_keeps_order_within_each_aggregate,
+            minimal_contract_insert_is_publishable,
+            contract_constraints_reject_bad_rows,
+            duplicate_event_id_is_refused,
+            commit_order_skew_never_skips_a_row,
+            same_aggregate_writers_are_serialized_in_commit_order,
+            claims_never_share_an_aggregate,
+            stale_claim_cannot_mark,
+            failed_rows_back_off_and_park,
+            prune_deletes_or_archives_published_rows,
+            migrate_is_idempotent,
+            custom_table_prefix_is_used
+        );
+    };
+    (@each $make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let backend = $make;
+                $crate::scenarios::$name(&backend).await;
+            }
+        )*
+    };
+}

@@ -49,3 +49,12 @@ pub trait Publisher: Send + Sync + 'static {
         messages: &[Message],
     ) -> impl Future<Output = Vec<Result<(), PublishError>>> + Send;
 }
+
+impl<T: Publisher> Publisher for std::sync::Arc<T> {
+    fn publish(
+        &self,
+        messages: &[Message],
+    ) -> impl Future<Output = Vec<Result<(), PublishError>>> + Send {
+        (**self).publish(messages)
+    }
+}

@@ -1,1 +1,416 @@
-//! stub
+//! Kafka adapter for idem. This is the only crate that links librdkafka.
+//!
+//! # Delivery semantics
+//!
+//! [`KafkaPublisher`] is **at least once**, never "exactly once":
+//!
+//! * librdkafka's defaults are not at-least-once safe for an outbox relay, so
+//!   [`producer_config`] forces `enable.idempotence=true` (no duplicates or reordering from the
+//!   producer's own retries), `acks=all` (an acknowledged record survives a broker loss), at
+//!   most 5 requests in flight (the idempotent producer's order guarantee) and a bounded local
+//!   queue (`queue.buffering.max.kbytes`, so a relay never buffers a gigabyte). Overriding any
+//!   of these is refused.
+//! * [`Publisher::publish`] enqueues a whole batch and then waits for **every** delivery report.
+//!   A row is reported delivered only on a successful report; an error, a
+//!   `message.timeout.ms` expiry or a dropped report counts as not delivered, so the relay
+//!   publishes the row again. The idempotent producer deduplicates its own retries, but not a
+//!   second publish of the same row: that duplicate reaches the topic with the same `ce_id`,
+//!   and the consumer's inbox absorbs it.
+//! * Records are keyed by aggregate id and use the `murmur2_random` partitioner (the Java
+//!   client's), so one aggregate stays in one partition, in order.
+//! * Kafka transactions are not used: they would not make the database mark atomic with the
+//!   publish, and the design does not need them.
+//!
+//! [`EmbeddedCluster`] starts librdkafka's in-process mock cluster (`--brokers embedded`).
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::join_all;
+use idem_core::publish::{FailureKind, Message, PublishError, Publisher};
+use idem_core::{Error, Result};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord, Producer};
+
+pub mod inspect;
+
+/// Producer settings the at-least-once guarantee depends on. [`producer_config`] sets them and
+/// refuses overrides of these keys.
+pub const FORCED_PRODUCER_SETTINGS: &[(&str, &str)] = &[
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("max.in.flight.requests.per.connection", "5"),
+    ("enable.gapless.guarantee", "false"),
+];
+
+/// Settings idem chooses but a user may override.
+pub const DEFAULT_PRODUCER_SETTINGS: &[(&str, &str)] = &[
+    ("message.timeout.ms", "30000"),
+    ("linger.ms", "5"),
+    ("queue.buffering.max.kbytes", "65536"),
+    ("queue.buffering.max.messages", "100000"),
+    ("partitioner", "murmur2_random"),
+    ("socket.keepalive.enable", "true"),
+];
+
+/// The `bootstrap.servers` value that starts the in-process mock cluster.
+pub const EMBEDDED: &str = "embedded";
+
+/// Builds the relay's producer configuration: `overrides` (from `--producer-config k=v`)
+/// on top of idem's defaults, with the safety settings forced.
+pub fn producer_config(brokers: &str, overrides: &[(String, String)]) -> Result<ClientConfig> {
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", brokers);
+    cfg.set("client.id", "idem-relay");
+    for (k, v) in DEFAULT_PRODUCER_SETTINGS {
+        cfg.set(*k, *v);
+    }
+    for (k, v) in overrides {
+        if let Some((_, forced)) = FORCED_PRODUCER_SETTINGS.iter().find(|(fk, _)| fk == k) {
+            if v != forced {
+                return Err(Error::Config(format!(
+                    "producer setting {k}={v} is refused: the at-least-once guarantee needs {k}={forced}"
+                )));
+            }
+        }
+        if k == "transactional.id" {
+            return Err(Error::Config(
+                "producer setting transactional.id is refused: the relay does not use Kafka transactions".to_owned(),
+            ));
+        }
+        if k == "bootstrap.servers" {
+            return Err(Error::Config(
+                "set the brokers with --brokers, not bootstrap.servers".to_owned(),
+            ));
+        }
+        cfg.set(k.as_str(), v.as_str());
+    }
+    for (k, v) in FORCED_PRODUCER_SETTINGS {
+        cfg.set(*k, *v);
+    }
+    Ok(cfg)
+}
+
+/// Parses `key=value` pairs, as given to `--producer-config`.
+pub fn parse_setting(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+        _ => Err(format!("expected key=value, got {s:?}")),
+    }
+}
+
+/// A [`Publisher`] over librdkafka's idempotent producer.
+pub struct KafkaPublisher {
+    config: ClientConfig,
+    producer: Mutex<Arc<FutureProducer>>,
+    create_topics: Option<(i32, i32)>,
+    known_topics: Mutex<HashSet<String>>,
+}
+
+impl KafkaPublisher {
+    /// Creates the producer from a [`producer_config`].
+    pub fn new(config: ClientConfig) -> Result<Self> {
+        let producer = Arc::new(create_producer(&config)?);
+        Ok(KafkaPublisher {
+            config,
+            producer: Mutex::new(producer),
+            create_topics: None,
+            known_topics: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// Creates each topic (with `partitions` partitions and `replication` replicas) through the
+    /// admin API the first time a batch needs it. For brokers that do not create topics on first
+    /// produce (Tansu) and for demos; production topics are better provisioned ahead.
+    pub fn with_topic_creation(mut self, partitions: i32, replication: i32) -> Self {
+        self.create_topics = Some((partitions, replication));
+        self
+    }
+
+    async fn create_missing_topics(&self, messages: &[Message]) {
+        let Some((partitions, replication)) = self.create_topics else {
+            return;
+        };
+        let missing: Vec<String> = {
+            let known = self.known_topics.lock().unwrap_or_else(|p| p.into_inner());
+            let mut m: Vec<String> = messages
+                .iter()
+                .map(|m| m.topic.clone())
+                .filter(|t| !known.contains(t))
+                .collect();
+            m.sort();
+            m.dedup();
+            m
+        };
+        if missing.is_empty() {
+            return;
+        }
+        let brokers = self
+            .config
+            .get("bootstrap.servers")
+            .unwrap_or_default()
+            .to_owned();
+        match ensure_topics(&brokers, &missing, partitions, replication).await {
+            Ok(()) => self
+                .known_topics
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(missing),
+            Err(e) => tracing::warn!(error = %e, "could not create topics"),
+        }
+    }
+
+    /// The effective client configuration.
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
+    }
+
+    fn current(&self) -> Arc<FutureProducer> {
+        self.producer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// An idempotent producer that hit a fatal error (for example an out-of-order sequence
+    /// after a broker lost acknowledged data) cannot produce again: replace it.
+    fn replace_if_fatal(&self, producer: &FutureProducer) {
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            tracing::error!(?code, %reason, "the producer hit a fatal error; creating a new one");
+            match create_producer(&self.config) {
+                Ok(p) => *self.producer.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(p),
+                Err(e) => tracing::error!(error = %e, "could not create a new producer"),
+            }
+        }
+    }
+
+    /// Waits up to `timeout` for queued messages to be delivered.
+    pub fn flush(&self, timeout: Duration) -> Result<()> {
+        self.current()
+            .flush(timeout)
+            .map_err(|e| Error::broker("flushing the producer", e))
+    }
+}
+
+fn create_producer(config: &ClientConfig) -> Result<FutureProducer> {
+    config
+        .create::<FutureProducer>()
+        .map_err(|e| Error::broker("creating the Kafka producer", e))
+}
+
+/// Classifies a librdkafka error for the relay's retry policy.
+pub fn classify(e: &KafkaError) -> FailureKind {
+    use RDKafkaErrorCode as C;
+    match e.rdkafka_error_code() {
+        Some(
+            C::MessageSizeTooLarge
+            | C::MessageBatchTooLarge
+            | C::InvalidTopic
+            | C::UnknownTopic
+            | C::UnknownTopicOrPartition
+            | C::UnknownPartition
+            | C::TopicAuthorizationFailed
+            | C::InvalidRecord
+            | C::InvalidMessage
+            | C::PolicyViolation,
+        ) => FailureKind::Permanent,
+        _ => FailureKind::Transient,
+    }
+}
+
+fn failure(e: &KafkaError) -> PublishError {
+    PublishError {
+        kind: classify(e),
+        reason: e.to_string(),
+    }
+}
+
+impl Publisher for KafkaPublisher {
+    async fn publish(&self, messages: &[Message]) -> Vec<std::result::Result<(), PublishError>> {
+        self.create_missing_topics(messages).await;
+        let producer = self.current();
+        let mut results: Vec<Option<std::result::Result<(), PublishError>>> =
+            vec![None; messages.len()];
+        let mut pending = Vec::with_capacity(messages.len());
+        // (topic, key) pairs with a message that failed before reaching the queue: later
+        // messages of the same key are held back to keep their order.
+        let mut broken: HashSet<(&str, &str)> = HashSet::new();
+        for (i, m) in messages.iter().enumerate() {
+            if broken.contains(&(m.topic.as_str(), m.key.as_str())) {
+                results[i] = Some(Err(PublishError {
+                    kind: FailureKind::NotSent,
+                    reason: "held back: an earlier message of the same key failed in this batch"
+                        .to_owned(),
+                }));
+                continue;
+            }
+            let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
+            for (k, v) in &m.headers {
+                headers = headers.insert(Header {
+                    key: k.as_str(),
+                    value: Some(v.as_bytes()),
+                });
+            }
+            let mut record = FutureRecord::to(&m.topic)
+                .key(m.key.as_bytes())
+                .payload(m.payload.as_bytes())
+                .headers(headers);
+            loop {
+                match producer.send_result(record) {
+                    Ok(fut) => {
+                        pending.push((i, fut));
+                        break;
+                    }
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                        // The bounded local queue is full: wait for deliveries, then retry.
+                        record = back;
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    Err((e, _)) => {
+                        broken.insert((m.topic.as_str(), m.key.as_str()));
+                        results[i] = Some(Err(failure(&e)));
+                        break;
+                    }
+                }
+            }
+        }
+        let (idx, futs): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
+        for (i, report) in idx.into_iter().zip(join_all(futs).await) {
+            results[i] = Some(match report {
+                Ok(Ok(_delivery)) => Ok(()),
+                Ok(Err((e, _msg))) => Err(failure(&e)),
+                Err(_canceled) => Err(PublishError {
+                    kind: FailureKind::Transient,
+                    reason: "the delivery report was lost (producer shut down)".to_owned(),
+                }),
+            });
+        }
+        self.replace_if_fatal(&producer);
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(PublishError {
+                        kind: FailureKind::Transient,
+                        reason: "no delivery report".to_owned(),
+                    })
+                })
+            })
+            .collect()
+    }
+}
+
+/// librdkafka's in-process mock cluster, listening on a loopback port for as long as it lives.
+///
+/// For tests and the embedded demo only: it keeps everything in memory.
+pub struct EmbeddedCluster {
+    cluster: MockCluster<'static, DefaultProducerContext>,
+}
+
+impl EmbeddedCluster {
+    /// Starts a mock cluster with `brokers` brokers.
+    pub fn start(brokers: i32) -> Result<Self> {
+        let cluster = MockCluster::new(brokers)
+            .map_err(|e| Error::broker("starting the embedded mock cluster", e))?;
+        Ok(EmbeddedCluster { cluster })
+    }
+
+    /// The bootstrap servers of the mock cluster (`127.0.0.1:PORT,...`).
+    pub fn bootstrap_servers(&self) -> String {
+        self.cluster.bootstrap_servers()
+    }
+
+    /// Creates a topic in the mock cluster.
+    pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
+        self.cluster
+            .create_topic(topic, partitions, 1)
+            .map_err(|e| Error::broker(format!("creating topic {topic} in the mock cluster"), e))
+    }
+}
+
+/// Creates `topics` with `partitions` partitions each through the admin API; topics that
+/// already exist are left as they are.
+pub async fn ensure_topics(
+    brokers: &str,
+    topics: &[String],
+    partitions: i32,
+    replication: i32,
+) -> Result<()> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .map_err(|e| Error::broker("creating the Kafka admin client", e))?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(replication)))
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = admin
+        .create_topics(new.iter(), &opts)
+        .await
+        .map_err(|e| Error::broker("creating topics", e))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => {
+                return Err(Error::broker(
+                    format!("creating topic {topic}"),
+                    KafkaError::AdminOp(code),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn safety_settings_are_forced() {
+        let cfg = producer_config("127.0.0.1:9092", &[]).unwrap();
+        assert_eq!(cfg.get("enable.idempotence"), Some("true"));
+        assert_eq!(cfg.get("acks"), Some("all"));
+        assert_eq!(cfg.get("max.in.flight.requests.per.connection"), Some("5"));
+        assert_eq!(cfg.get("queue.buffering.max.kbytes"), Some("65536"));
+        assert_eq!(cfg.get("partitioner"), Some("murmur2_random"));
+        assert_eq!(cfg.get("transactional.id"), None);
+    }
+
+    #[test]
+    fn unsafe_overrides_are_refused() {
+        for (k, v) in [
+            ("enable.idempotence", "false"),
+            ("acks", "1"),
+            ("acks", "0"),
+            ("transactional.id", "x"),
+        ] {
+            let err = producer_config("b:1", &[(k.into(), v.into())]).unwrap_err();
+            assert!(err.to_string().contains(k), "{k}={v}: {err}");
+        }
+        let cfg = producer_config(
+            "b:1",
+            &[
+                ("linger.ms".into(), "20".into()),
+                ("acks".into(), "all".into()),
+            ],
+        )
+        .unwrap();
+        assert_eq!(cfg.get("linger.ms"), Some("20"));
+    }
+
+    #[test]
+    fn classifies_unpublishable_messages_as_permanent() {
+        let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
+        assert_eq!(classify(&e), FailureKind::Permanent);
+        let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
+        assert_eq!(classify(&e), FailureKind::Transient);
+    }
+}

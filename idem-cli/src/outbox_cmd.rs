@@ -1,0 +1,157 @@
+//! `idem outbox status | parked | retry | enqueue`.
+
+use anyhow::bail;
+use clap::Subcommand;
+use idem_core::{Event, EventId, OutboxStore};
+
+use crate::DbArgs;
+use crate::db::{self, Store};
+
+#[derive(Subcommand, Debug)]
+pub enum OutboxCommand {
+    /// Pending, parked and published counts, and the age of the oldest pending row.
+    Status {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List parked rows with the reason they were parked.
+    Parked {
+        #[command(flatten)]
+        db: DbArgs,
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Return parked rows to pending so the relay tries them again.
+    Retry {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only these event ids (repeatable).
+        #[arg(long = "event-id", required_unless_present = "all")]
+        event_ids: Vec<EventId>,
+        /// Every parked row.
+        #[arg(long, conflicts_with = "event_ids")]
+        all: bool,
+    },
+    /// Enqueue one event in its own transaction (for scripts and tests).
+    Enqueue {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Aggregate type (names the topic).
+        #[arg(long)]
+        aggregate_type: String,
+        /// Aggregate id (the Kafka key).
+        #[arg(long)]
+        aggregate_id: String,
+        /// Event type.
+        #[arg(long)]
+        event_type: String,
+        /// JSON payload.
+        #[arg(long)]
+        payload: String,
+        /// Event id (default: a new UUIDv7).
+        #[arg(long)]
+        event_id: Option<EventId>,
+        /// Header NAME=VALUE (repeatable).
+        #[arg(long = "header", value_parser = idem_kafka::parse_setting)]
+        headers: Vec<(String, String)>,
+        /// Enqueue this many copies with fresh ids (payload unchanged), in one transaction.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
+}
+
+pub async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
+    match cmd {
+        OutboxCommand::Status { db, json } => {
+            let store = db::open(&db, 1).await?;
+            let s = crate::with_store!(&store, s => s.status().await)?;
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!("pending    {}", s.pending);
+                println!("parked     {}", s.parked);
+                println!("published  {}", s.published);
+                match s.oldest_pending_age_seconds {
+                    Some(a) => println!("oldest pending age  {a:.3}s"),
+                    None => println!("oldest pending age  -"),
+                }
+            }
+        }
+        OutboxCommand::Parked { db, limit, json } => {
+            let store = db::open(&db, 1).await?;
+            let rows = crate::with_store!(&store, s => s.parked(limit).await)?;
+            if json {
+                println!("{}", serde_json::to_string(&rows)?);
+            } else if rows.is_empty() {
+                println!("no parked rows");
+            } else {
+                for r in rows {
+                    println!(
+                        "{}  {}/{}  {}  attempts={}  reason: {}",
+                        r.event_id,
+                        r.aggregate_type,
+                        r.aggregate_id,
+                        r.event_type,
+                        r.attempts,
+                        r.last_error.unwrap_or_default()
+                    );
+                }
+            }
+        }
+        OutboxCommand::Retry { db, event_ids, all } => {
+            let store = db::open(&db, 1).await?;
+            let ids = (!all).then_some(event_ids.as_slice());
+            let n = crate::with_store!(&store, s => s.retry_parked(ids).await)?;
+            println!("returned {n} parked row(s) to pending");
+        }
+        OutboxCommand::Enqueue {
+            db,
+            aggregate_type,
+            aggregate_id,
+            event_type,
+            payload,
+            event_id,
+            headers,
+            count,
+        } => {
+            if count > 1 && event_id.is_some() {
+                bail!("--event-id and --count > 1 cannot be combined: event ids are unique");
+            }
+            let mut events = Vec::with_capacity(count as usize);
+            for _ in 0..count.max(1) {
+                let mut b = Event::builder(&aggregate_type, &aggregate_id, &event_type)
+                    .payload_json(payload.clone());
+                if let Some(id) = event_id {
+                    b = b.id(id);
+                }
+                for (k, v) in &headers {
+                    b = b.header(k, v);
+                }
+                events.push(b.build()?);
+            }
+            match db::open(&db, 1).await? {
+                Store::Postgres(s) => {
+                    let mut tx = s.pool().begin().await?;
+                    s.outbox().enqueue_all(&mut tx, &events).await?;
+                    tx.commit().await?;
+                }
+                Store::Sqlite(s) => {
+                    let mut tx = s.pool().begin().await?;
+                    s.outbox().enqueue_all(&mut tx, &events).await?;
+                    tx.commit().await?;
+                }
+            }
+            for e in &events {
+                println!("{}", e.id());
+            }
+        }
+    }
+    Ok(())
+}

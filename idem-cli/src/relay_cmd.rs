@@ -1,0 +1,200 @@
+//! `idem relay`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use idem_core::{OutboxStore, PrunePolicy};
+use idem_kafka::{EMBEDDED, EmbeddedCluster, KafkaPublisher};
+use idem_relay::{Relay, RelayConfig, RelayMetrics, TopicNaming};
+
+use crate::DbArgs;
+use crate::db;
+
+#[derive(Args, Debug)]
+pub struct RelayArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Kafka bootstrap servers (host:port,...), or `embedded` for librdkafka's in-process mock cluster.
+    #[arg(long, env = "IDEM_BROKERS")]
+    brokers: String,
+    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464; port 0 picks one).
+    #[arg(long, env = "IDEM_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+    /// Rows per claim; claim, produce and mark are each one round trip per batch.
+    #[arg(long, default_value_t = 500)]
+    batch_size: u32,
+    /// How long a claim is exclusive to this relay (e.g. 60s). Must exceed message.timeout.ms.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    lease: Duration,
+    /// Longest idle poll interval: the most latency an idle relay adds.
+    #[arg(long, default_value = "20ms", value_parser = parse_duration)]
+    idle_poll_max: Duration,
+    /// Permanent failures before a row is parked.
+    #[arg(long, default_value_t = 5)]
+    max_attempts: i32,
+    /// Backoff after a failed attempt (doubles per attempt, at most 60s).
+    #[arg(long, default_value = "500ms", value_parser = parse_duration)]
+    retry_backoff: Duration,
+    /// Topic prefix before the aggregate type.
+    #[arg(long, default_value = idem_relay::DEFAULT_TOPIC_PREFIX)]
+    topic_prefix: String,
+    /// Topic for an aggregate type: AGGREGATE_TYPE=TOPIC (repeatable).
+    #[arg(long = "topic", value_parser = idem_kafka::parse_setting)]
+    topics: Vec<(String, String)>,
+    /// CloudEvents `ce_source` (default /idem/<aggregate_type>).
+    #[arg(long)]
+    source: Option<String>,
+    /// librdkafka producer setting KEY=VALUE (repeatable). Settings the guarantee needs are refused.
+    #[arg(long = "producer-config", value_parser = idem_kafka::parse_setting)]
+    producer_config: Vec<(String, String)>,
+    /// Create missing topics with this many partitions (for brokers without auto-creation).
+    #[arg(long)]
+    create_topics: Option<i32>,
+    /// Keep published rows this long before pruning.
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    retention: Duration,
+    /// How often to prune published rows.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    prune_interval: Duration,
+    /// Move pruned rows to <prefix>outbox_archive instead of deleting them.
+    #[arg(long)]
+    archive: bool,
+    /// Never prune published rows.
+    #[arg(long, conflicts_with_all = ["archive"])]
+    no_prune: bool,
+    /// This relay's name in claimed_by (default relay-<pid>-<random>).
+    #[arg(long)]
+    relay_id: Option<String>,
+}
+
+/// Parses `500ms`, `30s`, `5m`, `1h`, or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 5m, 1h"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("invalid duration unit in {s:?}: use ms, s, m or h")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
+    let store = db::open(&args.db, 4).await?;
+    // Fail early, with a clear message, when the tables are missing.
+    crate::with_store!(&store, s => s.status().await.map(|_| ()))
+        .context("reading the outbox (did you run `idem migrate`?)")?;
+
+    let (_embedded, brokers) = if args.brokers == EMBEDDED {
+        let cluster = EmbeddedCluster::start(1)?;
+        let servers = cluster.bootstrap_servers();
+        eprintln!("idem relay: embedded mock cluster at {servers}");
+        (Some(cluster), servers)
+    } else {
+        (None, args.brokers.clone())
+    };
+    let producer = idem_kafka::producer_config(&brokers, &args.producer_config)?;
+    let timeout_ms: u64 = producer
+        .get("message.timeout.ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30_000);
+    if args.lease <= Duration::from_millis(timeout_ms) {
+        bail!(
+            "--lease {:?} must be longer than message.timeout.ms ({timeout_ms} ms), or a live relay could lose its lease mid-batch",
+            args.lease
+        );
+    }
+    let mut publisher = KafkaPublisher::new(producer)?;
+    if let Some(p) = args.create_topics {
+        publisher = publisher.with_topic_creation(p, 1);
+    }
+    let publisher = std::sync::Arc::new(publisher);
+
+    let registry = prometheus::Registry::new();
+    let metrics = RelayMetrics::new(&registry)?;
+    if let Some(addr) = args.metrics_addr {
+        let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
+        eprintln!("idem relay: metrics on http://{bound}/metrics");
+    }
+    let config = RelayConfig {
+        relay_id: args.relay_id.unwrap_or_else(idem_relay::default_relay_id),
+        batch_size: args.batch_size.max(1),
+        lease: args.lease,
+        idle_poll_max: args.idle_poll_max,
+        max_attempts: args.max_attempts.max(1),
+        retry_backoff: args.retry_backoff,
+        topics: TopicNaming {
+            prefix: args.topic_prefix,
+            overrides: args.topics.into_iter().collect::<BTreeMap<_, _>>(),
+        },
+        source: args.source,
+        prune: (!args.no_prune).then(|| {
+            (
+                args.prune_interval,
+                PrunePolicy {
+                    retention: args.retention,
+                    archive: args.archive,
+                    ..PrunePolicy::default()
+                },
+            )
+        }),
+        ..RelayConfig::default()
+    };
+    eprintln!(
+        "idem relay {}: publishing {} to {brokers}",
+        config.relay_id,
+        idem_postgres::redact(&args.db.db)
+    );
+    let result = crate::with_store!(store, s => {
+        let relay = Relay::new(s, publisher.clone(), config, metrics);
+        relay.run(shutdown_signal()).await
+    });
+    // Every batch was completed (marked or released) before run() returned.
+    if let Err(e) = publisher.flush(Duration::from_secs(5)) {
+        tracing::warn!(error = %e, "producer flush at shutdown");
+    }
+    result?;
+    eprintln!("idem relay: stopped cleanly");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the relay runs until killed; no batch is lost either way.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: finishing the in-flight batch"),
+        _ = int.recv() => tracing::info!("SIGINT: finishing the in-flight batch"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_duration;
+    use std::time::Duration;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
+}

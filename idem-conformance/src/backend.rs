@@ -1,0 +1,266 @@
+//! One [`Backend`] per database: what the scenarios need and nothing else.
+
+use std::future::Future;
+
+use idem_core::{Event, OutboxStore, TableNames};
+use idem_postgres::PgStore;
+use idem_sqlite::SqliteStore;
+use sqlx::{Executor, PgPool, Postgres, Sqlite, SqlitePool, Transaction};
+
+use crate::pg::TestDb;
+
+/// A database under test.
+pub trait Backend: Send + Sync + Sized {
+    type Store: OutboxStore + Clone;
+    type Tx: OpenTx;
+    /// Can two write transactions be open at once? (PostgreSQL yes, SQLite no.)
+    const CONCURRENT_WRITERS: bool;
+    fn store(&self) -> &Self::Store;
+    fn tables(&self) -> &TableNames;
+    /// The same database with other table names (not migrated).
+    fn with_tables(&self, tables: TableNames) -> Self;
+    fn migrate(&self) -> impl Future<Output = idem_core::Result<Vec<i64>>>;
+    fn begin(&self) -> impl Future<Output = Self::Tx> + Send;
+    /// Runs one statement outside any transaction.
+    fn exec(&self, sql: &str) -> impl Future<Output = Result<u64, String>> + Send;
+    /// Runs a query returning one integer.
+    fn scalar(&self, sql: &str) -> impl Future<Output = i64> + Send;
+    /// Makes every lease and backoff look expired (time passing, without waiting).
+    fn expire_leases(&self) -> impl Future<Output = ()> + Send;
+    /// Number of connections waiting on a lock (always 0 where writers cannot overlap).
+    fn lock_waiters(&self) -> impl Future<Output = i64> + Send;
+}
+
+/// An open business transaction.
+pub trait OpenTx: Send + 'static {
+    fn enqueue(&mut self, events: &[Event]) -> impl Future<Output = idem_core::Result<()>> + Send;
+    fn exec(&mut self, sql: &str) -> impl Future<Output = Result<u64, String>> + Send;
+    fn commit(self) -> impl Future<Output = ()> + Send;
+    fn rollback(self) -> impl Future<Output = ()> + Send;
+}
+
+/// PostgreSQL, in a fresh database dropped at the end.
+pub struct Pg {
+    db: std::sync::Arc<TestDb>,
+    store: PgStore,
+    tables: TableNames,
+}
+
+impl Pg {
+    pub async fn new() -> Self {
+        let db = std::sync::Arc::new(TestDb::create().await);
+        let tables = TableNames::default();
+        let pg = Pg {
+            store: PgStore::new(db.pool().clone(), tables.clone()),
+            db,
+            tables,
+        };
+        pg.migrate().await.unwrap();
+        pg.exec("CREATE TABLE orders (id text PRIMARY KEY, amount_minor bigint NOT NULL)")
+            .await
+            .unwrap();
+        pg
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        self.db.pool()
+    }
+
+    pub fn url(&self) -> &str {
+        self.db.url()
+    }
+}
+
+pub struct PgTx {
+    tx: Transaction<'static, Postgres>,
+    outbox: idem_postgres::Outbox,
+}
+
+impl OpenTx for PgTx {
+    async fn enqueue(&mut self, events: &[Event]) -> idem_core::Result<()> {
+        self.outbox.enqueue_all(&mut self.tx, events).await
+    }
+    async fn exec(&mut self, sql: &str) -> Result<u64, String> {
+        (&mut *self.tx)
+            .execute(sql)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| e.to_string())
+    }
+    async fn commit(self) {
+        self.tx.commit().await.unwrap();
+    }
+    async fn rollback(self) {
+        self.tx.rollback().await.unwrap();
+    }
+}
+
+impl Backend for Pg {
+    type Store = PgStore;
+    type Tx = PgTx;
+    const CONCURRENT_WRITERS: bool = true;
+
+    fn store(&self) -> &PgStore {
+        &self.store
+    }
+    fn tables(&self) -> &TableNames {
+        &self.tables
+    }
+    fn with_tables(&self, tables: TableNames) -> Self {
+        Pg {
+            db: self.db.clone(),
+            store: PgStore::new(self.db.pool().clone(), tables.clone()),
+            tables,
+        }
+    }
+    async fn migrate(&self) -> idem_core::Result<Vec<i64>> {
+        idem_postgres::migrate(self.pool(), &self.tables)
+            .await
+            .map(|r| r.applied)
+    }
+    async fn begin(&self) -> PgTx {
+        PgTx {
+            tx: self.pool().begin().await.unwrap(),
+            outbox: self.store.outbox().clone(),
+        }
+    }
+    async fn exec(&self, sql: &str) -> Result<u64, String> {
+        self.pool()
+            .execute(sql)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| e.to_string())
+    }
+    async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(self.pool())
+            .await
+            .unwrap()
+    }
+    async fn expire_leases(&self) {
+        let t = self.tables.qualified("outbox");
+        self.exec(&format!(
+            "UPDATE {t} SET claimed_until = now() - interval '1 hour', next_attempt_at = '-infinity' WHERE status = 'pending'"
+        ))
+        .await
+        .unwrap();
+    }
+    async fn lock_waiters(&self) -> i64 {
+        self.scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .await
+    }
+}
+
+/// SQLite, in a file in a temporary directory.
+pub struct Lite {
+    dir: std::sync::Arc<tempfile::TempDir>,
+    pool: SqlitePool,
+    store: SqliteStore,
+    tables: TableNames,
+}
+
+impl Lite {
+    pub async fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let pool = idem_sqlite::connect(&url).await.unwrap();
+        let tables = TableNames::default();
+        let lite = Lite {
+            dir: std::sync::Arc::new(dir),
+            store: SqliteStore::new(pool.clone(), tables.clone()),
+            pool,
+            tables,
+        };
+        lite.migrate().await.unwrap();
+        lite.exec("CREATE TABLE orders (id text PRIMARY KEY, amount_minor bigint NOT NULL)")
+            .await
+            .unwrap();
+        lite
+    }
+
+    pub fn path(&self) -> std::path::PathBuf {
+        self.dir.path().join("idem.db")
+    }
+}
+
+pub struct LiteTx {
+    tx: Transaction<'static, Sqlite>,
+    outbox: idem_sqlite::Outbox,
+}
+
+impl OpenTx for LiteTx {
+    async fn enqueue(&mut self, events: &[Event]) -> idem_core::Result<()> {
+        self.outbox.enqueue_all(&mut self.tx, events).await
+    }
+    async fn exec(&mut self, sql: &str) -> Result<u64, String> {
+        (&mut *self.tx)
+            .execute(sql)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| e.to_string())
+    }
+    async fn commit(self) {
+        self.tx.commit().await.unwrap();
+    }
+    async fn rollback(self) {
+        self.tx.rollback().await.unwrap();
+    }
+}
+
+impl Backend for Lite {
+    type Store = SqliteStore;
+    type Tx = LiteTx;
+    const CONCURRENT_WRITERS: bool = false;
+
+    fn store(&self) -> &SqliteStore {
+        &self.store
+    }
+    fn tables(&self) -> &TableNames {
+        &self.tables
+    }
+    fn with_tables(&self, tables: TableNames) -> Self {
+        Lite {
+            dir: self.dir.clone(),
+            pool: self.pool.clone(),
+            store: SqliteStore::new(self.pool.clone(), tables.clone()),
+            tables,
+        }
+    }
+    async fn migrate(&self) -> idem_core::Result<Vec<i64>> {
+        idem_sqlite::migrate(&self.pool, &self.tables)
+            .await
+            .map(|r| r.applied)
+    }
+    async fn begin(&self) -> LiteTx {
+        LiteTx {
+            tx: self.pool.begin().await.unwrap(),
+            outbox: self.store.outbox().clone(),
+        }
+    }
+    async fn exec(&self, sql: &str) -> Result<u64, String> {
+        self.pool
+            .execute(sql)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| e.to_string())
+    }
+    async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+    async fn expire_leases(&self) {
+        let t = self.tables.qualified("outbox");
+        self.exec(&format!(
+            "UPDATE {t} SET claimed_until = 0, next_attempt_at = 0 WHERE status = 'pending'"
+        ))
+        .await
+        .unwrap();
+    }
+    async fn lock_waiters(&self) -> i64 {
+        0
+    }
+}

@@ -1,0 +1,513 @@
+//! Store scenarios, written once and run against every [`Backend`].
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use idem_core::outbox::{Claim, ClaimRequest, Failure, Outcome, PrunePolicy};
+use idem_core::{Event, EventId, OutboxStore, TableNames};
+
+use crate::backend::{Backend, OpenTx};
+
+pub fn event(agg: &str, i: usize) -> Event {
+    Event::builder("order", agg, "order.paid")
+        .payload(&serde_json::json!({ "order_id": agg, "n": i }))
+        .build()
+        .unwrap()
+}
+
+fn req(relay: &str, batch: u32) -> ClaimRequest {
+    ClaimRequest {
+        relay_id: relay.to_owned(),
+        batch_size: batch,
+        lease: Duration::from_secs(60),
+    }
+}
+
+fn ids(c: &Claim) -> Vec<EventId> {
+    c.records.iter().map(|r| r.event_id).collect()
+}
+
+/// Claims everything claimable and marks it published; returns the event ids in claim order.
+pub async fn publish_all<S: OutboxStore>(store: &S) -> Vec<EventId> {
+    let mut out = vec![];
+    loop {
+        let claim = store.claim(&req("publish-all", 1000)).await.unwrap();
+        if claim.records.is_empty() {
+            return out;
+        }
+        out.extend(ids(&claim));
+        let outcome = Outcome {
+            published: claim.records.iter().map(|r| r.id).collect(),
+            failed: vec![],
+        };
+        store.complete(&claim, &outcome).await.unwrap();
+    }
+}
+
+pub async fn commit_keeps_business_row_and_events<B: Backend>(b: &B) {
+    let mut tx = b.begin().await;
+    tx.exec("INSERT INTO orders (id, amount_minor) VALUES ('o-1', 1250)")
+        .await
+        .unwrap();
+    tx.enqueue(&[event("o-1", 0), event("o-1", 1)])
+        .await
+        .unwrap();
+    tx.commit().await;
+    assert_eq!(b.scalar("SELECT count(*) FROM orders").await, 1);
+    assert_eq!(b.store().status().await.unwrap().pending, 2);
+}
+
+pub async fn rollback_leaves_neither<B: Backend>(b: &B) {
+    let mut tx = b.begin().await;
+    tx.exec("INSERT INTO orders (id, amount_minor) VALUES ('o-1', 1250)")
+        .await
+        .unwrap();
+    tx.enqueue(&[event("o-1", 0)]).await.unwrap();
+    tx.rollback().await;
+    assert_eq!(b.scalar("SELECT count(*) FROM orders").await, 0);
+    let s = b.store().status().await.unwrap();
+    assert_eq!((s.pending, s.published, s.parked), (0, 0, 0));
+    assert!(
+        b.store()
+            .claim(&req("r", 10))
+            .await
+            .unwrap()
+            .records
+            .is_empty()
+    );
+}
+
+pub async fn enqueue_all_keeps_order_within_each_aggregate<B: Backend>(b: &B) {
+    let events: Vec<Event> = (0..10)
+        .map(|i| event(if i % 2 == 0 { "b" } else { "a" }, i))
+        .collect();
+    let mut tx = b.begin().await;
+    tx.enqueue(&events).await.unwrap();
+    tx.commit().await;
+    let claim = b.store().claim(&req("r", 100)).await.unwrap();
+    for agg in ["a", "b"] {
+        let want: Vec<EventId> = events
+            .iter()
+            .filter(|e| e.aggregate_id() == agg)
+            .map(Event::id)
+            .collect();
+        let got: Vec<EventId> = claim
+            .records
+            .iter()
+            .filter(|r| r.aggregate_id == agg)
+            .map(|r| r.event_id)
+            .collect();
+        assert_eq!(got, want, "aggregate {agg}");
+        let seqs: Vec<i64> = claim
+            .records
+            .iter()
+            .filter(|r| r.aggregate_id == agg)
+            .map(|r| r.aggregate_seq)
+            .collect();
+        assert!(
+            seqs.windows(2).all(|w| w[0] < w[1]),
+            "aggregate_seq increases: {seqs:?}"
+        );
+    }
+    let r = &claim.records[0];
+    assert_eq!(r.attempt, 1);
+    let payload: serde_json::Value = serde_json::from_str(&r.payload).unwrap();
+    assert_eq!(payload, serde_json::json!({ "order_id": "a", "n": 1 }));
+}
+
+/// A writer in any language may insert only the five contract columns.
+pub async fn minimal_contract_insert_is_publishable<B: Backend>(b: &B) {
+    let t = b.tables().qualified("outbox");
+    let id = uuid::Uuid::now_v7();
+    b.exec(&format!(
+        "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('{id}', 'order', 'o-42', 'order.paid', '{{\"order_id\":\"o-42\"}}')"
+    ))
+    .await
+    .unwrap();
+    let claim = b.store().claim(&req("r", 10)).await.unwrap();
+    assert_eq!(claim.records.len(), 1);
+    let r = &claim.records[0];
+    assert_eq!(r.event_id, EventId(id));
+    assert!(r.headers.is_empty());
+    assert_eq!(
+        (r.topic.as_deref(), r.traceparent.as_deref(), r.attempt),
+        (None, None, 1)
+    );
+    assert!(r.payload.contains("o-42"));
+}
+
+/// The table's CHECK constraints hold other writers to the same rules as the Rust API.
+pub async fn contract_constraints_reject_bad_rows<B: Backend>(b: &B) {
+    let t = b.tables().qualified("outbox");
+    let cases = [
+        (
+            "empty aggregate id",
+            "'order'",
+            "''",
+            "'order.paid'",
+            "'{}'",
+        ),
+        (
+            "odd event type",
+            "'order'",
+            "'o-1'",
+            "'order paid; drop'",
+            "'{}'",
+        ),
+        (
+            "bad aggregate type",
+            "'or der'",
+            "'o-1'",
+            "'order.paid'",
+            "'{}'",
+        ),
+        (
+            "invalid JSON payload",
+            "'order'",
+            "'o-1'",
+            "'order.paid'",
+            "'{not json'",
+        ),
+    ];
+    for (what, agg_type, agg_id, ev_type, payload) in cases {
+        let id = uuid::Uuid::now_v7();
+        let sql = format!(
+            "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ('{id}', {agg_type}, {agg_id}, {ev_type}, {payload})"
+        );
+        assert!(b.exec(&sql).await.is_err(), "{what} was accepted");
+    }
+    let id = uuid::Uuid::now_v7();
+    let bad_headers = format!(
+        "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, event_type, payload, headers) \
+         VALUES ('{id}', 'order', 'o-1', 'order.paid', '{{}}', '[1]')"
+    );
+    assert!(
+        b.exec(&bad_headers).await.is_err(),
+        "non-object headers were accepted"
+    );
+    assert_eq!(
+        b.store().status().await.unwrap().pending,
+        0,
+        "nothing was written"
+    );
+}
+
+pub async fn duplicate_event_id_is_refused<B: Backend>(b: &B) {
+    let e = event("o-1", 0);
+    let mut tx = b.begin().await;
+    tx.enqueue(std::slice::from_ref(&e)).await.unwrap();
+    tx.commit().await;
+    let mut tx = b.begin().await;
+    let err = tx.enqueue(std::slice::from_ref(&e)).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("event_id is already in the outbox"),
+        "{err}"
+    );
+    tx.rollback().await;
+    assert_eq!(b.store().status().await.unwrap().pending, 1);
+}
+
+/// Commit-order skew: a transaction that began first but commits last is still published.
+/// An id watermark would skip it. (SQLite cannot interleave writers; there the sequential
+/// case is checked.)
+pub async fn commit_order_skew_never_skips_a_row<B: Backend>(b: &B) {
+    let early = event("x", 0);
+    let late = event("y", 0);
+    if B::CONCURRENT_WRITERS {
+        let mut tx1 = b.begin().await;
+        tx1.enqueue(std::slice::from_ref(&early)).await.unwrap(); // lower id
+        let mut tx2 = b.begin().await;
+        tx2.enqueue(std::slice::from_ref(&late)).await.unwrap(); // higher id
+        tx2.commit().await;
+        assert_eq!(
+            publish_all(b.store()).await,
+            vec![late.id()],
+            "only the committed row is visible"
+        );
+        tx1.commit().await;
+    } else {
+        let mut tx2 = b.begin().await;
+        tx2.enqueue(std::slice::from_ref(&late)).await.unwrap();
+        tx2.commit().await;
+        assert_eq!(publish_all(b.store()).await, vec![late.id()]);
+        let mut tx1 = b.begin().await;
+        tx1.enqueue(std::slice::from_ref(&early)).await.unwrap();
+        tx1.commit().await;
+    }
+    assert_eq!(
+        publish_all(b.store()).await,
+        vec![early.id()],
+        "the late commit is not skipped"
+    );
+    assert_eq!(b.store().status().await.unwrap().published, 2);
+}
+
+/// Two writers of one aggregate: the second waits for the first to end, so aggregate order is
+/// commit order; a rolled-back first writer leaves no gap.
+pub async fn same_aggregate_writers_are_serialized_in_commit_order<B: Backend>(b: &B) {
+    let first = event("x", 0);
+    let rolled_back = event("x", 1);
+    let second = event("x", 2);
+    if B::CONCURRENT_WRITERS {
+        let mut tx_rb = b.begin().await;
+        tx_rb
+            .enqueue(std::slice::from_ref(&rolled_back))
+            .await
+            .unwrap();
+        let mut tx1 = b.begin().await;
+        let blocked = {
+            let first = first.clone();
+            tokio::spawn(async move {
+                tx1.enqueue(std::slice::from_ref(&first)).await.unwrap();
+                tx1
+            })
+        };
+        // Wait (bounded) until the second writer is observed waiting on the aggregate's lock.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while b.lock_waiters().await < 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the second writer never waited for the lock"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(!blocked.is_finished(), "the second writer did not wait");
+        tx_rb.rollback().await;
+        let tx1 = blocked.await.unwrap();
+        let mut tx2 = b.begin().await;
+        let blocked2 = {
+            let second = second.clone();
+            tokio::spawn(async move {
+                tx2.enqueue(std::slice::from_ref(&second)).await.unwrap();
+                tx2
+            })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while b.lock_waiters().await < 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the third writer never waited for the lock"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tx1.commit().await;
+        blocked2.await.unwrap().commit().await;
+    } else {
+        for (e, commit) in [(&rolled_back, false), (&first, true), (&second, true)] {
+            let mut tx = b.begin().await;
+            tx.enqueue(std::slice::from_ref(e)).await.unwrap();
+            if commit {
+                tx.commit().await
+            } else {
+                tx.rollback().await
+            }
+        }
+    }
+    let claim = b.store().claim(&req("r", 10)).await.unwrap();
+    assert_eq!(ids(&claim), vec![first.id(), second.id()]);
+    if B::CONCURRENT_WRITERS {
+        let seqs: Vec<i64> = claim.records.iter().map(|r| r.aggregate_seq).collect();
+        assert_eq!(seqs, vec![1, 2], "the rolled-back writer left no gap");
+    }
+}
+
+/// Concurrent claims never hand rows of one aggregate to two relays.
+pub async fn claims_never_share_an_aggregate<B: Backend>(b: &B) {
+    let mut tx = b.begin().await;
+    let events: Vec<Event> = (0..40)
+        .map(|i| event(&format!("agg-{}", i % 8), i))
+        .collect();
+    tx.enqueue(&events).await.unwrap();
+    tx.commit().await;
+    let (s1, s2) = (b.store().clone(), b.store().clone());
+    let (c1, c2) = tokio::join!(
+        async move { s1.claim(&req("one", 12)).await.unwrap() },
+        async move { s2.claim(&req("two", 12)).await.unwrap() }
+    );
+    let aggs = |c: &Claim| {
+        c.records
+            .iter()
+            .map(|r| r.aggregate_id.clone())
+            .collect::<HashSet<_>>()
+    };
+    assert!(
+        aggs(&c1).is_disjoint(&aggs(&c2)),
+        "{:?} / {:?}",
+        aggs(&c1),
+        aggs(&c2)
+    );
+    assert!(!c1.records.is_empty() || !c2.records.is_empty());
+    // Each claim holds a prefix of each of its aggregates.
+    for c in [&c1, &c2] {
+        for agg in aggs(c) {
+            let want: Vec<EventId> = events
+                .iter()
+                .filter(|e| e.aggregate_id() == agg)
+                .map(Event::id)
+                .collect();
+            let got: Vec<EventId> = c
+                .records
+                .iter()
+                .filter(|r| r.aggregate_id == agg)
+                .map(|r| r.event_id)
+                .collect();
+            assert_eq!(got[..], want[..got.len()], "{agg}: not a prefix");
+        }
+    }
+}
+
+pub async fn stale_claim_cannot_mark<B: Backend>(b: &B) {
+    let mut tx = b.begin().await;
+    tx.enqueue(&[event("o-1", 0)]).await.unwrap();
+    tx.commit().await;
+    let stale = b.store().claim(&req("stale", 10)).await.unwrap();
+    b.expire_leases().await;
+    let fresh = b.store().claim(&req("fresh", 10)).await.unwrap();
+    assert_eq!(ids(&fresh), ids(&stale), "the expired lease was taken over");
+    assert_eq!(fresh.records[0].attempt, 2);
+    let all = |c: &Claim| Outcome {
+        published: c.records.iter().map(|r| r.id).collect(),
+        failed: vec![],
+    };
+    let done = b.store().complete(&stale, &all(&stale)).await.unwrap();
+    assert_eq!(
+        (done.marked, done.fenced),
+        (0, 1),
+        "the stale relay is fenced"
+    );
+    let done = b.store().complete(&fresh, &all(&fresh)).await.unwrap();
+    assert_eq!((done.marked, done.fenced), (1, 0));
+}
+
+pub async fn failed_rows_back_off_and_park<B: Backend>(b: &B) {
+    let mut tx = b.begin().await;
+    tx.enqueue(&[event("o-1", 0), event("o-2", 0)])
+        .await
+        .unwrap();
+    tx.commit().await;
+    let claim = b.store().claim(&req("r", 10)).await.unwrap();
+    let outcome = Outcome {
+        published: vec![],
+        failed: vec![
+            Failure {
+                id: claim.records[0].id,
+                reason: "broker unreachable".into(),
+                backoff: Duration::from_secs(3600),
+                park: false,
+                attempted: true,
+            },
+            Failure {
+                id: claim.records[1].id,
+                reason: "message too large".into(),
+                backoff: Duration::ZERO,
+                park: true,
+                attempted: true,
+            },
+        ],
+    };
+    let done = b.store().complete(&claim, &outcome).await.unwrap();
+    assert_eq!(done.released, 2);
+    assert!(
+        b.store()
+            .claim(&req("r", 10))
+            .await
+            .unwrap()
+            .records
+            .is_empty(),
+        "backoff and parking hold both rows"
+    );
+    let s = b.store().status().await.unwrap();
+    assert_eq!((s.pending, s.parked), (1, 1));
+    let parked = b.store().parked(10).await.unwrap();
+    assert_eq!(parked[0].last_error.as_deref(), Some("message too large"));
+    b.expire_leases().await;
+    let again = b.store().claim(&req("r", 10)).await.unwrap();
+    assert_eq!(ids(&again), vec![claim.records[0].event_id]);
+    assert_eq!(again.records[0].attempt, 2);
+    assert_eq!(b.store().retry_parked(None).await.unwrap(), 1);
+    assert_eq!(b.store().status().await.unwrap().parked, 0);
+}
+
+pub async fn prune_deletes_or_archives_published_rows<B: Backend>(b: &B) {
+    let mut tx = b.begin().await;
+    tx.enqueue(&[event("o-1", 0), event("o-2", 0), event("o-3", 0)])
+        .await
+        .unwrap();
+    tx.commit().await;
+    assert_eq!(publish_all(b.store()).await.len(), 3);
+    let mut tx = b.begin().await;
+    tx.enqueue(&[event("o-4", 0)]).await.unwrap();
+    tx.commit().await;
+    let keep = PrunePolicy {
+        retention: Duration::from_secs(3600),
+        archive: false,
+        batch: 10,
+    };
+    assert_eq!(
+        b.store().prune(&keep).await.unwrap(),
+        0,
+        "recent rows are kept"
+    );
+    let archive = PrunePolicy {
+        retention: Duration::ZERO,
+        archive: true,
+        batch: 2,
+    };
+    assert_eq!(
+        b.store().prune(&archive).await.unwrap(),
+        2,
+        "bounded by the batch"
+    );
+    let archived = b
+        .scalar(&format!(
+            "SELECT count(*) FROM {}",
+            b.tables().qualified("outbox_archive")
+        ))
+        .await;
+    assert_eq!(archived, 2);
+    let delete = PrunePolicy {
+        retention: Duration::ZERO,
+        archive: false,
+        batch: 10,
+    };
+    assert_eq!(b.store().prune(&delete).await.unwrap(), 1);
+    let s = b.store().status().await.unwrap();
+    assert_eq!(
+        (s.published, s.pending),
+        (0, 1),
+        "pending rows are never pruned"
+    );
+}
+
+pub async fn migrate_is_idempotent<B: Backend>(b: &B) {
+    assert_eq!(
+        b.migrate().await.unwrap(),
+        Vec::<i64>::new(),
+        "already migrated"
+    );
+    let version = b
+        .scalar(&format!(
+            "SELECT max(version) FROM {}",
+            b.tables().qualified("schema_migrations")
+        ))
+        .await;
+    assert_eq!(version, 1);
+}
+
+pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
+    let other = b.with_tables(TableNames::new(None, "billing_").unwrap());
+    assert_eq!(other.migrate().await.unwrap(), vec![1]);
+    let mut tx = other.begin().await;
+    tx.enqueue(&[event("o-1", 0)]).await.unwrap();
+    tx.commit().await;
+    assert_eq!(b.scalar("SELECT count(*) FROM billing_outbox").await, 1);
+    assert_eq!(
+        b.store().status().await.unwrap().pending,
+        0,
+        "the default outbox is untouched"
+    );
+    assert_eq!(publish_all(other.store()).await.len(), 1);
+}

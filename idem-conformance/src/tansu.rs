@@ -1,0 +1,1 @@
+//! A Tansu broker process for end-to-end tests.

@@ -1,0 +1,134 @@
+//! Reading a topic back, whole, for tests, `idem topic dump` and verification.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use idem_core::{Error, Result};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+/// One record read back from a topic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// Partition.
+    pub partition: i32,
+    /// Offset in the partition.
+    pub offset: i64,
+    /// Key as UTF-8 (lossy).
+    pub key: Option<String>,
+    /// Value as UTF-8 (lossy).
+    pub payload: Option<String>,
+    /// Headers in order, values as UTF-8 (lossy).
+    pub headers: Vec<(String, String)>,
+}
+
+impl Record {
+    /// The first header named `name`.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Reads every record of `topic` up to the high watermarks taken when the call starts, in
+/// partition then offset order. Fails if that takes longer than `timeout`.
+pub fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<Record>> {
+    let deadline = Instant::now() + timeout;
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", "idem-inspect")
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .map_err(|e| Error::broker("creating an inspection consumer", e))?;
+    let metadata = consumer
+        .fetch_metadata(Some(topic), remaining(deadline)?)
+        .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;
+    let partitions: Vec<i32> = metadata
+        .topics()
+        .iter()
+        .filter(|t| t.name() == topic)
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect();
+    if partitions.is_empty() {
+        return Err(Error::broker(
+            format!("reading {topic}"),
+            format!("topic {topic} has no partitions (does it exist?)"),
+        ));
+    }
+    let mut high: HashMap<i32, i64> = HashMap::new();
+    let mut tpl = TopicPartitionList::new();
+    for p in &partitions {
+        let (lo, hi) = consumer
+            .fetch_watermarks(topic, *p, remaining(deadline)?)
+            .map_err(|e| Error::broker(format!("reading watermarks of {topic}/{p}"), e))?;
+        if hi > lo {
+            high.insert(*p, hi);
+            tpl.add_partition_offset(topic, *p, Offset::Offset(lo))
+                .map_err(|e| Error::broker("assigning partitions", e))?;
+        }
+    }
+    let mut out: BTreeMap<(i32, i64), Record> = BTreeMap::new();
+    if high.is_empty() {
+        return Ok(vec![]);
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(|e| Error::broker("assigning partitions", e))?;
+    let mut done: HashMap<i32, bool> = high.keys().map(|p| (*p, false)).collect();
+    while done.values().any(|d| !d) {
+        let Some(msg) = consumer.poll(remaining(deadline)?.min(Duration::from_millis(200))) else {
+            continue;
+        };
+        let msg = msg.map_err(|e| Error::broker(format!("reading {topic}"), e))?;
+        let (p, o) = (msg.partition(), msg.offset());
+        let headers = msg
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            h.value
+                                .map(|v| String::from_utf8_lossy(v).into_owned())
+                                .unwrap_or_default(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.insert(
+            (p, o),
+            Record {
+                partition: p,
+                offset: o,
+                key: msg.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                payload: msg
+                    .payload()
+                    .map(|v| String::from_utf8_lossy(v).into_owned()),
+                headers,
+            },
+        );
+        if let Some(hi) = high.get(&p)
+            && o + 1 >= *hi
+        {
+            done.insert(p, true);
+        }
+    }
+    Ok(out.into_values().collect())
+}
+
+fn remaining(deadline: Instant) -> Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(Error::broker(
+            "reading a topic",
+            "timed out before reaching the high watermark",
+        ));
+    }
+    Ok(left)
+}
