@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod pg;
+pub mod process;
 pub mod scenarios;
 pub mod tansu;
 
