@@ -91,6 +91,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
+    // Handlers first: a SIGTERM during start-up or the first batch must not kill the process.
+    let shutdown = shutdown_signal()?;
     let store = db::open(&args.db, 4).await?;
     // Fail early, with a clear message, when the tables are missing.
     crate::with_store!(&store, s => s.status().await.map(|_| ()))
@@ -158,7 +160,7 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     );
     let result = crate::with_store!(store, s => {
         let relay = Relay::new(s, publisher.clone(), config, metrics);
-        relay.run(shutdown_signal()).await
+        relay.run(shutdown).await
     });
     // Every batch was completed (marked or released) before run() returned.
     if let Err(e) = publisher.flush(Duration::from_secs(5)) {
@@ -169,19 +171,17 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Installs the SIGTERM and SIGINT handlers now and returns a future that resolves on either.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        // Without signal handlers the relay runs until killed; no batch is lost either way.
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: finishing the in-flight batch"),
-        _ = int.recv() => tracing::info!("SIGINT: finishing the in-flight batch"),
-    }
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: finishing the in-flight batch"),
+            _ = int.recv() => tracing::info!("SIGINT: finishing the in-flight batch"),
+        }
+    })
 }
 
 #[cfg(test)]

@@ -4,9 +4,26 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use idem_core::{Error, Result};
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::ClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+/// End of partition is how [`read_all`] knows it is done, not an error worth logging.
+struct QuietEof;
+
+impl ClientContext for QuietEof {
+    fn error(&self, error: KafkaError, reason: &str) {
+        let eof = matches!(error, KafkaError::PartitionEOF(_))
+            || error.rdkafka_error_code() == Some(rdkafka::error::RDKafkaErrorCode::PartitionEOF);
+        if !eof {
+            tracing::warn!(%error, reason, "kafka client error while reading a topic");
+        }
+    }
+}
+
+impl ConsumerContext for QuietEof {}
 
 /// One record read back from a topic.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,13 +54,13 @@ impl Record {
 /// partition then offset order. Fails if that takes longer than `timeout`.
 pub fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<Record>> {
     let deadline = Instant::now() + timeout;
-    let consumer: BaseConsumer = ClientConfig::new()
+    let consumer: BaseConsumer<QuietEof> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", "idem-inspect")
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "false")
-        .create()
+        .set("enable.partition.eof", "true")
+        .create_with_context(QuietEof)
         .map_err(|e| Error::broker("creating an inspection consumer", e))?;
     let metadata = consumer
         .fetch_metadata(Some(topic), remaining(deadline)?)
@@ -79,12 +96,26 @@ pub fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<Rec
     consumer
         .assign(&tpl)
         .map_err(|e| Error::broker("assigning partitions", e))?;
-    let mut done: HashMap<i32, bool> = high.keys().map(|p| (*p, false)).collect();
-    while done.values().any(|d| !d) {
+    // A partition is read when the consumer reports end-of-partition (computed from the fetch
+    // responses) at or past the ListOffsets high watermark taken at the start. Both are needed:
+    // some brokers (Tansu among them) answer ListOffsets with a watermark that leaves out the
+    // last batch.
+    let mut next: HashMap<i32, i64> = HashMap::new();
+    let mut at_eof: HashMap<i32, bool> = HashMap::new();
+    while high.iter().any(|(p, hi)| {
+        !(at_eof.get(p).copied().unwrap_or(false) && next.get(p).copied().unwrap_or(0) >= *hi)
+    }) {
         let Some(msg) = consumer.poll(remaining(deadline)?.min(Duration::from_millis(200))) else {
             continue;
         };
-        let msg = msg.map_err(|e| Error::broker(format!("reading {topic}"), e))?;
+        let msg = match msg {
+            Ok(m) => m,
+            Err(KafkaError::PartitionEOF(p)) => {
+                at_eof.insert(p, true);
+                continue;
+            }
+            Err(e) => return Err(Error::broker(format!("reading {topic}"), e)),
+        };
         let (p, o) = (msg.partition(), msg.offset());
         let headers = msg
             .headers()
@@ -113,11 +144,8 @@ pub fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<Rec
                 headers,
             },
         );
-        if let Some(hi) = high.get(&p)
-            && o + 1 >= *hi
-        {
-            done.insert(p, true);
-        }
+        next.insert(p, o + 1);
+        at_eof.insert(p, false);
     }
     Ok(out.into_values().collect())
 }

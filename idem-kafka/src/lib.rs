@@ -42,12 +42,8 @@ pub mod inspect;
 
 /// Producer settings the at-least-once guarantee depends on. [`producer_config`] sets them and
 /// refuses overrides of these keys.
-pub const FORCED_PRODUCER_SETTINGS: &[(&str, &str)] = &[
-    ("enable.idempotence", "true"),
-    ("acks", "all"),
-    ("max.in.flight.requests.per.connection", "5"),
-    ("enable.gapless.guarantee", "false"),
-];
+pub const FORCED_PRODUCER_SETTINGS: &[(&str, &str)] =
+    &[("enable.idempotence", "true"), ("acks", "all")];
 
 /// Settings idem chooses but a user may override.
 pub const DEFAULT_PRODUCER_SETTINGS: &[(&str, &str)] = &[
@@ -56,6 +52,7 @@ pub const DEFAULT_PRODUCER_SETTINGS: &[(&str, &str)] = &[
     ("queue.buffering.max.kbytes", "65536"),
     ("queue.buffering.max.messages", "100000"),
     ("partitioner", "murmur2_random"),
+    ("max.in.flight.requests.per.connection", "5"),
     ("socket.keepalive.enable", "true"),
 ];
 
@@ -78,6 +75,11 @@ pub fn producer_config(brokers: &str, overrides: &[(String, String)]) -> Result<
                     "producer setting {k}={v} is refused: the at-least-once guarantee needs {k}={forced}"
                 )));
             }
+        }
+        if k == "max.in.flight.requests.per.connection" && !matches!(v.parse::<u32>(), Ok(1..=5)) {
+            return Err(Error::Config(format!(
+                "producer setting {k}={v} is refused: the idempotent producer keeps order only with 1 to 5 requests in flight"
+            )));
         }
         if k == "transactional.id" {
             return Err(Error::Config(

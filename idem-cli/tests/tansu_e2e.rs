@@ -1,0 +1,312 @@
+//! The `idem relay` binary as a real OS process against a real broker (a Tansu process) and a
+//! real database: crashes at named points, SIGKILL in the middle of a batch, SIGTERM.
+#![cfg(feature = "failpoints")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::unix::process::ExitStatusExt;
+use std::process::Command;
+use std::time::Duration;
+
+use idem_conformance::backend::{Backend, Lite, OpenTx, Pg};
+use idem_conformance::process::{Proc, eventually, http_get, metric_sum};
+use idem_conformance::scenarios::event;
+use idem_conformance::tansu::Tansu;
+use idem_core::{Event, OutboxStore};
+use idem_kafka::inspect;
+
+const TOPIC: &str = "outbox.event.order";
+
+async fn broker() -> Tansu {
+    let t = Tansu::start();
+    idem_kafka::ensure_topics(&t.brokers(), &[TOPIC.to_owned()], 3, 1)
+        .await
+        .unwrap();
+    t
+}
+
+/// `idem relay` with a short lease, so a crashed relay's rows come back within seconds.
+fn relay(db: &str, brokers: &str, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    cmd.args([
+        "relay",
+        "--db",
+        db,
+        "--brokers",
+        brokers,
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ])
+    .args([
+        "--producer-config",
+        "message.timeout.ms=2000",
+        "--lease",
+        "3s",
+        "--no-prune",
+    ])
+    .args(extra)
+    .env("RUST_LOG", "info")
+    .env_remove("IDEM_CRASH_POINTS");
+    cmd
+}
+
+fn read(brokers: &str) -> Vec<inspect::Record> {
+    inspect::read_all(brokers, TOPIC, Duration::from_secs(60)).unwrap()
+}
+
+async fn enqueue<B: Backend>(b: &B, events: &[Event]) {
+    let mut tx = b.begin().await;
+    tx.enqueue(events).await.unwrap();
+    tx.commit().await;
+}
+
+fn many(n: usize, aggregates: usize) -> Vec<Event> {
+    (0..n)
+        .map(|i| event(&format!("agg-{}", i % aggregates), i))
+        .collect()
+}
+
+/// Every event id is in the topic, and the first copy of each aggregate's events is in
+/// `aggregate_seq` order. Returns the number of duplicate copies.
+fn assert_complete_and_ordered(records: &[inspect::Record], events: &[Event]) -> usize {
+    let mut first: HashSet<String> = HashSet::new();
+    let mut seqs: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for r in records {
+        let id = r.header("ce_id").unwrap().to_owned();
+        if first.insert(id) {
+            let seq = r.header("idem_aggregate_seq").unwrap().parse().unwrap();
+            seqs.entry(r.key.clone().unwrap()).or_default().push(seq);
+        }
+    }
+    let missing: Vec<String> = events
+        .iter()
+        .map(|e| e.id().to_string())
+        .filter(|id| !first.contains(id))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} events never reached Kafka, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(3)]
+    );
+    for (agg, s) in &seqs {
+        assert!(
+            s.windows(2).all(|w| w[0] < w[1]),
+            "aggregate {agg}: first copies out of commit order"
+        );
+    }
+    records.len() - first.len()
+}
+
+async fn crash_log_and_run(
+    point: &str,
+    pg: &Pg,
+    brokers: &str,
+) -> (std::path::PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("crashes");
+    let mut cmd = relay(pg.url(), brokers, &[]);
+    cmd.env("IDEM_CRASH_POINTS", point)
+        .env("IDEM_CRASH_LOG", &log);
+    let mut p = Proc::spawn("relay-1", cmd);
+    let status = p.wait_exit(Duration::from_secs(60));
+    assert_eq!(
+        status.signal(),
+        Some(6),
+        "the relay did not abort (SIGABRT): {status:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap().trim(),
+        point,
+        "the crash log names the point"
+    );
+    (log, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_publish_before_mark_republishes_once() {
+    let (pg, tansu) = (Pg::new().await, broker().await);
+    let e = event("o-1", 0);
+    enqueue(&pg, std::slice::from_ref(&e)).await;
+    let _crash = crash_log_and_run("relay.after_publish_before_mark", &pg, &tansu.brokers()).await;
+
+    let s = pg.store().status().await.unwrap();
+    assert_eq!(
+        (s.pending, s.published),
+        (1, 0),
+        "the aborted relay did not mark the row"
+    );
+    let copies = read(&tansu.brokers());
+    assert_eq!(
+        copies.len(),
+        1,
+        "but Kafka acknowledged it before the crash"
+    );
+
+    let p = Proc::spawn("relay-2", relay(pg.url(), &tansu.brokers(), &[]));
+    let metrics = p.metrics_addr();
+    eventually(
+        "the row to be marked after the lease",
+        Duration::from_secs(30),
+        || async { (pg.store().status().await.unwrap().published == 1).then_some(()) },
+    )
+    .await;
+
+    let records = read(&tansu.brokers());
+    let attempts: Vec<&str> = records
+        .iter()
+        .map(|r| r.header("idem_attempt").unwrap())
+        .collect();
+    assert_eq!(records.len(), 2, "the event is in the topic twice");
+    assert!(
+        records
+            .iter()
+            .all(|r| r.header("ce_id") == Some(e.id().to_string().as_str()))
+    );
+    assert_eq!(attempts, vec!["1", "2"]);
+    let marked: (String, i32) = sqlx::query_as("SELECT status, attempts FROM idem_outbox")
+        .fetch_one(pg.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        marked,
+        ("published".to_owned(), 2),
+        "one row, marked once, on the second attempt"
+    );
+    let body = http_get(metrics, "/metrics");
+    let labels = [
+        ("topic", TOPIC),
+        ("event_type", "order.paid"),
+        ("aggregate_type", "order"),
+    ];
+    assert_eq!(
+        metric_sum(&body, "idem_outbox_republish_total", &labels),
+        1.0,
+        "{body}"
+    );
+    assert_eq!(
+        metric_sum(&body, "idem_outbox_published_total", &labels),
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_claim_before_publish_publishes_once() {
+    let (pg, tansu) = (Pg::new().await, broker().await);
+    let e = event("o-1", 0);
+    enqueue(&pg, std::slice::from_ref(&e)).await;
+    let _crash = crash_log_and_run("relay.after_claim_before_publish", &pg, &tansu.brokers()).await;
+    assert!(
+        read(&tansu.brokers()).is_empty(),
+        "nothing was produced before the crash"
+    );
+
+    let _p = Proc::spawn("relay-2", relay(pg.url(), &tansu.brokers(), &[]));
+    eventually(
+        "the row to be published after the lease",
+        Duration::from_secs(30),
+        || async { (pg.store().status().await.unwrap().published == 1).then_some(()) },
+    )
+    .await;
+    let records = read(&tansu.brokers());
+    assert_eq!(
+        records.len(),
+        1,
+        "exactly one copy: the crash came before the produce"
+    );
+    assert_eq!(records[0].header("idem_attempt"), Some("2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_batch_loses_nothing() {
+    let (pg, tansu) = (Pg::new().await, broker().await);
+    let events = many(20_000, 40);
+    enqueue(&pg, &events).await;
+    let mut p = Proc::spawn(
+        "relay-1",
+        relay(pg.url(), &tansu.brokers(), &["--batch-size", "5000"]),
+    );
+    let leased =
+        "SELECT count(*) FROM idem_outbox WHERE status = 'pending' AND claim_id IS NOT NULL";
+    eventually(
+        "the relay to hold a leased batch",
+        Duration::from_secs(30),
+        || async { (pg.scalar(leased).await > 0).then_some(()) },
+    )
+    .await;
+    p.kill9();
+    let held = pg.scalar(leased).await;
+    assert!(
+        held > 0,
+        "the relay died holding no batch: the kill was not mid-batch"
+    );
+    let before = pg.store().status().await.unwrap();
+    assert!(before.pending > 0);
+
+    let _p2 = Proc::spawn(
+        "relay-2",
+        relay(pg.url(), &tansu.brokers(), &["--batch-size", "5000"]),
+    );
+    eventually(
+        "every row to be published",
+        Duration::from_secs(120),
+        || async { (pg.store().status().await.unwrap().pending == 0).then_some(()) },
+    )
+    .await;
+    assert_eq!(pg.store().status().await.unwrap().published, 20_000);
+    let dups = assert_complete_and_ordered(&read(&tansu.brokers()), &events);
+    eprintln!("killed with {held} rows leased; {dups} duplicate copies in the topic");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_batch_and_leaves_nothing_claimed() {
+    let (lite, tansu) = (Lite::new().await, broker().await);
+    let url = format!("sqlite://{}", lite.path().display());
+    let events = many(20_000, 40);
+    enqueue(&lite, &events).await;
+    let mut p = Proc::spawn(
+        "relay",
+        relay(&url, &tansu.brokers(), &["--batch-size", "5000"]),
+    );
+    let leased = "SELECT count(*) FROM idem_outbox WHERE claim_id IS NOT NULL";
+    eventually(
+        "the relay to hold a leased batch",
+        Duration::from_secs(30),
+        || async { (lite.scalar(leased).await > 0).then_some(()) },
+    )
+    .await;
+    p.signal(15);
+    let status = p.wait_exit(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "SIGTERM is a clean exit");
+    p.wait_for_line("stopped cleanly", Duration::from_secs(5));
+    assert_eq!(lite.scalar(leased).await, 0, "no row is left leased");
+    let published: HashSet<String> = sqlx::query_scalar::<_, String>(
+        "SELECT event_id FROM idem_outbox WHERE status = 'published'",
+    )
+    .fetch_all(&sqlx::SqlitePool::connect(&url).await.unwrap())
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    assert!(
+        !published.is_empty() && published.len() < 20_000,
+        "stopped part-way: {}",
+        published.len()
+    );
+    let in_kafka: HashMap<String, usize> =
+        read(&tansu.brokers())
+            .iter()
+            .fold(HashMap::new(), |mut m, r| {
+                *m.entry(r.header("ce_id").unwrap().to_owned()).or_default() += 1;
+                m
+            });
+    let in_kafka_ids: HashSet<String> = in_kafka.keys().cloned().collect();
+    assert_eq!(
+        in_kafka_ids, published,
+        "what is marked is what Kafka has: nothing half-marked"
+    );
+    assert!(
+        in_kafka.values().all(|n| *n == 1),
+        "no duplicates without a crash"
+    );
+}
