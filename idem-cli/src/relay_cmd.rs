@@ -44,7 +44,7 @@ pub struct RelayArgs {
     /// Topic for an aggregate type: AGGREGATE_TYPE=TOPIC (repeatable).
     #[arg(long = "topic", value_parser = idem_kafka::parse_setting)]
     topics: Vec<(String, String)>,
-    /// CloudEvents `ce_source` (default /idem/<aggregate_type>).
+    /// CloudEvents `ce_source` (default /idem/AGGREGATE_TYPE).
     #[arg(long)]
     source: Option<String>,
     /// librdkafka producer setting KEY=VALUE (repeatable). Settings the guarantee needs are refused.
@@ -59,13 +59,13 @@ pub struct RelayArgs {
     /// How often to prune published rows.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     prune_interval: Duration,
-    /// Move pruned rows to <prefix>outbox_archive instead of deleting them.
+    /// Move pruned rows to the PREFIXoutbox_archive table instead of deleting them.
     #[arg(long)]
     archive: bool,
     /// Never prune published rows.
     #[arg(long, conflicts_with_all = ["archive"])]
     no_prune: bool,
-    /// This relay's name in claimed_by (default relay-<pid>-<random>).
+    /// This relay's name in claimed_by (default relay-PID-RANDOM).
     #[arg(long)]
     relay_id: Option<String>,
 }

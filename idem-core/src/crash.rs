@@ -101,15 +101,14 @@ mod imp {
             Action::Error => Err(Error::CrashPoint(name)),
             Action::Abort => {
                 eprintln!("idem: crash point {name} fired");
-                if let Some(path) = std::env::var_os("IDEM_CRASH_LOG") {
-                    if let Ok(mut f) = std::fs::OpenOptions::new()
+                if let Some(path) = std::env::var_os("IDEM_CRASH_LOG")
+                    && let Ok(mut f) = std::fs::OpenOptions::new()
                         .create(true)
                         .append(true)
                         .open(path)
-                    {
-                        let _ = writeln!(f, "{name}");
-                        let _ = f.sync_all();
-                    }
+                {
+                    let _ = writeln!(f, "{name}");
+                    let _ = f.sync_all();
                 }
                 std::process::abort()
             }

@@ -69,12 +69,12 @@ pub fn producer_config(brokers: &str, overrides: &[(String, String)]) -> Result<
         cfg.set(*k, *v);
     }
     for (k, v) in overrides {
-        if let Some((_, forced)) = FORCED_PRODUCER_SETTINGS.iter().find(|(fk, _)| fk == k) {
-            if v != forced {
-                return Err(Error::Config(format!(
-                    "producer setting {k}={v} is refused: the at-least-once guarantee needs {k}={forced}"
-                )));
-            }
+        if let Some((_, forced)) = FORCED_PRODUCER_SETTINGS.iter().find(|(fk, _)| fk == k)
+            && v != forced
+        {
+            return Err(Error::Config(format!(
+                "producer setting {k}={v} is refused: the at-least-once guarantee needs {k}={forced}"
+            )));
         }
         if k == "max.in.flight.requests.per.connection" && !matches!(v.parse::<u32>(), Ok(1..=5)) {
             return Err(Error::Config(format!(
