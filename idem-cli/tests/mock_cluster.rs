@@ -287,3 +287,66 @@ async fn headers_follow_cloudevents_binary_mode_and_carry_the_trace() {
         e.occurred_at().timestamp_micros()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_deliveries_are_never_marked() {
+    let pg = Pg::new().await;
+    let cluster = EmbeddedCluster::start(1).unwrap();
+    cluster.create_topic(TOPIC, 1).unwrap();
+    let brokers = cluster.bootstrap_servers();
+    let events: Vec<Event> = (0..3)
+        .map(|i| idem_conformance::scenarios::event("o-1", i))
+        .collect();
+    let mut tx = pg.begin().await;
+    tx.enqueue(&events).await.unwrap();
+    tx.commit().await;
+    let config = RelayConfig {
+        retry_backoff: Duration::ZERO,
+        prune: None,
+        ..RelayConfig::default()
+    };
+    let r = relay(
+        pg.store().clone(),
+        &brokers,
+        &[("message.timeout.ms", "1500")],
+        config,
+    );
+    cluster.broker_down(1).unwrap();
+    let report = r.run_once().await.unwrap();
+    assert_eq!(
+        (report.claimed, report.published, report.retried),
+        (3, 0, 3)
+    );
+    let rows: Vec<(String, i32, Option<String>)> = sqlx::query_as(
+        "SELECT status, attempts, last_error FROM idem_outbox ORDER BY aggregate_seq",
+    )
+    .fetch_all(pg.pool())
+    .await
+    .unwrap();
+    for (status, attempts, err) in &rows {
+        assert_eq!((status.as_str(), *attempts), ("pending", 1));
+        assert!(
+            err.as_deref()
+                .unwrap_or("")
+                .to_lowercase()
+                .contains("timed out"),
+            "{err:?}"
+        );
+    }
+    cluster.broker_up(1).unwrap();
+    eventually(
+        "the retry to publish after the broker is back",
+        Duration::from_secs(30),
+        || async {
+            r.run_once().await.unwrap();
+            (pg.store().status().await.unwrap().published == 3).then_some(())
+        },
+    )
+    .await;
+    let ids: Vec<String> = read(&brokers, TOPIC)
+        .iter()
+        .map(|r| r.header("ce_id").unwrap().to_owned())
+        .collect();
+    let want: Vec<String> = events.iter().map(|e| e.id().to_string()).collect();
+    assert_eq!(ids, want, "each event once, in order");
+}

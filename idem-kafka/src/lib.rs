@@ -328,6 +328,20 @@ impl EmbeddedCluster {
         self.cluster.bootstrap_servers()
     }
 
+    /// Takes broker `id` (1-based) down: its connections are closed and refused.
+    pub fn broker_down(&self, id: i32) -> Result<()> {
+        self.cluster
+            .broker_down(id)
+            .map_err(|e| Error::broker(format!("taking mock broker {id} down"), e))
+    }
+
+    /// Brings broker `id` back up.
+    pub fn broker_up(&self, id: i32) -> Result<()> {
+        self.cluster
+            .broker_up(id)
+            .map_err(|e| Error::broker(format!("bringing mock broker {id} up"), e))
+    }
+
     /// Creates a topic in the mock cluster.
     pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
         self.cluster

@@ -1,0 +1,229 @@
+//! The `idem` command line: migrations, enqueue validation, status, refused settings.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::{Command, Output};
+
+fn idem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env_remove("IDEM_CRASH_POINTS")
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+struct Db {
+    _dir: tempfile::TempDir,
+    url: String,
+}
+
+fn sqlite() -> Db {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("cli.db").display());
+    let o = idem(&["migrate", "--db", &url]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("applied [1]"));
+    Db { _dir: dir, url }
+}
+
+fn pending(db: &Db) -> serde_json::Value {
+    let o = idem(&["outbox", "status", "--db", &db.url, "--json"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn migrate_twice_is_a_no_op() {
+    let db = sqlite();
+    let o = idem(&["migrate", "--db", &db.url]);
+    assert!(o.status.success());
+    assert!(text(&o).0.contains("up to date (version 1)"));
+}
+
+#[test]
+fn bad_events_are_refused_with_a_clear_error_and_nothing_is_written() {
+    let db = sqlite();
+    let base = ["outbox", "enqueue", "--db", &db.url];
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &[
+                "--aggregate-type",
+                "order",
+                "--aggregate-id",
+                "o-1",
+                "--event-type",
+                "order.paid",
+                "--payload",
+                "{not json",
+            ],
+            "payload is not valid JSON",
+        ),
+        (
+            &[
+                "--aggregate-type",
+                "order",
+                "--aggregate-id",
+                "",
+                "--event-type",
+                "order.paid",
+                "--payload",
+                "{}",
+            ],
+            "aggregate_id is empty",
+        ),
+        (
+            &[
+                "--aggregate-type",
+                "order",
+                "--aggregate-id",
+                "o-1",
+                "--event-type",
+                "order paid!\u{1}",
+                "--payload",
+                "{}",
+            ],
+            "event_type",
+        ),
+        (
+            &[
+                "--aggregate-type",
+                "order",
+                "--aggregate-id",
+                "o-1",
+                "--event-type",
+                "order.paid",
+                "--payload",
+                "{}",
+                "--header",
+                "ce_id=x",
+            ],
+            "reserved",
+        ),
+    ];
+    for (args, message) in cases {
+        let o = idem(&[&base[..], args].concat());
+        assert_eq!(o.status.code(), Some(1), "{args:?} was accepted");
+        let stderr = text(&o).1;
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    assert_eq!(pending(&db)["pending"], 0, "nothing was written");
+    let ok = idem(
+        &[
+            &base[..],
+            &[
+                "--aggregate-type",
+                "order",
+                "--aggregate-id",
+                "o-1",
+                "--event-type",
+                "order.paid",
+                "--payload",
+                "{}",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(ok.status.success(), "{:?}", text(&ok));
+    assert_eq!(pending(&db)["pending"], 1);
+}
+
+#[test]
+fn unsafe_producer_settings_and_bad_table_names_are_refused() {
+    let db = sqlite();
+    let o = idem(&[
+        "relay",
+        "--db",
+        &db.url,
+        "--brokers",
+        "127.0.0.1:1",
+        "--producer-config",
+        "acks=1",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("acks=1 is refused"), "{:?}", text(&o));
+    let o = idem(&[
+        "relay",
+        "--db",
+        &db.url,
+        "--brokers",
+        "127.0.0.1:1",
+        "--producer-config",
+        "enable.idempotence=false",
+    ]);
+    assert!(
+        text(&o).1.contains("enable.idempotence=false is refused"),
+        "{:?}",
+        text(&o)
+    );
+    let o = idem(&[
+        "migrate",
+        "--db",
+        &db.url,
+        "--table-prefix",
+        "x\"; drop table y; --",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o).1.contains("invalid SQL identifier"),
+        "{:?}",
+        text(&o)
+    );
+}
+
+#[test]
+fn relay_without_tables_says_to_migrate() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("empty.db").display());
+    let o = idem(&["relay", "--db", &url, "--brokers", "127.0.0.1:1"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("idem migrate"), "{:?}", text(&o));
+}
+
+#[test]
+fn parked_rows_are_listed_and_retried_from_the_cli() {
+    let db = sqlite();
+    let o = idem(&[
+        "outbox",
+        "enqueue",
+        "--db",
+        &db.url,
+        "--aggregate-type",
+        "order",
+        "--aggregate-id",
+        "o-1",
+        "--event-type",
+        "order.paid",
+        "--payload",
+        "{}",
+    ]);
+    let id = text(&o).0.trim().to_owned();
+    let pool_url = db.url.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let pool = sqlx::SqlitePool::connect(&pool_url).await.unwrap();
+        sqlx::query("UPDATE idem_outbox SET status = 'parked', attempts = 5, last_error = 'message too large'")
+            .execute(&pool)
+            .await
+            .unwrap();
+    });
+    let o = idem(&["outbox", "parked", "--db", &db.url]);
+    let out = text(&o).0;
+    assert!(
+        out.contains(&id) && out.contains("message too large") && out.contains("attempts=5"),
+        "{out}"
+    );
+    let o = idem(&["outbox", "retry", "--db", &db.url, "--event-id", &id]);
+    assert!(
+        text(&o).0.contains("returned 1 parked row"),
+        "{:?}",
+        text(&o)
+    );
+    assert_eq!(pending(&db)["pending"], 1);
+    assert_eq!(pending(&db)["parked"], 0);
+}
