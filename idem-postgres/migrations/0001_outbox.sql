@@ -54,9 +54,15 @@ BEGIN
 END
 $idem$;
 
-DROP TRIGGER IF EXISTS "{bare:outbox}_assign_seq" ON {outbox};
-CREATE TRIGGER "{bare:outbox}_assign_seq" BEFORE INSERT ON {outbox}
-    FOR EACH ROW EXECUTE FUNCTION {outbox_assign_seq}();
+DO $idem$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgname = '{bare:outbox}_assign_seq' AND tgrelid = '{outbox}'::regclass) THEN
+        CREATE TRIGGER "{bare:outbox}_assign_seq" BEFORE INSERT ON {outbox}
+            FOR EACH ROW EXECUTE FUNCTION {outbox_assign_seq}();
+    END IF;
+END
+$idem$;
 
 -- The relay's claim walks pending rows oldest first and probes each aggregate's earliest
 -- pending row; pruning walks published rows by age.
