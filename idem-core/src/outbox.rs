@@ -197,3 +197,29 @@ pub trait OutboxStore: Send + Sync + 'static {
         event_ids: Option<&[EventId]>,
     ) -> impl Future<Output = Result<u64>> + Send;
 }
+
+/// Headers read back from the outbox `headers` column. Values that other writers stored as
+/// non-strings are sent as their JSON text rather than failing the row; a non-object is empty.
+pub fn headers_from_json(v: serde_json::Value) -> BTreeMap<String, String> {
+    match v {
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+/// Orders claimed rows by aggregate, then by commit order within the aggregate.
+pub fn sort_records(records: &mut [OutboxRecord]) {
+    records.sort_by(|a, b| {
+        (&a.aggregate_type, &a.aggregate_id, a.aggregate_seq).cmp(&(
+            &b.aggregate_type,
+            &b.aggregate_id,
+            b.aggregate_seq,
+        ))
+    });
+}

@@ -30,12 +30,12 @@
 //! PostgreSQL aborts one of them, which the caller retries. [`Outbox::enqueue_all`] sorts its
 //! events by aggregate to take the locks in one order.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use idem_core::outbox::{
     Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow, PrunePolicy,
+    headers_from_json, sort_records,
 };
 use idem_core::{Error, Event, EventId, OutboxStore, Result, TableNames};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
@@ -344,32 +344,6 @@ fn decode_record(row: &PgRow) -> std::result::Result<OutboxRecord, sqlx::Error> 
         created_at: row.try_get::<DateTime<Utc>, _>("created_at")?,
         attempt: row.try_get("attempts")?,
     })
-}
-
-/// Header values written by other languages may not be strings; they are sent as their JSON
-/// text rather than failing the row.
-pub fn headers_from_json(v: serde_json::Value) -> BTreeMap<String, String> {
-    match v {
-        serde_json::Value::Object(map) => map
-            .into_iter()
-            .map(|(k, v)| match v {
-                serde_json::Value::String(s) => (k, s),
-                other => (k, other.to_string()),
-            })
-            .collect(),
-        _ => BTreeMap::new(),
-    }
-}
-
-/// Sorts claimed rows by aggregate, then commit order within the aggregate.
-pub fn sort_records(records: &mut [OutboxRecord]) {
-    records.sort_by(|a, b| {
-        (&a.aggregate_type, &a.aggregate_id, a.aggregate_seq).cmp(&(
-            &b.aggregate_type,
-            &b.aggregate_id,
-            b.aggregate_seq,
-        ))
-    });
 }
 
 fn millis(d: std::time::Duration) -> i64 {

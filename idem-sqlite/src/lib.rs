@@ -32,6 +32,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use idem_core::outbox::{
     Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow, PrunePolicy,
+    headers_from_json, sort_records,
 };
 use idem_core::{Error, Event, EventId, OutboxStore, Result, TableNames};
 use sqlx::sqlite::{
@@ -330,19 +331,6 @@ fn decode_record(row: &SqliteRow) -> Result<OutboxRecord> {
     })
 }
 
-fn headers_from_json(v: serde_json::Value) -> std::collections::BTreeMap<String, String> {
-    match v {
-        serde_json::Value::Object(map) => map
-            .into_iter()
-            .map(|(k, v)| match v {
-                serde_json::Value::String(s) => (k, s),
-                other => (k, other.to_string()),
-            })
-            .collect(),
-        _ => Default::default(),
-    }
-}
-
 impl OutboxStore for SqliteStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
         let claim_id = Uuid::now_v7();
@@ -368,13 +356,7 @@ impl OutboxStore for SqliteStore {
         })
         .await?;
         let mut records = rows.iter().map(decode_record).collect::<Result<Vec<_>>>()?;
-        records.sort_by(|a, b| {
-            (&a.aggregate_type, &a.aggregate_id, a.aggregate_seq).cmp(&(
-                &b.aggregate_type,
-                &b.aggregate_id,
-                b.aggregate_seq,
-            ))
-        });
+        sort_records(&mut records);
         Ok(Claim { claim_id, records })
     }
 
