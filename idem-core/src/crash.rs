@@ -24,6 +24,8 @@ use crate::error::{Error, Result};
 pub const CRASH_POINTS: &[&str] = &[
     RELAY_AFTER_CLAIM_BEFORE_PUBLISH,
     RELAY_AFTER_PUBLISH_BEFORE_MARK,
+    CONSUMER_AFTER_DEDUP_BEFORE_HANDLER,
+    CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT,
 ];
 
 /// The relay has claimed a batch but produced nothing yet. Recovery: the lease expires and
@@ -32,6 +34,16 @@ pub const RELAY_AFTER_CLAIM_BEFORE_PUBLISH: &str = "relay.after_claim_before_pub
 /// Kafka acknowledged the batch but the rows are not marked published. Recovery: the rows are
 /// published again (a republish, a duplicate in Kafka that the consumer inbox absorbs).
 pub const RELAY_AFTER_PUBLISH_BEFORE_MARK: &str = "relay.after_publish_before_mark";
+
+/// The consumer recorded the batch in the inbox, inside its open transaction, and has not run
+/// the handler. Recovery: the transaction rolls back with the process; the offset was not
+/// committed, so the batch is delivered again and processed as new.
+pub const CONSUMER_AFTER_DEDUP_BEFORE_HANDLER: &str = "consumer.after_dedup_before_handler";
+/// The consumer's transaction (inbox rows and business writes) committed; the Kafka offset is
+/// not committed. Recovery: the batch is delivered again, every event is a duplicate in the
+/// inbox and is skipped (`idem_duplicate_skip_total`), then the offset moves on.
+pub const CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT: &str =
+    "consumer.after_db_commit_before_offset_commit";
 
 /// What an armed crash point does when it fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

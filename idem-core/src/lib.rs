@@ -7,6 +7,7 @@
 pub mod crash;
 pub mod error;
 pub mod event;
+pub mod inbox;
 pub mod outbox;
 pub mod publish;
 pub mod tables;
@@ -14,6 +15,9 @@ pub mod trace;
 
 pub use error::{BoxError, Error, Result};
 pub use event::{Event, EventBuilder, EventId};
+pub use inbox::{
+    DeadLetter, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, Source, StoredDeadLetter,
+};
 pub use outbox::{
     Claim, ClaimRequest, Completed, Failure, OutboxRecord, OutboxStatus, OutboxStore, Outcome,
     ParkedRow, PrunePolicy,

@@ -49,11 +49,15 @@ const BASES: &[&str] = &[
     "outbox_archive",
     "outbox",
     "schema_migrations",
+    "inbox",
+    "dead_letters",
 ];
 
 /// Migrations shipped with this build: (version, description, SQL).
-const MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "outbox", include_str!("../migrations/0001_outbox.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "outbox", include_str!("../migrations/0001_outbox.sql")),
+    (2, "inbox", include_str!("../migrations/0002_inbox.sql")),
+];
 
 /// How many of the oldest pending rows a claim looks at, per row of batch size.
 const CLAIM_WINDOW_FACTOR: u32 = 4;
@@ -69,6 +73,9 @@ struct Queries {
     status: String,
     parked: String,
     retry_parked: String,
+    inbox_record: String,
+    dead_letter: String,
+    dead_letters: String,
 }
 
 impl Queries {
@@ -84,6 +91,9 @@ impl Queries {
             status: r(include_str!("../sql/status.sql")),
             parked: r(include_str!("../sql/parked.sql")),
             retry_parked: r(include_str!("../sql/retry_parked.sql")),
+            inbox_record: r(include_str!("../sql/inbox_record.sql")),
+            dead_letter: r(include_str!("../sql/dead_letter.sql")),
+            dead_letters: r(include_str!("../sql/dead_letters.sql")),
         }
     }
 }
@@ -482,6 +492,222 @@ impl OutboxStore for PgStore {
             .map_err(|e| Error::database("retrying parked rows", e))?
             .rows_affected();
         Ok(n)
+    }
+}
+
+/// The consumer's inbox and dead letters in PostgreSQL ([`idem_core::InboxStore`]).
+///
+/// Handlers receive `&mut PgConnection` inside the batch transaction: write with
+/// `sqlx::query(..).execute(&mut *conn)`.
+#[derive(Clone, Debug)]
+pub struct PgInbox {
+    pool: PgPool,
+    queries: Arc<Queries>,
+}
+
+impl PgInbox {
+    /// An inbox over `pool` with the given tables (created by [`migrate`]).
+    pub fn new(pool: PgPool, tables: TableNames) -> Self {
+        PgInbox {
+            pool,
+            queries: Arc::new(Queries::render(&tables)),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+impl idem_core::InboxStore for PgInbox {
+    type Conn = PgConnection;
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+
+    async fn begin(&self) -> Result<Self::Tx> {
+        self.pool
+            .begin()
+            .await
+            .map_err(|e| Error::database("beginning a consumer transaction", e))
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<()> {
+        tx.commit()
+            .await
+            .map_err(|e| Error::database("committing a consumer transaction", e))
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<()> {
+        tx.rollback()
+            .await
+            .map_err(|e| Error::database("rolling back a consumer transaction", e))
+    }
+
+    async fn record(
+        &self,
+        conn: &mut PgConnection,
+        group: &str,
+        entries: &[idem_core::InboxEntry<'_>],
+    ) -> Result<Vec<idem_core::Dedup>> {
+        if entries.is_empty() {
+            return Ok(vec![]);
+        }
+        let rows = sqlx::query(&self.queries.inbox_record)
+            .bind(group)
+            .bind(
+                entries
+                    .iter()
+                    .map(|e| e.event.event_id.as_uuid())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                entries
+                    .iter()
+                    .map(|e| e.event.event_type.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                entries
+                    .iter()
+                    .map(|e| e.event.aggregate_type.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                entries
+                    .iter()
+                    .map(|e| e.event.aggregate_id.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                entries
+                    .iter()
+                    .map(|e| e.event.payload_hash.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(entries.iter().map(|e| e.copies).collect::<Vec<_>>())
+            .bind(
+                entries
+                    .iter()
+                    .map(|e| {
+                        if e.dead_lettered {
+                            "dead_lettered"
+                        } else {
+                            "processed"
+                        }
+                    })
+                    .collect::<Vec<_>>(),
+            )
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| Error::database("recording events in the inbox", e))?;
+        let mut by_id = std::collections::HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let id: Uuid = row
+                .try_get("event_id")
+                .map_err(|e| Error::database("decoding inbox rows", e))?;
+            let count: i32 = row
+                .try_get("delivery_count")
+                .map_err(|e| Error::database("decoding inbox rows", e))?;
+            let hash: String = row
+                .try_get("payload_hash")
+                .map_err(|e| Error::database("decoding inbox rows", e))?;
+            by_id.insert(id, (count, hash));
+        }
+        entries
+            .iter()
+            .map(|e| {
+                let (count, hash) = by_id.get(&e.event.event_id.as_uuid()).ok_or_else(|| {
+                    Error::database(
+                        "recording events in the inbox",
+                        format!("no inbox row returned for {}", e.event.event_id),
+                    )
+                })?;
+                Ok(if *count == e.copies {
+                    idem_core::Dedup::New
+                } else if *hash == e.event.payload_hash {
+                    idem_core::Dedup::Duplicate
+                } else {
+                    idem_core::Dedup::Conflict
+                })
+            })
+            .collect()
+    }
+
+    async fn dead_letter(
+        &self,
+        conn: &mut PgConnection,
+        group: &str,
+        letters: &[idem_core::DeadLetter],
+    ) -> Result<()> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(&self.queries.dead_letter)
+            .bind(group)
+            .bind(letters.iter().map(|d| d.topic.as_str()).collect::<Vec<_>>())
+            .bind(letters.iter().map(|d| d.partition).collect::<Vec<_>>())
+            .bind(letters.iter().map(|d| d.offset).collect::<Vec<_>>())
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.event_id.map(|e| e.as_uuid()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.event_type.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.reason.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(letters.iter().map(|d| d.key.as_deref()).collect::<Vec<_>>())
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.payload.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.headers.to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| Error::database("storing dead letters", e))?;
+        Ok(())
+    }
+
+    async fn dead_letters(
+        &self,
+        group: &str,
+        limit: u32,
+    ) -> Result<Vec<idem_core::StoredDeadLetter>> {
+        let rows = sqlx::query(&self.queries.dead_letters)
+            .bind(group)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("listing dead letters", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(idem_core::StoredDeadLetter {
+                    consumer_group: r.try_get("consumer_group")?,
+                    topic: r.try_get("topic")?,
+                    partition: r.try_get("record_partition")?,
+                    offset: r.try_get("record_offset")?,
+                    event_id: r.try_get("event_id")?,
+                    reason: r.try_get("reason")?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding dead letters", e))
     }
 }
 

@@ -42,10 +42,18 @@ use sqlx::sqlite::{
 use sqlx::{Executor, Row};
 use uuid::Uuid;
 
-const BASES: &[&str] = &["outbox_archive", "outbox", "schema_migrations"];
+const BASES: &[&str] = &[
+    "outbox_archive",
+    "outbox",
+    "schema_migrations",
+    "inbox",
+    "dead_letters",
+];
 
-const MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "outbox", include_str!("../migrations/0001_outbox.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "outbox", include_str!("../migrations/0001_outbox.sql")),
+    (2, "inbox", include_str!("../migrations/0002_inbox.sql")),
+];
 
 const CLAIM_WINDOW_FACTOR: u32 = 4;
 
@@ -64,6 +72,9 @@ struct Queries {
     parked: String,
     retry_parked: String,
     retry_parked_one: String,
+    inbox_record: String,
+    dead_letter: String,
+    dead_letters: String,
 }
 
 impl Queries {
@@ -80,6 +91,9 @@ impl Queries {
             parked: r(include_str!("../sql/parked.sql")),
             retry_parked: r(include_str!("../sql/retry_parked.sql")),
             retry_parked_one: r(include_str!("../sql/retry_parked_one.sql")),
+            inbox_record: r(include_str!("../sql/inbox_record.sql")),
+            dead_letter: r(include_str!("../sql/dead_letter.sql")),
+            dead_letters: r(include_str!("../sql/dead_letters.sql")),
         }
     }
 }
@@ -502,6 +516,148 @@ impl OutboxStore for SqliteStore {
             },
         )
         .await
+    }
+}
+
+/// The consumer's inbox and dead letters in SQLite ([`idem_core::InboxStore`]).
+///
+/// Handlers receive `&mut SqliteConnection` inside the batch transaction.
+#[derive(Clone, Debug)]
+pub struct SqliteInbox {
+    pool: SqlitePool,
+    queries: Arc<Queries>,
+}
+
+impl SqliteInbox {
+    /// An inbox over `pool` with the given tables (created by [`migrate`]).
+    pub fn new(pool: SqlitePool, tables: TableNames) -> Self {
+        SqliteInbox {
+            pool,
+            queries: Arc::new(Queries::render(&tables)),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+impl idem_core::InboxStore for SqliteInbox {
+    type Conn = SqliteConnection;
+    type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
+
+    async fn begin(&self) -> Result<Self::Tx> {
+        // IMMEDIATE: take the write lock up front, so the busy timeout applies instead of a
+        // snapshot conflict when another writer committed first.
+        self.pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| Error::database("beginning a consumer transaction", e))
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<()> {
+        tx.commit()
+            .await
+            .map_err(|e| Error::database("committing a consumer transaction", e))
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<()> {
+        tx.rollback()
+            .await
+            .map_err(|e| Error::database("rolling back a consumer transaction", e))
+    }
+
+    async fn record(
+        &self,
+        conn: &mut SqliteConnection,
+        group: &str,
+        entries: &[idem_core::InboxEntry<'_>],
+    ) -> Result<Vec<idem_core::Dedup>> {
+        let mut out = Vec::with_capacity(entries.len());
+        for e in entries {
+            let row = sqlx::query(&self.queries.inbox_record)
+                .bind(group)
+                .bind(e.event.event_id.to_string())
+                .bind(&e.event.event_type)
+                .bind(&e.event.aggregate_type)
+                .bind(&e.event.aggregate_id)
+                .bind(&e.event.payload_hash)
+                .bind(e.copies)
+                .bind(if e.dead_lettered {
+                    "dead_lettered"
+                } else {
+                    "processed"
+                })
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|err| Error::database("recording events in the inbox", err))?;
+            let count: i32 = row
+                .try_get("delivery_count")
+                .map_err(|err| Error::database("decoding inbox rows", err))?;
+            let hash: String = row
+                .try_get("payload_hash")
+                .map_err(|err| Error::database("decoding inbox rows", err))?;
+            out.push(if count == e.copies {
+                idem_core::Dedup::New
+            } else if hash == e.event.payload_hash {
+                idem_core::Dedup::Duplicate
+            } else {
+                idem_core::Dedup::Conflict
+            });
+        }
+        Ok(out)
+    }
+
+    async fn dead_letter(
+        &self,
+        conn: &mut SqliteConnection,
+        group: &str,
+        letters: &[idem_core::DeadLetter],
+    ) -> Result<()> {
+        for d in letters {
+            sqlx::query(&self.queries.dead_letter)
+                .bind(group)
+                .bind(&d.topic)
+                .bind(d.partition)
+                .bind(d.offset)
+                .bind(d.event_id.map(|e| e.to_string()))
+                .bind(d.event_type.as_deref())
+                .bind(&d.reason)
+                .bind(d.key.as_deref())
+                .bind(d.payload.as_deref())
+                .bind(d.headers.to_string())
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| Error::database("storing dead letters", e))?;
+        }
+        Ok(())
+    }
+
+    async fn dead_letters(
+        &self,
+        group: &str,
+        limit: u32,
+    ) -> Result<Vec<idem_core::StoredDeadLetter>> {
+        let rows = sqlx::query(&self.queries.dead_letters)
+            .bind(group)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("listing dead letters", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(idem_core::StoredDeadLetter {
+                    consumer_group: r.try_get("consumer_group")?,
+                    topic: r.try_get("topic")?,
+                    partition: r.try_get("record_partition")?,
+                    offset: r.try_get("record_offset")?,
+                    event_id: r.try_get("event_id")?,
+                    reason: r.try_get("reason")?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding dead letters", e))
     }
 }
 

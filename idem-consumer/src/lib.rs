@@ -1,0 +1,592 @@
+#![doc = include_str!("../README.md")]
+
+mod metrics;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::time::Duration;
+
+use idem_core::crash::{
+    self, CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER,
+};
+use idem_core::{
+    BoxError, DeadLetter, Dedup, Delivery, Error, EventId, InboundEvent, InboxEntry, InboxStore,
+    Result, Source,
+};
+use sha2::{Digest, Sha256};
+
+pub use metrics::{ConsumerMetrics, total};
+
+/// Why a handler did not apply an event.
+#[derive(Debug)]
+pub enum HandlerError {
+    /// Might work later (database busy, a lock timeout, a dependency down): the batch is rolled
+    /// back and retried with backoff, a bounded number of times for this event.
+    Transient(BoxError),
+    /// Will never work (malformed payload, a business rule): the event is dead-lettered with
+    /// this reason, and the rest of the batch is applied without it.
+    Permanent(String),
+}
+
+impl HandlerError {
+    /// A permanent failure with a person-readable reason.
+    pub fn permanent(reason: impl Into<String>) -> Self {
+        HandlerError::Permanent(reason.into())
+    }
+
+    /// A transient failure.
+    pub fn transient(e: impl Into<BoxError>) -> Self {
+        HandlerError::Transient(e.into())
+    }
+}
+
+/// Applies events to the business tables, inside the consumer's transaction.
+///
+/// `C` is the store's connection type (`sqlx::PgConnection`, `sqlx::SqliteConnection`): the
+/// handler writes through it, so its writes commit or roll back together with the inbox rows.
+/// A handler must not commit, and must not call anything outside the transaction whose effect
+/// cannot be rolled back (use the effect stage for external calls).
+pub trait Handler<C>: Send + Sync + 'static {
+    /// Applies one new event.
+    fn handle(
+        &self,
+        conn: &mut C,
+        event: &InboundEvent,
+    ) -> impl Future<Output = std::result::Result<(), HandlerError>> + Send;
+
+    /// The business key whose rows `handle` locks. Events of a batch are applied sorted by it
+    /// (stably, so one key keeps its delivery order), so concurrent batches take locks in the
+    /// same order and do not deadlock. Default: the aggregate id.
+    fn business_key(&self, event: &InboundEvent) -> String {
+        event.aggregate_id.clone()
+    }
+}
+
+/// Consumer settings.
+#[derive(Clone, Debug)]
+pub struct ConsumerConfig {
+    /// Consumer group: the inbox is keyed by (group, event id).
+    pub group: String,
+    /// Most records per transaction.
+    pub batch_size: usize,
+    /// How long to wait for more records after the first one of a batch.
+    pub linger: Duration,
+    /// Transient failures of one event before it is dead-lettered.
+    pub max_retries: u32,
+    /// Failures of a batch not caused by one event (the database unreachable, a failed commit)
+    /// before [`Consumer::process`] gives up and returns the error; the offset is not committed,
+    /// so nothing is lost, and a restarted consumer retries the batch.
+    pub max_batch_retries: u32,
+    /// First retry backoff; doubles per retry.
+    pub retry_backoff: Duration,
+    /// Longest retry backoff.
+    pub retry_backoff_max: Duration,
+}
+
+impl ConsumerConfig {
+    /// Defaults for `group`: batches of 200, 5 ms linger, 5 retries from 100 ms.
+    pub fn new(group: impl Into<String>) -> Self {
+        ConsumerConfig {
+            group: group.into(),
+            batch_size: 200,
+            linger: Duration::from_millis(5),
+            max_retries: 5,
+            max_batch_retries: 20,
+            retry_backoff: Duration::from_millis(100),
+            retry_backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Decodes a record into an event, or says why it cannot be processed.
+pub fn decode(d: &Delivery) -> std::result::Result<InboundEvent, String> {
+    let id = d
+        .header("ce_id")
+        .ok_or("the record has no ce_id header (event id)")?;
+    let event_id: EventId = id
+        .parse()
+        .map_err(|_| format!("ce_id {id:?} is not a UUID"))?;
+    let event_type = d
+        .header("ce_type")
+        .ok_or("the record has no ce_type header (event type)")?;
+    let bytes = d.payload.as_deref().ok_or("the record has no value")?;
+    let payload: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| format!("the record value is not valid JSON: {e}"))?;
+    Ok(InboundEvent {
+        event_id,
+        event_type: event_type.to_owned(),
+        aggregate_type: d
+            .header("idem_aggregate_type")
+            .unwrap_or_default()
+            .to_owned(),
+        aggregate_id: d
+            .header("idem_aggregate_id")
+            .map(str::to_owned)
+            .or_else(|| d.key.clone())
+            .unwrap_or_default(),
+        payload,
+        payload_hash: hex_sha256(bytes),
+        traceparent: d.header("traceparent").map(str::to_owned),
+        topic: d.topic.clone(),
+        partition: d.partition,
+        offset: d.offset,
+    })
+}
+
+fn hex_sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// PostgreSQL `text` cannot hold NUL; dead letters keep everything else.
+fn clean(s: &str) -> String {
+    s.replace('\0', "\u{FFFD}")
+}
+
+fn dead_letter_of(d: &Delivery, event: Option<&InboundEvent>, reason: String) -> DeadLetter {
+    DeadLetter {
+        topic: d.topic.clone(),
+        partition: d.partition,
+        offset: d.offset,
+        event_id: event
+            .map(|e| e.event_id)
+            .or_else(|| d.header("ce_id").and_then(|s| s.parse().ok())),
+        event_type: event
+            .map(|e| e.event_type.clone())
+            .or_else(|| d.header("ce_type").map(clean)),
+        reason: clean(&reason),
+        key: d.key.as_deref().map(clean),
+        payload: d
+            .payload
+            .as_deref()
+            .map(|p| clean(&String::from_utf8_lossy(p))),
+        headers: serde_json::Value::Object(
+            d.headers
+                .iter()
+                .map(|(k, v)| (clean(k), serde_json::Value::String(clean(v))))
+                .collect(),
+        ),
+    }
+}
+
+/// What one batch did, after its commit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchReport {
+    /// Records in the batch.
+    pub records: usize,
+    /// Events applied by the handler.
+    pub processed: u64,
+    /// Copies of events seen before (in the inbox or earlier in the batch).
+    pub duplicate_deliveries: u64,
+    /// Copies skipped because the event was already applied.
+    pub duplicate_skips: u64,
+    /// Copies with a known event id but a different payload: never applied.
+    pub conflicts: u64,
+    /// Records dead-lettered.
+    pub dead_lettered: u64,
+    /// Transaction attempts that were rolled back and retried.
+    pub retries: u64,
+}
+
+/// One distinct event of a batch with its copies.
+struct Unique<'a> {
+    event: &'a InboundEvent,
+    delivery: &'a Delivery,
+    copies: i32,
+}
+
+enum Attempt {
+    Poison(EventId, String),
+    Transient(Option<EventId>, Error),
+    Fatal(Error),
+}
+
+/// The consumer runtime.
+///
+/// For each batch it opens one transaction, records the batch's events in the inbox
+/// (`INSERT … ON CONFLICT`), calls the handler **in that transaction** for the new ones,
+/// commits, and only then commits the Kafka offsets. Duplicate windows and what closes them:
+///
+/// * crash after the inbox insert, before the handler (`consumer.after_dedup_before_handler`):
+///   the transaction dies with the process, nothing was committed, the offset was not either; the
+///   batch is delivered again and applied once.
+/// * crash after the commit, before the offset commit
+///   (`consumer.after_db_commit_before_offset_commit`): the batch is delivered again; the inbox
+///   finds every event and the handler is not called (`idem_duplicate_skip_total`).
+/// * a rebalance hands a partition to another process while this one still works on it: both
+///   may apply the same event concurrently; the inbox's primary key makes the second insert
+///   wait for the first transaction and then see a duplicate.
+/// * the producer or relay published an event twice: same `ce_id`, skipped.
+pub struct Consumer<I, H, S> {
+    inbox: I,
+    handler: H,
+    source: S,
+    config: ConsumerConfig,
+    metrics: ConsumerMetrics,
+}
+
+impl<I, H, S> Consumer<I, H, S>
+where
+    I: InboxStore,
+    H: Handler<I::Conn>,
+    S: Source,
+{
+    /// A consumer of `source` applying events with `handler`, deduplicated by `inbox`.
+    pub fn new(
+        inbox: I,
+        handler: H,
+        source: S,
+        config: ConsumerConfig,
+        metrics: ConsumerMetrics,
+    ) -> Self {
+        Consumer {
+            inbox,
+            handler,
+            source,
+            config,
+            metrics,
+        }
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &ConsumerMetrics {
+        &self.metrics
+    }
+
+    /// The inbox.
+    pub fn inbox(&self) -> &I {
+        &self.inbox
+    }
+
+    /// Runs until `shutdown` resolves. A batch being applied is finished (committed, offsets
+    /// committed) first. Returns early only for a crash point fired in error mode.
+    pub async fn run(&mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        tokio::pin!(shutdown);
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let batch = tokio::select! {
+                biased;
+                () = &mut shutdown => return Ok(()),
+                b = self.source.next_batch(self.config.batch_size, self.config.linger) => b,
+            };
+            match batch {
+                Ok(records) if records.is_empty() => {}
+                Ok(records) => {
+                    self.process(&records).await?;
+                    backoff = Duration::from_millis(100);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "fetching records failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    /// Applies one batch and commits its offsets. Public for tests and embedding.
+    pub async fn process(&mut self, records: &[Delivery]) -> Result<BatchReport> {
+        let mut report = BatchReport {
+            records: records.len(),
+            ..BatchReport::default()
+        };
+        let decoded: Vec<std::result::Result<InboundEvent, String>> =
+            records.iter().map(decode).collect();
+        let mut undecodable: Vec<DeadLetter> = vec![];
+        let mut uniques: Vec<Unique<'_>> = vec![];
+        let mut index: HashMap<EventId, usize> = HashMap::new();
+        let mut in_batch_conflicts: Vec<(&InboundEvent, &Delivery)> = vec![];
+        for (d, ev) in records.iter().zip(&decoded) {
+            match ev {
+                Err(reason) => undecodable.push(dead_letter_of(d, None, reason.clone())),
+                Ok(ev) => match index.get(&ev.event_id) {
+                    Some(&i) if uniques[i].event.payload_hash == ev.payload_hash => {
+                        uniques[i].copies += 1
+                    }
+                    Some(_) => in_batch_conflicts.push((ev, d)),
+                    None => {
+                        index.insert(ev.event_id, uniques.len());
+                        uniques.push(Unique {
+                            event: ev,
+                            delivery: d,
+                            copies: 1,
+                        });
+                    }
+                },
+            }
+        }
+
+        let mut poison: HashMap<EventId, String> = HashMap::new();
+        let mut transient_failures: HashMap<Option<EventId>, u32> = HashMap::new();
+        let mut backoff = self.config.retry_backoff;
+        let outcome = loop {
+            match self
+                .attempt(&uniques, &poison, &undecodable, &in_batch_conflicts)
+                .await
+            {
+                Ok(results) => break results,
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Poison(id, reason)) => {
+                    tracing::warn!(event_id = %id, %reason, "dead-lettering an event the handler refused");
+                    poison.insert(id, reason);
+                }
+                Err(Attempt::Transient(id, e)) => {
+                    report.retries += 1;
+                    let labels = uniques
+                        .iter()
+                        .find(|u| Some(u.event.event_id) == id)
+                        .or(uniques.first())
+                        .map(|u| labels(&self.config.group, u.event))
+                        .unwrap_or_else(|| {
+                            [
+                                records[0].topic.clone(),
+                                self.config.group.clone(),
+                                String::new(),
+                                String::new(),
+                            ]
+                        });
+                    self.metrics.retries.with_label_values(&labels).inc();
+                    let n = transient_failures.entry(id).or_default();
+                    *n += 1;
+                    tracing::warn!(error = %e, event_id = ?id, attempt = *n, "consumer transaction failed; retrying");
+                    match id {
+                        Some(id) if *n > self.config.max_retries => {
+                            poison.insert(
+                                id,
+                                format!("gave up after {} transient failures; last: {e}", *n),
+                            );
+                            continue;
+                        }
+                        None if *n > self.config.max_batch_retries => {
+                            tracing::error!(error = %e, "giving up on the batch; its offset is not committed");
+                            return Err(e);
+                        }
+                        _ => {}
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(self.config.retry_backoff_max);
+                }
+            }
+        };
+
+        // Counted only now: rolled-back attempts changed nothing.
+        for (u, dedup) in uniques.iter().zip(&outcome) {
+            let l = labels(&self.config.group, u.event);
+            let extra = u64::try_from(u.copies - 1).unwrap_or(0);
+            let copies = u64::try_from(u.copies).unwrap_or(0);
+            match dedup {
+                Dedup::New if poison.contains_key(&u.event.event_id) => {
+                    self.metrics.dead_lettered.with_label_values(&l).inc();
+                    report.dead_lettered += 1;
+                }
+                Dedup::New => {
+                    self.metrics.processed.with_label_values(&l).inc();
+                    report.processed += 1;
+                }
+                Dedup::Duplicate => {}
+                Dedup::Conflict => {
+                    self.metrics.conflicts.with_label_values(&l).inc_by(copies);
+                    self.metrics
+                        .dead_lettered
+                        .with_label_values(&l)
+                        .inc_by(copies);
+                    self.metrics
+                        .duplicate_deliveries
+                        .with_label_values(&l)
+                        .inc_by(copies);
+                    report.conflicts += copies;
+                    report.dead_lettered += copies;
+                    report.duplicate_deliveries += copies;
+                }
+            }
+            let skipped = match dedup {
+                Dedup::New => extra,
+                Dedup::Duplicate => copies,
+                Dedup::Conflict => 0,
+            };
+            if skipped > 0 {
+                self.metrics
+                    .duplicate_deliveries
+                    .with_label_values(&l)
+                    .inc_by(skipped);
+                self.metrics
+                    .duplicate_skips
+                    .with_label_values(&l)
+                    .inc_by(skipped);
+                report.duplicate_deliveries += skipped;
+                report.duplicate_skips += skipped;
+            }
+        }
+        for (ev, _) in &in_batch_conflicts {
+            let l = labels(&self.config.group, ev);
+            self.metrics.conflicts.with_label_values(&l).inc();
+            self.metrics.dead_lettered.with_label_values(&l).inc();
+            self.metrics
+                .duplicate_deliveries
+                .with_label_values(&l)
+                .inc();
+            report.conflicts += 1;
+            report.dead_lettered += 1;
+            report.duplicate_deliveries += 1;
+        }
+        for d in &undecodable {
+            let l = [
+                d.topic.clone(),
+                self.config.group.clone(),
+                d.event_type.clone().unwrap_or_default(),
+                String::new(),
+            ];
+            self.metrics.dead_lettered.with_label_values(&l).inc();
+            report.dead_lettered += 1;
+        }
+
+        crash::crash_point(CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT)?;
+        let mut last: BTreeMap<(String, i32), i64> = BTreeMap::new();
+        for r in records {
+            let e = last
+                .entry((r.topic.clone(), r.partition))
+                .or_insert(r.offset);
+            *e = (*e).max(r.offset);
+        }
+        let done: Vec<(String, i32, i64)> = last.into_iter().map(|((t, p), o)| (t, p, o)).collect();
+        if let Err(e) = self.source.commit(&done).await {
+            // Not fatal: the batch is committed in the database; if it comes back, the inbox
+            // skips it.
+            self.metrics.offset_commit_failures.inc();
+            tracing::warn!(error = %e, "committing offsets failed; the batch may be delivered again and skipped");
+        }
+        Ok(report)
+    }
+
+    async fn attempt(
+        &self,
+        uniques: &[Unique<'_>],
+        poison: &HashMap<EventId, String>,
+        undecodable: &[DeadLetter],
+        in_batch_conflicts: &[(&InboundEvent, &Delivery)],
+    ) -> std::result::Result<Vec<Dedup>, Attempt> {
+        let mut tx = self
+            .inbox
+            .begin()
+            .await
+            .map_err(|e| Attempt::Transient(None, e))?;
+        match self
+            .attempt_in(&mut tx, uniques, poison, undecodable, in_batch_conflicts)
+            .await
+        {
+            Ok(results) => {
+                self.inbox
+                    .commit(tx)
+                    .await
+                    .map_err(|e| Attempt::Transient(None, e))?;
+                Ok(results)
+            }
+            Err(e) => {
+                if let Err(rb) = self.inbox.rollback(tx).await {
+                    tracing::warn!(error = %rb, "rollback failed (the connection is discarded)");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn attempt_in(
+        &self,
+        tx: &mut I::Tx,
+        uniques: &[Unique<'_>],
+        poison: &HashMap<EventId, String>,
+        undecodable: &[DeadLetter],
+        in_batch_conflicts: &[(&InboundEvent, &Delivery)],
+    ) -> std::result::Result<Vec<Dedup>, Attempt> {
+        let entries: Vec<InboxEntry<'_>> = uniques
+            .iter()
+            .map(|u| InboxEntry {
+                event: u.event,
+                copies: u.copies,
+                dead_lettered: poison.contains_key(&u.event.event_id),
+            })
+            .collect();
+        let results = self
+            .inbox
+            .record(&mut *tx, &self.config.group, &entries)
+            .await
+            .map_err(|e| Attempt::Transient(None, e))?;
+        crash::crash_point(CONSUMER_AFTER_DEDUP_BEFORE_HANDLER).map_err(Attempt::Fatal)?;
+
+        let mut apply: Vec<(String, &Unique<'_>)> = uniques
+            .iter()
+            .zip(&results)
+            .filter(|(u, r)| **r == Dedup::New && !poison.contains_key(&u.event.event_id))
+            .map(|(u, _)| (self.handler.business_key(u.event), u))
+            .collect();
+        apply.sort_by(|a, b| a.0.cmp(&b.0)); // stable: one key keeps its delivery order
+        for (_, u) in &apply {
+            let span = tracing::debug_span!(
+                "idem.handle",
+                event_id = %u.event.event_id,
+                event_type = %u.event.event_type,
+                traceparent = u.event.traceparent.as_deref().unwrap_or(""),
+            );
+            let _enter = span.enter();
+            match self.handler.handle(&mut *tx, u.event).await {
+                Ok(()) => {}
+                Err(HandlerError::Permanent(reason)) => {
+                    return Err(Attempt::Poison(u.event.event_id, reason));
+                }
+                Err(HandlerError::Transient(e)) => {
+                    return Err(Attempt::Transient(
+                        Some(u.event.event_id),
+                        Error::database("running the handler", e),
+                    ));
+                }
+            }
+        }
+
+        let mut letters: Vec<DeadLetter> = undecodable.to_vec();
+        let mut seen: HashSet<(String, i32, i64)> = HashSet::new();
+        for (u, r) in uniques.iter().zip(&results) {
+            if let Some(reason) = poison.get(&u.event.event_id)
+                && *r == Dedup::New
+            {
+                letters.push(dead_letter_of(u.delivery, Some(u.event), reason.clone()));
+            }
+            if *r == Dedup::Conflict {
+                letters.push(dead_letter_of(
+                    u.delivery,
+                    Some(u.event),
+                    format!(
+                        "idempotency conflict: event {} was received before with a different payload; not applied",
+                        u.event.event_id
+                    ),
+                ));
+            }
+        }
+        for (ev, d) in in_batch_conflicts {
+            letters.push(dead_letter_of(
+                d,
+                Some(ev),
+                format!("idempotency conflict: event {} appears twice in one batch with different payloads; not applied", ev.event_id),
+            ));
+        }
+        letters.retain(|l| seen.insert((l.topic.clone(), l.partition, l.offset)));
+        self.inbox
+            .dead_letter(&mut *tx, &self.config.group, &letters)
+            .await
+            .map_err(|e| Attempt::Transient(None, e))?;
+        Ok(results)
+    }
+}
+
+fn labels(group: &str, e: &InboundEvent) -> [String; 4] {
+    [
+        e.topic.clone(),
+        group.to_owned(),
+        e.event_type.clone(),
+        e.aggregate_type.clone(),
+    ]
+}
+
+#[cfg(test)]
+mod tests;

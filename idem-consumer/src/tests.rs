@@ -1,0 +1,342 @@
+//! Engine tests against a real SQLite inbox with a scripted source. The Kafka path and
+//! PostgreSQL are covered in `idem-cli/tests`.
+
+use std::sync::{Arc, Mutex};
+
+use idem_core::TableNames;
+use idem_core::crash::Action;
+use idem_sqlite::SqliteInbox;
+use sqlx::SqliteConnection;
+
+use super::*;
+
+type Positions = Vec<(String, i32, i64)>;
+
+#[derive(Clone, Default)]
+struct ScriptedSource {
+    commits: Arc<Mutex<Vec<Positions>>>,
+}
+
+impl Source for ScriptedSource {
+    async fn next_batch(&mut self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
+        std::future::pending().await
+    }
+    async fn commit(&mut self, done: &[(String, i32, i64)]) -> Result<()> {
+        self.commits.lock().unwrap().push(done.to_vec());
+        Ok(())
+    }
+}
+
+/// Writes one row per event into `effects`; refuses payloads with "poison"; fails transiently
+/// while `flaky` is above zero.
+#[derive(Clone, Default)]
+struct Recorder {
+    flaky: Arc<Mutex<u32>>,
+}
+
+impl Handler<SqliteConnection> for Recorder {
+    async fn handle(
+        &self,
+        conn: &mut SqliteConnection,
+        e: &InboundEvent,
+    ) -> std::result::Result<(), HandlerError> {
+        if e.payload.get("poison").is_some() {
+            return Err(HandlerError::permanent("the payload is poison"));
+        }
+        {
+            let mut f = self.flaky.lock().unwrap();
+            if *f > 0 {
+                *f -= 1;
+                return Err(HandlerError::transient("database is busy"));
+            }
+        }
+        sqlx::query("INSERT INTO effects (event_id) VALUES (?1)")
+            .bind(e.event_id.to_string())
+            .execute(&mut *conn)
+            .await
+            .map_err(HandlerError::transient)?;
+        Ok(())
+    }
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    consumer: Consumer<SqliteInbox, Recorder, ScriptedSource>,
+    source: ScriptedSource,
+    handler: Recorder,
+    pool: sqlx::SqlitePool,
+}
+
+async fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = idem_sqlite::connect(&format!("sqlite://{}", dir.path().join("c.db").display()))
+        .await
+        .unwrap();
+    idem_sqlite::migrate(&pool, &TableNames::default())
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE effects (event_id TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let source = ScriptedSource::default();
+    let handler = Recorder::default();
+    let mut config = ConsumerConfig::new("settlement");
+    config.retry_backoff = Duration::ZERO;
+    config.max_retries = 2;
+    let metrics = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
+    let inbox = SqliteInbox::new(pool.clone(), TableNames::default());
+    Fixture {
+        _dir: dir,
+        consumer: Consumer::new(inbox, handler.clone(), source.clone(), config, metrics),
+        source,
+        handler,
+        pool,
+    }
+}
+
+impl Fixture {
+    async fn effects(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+    async fn delivery_count(&self, id: EventId) -> i64 {
+        sqlx::query_scalar("SELECT delivery_count FROM idem_inbox WHERE event_id = ?1")
+            .bind(id.to_string())
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+    async fn dead_letters(&self) -> Vec<idem_core::StoredDeadLetter> {
+        self.consumer
+            .inbox()
+            .dead_letters("settlement", 100)
+            .await
+            .unwrap()
+    }
+}
+
+fn record(offset: i64, id: EventId, payload: &str) -> Delivery {
+    Delivery {
+        topic: "outbox.event.order".into(),
+        partition: 0,
+        offset,
+        key: Some("o-1".into()),
+        payload: Some(payload.as_bytes().to_vec()),
+        headers: vec![
+            ("ce_id".into(), id.to_string()),
+            ("ce_type".into(), "order.paid".into()),
+            ("idem_aggregate_type".into(), "order".into()),
+            ("idem_aggregate_id".into(), "o-1".into()),
+        ],
+    }
+}
+
+#[tokio::test]
+async fn the_same_event_twice_is_applied_once_and_counted() {
+    let mut f = fixture().await;
+    let id = EventId::new();
+    let r1 = f.consumer.process(&[record(0, id, "{}")]).await.unwrap();
+    let r2 = f.consumer.process(&[record(1, id, "{}")]).await.unwrap();
+    assert_eq!((r1.processed, r1.duplicate_skips), (1, 0));
+    assert_eq!(
+        (r2.processed, r2.duplicate_skips, r2.duplicate_deliveries),
+        (0, 1, 1)
+    );
+    assert_eq!(f.effects().await, 1);
+    assert_eq!(f.delivery_count(id).await, 2);
+    assert_eq!(total(&f.consumer.metrics().duplicate_skips), 1);
+    assert_eq!(
+        f.source.commits.lock().unwrap().len(),
+        2,
+        "both batches' offsets committed"
+    );
+}
+
+#[tokio::test]
+async fn copies_inside_one_batch_are_applied_once() {
+    let mut f = fixture().await;
+    let id = EventId::new();
+    let r = f
+        .consumer
+        .process(&[
+            record(0, id, "{}"),
+            record(1, id, "{}"),
+            record(2, id, "{}"),
+        ])
+        .await
+        .unwrap();
+    assert_eq!((r.processed, r.duplicate_skips), (1, 2));
+    assert_eq!(f.effects().await, 1);
+    assert_eq!(f.delivery_count(id).await, 3);
+}
+
+#[tokio::test]
+async fn a_known_id_with_another_payload_is_a_conflict_and_not_applied() {
+    let mut f = fixture().await;
+    let id = EventId::new();
+    f.consumer
+        .process(&[record(0, id, r#"{"amount":1}"#)])
+        .await
+        .unwrap();
+    let r = f
+        .consumer
+        .process(&[record(1, id, r#"{"amount":2}"#)])
+        .await
+        .unwrap();
+    assert_eq!((r.processed, r.conflicts, r.dead_lettered), (0, 1, 1));
+    assert_eq!(f.effects().await, 1);
+    let dl = f.dead_letters().await;
+    assert_eq!(dl.len(), 1);
+    assert!(
+        dl[0].reason.contains("idempotency conflict"),
+        "{}",
+        dl[0].reason
+    );
+    assert_eq!(total(&f.consumer.metrics().conflicts), 1);
+}
+
+#[tokio::test]
+async fn undecodable_records_are_dead_lettered_and_the_rest_applied() {
+    let mut f = fixture().await;
+    let good = EventId::new();
+    let mut no_id = record(1, EventId::new(), "{}");
+    no_id.headers.retain(|(k, _)| k != "ce_id");
+    let mut bad_id = record(2, EventId::new(), "{}");
+    bad_id.headers[0].1 = "not-a-uuid".into();
+    let not_json = record(3, EventId::new(), "{oops");
+    let r = f
+        .consumer
+        .process(&[
+            record(0, good, "{}"),
+            no_id,
+            bad_id,
+            not_json,
+            record(4, EventId::new(), "{}"),
+        ])
+        .await
+        .unwrap();
+    assert_eq!((r.processed, r.dead_lettered), (2, 3));
+    let reasons: Vec<String> = f
+        .dead_letters()
+        .await
+        .into_iter()
+        .map(|d| d.reason)
+        .collect();
+    assert!(reasons[0].contains("no ce_id"), "{reasons:?}");
+    assert!(reasons[1].contains("not a UUID"), "{reasons:?}");
+    assert!(reasons[2].contains("not valid JSON"), "{reasons:?}");
+    assert_eq!(
+        f.source.commits.lock().unwrap()[0],
+        vec![("outbox.event.order".to_owned(), 0, 4)],
+        "the offset moves past them"
+    );
+}
+
+#[tokio::test]
+async fn a_permanent_handler_failure_dead_letters_only_that_event_and_its_redelivery_is_skipped() {
+    let mut f = fixture().await;
+    let (a, poison, b) = (EventId::new(), EventId::new(), EventId::new());
+    let batch = [
+        record(0, a, "{}"),
+        record(1, poison, r#"{"poison":true}"#),
+        record(2, b, "{}"),
+    ];
+    let r = f.consumer.process(&batch).await.unwrap();
+    assert_eq!((r.processed, r.dead_lettered), (2, 1));
+    assert_eq!(f.effects().await, 2);
+    let dl = f.dead_letters().await;
+    assert_eq!(dl[0].event_id.as_deref(), Some(poison.to_string().as_str()));
+    assert_eq!(dl[0].reason, "the payload is poison");
+    let again = f
+        .consumer
+        .process(&[record(3, poison, r#"{"poison":true}"#)])
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.dead_lettered, again.duplicate_skips),
+        (0, 1),
+        "not retried forever"
+    );
+}
+
+#[tokio::test]
+async fn transient_failures_are_retried_then_dead_lettered_when_they_persist() {
+    let mut f = fixture().await;
+    *f.handler.flaky.lock().unwrap() = 2;
+    let r = f
+        .consumer
+        .process(&[record(0, EventId::new(), "{}")])
+        .await
+        .unwrap();
+    assert_eq!((r.processed, r.retries), (1, 2));
+    assert_eq!(total(&f.consumer.metrics().retries), 2);
+    *f.handler.flaky.lock().unwrap() = 100;
+    let r = f
+        .consumer
+        .process(&[record(1, EventId::new(), "{}")])
+        .await
+        .unwrap();
+    assert_eq!((r.processed, r.dead_lettered, r.retries), (0, 1, 3));
+    assert!(
+        f.dead_letters().await[0]
+            .reason
+            .contains("gave up after 3 transient failures")
+    );
+}
+
+#[tokio::test]
+async fn crash_after_dedup_before_handler_commits_nothing() {
+    let mut f = fixture().await;
+    let id = EventId::new();
+    crash::arm(CONSUMER_AFTER_DEDUP_BEFORE_HANDLER, Action::Error, 1).unwrap();
+    let err = f
+        .consumer
+        .process(&[record(0, id, "{}")])
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::CrashPoint(CONSUMER_AFTER_DEDUP_BEFORE_HANDLER)
+    ));
+    assert!(
+        f.source.commits.lock().unwrap().is_empty(),
+        "no offset commit"
+    );
+    let inbox: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_inbox")
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        (inbox, f.effects().await),
+        (0, 0),
+        "the inbox row rolled back with the transaction"
+    );
+    let r = f.consumer.process(&[record(0, id, "{}")]).await.unwrap();
+    assert_eq!(r.processed, 1, "the redelivery is applied as new");
+    assert_eq!(f.delivery_count(id).await, 1);
+}
+
+#[tokio::test]
+async fn offsets_are_committed_only_after_the_database_commit() {
+    let mut f = fixture().await;
+    let id = EventId::new();
+    crash::arm(
+        CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT,
+        Action::Error,
+        1,
+    )
+    .unwrap();
+    assert!(f.consumer.process(&[record(0, id, "{}")]).await.is_err());
+    assert_eq!(f.effects().await, 1, "the database committed");
+    assert!(
+        f.source.commits.lock().unwrap().is_empty(),
+        "the offset did not"
+    );
+    let r = f.consumer.process(&[record(0, id, "{}")]).await.unwrap();
+    assert_eq!((r.processed, r.duplicate_skips), (0, 1));
+    assert_eq!(f.effects().await, 1);
+    assert_eq!(f.source.commits.lock().unwrap().len(), 1);
+}
