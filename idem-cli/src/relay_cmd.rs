@@ -26,13 +26,13 @@ pub struct RelayArgs {
     /// Rows per claim; claim, produce and mark are each one round trip per batch.
     #[arg(long, default_value_t = 500)]
     batch_size: u32,
-    /// How long a claim is exclusive to this relay (e.g. 60s). Must exceed message.timeout.ms.
+    /// How long a claim is exclusive to this relay (e.g. 60s). Must exceed twice message.timeout.ms.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     lease: Duration,
     /// Longest idle poll interval: the most latency an idle relay adds.
     #[arg(long, default_value = "20ms", value_parser = parse_duration)]
     idle_poll_max: Duration,
-    /// Permanent failures before a row is parked.
+    /// Permanent failures (too large, invalid topic) before a row is parked; transient ones never park.
     #[arg(long, default_value_t = 5)]
     max_attempts: i32,
     /// Backoff after a failed attempt (doubles per attempt, at most 60s).
@@ -111,9 +111,10 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
         .get("message.timeout.ms")
         .and_then(|v| v.parse().ok())
         .unwrap_or(30_000);
-    if args.lease <= Duration::from_millis(timeout_ms) {
+    // A batch takes at most about 2 × message.timeout.ms (see KafkaPublisher::publish).
+    if args.lease <= Duration::from_millis(timeout_ms.saturating_mul(2)) {
         bail!(
-            "--lease {:?} must be longer than message.timeout.ms ({timeout_ms} ms), or a live relay could lose its lease mid-batch",
+            "--lease {:?} must be longer than twice message.timeout.ms ({timeout_ms} ms), or a live relay could lose its lease mid-batch",
             args.lease
         );
     }

@@ -316,16 +316,19 @@ pub async fn same_aggregate_writers_are_serialized_in_commit_order<B: Backend>(b
 
 /// Concurrent claims never hand rows of one aggregate to two relays.
 pub async fn claims_never_share_an_aggregate<B: Backend>(b: &B) {
+    // More aggregates than one claim takes, two rows each: a claim that ignored heads or
+    // leases would take a second row of an aggregate the other claim holds.
     let mut tx = b.begin().await;
-    let events: Vec<Event> = (0..40)
-        .map(|i| event(&format!("agg-{}", i % 8), i))
+    let events: Vec<Event> = (0..60)
+        .map(|i| event(&format!("agg-{:02}", i % 30), i))
         .collect();
     tx.enqueue(&events).await.unwrap();
     tx.commit().await;
-    let (s1, s2) = (b.store().clone(), b.store().clone());
-    let (c1, c2) = tokio::join!(
+    let (s1, s2, s3) = (b.store().clone(), b.store().clone(), b.store().clone());
+    let (c1, c2, c3) = tokio::join!(
         async move { s1.claim(&req("one", 12)).await.unwrap() },
-        async move { s2.claim(&req("two", 12)).await.unwrap() }
+        async move { s2.claim(&req("two", 12)).await.unwrap() },
+        async move { s3.claim(&req("three", 12)).await.unwrap() }
     );
     let aggs = |c: &Claim| {
         c.records
@@ -339,9 +342,14 @@ pub async fn claims_never_share_an_aggregate<B: Backend>(b: &B) {
         aggs(&c1),
         aggs(&c2)
     );
-    assert!(!c1.records.is_empty() || !c2.records.is_empty());
+    assert!(aggs(&c1).is_disjoint(&aggs(&c3)) && aggs(&c2).is_disjoint(&aggs(&c3)));
+    assert_eq!(
+        c1.records.len() + c2.records.len() + c3.records.len(),
+        36,
+        "three claims of 12 heads"
+    );
     // Each claim holds a prefix of each of its aggregates.
-    for c in [&c1, &c2] {
+    for c in [&c1, &c2, &c3] {
         for agg in aggs(c) {
             let want: Vec<EventId> = events
                 .iter()
@@ -357,6 +365,15 @@ pub async fn claims_never_share_an_aggregate<B: Backend>(b: &B) {
             assert_eq!(got[..], want[..got.len()], "{agg}: not a prefix");
         }
     }
+    // The remaining heads are claimable; rows behind leased heads are not.
+    let rest = b.store().claim(&req("four", 100)).await.unwrap();
+    let held: HashSet<String> = [&c1, &c2, &c3].iter().flat_map(|c| aggs(c)).collect();
+    assert_eq!(
+        rest.records.len(),
+        2 * (30 - held.len()),
+        "both rows of each free aggregate"
+    );
+    assert!(aggs(&rest).is_disjoint(&held));
 }
 
 pub async fn stale_claim_cannot_mark<B: Backend>(b: &B) {
@@ -397,6 +414,7 @@ pub async fn failed_rows_back_off_and_park<B: Backend>(b: &B) {
                 reason: "broker unreachable".into(),
                 backoff: Duration::from_secs(3600),
                 park: false,
+                permanent: false,
                 attempted: true,
             },
             Failure {
@@ -404,6 +422,7 @@ pub async fn failed_rows_back_off_and_park<B: Backend>(b: &B) {
                 reason: "message too large".into(),
                 backoff: Duration::ZERO,
                 park: true,
+                permanent: true,
                 attempted: true,
             },
         ],

@@ -361,6 +361,16 @@ pub fn validate_payload(json: &str) -> Result<()> {
     Ok(())
 }
 
+/// Whether `name` is a header the relay writes itself (`ce_*`, `idem_*`, `traceparent`,
+/// `tracestate`, `content-type`, any case). The relay drops such names from a row's own headers.
+pub fn is_reserved_header(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    RESERVED_HEADERS.contains(&lower.as_str())
+        || RESERVED_HEADER_PREFIXES
+            .iter()
+            .any(|p| lower.starts_with(p))
+}
+
 fn validate_header(name: &str, value: &str) -> Result<()> {
     if name.is_empty() || name.len() > MAX_HEADER_NAME_LEN {
         return Err(Error::invalid(

@@ -52,6 +52,8 @@ pub struct OutboxRecord {
     pub created_at: DateTime<Utc>,
     /// This publish attempt's number (1 = first claim).
     pub attempt: i32,
+    /// Permanent failures so far (the row is parked when they reach the relay's limit).
+    pub permanent_failures: i32,
 }
 
 /// Parameters of one claim.
@@ -72,6 +74,8 @@ pub struct Claim {
     pub claim_id: Uuid,
     /// Rows ordered by aggregate, then by aggregate commit order.
     pub records: Vec<OutboxRecord>,
+    /// Claimed rows that could not be decoded (row id, reason): the relay parks them.
+    pub corrupt: Vec<(i64, String)>,
 }
 
 /// What happened to one claimed row that was not published.
@@ -85,6 +89,8 @@ pub struct Failure {
     pub backoff: Duration,
     /// Park the row (stop retrying until a person retries it).
     pub park: bool,
+    /// The failure is permanent (counts towards parking).
+    pub permanent: bool,
     /// False when the row was never handed to the broker (for example because an earlier event
     /// of its aggregate failed); its attempt is then not counted.
     pub attempted: bool,

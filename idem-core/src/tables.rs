@@ -8,8 +8,8 @@
 use crate::error::{Error, Result};
 
 /// Longest schema name or table prefix accepted (PostgreSQL identifiers are at most 63 bytes and
-/// idem appends up to 20 bytes of its own).
-pub const MAX_IDENT_LEN: usize = 40;
+/// idem appends up to 28 bytes of its own, as in `<prefix>outbox_pending_aggregate_idx`).
+pub const MAX_IDENT_LEN: usize = 32;
 
 /// Where idem's tables live: an optional schema and a table-name prefix (default `idem_`).
 ///
@@ -102,7 +102,7 @@ fn check_ident(what: &'static str, value: &str, allow_empty: bool) -> Result<()>
         };
     }
     if value.len() > MAX_IDENT_LEN {
-        return err("is longer than 40 bytes");
+        return err("is longer than 32 bytes");
     }
     let mut chars = value.chars();
     if !chars
@@ -133,7 +133,7 @@ mod tests {
 
     #[test]
     fn hostile_identifiers_are_refused() {
-        for bad in ["Public", "a\"b", "a;b", "1abc", "a b", "é", &"a".repeat(41)] {
+        for bad in ["Public", "a\"b", "a;b", "1abc", "a b", "é", &"a".repeat(33)] {
             assert!(
                 TableNames::new(Some(bad), "idem_").is_err(),
                 "schema {bad:?} accepted"

@@ -160,3 +160,27 @@ fn remaining(deadline: Instant) -> Result<Duration> {
     }
     Ok(left)
 }
+
+/// The sum over `topic`'s partitions of the high watermarks the broker reports (a lower bound
+/// on the records in the topic: some brokers leave the last batch out).
+pub fn high_watermark_sum(brokers: &str, topic: &str, timeout: Duration) -> Result<i64> {
+    let consumer: BaseConsumer<QuietEof> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create_with_context(QuietEof)
+        .map_err(|e| Error::broker("creating an inspection consumer", e))?;
+    let metadata = consumer
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;
+    let mut sum = 0;
+    for t in metadata.topics().iter().filter(|t| t.name() == topic) {
+        for p in t.partitions() {
+            let (_, hi) = consumer
+                .fetch_watermarks(topic, p.id(), timeout)
+                .map_err(|e| {
+                    Error::broker(format!("reading watermarks of {topic}/{}", p.id()), e)
+                })?;
+            sum += hi;
+        }
+    }
+    Ok(sum)
+}

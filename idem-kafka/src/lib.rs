@@ -110,6 +110,8 @@ pub fn parse_setting(s: &str) -> std::result::Result<(String, String), String> {
 /// A [`Publisher`] over librdkafka's idempotent producer.
 pub struct KafkaPublisher {
     config: ClientConfig,
+    /// `message.timeout.ms`: also bounds how long a batch waits for room in the local queue.
+    message_timeout: Duration,
     producer: Mutex<Arc<FutureProducer>>,
     create_topics: Option<(i32, i32)>,
     known_topics: Mutex<HashSet<String>>,
@@ -119,8 +121,15 @@ impl KafkaPublisher {
     /// Creates the producer from a [`producer_config`].
     pub fn new(config: ClientConfig) -> Result<Self> {
         let producer = Arc::new(create_producer(&config)?);
+        let message_timeout = Duration::from_millis(
+            config
+                .get("message.timeout.ms")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(300_000),
+        );
         Ok(KafkaPublisher {
             config,
+            message_timeout,
             producer: Mutex::new(producer),
             create_topics: None,
             known_topics: Mutex::new(HashSet::new()),
@@ -234,7 +243,11 @@ fn failure(e: &KafkaError) -> PublishError {
 }
 
 impl Publisher for KafkaPublisher {
+    /// A batch takes at most about twice `message.timeout.ms`: enqueueing (waiting for room in
+    /// the bounded queue, creating topics) gives up after one timeout — the rest is reported
+    /// [`FailureKind::NotSent`] — and every enqueued message has a report within another.
     async fn publish(&self, messages: &[Message]) -> Vec<std::result::Result<(), PublishError>> {
+        let enqueue_deadline = std::time::Instant::now() + self.message_timeout;
         self.create_missing_topics(messages).await;
         let producer = self.current();
         let mut results: Vec<Option<std::result::Result<(), PublishError>>> =
@@ -244,6 +257,14 @@ impl Publisher for KafkaPublisher {
         // messages of the same key are held back to keep their order.
         let mut broken: HashSet<(&str, &str)> = HashSet::new();
         for (i, m) in messages.iter().enumerate() {
+            if std::time::Instant::now() >= enqueue_deadline {
+                results[i] = Some(Err(PublishError {
+                    kind: FailureKind::NotSent,
+                    reason: "not sent: the batch could not be enqueued within message.timeout.ms"
+                        .to_owned(),
+                }));
+                continue;
+            }
             if broken.contains(&(m.topic.as_str(), m.key.as_str())) {
                 results[i] = Some(Err(PublishError {
                     kind: FailureKind::NotSent,
@@ -267,6 +288,18 @@ impl Publisher for KafkaPublisher {
                 match producer.send_result(record) {
                     Ok(fut) => {
                         pending.push((i, fut));
+                        break;
+                    }
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
+                        if std::time::Instant::now() >= enqueue_deadline =>
+                    {
+                        broken.insert((m.topic.as_str(), m.key.as_str()));
+                        results[i] = Some(Err(PublishError {
+                            kind: FailureKind::NotSent,
+                            reason:
+                                "not sent: the producer queue stayed full for message.timeout.ms"
+                                    .to_owned(),
+                        }));
                         break;
                     }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {

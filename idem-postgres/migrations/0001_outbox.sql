@@ -27,6 +27,7 @@ CREATE TABLE IF NOT EXISTS {outbox} (
     aggregate_seq    bigint      NOT NULL DEFAULT 0,
     status           text        NOT NULL DEFAULT 'pending',
     attempts         integer     NOT NULL DEFAULT 0,
+    permanent_failures integer   NOT NULL DEFAULT 0,
     next_attempt_at  timestamptz NOT NULL DEFAULT '-infinity',
     claim_id         uuid,
     claimed_by       text,
@@ -69,6 +70,8 @@ $idem$;
 CREATE INDEX IF NOT EXISTS "{bare:outbox}_pending_idx" ON {outbox} (id) WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS "{bare:outbox}_pending_aggregate_idx"
     ON {outbox} (aggregate_type, aggregate_id, aggregate_seq) WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS "{bare:outbox}_leased_idx"
+    ON {outbox} (aggregate_type, aggregate_id) WHERE status = 'pending' AND claim_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS "{bare:outbox}_published_idx" ON {outbox} (published_at) WHERE status = 'published';
 CREATE INDEX IF NOT EXISTS "{bare:outbox}_parked_idx" ON {outbox} (id) WHERE status = 'parked';
 

@@ -1,5 +1,6 @@
 -- Leases up to $1 rows to claim $2 (relay $3) for $4 milliseconds.
--- $5 bounds how many of the oldest pending rows are looked at for aggregate heads.
+-- $5 bounds how many of the oldest pending rows are looked at for aggregate heads (NULL: all
+-- of them; the store falls back to that when the bounded look finds nothing).
 --
 -- A head is the earliest pending row (in aggregate commit order) of its aggregate. Only heads
 -- that are not leased and are past their backoff are locked (SKIP LOCKED: two relays never
@@ -24,6 +25,14 @@ heads AS (
             AND p.aggregate_type = o.aggregate_type
             AND p.aggregate_id = o.aggregate_id
             AND p.aggregate_seq < o.aggregate_seq)
+      -- No row of the aggregate may be leased to anyone (e.g. after a parked head was retried).
+      AND NOT EXISTS (
+          SELECT 1 FROM {outbox} q
+          WHERE q.status = 'pending'
+            AND q.claim_id IS NOT NULL
+            AND q.aggregate_type = o.aggregate_type
+            AND q.aggregate_id = o.aggregate_id
+            AND q.claimed_until >= clock_timestamp())
     ORDER BY o.id
     LIMIT $1
     FOR UPDATE OF o SKIP LOCKED
@@ -48,7 +57,7 @@ SET claim_id = $2,
     claimed_until = clock_timestamp() + $4 * interval '1 millisecond',
     attempts = u.attempts + 1
 FROM chosen
-WHERE u.id = chosen.id
+WHERE u.id = chosen.id AND u.status = 'pending'
 RETURNING u.id, u.event_id, u.aggregate_type, u.aggregate_id, u.aggregate_seq, u.event_type,
           u.payload::text AS payload, u.headers, u.topic, u.traceparent, u.occurred_at, u.created_at,
-          u.attempts
+          u.attempts, u.permanent_failures

@@ -311,6 +311,7 @@ pub fn redact(url: &str) -> String {
 pub struct PgStore {
     pool: PgPool,
     outbox: Outbox,
+    last_full_scan: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 impl PgStore {
@@ -319,6 +320,7 @@ impl PgStore {
         PgStore {
             pool,
             outbox: Outbox::new(tables),
+            last_full_scan: Arc::default(),
         }
     }
 
@@ -353,22 +355,31 @@ fn decode_record(row: &PgRow) -> std::result::Result<OutboxRecord, sqlx::Error> 
         occurred_at: row.try_get::<DateTime<Utc>, _>("occurred_at")?,
         created_at: row.try_get::<DateTime<Utc>, _>("created_at")?,
         attempt: row.try_get("attempts")?,
+        permanent_failures: row.try_get("permanent_failures")?,
     })
+}
+
+/// How often a claim that found nothing in the oldest rows may look at every pending row.
+const FULL_SCAN_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// True at most once per [`FULL_SCAN_EVERY`].
+fn full_scan_due(last: &std::sync::Mutex<Option<std::time::Instant>>) -> bool {
+    let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+    if last.is_none_or(|t| t.elapsed() >= FULL_SCAN_EVERY) {
+        *last = Some(std::time::Instant::now());
+        true
+    } else {
+        false
+    }
 }
 
 fn millis(d: std::time::Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-impl OutboxStore for PgStore {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
+impl PgStore {
+    async fn claim_within(&self, request: &ClaimRequest, window: Option<i64>) -> Result<Claim> {
         let claim_id = Uuid::now_v7();
-        let window = i64::from(
-            request
-                .batch_size
-                .saturating_mul(CLAIM_WINDOW_FACTOR)
-                .max(64),
-        );
         let rows = sqlx::query(&self.q().claim)
             .bind(i64::from(request.batch_size))
             .bind(claim_id)
@@ -378,13 +389,46 @@ impl OutboxStore for PgStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| Error::database("claiming outbox rows", e))?;
-        let mut records = rows
-            .iter()
-            .map(decode_record)
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::database("decoding claimed outbox rows", e))?;
+        let mut records = Vec::with_capacity(rows.len());
+        let mut corrupt = vec![];
+        for row in &rows {
+            match decode_record(row) {
+                Ok(r) => records.push(r),
+                Err(e) => {
+                    let id: i64 = row
+                        .try_get("id")
+                        .map_err(|e| Error::database("decoding a claimed row id", e))?;
+                    corrupt.push((id, format!("the row cannot be decoded: {e}")));
+                }
+            }
+        }
         sort_records(&mut records);
-        Ok(Claim { claim_id, records })
+        Ok(Claim {
+            claim_id,
+            records,
+            corrupt,
+        })
+    }
+}
+
+impl OutboxStore for PgStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
+        let window = i64::from(
+            request
+                .batch_size
+                .saturating_mul(CLAIM_WINDOW_FACTOR)
+                .max(64),
+        );
+        let claim = self.claim_within(request, Some(window)).await?;
+        // The oldest rows may all sit behind leased or backing-off heads (one aggregate with a
+        // deep backlog): then look at every pending row, so other aggregates never starve.
+        if claim.records.is_empty()
+            && claim.corrupt.is_empty()
+            && full_scan_due(&self.last_full_scan)
+        {
+            return self.claim_within(request, None).await;
+        }
+        Ok(claim)
     }
 
     async fn complete(&self, claim: &Claim, outcome: &Outcome) -> Result<Completed> {
@@ -412,6 +456,7 @@ impl OutboxStore for PgStore {
                 .bind(f.iter().map(|x| x.park).collect::<Vec<_>>())
                 .bind(f.iter().map(|x| x.attempted).collect::<Vec<_>>())
                 .bind(claim.claim_id)
+                .bind(f.iter().map(|x| x.permanent).collect::<Vec<_>>())
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| Error::database("releasing failed rows", e))?

@@ -63,7 +63,8 @@ pub struct RelayConfig {
     pub idle_poll_min: Duration,
     /// Longest idle poll interval: the worst added latency when idle.
     pub idle_poll_max: Duration,
-    /// Permanent failures before a row is parked.
+    /// Permanent failures (too large, invalid topic, …) before a row is parked. Transient
+    /// failures never park a row.
     pub max_attempts: i32,
     /// Backoff after the first failed attempt; doubles per attempt.
     pub retry_backoff: Duration,
@@ -174,10 +175,10 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             })
             .await?;
         let mut report = BatchReport {
-            claimed: claim.records.len(),
+            claimed: claim.records.len() + claim.corrupt.len(),
             ..BatchReport::default()
         };
-        if claim.records.is_empty() {
+        if report.claimed == 0 {
             return Ok(report);
         }
         crash::crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH)?;
@@ -221,6 +222,19 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         // Mark, per aggregate, only the prefix of rows before the first failure: a later row
         // must not be recorded as published while an earlier one of its aggregate is not.
         let mut outcome = Outcome::default();
+        for (id, reason) in &claim.corrupt {
+            tracing::error!(row = id, %reason, "parking an outbox row that cannot be decoded");
+            outcome.failed.push(Failure {
+                id: *id,
+                reason: reason.clone(),
+                backoff: Duration::ZERO,
+                park: true,
+                permanent: true,
+                attempted: true,
+            });
+        }
+        // Labels of rows to count as published once the mark has committed.
+        let mut acked: Vec<([&str; 3], bool)> = Vec::with_capacity(records.len());
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
         for ((r, topic), res) in records.iter().zip(&topics).zip(results) {
             let key = (r.aggregate_type.as_str(), r.aggregate_id.as_str());
@@ -238,11 +252,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             match res {
                 Ok(()) if !blocked.contains(&key) => {
                     outcome.published.push(r.id);
-                    self.metrics.published.with_label_values(&labels).inc();
-                    if r.attempt > 1 {
-                        self.metrics.republished.with_label_values(&labels).inc();
-                        report.republished += 1;
-                    }
+                    acked.push((labels, r.attempt > 1));
                 }
                 Ok(()) => {
                     outcome.failed.push(Failure {
@@ -250,14 +260,16 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                         reason: "delivered, but an earlier event of the aggregate failed; will be published again after it".to_owned(),
                         backoff: Duration::ZERO,
                         park: false,
+                        permanent: false,
                         attempted: true,
                     });
                 }
                 Err(e) => {
                     blocked.insert(key);
                     let attempted = e.kind != FailureKind::NotSent;
-                    let park =
-                        e.kind == FailureKind::Permanent && r.attempt >= self.config.max_attempts;
+                    let permanent = e.kind == FailureKind::Permanent;
+                    // Only permanent failures count towards parking: a broker outage never parks.
+                    let park = permanent && r.permanent_failures + 1 >= self.config.max_attempts;
                     let kind = match e.kind {
                         FailureKind::Transient => "transient",
                         FailureKind::Permanent => "permanent",
@@ -284,6 +296,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                             Duration::ZERO
                         },
                         park,
+                        permanent,
                         attempted,
                     });
                 }
@@ -295,6 +308,17 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             fenced,
         } = self.store.complete(&claim, &outcome).await?;
         report.published = marked;
+        // Counted only for a mark that committed for the whole claim; fenced rows belong to
+        // the relay that took the lease over, which counts them.
+        if fenced == 0 {
+            for (labels, republished) in acked {
+                self.metrics.published.with_label_values(&labels).inc();
+                if republished {
+                    self.metrics.republished.with_label_values(&labels).inc();
+                    report.republished += 1;
+                }
+            }
+        }
         report.parked = outcome.failed.iter().filter(|f| f.park).count() as u64;
         report.retried = released.saturating_sub(report.parked);
         report.fenced = fenced;
@@ -345,7 +369,14 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         if let Some(tp) = &r.traceparent {
             headers.push(h("traceparent", tp.clone()));
         }
-        headers.extend(r.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+        // A writer using plain SQL could set names the relay owns (a second `ce_id` would let a
+        // consumer read a forged dedup key): those are dropped.
+        headers.extend(
+            r.headers
+                .iter()
+                .filter(|(k, _)| !idem_core::event::is_reserved_header(k))
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
         Message {
             topic: topic.to_owned(),
             key: r.aggregate_id.clone(),

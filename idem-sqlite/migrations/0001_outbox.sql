@@ -19,6 +19,7 @@ CREATE TABLE IF NOT EXISTS {outbox} (
     created_at      TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
     status          TEXT    NOT NULL DEFAULT 'pending',
     attempts        INTEGER NOT NULL DEFAULT 0,
+    permanent_failures INTEGER NOT NULL DEFAULT 0,
     next_attempt_at INTEGER NOT NULL DEFAULT 0,
     claim_id        TEXT,
     claimed_by      TEXT,
@@ -27,7 +28,10 @@ CREATE TABLE IF NOT EXISTS {outbox} (
     published_at    TEXT,
     CONSTRAINT "{bare:outbox}_event_id_key" UNIQUE (event_id),
     CONSTRAINT "{bare:outbox}_status_check" CHECK (status IN ('pending', 'published', 'parked')),
-    CONSTRAINT "{bare:outbox}_event_id_check" CHECK (length(event_id) = 36),
+    CONSTRAINT "{bare:outbox}_event_id_check" CHECK (
+        length(event_id) = 36 AND event_id NOT GLOB '*[^0-9a-fA-F-]*'
+        AND substr(event_id, 9, 1) = '-' AND substr(event_id, 14, 1) = '-'
+        AND substr(event_id, 19, 1) = '-' AND substr(event_id, 24, 1) = '-'),
     CONSTRAINT "{bare:outbox}_aggregate_type_check" CHECK (
         length(aggregate_type) BETWEEN 1 AND 200
         AND aggregate_type NOT GLOB '*[^A-Za-z0-9._-]*' AND aggregate_type NOT GLOB '[._-]*'),
@@ -47,6 +51,8 @@ CREATE TABLE IF NOT EXISTS {outbox} (
 CREATE INDEX IF NOT EXISTS "{bare:outbox}_pending_idx" ON {outbox} (id) WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS "{bare:outbox}_pending_aggregate_idx"
     ON {outbox} (aggregate_type, aggregate_id, id) WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS "{bare:outbox}_leased_idx"
+    ON {outbox} (aggregate_type, aggregate_id) WHERE status = 'pending' AND claim_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS "{bare:outbox}_published_idx" ON {outbox} (published_at) WHERE status = 'published';
 CREATE INDEX IF NOT EXISTS "{bare:outbox}_parked_idx" ON {outbox} (id) WHERE status = 'parked';
 
@@ -65,6 +71,7 @@ CREATE TABLE IF NOT EXISTS {outbox_archive} (
     created_at      TEXT    NOT NULL,
     status          TEXT    NOT NULL,
     attempts        INTEGER NOT NULL,
+    permanent_failures INTEGER NOT NULL,
     next_attempt_at INTEGER NOT NULL,
     claim_id        TEXT,
     claimed_by      TEXT,

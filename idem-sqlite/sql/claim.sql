@@ -1,5 +1,5 @@
 -- Leases up to ?1 rows to claim ?2 (relay ?3) until ?4 (Unix ms); ?5 is now (Unix ms);
--- ?6 bounds how many of the oldest pending rows are looked at for aggregate heads.
+-- ?6 bounds how many of the oldest pending rows are looked at for aggregate heads (-1: all).
 -- Runs inside BEGIN IMMEDIATE, so no other writer interleaves. Same shape as the PostgreSQL
 -- claim: lock-free heads, then a prefix of each head's aggregate.
 WITH window_rows AS (
@@ -18,6 +18,13 @@ heads AS (
             AND p.aggregate_type = o.aggregate_type
             AND p.aggregate_id = o.aggregate_id
             AND p.id < o.id)
+      AND NOT EXISTS (
+          SELECT 1 FROM {outbox} q
+          WHERE q.status = 'pending'
+            AND q.claim_id IS NOT NULL
+            AND q.aggregate_type = o.aggregate_type
+            AND q.aggregate_id = o.aggregate_id
+            AND q.claimed_until >= ?5)
     ORDER BY o.id
     LIMIT ?1
 ),
@@ -37,6 +44,6 @@ chosen AS (
 )
 UPDATE {outbox}
 SET claim_id = ?2, claimed_by = ?3, claimed_until = ?4, attempts = attempts + 1
-WHERE id IN (SELECT id FROM chosen)
+WHERE id IN (SELECT id FROM chosen) AND status = 'pending'
 RETURNING id, event_id, aggregate_type, aggregate_id, id AS aggregate_seq, event_type, payload, headers,
-          topic, traceparent, occurred_at, created_at, attempts
+          topic, traceparent, occurred_at, created_at, attempts, permanent_failures

@@ -258,6 +258,7 @@ async fn immediate<T>(
 pub struct SqliteStore {
     pool: SqlitePool,
     outbox: Outbox,
+    last_full_scan: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 impl SqliteStore {
@@ -266,6 +267,7 @@ impl SqliteStore {
         SqliteStore {
             pool,
             outbox: Outbox::new(tables),
+            last_full_scan: Arc::default(),
         }
     }
 
@@ -299,13 +301,31 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// Parses the timestamps other writers may store: RFC 3339, or ISO 8601 without a zone (UTC),
+/// with `T` or a space.
 fn parse_ts(s: &str) -> std::result::Result<DateTime<Utc>, String> {
     DateTime::parse_from_rfc3339(s)
         .map(|d| d.with_timezone(&Utc))
         .or_else(|_| {
+            chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%dT%H:%M:%S%.f").map(|n| n.and_utc())
+        })
+        .or_else(|_| {
             chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f").map(|n| n.and_utc())
         })
-        .map_err(|e| format!("timestamp {s:?}: {e}"))
+        .map_err(|e| format!("timestamp {s:?} is not RFC 3339 or ISO 8601 ({e})"))
+}
+
+/// How often a claim that found nothing in the oldest rows may look at every pending row.
+const FULL_SCAN_EVERY: Duration = Duration::from_secs(1);
+
+fn full_scan_due(last: &std::sync::Mutex<Option<std::time::Instant>>) -> bool {
+    let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+    if last.is_none_or(|t| t.elapsed() >= FULL_SCAN_EVERY) {
+        *last = Some(std::time::Instant::now());
+        true
+    } else {
+        false
+    }
 }
 
 fn decode_record(row: &SqliteRow) -> Result<OutboxRecord> {
@@ -339,22 +359,19 @@ fn decode_record(row: &SqliteRow) -> Result<OutboxRecord> {
         traceparent: get_os("traceparent")?,
         occurred_at: parse_ts(&get_s("occurred_at")?).map_err(corrupt)?,
         created_at: parse_ts(&get_s("created_at")?).map_err(corrupt)?,
+        permanent_failures: row
+            .try_get("permanent_failures")
+            .map_err(|e| corrupt(format!("permanent_failures: {e}")))?,
         attempt: row
             .try_get("attempts")
             .map_err(|e| corrupt(format!("attempts: {e}")))?,
     })
 }
 
-impl OutboxStore for SqliteStore {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
+impl SqliteStore {
+    async fn claim_within(&self, request: &ClaimRequest, window: i64) -> Result<Claim> {
         let claim_id = Uuid::now_v7();
         let now = now_ms();
-        let window = i64::from(
-            request
-                .batch_size
-                .saturating_mul(CLAIM_WINDOW_FACTOR)
-                .max(64),
-        );
         let mut conn = self.conn("claiming outbox rows").await?;
         let q = &self.q().claim;
         let rows = immediate(&mut conn, "claiming outbox rows", async |c| {
@@ -369,9 +386,43 @@ impl OutboxStore for SqliteStore {
                 .await
         })
         .await?;
-        let mut records = rows.iter().map(decode_record).collect::<Result<Vec<_>>>()?;
+        let mut records = Vec::with_capacity(rows.len());
+        let mut corrupt = vec![];
+        for row in &rows {
+            match decode_record(row) {
+                Ok(r) => records.push(r),
+                Err(Error::CorruptRow { id, reason }) => {
+                    corrupt.push((id, format!("the row cannot be decoded: {reason}")))
+                }
+                Err(e) => return Err(e),
+            }
+        }
         sort_records(&mut records);
-        Ok(Claim { claim_id, records })
+        Ok(Claim {
+            claim_id,
+            records,
+            corrupt,
+        })
+    }
+}
+
+impl OutboxStore for SqliteStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
+        let window = i64::from(
+            request
+                .batch_size
+                .saturating_mul(CLAIM_WINDOW_FACTOR)
+                .max(64),
+        );
+        let claim = self.claim_within(request, window).await?;
+        // See the PostgreSQL store: never let one deep aggregate starve the others.
+        if claim.records.is_empty()
+            && claim.corrupt.is_empty()
+            && full_scan_due(&self.last_full_scan)
+        {
+            return self.claim_within(request, -1).await;
+        }
+        Ok(claim)
     }
 
     async fn complete(&self, claim: &Claim, outcome: &Outcome) -> Result<Completed> {
@@ -397,6 +448,7 @@ impl OutboxStore for SqliteStore {
                     .bind(f.park)
                     .bind(f.attempted)
                     .bind(&claim_id)
+                    .bind(f.permanent)
                     .execute(&mut *c)
                     .await?
                     .rows_affected();
