@@ -3,6 +3,7 @@
 mod db;
 mod metrics_server;
 mod outbox_cmd;
+mod reference_cmd;
 mod relay_cmd;
 mod topic_cmd;
 
@@ -27,6 +28,12 @@ enum Command {
         #[command(subcommand)]
         command: outbox_cmd::OutboxCommand,
     },
+    /// Reference order service: write paid orders with their order.paid events.
+    Orders(reference_cmd::OrdersArgs),
+    /// Reference settlement service: consume order.paid events into one settlement per payment.
+    Settlement(reference_cmd::SettlementArgs),
+    /// List a consumer group's dead letters with their reasons.
+    DeadLetters(reference_cmd::DeadLettersArgs),
     /// Create and read topics.
     Topic {
         #[command(subcommand)]
@@ -83,5 +90,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Relay(args) => relay_cmd::run(args).await,
         Command::Outbox { command } => outbox_cmd::run(command).await,
         Command::Topic { command } => topic_cmd::run(command).await,
+        Command::Orders(args) => reference_cmd::orders(args).await,
+        Command::Settlement(args) => reference_cmd::settlement(args).await,
+        Command::DeadLetters(args) => reference_cmd::dead_letters(args).await,
     }
 }

@@ -173,7 +173,7 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
 }
 
 /// Installs the SIGTERM and SIGINT handlers now and returns a future that resolves on either.
-fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+pub fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;

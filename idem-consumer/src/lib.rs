@@ -321,16 +321,32 @@ where
         let mut poison: HashMap<EventId, String> = HashMap::new();
         let mut transient_failures: HashMap<Option<EventId>, u32> = HashMap::new();
         let mut backoff = self.config.retry_backoff;
+        // After a first refused event the batch is retried once with a savepoint per event, so
+        // any number of refused events costs one extra attempt, not one per event.
+        let mut isolate = false;
         let outcome = loop {
             match self
-                .attempt(&uniques, &poison, &undecodable, &in_batch_conflicts)
+                .attempt(
+                    &uniques,
+                    &poison,
+                    &undecodable,
+                    &in_batch_conflicts,
+                    isolate,
+                )
                 .await
             {
-                Ok(results) => break results,
+                Ok((results, found)) => {
+                    for (id, reason) in found {
+                        tracing::warn!(event_id = %id, %reason, "dead-lettered an event the handler refused");
+                        poison.insert(id, reason);
+                    }
+                    break results;
+                }
                 Err(Attempt::Fatal(e)) => return Err(e),
                 Err(Attempt::Poison(id, reason)) => {
                     tracing::warn!(event_id = %id, %reason, "dead-lettering an event the handler refused");
                     poison.insert(id, reason);
+                    isolate = true;
                 }
                 Err(Attempt::Transient(id, e)) => {
                     report.retries += 1;
@@ -466,14 +482,22 @@ where
         poison: &HashMap<EventId, String>,
         undecodable: &[DeadLetter],
         in_batch_conflicts: &[(&InboundEvent, &Delivery)],
-    ) -> std::result::Result<Vec<Dedup>, Attempt> {
+        isolate: bool,
+    ) -> std::result::Result<(Vec<Dedup>, Vec<(EventId, String)>), Attempt> {
         let mut tx = self
             .inbox
             .begin()
             .await
             .map_err(|e| Attempt::Transient(None, e))?;
         match self
-            .attempt_in(&mut tx, uniques, poison, undecodable, in_batch_conflicts)
+            .attempt_in(
+                &mut tx,
+                uniques,
+                poison,
+                undecodable,
+                in_batch_conflicts,
+                isolate,
+            )
             .await
         {
             Ok(results) => {
@@ -499,7 +523,8 @@ where
         poison: &HashMap<EventId, String>,
         undecodable: &[DeadLetter],
         in_batch_conflicts: &[(&InboundEvent, &Delivery)],
-    ) -> std::result::Result<Vec<Dedup>, Attempt> {
+        isolate: bool,
+    ) -> std::result::Result<(Vec<Dedup>, Vec<(EventId, String)>), Attempt> {
         let entries: Vec<InboxEntry<'_>> = uniques
             .iter()
             .map(|u| InboxEntry {
@@ -522,6 +547,7 @@ where
             .map(|(u, _)| (self.handler.business_key(u.event), u))
             .collect();
         apply.sort_by(|a, b| a.0.cmp(&b.0)); // stable: one key keeps its delivery order
+        let mut found: Vec<(EventId, String)> = vec![];
         for (_, u) in &apply {
             let span = tracing::debug_span!(
                 "idem.handle",
@@ -530,8 +556,27 @@ where
                 traceparent = u.event.traceparent.as_deref().unwrap_or(""),
             );
             let _enter = span.enter();
+            if isolate {
+                self.inbox
+                    .savepoint(&mut *tx)
+                    .await
+                    .map_err(|e| Attempt::Transient(None, e))?;
+            }
             match self.handler.handle(&mut *tx, u.event).await {
+                Ok(()) if isolate => {
+                    self.inbox
+                        .release_savepoint(&mut *tx)
+                        .await
+                        .map_err(|e| Attempt::Transient(None, e))?;
+                }
                 Ok(()) => {}
+                Err(HandlerError::Permanent(reason)) if isolate => {
+                    self.inbox
+                        .rollback_to_savepoint(&mut *tx)
+                        .await
+                        .map_err(|e| Attempt::Transient(None, e))?;
+                    found.push((u.event.event_id, reason));
+                }
                 Err(HandlerError::Permanent(reason)) => {
                     return Err(Attempt::Poison(u.event.event_id, reason));
                 }
@@ -544,10 +589,21 @@ where
             }
         }
 
+        if !found.is_empty() {
+            let ids: Vec<EventId> = found.iter().map(|(id, _)| *id).collect();
+            self.inbox
+                .mark_dead_lettered(&mut *tx, &self.config.group, &ids)
+                .await
+                .map_err(|e| Attempt::Transient(None, e))?;
+        }
+        let found_reasons: HashMap<EventId, &String> =
+            found.iter().map(|(id, r)| (*id, r)).collect();
         let mut letters: Vec<DeadLetter> = undecodable.to_vec();
         let mut seen: HashSet<(String, i32, i64)> = HashSet::new();
         for (u, r) in uniques.iter().zip(&results) {
-            if let Some(reason) = poison.get(&u.event.event_id)
+            if let Some(reason) = poison
+                .get(&u.event.event_id)
+                .or(found_reasons.get(&u.event.event_id).copied())
                 && *r == Dedup::New
             {
                 letters.push(dead_letter_of(u.delivery, Some(u.event), reason.clone()));
@@ -575,7 +631,7 @@ where
             .dead_letter(&mut *tx, &self.config.group, &letters)
             .await
             .map_err(|e| Attempt::Transient(None, e))?;
-        Ok(results)
+        Ok((results, found))
     }
 }
 

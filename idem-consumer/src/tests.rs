@@ -32,6 +32,7 @@ impl Source for ScriptedSource {
 #[derive(Clone, Default)]
 struct Recorder {
     flaky: Arc<Mutex<u32>>,
+    calls: Arc<Mutex<u32>>,
 }
 
 impl Handler<SqliteConnection> for Recorder {
@@ -40,6 +41,7 @@ impl Handler<SqliteConnection> for Recorder {
         conn: &mut SqliteConnection,
         e: &InboundEvent,
     ) -> std::result::Result<(), HandlerError> {
+        *self.calls.lock().unwrap() += 1;
         if e.payload.get("poison").is_some() {
             return Err(HandlerError::permanent("the payload is poison"));
         }
@@ -339,4 +341,37 @@ async fn offsets_are_committed_only_after_the_database_commit() {
     assert_eq!((r.processed, r.duplicate_skips), (0, 1));
     assert_eq!(f.effects().await, 1);
     assert_eq!(f.source.commits.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn many_refused_events_cost_one_extra_attempt() {
+    let mut f = fixture().await;
+    let batch: Vec<Delivery> = (0..50)
+        .map(|i| {
+            record(
+                i,
+                EventId::new(),
+                if i % 2 == 0 {
+                    r#"{"poison":true}"#
+                } else {
+                    "{}"
+                },
+            )
+        })
+        .collect();
+    let r = f.consumer.process(&batch).await.unwrap();
+    assert_eq!((r.processed, r.dead_lettered, r.retries), (25, 25, 0));
+    assert_eq!(f.effects().await, 25);
+    assert_eq!(
+        *f.handler.calls.lock().unwrap(),
+        1 + 49,
+        "one failed attempt, then one isolated pass without the known poison"
+    );
+    let dead: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idem_inbox WHERE status = 'dead_lettered'")
+            .fetch_one(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(dead, 25);
+    assert_eq!(f.dead_letters().await.len(), 25);
 }

@@ -152,6 +152,26 @@ pub trait InboxStore: Send + Sync + 'static {
         entries: &[InboxEntry<'_>],
     ) -> impl Future<Output = Result<Vec<Dedup>>> + Send;
 
+    /// Sets a savepoint in the open transaction (used to isolate one event's handler).
+    fn savepoint(&self, conn: &mut Self::Conn) -> impl Future<Output = Result<()>> + Send;
+
+    /// Undoes everything since the savepoint (the transaction stays usable).
+    fn rollback_to_savepoint(
+        &self,
+        conn: &mut Self::Conn,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Drops the savepoint, keeping what was done since.
+    fn release_savepoint(&self, conn: &mut Self::Conn) -> impl Future<Output = Result<()>> + Send;
+
+    /// Marks events recorded by [`InboxStore::record`] in this transaction as dead-lettered.
+    fn mark_dead_lettered(
+        &self,
+        conn: &mut Self::Conn,
+        group: &str,
+        ids: &[EventId],
+    ) -> impl Future<Output = Result<()>> + Send;
+
     /// Stores dead letters (idempotent per group, topic, partition and offset).
     fn dead_letter(
         &self,

@@ -39,6 +39,9 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord, Producer};
 
 pub mod inspect;
+pub mod source;
+
+pub use source::{KafkaSource, consumer_config};
 
 /// Producer settings the at-least-once guarantee depends on. [`producer_config`] sets them and
 /// refuses overrides of these keys.

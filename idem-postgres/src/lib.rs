@@ -76,6 +76,7 @@ struct Queries {
     inbox_record: String,
     dead_letter: String,
     dead_letters: String,
+    inbox_dead_lettered: String,
 }
 
 impl Queries {
@@ -94,6 +95,7 @@ impl Queries {
             inbox_record: r(include_str!("../sql/inbox_record.sql")),
             dead_letter: r(include_str!("../sql/dead_letter.sql")),
             dead_letters: r(include_str!("../sql/dead_letters.sql")),
+            inbox_dead_lettered: r(include_str!("../sql/inbox_dead_lettered.sql")),
         }
     }
 }
@@ -676,6 +678,45 @@ impl idem_core::InboxStore for PgInbox {
                 })
             })
             .collect()
+    }
+
+    async fn savepoint(&self, conn: &mut PgConnection) -> Result<()> {
+        sqlx::Executor::execute(&mut *conn, "SAVEPOINT idem_event")
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("setting a savepoint", e))
+    }
+
+    async fn rollback_to_savepoint(&self, conn: &mut PgConnection) -> Result<()> {
+        sqlx::Executor::execute(&mut *conn, "ROLLBACK TO SAVEPOINT idem_event")
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("rolling back to a savepoint", e))
+    }
+
+    async fn release_savepoint(&self, conn: &mut PgConnection) -> Result<()> {
+        sqlx::Executor::execute(&mut *conn, "RELEASE SAVEPOINT idem_event")
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("releasing a savepoint", e))
+    }
+
+    async fn mark_dead_lettered(
+        &self,
+        conn: &mut PgConnection,
+        group: &str,
+        ids: &[EventId],
+    ) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(&self.queries.inbox_dead_lettered)
+            .bind(group)
+            .bind(ids.iter().map(EventId::as_uuid).collect::<Vec<_>>())
+            .execute(&mut *conn)
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("marking inbox rows dead-lettered", e))
     }
 
     async fn dead_letter(

@@ -1,1 +1,293 @@
-//! stub
+//! The reference pipeline: an order service that writes a paid order and its `order.paid` event
+//! in one transaction, and a settlement service that turns each `order.paid` event into exactly
+//! one settlement row (unique per payment) through the idem consumer runtime.
+//!
+//! ```text
+//! orders (order DB) ─outbox─► relay ─► outbox.event.order ─► settlement consumer ─► settlements (settlement DB)
+//! ```
+//!
+//! The `idem orders` and `idem settlement` commands run each side as its own process.
+
+pub mod money;
+
+use idem_consumer::{Handler, HandlerError};
+use idem_core::{Event, InboundEvent};
+use sqlx::{PgConnection, SqliteConnection};
+
+/// The event type the settlement service applies.
+pub const ORDER_PAID: &str = "order.paid";
+/// The aggregate type of orders (the topic is `outbox.event.order`).
+pub const ORDER: &str = "order";
+
+/// The reference tables for PostgreSQL.
+pub const POSTGRES_SCHEMA: &str = include_str!("../sql/postgres.sql");
+/// The reference tables for SQLite.
+pub const SQLITE_SCHEMA: &str = include_str!("../sql/sqlite.sql");
+
+/// Creates the reference tables if they are missing.
+pub async fn ensure_schema_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(POSTGRES_SCHEMA)
+        .execute(pool)
+        .await
+        .map(|_| ())
+}
+
+/// Creates the reference tables if they are missing.
+pub async fn ensure_schema_sqlite(pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(SQLITE_SCHEMA).execute(pool).await.map(|_| ())
+}
+
+/// One paid order, as the order service writes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PaidOrder {
+    /// Order id (the aggregate id).
+    pub order_id: String,
+    /// Payment id (the settlement's unique key).
+    pub payment_id: String,
+    /// Amount in minor units.
+    pub amount_minor: i64,
+    /// ISO 4217 currency.
+    pub currency: String,
+}
+
+impl PaidOrder {
+    /// The deterministic order number `n` used by `idem orders` (amounts vary from 1.00 to 99.99).
+    pub fn numbered(prefix: &str, n: u64) -> Self {
+        PaidOrder {
+            order_id: format!("{prefix}order-{n}"),
+            payment_id: format!("{prefix}pay-{n}"),
+            amount_minor: 100 + i64::try_from(n % 9_900).unwrap_or(0),
+            currency: "EUR".to_owned(),
+        }
+    }
+
+    /// The `order.paid` event: the amount as an exact decimal string.
+    pub fn event(&self) -> idem_core::Result<Event> {
+        Event::builder(ORDER, &self.order_id, ORDER_PAID)
+            .payload(&serde_json::json!({
+                "order_id": self.order_id,
+                "payment_id": self.payment_id,
+                "amount": money::format_minor(self.amount_minor),
+                "currency": self.currency,
+            }))
+            .build()
+    }
+}
+
+/// Errors of the order service.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OrderError {
+    /// The database refused the order.
+    #[error("writing order {order_id}: {source}")]
+    Database {
+        /// The order.
+        order_id: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The event could not be built or enqueued.
+    #[error(transparent)]
+    Outbox(#[from] idem_core::Error),
+}
+
+/// Writes the order row and its `order.paid` event in one PostgreSQL transaction.
+pub async fn place_order_postgres(
+    pool: &sqlx::PgPool,
+    outbox: &idem_postgres::Outbox,
+    order: &PaidOrder,
+) -> Result<(), OrderError> {
+    let db = |source| OrderError::Database {
+        order_id: order.order_id.clone(),
+        source,
+    };
+    let event = order.event()?;
+    let mut tx = pool.begin().await.map_err(db)?;
+    sqlx::query(
+        "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(&order.order_id)
+    .bind(&order.payment_id)
+    .bind(order.amount_minor)
+    .bind(&order.currency)
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    outbox.enqueue(&mut tx, &event).await?;
+    tx.commit().await.map_err(db)
+}
+
+/// Writes the order row and its `order.paid` event in one SQLite transaction.
+pub async fn place_order_sqlite(
+    pool: &sqlx::SqlitePool,
+    outbox: &idem_sqlite::Outbox,
+    order: &PaidOrder,
+) -> Result<(), OrderError> {
+    let db = |source| OrderError::Database {
+        order_id: order.order_id.clone(),
+        source,
+    };
+    let event = order.event()?;
+    let mut tx = pool.begin().await.map_err(db)?;
+    sqlx::query(
+        "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES (?1, ?2, ?3, ?4)",
+    )
+    .bind(&order.order_id)
+    .bind(&order.payment_id)
+    .bind(order.amount_minor)
+    .bind(&order.currency)
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    outbox.enqueue(&mut tx, &event).await?;
+    tx.commit().await.map_err(db)
+}
+
+/// What a settlement handler reads from an `order.paid` event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Paid {
+    order_id: String,
+    payment_id: String,
+    amount: money::Amount,
+}
+
+fn parse_paid(event: &InboundEvent) -> Result<Paid, HandlerError> {
+    if event.event_type != ORDER_PAID {
+        return Err(HandlerError::permanent(format!(
+            "unexpected event type {:?}; the settlement service applies {ORDER_PAID}",
+            event.event_type
+        )));
+    }
+    let text = |field: &str| match event.payload.get(field) {
+        Some(serde_json::Value::String(s)) if !s.is_empty() && s.len() <= 200 => Ok(s.clone()),
+        Some(other) => Err(HandlerError::permanent(format!(
+            "{field} must be a non-empty string of at most 200 bytes, got {other}"
+        ))),
+        None => Err(HandlerError::permanent(format!(
+            "the payload has no {field}"
+        ))),
+    };
+    Ok(Paid {
+        order_id: text("order_id")?,
+        payment_id: text("payment_id")?,
+        amount: money::parse_amount(&event.payload).map_err(HandlerError::Permanent)?,
+    })
+}
+
+/// The settlement handler: one row per payment, written in the consumer's transaction.
+///
+/// `INSERT … ON CONFLICT (payment_id) DO NOTHING` makes a second event for the same payment
+/// (a different event id carrying the same business fact) converge to the one row; the same
+/// payment with a different amount or order is refused (dead-lettered), never overwritten.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Settlement;
+
+fn already_settled(paid: &Paid, existing: (String, i64, String)) -> Result<(), HandlerError> {
+    if existing
+        == (
+            paid.order_id.clone(),
+            paid.amount.minor,
+            paid.amount.currency.clone(),
+        )
+    {
+        Ok(())
+    } else {
+        Err(HandlerError::permanent(format!(
+            "payment {} is already settled for order {} with {} {}; this event says order {} with {} {}",
+            paid.payment_id,
+            existing.0,
+            money::format_minor(existing.1),
+            existing.2,
+            paid.order_id,
+            money::format_minor(paid.amount.minor),
+            paid.amount.currency
+        )))
+    }
+}
+
+impl Handler<PgConnection> for Settlement {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        event: &InboundEvent,
+    ) -> Result<(), HandlerError> {
+        let paid = parse_paid(event)?;
+        let inserted = sqlx::query(
+            "INSERT INTO settlements (payment_id, order_id, amount_minor, currency, event_id) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (payment_id) DO NOTHING",
+        )
+        .bind(&paid.payment_id)
+        .bind(&paid.order_id)
+        .bind(paid.amount.minor)
+        .bind(&paid.amount.currency)
+        .bind(event.event_id.as_uuid())
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?
+        .rows_affected();
+        if inserted == 1 {
+            return Ok(());
+        }
+        let existing: (String, i64, String) = sqlx::query_as(
+            "SELECT order_id, amount_minor, currency FROM settlements WHERE payment_id = $1",
+        )
+        .bind(&paid.payment_id)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        already_settled(&paid, existing)
+    }
+
+    fn business_key(&self, event: &InboundEvent) -> String {
+        event
+            .payload
+            .get("payment_id")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+impl Handler<SqliteConnection> for Settlement {
+    async fn handle(
+        &self,
+        conn: &mut SqliteConnection,
+        event: &InboundEvent,
+    ) -> Result<(), HandlerError> {
+        let paid = parse_paid(event)?;
+        let inserted = sqlx::query(
+            "INSERT INTO settlements (payment_id, order_id, amount_minor, currency, event_id) VALUES (?1, ?2, ?3, ?4, ?5) \
+             ON CONFLICT (payment_id) DO NOTHING",
+        )
+        .bind(&paid.payment_id)
+        .bind(&paid.order_id)
+        .bind(paid.amount.minor)
+        .bind(&paid.amount.currency)
+        .bind(event.event_id.to_string())
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?
+        .rows_affected();
+        if inserted == 1 {
+            return Ok(());
+        }
+        let existing: (String, i64, String) = sqlx::query_as(
+            "SELECT order_id, amount_minor, currency FROM settlements WHERE payment_id = ?1",
+        )
+        .bind(&paid.payment_id)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        already_settled(&paid, existing)
+    }
+
+    fn business_key(&self, event: &InboundEvent) -> String {
+        event
+            .payload
+            .get("payment_id")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    }
+}

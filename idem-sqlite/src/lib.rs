@@ -75,6 +75,7 @@ struct Queries {
     inbox_record: String,
     dead_letter: String,
     dead_letters: String,
+    inbox_dead_lettered: String,
 }
 
 impl Queries {
@@ -94,6 +95,7 @@ impl Queries {
             inbox_record: r(include_str!("../sql/inbox_record.sql")),
             dead_letter: r(include_str!("../sql/dead_letter.sql")),
             dead_letters: r(include_str!("../sql/dead_letters.sql")),
+            inbox_dead_lettered: r(include_str!("../sql/inbox_dead_lettered.sql")),
         }
     }
 }
@@ -659,6 +661,44 @@ impl idem_core::InboxStore for SqliteInbox {
             });
         }
         Ok(out)
+    }
+
+    async fn savepoint(&self, conn: &mut SqliteConnection) -> Result<()> {
+        sqlx::Executor::execute(&mut *conn, "SAVEPOINT idem_event")
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("setting a savepoint", e))
+    }
+
+    async fn rollback_to_savepoint(&self, conn: &mut SqliteConnection) -> Result<()> {
+        sqlx::Executor::execute(&mut *conn, "ROLLBACK TO SAVEPOINT idem_event")
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("rolling back to a savepoint", e))
+    }
+
+    async fn release_savepoint(&self, conn: &mut SqliteConnection) -> Result<()> {
+        sqlx::Executor::execute(&mut *conn, "RELEASE SAVEPOINT idem_event")
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("releasing a savepoint", e))
+    }
+
+    async fn mark_dead_lettered(
+        &self,
+        conn: &mut SqliteConnection,
+        group: &str,
+        ids: &[EventId],
+    ) -> Result<()> {
+        for id in ids {
+            sqlx::query(&self.queries.inbox_dead_lettered)
+                .bind(group)
+                .bind(id.to_string())
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| Error::database("marking inbox rows dead-lettered", e))?;
+        }
+        Ok(())
     }
 
     async fn dead_letter(

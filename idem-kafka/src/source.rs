@@ -1,0 +1,245 @@
+//! The consumer side: a Kafka consumer group as an [`idem_core::Source`].
+//!
+//! # Delivery semantics
+//!
+//! At least once. [`consumer_config`] forces `enable.auto.commit=false` and
+//! `enable.auto.offset.store=false`: an offset is stored and committed only by
+//! [`Source::commit`], which the consumer runtime calls after its database transaction
+//! committed. A crash before that redelivers the batch. `auto.offset.reset` defaults to
+//! `earliest`, so a new group starts from the beginning rather than skipping what is there.
+//!
+//! On a rebalance, a batch that was being collected is dropped (nothing of it was processed or
+//! committed); the partitions' new owners — possibly this consumer again — start from the
+//! committed offsets. A batch that was already being applied finishes and commits before the
+//! consumer polls again, and the revocation commits synchronously what was stored.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idem_core::{Delivery, Error, Result, Source};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Headers, Message};
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
+
+/// Consumer settings the guarantee depends on; [`consumer_config`] refuses to change them.
+pub const FORCED_CONSUMER_SETTINGS: &[(&str, &str)] = &[
+    ("enable.auto.commit", "false"),
+    ("enable.auto.offset.store", "false"),
+];
+
+/// Consumer defaults a user may override.
+pub const DEFAULT_CONSUMER_SETTINGS: &[(&str, &str)] = &[
+    ("auto.offset.reset", "earliest"),
+    ("enable.partition.eof", "false"),
+    ("session.timeout.ms", "10000"),
+    ("heartbeat.interval.ms", "1000"),
+    ("max.poll.interval.ms", "300000"),
+];
+
+/// Builds a consumer configuration for `group`: `overrides` on top of idem's defaults, with the
+/// at-least-once settings forced.
+pub fn consumer_config(
+    brokers: &str,
+    group: &str,
+    overrides: &[(String, String)],
+) -> Result<ClientConfig> {
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("client.id", "idem-consumer");
+    for (k, v) in DEFAULT_CONSUMER_SETTINGS {
+        cfg.set(*k, *v);
+    }
+    for (k, v) in overrides {
+        if let Some((_, forced)) = FORCED_CONSUMER_SETTINGS.iter().find(|(fk, _)| fk == k)
+            && v != forced
+        {
+            return Err(Error::Config(format!(
+                "consumer setting {k}={v} is refused: offsets must be committed only after the database commit ({k}={forced})"
+            )));
+        }
+        if k == "group.id" || k == "bootstrap.servers" {
+            return Err(Error::Config(format!(
+                "set {k} with its own option, not as a consumer setting"
+            )));
+        }
+        cfg.set(k.as_str(), v.as_str());
+    }
+    for (k, v) in FORCED_CONSUMER_SETTINGS {
+        cfg.set(*k, *v);
+    }
+    Ok(cfg)
+}
+
+/// Counts rebalances, and commits stored offsets synchronously before partitions are revoked.
+#[derive(Default)]
+pub struct RebalanceContext {
+    generation: AtomicU64,
+}
+
+impl ClientContext for RebalanceContext {}
+
+impl ConsumerContext for RebalanceContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        if let Rebalance::Revoke(tpl) = rebalance {
+            tracing::info!(partitions = tpl.count(), "partitions revoked");
+            // Everything stored was committed in the database first.
+            if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync)
+                && !matches!(
+                    e,
+                    KafkaError::ConsumerCommit(rdkafka::error::RDKafkaErrorCode::NoOffset)
+                )
+            {
+                tracing::warn!(error = %e, "committing stored offsets before a revocation");
+            }
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            tracing::info!(partitions = tpl.count(), "partitions assigned");
+        }
+    }
+}
+
+/// A Kafka consumer group member feeding the consumer runtime.
+pub struct KafkaSource {
+    consumer: Arc<StreamConsumer<RebalanceContext>>,
+}
+
+impl KafkaSource {
+    /// Joins the group in `config` and subscribes to `topics`.
+    pub fn new(config: &ClientConfig, topics: &[String]) -> Result<Self> {
+        let consumer: StreamConsumer<RebalanceContext> = config
+            .create_with_context(RebalanceContext::default())
+            .map_err(|e| Error::broker("creating the Kafka consumer", e))?;
+        let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&refs)
+            .map_err(|e| Error::broker(format!("subscribing to {}", topics.join(", ")), e))?;
+        Ok(KafkaSource {
+            consumer: Arc::new(consumer),
+        })
+    }
+
+    /// The offset this group has committed for a partition (the next one to read), if any.
+    pub fn committed(&self, topic: &str, partition: i32, timeout: Duration) -> Result<Option<i64>> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(topic, partition);
+        let c = self
+            .consumer
+            .committed_offsets(tpl, timeout)
+            .map_err(|e| Error::broker("reading committed offsets", e))?;
+        Ok(c.elements().first().and_then(|e| match e.offset() {
+            Offset::Offset(o) => Some(o),
+            _ => None,
+        }))
+    }
+}
+
+fn to_delivery(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivery {
+    Delivery {
+        topic: m.topic().to_owned(),
+        partition: m.partition(),
+        offset: m.offset(),
+        key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+        payload: m.payload().map(<[u8]>::to_vec),
+        headers: m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            h.value
+                                .map(|v| String::from_utf8_lossy(v).into_owned())
+                                .unwrap_or_default(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+impl Source for KafkaSource {
+    async fn next_batch(&mut self, max: usize, linger: Duration) -> Result<Vec<Delivery>> {
+        let generation = self.consumer.context().generation.load(Ordering::SeqCst);
+        let first = self
+            .consumer
+            .recv()
+            .await
+            .map_err(|e| Error::broker("receiving records", e))?;
+        let mut batch = vec![to_delivery(&first)];
+        drop(first);
+        let deadline = tokio::time::Instant::now() + linger;
+        while batch.len() < max {
+            match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
+                Ok(Ok(m)) => batch.push(to_delivery(&m)),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "receiving records");
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        if self.consumer.context().generation.load(Ordering::SeqCst) != generation {
+            // A rebalance happened while collecting: drop the batch; the partitions' owners
+            // resume from the committed offsets, so nothing is lost.
+            tracing::info!(
+                records = batch.len(),
+                "rebalance while collecting a batch; dropping it"
+            );
+            return Ok(vec![]);
+        }
+        Ok(batch)
+    }
+
+    async fn commit(&mut self, done: &[(String, i32, i64)]) -> Result<()> {
+        let mut tpl = TopicPartitionList::new();
+        for (topic, partition, offset) in done {
+            tpl.add_partition_offset(topic, *partition, Offset::Offset(offset + 1))
+                .map_err(|e| Error::broker("building the offset list", e))?;
+        }
+        self.consumer
+            .store_offsets(&tpl)
+            .map_err(|e| Error::broker("storing offsets", e))?;
+        let consumer = self.consumer.clone();
+        tokio::task::spawn_blocking(move || consumer.commit(&tpl, CommitMode::Sync))
+            .await
+            .map_err(|e| Error::broker("committing offsets", e))?
+            .map_err(|e| Error::broker("committing offsets", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_are_never_auto_committed_or_auto_stored() {
+        let cfg = consumer_config("b:1", "settlement", &[]).unwrap();
+        assert_eq!(cfg.get("enable.auto.commit"), Some("false"));
+        assert_eq!(cfg.get("enable.auto.offset.store"), Some("false"));
+        assert_eq!(cfg.get("auto.offset.reset"), Some("earliest"));
+        assert_eq!(cfg.get("group.id"), Some("settlement"));
+        for (k, v) in [
+            ("enable.auto.commit", "true"),
+            ("enable.auto.offset.store", "true"),
+            ("group.id", "x"),
+        ] {
+            assert!(
+                consumer_config("b:1", "g", &[(k.into(), v.into())]).is_err(),
+                "{k}={v} accepted"
+            );
+        }
+        let cfg =
+            consumer_config("b:1", "g", &[("auto.offset.reset".into(), "latest".into())]).unwrap();
+        assert_eq!(cfg.get("auto.offset.reset"), Some("latest"));
+    }
+}

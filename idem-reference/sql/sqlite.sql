@@ -1,0 +1,19 @@
+-- Reference pipeline tables, SQLite. See postgres.sql.
+CREATE TABLE IF NOT EXISTS orders (
+    order_id      TEXT    PRIMARY KEY,
+    payment_id    TEXT    NOT NULL UNIQUE,
+    amount_minor  INTEGER NOT NULL CHECK (amount_minor > 0),
+    currency      TEXT    NOT NULL,
+    created_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);
+
+CREATE TABLE IF NOT EXISTS settlements (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    payment_id    TEXT    NOT NULL,
+    order_id      TEXT    NOT NULL,
+    amount_minor  INTEGER NOT NULL CHECK (amount_minor > 0),
+    currency      TEXT    NOT NULL,
+    event_id      TEXT    NOT NULL,
+    settled_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
+    CONSTRAINT settlements_payment_id_key UNIQUE (payment_id)
+);
