@@ -184,3 +184,38 @@ pub fn high_watermark_sum(brokers: &str, topic: &str, timeout: Duration) -> Resu
     }
     Ok(sum)
 }
+
+/// The offsets `group` has committed on `topic` (partition, next offset to read).
+pub fn committed_offsets(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<(i32, i64)>> {
+    let consumer: BaseConsumer<QuietEof> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create_with_context(QuietEof)
+        .map_err(|e| Error::broker("creating an inspection consumer", e))?;
+    let metadata = consumer
+        .fetch_metadata(Some(topic), timeout)
+        .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;
+    let mut tpl = TopicPartitionList::new();
+    for t in metadata.topics().iter().filter(|t| t.name() == topic) {
+        for p in t.partitions() {
+            tpl.add_partition(topic, p.id());
+        }
+    }
+    let committed = consumer
+        .committed_offsets(tpl, timeout)
+        .map_err(|e| Error::broker(format!("reading the offsets of group {group}"), e))?;
+    Ok(committed
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) => Some((e.partition(), o)),
+            _ => None,
+        })
+        .collect())
+}

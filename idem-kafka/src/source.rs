@@ -8,9 +8,10 @@
 //! committed. A crash before that redelivers the batch. `auto.offset.reset` defaults to
 //! `earliest`, so a new group starts from the beginning rather than skipping what is there.
 //!
-//! On a rebalance, a batch that was being collected is dropped (nothing of it was processed or
-//! committed); the partitions' new owners — possibly this consumer again — start from the
-//! committed offsets. A batch that was already being applied finishes and commits before the
+//! On a rebalance, the records of *revoked* partitions in a batch being collected are dropped
+//! (nothing of them was processed or committed); the partitions' new owners — possibly this
+//! consumer again — start from the committed offsets. Partitions that are only assigned keep
+//! their records. A batch that was already being applied finishes and commits before the
 //! consumer polls again, and the revocation commits synchronously what was stored.
 
 use std::sync::Arc;
@@ -75,18 +76,28 @@ pub fn consumer_config(
     Ok(cfg)
 }
 
-/// Counts rebalances, and commits stored offsets synchronously before partitions are revoked.
+/// Records revoked partitions, and commits stored offsets synchronously before partitions are
+/// revoked.
 #[derive(Default)]
 pub struct RebalanceContext {
-    generation: AtomicU64,
+    revocations: AtomicU64,
+    revoked: std::sync::Mutex<Vec<(String, i32)>>,
 }
 
 impl ClientContext for RebalanceContext {}
 
 impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        self.generation.fetch_add(1, Ordering::SeqCst);
         if let Rebalance::Revoke(tpl) = rebalance {
+            self.revoked
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(
+                    tpl.elements()
+                        .iter()
+                        .map(|e| (e.topic().to_owned(), e.partition())),
+                );
+            self.revocations.fetch_add(1, Ordering::SeqCst);
             tracing::info!(partitions = tpl.count(), "partitions revoked");
             // Everything stored was committed in the database first.
             if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync)
@@ -169,7 +180,12 @@ fn to_delivery(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivery {
 
 impl Source for KafkaSource {
     async fn next_batch(&mut self, max: usize, linger: Duration) -> Result<Vec<Delivery>> {
-        let generation = self.consumer.context().generation.load(Ordering::SeqCst);
+        let ctx = self.consumer.context();
+        let revocations = ctx.revocations.load(Ordering::SeqCst);
+        ctx.revoked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
         let first = self
             .consumer
             .recv()
@@ -188,14 +204,48 @@ impl Source for KafkaSource {
                 Err(_) => break,
             }
         }
-        if self.consumer.context().generation.load(Ordering::SeqCst) != generation {
-            // A rebalance happened while collecting: drop the batch; the partitions' owners
-            // resume from the committed offsets, so nothing is lost.
+        let ctx = self.consumer.context();
+        if ctx.revocations.load(Ordering::SeqCst) != revocations {
+            // Partitions were revoked while collecting: drop their records; their owners resume
+            // from the committed offsets, so nothing is lost.
+            let revoked =
+                std::mem::take(&mut *ctx.revoked.lock().unwrap_or_else(|p| p.into_inner()));
+            let mut first_dropped: std::collections::BTreeMap<(String, i32), i64> =
+                std::collections::BTreeMap::new();
+            batch.retain(|d| {
+                let gone = revoked
+                    .iter()
+                    .any(|(t, p)| *t == d.topic && *p == d.partition);
+                if gone {
+                    let e = first_dropped
+                        .entry((d.topic.clone(), d.partition))
+                        .or_insert(d.offset);
+                    *e = (*e).min(d.offset);
+                }
+                !gone
+            });
+            // A revoked partition may have been assigned back to this consumer in the same
+            // rebalance, and records fetched after that were dropped too: rewind it.
+            let assigned = self
+                .consumer
+                .assignment()
+                .map_err(|e| Error::broker("reading the assignment", e))?;
+            for ((topic, partition), offset) in &first_dropped {
+                if assigned.find_partition(topic, *partition).is_some()
+                    && let Err(e) = self.consumer.seek(
+                        topic,
+                        *partition,
+                        Offset::Offset(*offset),
+                        Duration::from_secs(5),
+                    )
+                {
+                    tracing::warn!(error = %e, topic, partition, "rewinding a re-assigned partition");
+                }
+            }
             tracing::info!(
-                records = batch.len(),
-                "rebalance while collecting a batch; dropping it"
+                dropped = first_dropped.len(),
+                "partitions revoked while collecting a batch"
             );
-            return Ok(vec![]);
         }
         Ok(batch)
     }

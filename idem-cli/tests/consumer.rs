@@ -1,0 +1,267 @@
+//! The consumer runtime with the settlement handler against real PostgreSQL and librdkafka's
+//! mock cluster: duplicates, poison records, money edge cases.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_conformance::backend::Pg;
+use idem_conformance::process::eventually;
+use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, total};
+use idem_core::{EventId, InboxStore, Message, Publisher, TableNames};
+use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config};
+use idem_postgres::PgInbox;
+use idem_reference::{PaidOrder, Settlement};
+use tokio::sync::watch;
+
+const TOPIC: &str = "outbox.event.order";
+
+struct Setup {
+    pg: Pg,
+    _cluster: EmbeddedCluster,
+    brokers: String,
+    publisher: KafkaPublisher,
+}
+
+async fn setup() -> Setup {
+    let pg = Pg::new().await;
+    idem_reference::ensure_schema_postgres(pg.pool())
+        .await
+        .unwrap();
+    let cluster = EmbeddedCluster::start(1).unwrap();
+    cluster.create_topic(TOPIC, 2).unwrap();
+    let brokers = cluster.bootstrap_servers();
+    let publisher =
+        KafkaPublisher::new(idem_kafka::producer_config(&brokers, &[]).unwrap()).unwrap();
+    Setup {
+        pg,
+        _cluster: cluster,
+        brokers,
+        publisher,
+    }
+}
+
+/// A record as the relay would publish it.
+fn record(id: EventId, key: &str, payload: &str) -> Message {
+    Message {
+        topic: TOPIC.into(),
+        key: key.into(),
+        payload: payload.into(),
+        headers: vec![
+            ("ce_id".into(), id.to_string()),
+            ("ce_type".into(), "order.paid".into()),
+            ("idem_aggregate_type".into(), "order".into()),
+            ("idem_aggregate_id".into(), key.into()),
+        ],
+    }
+}
+
+fn paid(n: u64) -> (EventId, Message) {
+    let o = PaidOrder::numbered("", n);
+    let e = o.event().unwrap();
+    (e.id(), record(e.id(), &o.order_id, e.payload()))
+}
+
+/// Runs a settlement consumer in the background until the returned sender says stop.
+fn start_consumer(
+    s: &Setup,
+) -> (
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<ConsumerMetrics>,
+) {
+    let source = KafkaSource::new(
+        &consumer_config(&s.brokers, "settlement", &[]).unwrap(),
+        &[TOPIC.to_owned()],
+    )
+    .unwrap();
+    let metrics = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
+    let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
+    let mut config = ConsumerConfig::new("settlement");
+    config.retry_backoff = Duration::from_millis(10);
+    let mut consumer = Consumer::new(inbox, Settlement, source, config, metrics.clone());
+    let (tx, mut rx) = watch::channel(false);
+    let handle = tokio::spawn(async move {
+        consumer
+            .run(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+            .unwrap();
+        metrics
+    });
+    (tx, handle)
+}
+
+async fn scalar(s: &Setup, sql: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(s.pg.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_event_delivered_twice_settles_once() {
+    let s = setup().await;
+    let (id, msg) = paid(1);
+    let acks = s.publisher.publish(&[msg.clone(), msg]).await;
+    assert!(acks.iter().all(Result::is_ok), "{acks:?}");
+    let (stop, handle) = start_consumer(&s);
+    let count_sql = format!(
+        "SELECT coalesce(max(delivery_count), 0)::bigint FROM idem_inbox WHERE event_id = '{id}'"
+    );
+    eventually(
+        "both copies to be delivered",
+        Duration::from_secs(30),
+        || async { (scalar(&s, &count_sql).await == 2).then_some(()) },
+    )
+    .await;
+    stop.send(true).unwrap();
+    let metrics = handle.await.unwrap();
+    assert_eq!(scalar(&s, "SELECT count(*) FROM settlements").await, 1);
+    assert_eq!(
+        scalar(&s, "SELECT amount_minor FROM settlements").await,
+        101
+    );
+    assert_eq!(total(&metrics.processed), 1);
+    assert_eq!(total(&metrics.duplicate_skips), 1);
+    assert_eq!(total(&metrics.duplicate_deliveries), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_records_and_bad_money_are_dead_lettered_and_the_rest_settled() {
+    let s = setup().await;
+    let (good1, m1) = paid(1);
+    let (good2, m2) = paid(2);
+    let k = "order-x";
+    let bad = |payload: &str| record(EventId::new(), k, payload);
+    let mut no_id = bad("{}");
+    no_id.headers.retain(|(h, _)| h != "ce_id");
+    let money = |amount: &str| {
+        format!(
+            r#"{{"order_id":"order-x","payment_id":"pay-x","amount":{amount},"currency":"EUR"}}"#
+        )
+    };
+    let cases = vec![
+        (no_id, "no ce_id header"),
+        (bad("{not json"), "not valid JSON"),
+        (bad(&money(r#""-5.00""#)), "must be positive"),
+        (bad(&money(r#""0.00""#)), "must be positive"),
+        (
+            bad(&money(r#""123456789012345678.00""#)),
+            "exceeds the maximum",
+        ),
+        (bad(&money(r#""12,50""#)), "not a decimal"),
+        (bad(&money("12.5")), "never a float"),
+        (
+            bad(r#"{"payment_id":"pay-y","amount":"1.00"}"#),
+            "no order_id",
+        ),
+    ];
+    let mut batch = vec![m1];
+    batch.extend(cases.iter().map(|(m, _)| m.clone()));
+    batch.push(m2);
+    assert!(s.publisher.publish(&batch).await.iter().all(Result::is_ok));
+    let (stop, handle) = start_consumer(&s);
+    eventually(
+        "every record to be handled",
+        Duration::from_secs(30),
+        || async {
+            let done = scalar(&s, "SELECT count(*) FROM settlements").await
+                + scalar(&s, "SELECT count(*) FROM idem_dead_letters").await;
+            (done == 2 + cases.len() as i64).then_some(())
+        },
+    )
+    .await;
+    stop.send(true).unwrap();
+    let metrics = handle.await.unwrap();
+    let settled: Vec<String> =
+        sqlx::query_scalar("SELECT event_id::text FROM settlements ORDER BY payment_id")
+            .fetch_all(s.pg.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        settled,
+        vec![good1.to_string(), good2.to_string()],
+        "no partial effect of a bad record"
+    );
+    let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
+    let letters = inbox.dead_letters("settlement", 100).await.unwrap();
+    assert_eq!(letters.len(), cases.len());
+    for (_, want) in &cases {
+        assert!(
+            letters.iter().any(|l| l.reason.contains(want)),
+            "no dead letter says {want:?}: {letters:#?}"
+        );
+    }
+    assert_eq!(total(&metrics.dead_lettered), cases.len() as u64);
+    assert_eq!(total(&metrics.processed), 2);
+    // The offsets moved past the bad records.
+    let committed = {
+        let b = s.brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            idem_kafka::inspect::committed_offsets(&b, "settlement", TOPIC, Duration::from_secs(10))
+        })
+        .await
+        .unwrap()
+        .unwrap()
+    };
+    let next: i64 = committed.iter().map(|(_, o)| o).sum();
+    assert_eq!(
+        next,
+        batch.len() as i64,
+        "committed offsets cover every record: {committed:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_groups_each_apply_every_event_once() {
+    let s = Arc::new(setup().await);
+    let (id, msg) = paid(7);
+    assert!(s.publisher.publish(&[msg]).await.iter().all(Result::is_ok));
+    let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
+    for group in ["settlement", "audit"] {
+        let source = KafkaSource::new(
+            &consumer_config(&s.brokers, group, &[]).unwrap(),
+            &[TOPIC.to_owned()],
+        )
+        .unwrap();
+        let metrics = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
+        let mut c = Consumer::new(
+            inbox.clone(),
+            Settlement,
+            source,
+            ConsumerConfig::new(group),
+            metrics.clone(),
+        );
+        let (tx, mut rx) = watch::channel(false);
+        let h = tokio::spawn(async move {
+            c.run(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+            .unwrap();
+        });
+        let sql = format!(
+            "SELECT count(*) FROM idem_inbox WHERE consumer_group = '{group}' AND event_id = '{id}'"
+        );
+        eventually(
+            "the group to record the event",
+            Duration::from_secs(30),
+            || async { (scalar(&s, &sql).await == 1).then_some(()) },
+        )
+        .await;
+        tx.send(true).unwrap();
+        h.await.unwrap();
+        assert_eq!(total(&metrics.duplicate_skips), 0, "{group} saw it as new");
+    }
+    assert_eq!(
+        scalar(&s, "SELECT count(*) FROM idem_inbox").await,
+        2,
+        "one inbox row per group"
+    );
+    assert_eq!(
+        scalar(&s, "SELECT count(*) FROM settlements").await,
+        1,
+        "the business key still converges"
+    );
+}
