@@ -59,8 +59,9 @@ fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("info,sqlx::postgres::notice=warn")
+            }),
         )
         .init();
     let cli = Cli::parse();
@@ -77,7 +78,18 @@ fn main() -> std::process::ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("idem: error: {e:#}");
+            // Library errors already carry their cause in their message: print each cause once.
+            let mut msg = String::new();
+            for cause in e.chain() {
+                let text = cause.to_string();
+                if !msg.contains(&text) {
+                    if !msg.is_empty() {
+                        msg.push_str(": ");
+                    }
+                    msg.push_str(&text);
+                }
+            }
+            eprintln!("idem: error: {msg}");
             std::process::ExitCode::FAILURE
         }
     }

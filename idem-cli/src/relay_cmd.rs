@@ -110,7 +110,7 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     let timeout_ms: u64 = producer
         .get("message.timeout.ms")
         .and_then(|v| v.parse().ok())
-        .unwrap_or(30_000);
+        .unwrap_or(20_000);
     // A batch takes at most about 2 × message.timeout.ms (see KafkaPublisher::publish).
     if args.lease <= Duration::from_millis(timeout_ms.saturating_mul(2)) {
         bail!(

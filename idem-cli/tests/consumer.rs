@@ -2,7 +2,6 @@
 //! mock cluster: duplicates, poison records, money edge cases.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_conformance::backend::Pg;
@@ -215,7 +214,7 @@ async fn poison_records_and_bad_money_are_dead_lettered_and_the_rest_settled() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_groups_each_apply_every_event_once() {
-    let s = Arc::new(setup().await);
+    let s = setup().await;
     let (id, msg) = paid(7);
     assert!(s.publisher.publish(&[msg]).await.iter().all(Result::is_ok));
     let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());

@@ -56,7 +56,7 @@ impl Pg {
             tables,
         };
         pg.migrate().await.unwrap();
-        pg.exec("CREATE TABLE orders (id text PRIMARY KEY, amount_minor bigint NOT NULL)")
+        pg.exec("CREATE TABLE test_orders (id text PRIMARY KEY, amount_minor bigint NOT NULL)")
             .await
             .unwrap();
         pg
@@ -174,7 +174,7 @@ impl Lite {
             tables,
         };
         lite.migrate().await.unwrap();
-        lite.exec("CREATE TABLE orders (id text PRIMARY KEY, amount_minor bigint NOT NULL)")
+        lite.exec("CREATE TABLE test_orders (id text PRIMARY KEY, amount_minor bigint NOT NULL)")
             .await
             .unwrap();
         lite

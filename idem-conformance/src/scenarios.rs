@@ -46,25 +46,25 @@ pub async fn publish_all<S: OutboxStore>(store: &S) -> Vec<EventId> {
 
 pub async fn commit_keeps_business_row_and_events<B: Backend>(b: &B) {
     let mut tx = b.begin().await;
-    tx.exec("INSERT INTO orders (id, amount_minor) VALUES ('o-1', 1250)")
+    tx.exec("INSERT INTO test_orders (id, amount_minor) VALUES ('o-1', 1250)")
         .await
         .unwrap();
     tx.enqueue(&[event("o-1", 0), event("o-1", 1)])
         .await
         .unwrap();
     tx.commit().await;
-    assert_eq!(b.scalar("SELECT count(*) FROM orders").await, 1);
+    assert_eq!(b.scalar("SELECT count(*) FROM test_orders").await, 1);
     assert_eq!(b.store().status().await.unwrap().pending, 2);
 }
 
 pub async fn rollback_leaves_neither<B: Backend>(b: &B) {
     let mut tx = b.begin().await;
-    tx.exec("INSERT INTO orders (id, amount_minor) VALUES ('o-1', 1250)")
+    tx.exec("INSERT INTO test_orders (id, amount_minor) VALUES ('o-1', 1250)")
         .await
         .unwrap();
     tx.enqueue(&[event("o-1", 0)]).await.unwrap();
     tx.rollback().await;
-    assert_eq!(b.scalar("SELECT count(*) FROM orders").await, 0);
+    assert_eq!(b.scalar("SELECT count(*) FROM test_orders").await, 0);
     let s = b.store().status().await.unwrap();
     assert_eq!((s.pending, s.published, s.parked), (0, 0, 0));
     assert!(

@@ -50,7 +50,7 @@ pub const FORCED_PRODUCER_SETTINGS: &[(&str, &str)] =
 
 /// Settings idem chooses but a user may override.
 pub const DEFAULT_PRODUCER_SETTINGS: &[(&str, &str)] = &[
-    ("message.timeout.ms", "30000"),
+    ("message.timeout.ms", "20000"),
     ("linger.ms", "5"),
     ("queue.buffering.max.kbytes", "65536"),
     ("queue.buffering.max.messages", "100000"),

@@ -39,6 +39,8 @@ pub const DEFAULT_CONSUMER_SETTINGS: &[(&str, &str)] = &[
     ("session.timeout.ms", "10000"),
     ("heartbeat.interval.ms", "1000"),
     ("max.poll.interval.ms", "300000"),
+    // Notice a subscribed topic created after start-up within seconds, not minutes.
+    ("topic.metadata.refresh.interval.ms", "10000"),
 ];
 
 /// Builds a consumer configuration for `group`: `overrides` on top of idem's defaults, with the

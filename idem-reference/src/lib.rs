@@ -79,7 +79,7 @@ impl PaidOrder {
 #[non_exhaustive]
 pub enum OrderError {
     /// The database refused the order.
-    #[error("writing order {order_id}: {source}")]
+    #[error("writing order {order_id}")]
     Database {
         /// The order.
         order_id: String,
