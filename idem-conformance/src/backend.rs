@@ -2,9 +2,9 @@
 
 use std::future::Future;
 
-use idem_core::{Event, OutboxStore, TableNames};
-use idem_postgres::PgStore;
-use idem_sqlite::SqliteStore;
+use idem_core::{Event, InboxStore, OutboxStore, TableNames};
+use idem_postgres::{PgInbox, PgStore};
+use idem_sqlite::{SqliteInbox, SqliteStore};
 use sqlx::{Executor, PgPool, Postgres, Sqlite, SqlitePool, Transaction};
 
 use crate::pg::TestDb;
@@ -13,9 +13,12 @@ use crate::pg::TestDb;
 pub trait Backend: Send + Sync + Sized {
     type Store: OutboxStore + Clone;
     type Tx: OpenTx;
+    type Inbox: InboxStore + Clone;
     /// Can two write transactions be open at once? (PostgreSQL yes, SQLite no.)
     const CONCURRENT_WRITERS: bool;
     fn store(&self) -> &Self::Store;
+    /// The consumer inbox in the same database.
+    fn inbox(&self) -> Self::Inbox;
     fn tables(&self) -> &TableNames;
     /// The same database with other table names (not migrated).
     fn with_tables(&self, tables: TableNames) -> Self;
@@ -98,10 +101,14 @@ impl OpenTx for PgTx {
 impl Backend for Pg {
     type Store = PgStore;
     type Tx = PgTx;
+    type Inbox = PgInbox;
     const CONCURRENT_WRITERS: bool = true;
 
     fn store(&self) -> &PgStore {
         &self.store
+    }
+    fn inbox(&self) -> PgInbox {
+        PgInbox::new(self.pool().clone(), self.tables.clone())
     }
     fn tables(&self) -> &TableNames {
         &self.tables
@@ -212,10 +219,14 @@ impl OpenTx for LiteTx {
 impl Backend for Lite {
     type Store = SqliteStore;
     type Tx = LiteTx;
+    type Inbox = SqliteInbox;
     const CONCURRENT_WRITERS: bool = false;
 
     fn store(&self) -> &SqliteStore {
         &self.store
+    }
+    fn inbox(&self) -> SqliteInbox {
+        SqliteInbox::new(self.pool.clone(), self.tables.clone())
     }
     fn tables(&self) -> &TableNames {
         &self.tables

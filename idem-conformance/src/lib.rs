@@ -31,7 +31,12 @@ macro_rules! conformance_tests {
             failed_rows_back_off_and_park,
             prune_deletes_or_archives_published_rows,
             migrate_is_idempotent,
-            custom_table_prefix_is_used
+            custom_table_prefix_is_used,
+            inbox_dedups_per_group_and_counts_deliveries,
+            inbox_detects_a_payload_conflict,
+            inbox_rows_roll_back_with_the_transaction,
+            concurrent_inbox_inserts_let_exactly_one_apply,
+            dead_letters_are_kept_once_per_record
         );
     };
     (@each $make:expr; $($name:ident),* $(,)?) => {
