@@ -10,6 +10,24 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
+/// A record's headers in order, values as lossy UTF-8 (a missing value is empty).
+pub(crate) fn headers_of<M: Message>(m: &M) -> Vec<(String, String)> {
+    m.headers()
+        .map(|hs| {
+            hs.iter()
+                .map(|h| {
+                    (
+                        h.key.to_owned(),
+                        h.value
+                            .map(|v| String::from_utf8_lossy(v).into_owned())
+                            .unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// End of partition is how [`read_all`] knows it is done, not an error worth logging.
 struct QuietEof;
 
@@ -117,21 +135,7 @@ pub fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<Rec
             Err(e) => return Err(Error::broker(format!("reading {topic}"), e)),
         };
         let (p, o) = (msg.partition(), msg.offset());
-        let headers = msg
-            .headers()
-            .map(|hs| {
-                hs.iter()
-                    .map(|h| {
-                        (
-                            h.key.to_owned(),
-                            h.value
-                                .map(|v| String::from_utf8_lossy(v).into_owned())
-                                .unwrap_or_default(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+        let headers = headers_of(&msg);
         out.insert(
             (p, o),
             Record {

@@ -23,7 +23,7 @@ use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::error::KafkaError;
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 
 /// Consumer settings the guarantee depends on; [`consumer_config`] refuses to change them.
@@ -162,21 +162,7 @@ fn to_delivery(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivery {
         offset: m.offset(),
         key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
         payload: m.payload().map(<[u8]>::to_vec),
-        headers: m
-            .headers()
-            .map(|hs| {
-                hs.iter()
-                    .map(|h| {
-                        (
-                            h.key.to_owned(),
-                            h.value
-                                .map(|v| String::from_utf8_lossy(v).into_owned())
-                                .unwrap_or_default(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
+        headers: crate::inspect::headers_of(m),
     }
 }
 
