@@ -77,7 +77,7 @@ fn start_consumer(
     let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
     let mut config = ConsumerConfig::new("settlement");
     config.retry_backoff = Duration::from_millis(10);
-    let mut consumer = Consumer::new(inbox, Settlement, source, config, metrics.clone());
+    let consumer = Consumer::new(inbox, Settlement, source, config, metrics.clone());
     let (tx, mut rx) = watch::channel(false);
     let handle = tokio::spawn(async move {
         consumer
@@ -225,7 +225,7 @@ async fn two_groups_each_apply_every_event_once() {
         )
         .unwrap();
         let metrics = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
-        let mut c = Consumer::new(
+        let c = Consumer::new(
             inbox.clone(),
             Settlement,
             source,
@@ -262,5 +262,41 @@ async fn two_groups_each_apply_every_event_once() {
         scalar(&s, "SELECT count(*) FROM settlements").await,
         1,
         "the business key still converges"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_payment_under_two_event_ids_converges_to_one_settlement() {
+    let s = setup().await;
+    let order = PaidOrder::numbered("", 9);
+    let (a, b) = (order.event().unwrap(), order.event().unwrap());
+    assert_ne!(a.id(), b.id(), "the same business fact enqueued twice");
+    let msgs = [
+        record(a.id(), &order.order_id, a.payload()),
+        record(b.id(), &order.order_id, b.payload()),
+    ];
+    assert!(s.publisher.publish(&msgs).await.iter().all(Result::is_ok));
+    let (stop, handle) = start_consumer(&s);
+    eventually(
+        "both events to be recorded",
+        Duration::from_secs(30),
+        || async { (scalar(&s, "SELECT count(*) FROM idem_inbox").await == 2).then_some(()) },
+    )
+    .await;
+    stop.send(true).unwrap();
+    let metrics = handle.await.unwrap();
+    assert_eq!(
+        total(&metrics.processed),
+        2,
+        "two distinct events: the inbox cannot know they are one fact"
+    );
+    assert_eq!(
+        scalar(&s, "SELECT count(*) FROM settlement_applications").await,
+        2
+    );
+    assert_eq!(
+        scalar(&s, "SELECT count(*) FROM settlements").await,
+        1,
+        "the unique payment_id converges them"
     );
 }

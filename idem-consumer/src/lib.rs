@@ -84,13 +84,14 @@ pub struct ConsumerConfig {
 }
 
 impl ConsumerConfig {
-    /// Defaults for `group`: batches of 200, 5 ms linger, 5 retries from 100 ms.
+    /// Defaults for `group`: batches of 200, 5 ms linger, 10 retries of an event from 100 ms
+    /// (doubling, at most 30 s: about two minutes before a failing event is dead-lettered).
     pub fn new(group: impl Into<String>) -> Self {
         ConsumerConfig {
             group: group.into(),
             batch_size: 200,
             linger: Duration::from_millis(5),
-            max_retries: 5,
+            max_retries: 10,
             max_batch_retries: 20,
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(30),
@@ -112,18 +113,16 @@ pub fn decode(d: &Delivery) -> std::result::Result<InboundEvent, String> {
     let bytes = d.payload.as_deref().ok_or("the record has no value")?;
     let payload: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| format!("the record value is not valid JSON: {e}"))?;
+    // Text that reaches the inbox must be storable: PostgreSQL text cannot hold NUL.
     Ok(InboundEvent {
         event_id,
-        event_type: event_type.to_owned(),
-        aggregate_type: d
-            .header("idem_aggregate_type")
-            .unwrap_or_default()
-            .to_owned(),
-        aggregate_id: d
-            .header("idem_aggregate_id")
-            .map(str::to_owned)
-            .or_else(|| d.key.clone())
-            .unwrap_or_default(),
+        event_type: clean(event_type),
+        aggregate_type: clean(d.header("idem_aggregate_type").unwrap_or_default()),
+        aggregate_id: clean(
+            d.header("idem_aggregate_id")
+                .or(d.key.as_deref())
+                .unwrap_or_default(),
+        ),
         payload,
         payload_hash: hex_sha256(bytes),
         traceparent: d.header("traceparent").map(str::to_owned),
@@ -261,8 +260,10 @@ where
     }
 
     /// Runs until `shutdown` resolves. A batch being applied is finished (committed, offsets
-    /// committed) first. Returns early only for a crash point fired in error mode.
-    pub async fn run(&mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
+    /// committed) first. Returns early with an error for a crash point fired in error mode, or
+    /// when a batch cannot be committed after `max_batch_retries`; the consumer is consumed, so
+    /// it cannot skip that batch by running on: a new consumer resumes from the committed offset.
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -287,7 +288,13 @@ where
     }
 
     /// Applies one batch and commits its offsets. Public for tests and embedding.
+    ///
+    /// After an error, drop this consumer: its source has read past the batch, whose offset was
+    /// not committed, and only a new source resumes from the committed offset.
     pub async fn process(&mut self, records: &[Delivery]) -> Result<BatchReport> {
+        if records.is_empty() {
+            return Ok(BatchReport::default());
+        }
         let mut report = BatchReport {
             records: records.len(),
             ..BatchReport::default()
@@ -403,17 +410,15 @@ where
                 }
                 Dedup::Duplicate => {}
                 Dedup::Conflict => {
+                    // Every copy is a conflicting delivery; one dead-letter row keeps the first.
                     self.metrics.conflicts.with_label_values(&l).inc_by(copies);
-                    self.metrics
-                        .dead_lettered
-                        .with_label_values(&l)
-                        .inc_by(copies);
+                    self.metrics.dead_lettered.with_label_values(&l).inc();
                     self.metrics
                         .duplicate_deliveries
                         .with_label_values(&l)
                         .inc_by(copies);
                     report.conflicts += copies;
-                    report.dead_lettered += copies;
+                    report.dead_lettered += 1;
                     report.duplicate_deliveries += copies;
                 }
             }

@@ -15,6 +15,7 @@ type Positions = Vec<(String, i32, i64)>;
 #[derive(Clone, Default)]
 struct ScriptedSource {
     commits: Arc<Mutex<Vec<Positions>>>,
+    fail_commits: Arc<Mutex<bool>>,
 }
 
 impl Source for ScriptedSource {
@@ -22,6 +23,12 @@ impl Source for ScriptedSource {
         std::future::pending().await
     }
     async fn commit(&mut self, done: &[(String, i32, i64)]) -> Result<()> {
+        if *self.fail_commits.lock().unwrap() {
+            return Err(Error::broker(
+                "committing offsets",
+                "coordinator unavailable",
+            ));
+        }
         self.commits.lock().unwrap().push(done.to_vec());
         Ok(())
     }
@@ -374,4 +381,21 @@ async fn many_refused_events_cost_one_extra_attempt() {
             .unwrap();
     assert_eq!(dead, 25);
     assert_eq!(f.dead_letters().await.len(), 25);
+}
+
+#[tokio::test]
+async fn a_failed_offset_commit_is_counted_and_the_redelivery_skipped() {
+    let mut f = fixture().await;
+    let id = EventId::new();
+    *f.source.fail_commits.lock().unwrap() = true;
+    let r = f.consumer.process(&[record(0, id, "{}")]).await.unwrap();
+    assert_eq!(
+        r.processed, 1,
+        "the batch is applied even though its offset could not be committed"
+    );
+    assert_eq!(f.consumer.metrics().offset_commit_failures.get(), 1);
+    *f.source.fail_commits.lock().unwrap() = false;
+    let again = f.consumer.process(&[record(0, id, "{}")]).await.unwrap();
+    assert_eq!((again.processed, again.duplicate_skips), (0, 1));
+    assert_eq!(f.effects().await, 1);
 }

@@ -8,10 +8,10 @@
 //! committed. A crash before that redelivers the batch. `auto.offset.reset` defaults to
 //! `earliest`, so a new group starts from the beginning rather than skipping what is there.
 //!
-//! On a rebalance, the records of *revoked* partitions in a batch being collected are dropped
-//! (nothing of them was processed or committed); the partitions' new owners — possibly this
-//! consumer again — start from the committed offsets. Partitions that are only assigned keep
-//! their records. A batch that was already being applied finishes and commits before the
+//! On a rebalance, the records of *revoked* partitions collected before the rebalance are
+//! dropped from the batch (nothing of them was processed or committed); the partitions' new
+//! owners — possibly this consumer again — start from the committed offsets. Records received
+//! after the rebalance are kept. A batch that was already being applied finishes and commits before the
 //! consumer polls again, and the revocation commits synchronously what was stored.
 
 use std::sync::Arc;
@@ -166,25 +166,55 @@ fn to_delivery(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivery {
     }
 }
 
+impl KafkaSource {
+    /// If partitions were revoked since `seen`, drops the records of those partitions from
+    /// `batch`. Nothing of them was applied or committed, and librdkafka starts a partition's
+    /// next owner — possibly this consumer again — from the committed offset, so they are
+    /// delivered again rather than lost.
+    fn drop_revoked(&self, batch: &mut Vec<Delivery>, seen: &mut u64) {
+        let ctx = self.consumer.context();
+        let now = ctx.revocations.load(Ordering::SeqCst);
+        if now == *seen {
+            return;
+        }
+        *seen = now;
+        let revoked = std::mem::take(&mut *ctx.revoked.lock().unwrap_or_else(|p| p.into_inner()));
+        let before = batch.len();
+        batch.retain(|d| {
+            !revoked
+                .iter()
+                .any(|(t, p)| *t == d.topic && *p == d.partition)
+        });
+        if before != batch.len() {
+            tracing::info!(
+                dropped = before - batch.len(),
+                "records of revoked partitions dropped from the batch"
+            );
+        }
+    }
+}
+
 impl Source for KafkaSource {
     async fn next_batch(&mut self, max: usize, linger: Duration) -> Result<Vec<Delivery>> {
-        let ctx = self.consumer.context();
-        let revocations = ctx.revocations.load(Ordering::SeqCst);
-        ctx.revoked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        let mut seen = self.consumer.context().revocations.load(Ordering::SeqCst);
         let first = self
             .consumer
             .recv()
             .await
             .map_err(|e| Error::broker("receiving records", e))?;
-        let mut batch = vec![to_delivery(&first)];
+        let mut batch: Vec<Delivery> = vec![];
+        self.drop_revoked(&mut batch, &mut seen);
+        batch.push(to_delivery(&first));
         drop(first);
         let deadline = tokio::time::Instant::now() + linger;
         while batch.len() < max {
             match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
-                Ok(Ok(m)) => batch.push(to_delivery(&m)),
+                Ok(Ok(m)) => {
+                    // A rebalance is served inside recv(): records collected before it from a
+                    // revoked partition are dropped; the one just received is current.
+                    self.drop_revoked(&mut batch, &mut seen);
+                    batch.push(to_delivery(&m));
+                }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "receiving records");
                     break;
@@ -192,49 +222,7 @@ impl Source for KafkaSource {
                 Err(_) => break,
             }
         }
-        let ctx = self.consumer.context();
-        if ctx.revocations.load(Ordering::SeqCst) != revocations {
-            // Partitions were revoked while collecting: drop their records; their owners resume
-            // from the committed offsets, so nothing is lost.
-            let revoked =
-                std::mem::take(&mut *ctx.revoked.lock().unwrap_or_else(|p| p.into_inner()));
-            let mut first_dropped: std::collections::BTreeMap<(String, i32), i64> =
-                std::collections::BTreeMap::new();
-            batch.retain(|d| {
-                let gone = revoked
-                    .iter()
-                    .any(|(t, p)| *t == d.topic && *p == d.partition);
-                if gone {
-                    let e = first_dropped
-                        .entry((d.topic.clone(), d.partition))
-                        .or_insert(d.offset);
-                    *e = (*e).min(d.offset);
-                }
-                !gone
-            });
-            // A revoked partition may have been assigned back to this consumer in the same
-            // rebalance, and records fetched after that were dropped too: rewind it.
-            let assigned = self
-                .consumer
-                .assignment()
-                .map_err(|e| Error::broker("reading the assignment", e))?;
-            for ((topic, partition), offset) in &first_dropped {
-                if assigned.find_partition(topic, *partition).is_some()
-                    && let Err(e) = self.consumer.seek(
-                        topic,
-                        *partition,
-                        Offset::Offset(*offset),
-                        Duration::from_secs(5),
-                    )
-                {
-                    tracing::warn!(error = %e, topic, partition, "rewinding a re-assigned partition");
-                }
-            }
-            tracing::info!(
-                dropped = first_dropped.len(),
-                "partitions revoked while collecting a batch"
-            );
-        }
+        self.drop_revoked(&mut batch, &mut seen);
         Ok(batch)
     }
 

@@ -809,23 +809,32 @@ mod tests {
 
     #[test]
     fn every_placeholder_is_rendered() {
-        let q = Queries::render(&TableNames::new(Some("s"), "p_").unwrap());
-        for sql in [
+        let t = TableNames::default();
+        let q = Queries::render(&t);
+        let queries = [
             &q.enqueue,
             &q.claim,
             &q.mark_published,
             &q.release,
+            &q.prune_delete,
             &q.prune_archive,
             &q.status,
-        ] {
-            assert!(!sql.contains('{'), "unrendered placeholder in {sql}");
-        }
-        let m = TableNames::default().render(MIGRATIONS[0].2, BASES);
-        for base in BASES {
-            assert!(
-                !m.contains(&format!("{{{base}}}")) && !m.contains(&format!("{{bare:{base}}}")),
-                "unrendered {base} in migration"
-            );
+            &q.parked,
+            &q.retry_parked,
+            &q.inbox_record,
+            &q.dead_letter,
+            &q.dead_letters,
+            &q.inbox_dead_lettered,
+        ];
+        let migrations: Vec<String> = MIGRATIONS.iter().map(|m| t.render(m.2, BASES)).collect();
+        for sql in queries.into_iter().chain(migrations.iter()) {
+            for base in BASES {
+                assert!(
+                    !sql.contains(&format!("{{{base}}}"))
+                        && !sql.contains(&format!("{{bare:{base}}}")),
+                    "unrendered {base} in {sql}"
+                );
+            }
         }
     }
 }

@@ -17,3 +17,11 @@ CREATE TABLE IF NOT EXISTS settlements (
     settled_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
     CONSTRAINT settlements_payment_id_key UNIQUE (payment_id)
 );
+
+-- Insert-only: one row each time the handler applied an event (see postgres.sql).
+CREATE TABLE IF NOT EXISTS settlement_applications (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id      TEXT    NOT NULL,
+    payment_id    TEXT    NOT NULL,
+    applied_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);

@@ -175,6 +175,22 @@ fn parse_paid(event: &InboundEvent) -> Result<Paid, HandlerError> {
     })
 }
 
+/// Database errors that will fail the same way on every retry (a constraint or a data error)
+/// are permanent: the event is dead-lettered with the reason. Everything else (connection, lock,
+/// serialization) is transient and retried.
+fn db_error(e: sqlx::Error) -> HandlerError {
+    if let Some(db) = e.as_database_error() {
+        let data_exception = db.code().is_some_and(|c| c.starts_with("22"));
+        if data_exception || !matches!(db.kind(), sqlx::error::ErrorKind::Other) {
+            return HandlerError::permanent(format!(
+                "the database refused the settlement: {}",
+                db.message()
+            ));
+        }
+    }
+    HandlerError::transient(e)
+}
+
 /// The settlement handler: one row per payment, written in the consumer's transaction.
 ///
 /// `INSERT … ON CONFLICT (payment_id) DO NOTHING` makes a second event for the same payment
@@ -224,8 +240,14 @@ impl Handler<PgConnection> for Settlement {
         .bind(event.event_id.as_uuid())
         .execute(&mut *conn)
         .await
-        .map_err(HandlerError::transient)?
+        .map_err(db_error)?
         .rows_affected();
+        sqlx::query("INSERT INTO settlement_applications (event_id, payment_id) VALUES ($1, $2)")
+            .bind(event.event_id.as_uuid())
+            .bind(&paid.payment_id)
+            .execute(&mut *conn)
+            .await
+            .map_err(db_error)?;
         if inserted == 1 {
             return Ok(());
         }
@@ -235,7 +257,7 @@ impl Handler<PgConnection> for Settlement {
         .bind(&paid.payment_id)
         .fetch_one(&mut *conn)
         .await
-        .map_err(HandlerError::transient)?;
+        .map_err(db_error)?;
         already_settled(&paid, existing)
     }
 
@@ -267,8 +289,14 @@ impl Handler<SqliteConnection> for Settlement {
         .bind(event.event_id.to_string())
         .execute(&mut *conn)
         .await
-        .map_err(HandlerError::transient)?
+        .map_err(db_error)?
         .rows_affected();
+        sqlx::query("INSERT INTO settlement_applications (event_id, payment_id) VALUES (?1, ?2)")
+            .bind(event.event_id.to_string())
+            .bind(&paid.payment_id)
+            .execute(&mut *conn)
+            .await
+            .map_err(db_error)?;
         if inserted == 1 {
             return Ok(());
         }
@@ -278,7 +306,7 @@ impl Handler<SqliteConnection> for Settlement {
         .bind(&paid.payment_id)
         .fetch_one(&mut *conn)
         .await
-        .map_err(HandlerError::transient)?;
+        .map_err(db_error)?;
         already_settled(&paid, existing)
     }
 

@@ -15,7 +15,9 @@ pub struct Amount {
 
 /// Formats minor units as a 2-decimal string (`1250` → `"12.50"`).
 pub fn format_minor(minor: i64) -> String {
-    format!("{}.{:02}", minor / 100, (minor % 100).abs())
+    let sign = if minor < 0 { "-" } else { "" };
+    let abs = minor.unsigned_abs();
+    format!("{sign}{}.{:02}", abs / 100, abs % 100)
 }
 
 /// Reads the amount of an `order.paid` payload: `"amount": "12.50"` (a decimal string with at
@@ -137,6 +139,12 @@ mod tests {
             }
         );
         assert_eq!(format_minor(1250), "12.50");
+        assert_eq!(format_minor(-50), "-0.50");
+        assert!(
+            parse_amount(&json!({"amount": "-0.50"}))
+                .unwrap_err()
+                .contains("got -0.50")
+        );
     }
 
     #[test]
