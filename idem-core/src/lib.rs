@@ -7,6 +7,7 @@
 pub mod crash;
 pub mod error;
 pub mod event;
+pub mod idempotency;
 pub mod inbox;
 pub mod outbox;
 pub mod publish;

@@ -1,0 +1,212 @@
+//! `Idempotency-Key` values (IETF `draft-ietf-httpapi-idempotency-key-header`).
+//!
+//! The header is a Structured Field *Item* whose value is an *sf-string*: `"` + printable ASCII
+//! (with `"` and `\` escaped by `\`) + `"`. idem derives the key of an external effect from the
+//! event and the effect name — `event-<event id>-<effect>` — so every attempt of one effect,
+//! across retries, crashes and restarts, carries the same key, and no attempt ever mints a new
+//! one.
+
+use std::fmt;
+
+use crate::event::EventId;
+
+/// Longest key accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+/// Longest effect name accepted, in bytes.
+pub const MAX_EFFECT_NAME_LEN: usize = 64;
+
+/// Why an `Idempotency-Key` was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The request has no `Idempotency-Key` header.
+    #[error("the Idempotency-Key header is required on this route")]
+    Missing,
+    /// The request has the header more than once.
+    #[error("the Idempotency-Key header appears {0} times; send it exactly once")]
+    Repeated(usize),
+    /// The header value is not an sf-string.
+    #[error("the Idempotency-Key header must be a quoted string such as \"a1b2c3\": {0}")]
+    NotAString(String),
+    /// The key is empty.
+    #[error("the Idempotency-Key is empty")]
+    Empty,
+    /// The key is too long.
+    #[error("the Idempotency-Key is {0} bytes long; the limit is 255")]
+    TooLong(usize),
+    /// The key has a character outside printable ASCII.
+    #[error("the Idempotency-Key contains {0:?}; only printable ASCII is allowed")]
+    InvalidChar(char),
+    /// An effect name is unusable in a key.
+    #[error(
+        "effect name {0:?} must be 1 to 64 of lowercase ASCII letters, digits, '.', '_' and '-'"
+    )]
+    InvalidEffect(String),
+}
+
+/// A validated idempotency key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// Validates a raw (unquoted) key: 1 to 255 printable ASCII characters.
+    pub fn new(raw: impl Into<String>) -> Result<Self, KeyError> {
+        let raw = raw.into();
+        if raw.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if raw.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong(raw.len()));
+        }
+        if let Some(c) = raw.chars().find(|c| !(' '..='~').contains(c)) {
+            return Err(KeyError::InvalidChar(c));
+        }
+        Ok(IdempotencyKey(raw))
+    }
+
+    /// The key of effect `effect` of event `event`: `event-<event id>-<effect>`. The same
+    /// inputs always give the same key.
+    ///
+    /// ```
+    /// use idem_core::idempotency::IdempotencyKey;
+    /// let id: idem_core::EventId = "7f1d0c7e-0000-7000-8000-000000010042".parse()?;
+    /// let key = IdempotencyKey::for_effect(id, "points.award")?;
+    /// assert_eq!(key.as_str(), "event-7f1d0c7e-0000-7000-8000-000000010042-points.award");
+    /// assert_eq!(key.header_value(), "\"event-7f1d0c7e-0000-7000-8000-000000010042-points.award\"");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn for_effect(event: EventId, effect: &str) -> Result<Self, KeyError> {
+        let ok = !effect.is_empty()
+            && effect.len() <= MAX_EFFECT_NAME_LEN
+            && effect.bytes().all(|b| {
+                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+            });
+        if !ok {
+            return Err(KeyError::InvalidEffect(effect.to_owned()));
+        }
+        IdempotencyKey::new(format!("event-{event}-{effect}"))
+    }
+
+    /// The key itself.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The header value: the key as an sf-string.
+    pub fn header_value(&self) -> String {
+        let mut out = String::with_capacity(self.0.len() + 2);
+        out.push('"');
+        for c in self.0.chars() {
+            if c == '"' || c == '\\' {
+                out.push('\\');
+            }
+            out.push(c);
+        }
+        out.push('"');
+        out
+    }
+
+    /// Reads the key from every value of the `Idempotency-Key` header field in a request.
+    pub fn from_header_values(values: &[&[u8]]) -> Result<Self, KeyError> {
+        match values {
+            [] => Err(KeyError::Missing),
+            [one] => Self::parse_sf_string(one),
+            many => Err(KeyError::Repeated(many.len())),
+        }
+    }
+
+    fn parse_sf_string(value: &[u8]) -> Result<Self, KeyError> {
+        let text = std::str::from_utf8(value)
+            .map_err(|_| KeyError::NotAString("the value is not ASCII".to_owned()))?;
+        let trimmed = text.trim_matches(' ');
+        let inner = trimmed
+            .strip_prefix('"')
+            .and_then(|s| s.strip_suffix('"'))
+            .ok_or_else(|| KeyError::NotAString(format!("{trimmed:?} is not in double quotes")))?;
+        let mut key = String::with_capacity(inner.len());
+        let mut chars = inner.chars();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some(e @ ('"' | '\\')) => key.push(e),
+                    _ => {
+                        return Err(KeyError::NotAString(
+                            "a backslash may only escape '\"' or '\\'".to_owned(),
+                        ));
+                    }
+                },
+                '"' => {
+                    return Err(KeyError::NotAString(
+                        "an unescaped '\"' inside the string".to_owned(),
+                    ));
+                }
+                c => key.push(c),
+            }
+        }
+        IdempotencyKey::new(key)
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_keys_are_stable_and_distinct_per_effect() {
+        let id = EventId::new();
+        let a = IdempotencyKey::for_effect(id, "points.award").unwrap();
+        assert_eq!(a, IdempotencyKey::for_effect(id, "points.award").unwrap());
+        assert_ne!(a, IdempotencyKey::for_effect(id, "email.receipt").unwrap());
+        assert_ne!(
+            a,
+            IdempotencyKey::for_effect(EventId::new(), "points.award").unwrap()
+        );
+        assert!(IdempotencyKey::for_effect(id, "Points Award").is_err());
+        assert!(IdempotencyKey::for_effect(id, "").is_err());
+    }
+
+    #[test]
+    fn header_values_round_trip() {
+        let k = IdempotencyKey::new(r#"a"b\c"#).unwrap();
+        assert_eq!(k.header_value(), r#""a\"b\\c""#);
+        let back = IdempotencyKey::from_header_values(&[k.header_value().as_bytes()]).unwrap();
+        assert_eq!(back, k);
+    }
+
+    #[test]
+    fn bad_headers_are_refused_with_a_reason() {
+        let long = format!("\"{}\"", "k".repeat(256));
+        let cases: [(&[&[u8]], KeyError); 7] = [
+            (&[], KeyError::Missing),
+            (&[b"\"a\"", b"\"b\""], KeyError::Repeated(2)),
+            (&[b"\"\""], KeyError::Empty),
+            (&[long.as_bytes()], KeyError::TooLong(256)),
+            (&[b"\"a\tb\""], KeyError::InvalidChar('\t')),
+            (&[b"\"a\x01b\""], KeyError::InvalidChar('\u{1}')),
+            (&[b"\"caf\xc3\xa9\""], KeyError::InvalidChar('é')),
+        ];
+        for (values, want) in cases {
+            assert_eq!(IdempotencyKey::from_header_values(values), Err(want));
+        }
+        for raw in [
+            &b"unquoted"[..],
+            b"\"open",
+            b"\"a\"b\"",
+            b"\"bad \\x escape\"",
+        ] {
+            assert!(
+                matches!(
+                    IdempotencyKey::from_header_values(&[raw]),
+                    Err(KeyError::NotAString(_))
+                ),
+                "{raw:?}"
+            );
+        }
+    }
+}
