@@ -2,9 +2,10 @@
 
 use std::future::Future;
 
+use idem_core::idempotency::IdempotencyStore;
 use idem_core::{Event, InboxStore, OutboxStore, TableNames};
-use idem_postgres::{PgInbox, PgStore};
-use idem_sqlite::{SqliteInbox, SqliteStore};
+use idem_postgres::{PgInbox, PgKeyStore, PgStore};
+use idem_sqlite::{SqliteInbox, SqliteKeyStore, SqliteStore};
 use sqlx::{Executor, PgPool, Postgres, Sqlite, SqlitePool, Transaction};
 
 use crate::pg::TestDb;
@@ -14,11 +15,14 @@ pub trait Backend: Send + Sync + Sized {
     type Store: OutboxStore + Clone;
     type Tx: OpenTx;
     type Inbox: InboxStore + Clone;
+    type Keys: IdempotencyStore;
     /// Can two write transactions be open at once? (PostgreSQL yes, SQLite no.)
     const CONCURRENT_WRITERS: bool;
     fn store(&self) -> &Self::Store;
     /// The consumer inbox in the same database.
     fn inbox(&self) -> Self::Inbox;
+    /// The server-side Idempotency-Key store in the same database.
+    fn keys(&self) -> Self::Keys;
     fn tables(&self) -> &TableNames;
     /// The same database with other table names (not migrated).
     fn with_tables(&self, tables: TableNames) -> Self;
@@ -102,6 +106,7 @@ impl Backend for Pg {
     type Store = PgStore;
     type Tx = PgTx;
     type Inbox = PgInbox;
+    type Keys = PgKeyStore;
     const CONCURRENT_WRITERS: bool = true;
 
     fn store(&self) -> &PgStore {
@@ -109,6 +114,9 @@ impl Backend for Pg {
     }
     fn inbox(&self) -> PgInbox {
         PgInbox::new(self.pool().clone(), self.tables.clone())
+    }
+    fn keys(&self) -> PgKeyStore {
+        PgKeyStore::new(self.pool().clone(), self.tables.clone())
     }
     fn tables(&self) -> &TableNames {
         &self.tables
@@ -220,6 +228,7 @@ impl Backend for Lite {
     type Store = SqliteStore;
     type Tx = LiteTx;
     type Inbox = SqliteInbox;
+    type Keys = SqliteKeyStore;
     const CONCURRENT_WRITERS: bool = false;
 
     fn store(&self) -> &SqliteStore {
@@ -227,6 +236,9 @@ impl Backend for Lite {
     }
     fn inbox(&self) -> SqliteInbox {
         SqliteInbox::new(self.pool.clone(), self.tables.clone())
+    }
+    fn keys(&self) -> SqliteKeyStore {
+        SqliteKeyStore::new(self.pool.clone(), self.tables.clone())
     }
     fn tables(&self) -> &TableNames {
         &self.tables

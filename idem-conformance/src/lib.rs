@@ -36,7 +36,10 @@ macro_rules! conformance_tests {
             inbox_detects_a_payload_conflict,
             inbox_rows_roll_back_with_the_transaction,
             concurrent_inbox_inserts_let_exactly_one_apply,
-            dead_letters_are_kept_once_per_record
+            dead_letters_are_kept_once_per_record,
+            idempotency_keys_claim_replay_and_scope,
+            idempotency_keys_release_expire_and_sweep,
+            concurrent_claims_of_one_key_let_exactly_one_execute
         );
     };
     (@each $make:expr; $($name:ident),* $(,)?) => {

@@ -516,12 +516,12 @@ pub async fn migrate_is_idempotent<B: Backend>(b: &B) {
             b.tables().qualified("schema_migrations")
         ))
         .await;
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
 }
 
 pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
     let other = b.with_tables(TableNames::new(None, "billing_").unwrap());
-    assert_eq!(other.migrate().await.unwrap(), vec![1, 2]);
+    assert_eq!(other.migrate().await.unwrap(), vec![1, 2, 3]);
     let mut tx = other.begin().await;
     tx.enqueue(&[event("o-1", 0)]).await.unwrap();
     tx.commit().await;
@@ -697,4 +697,154 @@ pub async fn dead_letters_are_kept_once_per_record<B: Backend>(b: &B) {
     assert_eq!((stored[0].partition, stored[0].offset), (1, 42));
     assert_eq!(stored[0].reason, letter.reason);
     assert!(inbox.dead_letters("other", 10).await.unwrap().is_empty());
+}
+
+// ---- server-side idempotency keys -----------------------------------------------------------
+
+use idem_core::idempotency::{IdempotencyKey, IdempotencyStore, KeyClaim, StoredResponse};
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+pub async fn idempotency_keys_claim_replay_and_scope<B: Backend>(b: &B) {
+    let keys = b.keys();
+    let k = IdempotencyKey::new("order-10042-points").unwrap();
+    assert_eq!(
+        keys.claim("client-a", &k, "fp1", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::New
+    );
+    assert_eq!(
+        keys.claim("client-a", &k, "fp1", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::InFlight
+    );
+    assert_eq!(
+        keys.claim("client-a", &k, "fp2", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::Mismatch
+    );
+    assert_eq!(
+        keys.claim("client-b", &k, "fp1", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::New,
+        "keys are per client"
+    );
+    let resp = StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: br#"{"award":1}"#.to_vec(),
+    };
+    keys.complete("client-a", &k, &resp).await.unwrap();
+    assert_eq!(
+        keys.claim("client-a", &k, "fp1", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::Completed(resp)
+    );
+    assert_eq!(
+        keys.claim("client-a", &k, "fp2", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::Mismatch
+    );
+    assert_eq!(
+        keys.claim("client-b", &k, "fp1", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::InFlight,
+        "B never sees A's response"
+    );
+}
+
+pub async fn idempotency_keys_release_expire_and_sweep<B: Backend>(b: &B) {
+    let keys = b.keys();
+    let k = IdempotencyKey::new("k").unwrap();
+    assert_eq!(
+        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::New
+    );
+    keys.release("c", &k).await.unwrap();
+    assert_eq!(
+        keys.claim("c", &k, "fp", Duration::ZERO, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::New,
+        "a released key executes again"
+    );
+    // The in-flight lock ran out (its server died mid-request): the same request takes over.
+    // (Time has to pass here: this waits past the zero-length lock, it synchronises nothing.)
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(
+        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::New
+    );
+    keys.complete(
+        "c",
+        &k,
+        &StoredResponse {
+            status: 200,
+            headers: vec![],
+            body: vec![],
+        },
+    )
+    .await
+    .unwrap();
+    let old = IdempotencyKey::new("old").unwrap();
+    assert_eq!(
+        keys.claim("c", &old, "fp", MINUTE, Duration::ZERO)
+            .await
+            .unwrap(),
+        KeyClaim::New
+    );
+    keys.complete(
+        "c",
+        &old,
+        &StoredResponse {
+            status: 200,
+            headers: vec![],
+            body: vec![],
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        keys.sweep().await.unwrap(),
+        1,
+        "only the expired key is swept"
+    );
+    assert!(matches!(
+        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::Completed(_)
+    ));
+    assert_eq!(
+        keys.claim("c", &old, "other", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        KeyClaim::New,
+        "an expired key is free"
+    );
+}
+
+pub async fn concurrent_claims_of_one_key_let_exactly_one_execute<B: Backend>(b: &B) {
+    let k = IdempotencyKey::new("same").unwrap();
+    let mut tasks = vec![];
+    for _ in 0..10 {
+        let (keys, k) = (b.keys(), k.clone());
+        tasks.push(tokio::spawn(async move {
+            keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap()
+        }));
+    }
+    let mut new = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            KeyClaim::New => new += 1,
+            KeyClaim::InFlight => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(new, 1);
 }

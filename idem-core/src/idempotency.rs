@@ -210,3 +210,63 @@ mod tests {
         }
     }
 }
+
+/// A response stored under an idempotency key, replayed to retries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// Headers worth replaying (content type and the like).
+    pub headers: Vec<(String, String)>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+/// What the key store says when a request claims a key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyClaim {
+    /// The key is new (or its earlier use expired): execute the request.
+    New,
+    /// A request with this key is still executing.
+    InFlight,
+    /// The key was used with a different request (another fingerprint).
+    Mismatch,
+    /// The request completed before: replay this response.
+    Completed(StoredResponse),
+}
+
+/// Server-side storage of idempotency keys, scoped per client.
+///
+/// Claiming is one atomic statement on a unique (scope, key) constraint — never a read followed
+/// by an insert — so of concurrent requests with one key exactly one executes.
+pub trait IdempotencyStore: Clone + Send + Sync + 'static {
+    /// Claims `key` for `scope` with the request `fingerprint`. An in-flight claim is exclusive
+    /// for `lock`; a completed key is kept for `retention`.
+    fn claim(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        fingerprint: &str,
+        lock: std::time::Duration,
+        retention: std::time::Duration,
+    ) -> impl std::future::Future<Output = crate::Result<KeyClaim>> + Send;
+
+    /// Stores the response of a claimed key.
+    fn complete(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        response: &StoredResponse,
+    ) -> impl std::future::Future<Output = crate::Result<()>> + Send;
+
+    /// Forgets a claimed key whose request failed in a way a retry may fix (a 5xx): the retry
+    /// executes again.
+    fn release(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> impl std::future::Future<Output = crate::Result<()>> + Send;
+
+    /// Deletes expired keys; returns how many.
+    fn sweep(&self) -> impl std::future::Future<Output = crate::Result<u64>> + Send;
+}

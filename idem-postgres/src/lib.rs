@@ -51,12 +51,18 @@ const BASES: &[&str] = &[
     "schema_migrations",
     "inbox",
     "dead_letters",
+    "idempotency_keys",
 ];
 
 /// Migrations shipped with this build: (version, description, SQL).
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "outbox", include_str!("../migrations/0001_outbox.sql")),
     (2, "inbox", include_str!("../migrations/0002_inbox.sql")),
+    (
+        3,
+        "idempotency keys",
+        include_str!("../migrations/0003_idempotency_keys.sql"),
+    ),
 ];
 
 /// How many of the oldest pending rows a claim looks at, per row of batch size.
@@ -77,6 +83,11 @@ struct Queries {
     dead_letter: String,
     dead_letters: String,
     inbox_dead_lettered: String,
+    key_claim: String,
+    key_get: String,
+    key_complete: String,
+    key_release: String,
+    key_sweep: String,
 }
 
 impl Queries {
@@ -96,6 +107,11 @@ impl Queries {
             dead_letter: r(include_str!("../sql/dead_letter.sql")),
             dead_letters: r(include_str!("../sql/dead_letters.sql")),
             inbox_dead_lettered: r(include_str!("../sql/inbox_dead_lettered.sql")),
+            key_claim: r(include_str!("../sql/key_claim.sql")),
+            key_get: r(include_str!("../sql/key_get.sql")),
+            key_complete: r(include_str!("../sql/key_complete.sql")),
+            key_release: r(include_str!("../sql/key_release.sql")),
+            key_sweep: r(include_str!("../sql/key_sweep.sql")),
         }
     }
 }
@@ -797,6 +813,116 @@ impl idem_core::InboxStore for PgInbox {
     }
 }
 
+/// The server-side Idempotency-Key store in PostgreSQL ([`idem_core::idempotency::IdempotencyStore`]).
+#[derive(Clone, Debug)]
+pub struct PgKeyStore {
+    pool: PgPool,
+    queries: Arc<Queries>,
+}
+
+impl PgKeyStore {
+    /// A key store over `pool` with the given tables (created by [`migrate`]).
+    pub fn new(pool: PgPool, tables: TableNames) -> Self {
+        PgKeyStore {
+            pool,
+            queries: Arc::new(Queries::render(&tables)),
+        }
+    }
+}
+
+impl idem_core::idempotency::IdempotencyStore for PgKeyStore {
+    async fn claim(
+        &self,
+        scope: &str,
+        key: &idem_core::idempotency::IdempotencyKey,
+        fingerprint: &str,
+        lock: std::time::Duration,
+        retention: std::time::Duration,
+    ) -> Result<idem_core::idempotency::KeyClaim> {
+        use idem_core::idempotency::{KeyClaim, StoredResponse};
+        let claimed = sqlx::query(&self.queries.key_claim)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(fingerprint)
+            .bind(millis(lock))
+            .bind(millis(retention))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| Error::database("claiming an idempotency key", e))?;
+        if claimed.is_some() {
+            return Ok(KeyClaim::New);
+        }
+        let row = sqlx::query(&self.queries.key_get)
+            .bind(scope)
+            .bind(key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| Error::database("reading an idempotency key", e))?;
+        let Some(row) = row else {
+            // Released or swept between the two statements: the caller may simply retry.
+            return Ok(KeyClaim::InFlight);
+        };
+        let dec = |e| Error::database("decoding an idempotency key", e);
+        let stored: String = row.try_get("fingerprint").map_err(dec)?;
+        if stored != fingerprint {
+            return Ok(KeyClaim::Mismatch);
+        }
+        let status: String = row.try_get("status").map_err(dec)?;
+        if status != "completed" {
+            return Ok(KeyClaim::InFlight);
+        }
+        let code: i32 = row.try_get("response_status").map_err(dec)?;
+        let headers: serde_json::Value = row.try_get("response_headers").map_err(dec)?;
+        let body: Vec<u8> = row.try_get("response_body").map_err(dec)?;
+        Ok(KeyClaim::Completed(StoredResponse {
+            status: u16::try_from(code).unwrap_or(500),
+            headers: serde_json::from_value(headers).unwrap_or_default(),
+            body,
+        }))
+    }
+
+    async fn complete(
+        &self,
+        scope: &str,
+        key: &idem_core::idempotency::IdempotencyKey,
+        response: &idem_core::idempotency::StoredResponse,
+    ) -> Result<()> {
+        let headers = serde_json::to_string(&response.headers).unwrap_or_else(|_| "[]".to_owned());
+        sqlx::query(&self.queries.key_complete)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(i32::from(response.status))
+            .bind(headers)
+            .bind(&response.body)
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("storing an idempotent response", e))
+    }
+
+    async fn release(
+        &self,
+        scope: &str,
+        key: &idem_core::idempotency::IdempotencyKey,
+    ) -> Result<()> {
+        sqlx::query(&self.queries.key_release)
+            .bind(scope)
+            .bind(key.as_str())
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| Error::database("releasing an idempotency key", e))
+    }
+
+    async fn sweep(&self) -> Result<u64> {
+        sqlx::query(&self.queries.key_sweep)
+            .execute(&self.pool)
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| Error::database("sweeping expired idempotency keys", e))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -825,6 +951,11 @@ mod tests {
             &q.dead_letter,
             &q.dead_letters,
             &q.inbox_dead_lettered,
+            &q.key_claim,
+            &q.key_get,
+            &q.key_complete,
+            &q.key_release,
+            &q.key_sweep,
         ];
         let migrations: Vec<String> = MIGRATIONS.iter().map(|m| t.render(m.2, BASES)).collect();
         for sql in queries.into_iter().chain(migrations.iter()) {
