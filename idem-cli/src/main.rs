@@ -34,6 +34,8 @@ enum Command {
     Settlement(reference_cmd::SettlementArgs),
     /// List a consumer group's dead letters with their reasons.
     DeadLetters(reference_cmd::DeadLettersArgs),
+    /// Reference points API: awards points per request, behind the Idempotency-Key layer.
+    PointsApi(reference_cmd::PointsApiArgs),
     /// Create and read topics.
     Topic {
         #[command(subcommand)]
@@ -105,5 +107,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Orders(args) => reference_cmd::orders(args).await,
         Command::Settlement(args) => reference_cmd::settlement(args).await,
         Command::DeadLetters(args) => reference_cmd::dead_letters(args).await,
+        Command::PointsApi(args) => reference_cmd::points_api(args).await,
     }
 }

@@ -176,3 +176,55 @@ pub async fn dead_letters(args: DeadLettersArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[derive(Args, Debug)]
+pub struct PointsApiArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Address to listen on (loopback; port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:8088")]
+    listen: SocketAddr,
+}
+
+/// Runs the reference points API until SIGTERM/SIGINT.
+pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
+    let shutdown = crate::relay_cmd::shutdown_signal()?;
+    let store = db::open(&args.db, 8).await?;
+    let tables = db::tables(&args.db)?;
+    let app = match &store {
+        Store::Postgres(s) => {
+            idem_postgres::migrate(s.pool(), &tables).await?;
+            idem_reference::ensure_schema_postgres(s.pool()).await?;
+            let keys = idem_postgres::PgKeyStore::new(s.pool().clone(), tables);
+            idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));
+            idem_reference::points::router(
+                idem_reference::points::PointsDb::Postgres(s.pool().clone()),
+                keys,
+                idem_http::IdempotencyConfig::default(),
+            )
+        }
+        Store::Sqlite(s) => {
+            idem_sqlite::migrate(s.pool(), &tables).await?;
+            idem_reference::ensure_schema_sqlite(s.pool()).await?;
+            let keys = idem_sqlite::SqliteKeyStore::new(s.pool().clone(), tables);
+            idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));
+            idem_reference::points::router(
+                idem_reference::points::PointsDb::Sqlite(s.pool().clone()),
+                keys,
+                idem_http::IdempotencyConfig::default(),
+            )
+        }
+    };
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    eprintln!(
+        "idem points-api: listening on http://{}",
+        listener.local_addr()?
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    eprintln!("idem points-api: stopped cleanly");
+    Ok(())
+}

@@ -179,8 +179,8 @@ pub fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     Ok(async move {
         tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: finishing the in-flight batch"),
-            _ = int.recv() => tracing::info!("SIGINT: finishing the in-flight batch"),
+            _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight work, then stopping"),
+            _ = int.recv() => tracing::info!("SIGINT: finishing in-flight work, then stopping"),
         }
     })
 }

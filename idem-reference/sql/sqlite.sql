@@ -25,3 +25,14 @@ CREATE TABLE IF NOT EXISTS settlement_applications (
     payment_id    TEXT    NOT NULL,
     applied_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );
+
+-- The points API's own database (see postgres.sql).
+CREATE TABLE IF NOT EXISTS points_awards (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    client        TEXT    NOT NULL,
+    order_id      TEXT    NOT NULL,
+    payment_id    TEXT    NOT NULL,
+    points        INTEGER NOT NULL CHECK (points > 0),
+    awarded_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);
+CREATE INDEX IF NOT EXISTS points_awards_payment_idx ON points_awards (payment_id);

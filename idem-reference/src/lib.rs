@@ -9,6 +9,7 @@
 //! The `idem orders` and `idem settlement` commands run each side as its own process.
 
 pub mod money;
+pub mod points;
 
 use idem_consumer::{Handler, HandlerError};
 use idem_core::{Event, InboundEvent};

@@ -1,0 +1,185 @@
+//! The reference points API: an external service that awards points per request, protected by
+//! the Idempotency-Key layer, with its own database as the proof of how many awards happened.
+//!
+//! * `POST /awards` (requires `Authorization: Bearer <client>` and `Idempotency-Key`), body
+//!   `{"order_id": "...", "payment_id": "...", "points": 12}` → `201 {"award_id": .., ...}`.
+//! * `GET /awards/by-payment/{payment_id}` → the awards of one payment: the status probe a
+//!   client uses before retrying when it cannot rely on keys.
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use idem_core::idempotency::IdempotencyStore;
+use idem_http::{Idempotency, IdempotencyConfig};
+
+/// The points database.
+#[derive(Clone, Debug)]
+pub enum PointsDb {
+    /// PostgreSQL.
+    Postgres(sqlx::PgPool),
+    /// SQLite.
+    Sqlite(sqlx::SqlitePool),
+}
+
+/// An award request.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub struct AwardRequest {
+    /// The order.
+    pub order_id: String,
+    /// The payment (one award per payment is expected).
+    pub payment_id: String,
+    /// Points, positive.
+    pub points: i64,
+}
+
+/// One stored award.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Award {
+    /// Row id.
+    pub award_id: i64,
+    /// Who asked.
+    pub client: String,
+    /// The order.
+    pub order_id: String,
+    /// The payment.
+    pub payment_id: String,
+    /// Points.
+    pub points: i64,
+}
+
+/// (id, client, order_id, payment_id, points) as read back.
+type AwardRow = (i64, String, String, String, i64);
+
+fn problem(status: StatusCode, detail: impl Into<String>) -> Response {
+    let body = serde_json::json!({"type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "detail": detail.into()});
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn client(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let token = v.strip_prefix("Bearer ")?.trim();
+    (!token.is_empty() && token.len() <= 100).then(|| token.to_owned())
+}
+
+async fn award(
+    State(db): State<PointsDb>,
+    headers: HeaderMap,
+    Json(req): Json<AwardRequest>,
+) -> Response {
+    let Some(client) = client(&headers) else {
+        return problem(
+            StatusCode::UNAUTHORIZED,
+            "send Authorization: Bearer <client>",
+        );
+    };
+    if req.points <= 0 || req.order_id.is_empty() || req.payment_id.is_empty() {
+        return problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "order_id and payment_id must be set and points positive",
+        );
+    }
+    let id: Result<i64, sqlx::Error> = match &db {
+        PointsDb::Postgres(p) => {
+            sqlx::query_scalar("INSERT INTO points_awards (client, order_id, payment_id, points) VALUES ($1, $2, $3, $4) RETURNING id")
+                .bind(&client)
+                .bind(&req.order_id)
+                .bind(&req.payment_id)
+                .bind(req.points)
+                .fetch_one(p)
+                .await
+        }
+        PointsDb::Sqlite(p) => {
+            sqlx::query_scalar("INSERT INTO points_awards (client, order_id, payment_id, points) VALUES (?1, ?2, ?3, ?4) RETURNING id")
+                .bind(&client)
+                .bind(&req.order_id)
+                .bind(&req.payment_id)
+                .bind(req.points)
+                .fetch_one(p)
+                .await
+        }
+    };
+    match id {
+        Ok(award_id) => (
+            StatusCode::CREATED,
+            Json(Award {
+                award_id,
+                client,
+                order_id: req.order_id,
+                payment_id: req.payment_id,
+                points: req.points,
+            }),
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "storing an award");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the award could not be stored; retry with the same Idempotency-Key",
+            )
+        }
+    }
+}
+
+async fn by_payment(
+    State(db): State<PointsDb>,
+    headers: HeaderMap,
+    Path(payment_id): Path<String>,
+) -> Response {
+    let Some(client) = client(&headers) else {
+        return problem(
+            StatusCode::UNAUTHORIZED,
+            "send Authorization: Bearer <client>",
+        );
+    };
+    let rows: Result<Vec<AwardRow>, sqlx::Error> = match &db {
+        PointsDb::Postgres(p) => {
+            sqlx::query_as("SELECT id, client, order_id, payment_id, points FROM points_awards WHERE payment_id = $1 AND client = $2 ORDER BY id")
+                .bind(&payment_id)
+                .bind(&client)
+                .fetch_all(p)
+                .await
+        }
+        PointsDb::Sqlite(p) => {
+            sqlx::query_as("SELECT id, client, order_id, payment_id, points FROM points_awards WHERE payment_id = ?1 AND client = ?2 ORDER BY id")
+                .bind(&payment_id)
+                .bind(&client)
+                .fetch_all(p)
+                .await
+        }
+    };
+    match rows {
+        Ok(rows) => Json(
+            rows.into_iter()
+                .map(|(award_id, client, order_id, payment_id, points)| Award {
+                    award_id,
+                    client,
+                    order_id,
+                    payment_id,
+                    points,
+                })
+                .collect::<Vec<_>>(),
+        )
+        .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "reading awards");
+            problem(StatusCode::SERVICE_UNAVAILABLE, "awards could not be read")
+        }
+    }
+}
+
+/// The points API router: `POST /awards` behind the Idempotency-Key layer over `keys`, and the
+/// status probe.
+pub fn router<S: IdempotencyStore>(db: PointsDb, keys: S, config: IdempotencyConfig) -> Router {
+    Router::new()
+        .route("/awards", post(award))
+        .route_layer(Idempotency::new(keys, config).layer())
+        .route("/awards/by-payment/{payment_id}", get(by_payment))
+        .with_state(db)
+}
