@@ -2,10 +2,10 @@
 
 use std::future::Future;
 
-use idem_core::idempotency::IdempotencyStore;
+use idem_core::idempotency::{EffectIntent, IdempotencyStore, IntentStore};
 use idem_core::{Event, InboxStore, OutboxStore, TableNames};
-use idem_postgres::{PgInbox, PgKeyStore, PgStore};
-use idem_sqlite::{SqliteInbox, SqliteKeyStore, SqliteStore};
+use idem_postgres::{PgInbox, PgIntents, PgKeyStore, PgStore};
+use idem_sqlite::{SqliteInbox, SqliteIntents, SqliteKeyStore, SqliteStore};
 use sqlx::{Executor, PgPool, Postgres, Sqlite, SqlitePool, Transaction};
 
 use crate::pg::TestDb;
@@ -16,6 +16,7 @@ pub trait Backend: Send + Sync + Sized {
     type Tx: OpenTx;
     type Inbox: InboxStore + Clone;
     type Keys: IdempotencyStore;
+    type Intents: IntentStore;
     /// Can two write transactions be open at once? (PostgreSQL yes, SQLite no.)
     const CONCURRENT_WRITERS: bool;
     fn store(&self) -> &Self::Store;
@@ -23,6 +24,8 @@ pub trait Backend: Send + Sync + Sized {
     fn inbox(&self) -> Self::Inbox;
     /// The server-side Idempotency-Key store in the same database.
     fn keys(&self) -> Self::Keys;
+    /// The client-side effect intents in the same database.
+    fn intents(&self) -> Self::Intents;
     fn tables(&self) -> &TableNames;
     /// The same database with other table names (not migrated).
     fn with_tables(&self, tables: TableNames) -> Self;
@@ -42,6 +45,10 @@ pub trait Backend: Send + Sync + Sized {
 pub trait OpenTx: Send + 'static {
     fn enqueue(&mut self, events: &[Event]) -> impl Future<Output = idem_core::Result<()>> + Send;
     fn exec(&mut self, sql: &str) -> impl Future<Output = Result<u64, String>> + Send;
+    fn record_intent(
+        &mut self,
+        intent: &EffectIntent,
+    ) -> impl Future<Output = idem_core::Result<bool>> + Send;
     fn commit(self) -> impl Future<Output = ()> + Send;
     fn rollback(self) -> impl Future<Output = ()> + Send;
 }
@@ -81,6 +88,7 @@ impl Pg {
 pub struct PgTx {
     tx: Transaction<'static, Postgres>,
     outbox: idem_postgres::Outbox,
+    intents: PgIntents,
 }
 
 impl OpenTx for PgTx {
@@ -93,6 +101,9 @@ impl OpenTx for PgTx {
             .await
             .map(|r| r.rows_affected())
             .map_err(|e| e.to_string())
+    }
+    async fn record_intent(&mut self, intent: &EffectIntent) -> idem_core::Result<bool> {
+        self.intents.record(&mut self.tx, intent).await
     }
     async fn commit(self) {
         self.tx.commit().await.unwrap();
@@ -107,6 +118,7 @@ impl Backend for Pg {
     type Tx = PgTx;
     type Inbox = PgInbox;
     type Keys = PgKeyStore;
+    type Intents = PgIntents;
     const CONCURRENT_WRITERS: bool = true;
 
     fn store(&self) -> &PgStore {
@@ -117,6 +129,9 @@ impl Backend for Pg {
     }
     fn keys(&self) -> PgKeyStore {
         PgKeyStore::new(self.pool().clone(), self.tables.clone())
+    }
+    fn intents(&self) -> PgIntents {
+        PgIntents::new(self.pool().clone(), self.tables.clone())
     }
     fn tables(&self) -> &TableNames {
         &self.tables
@@ -137,6 +152,7 @@ impl Backend for Pg {
         PgTx {
             tx: self.pool().begin().await.unwrap(),
             outbox: self.store.outbox().clone(),
+            intents: self.intents(),
         }
     }
     async fn exec(&self, sql: &str) -> Result<u64, String> {
@@ -203,6 +219,7 @@ impl Lite {
 pub struct LiteTx {
     tx: Transaction<'static, Sqlite>,
     outbox: idem_sqlite::Outbox,
+    intents: SqliteIntents,
 }
 
 impl OpenTx for LiteTx {
@@ -215,6 +232,9 @@ impl OpenTx for LiteTx {
             .await
             .map(|r| r.rows_affected())
             .map_err(|e| e.to_string())
+    }
+    async fn record_intent(&mut self, intent: &EffectIntent) -> idem_core::Result<bool> {
+        self.intents.record(&mut self.tx, intent).await
     }
     async fn commit(self) {
         self.tx.commit().await.unwrap();
@@ -229,6 +249,7 @@ impl Backend for Lite {
     type Tx = LiteTx;
     type Inbox = SqliteInbox;
     type Keys = SqliteKeyStore;
+    type Intents = SqliteIntents;
     const CONCURRENT_WRITERS: bool = false;
 
     fn store(&self) -> &SqliteStore {
@@ -239,6 +260,9 @@ impl Backend for Lite {
     }
     fn keys(&self) -> SqliteKeyStore {
         SqliteKeyStore::new(self.pool.clone(), self.tables.clone())
+    }
+    fn intents(&self) -> SqliteIntents {
+        SqliteIntents::new(self.pool.clone(), self.tables.clone())
     }
     fn tables(&self) -> &TableNames {
         &self.tables
@@ -260,6 +284,7 @@ impl Backend for Lite {
         LiteTx {
             tx: self.pool.begin().await.unwrap(),
             outbox: self.store.outbox().clone(),
+            intents: self.intents(),
         }
     }
     async fn exec(&self, sql: &str) -> Result<u64, String> {

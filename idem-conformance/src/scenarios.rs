@@ -516,12 +516,12 @@ pub async fn migrate_is_idempotent<B: Backend>(b: &B) {
             b.tables().qualified("schema_migrations")
         ))
         .await;
-    assert_eq!(version, 3);
+    assert_eq!(version, 4);
 }
 
 pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
     let other = b.with_tables(TableNames::new(None, "billing_").unwrap());
-    assert_eq!(other.migrate().await.unwrap(), vec![1, 2, 3]);
+    assert_eq!(other.migrate().await.unwrap(), vec![1, 2, 3, 4]);
     let mut tx = other.begin().await;
     tx.enqueue(&[event("o-1", 0)]).await.unwrap();
     tx.commit().await;
@@ -847,4 +847,113 @@ pub async fn concurrent_claims_of_one_key_let_exactly_one_execute<B: Backend>(b:
         }
     }
     assert_eq!(new, 1);
+}
+
+// ---- client-side effect intents -------------------------------------------------------------
+
+use idem_core::idempotency::{EffectIntent, IntentOutcome, IntentStore};
+
+fn intent(event: EventId) -> EffectIntent {
+    EffectIntent {
+        event_id: event,
+        effect: "points.award".into(),
+        target: "http://127.0.0.1:8088/awards".into(),
+        body: serde_json::json!({"payment_id": "pay-1", "points": 12}),
+        traceparent: None,
+    }
+}
+
+pub async fn intents_commit_with_the_handler_and_keep_their_key<B: Backend>(b: &B) {
+    let (kept, dropped) = (intent(EventId::new()), intent(EventId::new()));
+    let mut tx = b.begin().await;
+    assert!(tx.record_intent(&dropped).await.unwrap());
+    tx.rollback().await;
+    let mut tx = b.begin().await;
+    assert!(tx.record_intent(&kept).await.unwrap());
+    assert!(
+        !tx.record_intent(&kept).await.unwrap(),
+        "recording the same effect twice is a no-op"
+    );
+    tx.commit().await;
+    let intents = b.intents();
+    let claimed = intents.claim(10, MINUTE).await.unwrap();
+    assert_eq!(claimed.len(), 1, "the rolled-back intent does not exist");
+    assert_eq!(claimed[0].key, kept.key().unwrap());
+    assert_eq!((claimed[0].attempt, &claimed[0].intent), (1, &kept));
+    assert!(
+        intents.claim(10, MINUTE).await.unwrap().is_empty(),
+        "leased"
+    );
+}
+
+pub async fn intent_outcomes_are_fenced_by_the_attempt<B: Backend>(b: &B) {
+    let i = intent(EventId::new());
+    let mut tx = b.begin().await;
+    tx.record_intent(&i).await.unwrap();
+    tx.commit().await;
+    let store = b.intents();
+    let first = store.claim(10, Duration::ZERO).await.unwrap().remove(0);
+    tokio::time::sleep(Duration::from_millis(5)).await; // past the zero-length lease
+    let second = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!(
+        (second.attempt, &second.key),
+        (2, &first.key),
+        "a new attempt, the same key"
+    );
+    let done = IntentOutcome::Done {
+        status: 201,
+        body: "{}".into(),
+    };
+    assert!(
+        !store.finish(first.id, first.attempt, &done).await.unwrap(),
+        "the stale dispatcher is fenced"
+    );
+    assert!(
+        store
+            .finish(
+                second.id,
+                second.attempt,
+                &IntentOutcome::Retry {
+                    after: MINUTE,
+                    reason: "503".into()
+                }
+            )
+            .await
+            .unwrap()
+    );
+    assert!(
+        store.claim(10, MINUTE).await.unwrap().is_empty(),
+        "backing off"
+    );
+}
+
+pub async fn parked_intents_are_listed_and_retried_with_the_same_key<B: Backend>(b: &B) {
+    let i = intent(EventId::new());
+    let mut tx = b.begin().await;
+    tx.record_intent(&i).await.unwrap();
+    tx.commit().await;
+    let store = b.intents();
+    let c = store.claim(10, MINUTE).await.unwrap().remove(0);
+    let reason = "422: the key was used with a different request";
+    assert!(
+        store
+            .finish(
+                c.id,
+                c.attempt,
+                &IntentOutcome::Park {
+                    reason: reason.into()
+                }
+            )
+            .await
+            .unwrap()
+    );
+    let stuck = store.stuck(10).await.unwrap();
+    assert_eq!(stuck.len(), 1);
+    assert_eq!(
+        (stuck[0].status.as_str(), stuck[0].reason.as_deref()),
+        ("parked", Some(reason))
+    );
+    assert_eq!(store.retry_stuck(Some(&[c.id])).await.unwrap(), 1);
+    let again = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!((again.key, again.attempt), (c.key, 2));
 }

@@ -270,3 +270,127 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Deletes expired keys; returns how many.
     fn sweep(&self) -> impl std::future::Future<Output = crate::Result<u64>> + Send;
 }
+
+/// An external effect a handler asks for, recorded in its own transaction (the "one more
+/// outbox"): a dispatcher delivers it later, always with the same key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EffectIntent {
+    /// The event that caused it.
+    pub event_id: EventId,
+    /// Effect name (`points.award`): with the event id it makes the key.
+    pub effect: String,
+    /// Where to send it (an absolute URL).
+    pub target: String,
+    /// The JSON request body.
+    pub body: serde_json::Value,
+    /// Trace context to forward.
+    pub traceparent: Option<String>,
+}
+
+impl EffectIntent {
+    /// The key every attempt of this intent carries.
+    pub fn key(&self) -> Result<IdempotencyKey, KeyError> {
+        IdempotencyKey::for_effect(self.event_id, &self.effect)
+    }
+}
+
+/// An intent claimed by a dispatcher.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClaimedIntent {
+    /// Row id.
+    pub id: i64,
+    /// The key (stored, never recomputed).
+    pub key: IdempotencyKey,
+    /// The intent.
+    pub intent: EffectIntent,
+    /// This attempt's number (1 = first).
+    pub attempt: i32,
+}
+
+/// How an attempt ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IntentOutcome {
+    /// 2xx: the effect happened; keep the response.
+    Done {
+        /// HTTP status.
+        status: u16,
+        /// Response body (text).
+        body: String,
+    },
+    /// Try again after `after`, with the same key.
+    Retry {
+        /// Wait this long.
+        after: std::time::Duration,
+        /// Why.
+        reason: String,
+    },
+    /// Stop: a person must look (422, other 4xx).
+    Park {
+        /// Why.
+        reason: String,
+    },
+    /// The remote cannot tell whether the effect happened (no keys, no probe answer).
+    Unknown {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A parked or unknown intent, for `idem effects parked`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct StuckIntent {
+    /// Row id.
+    pub id: i64,
+    /// Its key.
+    pub key: String,
+    /// Effect name.
+    pub effect: String,
+    /// `parked` or `unknown`.
+    pub status: String,
+    /// Attempts made.
+    pub attempts: i32,
+    /// Why it stopped.
+    pub reason: Option<String>,
+}
+
+/// The client side's effect intents ("one more outbox") in one database.
+pub trait IntentStore: Clone + Send + Sync + 'static {
+    /// The connection type handlers write through.
+    type Conn: Send;
+
+    /// Records `intent` in the transaction `conn` belongs to. Returns false when an intent with
+    /// the same key already exists (recording is idempotent).
+    fn record(
+        &self,
+        conn: &mut Self::Conn,
+        intent: &EffectIntent,
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
+
+    /// Leases up to `batch` due intents for `lease`, raising their attempt numbers.
+    fn claim(
+        &self,
+        batch: u32,
+        lease: std::time::Duration,
+    ) -> impl std::future::Future<Output = crate::Result<Vec<ClaimedIntent>>> + Send;
+
+    /// Records how attempt `attempt` of intent `id` ended. Fenced by the attempt number: a
+    /// dispatcher whose lease was taken over changes nothing (returns false).
+    fn finish(
+        &self,
+        id: i64,
+        attempt: i32,
+        outcome: &IntentOutcome,
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
+
+    /// Lists parked and unknown intents.
+    fn stuck(
+        &self,
+        limit: u32,
+    ) -> impl std::future::Future<Output = crate::Result<Vec<StuckIntent>>> + Send;
+
+    /// Returns parked and unknown intents (all, or these ids) to pending; their key is unchanged.
+    fn retry_stuck(
+        &self,
+        ids: Option<&[i64]>,
+    ) -> impl std::future::Future<Output = crate::Result<u64>> + Send;
+}

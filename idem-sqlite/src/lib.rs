@@ -49,6 +49,7 @@ const BASES: &[&str] = &[
     "inbox",
     "dead_letters",
     "idempotency_keys",
+    "effect_intents",
 ];
 
 const MIGRATIONS: &[(i64, &str, &str)] = &[
@@ -58,6 +59,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         3,
         "idempotency keys",
         include_str!("../migrations/0003_idempotency_keys.sql"),
+    ),
+    (
+        4,
+        "effect intents",
+        include_str!("../migrations/0004_effect_intents.sql"),
     ),
 ];
 
@@ -87,6 +93,12 @@ struct Queries {
     key_complete: String,
     key_release: String,
     key_sweep: String,
+    intent_record: String,
+    intent_claim: String,
+    intent_finish: String,
+    intent_stuck: String,
+    intent_retry: String,
+    intent_retry_one: String,
 }
 
 impl Queries {
@@ -112,6 +124,12 @@ impl Queries {
             key_complete: r(include_str!("../sql/key_complete.sql")),
             key_release: r(include_str!("../sql/key_release.sql")),
             key_sweep: r(include_str!("../sql/key_sweep.sql")),
+            intent_record: r(include_str!("../sql/intent_record.sql")),
+            intent_claim: r(include_str!("../sql/intent_claim.sql")),
+            intent_finish: r(include_str!("../sql/intent_finish.sql")),
+            intent_stuck: r(include_str!("../sql/intent_stuck.sql")),
+            intent_retry: r(include_str!("../sql/intent_retry.sql")),
+            intent_retry_one: r(include_str!("../sql/intent_retry_one.sql")),
         }
     }
 }
@@ -881,6 +899,186 @@ impl idem_core::idempotency::IdempotencyStore for SqliteKeyStore {
     }
 }
 
+/// Effect intents in SQLite ([`idem_core::idempotency::IntentStore`]).
+#[derive(Clone, Debug)]
+pub struct SqliteIntents {
+    pool: SqlitePool,
+    queries: Arc<Queries>,
+}
+
+impl SqliteIntents {
+    /// Intents over `pool` with the given tables (created by [`migrate`]).
+    pub fn new(pool: SqlitePool, tables: TableNames) -> Self {
+        SqliteIntents {
+            pool,
+            queries: Arc::new(Queries::render(&tables)),
+        }
+    }
+}
+
+impl idem_core::idempotency::IntentStore for SqliteIntents {
+    type Conn = SqliteConnection;
+
+    async fn record(
+        &self,
+        conn: &mut SqliteConnection,
+        intent: &idem_core::idempotency::EffectIntent,
+    ) -> Result<bool> {
+        let key = intent.key().map_err(|e| Error::InvalidEvent {
+            field: "effect",
+            reason: e.to_string(),
+        })?;
+        let n = sqlx::query(&self.queries.intent_record)
+            .bind(key.as_str())
+            .bind(&intent.effect)
+            .bind(&intent.target)
+            .bind(intent.event_id.to_string())
+            .bind(intent.body.to_string())
+            .bind(intent.traceparent.as_deref())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| Error::database("recording an effect intent", e))?
+            .rows_affected();
+        Ok(n == 1)
+    }
+
+    async fn claim(
+        &self,
+        batch: u32,
+        lease: Duration,
+    ) -> Result<Vec<idem_core::idempotency::ClaimedIntent>> {
+        let now = now_ms();
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| Error::database("claiming effect intents", e))?;
+        let q = &self.queries.intent_claim;
+        let rows = immediate(&mut conn, "claiming effect intents", async |c| {
+            sqlx::query(q)
+                .bind(i64::from(batch))
+                .bind(now.saturating_add(millis(lease)))
+                .bind(now)
+                .fetch_all(&mut *c)
+                .await
+        })
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let dec = |e| Error::database("decoding an effect intent", e);
+                let id: i64 = r.try_get("id").map_err(dec)?;
+                let corrupt = |reason: String| Error::CorruptRow { id, reason };
+                let body: String = r.try_get("body").map_err(dec)?;
+                Ok(idem_core::idempotency::ClaimedIntent {
+                    id,
+                    key: idem_core::idempotency::IdempotencyKey::new(
+                        r.try_get::<String, _>("idem_key").map_err(dec)?,
+                    )
+                    .map_err(|e| corrupt(e.to_string()))?,
+                    intent: idem_core::idempotency::EffectIntent {
+                        event_id: EventId::from_str(
+                            &r.try_get::<String, _>("event_id").map_err(dec)?,
+                        )?,
+                        effect: r.try_get("effect").map_err(dec)?,
+                        target: r.try_get("target").map_err(dec)?,
+                        body: serde_json::from_str(&body).map_err(|e| corrupt(e.to_string()))?,
+                        traceparent: r.try_get("traceparent").map_err(dec)?,
+                    },
+                    attempt: r.try_get("attempts").map_err(dec)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn finish(
+        &self,
+        id: i64,
+        attempt: i32,
+        outcome: &idem_core::idempotency::IntentOutcome,
+    ) -> Result<bool> {
+        use idem_core::idempotency::IntentOutcome as O;
+        let (status, code, body, error, backoff): (
+            &str,
+            Option<i64>,
+            Option<&str>,
+            Option<&str>,
+            Duration,
+        ) = match outcome {
+            O::Done { status, body } => (
+                "done",
+                Some(i64::from(*status)),
+                Some(body.as_str()),
+                None,
+                Duration::ZERO,
+            ),
+            O::Retry { after, reason } => ("pending", None, None, Some(reason.as_str()), *after),
+            O::Park { reason } => ("parked", None, None, Some(reason.as_str()), Duration::ZERO),
+            O::Unknown { reason } => ("unknown", None, None, Some(reason.as_str()), Duration::ZERO),
+        };
+        let n = sqlx::query(&self.queries.intent_finish)
+            .bind(id)
+            .bind(attempt)
+            .bind(status)
+            .bind(code)
+            .bind(body)
+            .bind(error)
+            .bind(now_ms().saturating_add(millis(backoff)))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("recording an effect outcome", e))?
+            .rows_affected();
+        Ok(n == 1)
+    }
+
+    async fn stuck(&self, limit: u32) -> Result<Vec<idem_core::idempotency::StuckIntent>> {
+        let rows = sqlx::query(&self.queries.intent_stuck)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("listing stuck effect intents", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(idem_core::idempotency::StuckIntent {
+                    id: r.try_get("id")?,
+                    key: r.try_get("idem_key")?,
+                    effect: r.try_get("effect")?,
+                    status: r.try_get("status")?,
+                    attempts: r.try_get("attempts")?,
+                    reason: r.try_get("last_error")?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding stuck effect intents", e))
+    }
+
+    async fn retry_stuck(&self, ids: Option<&[i64]>) -> Result<u64> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| Error::database("retrying effect intents", e))?;
+        let q = &self.queries;
+        immediate(&mut conn, "retrying effect intents", async |c| match ids {
+            None => Ok(sqlx::query(&q.intent_retry)
+                .execute(&mut *c)
+                .await?
+                .rows_affected()),
+            Some(ids) => {
+                let mut n = 0;
+                for id in ids {
+                    n += sqlx::query(&q.intent_retry_one)
+                        .bind(id)
+                        .execute(&mut *c)
+                        .await?
+                        .rows_affected();
+                }
+                Ok(n)
+            }
+        })
+        .await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -908,6 +1106,12 @@ mod tests {
             &q.key_complete,
             &q.key_release,
             &q.key_sweep,
+            &q.intent_record,
+            &q.intent_claim,
+            &q.intent_finish,
+            &q.intent_stuck,
+            &q.intent_retry,
+            &q.intent_retry_one,
         ];
         let migrations: Vec<String> = MIGRATIONS.iter().map(|m| t.render(m.2, BASES)).collect();
         for sql in queries.into_iter().chain(migrations.iter()) {
