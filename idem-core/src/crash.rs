@@ -26,6 +26,8 @@ pub const CRASH_POINTS: &[&str] = &[
     RELAY_AFTER_PUBLISH_BEFORE_MARK,
     CONSUMER_AFTER_DEDUP_BEFORE_HANDLER,
     CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT,
+    EFFECT_BEFORE_HTTP,
+    EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
 ];
 
 /// The relay has claimed a batch but produced nothing yet. Recovery: the lease expires and
@@ -44,6 +46,13 @@ pub const CONSUMER_AFTER_DEDUP_BEFORE_HANDLER: &str = "consumer.after_dedup_befo
 /// inbox and is skipped (`idem_duplicate_skip_total`), then the offset moves on.
 pub const CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT: &str =
     "consumer.after_db_commit_before_offset_commit";
+
+/// The dispatcher claimed an intent and has not sent it. Recovery: after the lease, the intent
+/// is sent with the same key.
+pub const EFFECT_BEFORE_HTTP: &str = "effect.before_http";
+/// The remote answered 2xx; the outcome is not recorded. Recovery: the intent is sent again with
+/// the same key and the remote replays its stored response (one effect).
+pub const EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD: &str = "effect.after_http_success_before_record";
 
 /// What an armed crash point does when it fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,309 @@
+//! The effect dispatcher: delivers effect intents (recorded by handlers in their own
+//! transactions) to external HTTP APIs.
+//!
+//! # Delivery semantics
+//!
+//! At least once *attempted*; converging to once *applied* where the remote honours
+//! `Idempotency-Key`. Every attempt of an intent carries the key stored with it
+//! (`event-<event id>-<effect>`) — after a retry, a crash or a restart alike; the dispatcher never
+//! mints a key. Outcomes:
+//!
+//! | response | outcome |
+//! |---|---|
+//! | 2xx | done; the response is stored |
+//! | timeout, connection error, 5xx, 429 | retried with backoff (or the `Retry-After` the remote sent), same key |
+//! | 409 (the remote is still processing the key) | retried later, same key |
+//! | 422 (the key was used with a different body) | parked for a person; `idem_idempotency_conflict_total` |
+//! | other 4xx | parked with the reason |
+//!
+//! Duplicate windows: a crash after the remote applied the effect and before the outcome is
+//! recorded (`effect.after_http_success_before_record`) leads to a new attempt with the same
+//! key, which the remote answers from its stored response. A remote that ignores keys would
+//! apply it twice: such remotes need a status probe before retrying (not in this crate yet).
+
+use std::time::Duration;
+
+use idem_core::Result;
+use idem_core::idempotency::{ClaimedIntent, IntentOutcome, IntentStore};
+use prometheus::{IntCounterVec, Opts, Registry};
+
+/// Dispatcher settings.
+#[derive(Clone, Debug)]
+pub struct DispatcherConfig {
+    /// Intents per claim.
+    pub batch: u32,
+    /// How long a claim is exclusive; longer than `timeout`.
+    pub lease: Duration,
+    /// Per-request timeout.
+    pub timeout: Duration,
+    /// First backoff after a retryable failure; doubles per attempt.
+    pub backoff: Duration,
+    /// Longest backoff.
+    pub backoff_max: Duration,
+    /// `Authorization` header sent with every request (the remote scopes keys per client).
+    pub authorization: Option<String>,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        DispatcherConfig {
+            batch: 50,
+            lease: Duration::from_secs(30),
+            timeout: Duration::from_secs(10),
+            backoff: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(60),
+            authorization: None,
+        }
+    }
+}
+
+/// Dispatcher metrics, labelled by effect and target host (bounded).
+#[derive(Clone)]
+pub struct EffectMetrics {
+    /// `idem_effect_attempts_total`.
+    pub attempts: IntCounterVec,
+    /// `idem_effect_success_total`.
+    pub successes: IntCounterVec,
+    /// `idem_effect_retry_total`.
+    pub retries: IntCounterVec,
+    /// `idem_idempotency_conflict_total` (client side: 422 from the remote).
+    pub conflicts: IntCounterVec,
+    /// `idem_effect_parked_total`.
+    pub parked: IntCounterVec,
+}
+
+impl EffectMetrics {
+    /// Creates and registers the metrics.
+    pub fn new(registry: &Registry) -> Result<Self> {
+        let v = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["effect", "target"])
+                .map_err(|e| idem_core::Error::Config(format!("registering effect metrics: {e}")))
+        };
+        let m = EffectMetrics {
+            attempts: v(
+                "idem_effect_attempts_total",
+                "HTTP attempts of effect intents.",
+            )?,
+            successes: v(
+                "idem_effect_success_total",
+                "Effect intents completed with a 2xx.",
+            )?,
+            retries: v(
+                "idem_effect_retry_total",
+                "Attempts that will be retried with the same key.",
+            )?,
+            conflicts: v(
+                "idem_idempotency_conflict_total",
+                "Idempotency conflicts: the remote says the key was used with a different request (422).",
+            )?,
+            parked: v(
+                "idem_effect_parked_total",
+                "Effect intents parked for a person.",
+            )?,
+        };
+        for c in [
+            &m.attempts,
+            &m.successes,
+            &m.retries,
+            &m.conflicts,
+            &m.parked,
+        ] {
+            registry.register(Box::new(c.clone())).map_err(|e| {
+                idem_core::Error::Config(format!("registering effect metrics: {e}"))
+            })?;
+        }
+        Ok(m)
+    }
+}
+
+/// Sends claimed intents and records their outcomes.
+pub struct Dispatcher<S> {
+    store: S,
+    client: reqwest::Client,
+    config: DispatcherConfig,
+    metrics: EffectMetrics,
+}
+
+fn host(target: &str) -> String {
+    reqwest::Url::parse(target)
+        .ok()
+        .and_then(|u| {
+            u.host_str()
+                .map(|h| format!("{h}:{}", u.port_or_known_default().unwrap_or(0)))
+        })
+        .unwrap_or_else(|| "invalid".to_owned())
+}
+
+fn retry_after(resp: &reqwest::Response) -> Option<Duration> {
+    resp.headers()
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(|s| Duration::from_secs(s.min(3600)))
+}
+
+/// Maps an HTTP status to an outcome (body and `Retry-After` supplied by the caller).
+pub fn classify(
+    status: u16,
+    body: String,
+    retry_after: Option<Duration>,
+    backoff: Duration,
+) -> IntentOutcome {
+    match status {
+        200..=299 => IntentOutcome::Done { status, body },
+        409 => IntentOutcome::Retry {
+            after: retry_after.unwrap_or(Duration::from_secs(1)),
+            reason: "409: the remote is still processing this key".to_owned(),
+        },
+        429 | 500..=599 => IntentOutcome::Retry {
+            after: retry_after.unwrap_or(backoff),
+            reason: format!("{status}: {}", body.chars().take(200).collect::<String>()),
+        },
+        422 => IntentOutcome::Park {
+            reason: format!(
+                "422: the remote says this key was used with a different request: {}",
+                body.chars().take(200).collect::<String>()
+            ),
+        },
+        _ => IntentOutcome::Park {
+            reason: format!("{status}: {}", body.chars().take(200).collect::<String>()),
+        },
+    }
+}
+
+impl<S: IntentStore> Dispatcher<S> {
+    /// A dispatcher over `store`.
+    pub fn new(store: S, config: DispatcherConfig, metrics: EffectMetrics) -> Result<Self> {
+        let client = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .build()
+            .map_err(|e| idem_core::Error::Config(format!("building the HTTP client: {e}")))?;
+        Ok(Dispatcher {
+            store,
+            client,
+            config,
+            metrics,
+        })
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &EffectMetrics {
+        &self.metrics
+    }
+
+    fn backoff(&self, attempt: i32) -> Duration {
+        let exp = u32::try_from(attempt.saturating_sub(1))
+            .unwrap_or(0)
+            .min(20);
+        self.config
+            .backoff
+            .saturating_mul(1 << exp)
+            .min(self.config.backoff_max)
+    }
+
+    /// Claims due intents, sends each once, records the outcomes; returns how many were sent.
+    pub async fn run_once(&self) -> Result<usize> {
+        let claimed = self
+            .store
+            .claim(self.config.batch, self.config.lease)
+            .await?;
+        for c in &claimed {
+            let outcome = self.attempt(c).await?;
+            if !self.store.finish(c.id, c.attempt, &outcome).await? {
+                tracing::warn!(
+                    intent = c.id,
+                    attempt = c.attempt,
+                    "the intent's lease was taken over; outcome not recorded"
+                );
+            }
+        }
+        Ok(claimed.len())
+    }
+
+    async fn attempt(&self, c: &ClaimedIntent) -> Result<IntentOutcome> {
+        let labels = [c.intent.effect.as_str(), &host(&c.intent.target)];
+        idem_core::crash::crash_point(idem_core::crash::EFFECT_BEFORE_HTTP)?;
+        self.metrics.attempts.with_label_values(&labels).inc();
+        let mut req = self
+            .client
+            .post(&c.intent.target)
+            .header("idempotency-key", c.key.header_value())
+            .json(&c.intent.body);
+        if let Some(tp) = &c.intent.traceparent {
+            req = req.header("traceparent", tp);
+        }
+        if let Some(auth) = &self.config.authorization {
+            req = req.header("authorization", auth);
+        }
+        let outcome = match req.send().await {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let after = retry_after(&resp);
+                let body = resp.text().await.unwrap_or_default();
+                classify(status, body, after, self.backoff(c.attempt))
+            }
+            Err(e) => IntentOutcome::Retry {
+                after: self.backoff(c.attempt),
+                reason: if e.is_timeout() {
+                    "timed out: the effect may have happened; retrying with the same key".to_owned()
+                } else {
+                    format!("request failed: {e}")
+                },
+            },
+        };
+        match &outcome {
+            IntentOutcome::Done { .. } => {
+                self.metrics.successes.with_label_values(&labels).inc();
+                idem_core::crash::crash_point(
+                    idem_core::crash::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
+                )?;
+            }
+            IntentOutcome::Retry { .. } => self.metrics.retries.with_label_values(&labels).inc(),
+            IntentOutcome::Park { reason } => {
+                if reason.starts_with("422") {
+                    self.metrics.conflicts.with_label_values(&labels).inc();
+                }
+                self.metrics.parked.with_label_values(&labels).inc();
+            }
+            IntentOutcome::Unknown { .. } => self.metrics.parked.with_label_values(&labels).inc(),
+        }
+        Ok(outcome)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_by_status() {
+        let b = Duration::from_millis(200);
+        assert!(matches!(
+            classify(201, "{}".into(), None, b),
+            IntentOutcome::Done { status: 201, .. }
+        ));
+        assert_eq!(
+            classify(409, String::new(), None, b),
+            IntentOutcome::Retry {
+                after: Duration::from_secs(1),
+                reason: "409: the remote is still processing this key".into()
+            }
+        );
+        assert!(
+            matches!(classify(503, String::new(), Some(Duration::from_secs(7)), b), IntentOutcome::Retry { after, .. } if after == Duration::from_secs(7))
+        );
+        assert!(
+            matches!(classify(429, String::new(), None, b), IntentOutcome::Retry { after, .. } if after == b)
+        );
+        assert!(
+            matches!(classify(422, String::new(), None, b), IntentOutcome::Park { reason } if reason.starts_with("422"))
+        );
+        assert!(matches!(
+            classify(404, String::new(), None, b),
+            IntentOutcome::Park { .. }
+        ));
+    }
+}
