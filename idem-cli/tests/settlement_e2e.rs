@@ -262,10 +262,14 @@ async fn two_consumers_in_one_group_with_rebalances_settle_every_event_once() {
         a_log.contains("partitions revoked"),
         "A went through the rebalance when B joined"
     );
-    assert!(
-        b.log().join("\n").matches("partitions assigned").count() >= 2,
-        "B was assigned again after A died"
-    );
+    // After A's session times out the group rebalances again and B takes A's partitions (B may
+    // already have settled everything left if A's partitions were drained before the kill).
+    eventually(
+        "B to be assigned again after A died",
+        Duration::from_secs(60),
+        || async { (b.log().join("\n").matches("partitions assigned").count() >= 2).then_some(()) },
+    )
+    .await;
     let dups = settle
         .scalar("SELECT (sum(delivery_count) - count(*))::bigint FROM idem_inbox")
         .await;
