@@ -1,6 +1,7 @@
 //! `idem`: migrate the outbox, run the relay, inspect the outbox and topics.
 
 mod db;
+mod effects_cmd;
 mod metrics_server;
 mod outbox_cmd;
 mod reference_cmd;
@@ -36,6 +37,11 @@ enum Command {
     DeadLetters(reference_cmd::DeadLettersArgs),
     /// Reference points API: awards points per request, behind the Idempotency-Key layer.
     PointsApi(reference_cmd::PointsApiArgs),
+    /// Deliver, list and retry effect intents (external HTTP calls).
+    Effects {
+        #[command(subcommand)]
+        command: effects_cmd::EffectsCommand,
+    },
     /// Create and read topics.
     Topic {
         #[command(subcommand)]
@@ -108,5 +114,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Settlement(args) => reference_cmd::settlement(args).await,
         Command::DeadLetters(args) => reference_cmd::dead_letters(args).await,
         Command::PointsApi(args) => reference_cmd::points_api(args).await,
+        Command::Effects { command } => effects_cmd::run(command).await,
     }
 }
