@@ -394,3 +394,49 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
         ids: Option<&[i64]>,
     ) -> impl std::future::Future<Output = crate::Result<u64>> + Send;
 }
+
+/// How an [`IntentOutcome`] is stored: the columns every intent store writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutcomeColumns<'a> {
+    /// New status (`done`, `pending`, `parked`, `unknown`).
+    pub status: &'static str,
+    /// Response status, when done.
+    pub response_status: Option<u16>,
+    /// Response body, when done.
+    pub response_body: Option<&'a str>,
+    /// Why it did not succeed.
+    pub error: Option<&'a str>,
+    /// Wait this long before the next attempt.
+    pub backoff: std::time::Duration,
+}
+
+impl IntentOutcome {
+    /// The stored form of this outcome.
+    pub fn columns(&self) -> OutcomeColumns<'_> {
+        fn stop<'a>(
+            status: &'static str,
+            reason: &'a str,
+            backoff: std::time::Duration,
+        ) -> OutcomeColumns<'a> {
+            OutcomeColumns {
+                status,
+                response_status: None,
+                response_body: None,
+                error: Some(reason),
+                backoff,
+            }
+        }
+        match self {
+            IntentOutcome::Done { status, body } => OutcomeColumns {
+                status: "done",
+                response_status: Some(*status),
+                response_body: Some(body.as_str()),
+                error: None,
+                backoff: std::time::Duration::ZERO,
+            },
+            IntentOutcome::Retry { after, reason } => stop("pending", reason, *after),
+            IntentOutcome::Park { reason } => stop("parked", reason, std::time::Duration::ZERO),
+            IntentOutcome::Unknown { reason } => stop("unknown", reason, std::time::Duration::ZERO),
+        }
+    }
+}

@@ -229,3 +229,27 @@ pub fn sort_records(records: &mut [OutboxRecord]) {
         ))
     });
 }
+
+/// Lets a claim that found nothing among the oldest pending rows look at every pending row at
+/// most once per interval, so one aggregate's deep backlog never starves the others without
+/// making every idle poll a full scan. Cheap to clone (shared).
+#[derive(Clone, Debug, Default)]
+pub struct FullScanThrottle {
+    last: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+}
+
+impl FullScanThrottle {
+    /// How often a full scan may run.
+    pub const EVERY: Duration = Duration::from_secs(1);
+
+    /// True at most once per [`Self::EVERY`].
+    pub fn due(&self) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_none_or(|t| t.elapsed() >= Self::EVERY) {
+            *last = Some(std::time::Instant::now());
+            true
+        } else {
+            false
+        }
+    }
+}

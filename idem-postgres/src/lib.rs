@@ -345,7 +345,7 @@ pub fn redact(url: &str) -> String {
 pub struct PgStore {
     pool: PgPool,
     outbox: Outbox,
-    last_full_scan: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    full_scan: idem_core::outbox::FullScanThrottle,
 }
 
 impl PgStore {
@@ -354,7 +354,7 @@ impl PgStore {
         PgStore {
             pool,
             outbox: Outbox::new(tables),
-            last_full_scan: Arc::default(),
+            full_scan: idem_core::outbox::FullScanThrottle::default(),
         }
     }
 
@@ -391,20 +391,6 @@ fn decode_record(row: &PgRow) -> std::result::Result<OutboxRecord, sqlx::Error> 
         attempt: row.try_get("attempts")?,
         permanent_failures: row.try_get("permanent_failures")?,
     })
-}
-
-/// How often a claim that found nothing in the oldest rows may look at every pending row.
-const FULL_SCAN_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// True at most once per [`FULL_SCAN_EVERY`].
-fn full_scan_due(last: &std::sync::Mutex<Option<std::time::Instant>>) -> bool {
-    let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
-    if last.is_none_or(|t| t.elapsed() >= FULL_SCAN_EVERY) {
-        *last = Some(std::time::Instant::now());
-        true
-    } else {
-        false
-    }
 }
 
 fn millis(d: std::time::Duration) -> i64 {
@@ -456,10 +442,7 @@ impl OutboxStore for PgStore {
         let claim = self.claim_within(request, Some(window)).await?;
         // The oldest rows may all sit behind leased or backing-off heads (one aggregate with a
         // deep backlog): then look at every pending row, so other aggregates never starve.
-        if claim.records.is_empty()
-            && claim.corrupt.is_empty()
-            && full_scan_due(&self.last_full_scan)
-        {
+        if claim.records.is_empty() && claim.corrupt.is_empty() && self.full_scan.due() {
             return self.claim_within(request, None).await;
         }
         Ok(claim)
@@ -956,27 +939,6 @@ impl PgIntents {
     }
 }
 
-/// (status, response status, response body, error, backoff ms) of an outcome.
-fn outcome_columns(
-    o: &idem_core::idempotency::IntentOutcome,
-) -> (&'static str, Option<i32>, Option<&str>, Option<&str>, i64) {
-    use idem_core::idempotency::IntentOutcome as O;
-    match o {
-        O::Done { status, body } => (
-            "done",
-            Some(i32::from(*status)),
-            Some(body.as_str()),
-            None,
-            0,
-        ),
-        O::Retry { after, reason } => {
-            ("pending", None, None, Some(reason.as_str()), millis(*after))
-        }
-        O::Park { reason } => ("parked", None, None, Some(reason.as_str()), 0),
-        O::Unknown { reason } => ("unknown", None, None, Some(reason.as_str()), 0),
-    }
-}
-
 impl idem_core::idempotency::IntentStore for PgIntents {
     type Conn = PgConnection;
 
@@ -1045,15 +1007,15 @@ impl idem_core::idempotency::IntentStore for PgIntents {
         attempt: i32,
         outcome: &idem_core::idempotency::IntentOutcome,
     ) -> Result<bool> {
-        let (status, code, body, error, backoff) = outcome_columns(outcome);
+        let c = outcome.columns();
         let n = sqlx::query(&self.queries.intent_finish)
             .bind(id)
             .bind(attempt)
-            .bind(status)
-            .bind(code)
-            .bind(body)
-            .bind(error)
-            .bind(backoff)
+            .bind(c.status)
+            .bind(c.response_status.map(i32::from))
+            .bind(c.response_body)
+            .bind(c.error)
+            .bind(millis(c.backoff))
             .execute(&self.pool)
             .await
             .map_err(|e| Error::database("recording an effect outcome", e))?

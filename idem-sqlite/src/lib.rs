@@ -294,7 +294,7 @@ async fn immediate<T>(
 pub struct SqliteStore {
     pool: SqlitePool,
     outbox: Outbox,
-    last_full_scan: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    full_scan: idem_core::outbox::FullScanThrottle,
 }
 
 impl SqliteStore {
@@ -303,7 +303,7 @@ impl SqliteStore {
         SqliteStore {
             pool,
             outbox: Outbox::new(tables),
-            last_full_scan: Arc::default(),
+            full_scan: idem_core::outbox::FullScanThrottle::default(),
         }
     }
 
@@ -349,19 +349,6 @@ fn parse_ts(s: &str) -> std::result::Result<DateTime<Utc>, String> {
             chrono::NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f").map(|n| n.and_utc())
         })
         .map_err(|e| format!("timestamp {s:?} is not RFC 3339 or ISO 8601 ({e})"))
-}
-
-/// How often a claim that found nothing in the oldest rows may look at every pending row.
-const FULL_SCAN_EVERY: Duration = Duration::from_secs(1);
-
-fn full_scan_due(last: &std::sync::Mutex<Option<std::time::Instant>>) -> bool {
-    let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
-    if last.is_none_or(|t| t.elapsed() >= FULL_SCAN_EVERY) {
-        *last = Some(std::time::Instant::now());
-        true
-    } else {
-        false
-    }
 }
 
 fn decode_record(row: &SqliteRow) -> Result<OutboxRecord> {
@@ -452,10 +439,7 @@ impl OutboxStore for SqliteStore {
         );
         let claim = self.claim_within(request, window).await?;
         // See the PostgreSQL store: never let one deep aggregate starve the others.
-        if claim.records.is_empty()
-            && claim.corrupt.is_empty()
-            && full_scan_due(&self.last_full_scan)
-        {
+        if claim.records.is_empty() && claim.corrupt.is_empty() && self.full_scan.due() {
             return self.claim_within(request, -1).await;
         }
         Ok(claim)
@@ -996,33 +980,15 @@ impl idem_core::idempotency::IntentStore for SqliteIntents {
         attempt: i32,
         outcome: &idem_core::idempotency::IntentOutcome,
     ) -> Result<bool> {
-        use idem_core::idempotency::IntentOutcome as O;
-        let (status, code, body, error, backoff): (
-            &str,
-            Option<i64>,
-            Option<&str>,
-            Option<&str>,
-            Duration,
-        ) = match outcome {
-            O::Done { status, body } => (
-                "done",
-                Some(i64::from(*status)),
-                Some(body.as_str()),
-                None,
-                Duration::ZERO,
-            ),
-            O::Retry { after, reason } => ("pending", None, None, Some(reason.as_str()), *after),
-            O::Park { reason } => ("parked", None, None, Some(reason.as_str()), Duration::ZERO),
-            O::Unknown { reason } => ("unknown", None, None, Some(reason.as_str()), Duration::ZERO),
-        };
+        let c = outcome.columns();
         let n = sqlx::query(&self.queries.intent_finish)
             .bind(id)
             .bind(attempt)
-            .bind(status)
-            .bind(code)
-            .bind(body)
-            .bind(error)
-            .bind(now_ms().saturating_add(millis(backoff)))
+            .bind(c.status)
+            .bind(c.response_status.map(i64::from))
+            .bind(c.response_body)
+            .bind(c.error)
+            .bind(now_ms().saturating_add(millis(c.backoff)))
             .execute(&self.pool)
             .await
             .map_err(|e| Error::database("recording an effect outcome", e))?
