@@ -1,14 +1,62 @@
-//! `idem effects dispatch | stuck | retry`: the effect dispatcher as its own process.
+//! `idem effects dispatch | stuck | retry | resolve | compensate`: the effect dispatcher as its
+//! own process, and the commands a person uses on parked and unknown intents.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Subcommand;
-use idem_core::idempotency::IntentStore;
-use idem_effects::{Dispatcher, DispatcherConfig, EffectMetrics};
+use anyhow::bail;
+use clap::{Args, Subcommand};
+use idem_core::idempotency::{IntentStore, Resolution};
+use idem_effects::{
+    Dispatcher, DispatcherConfig, EffectMetrics, EffectPolicy, HttpCompensation, HttpStatusProbe,
+};
 
 use crate::DbArgs;
 use crate::db::{self, Store};
+
+/// How the remote of one effect is treated (remotes that do not store Idempotency-Key).
+#[derive(Args, Debug, Clone)]
+pub struct PolicyArgs {
+    /// The effect these switches apply to.
+    #[arg(long, default_value = "points.award")]
+    effect: String,
+    /// The remote ignores Idempotency-Key: never re-send after an ambiguous failure without
+    /// asking the status probe; without a probe the intent becomes `unknown`.
+    #[arg(long)]
+    remote_ignores_keys: bool,
+    /// Status probe URL template, asked before every re-attempt: `{key}`, `{event_id}` or a
+    /// body field such as `{payment_id}` (200 with a non-empty array or an object: applied;
+    /// `[]` or 404: not applied).
+    #[arg(long)]
+    probe_url: Option<String>,
+    /// Compensation URL template (same placeholders), POSTed with the intent's body by
+    /// `idem effects compensate`.
+    #[arg(long)]
+    compensate_url: Option<String>,
+    /// Shortest wait before probing after an ambiguous attempt: longer than the remote's
+    /// longest processing time.
+    #[arg(long, default_value = "2s", value_parser = crate::relay_cmd::parse_duration)]
+    settle: Duration,
+    /// `Authorization` header sent to the remote (it scopes keys per client).
+    #[arg(long, env = "IDEM_EFFECT_AUTHORIZATION")]
+    authorization: Option<String>,
+}
+
+impl PolicyArgs {
+    fn policy(&self) -> EffectPolicy {
+        EffectPolicy {
+            remote_ignores_keys: self.remote_ignores_keys,
+            probe: self.probe_url.as_ref().map(|u| {
+                Arc::new(HttpStatusProbe::new(u.clone(), self.authorization.clone())) as Arc<_>
+            }),
+            compensation: self.compensate_url.as_ref().map(|u| {
+                Arc::new(HttpCompensation::new(u.clone(), self.authorization.clone())) as Arc<_>
+            }),
+            settle: self.settle,
+        }
+    }
+}
 
 #[derive(Subcommand, Debug)]
 pub enum EffectsCommand {
@@ -16,9 +64,8 @@ pub enum EffectsCommand {
     Dispatch {
         #[command(flatten)]
         db: DbArgs,
-        /// `Authorization` header sent to the remote (it scopes keys per client).
-        #[arg(long, env = "IDEM_EFFECT_AUTHORIZATION")]
-        authorization: Option<String>,
+        #[command(flatten)]
+        policy: PolicyArgs,
         /// Per-request timeout.
         #[arg(long, default_value = "10s", value_parser = crate::relay_cmd::parse_duration)]
         timeout: Duration,
@@ -30,6 +77,9 @@ pub enum EffectsCommand {
     Stuck {
         #[command(flatten)]
         db: DbArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Return parked and unknown intents to pending (same key).
     Retry {
@@ -39,16 +89,58 @@ pub enum EffectsCommand {
         #[arg(long = "id")]
         ids: Vec<i64>,
     },
+    /// Settle an unknown or parked intent after checking the remote yourself.
+    Resolve {
+        #[command(flatten)]
+        db: DbArgs,
+        /// The intent.
+        #[arg(long)]
+        id: i64,
+        /// The effect happened: mark it done (never sent again).
+        #[arg(
+            long,
+            conflicts_with = "not_applied",
+            required_unless_present = "not_applied"
+        )]
+        applied: bool,
+        /// The effect did not happen: send it again with the same key.
+        #[arg(long)]
+        not_applied: bool,
+        /// Why (kept as the intent's reason).
+        #[arg(long, default_value = "resolved by a person")]
+        note: String,
+    },
+    /// Run the compensation of an unknown or parked intent, then park it for review (or send it
+    /// again with `--retry`).
+    Compensate {
+        #[command(flatten)]
+        db: DbArgs,
+        #[command(flatten)]
+        policy: PolicyArgs,
+        /// The intent.
+        #[arg(long)]
+        id: i64,
+        /// Send the effect again after compensating.
+        #[arg(long)]
+        retry: bool,
+    },
 }
 
-async fn dispatch<S: IntentStore>(
-    store: S,
-    config: DispatcherConfig,
-    metrics: EffectMetrics,
-) -> anyhow::Result<()> {
+impl EffectsCommand {
+    fn db(&self) -> &DbArgs {
+        match self {
+            EffectsCommand::Dispatch { db, .. }
+            | EffectsCommand::Stuck { db, .. }
+            | EffectsCommand::Retry { db, .. }
+            | EffectsCommand::Resolve { db, .. }
+            | EffectsCommand::Compensate { db, .. } => db,
+        }
+    }
+}
+
+async fn dispatch<S: IntentStore>(d: Dispatcher<S>) -> anyhow::Result<()> {
     let shutdown = crate::relay_cmd::shutdown_signal()?;
     tokio::pin!(shutdown);
-    let d = Dispatcher::new(store, config, metrics)?;
     let mut idle = Duration::from_millis(5);
     loop {
         let sent = d.run_once().await?;
@@ -67,68 +159,50 @@ async fn dispatch<S: IntentStore>(
     }
 }
 
-pub async fn run(cmd: EffectsCommand) -> anyhow::Result<()> {
+fn dispatcher<S: IntentStore>(
+    store: S,
+    policy: &PolicyArgs,
+    timeout: Duration,
+    registry: &prometheus::Registry,
+) -> anyhow::Result<Dispatcher<S>> {
+    let config = DispatcherConfig {
+        timeout,
+        lease: timeout.saturating_mul(3),
+        authorization: policy.authorization.clone(),
+        ..DispatcherConfig::default()
+    };
+    Ok(
+        Dispatcher::new(store, config, EffectMetrics::new(registry)?)?
+            .with_policy(policy.effect.clone(), policy.policy()),
+    )
+}
+
+async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result<()> {
     match cmd {
         EffectsCommand::Dispatch {
-            db,
-            authorization,
+            policy,
             timeout,
             metrics_addr,
+            ..
         } => {
-            let store = db::open(&db, 2).await?;
-            let tables = db::tables(&db)?;
             let registry = prometheus::Registry::new();
-            let metrics = EffectMetrics::new(&registry)?;
+            let d = dispatcher(store, &policy, timeout, &registry)?;
             if let Some(addr) = metrics_addr {
                 let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
                 eprintln!("idem effects: metrics on http://{bound}/metrics");
             }
-            let config = DispatcherConfig {
-                timeout,
-                lease: timeout.saturating_mul(3),
-                authorization,
-                ..DispatcherConfig::default()
-            };
             eprintln!("idem effects: dispatching");
-            match store {
-                Store::Postgres(s) => {
-                    dispatch(
-                        idem_postgres::PgIntents::new(s.pool().clone(), tables),
-                        config,
-                        metrics,
-                    )
-                    .await?
-                }
-                Store::Sqlite(s) => {
-                    dispatch(
-                        idem_sqlite::SqliteIntents::new(s.pool().clone(), tables),
-                        config,
-                        metrics,
-                    )
-                    .await?
-                }
-            }
+            dispatch(d).await?;
             eprintln!("idem effects: stopped cleanly");
         }
-        EffectsCommand::Stuck { db } => {
-            let store = db::open(&db, 1).await?;
-            let tables = db::tables(&db)?;
-            let rows = match store {
-                Store::Postgres(s) => {
-                    idem_postgres::PgIntents::new(s.pool().clone(), tables)
-                        .stuck(1000)
-                        .await?
-                }
-                Store::Sqlite(s) => {
-                    idem_sqlite::SqliteIntents::new(s.pool().clone(), tables)
-                        .stuck(1000)
-                        .await?
-                }
-            };
-            if rows.is_empty() {
+        EffectsCommand::Stuck { json, .. } => {
+            let rows = store.stuck(1000).await?;
+            if json {
+                println!("{}", serde_json::to_string(&rows)?);
+            } else if rows.is_empty() {
                 println!("no parked or unknown intents");
             }
-            for r in rows {
+            for r in rows.iter().filter(|_| !json) {
                 println!(
                     "{}  {}  {}  {}  attempts={}  reason: {}",
                     r.id,
@@ -136,28 +210,61 @@ pub async fn run(cmd: EffectsCommand) -> anyhow::Result<()> {
                     r.effect,
                     r.key,
                     r.attempts,
-                    r.reason.unwrap_or_default()
+                    r.reason.as_deref().unwrap_or_default()
                 );
             }
         }
-        EffectsCommand::Retry { db, ids } => {
-            let store = db::open(&db, 1).await?;
-            let tables = db::tables(&db)?;
+        EffectsCommand::Retry { ids, .. } => {
             let ids = (!ids.is_empty()).then_some(ids.as_slice());
-            let n = match store {
-                Store::Postgres(s) => {
-                    idem_postgres::PgIntents::new(s.pool().clone(), tables)
-                        .retry_stuck(ids)
-                        .await?
-                }
-                Store::Sqlite(s) => {
-                    idem_sqlite::SqliteIntents::new(s.pool().clone(), tables)
-                        .retry_stuck(ids)
-                        .await?
-                }
-            };
+            let n = store.retry_stuck(ids).await?;
             println!("returned {n} intent(s) to pending");
+        }
+        EffectsCommand::Resolve {
+            id, applied, note, ..
+        } => {
+            let resolution = if applied {
+                Resolution::Applied
+            } else {
+                Resolution::Pending
+            };
+            if !store.resolve(id, resolution, &note).await? {
+                bail!("effect intent {id} does not exist or is neither parked nor unknown");
+            }
+            println!("intent {id} is now {}", resolution.status());
+        }
+        EffectsCommand::Compensate {
+            policy, id, retry, ..
+        } => {
+            if policy.compensate_url.is_none() {
+                bail!("--compensate-url is required: it is the compensation to run");
+            }
+            let d = dispatcher(
+                store,
+                &policy,
+                Duration::from_secs(10),
+                &prometheus::Registry::new(),
+            )?;
+            let note = d.compensate(id, retry).await?;
+            println!("intent {id}: {note}");
         }
     }
     Ok(())
+}
+
+pub async fn run(cmd: EffectsCommand) -> anyhow::Result<()> {
+    let args = cmd.db().clone();
+    let store = db::open(&args, 2).await?;
+    let tables = db::tables(&args)?;
+    match store {
+        Store::Postgres(s) => {
+            run_on(idem_postgres::PgIntents::new(s.pool().clone(), tables), cmd).await
+        }
+        Store::Sqlite(s) => {
+            run_on(
+                idem_sqlite::SqliteIntents::new(s.pool().clone(), tables),
+                cmd,
+            )
+            .await
+        }
+    }
 }

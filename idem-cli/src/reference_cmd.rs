@@ -83,6 +83,11 @@ pub struct SettlementArgs {
     /// librdkafka consumer setting KEY=VALUE (repeatable); offset auto-commit/auto-store are refused.
     #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
     consumer_config: Vec<(String, String)>,
+    /// Award points for each paid order at this URL (`http://127.0.0.1:8088/awards`): the
+    /// handler records one `points.award` effect intent per payment in its transaction, and
+    /// `idem effects dispatch` delivers it.
+    #[arg(long)]
+    points_url: Option<String>,
 }
 
 pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
@@ -109,19 +114,41 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
             idem_reference::ensure_schema_postgres(s.pool())
                 .await
                 .context("creating the settlements table")?;
-            let inbox = PgInbox::new(s.pool().clone(), tables);
-            Consumer::new(inbox, Settlement, source, config, metrics)
-                .run(shutdown)
-                .await?;
+            let inbox = PgInbox::new(s.pool().clone(), tables.clone());
+            match args.points_url {
+                Some(url) => {
+                    let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
+                    let handler = Settlement::with_points(intents, url);
+                    Consumer::new(inbox, handler, source, config, metrics)
+                        .run(shutdown)
+                        .await?;
+                }
+                None => {
+                    Consumer::new(inbox, Settlement::new(), source, config, metrics)
+                        .run(shutdown)
+                        .await?;
+                }
+            }
         }
         Store::Sqlite(s) => {
             idem_reference::ensure_schema_sqlite(s.pool())
                 .await
                 .context("creating the settlements table")?;
-            let inbox = SqliteInbox::new(s.pool().clone(), tables);
-            Consumer::new(inbox, Settlement, source, config, metrics)
-                .run(shutdown)
-                .await?;
+            let inbox = SqliteInbox::new(s.pool().clone(), tables.clone());
+            match args.points_url {
+                Some(url) => {
+                    let intents = idem_sqlite::SqliteIntents::new(s.pool().clone(), tables);
+                    let handler = Settlement::with_points(intents, url);
+                    Consumer::new(inbox, handler, source, config, metrics)
+                        .run(shutdown)
+                        .await?;
+                }
+                None => {
+                    Consumer::new(inbox, Settlement::new(), source, config, metrics)
+                        .run(shutdown)
+                        .await?;
+                }
+            }
         }
     }
     eprintln!("idem settlement: stopped cleanly");

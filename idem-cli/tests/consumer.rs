@@ -77,7 +77,7 @@ fn start_consumer(
     let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
     let mut config = ConsumerConfig::new("settlement");
     config.retry_backoff = Duration::from_millis(10);
-    let consumer = Consumer::new(inbox, Settlement, source, config, metrics.clone());
+    let consumer = Consumer::new(inbox, Settlement::new(), source, config, metrics.clone());
     let (tx, mut rx) = watch::channel(false);
     let handle = tokio::spawn(async move {
         consumer
@@ -227,7 +227,7 @@ async fn two_groups_each_apply_every_event_once() {
         let metrics = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
         let c = Consumer::new(
             inbox.clone(),
-            Settlement,
+            Settlement::new(),
             source,
             ConsumerConfig::new(group),
             metrics.clone(),

@@ -277,3 +277,111 @@ async fn two_consumers_in_one_group_with_rebalances_settle_every_event_once() {
         "settled {N} once each; {dups} duplicate deliveries absorbed; {at_kill} settled when A was killed"
     );
 }
+
+/// The whole reference pipeline with the effect stage: orders → relay → settlement (one
+/// `points.award` intent per payment, in the settlement transaction) → dispatcher → points API,
+/// with the dispatcher aborted between an award and recording it. Every paid order gets exactly
+/// one award in the points API's own database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_paid_order_gets_one_points_award_through_the_effect_stage() {
+    const N: i64 = 200;
+    let ((orders, settle), tansu) = (databases().await, broker(2).await);
+    let points = Pg::new().await;
+    let brokers = tansu.brokers();
+    write_orders(orders.url(), N as u64);
+    let _relay = relay(orders.url(), &brokers);
+    let api = Proc::spawn(
+        "points-api",
+        idem(&[
+            "points-api",
+            "--db",
+            points.url(),
+            "--listen",
+            "127.0.0.1:0",
+        ]),
+    );
+    let line = api.wait_for_line("listening on http://", Duration::from_secs(30));
+    let target = format!("{}/awards", line.rsplit(' ').next().unwrap());
+    let mut cmd = settlement(settle.url(), &brokers);
+    cmd.args(["--points-url", &target]);
+    let _settlement = Proc::spawn("settlement", cmd);
+
+    let dispatch = |crash: Option<&std::path::Path>| {
+        let mut cmd = idem(&[
+            "effects",
+            "dispatch",
+            "--db",
+            settle.url(),
+            "--authorization",
+            "Bearer settlement",
+            "--timeout",
+            "5s",
+        ]);
+        if let Some(log) = crash {
+            cmd.env(
+                "IDEM_CRASH_POINTS",
+                "effect.after_http_success_before_record@40",
+            )
+            .env("IDEM_CRASH_LOG", log);
+        }
+        cmd
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("crashes");
+    let mut first = Proc::spawn("dispatcher-1", dispatch(Some(&log)));
+    let status = first.wait_exit(Duration::from_secs(120));
+    assert_eq!(
+        status.signal(),
+        Some(6),
+        "the dispatcher did not abort: {status:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap().trim(),
+        "effect.after_http_success_before_record"
+    );
+    let awards = "SELECT count(*) FROM points_awards";
+    assert!(points.scalar(awards).await >= 40, "awards before the crash");
+
+    let _second = Proc::spawn("dispatcher-2", dispatch(None));
+    eventually(
+        "every intent to be done",
+        Duration::from_secs(120),
+        || async {
+            (settle
+                .scalar("SELECT count(*) FROM idem_effect_intents WHERE status = 'done'")
+                .await
+                == N)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(settle.scalar("SELECT count(*) FROM settlements").await, N);
+    assert_eq!(
+        settle
+            .scalar("SELECT count(*) FROM idem_effect_intents")
+            .await,
+        N,
+        "one intent per payment"
+    );
+    assert_eq!(points.scalar(awards).await, N, "one award per paid order");
+    assert_eq!(
+        points
+            .scalar("SELECT count(DISTINCT payment_id) FROM points_awards")
+            .await,
+        N
+    );
+    assert!(
+        settle
+            .scalar("SELECT count(*) FROM idem_effect_intents WHERE attempts > 1")
+            .await
+            >= 1,
+        "the award whose outcome was lost in the crash was sent again (and replayed)"
+    );
+    let sum = "SELECT sum(points)::bigint FROM points_awards";
+    let expected: i64 = (1..=N as u64)
+        .map(|n| {
+            idem_reference::points_for(idem_reference::PaidOrder::numbered("", n).amount_minor)
+        })
+        .sum();
+    assert_eq!(points.scalar(sum).await, expected, "points reconcile");
+}

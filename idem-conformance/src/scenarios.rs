@@ -957,3 +957,56 @@ pub async fn parked_intents_are_listed_and_retried_with_the_same_key<B: Backend>
     let again = store.claim(10, MINUTE).await.unwrap().remove(0);
     assert_eq!((again.key, again.attempt), (c.key, 2));
 }
+
+pub async fn unknown_intents_are_read_and_resolved_by_a_decision<B: Backend>(b: &B) {
+    use idem_core::idempotency::Resolution;
+    let (applied, resent) = (intent(EventId::new()), intent(EventId::new()));
+    let mut tx = b.begin().await;
+    tx.record_intent(&applied).await.unwrap();
+    tx.record_intent(&resent).await.unwrap();
+    tx.commit().await;
+    let store = b.intents();
+    let claimed = store.claim(10, MINUTE).await.unwrap();
+    let unknown = IntentOutcome::Unknown {
+        reason: "timed out; the remote ignores keys".into(),
+    };
+    for c in &claimed {
+        assert!(store.finish(c.id, c.attempt, &unknown).await.unwrap());
+    }
+    let (a, r) = (&claimed[0], &claimed[1]);
+    let (read, status) = store.get(a.id).await.unwrap().unwrap();
+    assert_eq!(
+        (read.key.clone(), status.as_str()),
+        (a.key.clone(), "unknown")
+    );
+    assert_eq!(read.intent, applied);
+    assert!(store.get(a.id + 1_000).await.unwrap().is_none());
+
+    assert!(
+        store
+            .resolve(a.id, Resolution::Applied, "checked at the remote")
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .resolve(a.id, Resolution::Pending, "again")
+            .await
+            .unwrap(),
+        "a done intent is not reopened"
+    );
+    assert_eq!(store.get(a.id).await.unwrap().unwrap().1, "done");
+    assert!(
+        store
+            .resolve(r.id, Resolution::Pending, "compensated")
+            .await
+            .unwrap()
+    );
+    let again = store.claim(10, MINUTE).await.unwrap();
+    assert_eq!(again.len(), 1, "only the re-sent one is due");
+    assert_eq!(
+        (again[0].id, &again[0].key, again[0].attempt),
+        (r.id, &r.key, 2)
+    );
+    assert!(store.stuck(10).await.unwrap().is_empty());
+}

@@ -393,6 +393,45 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
         &self,
         ids: Option<&[i64]>,
     ) -> impl std::future::Future<Output = crate::Result<u64>> + Send;
+
+    /// Reads intent `id` and its status (`pending`, `done`, `parked`, `unknown`).
+    fn get(
+        &self,
+        id: i64,
+    ) -> impl std::future::Future<Output = crate::Result<Option<(ClaimedIntent, String)>>> + Send;
+
+    /// Settles a parked or unknown intent by a decision made outside the dispatcher (a person,
+    /// or a compensation that ran): `resolution` is its new state and `note` is kept as its
+    /// reason. Returns false when the intent is not parked or unknown.
+    fn resolve(
+        &self,
+        id: i64,
+        resolution: Resolution,
+        note: &str,
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
+}
+
+/// How a parked or unknown intent is settled ([`IntentStore::resolve`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Resolution {
+    /// The effect happened (a person checked the remote): done, never sent again.
+    Applied,
+    /// Send it again, with the same key.
+    Pending,
+    /// Keep it parked (for example after a compensation that a person wants to review).
+    Parked,
+}
+
+impl Resolution {
+    /// The stored status.
+    pub fn status(self) -> &'static str {
+        match self {
+            Resolution::Applied => "done",
+            Resolution::Pending => "pending",
+            Resolution::Parked => "parked",
+        }
+    }
 }
 
 /// How an [`IntentOutcome`] is stored: the columns every intent store writes.

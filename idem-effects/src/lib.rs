@@ -19,13 +19,23 @@
 //! Duplicate windows: a crash after the remote applied the effect and before the outcome is
 //! recorded (`effect.after_http_success_before_record`) leads to a new attempt with the same
 //! key, which the remote answers from its stored response. A remote that ignores keys would
-//! apply it twice: such remotes need a status probe before retrying (not in this crate yet).
+//! apply it twice: declare it with an [`EffectPolicy`] (`remote_ignores_keys`), and the
+//! dispatcher asks its [`StatusProbe`] before every re-attempt, or, without a probe, moves the
+//! intent to the *unknown* state instead of re-sending; a [`Compensation`] settles unknown
+//! intents. The [`remote`] module documents the window that remains.
 
+pub mod remote;
+
+use std::collections::HashMap;
 use std::time::Duration;
 
 use idem_core::Result;
-use idem_core::idempotency::{ClaimedIntent, IntentOutcome, IntentStore};
+use idem_core::idempotency::{ClaimedIntent, IntentOutcome, IntentStore, Resolution};
 use prometheus::{IntCounterVec, Opts, Registry};
+
+pub use remote::{
+    Compensation, EffectPolicy, HttpCompensation, HttpStatusProbe, Probe, StatusProbe,
+};
 
 /// Dispatcher settings.
 #[derive(Clone, Debug)]
@@ -70,6 +80,12 @@ pub struct EffectMetrics {
     pub conflicts: IntCounterVec,
     /// `idem_effect_parked_total`.
     pub parked: IntCounterVec,
+    /// `idem_effect_unknown_total`: intents whose outcome cannot be known (a remote without keys).
+    pub unknown: IntCounterVec,
+    /// `idem_effect_probe_total{result}`: status probes by what they found.
+    pub probes: IntCounterVec,
+    /// `idem_effect_compensation_total{result}`: compensations run, `ok` or `failed`.
+    pub compensations: IntCounterVec,
 }
 
 impl EffectMetrics {
@@ -77,6 +93,10 @@ impl EffectMetrics {
     pub fn new(registry: &Registry) -> Result<Self> {
         let v = |name: &str, help: &str| {
             IntCounterVec::new(Opts::new(name, help), &["effect", "target"])
+                .map_err(|e| idem_core::Error::Config(format!("registering effect metrics: {e}")))
+        };
+        let with_result = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["effect", "target", "result"])
                 .map_err(|e| idem_core::Error::Config(format!("registering effect metrics: {e}")))
         };
         let m = EffectMetrics {
@@ -100,6 +120,18 @@ impl EffectMetrics {
                 "idem_effect_parked_total",
                 "Effect intents parked for a person.",
             )?,
+            unknown: v(
+                "idem_effect_unknown_total",
+                "Effect intents whose outcome cannot be known (the remote ignores keys and no probe could tell).",
+            )?,
+            probes: with_result(
+                "idem_effect_probe_total",
+                "Status probes asked before re-attempts, by result (applied, not_applied, unknown, unavailable).",
+            )?,
+            compensations: with_result(
+                "idem_effect_compensation_total",
+                "Compensations run on unknown or parked intents, by result (ok, failed).",
+            )?,
         };
         for c in [
             &m.attempts,
@@ -107,6 +139,9 @@ impl EffectMetrics {
             &m.retries,
             &m.conflicts,
             &m.parked,
+            &m.unknown,
+            &m.probes,
+            &m.compensations,
         ] {
             registry.register(Box::new(c.clone())).map_err(|e| {
                 idem_core::Error::Config(format!("registering effect metrics: {e}"))
@@ -122,6 +157,38 @@ pub struct Dispatcher<S> {
     client: reqwest::Client,
     config: DispatcherConfig,
     metrics: EffectMetrics,
+    policies: remote::Policies,
+}
+
+/// Why [`Dispatcher::compensate`] did not compensate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompensateError {
+    /// No intent has this id.
+    #[error("no effect intent has id {0}")]
+    NotFound(i64),
+    /// Only unknown and parked intents are compensated.
+    #[error("effect intent {id} is {status}; only unknown and parked intents can be compensated")]
+    NotStuck {
+        /// The intent.
+        id: i64,
+        /// Its status.
+        status: String,
+    },
+    /// The effect has no compensation configured.
+    #[error("effect {0:?} has no compensation configured")]
+    NoCompensation(String),
+    /// The compensation ran and failed; the intent is unchanged.
+    #[error("the compensation of intent {id} failed: {reason}")]
+    Failed {
+        /// The intent.
+        id: i64,
+        /// What the compensation said.
+        reason: String,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] idem_core::Error),
 }
 
 fn host(target: &str) -> String {
@@ -186,7 +253,63 @@ impl<S: IntentStore> Dispatcher<S> {
             client,
             config,
             metrics,
+            policies: HashMap::new(),
         })
+    }
+
+    /// Sets how `effect`'s remote is treated (keys ignored, status probe, compensation).
+    pub fn with_policy(mut self, effect: impl Into<String>, policy: EffectPolicy) -> Self {
+        self.policies.insert(effect.into(), policy);
+        self
+    }
+
+    /// Runs the compensation of unknown or parked intent `id`, then settles it: sent again with
+    /// the same key when `then_retry`, otherwise parked with the compensation's note for review.
+    /// Returns the note.
+    pub async fn compensate(
+        &self,
+        id: i64,
+        then_retry: bool,
+    ) -> std::result::Result<String, CompensateError> {
+        let (intent, status) = self
+            .store
+            .get(id)
+            .await?
+            .ok_or(CompensateError::NotFound(id))?;
+        if status != "unknown" && status != "parked" {
+            return Err(CompensateError::NotStuck { id, status });
+        }
+        let effect = intent.intent.effect.clone();
+        let compensation = self
+            .policies
+            .get(&effect)
+            .and_then(|p| p.compensation.clone())
+            .ok_or_else(|| CompensateError::NoCompensation(effect.clone()))?;
+        let target = host(&intent.intent.target);
+        let result = compensation.compensate(&self.client, &intent).await;
+        let label = if result.is_ok() { "ok" } else { "failed" };
+        self.metrics
+            .compensations
+            .with_label_values(&[effect.as_str(), &target, label])
+            .inc();
+        let note = result.map_err(|reason| CompensateError::Failed { id, reason })?;
+        let resolution = if then_retry {
+            Resolution::Pending
+        } else {
+            Resolution::Parked
+        };
+        let note = if then_retry {
+            format!("{note}; sent again")
+        } else {
+            format!("{note}; `idem effects retry --id {id}` sends it again")
+        };
+        if !self.store.resolve(id, resolution, &note).await? {
+            return Err(CompensateError::NotStuck {
+                id,
+                status: "changed while compensating".to_owned(),
+            });
+        }
+        Ok(note)
     }
 
     /// The metrics.
@@ -223,8 +346,56 @@ impl<S: IntentStore> Dispatcher<S> {
         Ok(claimed.len())
     }
 
+    /// Asks the probe, before a re-attempt, whether the effect already happened: `Some` ends the
+    /// attempt without sending.
+    async fn probe_first(
+        &self,
+        c: &ClaimedIntent,
+        policy: &EffectPolicy,
+        labels: [&str; 2],
+    ) -> Option<IntentOutcome> {
+        let probe = policy.probe.as_ref()?;
+        if c.attempt <= 1 {
+            return None;
+        }
+        let found = probe.probe(&self.client, c).await;
+        let (result, outcome) = match found {
+            Probe::Applied { status, body } => {
+                ("applied", Some(IntentOutcome::Done { status, body }))
+            }
+            Probe::NotApplied => ("not_applied", None),
+            Probe::Unknown { reason } => (
+                "unknown",
+                Some(IntentOutcome::Unknown {
+                    reason: format!(
+                        "the status probe cannot tell whether the effect happened: {reason}"
+                    ),
+                }),
+            ),
+            Probe::Unavailable { reason } => (
+                "unavailable",
+                Some(IntentOutcome::Retry {
+                    after: self.backoff(c.attempt).max(policy.settle),
+                    reason: format!("not sent: the status probe is unavailable: {reason}"),
+                }),
+            ),
+        };
+        self.metrics
+            .probes
+            .with_label_values(&[labels[0], labels[1], result])
+            .inc();
+        outcome
+    }
+
     async fn attempt(&self, c: &ClaimedIntent) -> Result<IntentOutcome> {
-        let labels = [c.intent.effect.as_str(), &host(&c.intent.target)];
+        let target = host(&c.intent.target);
+        let labels = [c.intent.effect.as_str(), target.as_str()];
+        let policy = self.policies.get(&c.intent.effect);
+        if let Some(policy) = policy
+            && let Some(outcome) = self.probe_first(c, policy, labels).await
+        {
+            return Ok(self.count(outcome, labels));
+        }
         idem_core::crash::crash_point(idem_core::crash::EFFECT_BEFORE_HTTP)?;
         self.metrics.attempts.with_label_values(&labels).inc();
         let mut req = self
@@ -238,29 +409,69 @@ impl<S: IntentStore> Dispatcher<S> {
         if let Some(auth) = &self.config.authorization {
             req = req.header("authorization", auth);
         }
-        let outcome = match req.send().await {
+        let (outcome, ambiguous) = match req.send().await {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 let after = retry_after(&resp);
                 let body = resp.text().await.unwrap_or_default();
-                classify(status, body, after, self.backoff(c.attempt))
+                // A 5xx may come after the remote applied the effect; a 429 is a refusal.
+                let ambiguous = status >= 500;
+                (
+                    classify(status, body, after, self.backoff(c.attempt)),
+                    ambiguous,
+                )
             }
-            Err(e) => IntentOutcome::Retry {
-                after: self.backoff(c.attempt),
-                reason: if e.is_timeout() {
-                    "timed out: the effect may have happened; retrying with the same key".to_owned()
-                } else {
-                    format!("request failed: {e}")
+            Err(e) => (
+                IntentOutcome::Retry {
+                    after: self.backoff(c.attempt),
+                    reason: if e.is_timeout() {
+                        "timed out: the effect may have happened; retrying with the same key"
+                            .to_owned()
+                    } else {
+                        format!("request failed: {e}")
+                    },
                 },
-            },
+                // A refused connection never reached the remote.
+                !e.is_connect(),
+            ),
         };
-        match &outcome {
-            IntentOutcome::Done { .. } => {
-                self.metrics.successes.with_label_values(&labels).inc();
-                idem_core::crash::crash_point(
-                    idem_core::crash::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
-                )?;
+        let outcome = match (outcome, policy) {
+            (IntentOutcome::Retry { after, reason }, Some(p))
+                if ambiguous && p.remote_ignores_keys =>
+            {
+                if p.probe.is_some() {
+                    IntentOutcome::Retry {
+                        after: after.max(p.settle),
+                        reason: format!(
+                            "{reason}; the remote ignores keys: the next attempt asks the status probe first"
+                        ),
+                    }
+                } else {
+                    IntentOutcome::Unknown {
+                        reason: format!(
+                            "{reason}; the remote ignores keys and no status probe is configured, so \
+                             re-sending could apply the effect twice: check the remote, then \
+                             `idem effects resolve`"
+                        ),
+                    }
+                }
             }
+            (outcome, _) => outcome,
+        };
+        if matches!(outcome, IntentOutcome::Done { .. }) {
+            self.metrics.successes.with_label_values(&labels).inc();
+            idem_core::crash::crash_point(
+                idem_core::crash::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
+            )?;
+            return Ok(outcome);
+        }
+        Ok(self.count(outcome, labels))
+    }
+
+    /// Counts a non-success outcome (and a success found by the probe).
+    fn count(&self, outcome: IntentOutcome, labels: [&str; 2]) -> IntentOutcome {
+        match &outcome {
+            IntentOutcome::Done { .. } => self.metrics.successes.with_label_values(&labels).inc(),
             IntentOutcome::Retry { .. } => self.metrics.retries.with_label_values(&labels).inc(),
             IntentOutcome::Park { reason } => {
                 if reason.starts_with("422") {
@@ -268,9 +479,9 @@ impl<S: IntentStore> Dispatcher<S> {
                 }
                 self.metrics.parked.with_label_values(&labels).inc();
             }
-            IntentOutcome::Unknown { .. } => self.metrics.parked.with_label_values(&labels).inc(),
+            IntentOutcome::Unknown { .. } => self.metrics.unknown.with_label_values(&labels).inc(),
         }
-        Ok(outcome)
+        outcome
     }
 }
 

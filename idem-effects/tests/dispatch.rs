@@ -1,5 +1,6 @@
 //! The dispatcher against the reference points API on a loopback port (SQLite on both sides):
-//! a lost response, a 503 and a 422, each with the same key on every attempt.
+//! a lost response, a 503 and a 422, each with the same key on every attempt; and a remote that
+//! ignores keys, with and without a status probe, and its compensation.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,9 @@ use axum::response::{IntoResponse, Response};
 use idem_conformance::backend::{Backend, Lite, OpenTx};
 use idem_core::EventId;
 use idem_core::idempotency::{EffectIntent, IntentStore};
-use idem_effects::{Dispatcher, DispatcherConfig, EffectMetrics};
+use idem_effects::{
+    Dispatcher, DispatcherConfig, EffectMetrics, EffectPolicy, HttpCompensation, HttpStatusProbe,
+};
 use idem_reference::points::{PointsDb, router};
 
 /// What the fault middleware does to the next request.
@@ -59,6 +62,11 @@ struct World {
 }
 
 async fn world() -> World {
+    world_with("/awards", |_| EffectPolicy::default()).await
+}
+
+/// A world whose dispatcher sends to `path` with the policy `policy(base URL)`.
+async fn world_with(path: &str, policy: impl Fn(&str) -> EffectPolicy) -> World {
     let (client_db, server_db) = (Lite::new().await, Lite::new().await);
     let server_pool =
         sqlx::SqlitePool::connect(&format!("sqlite://{}", server_db.path().display()))
@@ -78,7 +86,8 @@ async fn world() -> World {
     )
     .layer(from_fn_with_state(faults.clone(), faults_mw));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let target = format!("http://{}/awards", listener.local_addr().unwrap());
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let target = format!("{base}{path}");
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     let config = DispatcherConfig {
         timeout: Duration::from_millis(300),
@@ -92,7 +101,8 @@ async fn world() -> World {
         config,
         EffectMetrics::new(&prometheus::Registry::new()).unwrap(),
     )
-    .unwrap();
+    .unwrap()
+    .with_policy("points.award", policy(&base));
     World {
         client_db,
         server_db,
@@ -243,4 +253,156 @@ async fn reqwest_post(url: &str, key: &str, body: &str) -> u16 {
         }
     });
     listener_free.await.unwrap()
+}
+
+// ---- a remote that ignores Idempotency-Key ---------------------------------------------------
+
+fn keyless(base: &str, probe: bool) -> EffectPolicy {
+    let auth = Some("Bearer settlement".to_owned());
+    EffectPolicy {
+        remote_ignores_keys: true,
+        probe: probe.then(|| {
+            Arc::new(HttpStatusProbe::new(
+                format!("{base}/awards/by-payment/{{payment_id}}"),
+                auth.clone(),
+            )) as Arc<dyn idem_effects::StatusProbe>
+        }),
+        compensation: Some(Arc::new(HttpCompensation::new(
+            format!("{base}/awards/by-payment/{{payment_id}}/reversal"),
+            auth,
+        ))),
+        settle: Duration::ZERO,
+    }
+}
+
+impl World {
+    async fn intent_status(&self) -> String {
+        let stuck = self.client_db.intents().stuck(10).await.unwrap();
+        match stuck.as_slice() {
+            [] => "not stuck".to_owned(),
+            [one] => one.status.clone(),
+            many => panic!("{many:?}"),
+        }
+    }
+
+    fn posts(&self) -> usize {
+        self.faults.keys_seen.lock().unwrap().len()
+    }
+
+    fn probes(&self, result: &str) -> u64 {
+        self.dispatcher
+            .metrics()
+            .probes
+            .with_label_values(&["points.award", &seen_host(&self.target), result])
+            .get()
+    }
+
+    async fn active_awards(&self) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM points_awards a WHERE NOT EXISTS (SELECT 1 FROM points_reversals r WHERE r.award_id = a.id)",
+        )
+        .fetch_one(&self.server_pool)
+        .await
+        .unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_probe_a_lost_response_from_a_keyless_remote_becomes_unknown_not_a_resend() {
+    let w = world_with("/keyless/awards", |base| keyless(base, false)).await;
+    w.record(12).await;
+    *w.faults.next.lock().unwrap() = Fault::LoseResponse;
+    w.dispatcher.run_once().await.unwrap();
+    assert_eq!(w.awards().await, 1, "the remote applied it");
+    assert_eq!(w.intent_status().await, "unknown");
+    assert_eq!(
+        w.dispatcher.run_once().await.unwrap(),
+        0,
+        "an unknown intent is not sent again"
+    );
+    assert_eq!((w.posts(), w.awards().await), (1, 1));
+    let stuck = w.client_db.intents().stuck(10).await.unwrap();
+    assert!(
+        stuck[0]
+            .reason
+            .as_deref()
+            .unwrap()
+            .contains("no status probe"),
+        "{stuck:?}"
+    );
+    assert_eq!(
+        w.dispatcher
+            .metrics()
+            .unknown
+            .with_label_values(&["points.award", &seen_host(&w.target)])
+            .get(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_finds_an_award_whose_response_was_lost_and_nothing_is_resent() {
+    let w = world_with("/keyless/awards", |base| keyless(base, true)).await;
+    w.record(12).await;
+    *w.faults.next.lock().unwrap() = Fault::LoseResponse;
+    w.dispatcher.run_once().await.unwrap();
+    assert_eq!((w.awards().await, w.status().await.as_str()), (1, "0"));
+    assert_eq!(w.dispatcher.run_once().await.unwrap(), 1, "re-attempted");
+    assert_eq!(w.status().await, "1", "done from the probe's answer");
+    assert_eq!(
+        (w.posts(), w.awards().await),
+        (1, 1),
+        "the award was not sent again"
+    );
+    assert_eq!(w.probes("applied"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_lets_an_effect_that_did_not_happen_be_sent_again() {
+    let w = world_with("/keyless/awards", |base| keyless(base, true)).await;
+    w.record(12).await;
+    *w.faults.next.lock().unwrap() = Fault::Unavailable; // a 503: maybe applied, maybe not
+    w.dispatcher.run_once().await.unwrap();
+    assert_eq!((w.awards().await, w.status().await.as_str()), (0, "0"));
+    w.dispatcher.run_once().await.unwrap();
+    assert_eq!(w.probes("not_applied"), 1);
+    assert_eq!(
+        (w.posts(), w.awards().await, w.status().await.as_str()),
+        (2, 1, "1")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compensation_reverses_an_unknown_award_before_it_is_sent_again() {
+    let w = world_with("/keyless/awards", |base| keyless(base, false)).await;
+    w.record(12).await;
+    *w.faults.next.lock().unwrap() = Fault::LoseResponse;
+    w.dispatcher.run_once().await.unwrap();
+    let id = w.client_db.intents().stuck(10).await.unwrap()[0].id;
+    assert_eq!(w.intent_status().await, "unknown");
+    let note = w.dispatcher.compensate(id, true).await.unwrap();
+    assert!(note.contains("compensated"), "{note}");
+    assert_eq!(w.active_awards().await, 0, "the unknown award was reversed");
+    w.dispatcher.run_once().await.unwrap();
+    assert_eq!(w.status().await, "1");
+    assert_eq!(
+        (w.awards().await, w.active_awards().await),
+        (2, 1),
+        "one award stands: the reversed one and the re-sent one"
+    );
+    assert!(
+        matches!(
+            w.dispatcher.compensate(id, true).await,
+            Err(idem_effects::CompensateError::NotStuck { .. })
+        ),
+        "a done intent is not compensated"
+    );
+    assert_eq!(
+        w.dispatcher
+            .metrics()
+            .compensations
+            .with_label_values(&["points.award", &seen_host(&w.target), "ok"])
+            .get(),
+        1
+    );
 }

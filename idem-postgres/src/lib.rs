@@ -99,6 +99,8 @@ struct Queries {
     intent_finish: String,
     intent_stuck: String,
     intent_retry: String,
+    intent_get: String,
+    intent_resolve: String,
 }
 
 impl Queries {
@@ -128,6 +130,8 @@ impl Queries {
             intent_finish: r(include_str!("../sql/intent_finish.sql")),
             intent_stuck: r(include_str!("../sql/intent_stuck.sql")),
             intent_retry: r(include_str!("../sql/intent_retry.sql")),
+            intent_get: r(include_str!("../sql/intent_get.sql")),
+            intent_resolve: r(include_str!("../sql/intent_resolve.sql")),
         }
     }
 }
@@ -922,6 +926,28 @@ impl idem_core::idempotency::IdempotencyStore for PgKeyStore {
     }
 }
 
+fn decode_intent(r: &PgRow) -> Result<idem_core::idempotency::ClaimedIntent> {
+    let dec = |e| Error::database("decoding an effect intent", e);
+    let id: i64 = r.try_get("id").map_err(dec)?;
+    let corrupt = |reason: String| Error::CorruptRow { id, reason };
+    let body: String = r.try_get("body").map_err(dec)?;
+    Ok(idem_core::idempotency::ClaimedIntent {
+        id,
+        key: idem_core::idempotency::IdempotencyKey::new(
+            r.try_get::<String, _>("idem_key").map_err(dec)?,
+        )
+        .map_err(|e| corrupt(e.to_string()))?,
+        intent: idem_core::idempotency::EffectIntent {
+            event_id: EventId(r.try_get("event_id").map_err(dec)?),
+            effect: r.try_get("effect").map_err(dec)?,
+            target: r.try_get("target").map_err(dec)?,
+            body: serde_json::from_str(&body).map_err(|e| corrupt(e.to_string()))?,
+            traceparent: r.try_get("traceparent").map_err(dec)?,
+        },
+        attempt: r.try_get("attempts").map_err(dec)?,
+    })
+}
+
 /// Effect intents in PostgreSQL ([`idem_core::idempotency::IntentStore`]).
 #[derive(Clone, Debug)]
 pub struct PgIntents {
@@ -976,29 +1002,7 @@ impl idem_core::idempotency::IntentStore for PgIntents {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| Error::database("claiming effect intents", e))?;
-        rows.iter()
-            .map(|r| {
-                let dec = |e| Error::database("decoding an effect intent", e);
-                let id: i64 = r.try_get("id").map_err(dec)?;
-                let corrupt = |reason: String| Error::CorruptRow { id, reason };
-                let body: String = r.try_get("body").map_err(dec)?;
-                Ok(idem_core::idempotency::ClaimedIntent {
-                    id,
-                    key: idem_core::idempotency::IdempotencyKey::new(
-                        r.try_get::<String, _>("idem_key").map_err(dec)?,
-                    )
-                    .map_err(|e| corrupt(e.to_string()))?,
-                    intent: idem_core::idempotency::EffectIntent {
-                        event_id: EventId(r.try_get("event_id").map_err(dec)?),
-                        effect: r.try_get("effect").map_err(dec)?,
-                        target: r.try_get("target").map_err(dec)?,
-                        body: serde_json::from_str(&body).map_err(|e| corrupt(e.to_string()))?,
-                        traceparent: r.try_get("traceparent").map_err(dec)?,
-                    },
-                    attempt: r.try_get("attempts").map_err(dec)?,
-                })
-            })
-            .collect()
+        rows.iter().map(decode_intent).collect()
     }
 
     async fn finish(
@@ -1052,6 +1056,43 @@ impl idem_core::idempotency::IntentStore for PgIntents {
             .map(|r| r.rows_affected())
             .map_err(|e| Error::database("retrying effect intents", e))
     }
+
+    async fn get(
+        &self,
+        id: i64,
+    ) -> Result<Option<(idem_core::idempotency::ClaimedIntent, String)>> {
+        let row = sqlx::query(&self.queries.intent_get)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| Error::database("reading an effect intent", e))?;
+        match row {
+            None => Ok(None),
+            Some(r) => {
+                let status: String = r
+                    .try_get("status")
+                    .map_err(|e| Error::database("decoding an effect intent", e))?;
+                Ok(Some((decode_intent(&r)?, status)))
+            }
+        }
+    }
+
+    async fn resolve(
+        &self,
+        id: i64,
+        resolution: idem_core::idempotency::Resolution,
+        note: &str,
+    ) -> Result<bool> {
+        let n = sqlx::query(&self.queries.intent_resolve)
+            .bind(id)
+            .bind(resolution.status())
+            .bind(note)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("resolving an effect intent", e))?
+            .rows_affected();
+        Ok(n == 1)
+    }
 }
 
 #[cfg(test)]
@@ -1092,6 +1133,8 @@ mod tests {
             &q.intent_finish,
             &q.intent_stuck,
             &q.intent_retry,
+            &q.intent_get,
+            &q.intent_resolve,
         ];
         let migrations: Vec<String> = MIGRATIONS.iter().map(|m| t.render(m.2, BASES)).collect();
         for sql in queries.into_iter().chain(migrations.iter()) {

@@ -40,3 +40,9 @@ CREATE TABLE IF NOT EXISTS points_awards (
     awarded_at    timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS points_awards_payment_idx ON points_awards (payment_id);
+
+-- Reversed awards (the compensation of an award whose outcome the client could not know).
+CREATE TABLE IF NOT EXISTS points_reversals (
+    award_id      bigint      PRIMARY KEY REFERENCES points_awards (id),
+    reversed_at   timestamptz NOT NULL DEFAULT now()
+);

@@ -36,3 +36,9 @@ CREATE TABLE IF NOT EXISTS points_awards (
     awarded_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );
 CREATE INDEX IF NOT EXISTS points_awards_payment_idx ON points_awards (payment_id);
+
+-- Reversed awards (see postgres.sql).
+CREATE TABLE IF NOT EXISTS points_reversals (
+    award_id      INTEGER PRIMARY KEY REFERENCES points_awards (id),
+    reversed_at   TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);

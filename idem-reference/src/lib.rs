@@ -192,13 +192,131 @@ fn db_error(e: sqlx::Error) -> HandlerError {
     HandlerError::transient(e)
 }
 
-/// The settlement handler: one row per payment, written in the consumer's transaction.
+/// The effect name of the points award (the key is `event-<event id>-points.award`).
+pub const POINTS_AWARD: &str = "points.award";
+
+/// Points for an amount: one per whole currency unit, at least one.
+pub fn points_for(amount_minor: i64) -> i64 {
+    (amount_minor / 100).max(1)
+}
+
+/// Records an effect intent in the handler's transaction: implemented by the intent stores of
+/// each database, and by `()` for a settlement service that awards no points.
+pub trait RecordIntent<C>: Send + Sync + 'static {
+    /// Records `intent` through `conn`.
+    fn record_intent(
+        &self,
+        conn: &mut C,
+        intent: &idem_core::idempotency::EffectIntent,
+    ) -> impl std::future::Future<Output = idem_core::Result<bool>> + Send;
+}
+
+impl<C: Send> RecordIntent<C> for () {
+    async fn record_intent(
+        &self,
+        _conn: &mut C,
+        _intent: &idem_core::idempotency::EffectIntent,
+    ) -> idem_core::Result<bool> {
+        Ok(false)
+    }
+}
+
+impl RecordIntent<PgConnection> for idem_postgres::PgIntents {
+    async fn record_intent(
+        &self,
+        conn: &mut PgConnection,
+        intent: &idem_core::idempotency::EffectIntent,
+    ) -> idem_core::Result<bool> {
+        idem_core::idempotency::IntentStore::record(self, conn, intent).await
+    }
+}
+
+impl RecordIntent<SqliteConnection> for idem_sqlite::SqliteIntents {
+    async fn record_intent(
+        &self,
+        conn: &mut SqliteConnection,
+        intent: &idem_core::idempotency::EffectIntent,
+    ) -> idem_core::Result<bool> {
+        idem_core::idempotency::IntentStore::record(self, conn, intent).await
+    }
+}
+
+/// Where the settlement service sends points awards.
+#[derive(Clone, Debug)]
+pub struct PointsAward<I> {
+    /// The intent store of the settlement database.
+    pub intents: I,
+    /// The award URL (`http://127.0.0.1:8088/awards`).
+    pub target: String,
+}
+
+/// The settlement handler: one row per payment, written in the consumer's transaction, and —
+/// when built [`with_points`](Settlement::with_points) — one `points.award` effect intent per
+/// payment in the same transaction.
 ///
 /// `INSERT … ON CONFLICT (payment_id) DO NOTHING` makes a second event for the same payment
 /// (a different event id carrying the same business fact) converge to the one row; the same
-/// payment with a different amount or order is refused (dead-lettered), never overwritten.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Settlement;
+/// payment with a different amount or order is refused (dead-lettered), never overwritten. The
+/// intent is recorded only by the event that inserted the settlement row: a second event for
+/// the payment would derive another key, so it must not ask for a second award.
+#[derive(Clone, Debug)]
+pub struct Settlement<I = ()> {
+    points: Option<PointsAward<I>>,
+}
+
+impl Default for Settlement {
+    fn default() -> Self {
+        Settlement::new()
+    }
+}
+
+impl Settlement {
+    /// Settlements only.
+    pub fn new() -> Self {
+        Settlement { points: None }
+    }
+
+    /// Settlements, and one points award per paid order through the effect stage.
+    pub fn with_points<I>(intents: I, target: impl Into<String>) -> Settlement<I> {
+        Settlement {
+            points: Some(PointsAward {
+                intents,
+                target: target.into(),
+            }),
+        }
+    }
+}
+
+impl<I> Settlement<I> {
+    fn award(
+        &self,
+        paid: &Paid,
+        event: &InboundEvent,
+    ) -> Option<(&I, idem_core::idempotency::EffectIntent)> {
+        let p = self.points.as_ref()?;
+        Some((
+            &p.intents,
+            idem_core::idempotency::EffectIntent {
+                event_id: event.event_id,
+                effect: POINTS_AWARD.to_owned(),
+                target: p.target.clone(),
+                body: serde_json::json!({
+                    "order_id": paid.order_id,
+                    "payment_id": paid.payment_id,
+                    "points": points_for(paid.amount.minor),
+                }),
+                traceparent: event.traceparent.clone(),
+            },
+        ))
+    }
+}
+
+fn intent_error(e: idem_core::Error) -> HandlerError {
+    match e {
+        idem_core::Error::InvalidEvent { .. } => HandlerError::permanent(e.to_string()),
+        other => HandlerError::transient(other),
+    }
+}
 
 fn already_settled(paid: &Paid, existing: (String, i64, String)) -> Result<(), HandlerError> {
     if existing
@@ -223,7 +341,7 @@ fn already_settled(paid: &Paid, existing: (String, i64, String)) -> Result<(), H
     }
 }
 
-impl Handler<PgConnection> for Settlement {
+impl<I: RecordIntent<PgConnection>> Handler<PgConnection> for Settlement<I> {
     async fn handle(
         &self,
         conn: &mut PgConnection,
@@ -250,6 +368,12 @@ impl Handler<PgConnection> for Settlement {
             .await
             .map_err(db_error)?;
         if inserted == 1 {
+            if let Some((intents, intent)) = self.award(&paid, event) {
+                intents
+                    .record_intent(&mut *conn, &intent)
+                    .await
+                    .map_err(intent_error)?;
+            }
             return Ok(());
         }
         let existing: (String, i64, String) = sqlx::query_as(
@@ -272,7 +396,7 @@ impl Handler<PgConnection> for Settlement {
     }
 }
 
-impl Handler<SqliteConnection> for Settlement {
+impl<I: RecordIntent<SqliteConnection>> Handler<SqliteConnection> for Settlement<I> {
     async fn handle(
         &self,
         conn: &mut SqliteConnection,
@@ -299,6 +423,12 @@ impl Handler<SqliteConnection> for Settlement {
             .await
             .map_err(db_error)?;
         if inserted == 1 {
+            if let Some((intents, intent)) = self.award(&paid, event) {
+                intents
+                    .record_intent(&mut *conn, &intent)
+                    .await
+                    .map_err(intent_error)?;
+            }
             return Ok(());
         }
         let existing: (String, i64, String) = sqlx::query_as(

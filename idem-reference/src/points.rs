@@ -3,8 +3,12 @@
 //!
 //! * `POST /awards` (requires `Authorization: Bearer <client>` and `Idempotency-Key`), body
 //!   `{"order_id": "...", "payment_id": "...", "points": 12}` → `201 {"award_id": .., ...}`.
-//! * `GET /awards/by-payment/{payment_id}` → the awards of one payment: the status probe a
-//!   client uses before retrying when it cannot rely on keys.
+//! * `GET /awards/by-payment/{payment_id}` → the awards of one payment that are not reversed:
+//!   the status probe a client uses before retrying when it cannot rely on keys.
+//! * `POST /awards/by-payment/{payment_id}/reversal` → reverses the client's awards of one
+//!   payment (`200 {"reversed": n}`; running it again reverses nothing more): the compensation.
+//! * `POST /keyless/awards` → the same award **without** the Idempotency-Key layer: a stand-in for
+//!   a remote that ignores keys, to exercise the status probe and the unknown-outcome state.
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -68,16 +72,23 @@ fn client(headers: &HeaderMap) -> Option<String> {
     (!token.is_empty() && token.len() <= 100).then(|| token.to_owned())
 }
 
+fn require_client(headers: &HeaderMap) -> Result<String, Box<Response>> {
+    client(headers).ok_or_else(|| {
+        Box::new(problem(
+            StatusCode::UNAUTHORIZED,
+            "send Authorization: Bearer <client>",
+        ))
+    })
+}
+
 async fn award(
     State(db): State<PointsDb>,
     headers: HeaderMap,
     Json(req): Json<AwardRequest>,
 ) -> Response {
-    let Some(client) = client(&headers) else {
-        return problem(
-            StatusCode::UNAUTHORIZED,
-            "send Authorization: Bearer <client>",
-        );
+    let client = match require_client(&headers) {
+        Ok(c) => c,
+        Err(r) => return *r,
     };
     if req.points <= 0 || req.order_id.is_empty() || req.payment_id.is_empty() {
         return problem(
@@ -132,22 +143,20 @@ async fn by_payment(
     headers: HeaderMap,
     Path(payment_id): Path<String>,
 ) -> Response {
-    let Some(client) = client(&headers) else {
-        return problem(
-            StatusCode::UNAUTHORIZED,
-            "send Authorization: Bearer <client>",
-        );
+    let client = match require_client(&headers) {
+        Ok(c) => c,
+        Err(r) => return *r,
     };
     let rows: Result<Vec<AwardRow>, sqlx::Error> = match &db {
         PointsDb::Postgres(p) => {
-            sqlx::query_as("SELECT id, client, order_id, payment_id, points FROM points_awards WHERE payment_id = $1 AND client = $2 ORDER BY id")
+            sqlx::query_as("SELECT id, client, order_id, payment_id, points FROM points_awards a WHERE payment_id = $1 AND client = $2 AND NOT EXISTS (SELECT 1 FROM points_reversals r WHERE r.award_id = a.id) ORDER BY id")
                 .bind(&payment_id)
                 .bind(&client)
                 .fetch_all(p)
                 .await
         }
         PointsDb::Sqlite(p) => {
-            sqlx::query_as("SELECT id, client, order_id, payment_id, points FROM points_awards WHERE payment_id = ?1 AND client = ?2 ORDER BY id")
+            sqlx::query_as("SELECT id, client, order_id, payment_id, points FROM points_awards a WHERE payment_id = ?1 AND client = ?2 AND NOT EXISTS (SELECT 1 FROM points_reversals r WHERE r.award_id = a.id) ORDER BY id")
                 .bind(&payment_id)
                 .bind(&client)
                 .fetch_all(p)
@@ -174,12 +183,53 @@ async fn by_payment(
     }
 }
 
-/// The points API router: `POST /awards` behind the Idempotency-Key layer over `keys`, and the
-/// status probe.
+async fn reverse(
+    State(db): State<PointsDb>,
+    headers: HeaderMap,
+    Path(payment_id): Path<String>,
+) -> Response {
+    let client = match require_client(&headers) {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let n: Result<u64, sqlx::Error> = match &db {
+        PointsDb::Postgres(p) => sqlx::query(
+            "INSERT INTO points_reversals (award_id) SELECT id FROM points_awards WHERE payment_id = $1 AND client = $2 ON CONFLICT (award_id) DO NOTHING",
+        )
+        .bind(&payment_id)
+        .bind(&client)
+        .execute(p)
+        .await
+        .map(|r| r.rows_affected()),
+        PointsDb::Sqlite(p) => sqlx::query(
+            "INSERT INTO points_reversals (award_id) SELECT id FROM points_awards WHERE payment_id = ?1 AND client = ?2 ON CONFLICT (award_id) DO NOTHING",
+        )
+        .bind(&payment_id)
+        .bind(&client)
+        .execute(p)
+        .await
+        .map(|r| r.rows_affected()),
+    };
+    match n {
+        Ok(reversed) => Json(serde_json::json!({ "reversed": reversed })).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "reversing awards");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the reversal could not be stored; run it again",
+            )
+        }
+    }
+}
+
+/// The points API router: `POST /awards` behind the Idempotency-Key layer over `keys`, the
+/// status probe, the reversal (compensation) and the key-less stand-in.
 pub fn router<S: IdempotencyStore>(db: PointsDb, keys: S, config: IdempotencyConfig) -> Router {
     Router::new()
         .route("/awards", post(award))
         .route_layer(Idempotency::new(keys, config).layer())
+        .route("/keyless/awards", post(award))
         .route("/awards/by-payment/{payment_id}", get(by_payment))
+        .route("/awards/by-payment/{payment_id}/reversal", post(reverse))
         .with_state(db)
 }

@@ -1,0 +1,330 @@
+//! Remotes that do not honour `Idempotency-Key`: the status probe, the unknown-outcome state and
+//! the compensation hook.
+//!
+//! Sending the same key twice is safe only when the remote stores keys. For a remote that
+//! ignores them, a second request after an ambiguous first one (a timeout, a reset connection, a
+//! 5xx) may apply the effect twice. The dispatcher therefore never blindly re-sends to such a
+//! remote:
+//!
+//! * With a [`StatusProbe`], every attempt after the first asks the remote whether the effect
+//!   already happened ([`Probe::Applied`] → done, nothing sent; [`Probe::NotApplied`] → sent;
+//!   [`Probe::Unknown`] → the intent enters the *unknown* state; [`Probe::Unavailable`] →
+//!   asked again later). The first re-attempt waits [`EffectPolicy::settle`] so that a request
+//!   still being processed by the remote has finished before the probe looks.
+//! * Without a probe, an ambiguous failure puts the intent in the *unknown* state at once:
+//!   `idem effects stuck` lists it, and a person (or a [`Compensation`]) settles it.
+//! * A [`Compensation`] undoes whatever an unknown attempt may have done (it must itself be
+//!   safe to run when nothing happened — "reverse the award of payment P if there is one").
+//!   After it succeeds the intent is parked for review, or sent again on request.
+//!
+//! **The window that remains**: a probe can only see what the remote has finished. A request
+//! that the remote keeps processing for longer than `settle` (or a probe answered from a stale
+//! replica) can be reported as not applied and then be applied next to the re-sent one. Choose
+//! `settle` above the remote's longest processing time; reconciliation (`idem verify`) is the
+//! backstop that finds what slips through.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::idempotency::{ClaimedIntent, IdempotencyKey};
+
+/// A boxed future (the probe and compensation traits are used as trait objects).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a status probe found out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// The effect already happened: the intent is done with this response.
+    Applied {
+        /// Status to record.
+        status: u16,
+        /// Body to record.
+        body: String,
+    },
+    /// The effect did not happen: sending it is safe.
+    NotApplied,
+    /// The remote answered but cannot tell: the intent enters the unknown state.
+    Unknown {
+        /// Why.
+        reason: String,
+    },
+    /// The probe could not reach the remote: ask again later.
+    Unavailable {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Asks the remote whether an intent's effect already happened.
+pub trait StatusProbe: Send + Sync + 'static {
+    /// Probes for `intent`.
+    fn probe<'a>(
+        &'a self,
+        client: &'a reqwest::Client,
+        intent: &'a ClaimedIntent,
+    ) -> BoxFuture<'a, Probe>;
+}
+
+/// Undoes whatever an intent's unknown attempts may have done. It must be safe to run when the
+/// effect never happened, and safe to run twice.
+pub trait Compensation: Send + Sync + 'static {
+    /// Compensates `intent`; `Err` carries the reason it could not.
+    fn compensate<'a>(
+        &'a self,
+        client: &'a reqwest::Client,
+        intent: &'a ClaimedIntent,
+    ) -> BoxFuture<'a, Result<String, String>>;
+}
+
+/// How the dispatcher treats one effect's remote.
+#[derive(Clone, Default)]
+pub struct EffectPolicy {
+    /// The remote does not store `Idempotency-Key`: an ambiguous failure is never blindly
+    /// re-sent.
+    pub remote_ignores_keys: bool,
+    /// Asked before every attempt after the first.
+    pub probe: Option<Arc<dyn StatusProbe>>,
+    /// Run by [`crate::Dispatcher::compensate`] on an unknown or parked intent.
+    pub compensation: Option<Arc<dyn Compensation>>,
+    /// Shortest wait between an ambiguous attempt and the probe that follows it.
+    pub settle: Duration,
+}
+
+impl std::fmt::Debug for EffectPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EffectPolicy")
+            .field("remote_ignores_keys", &self.remote_ignores_keys)
+            .field("probe", &self.probe.is_some())
+            .field("compensation", &self.compensation.is_some())
+            .field("settle", &self.settle)
+            .finish()
+    }
+}
+
+/// Policies by effect name.
+pub(crate) type Policies = HashMap<String, EffectPolicy>;
+
+/// Fills a URL template: `{key}`, `{event_id}`, `{effect}` and `{field}` for a top-level string
+/// or number field of the intent's body (percent-encoded). `None` names the missing field.
+pub fn fill_template(template: &str, intent: &ClaimedIntent) -> Result<String, String> {
+    let mut out = String::with_capacity(template.len() + 32);
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        let close = after
+            .find('}')
+            .ok_or_else(|| format!("unclosed '{{' in URL template {template:?}"))?;
+        let name = &after[..close];
+        let value = match name {
+            "key" => intent.key.as_str().to_owned(),
+            "event_id" => intent.intent.event_id.to_string(),
+            "effect" => intent.intent.effect.clone(),
+            field => match intent.intent.body.get(field) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Number(n)) => n.to_string(),
+                _ => {
+                    return Err(format!(
+                        "the intent body has no string or number field {field:?} for the URL template"
+                    ));
+                }
+            },
+        };
+        out.push_str(&percent_encode(&value));
+        rest = &after[close + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// A probe that GETs a URL built from a template ([`fill_template`]):
+/// `200` with a non-empty JSON array or an object → applied; `200` with `[]` or `404` → not
+/// applied; another 4xx → unknown; 5xx, 429 or no answer → unavailable.
+#[derive(Clone, Debug)]
+pub struct HttpStatusProbe {
+    template: String,
+    authorization: Option<String>,
+}
+
+impl HttpStatusProbe {
+    /// A probe of `template`, for example
+    /// `http://127.0.0.1:8088/awards/by-payment/{payment_id}`.
+    pub fn new(template: impl Into<String>, authorization: Option<String>) -> Self {
+        HttpStatusProbe {
+            template: template.into(),
+            authorization,
+        }
+    }
+}
+
+impl StatusProbe for HttpStatusProbe {
+    fn probe<'a>(
+        &'a self,
+        client: &'a reqwest::Client,
+        intent: &'a ClaimedIntent,
+    ) -> BoxFuture<'a, Probe> {
+        Box::pin(async move {
+            let url = match fill_template(&self.template, intent) {
+                Ok(u) => u,
+                Err(reason) => return Probe::Unknown { reason },
+            };
+            let mut req = client.get(&url);
+            if let Some(a) = &self.authorization {
+                req = req.header("authorization", a);
+            }
+            let resp = match req.send().await {
+                Ok(r) => r,
+                Err(e) => {
+                    return Probe::Unavailable {
+                        reason: format!("status probe {url}: {e}"),
+                    };
+                }
+            };
+            let status = resp.status().as_u16();
+            let body = resp.text().await.unwrap_or_default();
+            match status {
+                404 => Probe::NotApplied,
+                200 => match serde_json::from_str::<serde_json::Value>(&body) {
+                    Ok(serde_json::Value::Array(a)) if a.is_empty() => Probe::NotApplied,
+                    Ok(serde_json::Value::Array(_) | serde_json::Value::Object(_)) => {
+                        Probe::Applied { status, body }
+                    }
+                    _ => Probe::Unknown {
+                        reason: format!(
+                            "status probe {url} answered 200 with a body that is neither a JSON array nor an object"
+                        ),
+                    },
+                },
+                429 | 500..=599 => Probe::Unavailable {
+                    reason: format!("status probe {url} answered {status}"),
+                },
+                _ => Probe::Unknown {
+                    reason: format!(
+                        "status probe {url} answered {status}: {}",
+                        body.chars().take(200).collect::<String>()
+                    ),
+                },
+            }
+        })
+    }
+}
+
+/// A compensation that POSTs the intent's body to a URL template ([`fill_template`]) with its
+/// own stable key, `event-<event id>-<effect>.compensate`: a 2xx (or a 404, nothing to undo)
+/// means compensated.
+#[derive(Clone, Debug)]
+pub struct HttpCompensation {
+    template: String,
+    authorization: Option<String>,
+}
+
+impl HttpCompensation {
+    /// A compensation posting to `template`, for example
+    /// `http://127.0.0.1:8088/awards/by-payment/{payment_id}/reversal`.
+    pub fn new(template: impl Into<String>, authorization: Option<String>) -> Self {
+        HttpCompensation {
+            template: template.into(),
+            authorization,
+        }
+    }
+}
+
+/// The key of an intent's compensation: `event-<event id>-<effect>.compensate`.
+pub fn compensation_key(intent: &ClaimedIntent) -> Result<IdempotencyKey, String> {
+    let effect = format!("{}.compensate", intent.intent.effect);
+    IdempotencyKey::for_effect(intent.intent.event_id, &effect).map_err(|e| e.to_string())
+}
+
+impl Compensation for HttpCompensation {
+    fn compensate<'a>(
+        &'a self,
+        client: &'a reqwest::Client,
+        intent: &'a ClaimedIntent,
+    ) -> BoxFuture<'a, Result<String, String>> {
+        Box::pin(async move {
+            let url = fill_template(&self.template, intent)?;
+            let key = compensation_key(intent)?;
+            let mut req = client
+                .post(&url)
+                .header("idempotency-key", key.header_value())
+                .json(&intent.intent.body);
+            if let Some(a) = &self.authorization {
+                req = req.header("authorization", a);
+            }
+            let resp = req
+                .send()
+                .await
+                .map_err(|e| format!("compensation {url}: {e}"))?;
+            let status = resp.status().as_u16();
+            let body = resp.text().await.unwrap_or_default();
+            let body: String = body.chars().take(200).collect();
+            match status {
+                200..=299 => Ok(format!("compensated by {url}: {status} {body}")),
+                404 => Ok(format!("nothing to compensate at {url}: 404 {body}")),
+                _ => Err(format!("compensation {url} answered {status}: {body}")),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_core::EventId;
+    use idem_core::idempotency::EffectIntent;
+
+    fn claimed() -> ClaimedIntent {
+        let event_id: EventId = "7f1d0c7e-0000-7000-8000-000000010042".parse().unwrap();
+        let intent = EffectIntent {
+            event_id,
+            effect: "points.award".into(),
+            target: "http://127.0.0.1:1/awards".into(),
+            body: serde_json::json!({"payment_id": "pay 1/2", "points": 12, "nested": {}}),
+            traceparent: None,
+        };
+        ClaimedIntent {
+            id: 1,
+            key: intent.key().unwrap(),
+            intent,
+            attempt: 2,
+        }
+    }
+
+    #[test]
+    fn templates_fill_fields_and_encode_them() {
+        let c = claimed();
+        assert_eq!(
+            fill_template("http://h/awards/by-payment/{payment_id}?p={points}", &c).unwrap(),
+            "http://h/awards/by-payment/pay%201%2F2?p=12"
+        );
+        assert_eq!(
+            fill_template("http://h/{key}", &c).unwrap(),
+            "http://h/event-7f1d0c7e-0000-7000-8000-000000010042-points.award"
+        );
+        assert!(
+            fill_template("http://h/{nested}", &c)
+                .unwrap_err()
+                .contains("nested")
+        );
+        assert!(fill_template("http://h/{oops", &c).is_err());
+        assert_eq!(
+            compensation_key(&c).unwrap().as_str(),
+            "event-7f1d0c7e-0000-7000-8000-000000010042-points.award.compensate"
+        );
+    }
+}

@@ -1,0 +1,2 @@
+SELECT id, idem_key, effect, target, event_id, body, traceparent, attempts, status
+FROM {effect_intents} WHERE id = ?1
