@@ -7,6 +7,7 @@ mod outbox_cmd;
 mod reference_cmd;
 mod relay_cmd;
 mod topic_cmd;
+mod verify_cmd;
 
 use clap::{Args, Parser, Subcommand};
 
@@ -42,6 +43,9 @@ enum Command {
         #[command(subcommand)]
         command: effects_cmd::EffectsCommand,
     },
+    /// Check that every fact has exactly one effect: lost, duplicated and mismatched effects,
+    /// with where each lost one stopped (exit 0 clean, 1 violations, 2 could not verify).
+    Verify(verify_cmd::VerifyArgs),
     /// Create and read topics.
     Topic {
         #[command(subcommand)]
@@ -85,6 +89,10 @@ fn main() -> std::process::ExitCode {
     };
     match runtime.block_on(run(cli)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<verify_cmd::ExitWith>().is_some() => {
+            let code = e.downcast_ref::<verify_cmd::ExitWith>().map_or(1, |x| x.0);
+            std::process::ExitCode::from(code)
+        }
         Err(e) => {
             // Library errors already carry their cause in their message: print each cause once.
             let mut msg = String::new();
@@ -115,5 +123,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::DeadLetters(args) => reference_cmd::dead_letters(args).await,
         Command::PointsApi(args) => reference_cmd::points_api(args).await,
         Command::Effects { command } => effects_cmd::run(command).await,
+        Command::Verify(args) => verify_cmd::run(args).await,
     }
 }

@@ -1,0 +1,146 @@
+//! `idem verify`: reconciliation of the reference pipeline, or of a pipeline described in a
+//! config file; exit status 0 clean, 1 violations or gaps, 2 could not verify.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use idem_verify::{GapGauge, Options, VerifyConfig};
+
+/// Ends the process with this status, after the command printed what it had to say.
+#[derive(Debug)]
+pub struct ExitWith(pub u8);
+
+impl std::fmt::Display for ExitWith {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "exit status {}", self.0)
+    }
+}
+
+impl std::error::Error for ExitWith {}
+
+#[derive(Args, Debug)]
+pub struct VerifyArgs {
+    /// A TOML file naming the checks (see docs/verify.md); instead of the reference databases.
+    #[arg(long, conflicts_with_all = ["orders_db", "settlement_db", "points_db"])]
+    config: Option<PathBuf>,
+    /// Reference pipeline: the order database (orders + outbox).
+    #[arg(long, requires = "settlement_db")]
+    orders_db: Option<String>,
+    /// Reference pipeline: the settlement database (settlements, inbox, effect intents).
+    #[arg(long)]
+    settlement_db: Option<String>,
+    /// Reference pipeline: the points API's database (points awards), to check the effect stage.
+    #[arg(long)]
+    points_db: Option<String>,
+    /// PostgreSQL schema of idem's tables.
+    #[arg(long)]
+    schema: Option<String>,
+    /// Prefix of idem's table names.
+    #[arg(long)]
+    table_prefix: Option<String>,
+    /// Missing keys to locate per check.
+    #[arg(long, default_value_t = 1000)]
+    locate_limit: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Keep verifying at this interval, exporting idem_reconciliation_gap (Ctrl-C stops).
+    #[arg(long, value_parser = crate::relay_cmd::parse_duration)]
+    watch: Option<Duration>,
+    /// Serve Prometheus metrics here (with --watch).
+    #[arg(long, requires = "watch")]
+    metrics_addr: Option<SocketAddr>,
+}
+
+fn config(args: &VerifyArgs) -> anyhow::Result<VerifyConfig> {
+    let mut config = match (&args.config, &args.orders_db, &args.settlement_db) {
+        (Some(path), _, _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            VerifyConfig::from_toml(&text)?
+        }
+        (None, Some(orders), Some(settlement)) => {
+            VerifyConfig::reference(orders, settlement, args.points_db.as_deref())
+        }
+        _ => anyhow::bail!(
+            "name what to verify: --config FILE, or --orders-db and --settlement-db (and --points-db)"
+        ),
+    };
+    if args.schema.is_some() {
+        config.tables.schema.clone_from(&args.schema);
+    }
+    if args.table_prefix.is_some() {
+        config.tables.prefix.clone_from(&args.table_prefix);
+    }
+    Ok(config)
+}
+
+fn print(report: &idem_verify::Report, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
+
+pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
+    let config = match config(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("idem verify: {e:#}");
+            return Err(ExitWith(2).into());
+        }
+    };
+    let options = Options {
+        locate_limit: args.locate_limit,
+    };
+    let Some(interval) = args.watch else {
+        return match idem_verify::verify(&config, &options).await {
+            Ok(report) => {
+                print(&report, args.json)?;
+                if report.clean {
+                    Ok(())
+                } else {
+                    Err(ExitWith(1).into())
+                }
+            }
+            Err(e) => {
+                eprintln!("idem verify: could not verify: {e}");
+                Err(ExitWith(2).into())
+            }
+        };
+    };
+    let registry = prometheus::Registry::new();
+    let gauge = GapGauge::new(&registry)?;
+    if let Some(addr) = args.metrics_addr {
+        let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
+        eprintln!("idem verify: metrics on http://{bound}/metrics");
+    }
+    let shutdown = crate::relay_cmd::shutdown_signal()?;
+    tokio::pin!(shutdown);
+    loop {
+        match idem_verify::verify(&config, &options).await {
+            Ok(report) => {
+                gauge.set(&report);
+                eprintln!(
+                    "idem verify: {}: lost {}, duplicate effects {}",
+                    if report.clean { "clean" } else { "VIOLATIONS" },
+                    report.lost(),
+                    report.duplicate_effects()
+                );
+                if !report.clean {
+                    print(&report, args.json)?;
+                }
+            }
+            Err(e) => eprintln!("idem verify: could not verify: {e}"),
+        }
+        tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            () = tokio::time::sleep(interval) => {}
+        }
+    }
+}

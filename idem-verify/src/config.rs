@@ -1,0 +1,324 @@
+//! What to verify: checks read from a small TOML file, or the reference pipeline's built in.
+
+use serde::Deserialize;
+
+use crate::VerifyError;
+
+/// Everything `idem verify` checks.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyConfig {
+    /// Source-to-target reconciliations.
+    #[serde(default, rename = "check")]
+    pub checks: Vec<Check>,
+    /// Keys that must appear at most once in one table (duplicate business effects).
+    #[serde(default, rename = "unique")]
+    pub unique: Vec<UniqueCheck>,
+    /// Where idem's own tables are (for loss localisation and attempt counts).
+    #[serde(default)]
+    pub tables: Tables,
+}
+
+/// idem's table names in every database of the config.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Tables {
+    /// PostgreSQL schema (default: the search path).
+    #[serde(default)]
+    pub schema: Option<String>,
+    /// Prefix of idem's tables (default `idem_`).
+    #[serde(default)]
+    pub prefix: Option<String>,
+}
+
+/// One reconciliation: every source row must have exactly one target row with the same key (and
+/// the same amount, when amounts are named).
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Check {
+    /// Name in the report and the `check` label of `idem_reconciliation_gap`.
+    pub name: String,
+    /// The event type the totals are reported under when the source names none per row.
+    #[serde(default)]
+    pub event_type: Option<String>,
+    /// Where the facts come from (the order database).
+    pub source: Side,
+    /// Where their effects must be (the settlement database, the points API's database).
+    pub target: Side,
+    /// How to find where a missing effect's event stopped.
+    #[serde(default)]
+    pub locate: Option<Locate>,
+}
+
+/// One side of a check: a query and the columns that matter.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Side {
+    /// `postgres://…` or `sqlite://path`.
+    pub db: String,
+    /// A `SELECT` returning at least the named columns (operator-written, like a DSN: it is run
+    /// as given, wrapped in an ordering query).
+    pub query: String,
+    /// The business key column.
+    pub key: String,
+    /// The amount column (integer minor units), if amounts are reconciled.
+    #[serde(default)]
+    pub amount: Option<String>,
+    /// A column naming each row's event type (source only).
+    #[serde(default)]
+    pub event_type_column: Option<String>,
+    /// A column naming each row's aggregate id (source only; needed by `locate`).
+    #[serde(default)]
+    pub aggregate_id: Option<String>,
+}
+
+/// How to follow a missing effect back through the pipeline.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Locate {
+    /// The database holding the outbox (default: the source's).
+    #[serde(default)]
+    pub outbox_db: Option<String>,
+    /// The outbox rows' aggregate type.
+    pub aggregate_type: String,
+    /// The outbox rows' event type.
+    pub event_type: String,
+    /// The consumer's database (its inbox and dead letters).
+    pub inbox_db: String,
+    /// The consumer group.
+    pub consumer_group: String,
+    /// The database holding the effect intents, when the target is an external API.
+    #[serde(default)]
+    pub intents_db: Option<String>,
+    /// The effect name (`points.award`).
+    #[serde(default)]
+    pub effect: Option<String>,
+}
+
+/// A key that must not repeat: a repeated key is a duplicate business effect.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct UniqueCheck {
+    /// Name in the report.
+    pub name: String,
+    /// The database.
+    pub db: String,
+    /// The query.
+    pub query: String,
+    /// The column that must be unique.
+    pub key: String,
+}
+
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+/// A column name usable in SQL: `[A-Za-z_][A-Za-z0-9_]*`, at most 63 bytes.
+pub(crate) fn column(name: &str, what: &str) -> Result<String, VerifyError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .enumerate()
+            .all(|(i, b)| b == b'_' || b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()));
+    if ok {
+        Ok(format!("\"{name}\""))
+    } else {
+        Err(VerifyError::Config(format!(
+            "{what} {name:?} is not a plain column name (letters, digits and '_', not starting with a digit)"
+        )))
+    }
+}
+
+/// A user query, checked to be one statement.
+pub(crate) fn one_statement(query: &str, what: &str) -> Result<String, VerifyError> {
+    let q = query.trim().trim_end_matches(';').trim();
+    if q.is_empty() || q.contains(';') {
+        return Err(VerifyError::Config(format!(
+            "{what} must be exactly one SELECT statement"
+        )));
+    }
+    Ok(q.to_owned())
+}
+
+impl VerifyConfig {
+    /// Reads a TOML config.
+    pub fn from_toml(text: &str) -> Result<Self, VerifyError> {
+        let config: VerifyConfig =
+            toml::from_str(text).map_err(|e| VerifyError::Config(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks names and queries before anything connects.
+    pub fn validate(&self) -> Result<(), VerifyError> {
+        if self.checks.is_empty() && self.unique.is_empty() {
+            return Err(VerifyError::Config(
+                "the config has no [[check]] and no [[unique]]".to_owned(),
+            ));
+        }
+        for c in &self.checks {
+            for (side, s) in [("source", &c.source), ("target", &c.target)] {
+                let what = format!("check {:?} {side}", c.name);
+                one_statement(&s.query, &format!("{what} query"))?;
+                column(&s.key, &format!("{what} key"))?;
+                for col in [&s.amount, &s.event_type_column, &s.aggregate_id]
+                    .into_iter()
+                    .flatten()
+                {
+                    column(col, &format!("{what} column"))?;
+                }
+            }
+            if c.source.amount.is_some() != c.target.amount.is_some() {
+                return Err(VerifyError::Config(format!(
+                    "check {:?}: name the amount column on both sides or on neither",
+                    c.name
+                )));
+            }
+            if c.locate.is_some() && c.source.aggregate_id.is_none() {
+                return Err(VerifyError::Config(format!(
+                    "check {:?}: [check.locate] needs source.aggregate_id",
+                    c.name
+                )));
+            }
+            if let Some(l) = &c.locate
+                && l.intents_db.is_some() != l.effect.is_some()
+            {
+                return Err(VerifyError::Config(format!(
+                    "check {:?}: name both locate.intents_db and locate.effect, or neither",
+                    c.name
+                )));
+            }
+        }
+        for u in &self.unique {
+            one_statement(&u.query, &format!("unique {:?} query", u.name))?;
+            column(&u.key, &format!("unique {:?} key", u.name))?;
+        }
+        Ok(())
+    }
+
+    /// The reference pipeline: orders → settlements (one per payment, same amount), the
+    /// settlement log (one application per event), and — with the points API's database —
+    /// orders → points awards (one per payment, one point per whole currency unit).
+    pub fn reference(orders_db: &str, settlement_db: &str, points_db: Option<&str>) -> Self {
+        let locate = |intents: bool| Locate {
+            outbox_db: None,
+            aggregate_type: "order".to_owned(),
+            event_type: "order.paid".to_owned(),
+            inbox_db: settlement_db.to_owned(),
+            consumer_group: "settlement".to_owned(),
+            intents_db: intents.then(|| settlement_db.to_owned()),
+            effect: intents.then(|| "points.award".to_owned()),
+        };
+        let mut checks = vec![Check {
+            name: "settlements".to_owned(),
+            event_type: Some("order.paid".to_owned()),
+            source: Side {
+                db: orders_db.to_owned(),
+                query: "SELECT payment_id, amount_minor, order_id FROM orders".to_owned(),
+                key: "payment_id".to_owned(),
+                amount: Some("amount_minor".to_owned()),
+                event_type_column: None,
+                aggregate_id: Some("order_id".to_owned()),
+            },
+            target: Side {
+                db: settlement_db.to_owned(),
+                query: "SELECT payment_id, amount_minor FROM settlements".to_owned(),
+                key: "payment_id".to_owned(),
+                amount: Some("amount_minor".to_owned()),
+                event_type_column: None,
+                aggregate_id: None,
+            },
+            locate: Some(locate(false)),
+        }];
+        if let Some(points) = points_db {
+            let greatest = if is_postgres(orders_db) {
+                "GREATEST"
+            } else {
+                "max"
+            };
+            checks.push(Check {
+                name: "points".to_owned(),
+                event_type: Some("order.paid".to_owned()),
+                source: Side {
+                    db: orders_db.to_owned(),
+                    query: format!(
+                        "SELECT payment_id, {greatest}(amount_minor / 100, 1) AS points, order_id FROM orders"
+                    ),
+                    key: "payment_id".to_owned(),
+                    amount: Some("points".to_owned()),
+                    event_type_column: None,
+                    aggregate_id: Some("order_id".to_owned()),
+                },
+                target: Side {
+                    db: points.to_owned(),
+                    query: "SELECT payment_id, points FROM points_awards a \
+                            WHERE NOT EXISTS (SELECT 1 FROM points_reversals r WHERE r.award_id = a.id)"
+                        .to_owned(),
+                    key: "payment_id".to_owned(),
+                    amount: Some("points".to_owned()),
+                    event_type_column: None,
+                    aggregate_id: None,
+                },
+                locate: Some(locate(true)),
+            });
+        }
+        VerifyConfig {
+            checks,
+            unique: vec![UniqueCheck {
+                name: "settlement applications per event".to_owned(),
+                db: settlement_db.to_owned(),
+                query: "SELECT event_id FROM settlement_applications".to_owned(),
+                key: "event_id".to_owned(),
+            }],
+            tables: Tables::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_file_names_queries_keys_and_amounts() {
+        let c = VerifyConfig::from_toml(
+            r#"
+            [[check]]
+            name = "invoices"
+            source = { db = "postgres://h/a", query = "SELECT id, total FROM invoices", key = "id", amount = "total" }
+            target = { db = "sqlite://b.db", query = "SELECT invoice_id, total FROM ledger;", key = "invoice_id", amount = "total" }
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.checks[0].target.key, "invoice_id");
+        for bad in [
+            r#"[[check]]
+name = "x"
+source = { db = "postgres://h/a", query = "SELECT 1; DROP TABLE t", key = "id" }
+target = { db = "postgres://h/a", query = "SELECT 1", key = "id" }"#,
+            r#"[[check]]
+name = "x"
+source = { db = "postgres://h/a", query = "SELECT 1", key = "id\" OR 1=1" }
+target = { db = "postgres://h/a", query = "SELECT 1", key = "id" }"#,
+            r#"[[check]]
+name = "x"
+source = { db = "postgres://h/a", query = "SELECT 1", key = "id", amount = "a" }
+target = { db = "postgres://h/a", query = "SELECT 1", key = "id" }"#,
+            "",
+            "[[check]]\nname = \"x\"\nsurprise = 1",
+        ] {
+            assert!(
+                matches!(VerifyConfig::from_toml(bad), Err(VerifyError::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_reference_config_validates() {
+        VerifyConfig::reference("postgres://h/o", "postgres://h/s", Some("sqlite://p.db"))
+            .validate()
+            .unwrap();
+    }
+}

@@ -1,0 +1,358 @@
+//! Reading each side in one consistent snapshot, in key order, without holding it in memory.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use idem_core::TableNames;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
+use sqlx::{ConnectOptions, Connection, Executor, Row};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::VerifyError;
+use crate::config::{column, one_statement};
+
+/// Rows per message from a reader task to the merge.
+const BATCH: usize = 1024;
+/// Messages buffered per side: memory stays bounded whatever the table size.
+const DEPTH: usize = 4;
+
+/// One database, PostgreSQL or SQLite.
+#[derive(Clone, Debug)]
+pub(crate) enum Db {
+    Pg(PgPool),
+    Lite(SqlitePool),
+}
+
+/// A URL with its password hidden, for messages.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+fn db_error(url: &str, context: &str, e: sqlx::Error) -> VerifyError {
+    VerifyError::Database {
+        db: redact(url),
+        context: context.to_owned(),
+        source: e,
+    }
+}
+
+/// One row of a side, as the merge sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct KeyRow {
+    pub key: String,
+    pub amount: Option<i64>,
+    pub event_type: Option<String>,
+    pub aggregate_id: Option<String>,
+}
+
+/// What a reader task sends.
+pub(crate) type Batch = Result<Vec<KeyRow>, VerifyError>;
+
+/// The columns to read from one side.
+pub(crate) struct SideQuery<'a> {
+    pub query: &'a str,
+    pub key: &'a str,
+    pub amount: Option<&'a str>,
+    pub event_type: Option<&'a str>,
+    pub aggregate_id: Option<&'a str>,
+}
+
+/// Open databases, shared by URL.
+#[derive(Default)]
+pub(crate) struct Pools {
+    open: HashMap<String, Db>,
+}
+
+impl Pools {
+    pub async fn get(&mut self, url: &str) -> Result<Db, VerifyError> {
+        if let Some(db) = self.open.get(url) {
+            return Ok(db.clone());
+        }
+        let db = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let opts: PgConnectOptions = url
+                .parse()
+                .map_err(|e| db_error(url, "reading the PostgreSQL URL", e))?;
+            // Full-table reads are slow by design: do not log them as slow statements.
+            let opts = opts.log_slow_statements(log::LevelFilter::Off, Duration::ZERO);
+            Db::Pg(
+                PgPoolOptions::new()
+                    .max_connections(4)
+                    .connect_with(opts)
+                    .await
+                    .map_err(|e| db_error(url, "connecting", e))?,
+            )
+        } else if url.starts_with("sqlite:") {
+            let opts: SqliteConnectOptions = url
+                .parse()
+                .map_err(|e| db_error(url, "reading the SQLite URL", e))?;
+            Db::Lite(
+                SqlitePoolOptions::new()
+                    .max_connections(4)
+                    .connect_with(
+                        opts.create_if_missing(false)
+                            .read_only(true)
+                            .log_slow_statements(log::LevelFilter::Off, Duration::ZERO),
+                    )
+                    .await
+                    .map_err(|e| db_error(url, "opening", e))?,
+            )
+        } else {
+            return Err(VerifyError::Config(format!(
+                "database URL {} is neither postgres:// nor sqlite://",
+                redact(url)
+            )));
+        };
+        self.open.insert(url.to_owned(), db.clone());
+        Ok(db)
+    }
+}
+
+fn wrap(db: &Db, q: &SideQuery<'_>) -> Result<String, VerifyError> {
+    let query = one_statement(q.query, "query")?;
+    let key = column(q.key, "key column")?;
+    let pg = matches!(db, Db::Pg(_));
+    let (text, int) = if pg {
+        ("text", "bigint")
+    } else {
+        ("TEXT", "INTEGER")
+    };
+    let col = |c: Option<&str>, ty: &str| -> Result<String, VerifyError> {
+        Ok(match c {
+            Some(c) => format!("CAST(q.{} AS {ty})", column(c, "column")?),
+            None => format!("CAST(NULL AS {ty})"),
+        })
+    };
+    let order = if pg {
+        format!("CAST(q.{key} AS text) COLLATE \"C\"")
+    } else {
+        "k".to_owned()
+    };
+    Ok(format!(
+        "SELECT CAST(q.{key} AS {text}) AS k, {} AS a, {} AS t, {} AS g FROM ({query}) AS q ORDER BY {order}",
+        col(q.amount, int)?,
+        col(q.event_type, text)?,
+        col(q.aggregate_id, text)?,
+    ))
+}
+
+fn decode<R: Row>(r: &R, url: &str) -> Result<KeyRow, VerifyError>
+where
+    for<'a> Option<String>: sqlx::Decode<'a, R::Database> + sqlx::Type<R::Database>,
+    for<'a> Option<i64>: sqlx::Decode<'a, R::Database> + sqlx::Type<R::Database>,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+{
+    let dec = |e| db_error(url, "decoding a row", e);
+    let key: Option<String> = r.try_get("k").map_err(dec)?;
+    Ok(KeyRow {
+        key: key.ok_or_else(|| VerifyError::NullKey { db: redact(url) })?,
+        amount: r.try_get("a").map_err(dec)?,
+        event_type: r.try_get("t").map_err(dec)?,
+        aggregate_id: r.try_get("g").map_err(dec)?,
+    })
+}
+
+/// Starts reading one side in a snapshot. `ready` fires once the snapshot is taken; rows then
+/// arrive in key order (byte order of the key as text) in bounded batches.
+pub(crate) fn stream_side(
+    db: Db,
+    url: String,
+    q: SideQuery<'_>,
+    ready: oneshot::Sender<()>,
+) -> Result<mpsc::Receiver<Batch>, VerifyError> {
+    let sql = wrap(&db, &q)?;
+    let (tx, rx) = mpsc::channel::<Batch>(DEPTH);
+    tokio::spawn(async move {
+        let result = read_snapshot(&db, &url, &sql, ready, &tx).await;
+        if let Err(e) = result {
+            let _ = tx.send(Err(e)).await;
+        }
+    });
+    Ok(rx)
+}
+
+async fn read_snapshot(
+    db: &Db,
+    url: &str,
+    sql: &str,
+    ready: oneshot::Sender<()>,
+    tx: &mpsc::Sender<Batch>,
+) -> Result<(), VerifyError> {
+    let err = |context: &'static str| move |e| db_error(url, context, e);
+    let mut batch = Vec::with_capacity(BATCH);
+    macro_rules! pump {
+        ($conn:expr) => {{
+            let mut rows = sqlx::query(sql).fetch(&mut *$conn);
+            while let Some(r) = rows.try_next().await.map_err(err("reading rows"))? {
+                batch.push(decode(&r, url)?);
+                if batch.len() == BATCH {
+                    let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
+                    if tx.send(Ok(full)).await.is_err() {
+                        return Ok(()); // the merge stopped
+                    }
+                }
+            }
+        }};
+    }
+    match db {
+        Db::Pg(pool) => {
+            let mut conn = pool.acquire().await.map_err(err("connecting"))?;
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                .await
+                .map_err(err("opening a snapshot"))?;
+            // The snapshot is taken by the first statement, not by BEGIN.
+            conn.execute("SELECT 1")
+                .await
+                .map_err(err("opening a snapshot"))?;
+            let _ = ready.send(());
+            pump!(conn);
+            conn.execute("COMMIT")
+                .await
+                .map_err(err("closing the snapshot"))?;
+        }
+        Db::Lite(pool) => {
+            let mut conn = pool.acquire().await.map_err(err("connecting"))?;
+            let mut read = conn.begin().await.map_err(err("opening a snapshot"))?;
+            // SQLite (WAL) fixes the read snapshot at the first read.
+            read.execute("SELECT count(*) FROM sqlite_master")
+                .await
+                .map_err(err("opening a snapshot"))?;
+            let _ = ready.send(());
+            pump!(read);
+            read.commit().await.map_err(err("closing the snapshot"))?;
+        }
+    }
+    if !batch.is_empty() {
+        let _ = tx.send(Ok(batch)).await;
+    }
+    Ok(())
+}
+
+/// The rendered lookup and count statements of one dialect.
+pub(crate) struct Lookups {
+    pub outbox_row: String,
+    pub archive_row: String,
+    pub inbox_row: String,
+    pub dead_letter_row: String,
+    pub intent_row: String,
+    pub outbox_stats: String,
+    pub inbox_stats: String,
+    pub intent_stats: String,
+}
+
+const BASES: &[&str] = &[
+    "outbox_archive",
+    "outbox",
+    "inbox",
+    "dead_letters",
+    "effect_intents",
+];
+
+impl Lookups {
+    pub fn for_db(db: &Db, tables: &TableNames) -> Lookups {
+        let r = |sql: &str| tables.render(sql, BASES);
+        match db {
+            Db::Pg(_) => Lookups {
+                outbox_row: r(include_str!("../sql/postgres/outbox_row.sql")),
+                archive_row: r(include_str!("../sql/postgres/archive_row.sql")),
+                inbox_row: r(include_str!("../sql/postgres/inbox_row.sql")),
+                dead_letter_row: r(include_str!("../sql/postgres/dead_letter_row.sql")),
+                intent_row: r(include_str!("../sql/postgres/intent_row.sql")),
+                outbox_stats: r(include_str!("../sql/postgres/outbox_stats.sql")),
+                inbox_stats: r(include_str!("../sql/postgres/inbox_stats.sql")),
+                intent_stats: r(include_str!("../sql/postgres/intent_stats.sql")),
+            },
+            Db::Lite(_) => Lookups {
+                outbox_row: r(include_str!("../sql/sqlite/outbox_row.sql")),
+                archive_row: r(include_str!("../sql/sqlite/archive_row.sql")),
+                inbox_row: r(include_str!("../sql/sqlite/inbox_row.sql")),
+                dead_letter_row: r(include_str!("../sql/sqlite/dead_letter_row.sql")),
+                intent_row: r(include_str!("../sql/sqlite/intent_row.sql")),
+                outbox_stats: r(include_str!("../sql/sqlite/outbox_stats.sql")),
+                inbox_stats: r(include_str!("../sql/sqlite/inbox_stats.sql")),
+                intent_stats: r(include_str!("../sql/sqlite/intent_stats.sql")),
+            },
+        }
+    }
+}
+
+/// Runs a lookup returning at most one row of `n` text columns.
+pub(crate) async fn lookup_text(
+    db: &Db,
+    url: &str,
+    sql: &str,
+    args: &[&str],
+    n: usize,
+) -> Result<Option<Vec<Option<String>>>, VerifyError> {
+    let err = |e| db_error(url, "looking up where an event stopped", e);
+    macro_rules! run {
+        ($pool:expr) => {{
+            let mut q = sqlx::query(sql);
+            for a in args {
+                q = q.bind(*a);
+            }
+            match q.fetch_optional($pool).await.map_err(err)? {
+                None => None,
+                Some(row) => Some(
+                    (0..n)
+                        .map(|i| row.try_get::<Option<String>, _>(i))
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(err)?,
+                ),
+            }
+        }};
+    }
+    Ok(match db {
+        Db::Pg(p) => run!(p),
+        Db::Lite(p) => run!(p),
+    })
+}
+
+/// Runs a query returning one row of `n` integer columns.
+pub(crate) async fn counts(
+    db: &Db,
+    url: &str,
+    sql: &str,
+    args: &[&str],
+    n: usize,
+) -> Result<Vec<i64>, VerifyError> {
+    let err = |e| db_error(url, "counting attempts", e);
+    macro_rules! run {
+        ($pool:expr) => {{
+            let mut q = sqlx::query(sql);
+            for a in args {
+                q = q.bind(*a);
+            }
+            let row = q.fetch_one($pool).await.map_err(err)?;
+            (0..n)
+                .map(|i| row.try_get::<i64, _>(i))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(err)?
+        }};
+    }
+    Ok(match db {
+        Db::Pg(p) => run!(p),
+        Db::Lite(p) => run!(p),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_hidden() {
+        assert_eq!(redact("postgres://u:pw@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("sqlite:///tmp/a.db"), "sqlite:///tmp/a.db");
+    }
+}
