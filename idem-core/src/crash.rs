@@ -72,6 +72,7 @@ mod imp {
     use std::collections::HashMap;
     use std::io::Write;
     use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
     struct Armed {
         action: Action,
@@ -81,6 +82,18 @@ mod imp {
     }
 
     static ARMED: Mutex<Option<HashMap<&'static str, Armed>>> = Mutex::new(None);
+    /// Set while any point is armed: unarmed builds pay one relaxed load per pass.
+    static ANY_ARMED: AtomicBool = AtomicBool::new(false);
+    /// Fires per point, in [`CRASH_POINTS`] order.
+    static FIRED: [AtomicU64; CRASH_POINTS.len()] = [const { AtomicU64::new(0) }; CRASH_POINTS.len()];
+
+    pub fn fired() -> Vec<(&'static str, u64)> {
+        CRASH_POINTS
+            .iter()
+            .zip(FIRED.iter())
+            .map(|(n, c)| (*n, c.load(Ordering::Relaxed)))
+            .collect()
+    }
 
     pub fn arm(name: &str, action: Action, fire_on: u64) -> Result<()> {
         let known = known(name)?;
@@ -93,15 +106,25 @@ mod imp {
                 hits: 0,
             },
         );
+        ANY_ARMED.store(true, Ordering::Release);
         Ok(())
+    }
+
+    pub fn is_armed(name: &str) -> bool {
+        let guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+        guard.as_ref().is_some_and(|m| m.contains_key(name))
     }
 
     pub fn disarm_all() {
         let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
         *guard = None;
+        ANY_ARMED.store(false, Ordering::Release);
     }
 
     pub fn crash_point(name: &'static str) -> Result<()> {
+        if !ANY_ARMED.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let action = {
             let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
             let Some(map) = guard.as_mut() else {
@@ -116,6 +139,12 @@ mod imp {
             }
             let action = armed.action;
             map.remove(name);
+            if map.is_empty() {
+                ANY_ARMED.store(false, Ordering::Release);
+            }
+            if let Some(i) = CRASH_POINTS.iter().position(|p| *p == name) {
+                FIRED[i].fetch_add(1, Ordering::Relaxed);
+            }
             action
         };
         match action {
@@ -171,6 +200,31 @@ pub fn arm(name: &str, action: Action, fire_on: u64) -> Result<()> {
 pub fn disarm_all() {
     #[cfg(feature = "failpoints")]
     imp::disarm_all();
+}
+
+/// How many times each point has fired in this process (all zero without `failpoints`).
+pub fn fired() -> Vec<(&'static str, u64)> {
+    #[cfg(feature = "failpoints")]
+    {
+        imp::fired()
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        CRASH_POINTS.iter().map(|n| (*n, 0)).collect()
+    }
+}
+
+/// Is `name` armed right now? (For a supervisor re-arming points between restarts.)
+pub fn is_armed(name: &str) -> bool {
+    #[cfg(feature = "failpoints")]
+    {
+        imp::is_armed(name)
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = name;
+        false
+    }
 }
 
 /// Arms the points listed in `IDEM_CRASH_POINTS` (`name[@hit],...`) in abort mode.
