@@ -1,6 +1,7 @@
 //! `idem`: migrate the outbox, run the relay, inspect the outbox and topics.
 
 mod db;
+mod demo;
 mod effects_cmd;
 mod metrics_server;
 mod outbox_cmd;
@@ -21,6 +22,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run the whole reference pipeline in one process — SQLite, an in-process broker, the
+    /// points API — with every crash point fired and duplicates injected, then verify it.
+    Demo(demo::DemoArgs),
     /// Create or upgrade idem's tables (PostgreSQL or sqlite:// URL).
     Migrate(DbArgs),
     /// Publish outbox rows to Kafka, at least once, in per-aggregate commit order.
@@ -124,5 +128,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::PointsApi(args) => reference_cmd::points_api(args).await,
         Command::Effects { command } => effects_cmd::run(command).await,
         Command::Verify(args) => verify_cmd::run(args).await,
+        Command::Demo(args) => demo::run(args).await,
     }
 }

@@ -29,6 +29,7 @@ pub mod remote;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use futures::StreamExt;
 use idem_core::Result;
 use idem_core::idempotency::{ClaimedIntent, IntentOutcome, IntentStore, Resolution};
 use prometheus::{IntCounterVec, Opts, Registry};
@@ -52,6 +53,8 @@ pub struct DispatcherConfig {
     pub backoff_max: Duration,
     /// `Authorization` header sent with every request (the remote scopes keys per client).
     pub authorization: Option<String>,
+    /// Requests of one claimed batch in flight at once.
+    pub concurrency: usize,
 }
 
 impl Default for DispatcherConfig {
@@ -63,6 +66,7 @@ impl Default for DispatcherConfig {
             backoff: Duration::from_millis(200),
             backoff_max: Duration::from_secs(60),
             authorization: None,
+            concurrency: 8,
         }
     }
 }
@@ -333,15 +337,12 @@ impl<S: IntentStore> Dispatcher<S> {
             .store
             .claim(self.config.batch, self.config.lease)
             .await?;
-        for c in &claimed {
-            let outcome = self.attempt(c).await?;
-            if !self.store.finish(c.id, c.attempt, &outcome).await? {
-                tracing::warn!(
-                    intent = c.id,
-                    attempt = c.attempt,
-                    "the intent's lease was taken over; outcome not recorded"
-                );
-            }
+        // Each intent is independent (its own key); several are in flight at once.
+        let sends: Vec<_> = claimed.iter().map(|c| self.send(c)).collect();
+        let mut sends =
+            futures::stream::iter(sends).buffer_unordered(self.config.concurrency.max(1));
+        while let Some(r) = sends.next().await {
+            r?;
         }
         Ok(claimed.len())
     }
@@ -385,6 +386,19 @@ impl<S: IntentStore> Dispatcher<S> {
             .with_label_values(&[labels[0], labels[1], result])
             .inc();
         outcome
+    }
+
+    /// One attempt of one claimed intent, and its recorded outcome.
+    async fn send(&self, c: &ClaimedIntent) -> Result<()> {
+        let outcome = self.attempt(c).await?;
+        if !self.store.finish(c.id, c.attempt, &outcome).await? {
+            tracing::warn!(
+                intent = c.id,
+                attempt = c.attempt,
+                "the intent's lease was taken over; outcome not recorded"
+            );
+        }
+        Ok(())
     }
 
     async fn attempt(&self, c: &ClaimedIntent) -> Result<IntentOutcome> {

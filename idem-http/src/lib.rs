@@ -269,21 +269,51 @@ async fn run<S: IdempotencyStore>(
         KeyClaim::Mismatch => return Err(IdempotencyRejection::Mismatch),
         KeyClaim::Completed(stored) => return Ok(replay(stored)),
     }
+    // From here the request runs in its own task: a client that disconnects (a timeout) must
+    // not cancel the handler between its effect and the key's completion, which would leave
+    // the key in flight until the lock expires and let a retry execute again.
+    let (store, max_body) = (state.store.clone(), state.config.max_body);
+    let (scope2, key2) = (scope.clone(), key.clone());
+    let task =
+        tokio::spawn(
+            async move { execute(store, max_body, &scope2, &key2, next, parts, bytes).await },
+        );
+    match task.await {
+        Ok(resp) => Ok(resp),
+        Err(e) => {
+            // The handler panicked: whether its effect happened is unknown to us; release the
+            // key so that a retry is not refused forever, and say so.
+            let _ = state.store.release(&scope, &key).await;
+            tracing::error!(error = %e, "the handler panicked; the idempotency key was released");
+            Ok(StatusCode::INTERNAL_SERVER_ERROR.into_response())
+        }
+    }
+}
+
+async fn execute<S: IdempotencyStore>(
+    store: S,
+    max_body: usize,
+    scope: &str,
+    key: &IdempotencyKey,
+    next: Next,
+    parts: axum::http::request::Parts,
+    bytes: Bytes,
+) -> Response {
     let resp = next
         .run(Request::from_parts(parts, Body::from(bytes)))
         .await;
     let (parts, body) = resp.into_parts();
-    let body = match axum::body::to_bytes(body, state.config.max_body).await {
+    let body = match axum::body::to_bytes(body, max_body).await {
         Ok(b) => b,
         Err(e) => {
-            let _ = state.store.release(&scope, &key).await;
+            let _ = store.release(scope, key).await;
             tracing::error!(error = %e, "the response body could not be buffered; the key was released");
-            return Ok(StatusCode::INTERNAL_SERVER_ERROR.into_response());
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
         }
     };
     if parts.status.is_server_error() {
         // A retry may succeed: do not pin this failure to the key.
-        if let Err(e) = state.store.release(&scope, &key).await {
+        if let Err(e) = store.release(scope, key).await {
             tracing::warn!(error = %e, "releasing an idempotency key after a server error");
         }
     } else {
@@ -301,13 +331,13 @@ async fn run<S: IdempotencyStore>(
                 .collect(),
             body: body.to_vec(),
         };
-        if let Err(e) = state.store.complete(&scope, &key, &stored).await {
+        if let Err(e) = store.complete(scope, key, &stored).await {
             // The effect happened; a retry will see the key in flight until the lock expires,
             // then execute again. Logged so an operator can see the window.
             tracing::error!(error = %e, "storing an idempotent response failed");
         }
     }
-    Ok(Response::from_parts(parts, Body::from(body)))
+    Response::from_parts(parts, Body::from(body))
 }
 
 /// Deletes expired keys every `every`, until the runtime shuts down.

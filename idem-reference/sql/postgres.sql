@@ -37,7 +37,11 @@ CREATE TABLE IF NOT EXISTS points_awards (
     order_id      text        NOT NULL,
     payment_id    text        NOT NULL,
     points        bigint      NOT NULL CHECK (points > 0),
-    awarded_at    timestamptz NOT NULL DEFAULT now()
+    -- The client's Idempotency-Key (NULL on the key-less route): the award and its key commit
+    -- in one row, so a retry after a crash between the award and the stored response finds it.
+    idem_key      text,
+    awarded_at    timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT points_awards_key UNIQUE (client, idem_key)
 );
 CREATE INDEX IF NOT EXISTS points_awards_payment_idx ON points_awards (payment_id);
 

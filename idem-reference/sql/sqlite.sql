@@ -33,7 +33,9 @@ CREATE TABLE IF NOT EXISTS points_awards (
     order_id      TEXT    NOT NULL,
     payment_id    TEXT    NOT NULL,
     points        INTEGER NOT NULL CHECK (points > 0),
-    awarded_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+    idem_key      TEXT,
+    awarded_at    TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
+    CONSTRAINT points_awards_key UNIQUE (client, idem_key)
 );
 CREATE INDEX IF NOT EXISTS points_awards_payment_idx ON points_awards (payment_id);
 

@@ -81,10 +81,37 @@ fn require_client(headers: &HeaderMap) -> Result<String, Box<Response>> {
     })
 }
 
-async fn award(
+/// `POST /awards`: the award row carries the client's Idempotency-Key under a unique
+/// constraint, so the award and its key commit together. Should the server die between the
+/// award and the layer storing the response, a retry that takes the key over after the lock
+/// expires finds the award and answers with it instead of awarding twice.
+async fn award(state: State<PointsDb>, headers: HeaderMap, req: Json<AwardRequest>) -> Response {
+    let values: Vec<&[u8]> = headers
+        .get_all(idem_http::IDEMPOTENCY_KEY)
+        .iter()
+        .map(|v| v.as_bytes())
+        .collect();
+    match idem_core::idempotency::IdempotencyKey::from_header_values(&values) {
+        Ok(key) => store_award(state, headers, req, Some(key.as_str().to_owned())).await,
+        Err(e) => problem(StatusCode::BAD_REQUEST, e.to_string()),
+    }
+}
+
+/// `POST /keyless/awards`: the same award, ignoring any key (the stand-in for a remote without
+/// Idempotency-Key support).
+async fn award_keyless(
+    state: State<PointsDb>,
+    headers: HeaderMap,
+    req: Json<AwardRequest>,
+) -> Response {
+    store_award(state, headers, req, None).await
+}
+
+async fn store_award(
     State(db): State<PointsDb>,
     headers: HeaderMap,
     Json(req): Json<AwardRequest>,
+    key: Option<String>,
 ) -> Response {
     let client = match require_client(&headers) {
         Ok(c) => c,
@@ -98,22 +125,56 @@ async fn award(
     }
     let id: Result<i64, sqlx::Error> = match &db {
         PointsDb::Postgres(p) => {
-            sqlx::query_scalar("INSERT INTO points_awards (client, order_id, payment_id, points) VALUES ($1, $2, $3, $4) RETURNING id")
-                .bind(&client)
-                .bind(&req.order_id)
-                .bind(&req.payment_id)
-                .bind(req.points)
-                .fetch_one(p)
-                .await
+            let inserted = sqlx::query_scalar(
+                "INSERT INTO points_awards (client, order_id, payment_id, points, idem_key) VALUES ($1, $2, $3, $4, $5) \
+                 ON CONFLICT (client, idem_key) DO NOTHING RETURNING id",
+            )
+            .bind(&client)
+            .bind(&req.order_id)
+            .bind(&req.payment_id)
+            .bind(req.points)
+            .bind(key.as_deref())
+            .fetch_optional(p)
+            .await;
+            match inserted {
+                Ok(Some(id)) => Ok(id),
+                Ok(None) => {
+                    sqlx::query_scalar(
+                        "SELECT id FROM points_awards WHERE client = $1 AND idem_key = $2",
+                    )
+                    .bind(&client)
+                    .bind(key.as_deref())
+                    .fetch_one(p)
+                    .await
+                }
+                Err(e) => Err(e),
+            }
         }
         PointsDb::Sqlite(p) => {
-            sqlx::query_scalar("INSERT INTO points_awards (client, order_id, payment_id, points) VALUES (?1, ?2, ?3, ?4) RETURNING id")
-                .bind(&client)
-                .bind(&req.order_id)
-                .bind(&req.payment_id)
-                .bind(req.points)
-                .fetch_one(p)
-                .await
+            let inserted = sqlx::query_scalar(
+                "INSERT INTO points_awards (client, order_id, payment_id, points, idem_key) VALUES (?1, ?2, ?3, ?4, ?5) \
+                 ON CONFLICT (client, idem_key) DO NOTHING RETURNING id",
+            )
+            .bind(&client)
+            .bind(&req.order_id)
+            .bind(&req.payment_id)
+            .bind(req.points)
+            .bind(key.as_deref())
+            .fetch_optional(p)
+            .await;
+            match inserted {
+                Ok(Some(id)) => Ok(id),
+                Ok(None) => {
+                    sqlx::query_scalar(
+                        "SELECT id FROM points_awards WHERE client = ?1 AND idem_key = ?2",
+                    )
+                    .bind(&client)
+                    .bind(key.as_deref())
+                    .fetch_one(p)
+                    .await
+                }
+                Err(e) => Err(e),
+            }
         }
     };
     match id {
@@ -228,7 +289,7 @@ pub fn router<S: IdempotencyStore>(db: PointsDb, keys: S, config: IdempotencyCon
     Router::new()
         .route("/awards", post(award))
         .route_layer(Idempotency::new(keys, config).layer())
-        .route("/keyless/awards", post(award))
+        .route("/keyless/awards", post(award_keyless))
         .route("/awards/by-payment/{payment_id}", get(by_payment))
         .route("/awards/by-payment/{payment_id}/reversal", post(reverse))
         .with_state(db)

@@ -1,0 +1,223 @@
+//! The demo's databases and broker: SQLite files and librdkafka's mock cluster by default, or a
+//! PostgreSQL server (three fresh databases per run) and real brokers.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use idem_core::TableNames;
+use idem_kafka::EmbeddedCluster;
+
+/// One database role of the reference pipeline.
+#[derive(Clone, Debug)]
+pub enum Pool {
+    Pg(sqlx::PgPool),
+    Lite(sqlx::SqlitePool),
+}
+
+impl Pool {
+    pub async fn scalar(&self, sql: &str) -> anyhow::Result<i64> {
+        Ok(match self {
+            Pool::Pg(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await?,
+            Pool::Lite(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await?,
+        })
+    }
+
+    pub async fn exec(&self, sql: &str) -> anyhow::Result<u64> {
+        Ok(match self {
+            Pool::Pg(p) => sqlx::query(sql).execute(p).await?.rows_affected(),
+            Pool::Lite(p) => sqlx::query(sql).execute(p).await?.rows_affected(),
+        })
+    }
+}
+
+/// The three databases.
+pub struct Databases {
+    pub orders: Pool,
+    pub settlement: Pool,
+    pub points: Pool,
+    /// URLs, for `idem verify`.
+    pub urls: [String; 3],
+    /// PostgreSQL: the server to drop the databases from, and their names.
+    drop_on_exit: Option<(String, Vec<String>)>,
+    /// SQLite: the directory (deleted on drop unless kept).
+    _dir: Option<tempfile::TempDir>,
+    pub location: String,
+}
+
+fn pg_url_with_db(server: &str, db: &str) -> anyhow::Result<String> {
+    // postgres://user@host:port/dbname?params → swap dbname.
+    let (head, params) = match server.split_once('?') {
+        Some((h, p)) => (h, Some(p)),
+        None => (server, None),
+    };
+    let scheme_end = head.find("://").context("a postgres:// URL")? + 3;
+    let base = match head[scheme_end..].find('/') {
+        Some(slash) => &head[..scheme_end + slash],
+        None => head,
+    };
+    Ok(match params {
+        Some(p) => format!("{base}/{db}?{p}"),
+        None => format!("{base}/{db}"),
+    })
+}
+
+impl Databases {
+    /// Fresh databases: SQLite files under `dir` (or a temporary directory), or three new
+    /// databases on the PostgreSQL server of `pg`.
+    pub async fn create(
+        pg: Option<&str>,
+        dir: Option<PathBuf>,
+        run: &str,
+        tables: &TableNames,
+    ) -> anyhow::Result<Self> {
+        let dbs = match pg {
+            Some(server) => {
+                if !(server.starts_with("postgres://") || server.starts_with("postgresql://")) {
+                    bail!("--db must be a postgres:// URL (the SQLite default needs no --db)");
+                }
+                let admin = idem_postgres::connect(server, 1).await?;
+                let mut names = vec![];
+                let mut urls = vec![];
+                for role in ["orders", "settlement", "points"] {
+                    let name = format!("idem_demo_{run}_{role}");
+                    sqlx::query(&format!("CREATE DATABASE \"{name}\""))
+                        .execute(&admin)
+                        .await
+                        .with_context(|| format!("creating database {name}"))?;
+                    urls.push(pg_url_with_db(server, &name)?);
+                    names.push(name);
+                }
+                admin.close().await;
+                let mut pools = vec![];
+                for url in &urls {
+                    let pool = idem_postgres::connect(url, 8).await?;
+                    idem_postgres::migrate(&pool, tables).await?;
+                    idem_reference::ensure_schema_postgres(&pool).await?;
+                    pools.push(Pool::Pg(pool));
+                }
+                let [orders, settlement, points]: [Pool; 3] = pools
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("three pools"))?;
+                Databases {
+                    orders,
+                    settlement,
+                    points,
+                    location: format!("PostgreSQL databases idem_demo_{run}_*"),
+                    urls: urls.try_into().map_err(|_| anyhow::anyhow!("three URLs"))?,
+                    drop_on_exit: Some((server.to_owned(), names)),
+                    _dir: None,
+                }
+            }
+            None => {
+                let (path, temp) = match dir {
+                    Some(d) => {
+                        std::fs::create_dir_all(&d)
+                            .with_context(|| format!("creating {}", d.display()))?;
+                        (d, None)
+                    }
+                    None => {
+                        let t = tempfile::Builder::new().prefix("idem-demo-").tempdir()?;
+                        (t.path().to_owned(), Some(t))
+                    }
+                };
+                let mut pools = vec![];
+                let mut urls = vec![];
+                for role in ["orders", "settlement", "points"] {
+                    let file = path.join(format!("{role}-{run}.db"));
+                    let url = format!("sqlite://{}", file.display());
+                    let pool = idem_sqlite::connect(&url).await?;
+                    idem_sqlite::migrate(&pool, tables).await?;
+                    idem_reference::ensure_schema_sqlite(&pool).await?;
+                    pools.push(Pool::Lite(pool));
+                    urls.push(url);
+                }
+                let [orders, settlement, points]: [Pool; 3] = pools
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("three pools"))?;
+                Databases {
+                    orders,
+                    settlement,
+                    points,
+                    location: format!("SQLite files in {}", path.display()),
+                    urls: urls.try_into().map_err(|_| anyhow::anyhow!("three URLs"))?,
+                    drop_on_exit: None,
+                    _dir: temp,
+                }
+            }
+        };
+        Ok(dbs)
+    }
+
+    /// Drops the PostgreSQL databases (SQLite files go with their temporary directory).
+    pub async fn cleanup(self, keep: bool) -> anyhow::Result<()> {
+        for p in [&self.orders, &self.settlement, &self.points] {
+            match p {
+                Pool::Pg(p) => p.close().await,
+                Pool::Lite(p) => p.close().await,
+            }
+        }
+        if keep {
+            if let Some(dir) = self._dir {
+                let kept = dir.keep();
+                eprintln!("idem demo: kept the databases in {}", kept.display());
+            } else {
+                eprintln!("idem demo: kept the {}", self.location);
+            }
+            return Ok(());
+        }
+        if let Some((server, names)) = self.drop_on_exit {
+            let admin = idem_postgres::connect(&server, 1).await?;
+            for name in names {
+                sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                    .execute(&admin)
+                    .await
+                    .with_context(|| format!("dropping database {name}"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The broker: the in-process mock cluster, or the brokers given.
+pub struct Broker {
+    pub servers: String,
+    _embedded: Option<EmbeddedCluster>,
+}
+
+impl Broker {
+    pub async fn start(brokers: &str, topic: &str, partitions: i32) -> anyhow::Result<Self> {
+        if brokers == idem_kafka::EMBEDDED {
+            let cluster = EmbeddedCluster::start(1)?;
+            cluster.create_topic(topic, partitions)?;
+            Ok(Broker {
+                servers: cluster.bootstrap_servers(),
+                _embedded: Some(cluster),
+            })
+        } else {
+            idem_kafka::ensure_topics(brokers, &[topic.to_owned()], partitions, 1)
+                .await
+                .with_context(|| format!("creating topic {topic} on {brokers}"))?;
+            Ok(Broker {
+                servers: brokers.to_owned(),
+                _embedded: None,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pg_url_with_db;
+
+    #[test]
+    fn database_names_are_swapped_into_the_server_url() {
+        assert_eq!(
+            pg_url_with_db("postgres://u@h:5432/postgres", "x").unwrap(),
+            "postgres://u@h:5432/x"
+        );
+        assert_eq!(
+            pg_url_with_db("postgres://u@h?sslmode=disable", "x").unwrap(),
+            "postgres://u@h/x?sslmode=disable"
+        );
+    }
+}
