@@ -20,8 +20,8 @@ pub use inbox::{
     DeadLetter, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, Source, StoredDeadLetter,
 };
 pub use outbox::{
-    Claim, ClaimRequest, Completed, Failure, OutboxRecord, OutboxStatus, OutboxStore, Outcome,
-    ParkedRow, PrunePolicy,
+    Backlog, Claim, ClaimRequest, Completed, Failure, OutboxRecord, OutboxStatus, OutboxStore,
+    Outcome, ParkedRow, PrunePolicy,
 };
 pub use publish::{FailureKind, Message, PublishError, Publisher};
 pub use tables::TableNames;
