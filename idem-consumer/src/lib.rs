@@ -81,6 +81,8 @@ pub struct ConsumerConfig {
     pub retry_backoff: Duration,
     /// Longest retry backoff.
     pub retry_backoff_max: Duration,
+    /// How often `idem_consumer_lag` is measured (when the source can measure it).
+    pub lag_interval: Duration,
 }
 
 impl ConsumerConfig {
@@ -95,6 +97,7 @@ impl ConsumerConfig {
             max_batch_retries: 20,
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(30),
+            lag_interval: Duration::from_secs(5),
         }
     }
 }
@@ -265,6 +268,7 @@ where
     /// it cannot skip that batch by running on: a new consumer resumes from the committed offset.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
+        let _lag = self.spawn_lag_gauge();
         let mut backoff = Duration::from_millis(100);
         loop {
             let batch = tokio::select! {
@@ -285,6 +289,28 @@ where
                 }
             }
         }
+    }
+
+    /// Measures the source's lag every `lag_interval` into `idem_consumer_lag`, on a task of its
+    /// own so the gauge moves while a batch is retried or the source waits; stopped when the
+    /// returned guard is dropped.
+    fn spawn_lag_gauge(&self) -> Option<AbortOnDrop> {
+        let probe = self.source.lag_probe()?;
+        let (metrics, group, every) = (
+            self.metrics.clone(),
+            self.config.group.clone(),
+            self.config.lag_interval,
+        );
+        Some(AbortOnDrop(tokio::spawn(async move {
+            loop {
+                let p = probe.clone();
+                match tokio::task::spawn_blocking(move || p()).await {
+                    Ok(lags) => metrics.set_lag(&group, &lags),
+                    Err(e) => tracing::warn!(error = %e, "measuring the consumer lag failed"),
+                }
+                tokio::time::sleep(every).await;
+            }
+        })))
     }
 
     /// Applies one batch and commits its offsets. Public for tests and embedding.
@@ -394,6 +420,7 @@ where
             }
         };
 
+        let committed_at = std::time::SystemTime::now();
         // Counted only now: rolled-back attempts changed nothing.
         for (u, dedup) in uniques.iter().zip(&outcome) {
             let l = labels(&self.config.group, u.event);
@@ -406,6 +433,13 @@ where
                 }
                 Dedup::New => {
                     self.metrics.processed.with_label_values(&l).inc();
+                    if let Some(published) = u.delivery.timestamp {
+                        let waited = committed_at.duration_since(published).unwrap_or_default();
+                        self.metrics
+                            .publish_to_processed
+                            .with_label_values(&l)
+                            .observe(waited.as_secs_f64());
+                    }
                     report.processed += 1;
                 }
                 Dedup::Duplicate => {}
@@ -637,6 +671,15 @@ where
             .await
             .map_err(|e| Attempt::Transient(None, e))?;
         Ok((results, found))
+    }
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -140,6 +140,7 @@ fn record(offset: i64, id: EventId, payload: &str) -> Delivery {
             ("idem_aggregate_type".into(), "order".into()),
             ("idem_aggregate_id".into(), "o-1".into()),
         ],
+        timestamp: Some(std::time::SystemTime::now()),
     }
 }
 
@@ -162,6 +163,25 @@ async fn the_same_event_twice_is_applied_once_and_counted() {
         2,
         "both batches' offsets committed"
     );
+    let latency = f
+        .consumer
+        .metrics()
+        .publish_to_processed
+        .with_label_values(&["outbox.event.order", "settlement", "order.paid", "order"]);
+    assert_eq!(
+        latency.get_sample_count(),
+        1,
+        "the applied event is timed, the skipped copy is not"
+    );
+}
+
+#[test]
+fn the_lag_gauge_drops_topics_no_longer_assigned_to_zero() {
+    let m = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
+    m.set_lag("g", &[("a".into(), 5), ("b".into(), 7)]);
+    m.set_lag("g", &[("b".into(), 2)]);
+    assert_eq!(m.lag.with_label_values(&["a", "g"]).get(), 0);
+    assert_eq!(m.lag.with_label_values(&["b", "g"]).get(), 2);
 }
 
 #[tokio::test]

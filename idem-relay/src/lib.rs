@@ -12,7 +12,7 @@ use idem_core::outbox::{ClaimRequest, Completed, Failure, OutboxRecord, Outcome,
 use idem_core::publish::{FailureKind, Message, PublishError, Publisher};
 use idem_core::{Error, OutboxStore, Result};
 
-pub use metrics::{LATENCY_BUCKETS, RelayMetrics};
+pub use metrics::RelayMetrics;
 
 /// Default topic prefix, Debezium's outbox convention: `outbox.event.<aggregate_type>`.
 pub const DEFAULT_TOPIC_PREFIX: &str = "outbox.event.";

@@ -55,12 +55,6 @@ pub struct RelayMetrics {
 const LABELS: &[&str] = &["topic", "event_type", "aggregate_type"];
 const BACKLOG_LABELS: &[&str] = &["aggregate_type"];
 
-/// Buckets of the end-to-end latency histograms, in seconds: from the idle relay's poll
-/// interval up to a backlog of a quarter of an hour.
-pub const LATENCY_BUCKETS: &[f64] = &[
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
-];
-
 impl RelayMetrics {
     /// Creates the metrics and registers them in `registry`.
     pub fn new(registry: &Registry) -> Result<Self> {
@@ -124,7 +118,7 @@ impl RelayMetrics {
                     "idem_outbox_commit_to_publish_seconds",
                     "Time from an outbox row's created_at to the broker's acknowledgement of the publish that marked it.",
                 )
-                .buckets(LATENCY_BUCKETS.to_vec()),
+                .buckets(idem_core::metrics::LATENCY_BUCKETS.to_vec()),
                 LABELS,
             )
             .map_err(reg_err)?,
