@@ -14,6 +14,8 @@ use idem_core::{
     Result, Source,
 };
 use sha2::{Digest, Sha256};
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 pub use metrics::{ConsumerMetrics, total};
 
@@ -588,20 +590,19 @@ where
         apply.sort_by(|a, b| a.0.cmp(&b.0)); // stable: one key keeps its delivery order
         let mut found: Vec<(EventId, String)> = vec![];
         for (_, u) in &apply {
-            let span = tracing::debug_span!(
-                "idem.handle",
-                event_id = %u.event.event_id,
-                event_type = %u.event.event_type,
-                traceparent = u.event.traceparent.as_deref().unwrap_or(""),
-            );
-            let _enter = span.enter();
+            let span = handle_span(u.event);
             if isolate {
                 self.inbox
                     .savepoint(&mut *tx)
                     .await
                     .map_err(|e| Attempt::Transient(None, e))?;
             }
-            match self.handler.handle(&mut *tx, u.event).await {
+            match self
+                .handler
+                .handle(&mut *tx, u.event)
+                .instrument(span)
+                .await
+            {
                 Ok(()) if isolate => {
                     self.inbox
                         .release_savepoint(&mut *tx)
@@ -672,6 +673,38 @@ where
             .map_err(|e| Attempt::Transient(None, e))?;
         Ok((results, found))
     }
+}
+
+/// The span the handler runs in for one event: `idem.handle`, a consumer span whose parent is
+/// the remote context of the event's `traceparent` (captured at enqueue, carried in the Kafka
+/// header), so an OpenTelemetry exporter links the handler to the trace that produced the
+/// event. Without a `tracing-opentelemetry` layer the parent is simply not recorded.
+fn handle_span(event: &InboundEvent) -> tracing::Span {
+    let span = tracing::info_span!(
+        "idem.handle",
+        otel.kind = "consumer",
+        event_id = %event.event_id,
+        event_type = %event.event_type,
+        messaging.destination.name = %event.topic,
+    );
+    if let Some(cx) = event
+        .traceparent
+        .as_deref()
+        .and_then(idem_core::trace::remote_context)
+    {
+        // Fails only when no OpenTelemetry layer is installed: nothing to link then.
+        let _ = span.set_parent(cx);
+    }
+    span
+}
+
+/// The `traceparent` an effect recorded by a handler should carry (see the effect stage): the
+/// context of the consumer span the handler runs in, when an OpenTelemetry layer is installed,
+/// so the outbound HTTP call is a child of it; otherwise the event's own `traceparent`. Either
+/// way the trace id is the one captured at enqueue.
+pub fn effect_traceparent(event: &InboundEvent) -> Option<String> {
+    idem_core::trace::traceparent_of(&tracing::Span::current().context())
+        .or_else(|| event.traceparent.clone())
 }
 
 /// Aborts a background task when dropped.
