@@ -5,13 +5,12 @@
 //! every counter must equal the number the script produced, exactly.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use idem_conformance::backend::{Backend, OpenTx, Pg};
-use idem_conformance::process::eventually;
+use idem_conformance::process::{eventually, metric_value as value};
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError};
 use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
 use idem_core::{Error, Event, InboundEvent, Message, Publisher};
@@ -66,51 +65,13 @@ fn paid_order(n: u64) -> Event {
         .unwrap()
 }
 
-/// One sample of a scrape: metric name, labels, value.
-type Sample = (String, BTreeMap<String, String>, f64);
-
-/// Scrapes `registry` as a Prometheus server would and parses the text format back.
-fn scrape(registry: &Registry) -> Vec<Sample> {
+/// Scrapes `registry` as a Prometheus server would: the text exposition format.
+fn scrape(registry: &Registry) -> String {
     let mut buf = vec![];
     TextEncoder::new()
         .encode(&registry.gather(), &mut buf)
         .unwrap();
-    let text = String::from_utf8(buf).unwrap();
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| {
-            let (series, value) = l.rsplit_once(' ').unwrap();
-            let (name, labels) = match series.split_once('{') {
-                Some((n, rest)) => (n, rest.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            let labels = labels
-                .split("\",")
-                .filter(|p| !p.is_empty())
-                .map(|p| {
-                    let (k, v) = p.split_once('=').unwrap();
-                    (k.to_owned(), v.trim_matches('"').to_owned())
-                })
-                .collect();
-            (name.to_owned(), labels, value.parse().unwrap())
-        })
-        .collect()
-}
-
-/// The sum of `name` over the series whose labels include `labels`; `None` if no series has
-/// that name at all (so a metric that was never exported cannot pass for a zero).
-fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    let matching: Vec<f64> = samples
-        .iter()
-        .filter(|(n, l, _)| {
-            n == name
-                && labels
-                    .iter()
-                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
-        })
-        .map(|(_, _, v)| *v)
-        .collect();
-    (!matching.is_empty()).then(|| matching.iter().sum())
+    String::from_utf8(buf).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
