@@ -7,7 +7,7 @@ use std::time::Duration;
 use idem_conformance::backend::Pg;
 use idem_conformance::process::eventually;
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, total};
-use idem_core::{EventId, InboxStore, Message, Publisher, TableNames};
+use idem_core::{EventId, InboxStore, Message, Publisher, Source, TableNames};
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config};
 use idem_postgres::PgInbox;
 use idem_reference::{PaidOrder, Settlement};
@@ -298,5 +298,39 @@ async fn one_payment_under_two_event_ids_converges_to_one_settlement() {
         scalar(&s, "SELECT count(*) FROM settlements").await,
         1,
         "the unique payment_id converges them"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lag_probe_counts_what_the_member_has_not_read_yet() {
+    let s = setup().await;
+    let msgs: Vec<Message> = (1..=10).map(|n| paid(n).1).collect();
+    assert!(s.publisher.publish(&msgs).await.iter().all(Result::is_ok));
+    let mut source = KafkaSource::new(
+        &consumer_config(&s.brokers, "lag", &[]).unwrap(),
+        &[TOPIC.to_owned()],
+    )
+    .unwrap();
+    let probe = source.lag_probe().expect("a Kafka source measures its lag");
+    let measure = || {
+        let p = probe.clone();
+        async move { tokio::task::spawn_blocking(move || p()).await.unwrap() }
+    };
+    let first = source.next_batch(4, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(first.len(), 4);
+    assert_eq!(
+        measure().await,
+        vec![(TOPIC.to_owned(), 6)],
+        "ten published, four handed to the runtime (a partition not read yet counts from its start)"
+    );
+    let rest = source
+        .next_batch(100, Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(rest.len(), 6);
+    assert_eq!(measure().await, vec![(TOPIC.to_owned(), 0)]);
+    assert!(
+        first.iter().chain(&rest).all(|d| d.timestamp.is_some()),
+        "the producer stamps every record"
     );
 }

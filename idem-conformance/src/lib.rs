@@ -29,6 +29,7 @@ macro_rules! conformance_tests {
             claims_never_share_an_aggregate,
             stale_claim_cannot_mark,
             failed_rows_back_off_and_park,
+            backlog_counts_pending_and_parked_rows_per_aggregate_type,
             prune_deletes_or_archives_published_rows,
             migrate_is_idempotent,
             custom_table_prefix_is_used,

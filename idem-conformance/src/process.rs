@@ -153,7 +153,14 @@ pub fn http_get(addr: SocketAddr, path: &str) -> String {
 
 /// Sums the samples of metric `name` whose label set contains every `labels` pair.
 pub fn metric_sum(body: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    body.lines()
+    metric_value(body, name, labels).unwrap_or(0.0)
+}
+
+/// Like [`metric_sum`], but `None` when no sample matches, so a metric that was never exported
+/// cannot pass for a zero.
+pub fn metric_value(body: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let values: Vec<f64> = body
+        .lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
         .filter(|l| {
@@ -162,7 +169,8 @@ pub fn metric_sum(body: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
                 .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
 }
 
 /// Polls `check` until it returns `Some`, failing after `timeout`. For waiting on *state*

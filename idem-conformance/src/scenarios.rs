@@ -453,6 +453,71 @@ pub async fn failed_rows_back_off_and_park<B: Backend>(b: &B) {
     assert_eq!(b.store().status().await.unwrap().parked, 0);
 }
 
+/// The relay's backlog gauges: pending and parked rows per aggregate type, published rows not
+/// counted, drained types absent.
+pub async fn backlog_counts_pending_and_parked_rows_per_aggregate_type<B: Backend>(b: &B) {
+    assert!(b.store().backlog().await.unwrap().is_empty());
+    let customer = |i: usize| {
+        Event::builder("customer", format!("c-{i}"), "customer.created")
+            .payload(&serde_json::json!({ "n": i }))
+            .build()
+            .unwrap()
+    };
+    let mut tx = b.begin().await;
+    tx.enqueue(&[
+        event("o-1", 0),
+        event("o-2", 0),
+        event("o-3", 0),
+        customer(1),
+    ])
+    .await
+    .unwrap();
+    tx.commit().await;
+    let claim = b.store().claim(&req("r", 10)).await.unwrap();
+    let ids_of = |t: &str| -> Vec<i64> {
+        claim
+            .records
+            .iter()
+            .filter(|r| r.aggregate_type == t)
+            .map(|r| r.id)
+            .collect()
+    };
+    let (order_ids, customer_ids) = (ids_of("order"), ids_of("customer"));
+    // One order published, one parked, one released; the customer event published.
+    let failure = |id: i64, park: bool| Failure {
+        id,
+        reason: "scripted".into(),
+        backoff: Duration::ZERO,
+        park,
+        permanent: park,
+        attempted: true,
+    };
+    let outcome = Outcome {
+        published: vec![order_ids[0], customer_ids[0]],
+        failed: vec![failure(order_ids[1], true), failure(order_ids[2], false)],
+    };
+    b.store().complete(&claim, &outcome).await.unwrap();
+    let backlog = b.store().backlog().await.unwrap();
+    assert_eq!(
+        backlog.len(),
+        1,
+        "the drained customer type is absent: {backlog:?}"
+    );
+    assert_eq!(
+        (
+            backlog[0].aggregate_type.as_str(),
+            backlog[0].pending,
+            backlog[0].parked
+        ),
+        ("order", 1, 1)
+    );
+    let age = backlog[0].oldest_pending_age_seconds.unwrap();
+    assert!((0.0..60.0).contains(&age), "age {age}");
+    assert_eq!(b.store().retry_parked(None).await.unwrap(), 1);
+    publish_all(b.store()).await;
+    assert!(b.store().backlog().await.unwrap().is_empty());
+}
+
 pub async fn prune_deletes_or_archives_published_rows<B: Backend>(b: &B) {
     let mut tx = b.begin().await;
     tx.enqueue(&[event("o-1", 0), event("o-2", 0), event("o-3", 0)])

@@ -14,6 +14,8 @@ use idem_core::{
     Result, Source,
 };
 use sha2::{Digest, Sha256};
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 pub use metrics::{ConsumerMetrics, total};
 
@@ -81,6 +83,8 @@ pub struct ConsumerConfig {
     pub retry_backoff: Duration,
     /// Longest retry backoff.
     pub retry_backoff_max: Duration,
+    /// How often `idem_consumer_lag` is measured (when the source can measure it).
+    pub lag_interval: Duration,
 }
 
 impl ConsumerConfig {
@@ -95,6 +99,7 @@ impl ConsumerConfig {
             max_batch_retries: 20,
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(30),
+            lag_interval: Duration::from_secs(5),
         }
     }
 }
@@ -265,6 +270,7 @@ where
     /// it cannot skip that batch by running on: a new consumer resumes from the committed offset.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
+        let _lag = self.spawn_lag_gauge();
         let mut backoff = Duration::from_millis(100);
         loop {
             let batch = tokio::select! {
@@ -285,6 +291,28 @@ where
                 }
             }
         }
+    }
+
+    /// Measures the source's lag every `lag_interval` into `idem_consumer_lag`, on a task of its
+    /// own so the gauge moves while a batch is retried or the source waits; stopped when the
+    /// returned guard is dropped.
+    fn spawn_lag_gauge(&self) -> Option<AbortOnDrop> {
+        let probe = self.source.lag_probe()?;
+        let (metrics, group, every) = (
+            self.metrics.clone(),
+            self.config.group.clone(),
+            self.config.lag_interval,
+        );
+        Some(AbortOnDrop(tokio::spawn(async move {
+            loop {
+                let p = probe.clone();
+                match tokio::task::spawn_blocking(move || p()).await {
+                    Ok(lags) => metrics.set_lag(&group, &lags),
+                    Err(e) => tracing::warn!(error = %e, "measuring the consumer lag failed"),
+                }
+                tokio::time::sleep(every).await;
+            }
+        })))
     }
 
     /// Applies one batch and commits its offsets. Public for tests and embedding.
@@ -394,6 +422,7 @@ where
             }
         };
 
+        let committed_at = std::time::SystemTime::now();
         // Counted only now: rolled-back attempts changed nothing.
         for (u, dedup) in uniques.iter().zip(&outcome) {
             let l = labels(&self.config.group, u.event);
@@ -406,6 +435,13 @@ where
                 }
                 Dedup::New => {
                     self.metrics.processed.with_label_values(&l).inc();
+                    if let Some(published) = u.delivery.timestamp {
+                        let waited = committed_at.duration_since(published).unwrap_or_default();
+                        self.metrics
+                            .publish_to_processed
+                            .with_label_values(&l)
+                            .observe(waited.as_secs_f64());
+                    }
                     report.processed += 1;
                 }
                 Dedup::Duplicate => {}
@@ -554,20 +590,19 @@ where
         apply.sort_by(|a, b| a.0.cmp(&b.0)); // stable: one key keeps its delivery order
         let mut found: Vec<(EventId, String)> = vec![];
         for (_, u) in &apply {
-            let span = tracing::debug_span!(
-                "idem.handle",
-                event_id = %u.event.event_id,
-                event_type = %u.event.event_type,
-                traceparent = u.event.traceparent.as_deref().unwrap_or(""),
-            );
-            let _enter = span.enter();
+            let span = handle_span(u.event);
             if isolate {
                 self.inbox
                     .savepoint(&mut *tx)
                     .await
                     .map_err(|e| Attempt::Transient(None, e))?;
             }
-            match self.handler.handle(&mut *tx, u.event).await {
+            match self
+                .handler
+                .handle(&mut *tx, u.event)
+                .instrument(span)
+                .await
+            {
                 Ok(()) if isolate => {
                     self.inbox
                         .release_savepoint(&mut *tx)
@@ -637,6 +672,47 @@ where
             .await
             .map_err(|e| Attempt::Transient(None, e))?;
         Ok((results, found))
+    }
+}
+
+/// The span the handler runs in for one event: `idem.handle`, a consumer span whose parent is
+/// the remote context of the event's `traceparent` (captured at enqueue, carried in the Kafka
+/// header), so an OpenTelemetry exporter links the handler to the trace that produced the
+/// event. Without a `tracing-opentelemetry` layer the parent is simply not recorded.
+fn handle_span(event: &InboundEvent) -> tracing::Span {
+    let span = tracing::info_span!(
+        "idem.handle",
+        otel.kind = "consumer",
+        event_id = %event.event_id,
+        event_type = %event.event_type,
+        messaging.destination.name = %event.topic,
+    );
+    if let Some(cx) = event
+        .traceparent
+        .as_deref()
+        .and_then(idem_core::trace::remote_context)
+    {
+        // Fails only when no OpenTelemetry layer is installed: nothing to link then.
+        let _ = span.set_parent(cx);
+    }
+    span
+}
+
+/// The `traceparent` an effect recorded by a handler should carry (see the effect stage): the
+/// context of the consumer span the handler runs in, when an OpenTelemetry layer is installed,
+/// so the outbound HTTP call is a child of it; otherwise the event's own `traceparent`. Either
+/// way the trace id is the one captured at enqueue.
+pub fn effect_traceparent(event: &InboundEvent) -> Option<String> {
+    idem_core::trace::traceparent_of(&tracing::Span::current().context())
+        .or_else(|| event.traceparent.clone())
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -1,6 +1,11 @@
 //! Consumer metrics. Labels: topic, consumer_group, event_type, aggregate_type; never ids.
 
-use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 use idem_core::{Error, Result};
 
@@ -21,6 +26,18 @@ pub struct ConsumerMetrics {
     pub dead_lettered: IntCounterVec,
     /// `idem_consumer_offset_commit_failures_total`.
     pub offset_commit_failures: IntCounter,
+    /// `idem_consumer_publish_to_processed_seconds{topic,consumer_group,event_type,aggregate_type}`:
+    /// for each event applied, the time from the Kafka record's timestamp (set when the relay's
+    /// producer sent it) to the commit of the transaction that applied it. Duplicates skipped
+    /// and dead letters are not observed; neither are records without a timestamp.
+    pub publish_to_processed: HistogramVec,
+    /// `idem_consumer_lag{topic,consumer_group}`: records between this member's position and the
+    /// high watermark, summed over its assigned partitions; refreshed every
+    /// `ConsumerConfig::lag_interval` while the consumer runs (also while it waits or retries).
+    /// Each member of a group exports its own share: sum over instances.
+    pub lag: IntGaugeVec,
+    /// Topics the lag gauge has shown, so a topic whose partitions were all revoked drops to 0.
+    lag_topics: Arc<Mutex<BTreeSet<String>>>,
 }
 
 const LABELS: &[&str] = &["topic", "consumer_group", "event_type", "aggregate_type"];
@@ -53,6 +70,24 @@ impl ConsumerMetrics {
                 "Offset commits that failed after the database commit (the batch may come back and be skipped).",
             )
             .map_err(reg_err)?,
+            publish_to_processed: HistogramVec::new(
+                HistogramOpts::new(
+                    "idem_consumer_publish_to_processed_seconds",
+                    "Time from a Kafka record's timestamp to the commit that applied its event.",
+                )
+                .buckets(idem_core::metrics::LATENCY_BUCKETS.to_vec()),
+                LABELS,
+            )
+            .map_err(reg_err)?,
+            lag: IntGaugeVec::new(
+                Opts::new(
+                    "idem_consumer_lag",
+                    "Records between this group member's position and the high watermark, over its assigned partitions.",
+                ),
+                &["topic", "consumer_group"],
+            )
+            .map_err(reg_err)?,
+            lag_topics: Arc::default(),
         };
         for c in [
             &m.processed,
@@ -67,7 +102,28 @@ impl ConsumerMetrics {
         registry
             .register(Box::new(m.offset_commit_failures.clone()))
             .map_err(reg_err)?;
+        registry
+            .register(Box::new(m.publish_to_processed.clone()))
+            .map_err(reg_err)?;
+        registry
+            .register(Box::new(m.lag.clone()))
+            .map_err(reg_err)?;
         Ok(m)
+    }
+
+    /// Sets `idem_consumer_lag` from a [`idem_core::LagProbe`] reading: the topics it lists get
+    /// their lag, topics shown before and now absent (no partition assigned) drop to 0.
+    pub fn set_lag(&self, group: &str, lags: &[(String, i64)]) {
+        let mut topics = self.lag_topics.lock().unwrap_or_else(|p| p.into_inner());
+        for gone in topics.iter().filter(|t| !lags.iter().any(|(l, _)| l == *t)) {
+            self.lag.with_label_values(&[gone.as_str(), group]).set(0);
+        }
+        for (topic, lag) in lags {
+            self.lag
+                .with_label_values(&[topic.as_str(), group])
+                .set(*lag);
+            topics.insert(topic.clone());
+        }
     }
 }
 

@@ -40,6 +40,8 @@ impl Source for ScriptedSource {
 struct Recorder {
     flaky: Arc<Mutex<u32>>,
     calls: Arc<Mutex<u32>>,
+    /// What `effect_traceparent` said inside each call.
+    effect_traceparents: Arc<Mutex<Vec<Option<String>>>>,
 }
 
 impl Handler<SqliteConnection> for Recorder {
@@ -49,6 +51,10 @@ impl Handler<SqliteConnection> for Recorder {
         e: &InboundEvent,
     ) -> std::result::Result<(), HandlerError> {
         *self.calls.lock().unwrap() += 1;
+        self.effect_traceparents
+            .lock()
+            .unwrap()
+            .push(effect_traceparent(e));
         if e.payload.get("poison").is_some() {
             return Err(HandlerError::permanent("the payload is poison"));
         }
@@ -140,6 +146,7 @@ fn record(offset: i64, id: EventId, payload: &str) -> Delivery {
             ("idem_aggregate_type".into(), "order".into()),
             ("idem_aggregate_id".into(), "o-1".into()),
         ],
+        timestamp: Some(std::time::SystemTime::now()),
     }
 }
 
@@ -162,6 +169,25 @@ async fn the_same_event_twice_is_applied_once_and_counted() {
         2,
         "both batches' offsets committed"
     );
+    let latency = f
+        .consumer
+        .metrics()
+        .publish_to_processed
+        .with_label_values(&["outbox.event.order", "settlement", "order.paid", "order"]);
+    assert_eq!(
+        latency.get_sample_count(),
+        1,
+        "the applied event is timed, the skipped copy is not"
+    );
+}
+
+#[test]
+fn the_lag_gauge_drops_topics_no_longer_assigned_to_zero() {
+    let m = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
+    m.set_lag("g", &[("a".into(), 5), ("b".into(), 7)]);
+    m.set_lag("g", &[("b".into(), 2)]);
+    assert_eq!(m.lag.with_label_values(&["a", "g"]).get(), 0);
+    assert_eq!(m.lag.with_label_values(&["b", "g"]).get(), 2);
 }
 
 #[tokio::test]
@@ -398,4 +424,62 @@ async fn a_failed_offset_commit_is_counted_and_the_redelivery_skipped() {
     let again = f.consumer.process(&[record(0, id, "{}")]).await.unwrap();
     assert_eq!((again.processed, again.duplicate_skips), (0, 1));
     assert_eq!(f.effects().await, 1);
+}
+
+#[tokio::test]
+async fn the_handler_span_continues_the_trace_captured_at_enqueue() {
+    use opentelemetry::trace::{SpanKind, TracerProvider as _};
+    use tracing_subscriber::layer::SubscriberExt;
+    const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const PRODUCER_SPAN: &str = "00f067aa0ba902b7";
+    let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("idem-test")));
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    let mut f = fixture().await;
+    let mut traced = record(0, EventId::new(), "{}");
+    traced.headers.push((
+        "traceparent".into(),
+        format!("00-{TRACE}-{PRODUCER_SPAN}-01"),
+    ));
+    let untraced = record(1, EventId::new(), "{}");
+    let r = f.consumer.process(&[traced, untraced]).await.unwrap();
+    assert_eq!(r.processed, 2);
+    provider.force_flush().unwrap();
+
+    let spans = exporter.get_finished_spans().unwrap();
+    let handled: Vec<_> = spans.iter().filter(|s| s.name == "idem.handle").collect();
+    assert_eq!(handled.len(), 2, "{spans:#?}");
+    let child = handled
+        .iter()
+        .find(|s| s.span_context.trace_id().to_string() == TRACE)
+        .expect("one handler span is in the enqueued trace");
+    assert_eq!(
+        child.parent_span_id.to_string(),
+        PRODUCER_SPAN,
+        "its parent is the producer's span"
+    );
+    assert_eq!(child.span_kind, SpanKind::Consumer);
+    let other = handled
+        .iter()
+        .find(|s| s.span_context.trace_id().to_string() != TRACE)
+        .unwrap();
+    assert_eq!(
+        other.parent_span_id,
+        opentelemetry::trace::SpanId::INVALID,
+        "an event without a traceparent starts its own trace"
+    );
+    // An effect recorded by the handler carries the handler span as its parent, in the same trace.
+    let seen = f.handler.effect_traceparents.lock().unwrap().clone();
+    assert!(
+        seen.contains(&Some(format!(
+            "00-{TRACE}-{}-01",
+            child.span_context.span_id()
+        ))),
+        "{seen:?}"
+    );
 }

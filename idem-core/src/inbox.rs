@@ -26,6 +26,10 @@ pub struct Delivery {
     pub payload: Option<Vec<u8>>,
     /// Headers in order (values lossy UTF-8).
     pub headers: Vec<(String, String)>,
+    /// The record's timestamp, if the broker gave one: the producer's create time (the relay's
+    /// producer stamps each record when it hands it to librdkafka), or the broker's append time
+    /// on topics with `message.timestamp.type=LogAppendTime`.
+    pub timestamp: Option<std::time::SystemTime>,
 }
 
 impl Delivery {
@@ -188,6 +192,11 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<StoredDeadLetter>>> + Send;
 }
 
+/// Measures one group member's consumer lag: per topic, the records between its position and
+/// the high watermark, summed over the partitions assigned to it. May block on the broker (call
+/// it off the async runtime); callable from any thread while the source is consuming.
+pub type LagProbe = std::sync::Arc<dyn Fn() -> Vec<(String, i64)> + Send + Sync>;
+
 /// Where records come from (a Kafka consumer group, in production).
 pub trait Source: Send {
     /// The next batch: waits for a first record, then collects up to `max` records for at most
@@ -202,4 +211,9 @@ pub trait Source: Send {
     /// Marks every record up to and including these (topic, partition, offset) as done and
     /// commits that position. Called only after the database commit.
     fn commit(&mut self, done: &[(String, i32, i64)]) -> impl Future<Output = Result<()>> + Send;
+
+    /// A probe of this member's consumer lag, if the source can measure it. Default: none.
+    fn lag_probe(&self) -> Option<LagProbe> {
+        None
+    }
 }

@@ -9,6 +9,7 @@ pub mod error;
 pub mod event;
 pub mod idempotency;
 pub mod inbox;
+pub mod metrics;
 pub mod outbox;
 pub mod publish;
 pub mod tables;
@@ -17,11 +18,12 @@ pub mod trace;
 pub use error::{BoxError, Error, Result};
 pub use event::{Event, EventBuilder, EventId};
 pub use inbox::{
-    DeadLetter, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, Source, StoredDeadLetter,
+    DeadLetter, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, LagProbe, Source,
+    StoredDeadLetter,
 };
 pub use outbox::{
-    Claim, ClaimRequest, Completed, Failure, OutboxRecord, OutboxStatus, OutboxStore, Outcome,
-    ParkedRow, PrunePolicy,
+    Backlog, Claim, ClaimRequest, Completed, Failure, OutboxRecord, OutboxStatus, OutboxStore,
+    Outcome, ParkedRow, PrunePolicy,
 };
 pub use publish::{FailureKind, Message, PublishError, Publisher};
 pub use tables::TableNames;

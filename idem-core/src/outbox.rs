@@ -129,6 +129,19 @@ pub struct OutboxStatus {
     pub oldest_pending_age_seconds: Option<f64>,
 }
 
+/// Pending and parked rows of one aggregate type: what the relay's backlog gauges show.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Backlog {
+    /// The aggregate type.
+    pub aggregate_type: String,
+    /// Rows waiting to be published.
+    pub pending: i64,
+    /// Rows parked after repeated permanent failures.
+    pub parked: i64,
+    /// Age in seconds of the oldest pending row (from its `created_at`), if any is pending.
+    pub oldest_pending_age_seconds: Option<f64>,
+}
+
 /// A parked row, for `idem outbox parked`.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct ParkedRow {
@@ -193,6 +206,11 @@ pub trait OutboxStore: Send + Sync + 'static {
 
     /// Counts rows by state.
     fn status(&self) -> impl Future<Output = Result<OutboxStatus>> + Send;
+
+    /// Pending and parked rows per aggregate type (types with neither are absent), ordered by
+    /// aggregate type. Reads only pending and parked rows, so it stays cheap however many
+    /// published rows wait for pruning; the relay runs it every status interval.
+    fn backlog(&self) -> impl Future<Output = Result<Vec<Backlog>>> + Send;
 
     /// Lists up to `limit` parked rows, oldest first.
     fn parked(&self, limit: u32) -> impl Future<Output = Result<Vec<ParkedRow>>> + Send;

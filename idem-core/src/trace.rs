@@ -2,15 +2,21 @@
 //!
 //! At enqueue time idem records the `traceparent` of the OpenTelemetry context that is current
 //! (see [`opentelemetry::Context::current`]); the relay forwards it as a Kafka header so the
-//! consumer's span can continue the same trace.
+//! consumer's span can continue the same trace ([`remote_context`]), and the effect stage sends
+//! it on the outbound HTTP request.
 
-use opentelemetry::trace::TraceContextExt;
+use opentelemetry::Context;
+use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
 
 use crate::error::{Error, Result};
 
 /// The `traceparent` of the current OpenTelemetry context, if it holds a valid span context.
 pub fn current_traceparent() -> Option<String> {
-    let cx = opentelemetry::Context::current();
+    traceparent_of(&Context::current())
+}
+
+/// The `traceparent` of `cx`, if it holds a valid span context.
+pub fn traceparent_of(cx: &Context) -> Option<String> {
     let span = cx.span();
     let sc = span.span_context();
     if !sc.is_valid() {
@@ -22,6 +28,25 @@ pub fn current_traceparent() -> Option<String> {
         sc.span_id(),
         sc.trace_flags().to_u8()
     ))
+}
+
+/// A context whose span is the remote parent named by `traceparent` (as a consumer receives it
+/// in a Kafka header), to start a child span under; `None` if it is not a valid W3C
+/// `traceparent`.
+pub fn remote_context(traceparent: &str) -> Option<Context> {
+    validate_traceparent(traceparent).ok()?;
+    let mut parts = traceparent.split('-').skip(1);
+    let trace_id = TraceId::from_hex(parts.next()?).ok()?;
+    let span_id = SpanId::from_hex(parts.next()?).ok()?;
+    let flags = u8::from_str_radix(parts.next()?, 16).ok()?;
+    let sc = SpanContext::new(
+        trace_id,
+        span_id,
+        TraceFlags::new(flags),
+        true,
+        TraceState::default(),
+    );
+    Some(Context::new().with_remote_span_context(sc))
 }
 
 /// Checks the W3C form `00-<32 hex>-<16 hex>-<2 hex>` with non-zero ids.
@@ -83,6 +108,15 @@ mod tests {
             current_traceparent().as_deref(),
             Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
         );
+    }
+
+    #[test]
+    fn a_received_traceparent_becomes_a_remote_parent() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let cx = remote_context(tp).unwrap();
+        assert!(cx.span().span_context().is_remote());
+        assert_eq!(traceparent_of(&cx).as_deref(), Some(tp));
+        assert!(remote_context("00-nonsense").is_none());
     }
 
     #[test]

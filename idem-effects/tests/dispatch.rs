@@ -31,6 +31,7 @@ enum Fault {
 struct Faults {
     next: Arc<Mutex<Fault>>,
     keys_seen: Arc<Mutex<Vec<String>>>,
+    traceparents_seen: Arc<Mutex<Vec<String>>>,
 }
 
 async fn faults(State(f): State<Faults>, req: Request, next: Next) -> Response {
@@ -39,6 +40,12 @@ async fn faults(State(f): State<Faults>, req: Request, next: Next) -> Response {
             .lock()
             .unwrap()
             .push(k.to_str().unwrap().to_owned());
+    }
+    if let Some(tp) = req.headers().get("traceparent") {
+        f.traceparents_seen
+            .lock()
+            .unwrap()
+            .push(tp.to_str().unwrap().to_owned());
     }
     let fault = std::mem::replace(&mut *f.next.lock().unwrap(), Fault::None);
     match fault {
@@ -78,6 +85,7 @@ async fn world_with(path: &str, policy: impl Fn(&str) -> EffectPolicy) -> World 
     let faults = Faults {
         next: Arc::new(Mutex::new(Fault::None)),
         keys_seen: Arc::new(Mutex::new(vec![])),
+        traceparents_seen: Arc::new(Mutex::new(vec![])),
     };
     let app = router(
         PointsDb::Sqlite(server_pool.clone()),
@@ -119,12 +127,16 @@ async fn faults_mw(state: State<Faults>, req: Request, next: Next) -> Response {
 
 impl World {
     async fn record(&self, points: i64) -> EffectIntent {
+        self.record_traced(points, None).await
+    }
+
+    async fn record_traced(&self, points: i64, traceparent: Option<&str>) -> EffectIntent {
         let intent = EffectIntent {
             event_id: EventId::new(),
             effect: "points.award".into(),
             target: self.target.clone(),
             body: serde_json::json!({"order_id": "order-1", "payment_id": "pay-1", "points": points}),
-            traceparent: None,
+            traceparent: traceparent.map(str::to_owned),
         };
         let mut tx = self.client_db.begin().await;
         assert!(tx.record_intent(&intent).await.unwrap());
@@ -404,5 +416,22 @@ async fn a_compensation_reverses_an_unknown_award_before_it_is_sent_again() {
             .with_label_values(&["points.award", &seen_host(&w.target), "ok"])
             .get(),
         1
+    );
+}
+
+#[tokio::test]
+async fn every_attempt_carries_the_traceparent_recorded_with_the_intent() {
+    let w = world().await;
+    // As the consumer records it: the trace captured at enqueue, the handler span as parent.
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
+    w.record_traced(10, Some(tp)).await;
+    *w.faults.next.lock().unwrap() = Fault::Unavailable;
+    assert_eq!(w.dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(w.dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(w.awards().await, 1);
+    assert_eq!(
+        *w.faults.traceparents_seen.lock().unwrap(),
+        vec![tp.to_owned(); 2],
+        "the failed attempt and the retry both continue the event's trace"
     );
 }

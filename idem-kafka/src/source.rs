@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idem_core::{Delivery, Error, Result, Source};
+use idem_core::{Delivery, Error, LagProbe, Result, Source};
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
@@ -163,7 +163,54 @@ fn to_delivery(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivery {
         key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
         payload: m.payload().map(<[u8]>::to_vec),
         headers: crate::inspect::headers_of(m),
+        timestamp: m
+            .timestamp()
+            .to_millis()
+            .and_then(|ms| u64::try_from(ms).ok())
+            .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms)),
     }
+}
+
+/// How long the lag probe waits for one broker answer.
+const LAG_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// This member's lag per topic: for each assigned partition, the high watermark minus the
+/// position (the next offset the member will hand to the runtime), summed per topic. A partition
+/// the member has read nothing from yet counts from the group's committed offset, or, with none,
+/// from the low watermark (idem's `auto.offset.reset=earliest`). Partitions whose watermarks
+/// cannot be read within [`LAG_TIMEOUT`] are left out. One watermark request per assigned
+/// partition: call it every few seconds, not per batch.
+fn lag<C: ConsumerContext>(consumer: &StreamConsumer<C>) -> Vec<(String, i64)> {
+    let Ok(assignment) = consumer.assignment() else {
+        return vec![];
+    };
+    let offset_of = |tpl: &TopicPartitionList, topic: &str, partition: i32| {
+        tpl.find_partition(topic, partition)
+            .and_then(|e| match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            })
+    };
+    let positions = consumer.position().unwrap_or_default();
+    let mut committed: Option<TopicPartitionList> = None;
+    let mut by_topic: std::collections::BTreeMap<String, i64> = Default::default();
+    for e in assignment.elements() {
+        let (topic, partition) = (e.topic(), e.partition());
+        let total = by_topic.entry(topic.to_owned()).or_insert(0);
+        let Ok((low, high)) = consumer.fetch_watermarks(topic, partition, LAG_TIMEOUT) else {
+            continue;
+        };
+        let position = offset_of(&positions, topic, partition).or_else(|| {
+            let c = committed.get_or_insert_with(|| {
+                consumer
+                    .committed_offsets(assignment.clone(), LAG_TIMEOUT)
+                    .unwrap_or_default()
+            });
+            offset_of(c, topic, partition)
+        });
+        *total += (high - position.unwrap_or(low)).max(0);
+    }
+    by_topic.into_iter().collect()
 }
 
 impl KafkaSource {
@@ -240,6 +287,11 @@ impl Source for KafkaSource {
             .await
             .map_err(|e| Error::broker("committing offsets", e))?
             .map_err(|e| Error::broker("committing offsets", e))
+    }
+
+    fn lag_probe(&self) -> Option<LagProbe> {
+        let consumer = self.consumer.clone();
+        Some(Arc::new(move || lag(&consumer)))
     }
 }
 

@@ -34,8 +34,8 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use idem_core::outbox::{
-    Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow, PrunePolicy,
-    headers_from_json, sort_records,
+    Backlog, Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow,
+    PrunePolicy, headers_from_json, sort_records,
 };
 use idem_core::{Error, Event, EventId, OutboxStore, Result, TableNames};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
@@ -83,6 +83,7 @@ struct Queries {
     prune_delete: String,
     prune_archive: String,
     status: String,
+    backlog: String,
     parked: String,
     retry_parked: String,
     inbox_record: String,
@@ -114,6 +115,7 @@ impl Queries {
             prune_delete: r(include_str!("../sql/prune_delete.sql")),
             prune_archive: r(include_str!("../sql/prune_archive.sql")),
             status: r(include_str!("../sql/status.sql")),
+            backlog: r(include_str!("../sql/backlog.sql")),
             parked: r(include_str!("../sql/parked.sql")),
             retry_parked: r(include_str!("../sql/retry_parked.sql")),
             inbox_record: r(include_str!("../sql/inbox_record.sql")),
@@ -524,6 +526,24 @@ impl OutboxStore for PgStore {
                 .try_get("oldest_pending_age")
                 .map_err(|e| Error::database("decoding status", e))?,
         })
+    }
+
+    async fn backlog(&self) -> Result<Vec<Backlog>> {
+        let rows = sqlx::query(&self.q().backlog)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("counting the outbox backlog", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(Backlog {
+                    aggregate_type: r.try_get("aggregate_type")?,
+                    pending: r.try_get("pending")?,
+                    parked: r.try_get("parked")?,
+                    oldest_pending_age_seconds: r.try_get("oldest_pending_age")?,
+                })
+            })
+            .collect::<std::result::Result<_, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding the outbox backlog", e))
     }
 
     async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
@@ -1117,6 +1137,7 @@ mod tests {
             &q.prune_delete,
             &q.prune_archive,
             &q.status,
+            &q.backlog,
             &q.parked,
             &q.retry_parked,
             &q.inbox_record,

@@ -305,7 +305,7 @@ impl<I> Settlement<I> {
                     "payment_id": paid.payment_id,
                     "points": points_for(paid.amount.minor),
                 }),
-                traceparent: event.traceparent.clone(),
+                traceparent: idem_consumer::effect_traceparent(event),
             },
         ))
     }

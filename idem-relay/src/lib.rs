@@ -214,6 +214,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             return Ok(report);
         }
         let delivered = self.publisher.publish(&messages).await;
+        let reported_at = chrono::Utc::now();
         for (i, res) in sent_index.into_iter().zip(delivered) {
             results[i] = Some(res);
         }
@@ -234,7 +235,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             });
         }
         // Labels of rows to count as published once the mark has committed.
-        let mut acked: Vec<([&str; 3], bool)> = Vec::with_capacity(records.len());
+        let mut acked: Vec<([&str; 3], &OutboxRecord)> = Vec::with_capacity(records.len());
         let mut blocked: HashSet<(&str, &str)> = HashSet::new();
         for ((r, topic), res) in records.iter().zip(&topics).zip(results) {
             let key = (r.aggregate_type.as_str(), r.aggregate_id.as_str());
@@ -252,7 +253,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             match res {
                 Ok(()) if !blocked.contains(&key) => {
                     outcome.published.push(r.id);
-                    acked.push((labels, r.attempt > 1));
+                    acked.push((labels, r));
                 }
                 Ok(()) => {
                     outcome.failed.push(Failure {
@@ -311,9 +312,16 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         // Counted only for a mark that committed for the whole claim; fenced rows belong to
         // the relay that took the lease over, which counts them.
         if fenced == 0 {
-            for (labels, republished) in acked {
+            for (labels, r) in acked {
                 self.metrics.published.with_label_values(&labels).inc();
-                if republished {
+                let waited = (reported_at - r.created_at)
+                    .num_microseconds()
+                    .unwrap_or(i64::MAX);
+                self.metrics
+                    .commit_to_publish
+                    .with_label_values(&labels)
+                    .observe((waited as f64 / 1e6).max(0.0));
+                if r.attempt > 1 {
                     self.metrics.republished.with_label_values(&labels).inc();
                     report.republished += 1;
                 }
@@ -385,14 +393,11 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         }
     }
 
-    /// Refreshes the pending, parked and oldest-pending-age gauges.
+    /// Refreshes the pending, parked and oldest-pending-age gauges (per aggregate type) with
+    /// one [`OutboxStore::backlog`] query, which reads only pending and parked rows.
     pub async fn refresh_status(&self) -> Result<()> {
-        let s = self.store.status().await?;
-        self.metrics.pending.set(s.pending);
-        self.metrics.parked_rows.set(s.parked);
-        self.metrics
-            .oldest_pending_age
-            .set(s.oldest_pending_age_seconds.unwrap_or(0.0));
+        let backlog = self.store.backlog().await?;
+        self.metrics.set_backlog(&backlog);
         Ok(())
     }
 

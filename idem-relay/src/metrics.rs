@@ -1,7 +1,11 @@
 //! Relay metrics. Names are stable; labels are bounded (topic, event type, aggregate type).
 
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
 use prometheus::{
-    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry,
 };
 
 use idem_core::{Error, Result};
@@ -27,17 +31,29 @@ pub struct RelayMetrics {
     pub pruned: IntCounter,
     /// `idem_outbox_relay_errors_total`: failed cycles (database or broker errors).
     pub errors: IntCounter,
-    /// `idem_outbox_pending`: pending rows at the last status refresh.
-    pub pending: IntGauge,
-    /// `idem_outbox_parked`: parked rows at the last status refresh.
-    pub parked_rows: IntGauge,
-    /// `idem_outbox_oldest_pending_age_seconds`: age of the oldest pending row.
-    pub oldest_pending_age: Gauge,
+    /// `idem_outbox_pending{aggregate_type}`: pending rows at the last status refresh
+    /// (every `status_interval`, from [`idem_core::OutboxStore::backlog`]). Every relay of an
+    /// outbox exports the same value: aggregate with `max`, not `sum`.
+    pub pending: IntGaugeVec,
+    /// `idem_outbox_parked{aggregate_type}`: parked rows at the last status refresh.
+    pub parked_rows: IntGaugeVec,
+    /// `idem_outbox_oldest_pending_age_seconds{aggregate_type}`: age of the oldest pending row
+    /// (from its `created_at`) at the last status refresh; 0 when nothing is pending.
+    pub oldest_pending_age: GaugeVec,
     /// `idem_outbox_batch_seconds`: claim → publish → mark cycle duration.
     pub batch_seconds: Histogram,
+    /// `idem_outbox_commit_to_publish_seconds{topic,event_type,aggregate_type}`: for each row
+    /// this relay marked published, the time from its `created_at` (the writing transaction,
+    /// on PostgreSQL its start) to the moment the batch's delivery reports were all in. Includes
+    /// the time spent waiting in the outbox, failed attempts and backoff.
+    pub commit_to_publish: HistogramVec,
+    /// Aggregate types the backlog gauges have shown, so a type whose backlog drained is set
+    /// to 0 instead of keeping its last value.
+    seen_aggregate_types: Arc<Mutex<BTreeSet<String>>>,
 }
 
 const LABELS: &[&str] = &["topic", "event_type", "aggregate_type"];
+const BACKLOG_LABELS: &[&str] = &["aggregate_type"];
 
 impl RelayMetrics {
     /// Creates the metrics and registers them in `registry`.
@@ -74,11 +90,22 @@ impl RelayMetrics {
             pruned: IntCounter::new("idem_outbox_pruned_total", "Published rows deleted or archived.").map_err(reg_err)?,
             errors: IntCounter::new("idem_outbox_relay_errors_total", "Relay cycles that failed and were retried.")
                 .map_err(reg_err)?,
-            pending: IntGauge::new("idem_outbox_pending", "Pending outbox rows.").map_err(reg_err)?,
-            parked_rows: IntGauge::new("idem_outbox_parked", "Parked outbox rows.").map_err(reg_err)?,
-            oldest_pending_age: Gauge::new(
-                "idem_outbox_oldest_pending_age_seconds",
-                "Age of the oldest pending outbox row.",
+            pending: IntGaugeVec::new(
+                Opts::new("idem_outbox_pending", "Pending outbox rows, by aggregate type."),
+                BACKLOG_LABELS,
+            )
+            .map_err(reg_err)?,
+            parked_rows: IntGaugeVec::new(
+                Opts::new("idem_outbox_parked", "Parked outbox rows, by aggregate type."),
+                BACKLOG_LABELS,
+            )
+            .map_err(reg_err)?,
+            oldest_pending_age: GaugeVec::new(
+                Opts::new(
+                    "idem_outbox_oldest_pending_age_seconds",
+                    "Age of the oldest pending outbox row, by aggregate type (0 when none is pending).",
+                ),
+                BACKLOG_LABELS,
             )
             .map_err(reg_err)?,
             batch_seconds: Histogram::with_opts(
@@ -86,6 +113,16 @@ impl RelayMetrics {
                     .buckets(vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
             )
             .map_err(reg_err)?,
+            commit_to_publish: HistogramVec::new(
+                HistogramOpts::new(
+                    "idem_outbox_commit_to_publish_seconds",
+                    "Time from an outbox row's created_at to the broker's acknowledgement of the publish that marked it.",
+                )
+                .buckets(idem_core::metrics::LATENCY_BUCKETS.to_vec()),
+                LABELS,
+            )
+            .map_err(reg_err)?,
+            seen_aggregate_types: Arc::default(),
         };
         for c in [&m.published, &m.republished, &m.parked] {
             registry.register(Box::new(c.clone())).map_err(reg_err)?;
@@ -105,7 +142,36 @@ impl RelayMetrics {
         registry
             .register(Box::new(m.batch_seconds.clone()))
             .map_err(reg_err)?;
+        registry
+            .register(Box::new(m.commit_to_publish.clone()))
+            .map_err(reg_err)?;
         Ok(m)
+    }
+
+    /// Sets the backlog gauges from a [`idem_core::OutboxStore::backlog`] result: types it
+    /// lists get their values, types shown before and now absent drop to 0.
+    pub fn set_backlog(&self, backlog: &[idem_core::Backlog]) {
+        let mut seen = self
+            .seen_aggregate_types
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for gone in seen
+            .iter()
+            .filter(|t| !backlog.iter().any(|b| &b.aggregate_type == *t))
+        {
+            self.pending.with_label_values(&[gone]).set(0);
+            self.parked_rows.with_label_values(&[gone]).set(0);
+            self.oldest_pending_age.with_label_values(&[gone]).set(0.0);
+        }
+        for b in backlog {
+            let t = [b.aggregate_type.as_str()];
+            self.pending.with_label_values(&t).set(b.pending);
+            self.parked_rows.with_label_values(&t).set(b.parked);
+            self.oldest_pending_age
+                .with_label_values(&t)
+                .set(b.oldest_pending_age_seconds.unwrap_or(0.0).max(0.0));
+            seen.insert(b.aggregate_type.clone());
+        }
     }
 
     /// Sum of `idem_outbox_republish_total` over all labels.

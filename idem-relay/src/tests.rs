@@ -379,3 +379,42 @@ async fn crash_point_after_publish_before_mark_leads_to_a_counted_republish() {
         "the event is in the topic twice"
     );
 }
+
+#[tokio::test]
+async fn backlog_gauges_follow_each_aggregate_type_and_marked_rows_are_timed() {
+    let f = fixture().await;
+    f.enqueue("a", 3).await;
+    let relay = f.relay(fast());
+    let m = relay.metrics().clone();
+    relay.refresh_status().await.unwrap();
+    assert_eq!(m.pending.with_label_values(&["order"]).get(), 3);
+    assert_eq!(m.parked_rows.with_label_values(&["order"]).get(), 0);
+    let age = m.oldest_pending_age.with_label_values(&["order"]).get();
+    assert!((0.0..60.0).contains(&age), "age {age}");
+
+    // A crash before the mark: nothing is timed, the republish is.
+    crash::arm(RELAY_AFTER_PUBLISH_BEFORE_MARK, crash::Action::Error, 1).unwrap();
+    relay.run_once().await.unwrap_err();
+    let timed =
+        m.commit_to_publish
+            .with_label_values(&["outbox.event.order", "order.paid", "order"]);
+    assert_eq!(timed.get_sample_count(), 0);
+    f.expire_leases().await;
+    assert_eq!(relay.run_once().await.unwrap().published, 3);
+    assert_eq!(
+        timed.get_sample_count(),
+        3,
+        "one observation per marked row"
+    );
+
+    relay.refresh_status().await.unwrap();
+    assert_eq!(
+        m.pending.with_label_values(&["order"]).get(),
+        0,
+        "a drained type drops to 0"
+    );
+    assert_eq!(
+        m.oldest_pending_age.with_label_values(&["order"]).get(),
+        0.0
+    );
+}

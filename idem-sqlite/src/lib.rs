@@ -31,8 +31,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use idem_core::outbox::{
-    Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow, PrunePolicy,
-    headers_from_json, sort_records,
+    Backlog, Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow,
+    PrunePolicy, headers_from_json, sort_records,
 };
 use idem_core::{Error, Event, EventId, OutboxStore, Result, TableNames};
 use sqlx::sqlite::{
@@ -81,6 +81,7 @@ struct Queries {
     prune_delete: String,
     prune_archive: String,
     status: String,
+    backlog: String,
     parked: String,
     retry_parked: String,
     retry_parked_one: String,
@@ -114,6 +115,7 @@ impl Queries {
             prune_delete: r(include_str!("../sql/prune_delete.sql")),
             prune_archive: r(include_str!("../sql/prune_archive.sql")),
             status: r(include_str!("../sql/status.sql")),
+            backlog: r(include_str!("../sql/backlog.sql")),
             parked: r(include_str!("../sql/parked.sql")),
             retry_parked: r(include_str!("../sql/retry_parked.sql")),
             retry_parked_one: r(include_str!("../sql/retry_parked_one.sql")),
@@ -537,6 +539,33 @@ impl OutboxStore for SqliteStore {
             published: get("published")?,
             oldest_pending_age_seconds: age,
         })
+    }
+
+    async fn backlog(&self) -> Result<Vec<Backlog>> {
+        let rows = sqlx::query(&self.q().backlog)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("counting the outbox backlog", e))?;
+        let now = Utc::now();
+        rows.iter()
+            .map(|r| {
+                let dec = |e| Error::database("decoding the outbox backlog", e);
+                let oldest: Option<String> = r.try_get("oldest_pending").map_err(dec)?;
+                let oldest_pending_age_seconds = match oldest {
+                    Some(ts) => {
+                        let at = parse_ts(&ts).map_err(Error::Config)?;
+                        Some((now - at).num_milliseconds() as f64 / 1000.0)
+                    }
+                    None => None,
+                };
+                Ok(Backlog {
+                    aggregate_type: r.try_get("aggregate_type").map_err(dec)?,
+                    pending: r.try_get("pending").map_err(dec)?,
+                    parked: r.try_get("parked").map_err(dec)?,
+                    oldest_pending_age_seconds,
+                })
+            })
+            .collect()
     }
 
     async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
@@ -1100,6 +1129,7 @@ mod tests {
             &q.prune_delete,
             &q.prune_archive,
             &q.status,
+            &q.backlog,
             &q.parked,
             &q.retry_parked,
             &q.inbox_record,
