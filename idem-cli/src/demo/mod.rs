@@ -271,7 +271,7 @@ async fn drive(
     // Relays: short message timeout and lease so that a crashed relay's rows come back soon.
     let producer = idem_kafka::producer_config(
         &broker.servers,
-        &[("message.timeout.ms".to_owned(), "2000".to_owned())],
+        &[("message.timeout.ms".to_owned(), "1000".to_owned())],
     )?;
     let publisher = Arc::new(KafkaPublisher::new(producer)?);
     for i in 0..args.relays {
@@ -280,7 +280,7 @@ async fn drive(
         let config = RelayConfig {
             relay_id: format!("demo-relay-{i}"),
             batch_size: 100,
-            lease: Duration::from_secs(5),
+            lease: Duration::from_millis(2500),
             topics: TopicNaming {
                 prefix: prefix.to_owned(),
                 overrides: BTreeMap::new(),
@@ -390,7 +390,7 @@ async fn drive(
         );
         let config = DispatcherConfig {
             batch: 50,
-            lease: Duration::from_secs(6),
+            lease: Duration::from_secs(3),
             timeout: Duration::from_secs(2),
             backoff: Duration::from_millis(50),
             backoff_max: Duration::from_secs(1),
