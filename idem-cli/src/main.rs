@@ -1,5 +1,6 @@
 //! `idem`: migrate the outbox, run the relay, inspect the outbox and topics.
 
+mod chaos;
 mod db;
 mod demo;
 mod effects_cmd;
@@ -25,6 +26,9 @@ enum Command {
     /// Run the whole reference pipeline in one process — SQLite, an in-process broker, the
     /// points API — with every crash point fired and duplicates injected, then verify it.
     Demo(demo::DemoArgs),
+    /// Run the reference pipeline as OS processes against PostgreSQL and Tansu while killing,
+    /// pausing and crashing them on a seeded schedule; then check nothing was lost or doubled.
+    Chaos(chaos::ChaosArgs),
     /// Create or upgrade idem's tables (PostgreSQL or sqlite:// URL).
     Migrate(DbArgs),
     /// Publish outbox rows to Kafka, at least once, in per-aggregate commit order.
@@ -129,5 +133,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Effects { command } => effects_cmd::run(command).await,
         Command::Verify(args) => verify_cmd::run(args).await,
         Command::Demo(args) => demo::run(args).await,
+        Command::Chaos(args) => chaos::run(args).await,
     }
 }

@@ -32,6 +32,13 @@ pub struct OrdersArgs {
     /// Orders per second (0: as fast as the database allows).
     #[arg(long, default_value_t = 0.0)]
     rate: f64,
+    /// Hold every Nth order's transaction open for --slow-ms before committing (PostgreSQL):
+    /// commit-order skew for chaos runs.
+    #[arg(long, hide = true)]
+    slow_every: Option<u64>,
+    /// How long a slow transaction stays open.
+    #[arg(long, hide = true, default_value_t = 300)]
+    slow_ms: u64,
 }
 
 pub async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
@@ -46,7 +53,14 @@ pub async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
         let order = PaidOrder::numbered(&args.prefix, n);
         match &store {
             Store::Postgres(s) => {
-                idem_reference::place_order_postgres(s.pool(), s.outbox(), &order).await?
+                let hold = match args.slow_every {
+                    Some(every) if every > 0 && n % every == 0 => {
+                        Duration::from_millis(args.slow_ms)
+                    }
+                    _ => Duration::ZERO,
+                };
+                idem_reference::place_order_postgres_held(s.pool(), s.outbox(), &order, hold)
+                    .await?
             }
             Store::Sqlite(s) => {
                 idem_reference::place_order_sqlite(s.pool(), s.outbox(), &order).await?
@@ -83,6 +97,10 @@ pub struct SettlementArgs {
     /// librdkafka consumer setting KEY=VALUE (repeatable); offset auto-commit/auto-store are refused.
     #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
     consumer_config: Vec<(String, String)>,
+    /// The handler: `settlement` (settlements, and points with --points-url) or `audit` (one
+    /// audit_log row per event; the chaos runner's second consumer group).
+    #[arg(long, default_value = "settlement", value_parser = ["settlement", "audit"])]
+    handler: String,
     /// Award points for each paid order at this URL (`http://127.0.0.1:8088/awards`): the
     /// handler records one `points.award` effect intent per payment in its transaction, and
     /// `idem effects dispatch` delivers it.
@@ -116,6 +134,11 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
                 .context("creating the settlements table")?;
             let inbox = PgInbox::new(s.pool().clone(), tables.clone());
             match args.points_url {
+                _ if args.handler == "audit" => {
+                    Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
+                        .run(shutdown)
+                        .await?;
+                }
                 Some(url) => {
                     let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
                     let handler = Settlement::with_points(intents, url);
@@ -136,6 +159,11 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
                 .context("creating the settlements table")?;
             let inbox = SqliteInbox::new(s.pool().clone(), tables.clone());
             match args.points_url {
+                _ if args.handler == "audit" => {
+                    Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
+                        .run(shutdown)
+                        .await?;
+                }
                 Some(url) => {
                     let intents = idem_sqlite::SqliteIntents::new(s.pool().clone(), tables);
                     let handler = Settlement::with_points(intents, url);

@@ -30,11 +30,17 @@ fn the_demo_fires_every_crash_point_absorbs_the_duplicates_and_verifies_clean() 
     assert_eq!(r["settlements"], orders);
     assert_eq!(r["points_awards"], orders);
     assert_eq!(r["events_published"], orders);
-    assert_eq!((r["lost"].as_u64(), r["duplicate_effects"].as_u64()), (Some(0), Some(0)));
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
     assert!(r["duplicate_deliveries"].as_u64().unwrap() > 0);
     assert!(r["republishes"].as_u64().unwrap() >= 20);
     assert!(r["idempotency_conflicts"].as_u64().unwrap() >= 2);
-    assert_eq!(r["dead_letters"], 2, "each conflicting copy dead-lettered once");
+    assert_eq!(
+        r["dead_letters"], 2,
+        "each conflicting copy dead-lettered once"
+    );
     let fired = r["crash_points_fired"].as_object().unwrap();
     assert_eq!(fired.len(), 6);
     for (point, n) in fired {

@@ -315,6 +315,16 @@ where
         })))
     }
 
+    /// The group the inbox is keyed by (a fixed one under the `inbox-ignores-group` negative
+    /// control).
+    fn inbox_group(&self) -> &str {
+        if crash::broken(crash::BREAK_INBOX_IGNORES_GROUP) {
+            "*"
+        } else {
+            &self.config.group
+        }
+    }
+
     /// Applies one batch and commits its offsets. Public for tests and embedding.
     ///
     /// After an error, drop this consumer: its source has read past the batch, whose offset was
@@ -327,6 +337,10 @@ where
             records: records.len(),
             ..BatchReport::default()
         };
+        if crash::broken(crash::BREAK_OFFSET_BEFORE_COMMIT) {
+            // Negative control: the offsets move on before anything is applied.
+            self.source.commit(&last_offsets(records)).await?;
+        }
         let decoded: Vec<std::result::Result<InboundEvent, String>> =
             records.iter().map(decode).collect();
         let mut undecodable: Vec<DeadLetter> = vec![];
@@ -500,14 +514,24 @@ where
         }
 
         crash::crash_point(CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT)?;
-        let mut last: BTreeMap<(String, i32), i64> = BTreeMap::new();
-        for r in records {
-            let e = last
-                .entry((r.topic.clone(), r.partition))
-                .or_insert(r.offset);
-            *e = (*e).max(r.offset);
+        if crash::broken(crash::BREAK_SELECT_THEN_INSERT) {
+            // Negative control: the inbox rows are written only now, after the business
+            // commit, in a transaction of their own.
+            let mut tx = self.inbox.begin().await?;
+            let entries: Vec<InboxEntry<'_>> = uniques
+                .iter()
+                .map(|u| InboxEntry {
+                    event: u.event,
+                    copies: u.copies,
+                    dead_lettered: false,
+                })
+                .collect();
+            self.inbox
+                .record(&mut tx, self.inbox_group(), &entries)
+                .await?;
+            self.inbox.commit(tx).await?;
         }
-        let done: Vec<(String, i32, i64)> = last.into_iter().map(|((t, p), o)| (t, p, o)).collect();
+        let done = last_offsets(records);
         if let Err(e) = self.source.commit(&done).await {
             // Not fatal: the batch is committed in the database; if it comes back, the inbox
             // skips it.
@@ -525,6 +549,24 @@ where
         in_batch_conflicts: &[(&InboundEvent, &Delivery)],
         isolate: bool,
     ) -> std::result::Result<(Vec<Dedup>, Vec<(EventId, String)>), Attempt> {
+        let selected = if crash::broken(crash::BREAK_SELECT_THEN_INSERT) {
+            // Negative control: "is it new?" asked in a transaction of its own, rolled back.
+            let mut probe = self
+                .inbox
+                .begin()
+                .await
+                .map_err(|e| Attempt::Transient(None, e))?;
+            let entries = inbox_entries(uniques, poison);
+            let found = self
+                .inbox
+                .record(&mut probe, self.inbox_group(), &entries)
+                .await
+                .map_err(|e| Attempt::Transient(None, e))?;
+            let _ = self.inbox.rollback(probe).await;
+            Some(found)
+        } else {
+            None
+        };
         let mut tx = self
             .inbox
             .begin()
@@ -538,6 +580,7 @@ where
                 undecodable,
                 in_batch_conflicts,
                 isolate,
+                selected,
             )
             .await
         {
@@ -557,6 +600,7 @@ where
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn attempt_in(
         &self,
         tx: &mut I::Tx,
@@ -565,20 +609,17 @@ where
         undecodable: &[DeadLetter],
         in_batch_conflicts: &[(&InboundEvent, &Delivery)],
         isolate: bool,
+        selected: Option<Vec<Dedup>>,
     ) -> std::result::Result<(Vec<Dedup>, Vec<(EventId, String)>), Attempt> {
-        let entries: Vec<InboxEntry<'_>> = uniques
-            .iter()
-            .map(|u| InboxEntry {
-                event: u.event,
-                copies: u.copies,
-                dead_lettered: poison.contains_key(&u.event.event_id),
-            })
-            .collect();
-        let results = self
-            .inbox
-            .record(&mut *tx, &self.config.group, &entries)
-            .await
-            .map_err(|e| Attempt::Transient(None, e))?;
+        let entries = inbox_entries(uniques, poison);
+        let results = match selected {
+            Some(found) => found,
+            None => self
+                .inbox
+                .record(&mut *tx, self.inbox_group(), &entries)
+                .await
+                .map_err(|e| Attempt::Transient(None, e))?,
+        };
         crash::crash_point(CONSUMER_AFTER_DEDUP_BEFORE_HANDLER).map_err(Attempt::Fatal)?;
 
         let mut apply: Vec<(String, &Unique<'_>)> = uniques
@@ -632,7 +673,7 @@ where
         if !found.is_empty() {
             let ids: Vec<EventId> = found.iter().map(|(id, _)| *id).collect();
             self.inbox
-                .mark_dead_lettered(&mut *tx, &self.config.group, &ids)
+                .mark_dead_lettered(&mut *tx, self.inbox_group(), &ids)
                 .await
                 .map_err(|e| Attempt::Transient(None, e))?;
         }
@@ -727,3 +768,29 @@ fn labels(group: &str, e: &InboundEvent) -> [String; 4] {
 
 #[cfg(test)]
 mod tests;
+
+fn inbox_entries<'a>(
+    uniques: &[Unique<'a>],
+    poison: &HashMap<EventId, String>,
+) -> Vec<InboxEntry<'a>> {
+    uniques
+        .iter()
+        .map(|u| InboxEntry {
+            event: u.event,
+            copies: u.copies,
+            dead_lettered: poison.contains_key(&u.event.event_id),
+        })
+        .collect()
+}
+
+/// The offset of the last record of each partition in `records`.
+fn last_offsets(records: &[Delivery]) -> Vec<(String, i32, i64)> {
+    let mut last: BTreeMap<(String, i32), i64> = BTreeMap::new();
+    for r in records {
+        let e = last
+            .entry((r.topic.clone(), r.partition))
+            .or_insert(r.offset);
+        *e = (*e).max(r.offset);
+    }
+    last.into_iter().map(|((t, p), o)| (t, p, o)).collect()
+}

@@ -54,6 +54,56 @@ pub const EFFECT_BEFORE_HTTP: &str = "effect.before_http";
 /// the same key and the remote replays its stored response (one effect).
 pub const EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD: &str = "effect.after_http_success_before_record";
 
+/// Negative controls: mechanisms the chaos runner breaks on purpose, one at a time, to prove
+/// that it notices (a harness that cannot fail proves nothing). Named in `IDEM_BREAK`
+/// (comma-separated); honoured only by builds with the `failpoints` feature.
+pub const BREAKABLE: &[&str] = &[
+    BREAK_MARK_BEFORE_REPORT,
+    BREAK_OFFSET_BEFORE_COMMIT,
+    BREAK_SELECT_THEN_INSERT,
+    BREAK_NEW_KEY_PER_RETRY,
+    BREAK_INBOX_IGNORES_GROUP,
+    BREAK_ID_WATERMARK,
+];
+/// The relay marks a batch published right after claiming it, before any delivery report.
+pub const BREAK_MARK_BEFORE_REPORT: &str = "mark-before-report";
+/// The consumer commits the batch's offsets before its database transaction.
+pub const BREAK_OFFSET_BEFORE_COMMIT: &str = "offset-before-commit";
+/// The consumer checks the inbox before the transaction and records it after the commit.
+pub const BREAK_SELECT_THEN_INSERT: &str = "select-then-insert";
+/// The effect dispatcher sends a new idempotency key on every retry.
+pub const BREAK_NEW_KEY_PER_RETRY: &str = "new-key-per-retry";
+/// The inbox is keyed by event id alone, not by (consumer group, event id).
+pub const BREAK_INBOX_IGNORES_GROUP: &str = "inbox-ignores-group";
+/// The relay keeps an id watermark and treats rows below it as already published.
+pub const BREAK_ID_WATERMARK: &str = "id-watermark";
+
+/// Is `mechanism` deliberately broken in this process (`IDEM_BREAK`)?
+pub fn broken(mechanism: &str) -> bool {
+    #[cfg(feature = "failpoints")]
+    {
+        static BROKEN: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+        BROKEN
+            .get_or_init(|| {
+                std::env::var("IDEM_BREAK")
+                    .map(|v| {
+                        v.split(',')
+                            .map(|s| s.trim().to_owned())
+                            .filter(|s| !s.is_empty())
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            })
+            .iter()
+            .any(|b| b == mechanism)
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = mechanism;
+        false
+    }
+}
+
 /// What an armed crash point does when it fires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
@@ -228,8 +278,25 @@ pub fn is_armed(name: &str) -> bool {
     }
 }
 
-/// Arms the points listed in `IDEM_CRASH_POINTS` (`name[@hit],...`) in abort mode.
+/// Arms the points listed in `IDEM_CRASH_POINTS` (`name[@hit],...`) in abort mode, and checks
+/// the names in `IDEM_BREAK`.
 pub fn arm_from_env() -> Result<()> {
+    if let Ok(spec) = std::env::var("IDEM_BREAK") {
+        for name in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            if !BREAKABLE.contains(&name) {
+                return Err(Error::Config(format!(
+                    "IDEM_BREAK: unknown mechanism {name:?}; known: {}",
+                    BREAKABLE.join(", ")
+                )));
+            }
+            if !ENABLED {
+                return Err(Error::Config(
+                    "IDEM_BREAK needs a build with the `failpoints` feature".to_owned(),
+                ));
+            }
+            eprintln!("idem: NEGATIVE CONTROL: this process deliberately breaks {name}");
+        }
+    }
     let Ok(spec) = std::env::var("IDEM_CRASH_POINTS") else {
         return Ok(());
     };

@@ -412,10 +412,18 @@ impl<S: IntentStore> Dispatcher<S> {
         }
         idem_core::crash::crash_point(idem_core::crash::EFFECT_BEFORE_HTTP)?;
         self.metrics.attempts.with_label_values(&labels).inc();
+        let key = if idem_core::crash::broken(idem_core::crash::BREAK_NEW_KEY_PER_RETRY)
+            && c.attempt > 1
+        {
+            // Negative control: a new key per retry (what idem never does).
+            format!("\"{}-retry-{}\"", c.key.as_str(), c.attempt)
+        } else {
+            c.key.header_value()
+        };
         let mut req = self
             .client
             .post(&c.intent.target)
-            .header("idempotency-key", c.key.header_value())
+            .header("idempotency-key", key)
             .json(&c.intent.body);
         if let Some(tp) = &c.intent.traceparent {
             req = req.header("traceparent", tp);

@@ -44,3 +44,12 @@ CREATE TABLE IF NOT EXISTS points_reversals (
     award_id      INTEGER PRIMARY KEY REFERENCES points_awards (id),
     reversed_at   TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );
+
+-- The audit consumer group's log (see postgres.sql).
+CREATE TABLE IF NOT EXISTS audit_log (
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id      TEXT    NOT NULL,
+    payment_id    TEXT    NOT NULL,
+    amount_minor  INTEGER NOT NULL,
+    logged_at     TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);

@@ -99,6 +99,18 @@ pub async fn place_order_postgres(
     outbox: &idem_postgres::Outbox,
     order: &PaidOrder,
 ) -> Result<(), OrderError> {
+    place_order_postgres_held(pool, outbox, order, std::time::Duration::ZERO).await
+}
+
+/// [`place_order_postgres`], holding the transaction open for `hold` before committing: a
+/// slow writer whose outbox row gets a lower id than rows committed before it (the commit-order
+/// skew that an id-watermark relay would skip).
+pub async fn place_order_postgres_held(
+    pool: &sqlx::PgPool,
+    outbox: &idem_postgres::Outbox,
+    order: &PaidOrder,
+    hold: std::time::Duration,
+) -> Result<(), OrderError> {
     let db = |source| OrderError::Database {
         order_id: order.order_id.clone(),
         source,
@@ -116,6 +128,9 @@ pub async fn place_order_postgres(
     .await
     .map_err(db)?;
     outbox.enqueue(&mut tx, &event).await?;
+    if !hold.is_zero() {
+        tokio::time::sleep(hold).await;
+    }
     tx.commit().await.map_err(db)
 }
 
@@ -448,5 +463,52 @@ impl<I: RecordIntent<SqliteConnection>> Handler<SqliteConnection> for Settlement
             .and_then(|v| v.as_str())
             .unwrap_or_default()
             .to_owned()
+    }
+}
+
+/// The audit consumer of the chaos runner: a second consumer group over the same events, in the
+/// settlement database, writing one insert-only `audit_log` row per applied event. With the
+/// inbox scoped by group it sees every event once; an inbox that ignored the group would let
+/// the settlement group's rows hide these events (the negative control that proves it).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Audit;
+
+impl Handler<PgConnection> for Audit {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        event: &InboundEvent,
+    ) -> Result<(), HandlerError> {
+        let paid = parse_paid(event)?;
+        sqlx::query(
+            "INSERT INTO audit_log (event_id, payment_id, amount_minor) VALUES ($1, $2, $3)",
+        )
+        .bind(event.event_id.as_uuid())
+        .bind(&paid.payment_id)
+        .bind(paid.amount.minor)
+        .execute(&mut *conn)
+        .await
+        .map_err(db_error)?;
+        Ok(())
+    }
+}
+
+impl Handler<SqliteConnection> for Audit {
+    async fn handle(
+        &self,
+        conn: &mut SqliteConnection,
+        event: &InboundEvent,
+    ) -> Result<(), HandlerError> {
+        let paid = parse_paid(event)?;
+        sqlx::query(
+            "INSERT INTO audit_log (event_id, payment_id, amount_minor) VALUES (?1, ?2, ?3)",
+        )
+        .bind(event.event_id.to_string())
+        .bind(&paid.payment_id)
+        .bind(paid.amount.minor)
+        .execute(&mut *conn)
+        .await
+        .map_err(db_error)?;
+        Ok(())
     }
 }

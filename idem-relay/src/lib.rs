@@ -131,6 +131,8 @@ pub struct Relay<S, P> {
     publisher: P,
     config: RelayConfig,
     metrics: RelayMetrics,
+    /// Highest id marked published (used only by the `id-watermark` negative control).
+    watermark: std::sync::atomic::AtomicI64,
 }
 
 impl<S: OutboxStore, P: Publisher> Relay<S, P> {
@@ -141,6 +143,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             publisher,
             config,
             metrics,
+            watermark: std::sync::atomic::AtomicI64::new(0),
         }
     }
 
@@ -181,9 +184,31 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         if report.claimed == 0 {
             return Ok(report);
         }
+        // Negative controls (chaos runs only): see `idem_core::crash::BREAKABLE`.
+        let kept: Vec<OutboxRecord>;
+        let records: &[OutboxRecord] = if crash::broken(crash::BREAK_ID_WATERMARK) {
+            let mark = self.watermark.load(std::sync::atomic::Ordering::Relaxed);
+            let (below, above): (Vec<_>, Vec<_>) =
+                claim.records.iter().cloned().partition(|r| r.id < mark);
+            let skipped = Outcome {
+                published: below.iter().map(|r| r.id).collect(),
+                failed: vec![],
+            };
+            self.store.complete(&claim, &skipped).await?;
+            kept = above;
+            &kept
+        } else {
+            &claim.records
+        };
+        if crash::broken(crash::BREAK_MARK_BEFORE_REPORT) {
+            let early = Outcome {
+                published: records.iter().map(|r| r.id).collect(),
+                failed: vec![],
+            };
+            self.store.complete(&claim, &early).await?;
+        }
         crash::crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH)?;
 
-        let records = &claim.records;
         let topics: Vec<String> = records
             .iter()
             .map(|r| self.config.topics.topic_for(r))
@@ -309,6 +334,10 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             fenced,
         } = self.store.complete(&claim, &outcome).await?;
         report.published = marked;
+        if let Some(max) = outcome.published.iter().max() {
+            self.watermark
+                .fetch_max(*max, std::sync::atomic::Ordering::Relaxed);
+        }
         // Counted only for a mark that committed for the whole claim; fenced rows belong to
         // the relay that took the lease over, which counts them.
         if fenced == 0 {

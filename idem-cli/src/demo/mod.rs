@@ -4,7 +4,7 @@
 //! point fired several times, the crashed component restarted in-process, duplicate deliveries
 //! and idempotency conflicts injected; it ends with `idem verify`'s verdict.
 
-mod world;
+pub(crate) mod world;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,0 +1,236 @@
+//! The chaos runner's processes: each role is an `idem` (or `tansu`) child that can be killed,
+//! paused, restarted, and restarted with a crash point armed.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// What a process is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Role {
+    Broker,
+    Api,
+    Writer,
+    Relay,
+    Settlement,
+    Audit,
+    Dispatcher,
+}
+
+/// Builds the command of incarnation `n`.
+pub type Build = Box<dyn Fn(u32) -> Command + Send>;
+
+/// One supervised process.
+pub struct Proc {
+    pub role: Role,
+    pub name: String,
+    build: Build,
+    child: Option<Child>,
+    pub incarnation: u32,
+    pub paused_until: Option<Instant>,
+    pub restart_at: Option<Instant>,
+    /// Started with a crash point armed: spared other faults until then.
+    pub armed_until: Option<Instant>,
+    log: PathBuf,
+    /// Last scraped counter values per incarnation (metric name → value).
+    pub scraped: BTreeMap<u32, BTreeMap<String, f64>>,
+}
+
+impl Proc {
+    pub fn new(role: Role, name: String, dir: &Path, build: Build) -> Self {
+        Proc {
+            role,
+            log: dir.join(format!("{name}.log")),
+            name,
+            build,
+            child: None,
+            incarnation: 0,
+            paused_until: None,
+            restart_at: None,
+            armed_until: None,
+            scraped: BTreeMap::new(),
+        }
+    }
+
+    /// Starts a new incarnation, with `env` added (a crash point to arm).
+    pub fn start(&mut self, env: &[(&str, String)]) -> anyhow::Result<()> {
+        self.incarnation += 1;
+        let mut cmd = (self.build)(self.incarnation);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let mut header = log.try_clone()?;
+        let _ = writeln!(
+            header,
+            "==== {} incarnation {} {:?}",
+            self.name, self.incarnation, env
+        );
+        cmd.stdout(log.try_clone()?)
+            .stderr(log)
+            .stdin(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn()?);
+        self.paused_until = None;
+        self.restart_at = None;
+        self.armed_until = None;
+        Ok(())
+    }
+
+    /// Is a crash point armed in the current incarnation (and still given time to fire)?
+    pub fn armed(&self, now: Instant) -> bool {
+        self.armed_until.is_some_and(|t| now < t)
+    }
+
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().and_then(|c| i32::try_from(c.id()).ok())
+    }
+
+    pub fn signal(&self, sig: i32) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill")
+                .arg(format!("-{sig}"))
+                .arg(pid.to_string())
+                .status();
+        }
+    }
+
+    /// Is the current incarnation still running? (Reaps it if not.)
+    pub fn running(&mut self) -> bool {
+        match &mut self.child {
+            None => false,
+            Some(c) => match c.try_wait() {
+                Ok(None) => true,
+                _ => {
+                    self.child = None;
+                    false
+                }
+            },
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        self.signal(9);
+        if let Some(mut c) = self.child.take() {
+            let _ = c.wait();
+        }
+        self.paused_until = None;
+    }
+
+    /// Asks the process to stop (SIGTERM, after SIGCONT) and waits up to `timeout`.
+    pub fn stop(&mut self, timeout: Duration) -> bool {
+        self.signal(18);
+        self.signal(15);
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if !self.running() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.kill9();
+        false
+    }
+
+    /// The metrics address the current incarnation printed, if any.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        let text = std::fs::read_to_string(&self.log).ok()?;
+        let marker = format!("==== {} incarnation {} ", self.name, self.incarnation);
+        let current = &text[text.rfind(&marker)?..];
+        let line = current.lines().find(|l| l.contains("metrics on http://"))?;
+        line.split("http://")
+            .nth(1)?
+            .split('/')
+            .next()?
+            .parse()
+            .ok()
+    }
+
+    /// Records the current incarnation's counters named in `names`.
+    pub fn scrape(&mut self, names: &[&str]) {
+        let Some(addr) = self.metrics_addr() else {
+            return;
+        };
+        let Some(body) = http_get(addr, "/metrics") else {
+            return;
+        };
+        let mut values = BTreeMap::new();
+        for name in names {
+            values.insert((*name).to_owned(), metric_sum(&body, name));
+        }
+        self.scraped.insert(self.incarnation, values);
+    }
+
+    /// A counter summed over every incarnation's last scrape.
+    pub fn total(&self, name: &str) -> f64 {
+        self.scraped
+            .values()
+            .filter_map(|m| m.get(name))
+            .sum::<f64>()
+    }
+}
+
+fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())
+}
+
+fn metric_sum(body: &str, name: &str) -> f64 {
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A small deterministic generator (SplitMix64): the seed fixes the fault schedule.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x5851_f42d_4c95_7f2d)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// Uniform duration in `lo..hi`.
+    pub fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
+        let span = hi.saturating_sub(lo).as_millis() as u64;
+        lo + Duration::from_millis(self.below(span.max(1)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rng;
+
+    #[test]
+    fn the_same_seed_gives_the_same_schedule() {
+        let (mut a, mut b, mut c) = (Rng::new(7), Rng::new(7), Rng::new(8));
+        let xs: Vec<u64> = (0..5).map(|_| a.next()).collect();
+        let ys: Vec<u64> = (0..5).map(|_| b.next()).collect();
+        let zs: Vec<u64> = (0..5).map(|_| c.next()).collect();
+        assert_eq!(xs, ys);
+        assert_ne!(xs, zs);
+    }
+}

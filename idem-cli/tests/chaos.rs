@@ -1,0 +1,119 @@
+//! `idem chaos` against PostgreSQL and a Tansu broker: a two-minute run with every named crash
+//! point fired must lose nothing and double nothing; and each negative control — one mechanism
+//! broken on purpose, same seed — must be reported as the violation it causes. A harness that
+//! cannot fail proves nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+fn chaos(args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("chaos")
+        .args(args)
+        .arg("--json")
+        .env("RUST_LOG", "warn")
+        .env_remove("IDEM_CRASH_POINTS")
+        .env_remove("IDEM_BREAK")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let report = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr: {stderr}"));
+    (out.status.code(), report, stderr)
+}
+
+#[test]
+fn a_two_minute_chaos_run_loses_nothing_and_doubles_nothing() {
+    let (code, r, stderr) = chaos(&["--seconds", "120", "--seed", "1"]);
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(r["ok"], true);
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
+    for (point, n) in r["crash_points_fired"].as_object().unwrap() {
+        assert!(n.as_u64().unwrap() >= 1, "{point} never fired: {r:#}");
+    }
+    let faults = r["faults"].as_object().unwrap();
+    for kind in ["sigkill", "sigstop"] {
+        assert!(
+            faults.get(kind).and_then(|v| v.as_u64()).unwrap_or(0) > 0,
+            "no {kind}: {r:#}"
+        );
+    }
+    assert!(
+        r["inbox_duplicate_deliveries"].as_i64().unwrap() > 0,
+        "a run without duplicate deliveries would be vacuous"
+    );
+    assert_eq!(r["verify"]["clean"], true);
+}
+
+/// Runs a negative control and returns its report, which must be a failure.
+fn broken(mechanism: &str) -> serde_json::Value {
+    let (code, r, stderr) = chaos(&["--seconds", "30", "--seed", "3", "--break", mechanism]);
+    assert_eq!(
+        code,
+        Some(1),
+        "the broken {mechanism} went unnoticed: {r:#}\n{stderr}"
+    );
+    assert_eq!(r["ok"], false);
+    assert_eq!(r["negative_control"], mechanism);
+    assert!(stderr.contains("NEGATIVE CONTROL"), "{stderr}");
+    r
+}
+
+fn lost(r: &serde_json::Value) -> u64 {
+    r["lost"].as_u64().unwrap()
+}
+
+fn doubled(r: &serde_json::Value) -> u64 {
+    r["duplicate_effects"].as_u64().unwrap()
+}
+
+#[test]
+fn marking_before_the_delivery_report_is_caught_as_loss() {
+    let r = broken("mark-before-report");
+    assert!(lost(&r) > 0, "{r:#}");
+}
+
+#[test]
+fn committing_the_offset_before_the_database_is_caught_as_loss() {
+    let r = broken("offset-before-commit");
+    assert!(lost(&r) > 0, "{r:#}");
+}
+
+#[test]
+fn select_then_insert_dedup_is_caught_as_a_duplicate_effect() {
+    let r = broken("select-then-insert");
+    assert!(doubled(&r) > 0, "{r:#}");
+}
+
+#[test]
+fn a_new_key_per_retry_is_caught_as_a_duplicate_effect() {
+    let r = broken("new-key-per-retry");
+    assert!(doubled(&r) > 0, "{r:#}");
+    let points = r["verify"]["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "points")
+        .unwrap();
+    assert!(
+        points["duplicates"]
+            .as_array()
+            .is_some_and(|d| !d.is_empty()),
+        "{points:#}"
+    );
+}
+
+#[test]
+fn an_inbox_not_scoped_by_group_is_caught_as_loss() {
+    let r = broken("inbox-ignores-group");
+    assert!(lost(&r) > 0, "{r:#}");
+}
+
+#[test]
+fn a_relay_reading_by_id_watermark_is_caught_as_loss() {
+    let r = broken("id-watermark");
+    assert!(lost(&r) > 0, "{r:#}");
+}
