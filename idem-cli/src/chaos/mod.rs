@@ -148,6 +148,18 @@ fn role_of_point(point: &str) -> Role {
     }
 }
 
+/// The crash point whose window a broken mechanism turns into a violation.
+fn window_of(mechanism: &str) -> Option<&'static str> {
+    use idem_core::crash as c;
+    match mechanism {
+        c::BREAK_MARK_BEFORE_REPORT => Some(c::RELAY_AFTER_CLAIM_BEFORE_PUBLISH),
+        c::BREAK_OFFSET_BEFORE_COMMIT => Some(c::CONSUMER_AFTER_DEDUP_BEFORE_HANDLER),
+        c::BREAK_SELECT_THEN_INSERT => Some(c::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT),
+        c::BREAK_NEW_KEY_PER_RETRY => Some(c::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD),
+        _ => None,
+    }
+}
+
 /// The checks of a chaos run: the reference pipeline's, plus the audit group's log.
 fn verify_config(urls: &[String; 3]) -> idem_verify::VerifyConfig {
     let mut config = idem_verify::VerifyConfig::reference(&urls[0], &urls[1], Some(&urls[2]));
@@ -368,8 +380,9 @@ async fn drive(
             "max.poll.interval.ms=10000",
             "--consumer-config",
             "heartbeat.interval.ms=1000",
+            "--consumer-config",
+            &format!("group.instance.id={member}"),
         ]);
-        let _ = member;
         if handler == "settlement" {
             v.extend(s(&["--points-url", &target]));
         }
@@ -445,6 +458,7 @@ async fn drive(
     for i in (1..first_round.len()).rev() {
         first_round.swap(i, rng.below(i as u64 + 1) as usize);
     }
+    let focus = args.break_mechanism.as_deref().and_then(window_of);
     let started = Instant::now();
     let end = started + Duration::from_secs(args.seconds);
     let mut next_fault = started + Duration::from_secs(2);
@@ -490,17 +504,21 @@ async fn drive(
             };
             match kind {
                 "crash_point" => {
-                    // The unfired point armed least often so far, else any.
-                    let point = unfired
-                        .iter()
-                        .copied()
-                        .min_by_key(|p| {
-                            faults
-                                .get(&format!("crash_point_armed:{p}"))
-                                .copied()
-                                .unwrap_or(0)
-                        })
-                        .unwrap_or(CRASH_POINTS[rng.below(CRASH_POINTS.len() as u64) as usize]);
+                    // The unfired point armed least often so far, else any; a negative control
+                    // also aims at the window its broken mechanism opens, every other time.
+                    let point = match focus {
+                        Some(f) if unfired.is_empty() || rng.below(2) == 0 => f,
+                        _ => unfired
+                            .iter()
+                            .copied()
+                            .min_by_key(|p| {
+                                faults
+                                    .get(&format!("crash_point_armed:{p}"))
+                                    .copied()
+                                    .unwrap_or(0)
+                            })
+                            .unwrap_or(CRASH_POINTS[rng.below(CRASH_POINTS.len() as u64) as usize]),
+                    };
                     let role = role_of_point(point);
                     let candidates: Vec<usize> = (0..procs.len())
                         .filter(|i| procs[*i].role == role && !procs[*i].armed(now))
@@ -578,15 +596,13 @@ async fn drive(
                 if applied != w.0 {
                     *w = (applied, now);
                 } else if applied < published && now >= w.1 + Duration::from_secs(8) {
-                    *faults
+                    let n = faults
                         .entry("watchdog_consumer_group_restart".to_owned())
-                        .or_default() += 1;
-                    for p in procs.iter_mut().filter(|p| p.role == role) {
-                        p.stop(Duration::from_secs(10));
-                    }
-                    for p in procs.iter_mut().filter(|p| p.role == role) {
-                        p.start(&[])?;
-                    }
+                        .or_default();
+                    *n += 1;
+                    // Every other time the broker is restarted too: that clears its group state.
+                    let broker_too = *n % 2 == 0;
+                    restart_group(&mut procs, role, broker_too).await?;
                     *w = (applied, Instant::now());
                 }
             }
@@ -681,26 +697,16 @@ async fn drive(
         // Tansu 0.6's group coordinator can leave a group without a working assignment after
         // members were killed (it does not expire dead members): when nothing moves while
         // events are missing, restart the consumers cleanly, at most three times.
-        if stable >= 5 && verify.lost() > 0 && group_restarts < 3 {
+        if stable >= 4 && verify.lost() > 0 && group_restarts < 5 {
             group_restarts += 1;
             *faults
                 .entry("settle_consumer_group_restart".to_owned())
                 .or_default() += 1;
             eprintln!(
-                "idem chaos: no progress with events missing; restarting the consumers (broker workaround {group_restarts}/3)"
+                "idem chaos: no progress with events missing; restarting the consumers (broker workaround {group_restarts}/5)"
             );
-            for p in procs
-                .iter_mut()
-                .filter(|p| matches!(p.role, Role::Settlement | Role::Audit))
-            {
-                p.stop(Duration::from_secs(10));
-            }
-            for p in procs
-                .iter_mut()
-                .filter(|p| matches!(p.role, Role::Settlement | Role::Audit))
-            {
-                p.start(&[])?;
-            }
+            restart_group(&mut procs, Role::Settlement, group_restarts >= 2).await?;
+            restart_group(&mut procs, Role::Audit, false).await?;
             stable = 0;
             last = None;
         } else if stable >= 5 && unpublished == 0 && pending_effects == 0 {
@@ -793,6 +799,24 @@ async fn drive(
         logs: None,
         verify,
     })
+}
+
+/// Restarts a consumer group's processes cleanly (and first the broker, when asked): the
+/// workaround for Tansu 0.6's group coordinator, which keeps killed members.
+async fn restart_group(procs: &mut [Proc], role: Role, broker_too: bool) -> anyhow::Result<()> {
+    for p in procs.iter_mut().filter(|p| p.role == role) {
+        p.stop(Duration::from_secs(10));
+    }
+    if broker_too {
+        let broker = &mut procs[0];
+        broker.stop(Duration::from_secs(10));
+        broker.start(&[])?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    for p in procs.iter_mut().filter(|p| p.role == role) {
+        p.start(&[])?;
+    }
+    Ok(())
 }
 
 /// Resumes paused processes and restarts dead ones when their time comes. A process that
