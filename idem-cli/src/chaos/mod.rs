@@ -601,7 +601,7 @@ async fn drive(
                         .or_default();
                     *n += 1;
                     // Every other time the broker is restarted too: that clears its group state.
-                    let broker_too = *n % 2 == 0;
+                    let broker_too = (*n).is_multiple_of(2);
                     restart_group(&mut procs, role, broker_too).await?;
                     *w = (applied, Instant::now());
                 }
