@@ -50,6 +50,12 @@ pub struct ChaosArgs {
     /// Break one mechanism on purpose (a negative control): the run must report a violation.
     #[arg(long = "break", value_parser = BREAKABLE.to_vec())]
     pub break_mechanism: Option<String>,
+    /// Also SIGKILL and restart the broker (with Tansu's SQLite storage, so that the log
+    /// survives). Off by default: Tansu 0.6's SQLite storage panics under this load ("more or
+    /// less than one row") and its memory storage loses the log on a restart, so by default the
+    /// broker keeps its log in memory and is paused (SIGSTOP/SIGCONT) instead.
+    #[arg(long)]
+    pub broker_kills: bool,
     /// How long the pipeline may take to settle after the faults stop.
     #[arg(long, default_value = "180s", value_parser = crate::relay_cmd::parse_duration)]
     pub settle_deadline: Duration,
@@ -253,6 +259,11 @@ async fn drive(
     {
         let (tansu, broker_dir) = (tansu.to_owned(), broker_dir.clone());
         let url = format!("tcp://127.0.0.1:{broker_port}");
+        let storage = if args.broker_kills {
+            "sqlite://tansu.db"
+        } else {
+            "memory://tansu/"
+        };
         procs.push(Proc::new(
             Role::Broker,
             "broker".to_owned(),
@@ -266,7 +277,7 @@ async fn drive(
                     "--advertised-listener-url",
                     &url,
                     "--storage-engine",
-                    "sqlite://tansu.db",
+                    storage,
                 ])
                 .current_dir(&broker_dir);
                 for var in [
@@ -498,7 +509,11 @@ async fn drive(
             } else if roll < 80 {
                 "sigstop"
             } else if roll < 90 && now >= last_broker_kill + Duration::from_secs(20) {
-                "broker_kill"
+                if args.broker_kills {
+                    "broker_kill"
+                } else {
+                    "broker_pause"
+                }
             } else {
                 "sigterm_restart"
             };
@@ -535,6 +550,13 @@ async fn drive(
                     *faults
                         .entry(format!("crash_point_armed:{point}"))
                         .or_default() += 1;
+                }
+                "broker_pause" => {
+                    procs[0].signal(19);
+                    procs[0].paused_until =
+                        Some(now + rng.between(Duration::from_secs(1), Duration::from_secs(3)));
+                    last_broker_kill = now;
+                    *faults.entry("broker_pause".to_owned()).or_default() += 1;
                 }
                 "broker_kill" => {
                     procs[0].kill9();
@@ -601,7 +623,7 @@ async fn drive(
                         .or_default();
                     *n += 1;
                     // Every other time the broker is restarted too: that clears its group state.
-                    let broker_too = (*n).is_multiple_of(2);
+                    let broker_too = args.broker_kills && (*n).is_multiple_of(2);
                     restart_group(&mut procs, role, broker_too).await?;
                     *w = (applied, Instant::now());
                 }
@@ -705,7 +727,12 @@ async fn drive(
             eprintln!(
                 "idem chaos: no progress with events missing; restarting the consumers (broker workaround {group_restarts}/5)"
             );
-            restart_group(&mut procs, Role::Settlement, group_restarts >= 2).await?;
+            restart_group(
+                &mut procs,
+                Role::Settlement,
+                args.broker_kills && group_restarts >= 2,
+            )
+            .await?;
             restart_group(&mut procs, Role::Audit, false).await?;
             stable = 0;
             last = None;
