@@ -85,7 +85,8 @@ mod imp {
     /// Set while any point is armed: unarmed builds pay one relaxed load per pass.
     static ANY_ARMED: AtomicBool = AtomicBool::new(false);
     /// Fires per point, in [`CRASH_POINTS`] order.
-    static FIRED: [AtomicU64; CRASH_POINTS.len()] = [const { AtomicU64::new(0) }; CRASH_POINTS.len()];
+    static FIRED: [AtomicU64; CRASH_POINTS.len()] =
+        [const { AtomicU64::new(0) }; CRASH_POINTS.len()];
 
     pub fn fired() -> Vec<(&'static str, u64)> {
         CRASH_POINTS
