@@ -57,6 +57,22 @@ impl Broker {
         }
     }
 
+    /// Partitions for a topic that must hold `records` records of about `bytes` bytes each:
+    /// `wanted`, or more on the mock cluster, which keeps only the last 5 MiB of a partition
+    /// (librdkafka's `rdkafka_mock.c`, not configurable) and would silently drop the start of
+    /// the backlog before the consumer reads it.
+    pub fn partitions_for(&self, wanted: i32, records: u64, bytes: usize) -> i32 {
+        match self {
+            Broker::Embedded(_) => {
+                let per_partition = 4 * 1024 * 1024;
+                let total = records.saturating_mul(bytes as u64);
+                let needed = i32::try_from(total.div_ceil(per_partition)).unwrap_or(i32::MAX);
+                wanted.max(needed)
+            }
+            _ => wanted,
+        }
+    }
+
     /// Creates `topic` with `partitions` partitions.
     pub async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
         match self {
@@ -297,7 +313,7 @@ pub async fn consume_rate(
         );
         bytes += copy.2.as_ref().map_or(0, Vec::len);
         seen += 1;
-        if seen.is_multiple_of(10_000) {
+        if seen.is_multiple_of(1_000) {
             progress(seen);
         }
     }

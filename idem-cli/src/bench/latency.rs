@@ -33,6 +33,12 @@ pub struct LatencyRun {
     pub p999_ms: f64,
     /// Largest.
     pub max_ms: f64,
+    /// Where the time went, from the databases' own clocks: order transaction start → relay's
+    /// mark (the event was acknowledged by the broker), p50 and p99.
+    pub relay_stage_ms: (f64, f64),
+    /// Relay's mark → settlement transaction start, p50 and p99 (can be below zero: the
+    /// consumer may see the record before the relay's mark begins).
+    pub consumer_stage_ms: (f64, f64),
 }
 
 type Outstanding = Arc<Mutex<HashMap<String, Instant>>>;
@@ -111,7 +117,10 @@ pub async fn open_loop(
         h.saturating_record(micros(now.duration_since(*t)));
     }
     let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    let (relay_stage_ms, consumer_stage_ms) = stages(orders, settle, prefix).await?;
     Ok(LatencyRun {
+        relay_stage_ms,
+        consumer_stage_ms,
         target_rate: rate,
         achieved_rate,
         samples: h.len(),
@@ -121,6 +130,46 @@ pub async fn open_loop(
         p999_ms: ms(0.999),
         max_ms: h.max() as f64 / 1000.0,
     })
+}
+
+/// p50 and p99 of each stage of the orders with `prefix`, from the databases' timestamps.
+async fn stages(
+    orders: &PgPool,
+    settle: &PgPool,
+    prefix: &str,
+) -> anyhow::Result<((f64, f64), (f64, f64))> {
+    let like = format!("{prefix}order-%");
+    let published: Vec<(String, f64, f64)> = sqlx::query_as(
+        "SELECT aggregate_id, extract(epoch FROM published_at - created_at)::float8 * 1000, \
+                extract(epoch FROM published_at)::float8 \
+         FROM idem_outbox WHERE aggregate_id LIKE $1 AND status = 'published'",
+    )
+    .bind(&like)
+    .fetch_all(orders)
+    .await?;
+    let settled: HashMap<String, f64> = sqlx::query_as::<_, (String, f64)>(
+        "SELECT order_id, extract(epoch FROM settled_at)::float8 FROM settlements WHERE order_id LIKE $1",
+    )
+    .bind(&like)
+    .fetch_all(settle)
+    .await?
+    .into_iter()
+    .collect();
+    let mut relay: Vec<f64> = published.iter().map(|p| p.1).collect();
+    let mut consumer: Vec<f64> = published
+        .iter()
+        .filter_map(|(id, _, at)| settled.get(id).map(|s| (s - at) * 1000.0))
+        .collect();
+    Ok((percentiles(&mut relay), percentiles(&mut consumer)))
+}
+
+fn percentiles(v: &mut [f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.99))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -84,7 +84,7 @@ pub struct RunArgs {
     /// Connections of the many-connection phases (inserts, business transactions, writers).
     #[arg(long, default_value_t = 16)]
     connections: u32,
-    /// Partitions of the topics.
+    /// Partitions of the topics (more on the embedded broker when the backlog needs them).
     #[arg(long, default_value_t = 3)]
     partitions: i32,
     /// The Tansu binary for `--brokers tansu` (default: $TANSU_BIN, the PATH, ~/.cargo/bin).
@@ -172,8 +172,11 @@ async fn phases(
     let n = args.connections.max(1);
     let pad = pg::padding(args.message_size);
     let brokers = broker.bootstrap();
-    broker.create_topic(TOPIC, args.partitions).await?;
-    broker.create_topic(RAW_TOPIC, args.partitions).await?;
+    // A record: the payload, about 450 bytes of relay headers, the key and framing.
+    let partitions = broker.partitions_for(args.partitions, args.backlog, args.message_size + 512);
+    report.environment("partitions", &partitions.to_string());
+    broker.create_topic(TOPIC, partitions).await?;
+    broker.create_topic(RAW_TOPIC, partitions).await?;
     let (_, scratch) = dbs.create("scratch", n + 4).await?;
     let (orders_url, orders) = dbs.create("orders", n + 4).await?;
     let (settle_url, settle) = dbs.create("settle", 4).await?;
@@ -445,8 +448,9 @@ async fn phases(
         )
         .await?;
         progress.note(&format!(
-            "{pct} %: p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} samples)",
-            run.p50_ms, run.p99_ms, run.p999_ms, run.samples
+            "{pct} %: p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} samples); relay stage p50 {:.1} p99 {:.1} ms, consumer stage p50 {:.1} p99 {:.1} ms",
+            run.p50_ms, run.p99_ms, run.p999_ms, run.samples,
+            run.relay_stage_ms.0, run.relay_stage_ms.1, run.consumer_stage_ms.0, run.consumer_stage_ms.1
         ));
         report.latency(pct, &run);
     }

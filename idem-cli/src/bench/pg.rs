@@ -10,7 +10,7 @@ use idem_core::{Delivery, InboundEvent, InboxEntry, InboxStore, OutboxStore, Tab
 use idem_postgres::{PgInbox, PgStore};
 use idem_reference::Settlement;
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::{Connection, PgConnection};
+use sqlx::{ConnectOptions, Connection, PgConnection};
 
 /// `url` with its database replaced by `name` (query string kept).
 pub fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
@@ -65,9 +65,13 @@ impl Databases {
             .with_context(|| format!("creating database {name}"))?;
         self.created.push(name.clone());
         let url = with_database(&self.server, &name)?;
+        // Filling a backlog is slow on purpose: no slow-statement warnings in the progress.
+        let options = url
+            .parse::<sqlx::postgres::PgConnectOptions>()?
+            .disable_statement_logging();
         let pool = PgPoolOptions::new()
             .max_connections(connections)
-            .connect(&url)
+            .connect_with(options)
             .await?;
         idem_postgres::migrate(&pool, &TableNames::default()).await?;
         idem_reference::ensure_schema_postgres(&pool).await?;

@@ -235,6 +235,10 @@ impl Report {
             ("max_ms", run.max_ms),
             ("samples", run.samples as f64),
             ("unsettled", run.unsettled as f64),
+            ("relay_stage_p50_ms", run.relay_stage_ms.0),
+            ("relay_stage_p99_ms", run.relay_stage_ms.1),
+            ("consumer_stage_p50_ms", run.consumer_stage_ms.0),
+            ("consumer_stage_p99_ms", run.consumer_stage_ms.1),
         ] {
             self.figure(&format!("latency_{pct}pct_{suffix}"), value);
         }
