@@ -19,6 +19,8 @@ const FIGURES: &[&str] = &[
     "business_tx_outbox_1conn_per_s",
     "business_tx_nconn_per_s",
     "business_tx_outbox_nconn_per_s",
+    "business_tx_plain_1conn_per_s",
+    "business_tx_plain_nconn_per_s",
     "relay_drain_per_s",
     "relay_peak_rss_mib",
     "consumer_drain_per_s",
@@ -38,6 +40,10 @@ const LATENCY: &[&str] = &[
     "max_ms",
     "samples",
     "unsettled",
+    "relay_stage_p50_ms",
+    "relay_stage_p99_ms",
+    "consumer_stage_p50_ms",
+    "consumer_stage_p99_ms",
 ];
 
 const RATIOS: &[&str] = &[
@@ -49,6 +55,9 @@ const RATIOS: &[&str] = &[
     "latency_p99_at_50pct_ms",
     "relay_peak_rss_mib",
     "consumer_peak_rss_mib",
+    "outbox_vs_plain_row_1conn",
+    "outbox_vs_plain_row_nconn",
+    "duplicates_vs_drain",
 ];
 
 fn idem_bench(args: &[&str]) -> Value {

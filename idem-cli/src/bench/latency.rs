@@ -87,9 +87,10 @@ pub async fn open_loop(
         let n = u64::from(i) + 1;
         let payment = format!("{prefix}pay-{n}");
         lock(&outstanding).insert(payment, intended);
-        let (pool, outbox, prefix) = (orders.clone(), outbox.clone(), prefix.to_owned());
+        let (pool, prefix) = (orders.clone(), prefix.to_owned());
+        let how = super::pg::OrderWrite::Outbox(outbox.clone());
         writes.spawn(async move {
-            let r = super::pg::place_order(&pool, Some(&outbox), &prefix, n, pad).await;
+            let r = super::pg::place_order(&pool, &how, &prefix, n, pad).await;
             drop(permit);
             r
         });

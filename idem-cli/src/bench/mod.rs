@@ -26,7 +26,7 @@ use sqlx::PgPool;
 
 use child::Child;
 use kafka::{Broker, TempDir};
-use pg::Databases;
+use pg::{Databases, OrderWrite};
 use report::Report;
 
 /// The default PostgreSQL server.
@@ -197,22 +197,26 @@ async fn phases(
     let v = pg::insert_rate(&scratch, n, secs, args.message_size).await?;
     report.figure("pg_insert_nconn_per_s", v);
 
+    sqlx::query(pg::PLAIN_TABLE).execute(&scratch).await?;
     for (conns, suffix) in [(1, "1conn"), (n, "nconn")] {
         progress.phase(&format!(
-            "business transactions without and with the outbox insert, {conns} connection(s)"
+            "business transactions: alone, with the outbox insert, with a plain second row; {conns} connection(s)"
         ));
-        let v = business_rate(&scratch, None, conns, secs, &format!("t0{suffix}-"), pad).await?;
-        report.figure(&format!("business_tx_{suffix}_per_s"), v);
-        let v = business_rate(
-            &scratch,
-            Some(&outbox),
-            conns,
-            secs,
-            &format!("t1{suffix}-"),
-            pad,
-        )
-        .await?;
-        report.figure(&format!("business_tx_outbox_{suffix}_per_s"), v);
+        for (how, key) in [
+            (OrderWrite::Alone, format!("business_tx_{suffix}_per_s")),
+            (
+                OrderWrite::Outbox(outbox.clone()),
+                format!("business_tx_outbox_{suffix}_per_s"),
+            ),
+            (
+                OrderWrite::PlainRow,
+                format!("business_tx_plain_{suffix}_per_s"),
+            ),
+        ] {
+            let prefix = format!("{key}-");
+            let v = business_rate(&scratch, how, conns, secs, &prefix, pad).await?;
+            report.figure(&key, v);
+        }
     }
 
     progress.phase(&format!(
@@ -459,20 +463,19 @@ async fn phases(
     Ok(())
 }
 
-/// Business transactions per second on `conns` connections: the order row alone, or with its
-/// event through `outbox`.
+/// Business transactions per second on `conns` connections, writing their event as `how` says.
 async fn business_rate(
     pool: &PgPool,
-    outbox: Option<&idem_postgres::Outbox>,
+    how: OrderWrite,
     conns: u32,
     secs: Duration,
     prefix: &str,
     pad: usize,
 ) -> anyhow::Result<f64> {
-    let (pool, outbox, prefix) = (pool.clone(), outbox.cloned(), prefix.to_owned());
+    let (pool, prefix) = (pool.clone(), prefix.to_owned());
     pg::closed_loop(conns, secs, move |i| {
-        let (pool, outbox, prefix) = (pool.clone(), outbox.clone(), prefix.clone());
-        async move { pg::place_order(&pool, outbox.as_ref(), &prefix, i, pad).await }
+        let (pool, how, prefix) = (pool.clone(), how.clone(), prefix.clone());
+        async move { pg::place_order(&pool, &how, &prefix, i, pad).await }
     })
     .await
 }
@@ -488,13 +491,13 @@ async fn sustained(
     progress: &Progress,
 ) -> anyhow::Result<(f64, f64)> {
     let secs = Duration::from_secs_f64(args.seconds);
-    let (pool, outbox) = (orders.clone(), outbox.clone());
+    let (pool, how) = (orders.clone(), OrderWrite::Outbox(outbox.clone()));
     let written = Arc::new(AtomicU64::new(0));
     let w = written.clone();
     let writers = tokio::spawn(pg::closed_loop(args.connections, secs, move |i| {
-        let (pool, outbox, w) = (pool.clone(), outbox.clone(), w.clone());
+        let (pool, how, w) = (pool.clone(), how.clone(), w.clone());
         async move {
-            pg::place_order(&pool, Some(&outbox), "e-", i, pad).await?;
+            pg::place_order(&pool, &how, "e-", i, pad).await?;
             w.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }

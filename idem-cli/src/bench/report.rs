@@ -52,6 +52,11 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
         "tx/s",
     ),
     (
+        "business_tx_plain_1conn_per_s",
+        "business transaction + plain second row, 1 connection",
+        "tx/s",
+    ),
+    (
         "business_tx_nconn_per_s",
         "business transaction, {n} connections",
         "tx/s",
@@ -59,6 +64,11 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
     (
         "business_tx_outbox_nconn_per_s",
         "business transaction + outbox insert, {n} connections",
+        "tx/s",
+    ),
+    (
+        "business_tx_plain_nconn_per_s",
+        "business transaction + plain second row, {n} connections",
         "tx/s",
     ),
     (
@@ -106,6 +116,8 @@ pub const LOADS: [u32; 3] = [25, 50, 80];
 enum Target {
     AtLeast(f64),
     AtMost(f64),
+    /// Explains another figure; no target.
+    Info,
 }
 
 impl Target {
@@ -113,6 +125,7 @@ impl Target {
         match self {
             Target::AtLeast(t) => v >= t,
             Target::AtMost(t) => v <= t,
+            Target::Info => true,
         }
     }
 
@@ -120,6 +133,7 @@ impl Target {
         match self {
             Target::AtLeast(t) => format!(">= {t}"),
             Target::AtMost(t) => format!("<= {t}"),
+            Target::Info => "-".to_owned(),
         }
     }
 }
@@ -165,6 +179,21 @@ const RATIOS: &[(&str, &str, Target)] = &[
         "consumer_peak_rss_mib",
         "consumer peak RSS, MiB",
         Target::AtMost(150.0),
+    ),
+    (
+        "outbox_vs_plain_row_1conn",
+        "business tx with outbox / with a plain second row, 1 connection",
+        Target::Info,
+    ),
+    (
+        "outbox_vs_plain_row_nconn",
+        "business tx with outbox / with a plain second row, {n} connections",
+        Target::Info,
+    ),
+    (
+        "duplicates_vs_drain",
+        "consumer drain of duplicates / of new events",
+        Target::Info,
     ),
 ];
 
@@ -291,6 +320,18 @@ impl Report {
             self.get("latency_50pct_p99_ms"),
             self.get("relay_peak_rss_mib"),
             self.get("consumer_peak_rss_mib"),
+            div(
+                self.get("business_tx_outbox_1conn_per_s"),
+                self.get("business_tx_plain_1conn_per_s"),
+            ),
+            div(
+                self.get("business_tx_outbox_nconn_per_s"),
+                self.get("business_tx_plain_nconn_per_s"),
+            ),
+            div(
+                self.get("duplicates_drain_per_s"),
+                self.get("consumer_drain_per_s"),
+            ),
         ];
         self.ratios = RATIOS
             .iter()
@@ -386,6 +427,7 @@ impl Report {
         );
         for (_, label, v, t) in &self.ratios {
             let result = match v {
+                Some(_) if matches!(t, Target::Info) => "",
                 Some(v) if t.met(*v) => "met",
                 Some(_) => "MISSED",
                 None => "not measured",
