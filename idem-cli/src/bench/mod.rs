@@ -87,6 +87,14 @@ pub struct RunArgs {
     /// Partitions of the topics (more on the embedded broker when the backlog needs them).
     #[arg(long, default_value_t = 3)]
     partitions: i32,
+    /// librdkafka consumer setting KEY=VALUE for the settlement consumers (repeatable), as
+    /// `idem settlement --consumer-config`.
+    #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
+    consumer_config: Vec<(String, String)>,
+    /// librdkafka producer setting KEY=VALUE for the relay (repeatable), as `idem relay
+    /// --producer-config`.
+    #[arg(long = "producer-config", value_parser = idem_kafka::parse_setting)]
+    producer_config: Vec<(String, String)>,
     /// The Tansu binary for `--brokers tansu` (default: $TANSU_BIN, the PATH, ~/.cargo/bin).
     #[arg(long)]
     tansu_bin: Option<PathBuf>,
@@ -281,7 +289,7 @@ async fn phases(
     pg::fill_backlog(&orders, "b-", args.backlog, pad).await?;
 
     progress.phase("relay drain (idem relay as a child process)");
-    let relay_args = args_of(&[
+    let mut relay_args = args_of(&[
         "relay",
         "--db",
         &orders_url,
@@ -291,6 +299,9 @@ async fn phases(
         &args.relay_batch_size.to_string(),
         "--no-prune",
     ]);
+    for (k, v) in &args.producer_config {
+        relay_args.extend(["--producer-config".to_owned(), format!("{k}={v}")]);
+    }
     let published = "idem_outbox WHERE status = 'published'";
     let mut ctx = DrainCtx {
         progress,
@@ -323,7 +334,12 @@ async fn phases(
     ctx.progress
         .phase("consumer drain (idem settlement as a child process)");
     let batch = args.batch_size.to_string();
-    let settlement_args = args_of(&[
+    let consumer_config: Vec<String> = args
+        .consumer_config
+        .iter()
+        .flat_map(|(k, v)| ["--consumer-config".to_owned(), format!("{k}={v}")])
+        .collect();
+    let mut settlement_args = args_of(&[
         "settlement",
         "--db",
         &settle_url,
@@ -334,6 +350,7 @@ async fn phases(
         "--batch-size",
         &batch,
     ]);
+    settlement_args.extend(consumer_config.iter().cloned());
     let (settlement, elapsed) = ctx
         .drain(
             "settlement",
@@ -351,7 +368,7 @@ async fn phases(
 
     ctx.progress
         .phase("consumer drain without the inbox (same consumer, inbox insert left out)");
-    let bare_args = args_of(&[
+    let mut bare_args = args_of(&[
         "bench",
         "no-inbox-consumer",
         "--db",
@@ -363,6 +380,7 @@ async fn phases(
         "--batch-size",
         &batch,
     ]);
+    bare_args.extend(consumer_config);
     let (bare, elapsed) = ctx
         .drain(
             "no-inbox-consumer",

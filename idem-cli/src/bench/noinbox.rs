@@ -27,6 +27,9 @@ pub struct NoInboxArgs {
     /// Records per transaction.
     #[arg(long, default_value_t = 200)]
     batch_size: usize,
+    /// librdkafka consumer setting KEY=VALUE (repeatable).
+    #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
+    consumer_config: Vec<(String, String)>,
 }
 
 /// [`PgInbox`] without the inbox insert: every event is new.
@@ -88,7 +91,7 @@ pub async fn run(args: NoInboxArgs) -> anyhow::Result<()> {
     let shutdown = crate::relay_cmd::shutdown_signal()?;
     let pool = idem_postgres::connect(&args.db, 4).await?;
     idem_reference::ensure_schema_postgres(&pool).await?;
-    let kafka = consumer_config(&args.brokers, &args.group, &[])?;
+    let kafka = consumer_config(&args.brokers, &args.group, &args.consumer_config)?;
     let source = KafkaSource::new(&kafka, std::slice::from_ref(&args.topic))?;
     let mut config = ConsumerConfig::new(&args.group);
     config.batch_size = args.batch_size.max(1);

@@ -228,6 +228,8 @@ impl Report {
                 "connections": args.connections,
                 "partitions": args.partitions,
                 "brokers": args.brokers,
+                "consumer_config": args.consumer_config.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
+                "producer_config": args.producer_config.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
             }),
             environment,
             figures: vec![],
