@@ -213,6 +213,12 @@ pub async fn produce_rate(
 ) -> anyhow::Result<f64> {
     let config = idem_kafka::producer_config(brokers, &[])?;
     let producer: FutureProducer = config.create()?;
+    // Connection, metadata and producer id first: the rate is the steady one.
+    let warm_up = FutureRecord::to(topic).key("warm-up").payload(payload);
+    producer
+        .send(warm_up, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| anyhow::anyhow!("warming the producer up: {e}"))?;
     let start = Instant::now();
     let mut pending = futures::stream::FuturesUnordered::new();
     let mut done = 0u64;
