@@ -152,7 +152,12 @@ async fn run_all(args: RunArgs) -> anyhow::Result<()> {
     let logs = TempDir::new("logs")?;
     let mut dbs = Databases::new(&args.db);
     let mut report = Report::new(&args, broker.kind());
-    let result = phases(&args, &broker, &mut dbs, &logs, &mut progress, &mut report).await;
+    // Ctrl-C or SIGTERM stops the run but still drops its databases (children die with it).
+    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let result = tokio::select! {
+        r = phases(&args, &broker, &mut dbs, &logs, &mut progress, &mut report) => r,
+        () = interrupted => Err(anyhow::anyhow!("interrupted; the bench databases are dropped")),
+    };
     if let Err(e) = dbs.drop_all().await {
         tracing::warn!(error = %e, "could not drop the bench databases");
     }
