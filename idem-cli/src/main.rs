@@ -1,5 +1,6 @@
 //! `idem`: migrate the outbox, run the relay, inspect the outbox and topics.
 
+mod bench;
 mod chaos;
 mod db;
 mod demo;
@@ -54,6 +55,8 @@ enum Command {
     /// Check that every fact has exactly one effect: lost, duplicated and mismatched effects,
     /// with where each lost one stopped (exit 0 clean, 1 violations, 2 could not verify).
     Verify(verify_cmd::VerifyArgs),
+    /// Measure what idem costs on this hardware against same-run baselines (`bench verify`: memory of `idem verify`).
+    Bench(bench::BenchArgs),
     /// Create and read topics.
     Topic {
         #[command(subcommand)]
@@ -134,5 +137,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Verify(args) => verify_cmd::run(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Chaos(args) => chaos::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
     }
 }

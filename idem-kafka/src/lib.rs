@@ -51,7 +51,11 @@ pub const FORCED_PRODUCER_SETTINGS: &[(&str, &str)] =
 /// Settings idem chooses but a user may override.
 pub const DEFAULT_PRODUCER_SETTINGS: &[(&str, &str)] = &[
     ("message.timeout.ms", "20000"),
-    ("linger.ms", "5"),
+    // The relay enqueues a whole batch at once and then waits for every report: lingering only
+    // delays the batch's last request, and every millisecond of it is commit → Kafka latency.
+    ("linger.ms", "1"),
+    // Small produce requests on an idle relay are not held back by Nagle's algorithm.
+    ("socket.nagle.disable", "true"),
     ("queue.buffering.max.kbytes", "65536"),
     ("queue.buffering.max.messages", "100000"),
     ("partitioner", "murmur2_random"),
@@ -431,7 +435,10 @@ mod tests {
         assert_eq!(cfg.get("enable.idempotence"), Some("true"));
         assert_eq!(cfg.get("acks"), Some("all"));
         assert_eq!(cfg.get("max.in.flight.requests.per.connection"), Some("5"));
+        // The local queue is bounded (librdkafka's default holds up to a gigabyte).
         assert_eq!(cfg.get("queue.buffering.max.kbytes"), Some("65536"));
+        assert_eq!(cfg.get("queue.buffering.max.messages"), Some("100000"));
+        assert_eq!(cfg.get("linger.ms"), Some("1"));
         assert_eq!(cfg.get("partitioner"), Some("murmur2_random"));
         assert_eq!(cfg.get("transactional.id"), None);
     }

@@ -41,6 +41,20 @@ pub const DEFAULT_CONSUMER_SETTINGS: &[(&str, &str)] = &[
     ("max.poll.interval.ms", "300000"),
     // Notice a subscribed topic created after start-up within seconds, not minutes.
     ("topic.metadata.refresh.interval.ms", "10000"),
+    // How long a broker may hold a fetch that found nothing. Kafka answers as soon as a record
+    // arrives, so this only paces an idle consumer (at most 20 fetches a second per broker);
+    // brokers that hold an empty fetch for the whole wait (Tansu 0.6, librdkafka's mock
+    // cluster) add up to this much latency to every event: librdkafka's 500 ms made the
+    // commit → settlement p99 about 550 ms there (`idem bench`, docs/performance.md). 20 ms
+    // was faster still, but Tansu 0.6 then lost the rebalance after a member died (the
+    // settlement crash test failed 4 runs of 6; 50 ms passed 6 of 6).
+    ("fetch.wait.max.ms", "50"),
+    // Fetch and offset-commit requests are sent at once, not held back by Nagle's algorithm.
+    ("socket.nagle.disable", "true"),
+    // Records prefetched ahead of the runtime. librdkafka's 64 MiB (on top of 100 000 queued
+    // records) put a consumer draining a backlog at 98 MiB resident; a batch is a few hundred
+    // records, so 16 MiB still keeps the runtime fed.
+    ("queued.max.messages.kbytes", "16384"),
 ];
 
 /// Builds a consumer configuration for `group`: `overrides` on top of idem's defaults, with the
@@ -306,6 +320,8 @@ mod tests {
         assert_eq!(cfg.get("enable.auto.offset.store"), Some("false"));
         assert_eq!(cfg.get("auto.offset.reset"), Some("earliest"));
         assert_eq!(cfg.get("group.id"), Some("settlement"));
+        assert_eq!(cfg.get("fetch.wait.max.ms"), Some("50"));
+        assert_eq!(cfg.get("queued.max.messages.kbytes"), Some("16384"));
         for (k, v) in [
             ("enable.auto.commit", "true"),
             ("enable.auto.offset.store", "true"),

@@ -69,6 +69,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "effect intents",
         include_str!("../migrations/0004_effect_intents.sql"),
     ),
+    (
+        5,
+        "outbox name checks",
+        include_str!("../migrations/0005_outbox_name_checks.sql"),
+    ),
 ];
 
 /// How many of the oldest pending rows a claim looks at, per row of batch size.

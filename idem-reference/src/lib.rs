@@ -99,7 +99,7 @@ pub async fn place_order_postgres(
     outbox: &idem_postgres::Outbox,
     order: &PaidOrder,
 ) -> Result<(), OrderError> {
-    place_order_postgres_held(pool, outbox, order, std::time::Duration::ZERO).await
+    write_order_postgres(pool, Some(outbox), order, &order.event()?).await
 }
 
 /// [`place_order_postgres`], holding the transaction open for `hold` before committing: a
@@ -111,11 +111,31 @@ pub async fn place_order_postgres_held(
     order: &PaidOrder,
     hold: std::time::Duration,
 ) -> Result<(), OrderError> {
+    write_order_postgres_held(pool, Some(outbox), order, &order.event()?, hold).await
+}
+
+/// Writes the order row and `event` in one PostgreSQL transaction; with no `outbox`, the order
+/// row alone (what the service would cost without the outbox: `idem bench` compares the two).
+pub async fn write_order_postgres(
+    pool: &sqlx::PgPool,
+    outbox: Option<&idem_postgres::Outbox>,
+    order: &PaidOrder,
+    event: &Event,
+) -> Result<(), OrderError> {
+    write_order_postgres_held(pool, outbox, order, event, std::time::Duration::ZERO).await
+}
+
+async fn write_order_postgres_held(
+    pool: &sqlx::PgPool,
+    outbox: Option<&idem_postgres::Outbox>,
+    order: &PaidOrder,
+    event: &Event,
+    hold: std::time::Duration,
+) -> Result<(), OrderError> {
     let db = |source| OrderError::Database {
         order_id: order.order_id.clone(),
         source,
     };
-    let event = order.event()?;
     let mut tx = pool.begin().await.map_err(db)?;
     sqlx::query(
         "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)",
@@ -127,7 +147,9 @@ pub async fn place_order_postgres_held(
     .execute(&mut *tx)
     .await
     .map_err(db)?;
-    outbox.enqueue(&mut tx, &event).await?;
+    if let Some(outbox) = outbox {
+        outbox.enqueue(&mut tx, event).await?;
+    }
     if !hold.is_zero() {
         tokio::time::sleep(hold).await;
     }

@@ -437,12 +437,21 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     /// to `idle_poll_max`; any claimed row resets the interval. No trigger or `NOTIFY` runs in
     /// the writers' transactions.
     ///
+    /// The status gauges and pruning run beside the claim loop, not in it: the status query
+    /// scans the outbox (about 65 ms for 300 000 rows here) and a prune deletes up to a batch of
+    /// rows, and either would otherwise hold up every event waiting to be claimed.
+    ///
     /// Database and broker errors are logged and retried with backoff; a crash point fired in
     /// error mode ends the loop with [`Error::CrashPoint`].
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
-        tokio::pin!(shutdown);
-        let mut idle = self.config.idle_poll_min;
-        let mut error_backoff = Duration::from_millis(200);
+        tokio::select! {
+            r = self.claim_loop(shutdown) => r,
+            never = self.housekeeping() => match never {},
+        }
+    }
+
+    /// Refreshes the gauges every `status_interval` and prunes every prune interval, forever.
+    async fn housekeeping(&self) -> std::convert::Infallible {
         let mut last_status: Option<Instant> = None;
         let mut last_prune = Instant::now();
         loop {
@@ -461,6 +470,23 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 }
                 last_prune = Instant::now();
             }
+            let next_prune = self
+                .config
+                .prune
+                .as_ref()
+                .map_or(self.config.status_interval, |(every, _)| {
+                    every.saturating_sub(last_prune.elapsed())
+                });
+            let pause = self.config.status_interval.min(next_prune);
+            tokio::time::sleep(pause.max(Duration::from_millis(1))).await;
+        }
+    }
+
+    async fn claim_loop(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        tokio::pin!(shutdown);
+        let mut idle = self.config.idle_poll_min;
+        let mut error_backoff = Duration::from_millis(200);
+        loop {
             let wait = match self.run_once().await {
                 Ok(r) if r.claimed > 0 => {
                     idle = self.config.idle_poll_min;

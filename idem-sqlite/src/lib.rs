@@ -65,6 +65,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "effect intents",
         include_str!("../migrations/0004_effect_intents.sql"),
     ),
+    (
+        5,
+        "outbox name checks",
+        include_str!("../migrations/0005_outbox_name_checks.sql"),
+    ),
 ];
 
 const CLAIM_WINDOW_FACTOR: u32 = 4;

@@ -1,0 +1,330 @@
+//! The broker under test (an external one, librdkafka's mock cluster, or a Tansu process) and
+//! the raw rdkafka produce and consume baselines.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use idem_kafka::EmbeddedCluster;
+use rdkafka::Message as _;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+
+/// Where the brokers are.
+pub enum Broker {
+    /// Bootstrap servers given by the user.
+    External(String),
+    /// librdkafka's mock cluster, in this process.
+    Embedded(EmbeddedCluster),
+    /// A Tansu broker started for this run (in-memory storage).
+    Tansu {
+        /// The process.
+        child: Box<tokio::process::Child>,
+        /// `127.0.0.1:PORT`.
+        brokers: String,
+        /// Its working directory.
+        _dir: TempDir,
+    },
+}
+
+impl Broker {
+    /// `embedded`, `tansu`, or bootstrap servers.
+    pub async fn start(brokers: &str, tansu_bin: Option<&PathBuf>) -> anyhow::Result<Self> {
+        match brokers {
+            idem_kafka::EMBEDDED => Ok(Broker::Embedded(EmbeddedCluster::start(1)?)),
+            "tansu" => start_tansu(tansu_bin).await,
+            other => Ok(Broker::External(other.to_owned())),
+        }
+    }
+
+    /// Bootstrap servers for clients (and child processes).
+    pub fn bootstrap(&self) -> String {
+        match self {
+            Broker::External(b) => b.clone(),
+            Broker::Embedded(c) => c.bootstrap_servers(),
+            Broker::Tansu { brokers, .. } => brokers.clone(),
+        }
+    }
+
+    /// What it is, for the report.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Broker::External(_) => "external",
+            Broker::Embedded(_) => "embedded (librdkafka mock cluster)",
+            Broker::Tansu { .. } => "tansu 0.6 (memory storage)",
+        }
+    }
+
+    /// Partitions for a topic that must hold `records` records of about `bytes` bytes each:
+    /// `wanted`, or more on the mock cluster, which keeps only the last 5 MiB of a partition
+    /// (librdkafka's `rdkafka_mock.c`, not configurable) and would silently drop the start of
+    /// the backlog before the consumer reads it.
+    pub fn partitions_for(&self, wanted: i32, records: u64, bytes: usize) -> i32 {
+        match self {
+            Broker::Embedded(_) => {
+                let per_partition = 4 * 1024 * 1024;
+                let total = records.saturating_mul(bytes as u64);
+                let needed = i32::try_from(total.div_ceil(per_partition)).unwrap_or(i32::MAX);
+                wanted.max(needed)
+            }
+            _ => wanted,
+        }
+    }
+
+    /// Creates `topic` with `partitions` partitions.
+    pub async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
+        match self {
+            Broker::Embedded(c) => c.create_topic(topic, partitions)?,
+            _ => {
+                idem_kafka::ensure_topics(&self.bootstrap(), &[topic.to_owned()], partitions, 1)
+                    .await?
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops a broker this run started.
+    pub async fn stop(self) {
+        if let Broker::Tansu { mut child, .. } = self {
+            let _ = child.kill().await;
+        }
+    }
+}
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// A new directory under the system's temporary directory.
+    pub fn new(what: &str) -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!(
+            "idem-bench-{what}-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(TempDir(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tansu_binary(given: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = given {
+        return Ok(p.clone());
+    }
+    if let Some(p) = std::env::var_os("TANSU_BIN") {
+        return Ok(p.into());
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            if dir.join("tansu").is_file() {
+                return Ok(dir.join("tansu"));
+            }
+        }
+    }
+    let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
+    let p = home.join(".cargo/bin/tansu");
+    if p.is_file() {
+        return Ok(p);
+    }
+    bail!(
+        "--brokers tansu: no tansu binary (give --tansu-bin, or `cargo install tansu --version 0.6.0`)"
+    )
+}
+
+async fn start_tansu(given: Option<&PathBuf>) -> anyhow::Result<Broker> {
+    let bin = tansu_binary(given)?;
+    let dir = TempDir::new("tansu")?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let mut cmd = tokio::process::Command::new(&bin);
+    cmd.arg("broker")
+        .args(["--listener-url", &url, "--advertised-listener-url", &url])
+        .args(["--storage-engine", "memory://tansu/"])
+        .current_dir(&dir.0)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.0.join("tansu.log"))?)
+        .kill_on_drop(true);
+    for var in [
+        "CLUSTER_ID",
+        "LISTENER_URL",
+        "ADVERTISED_LISTENER_URL",
+        "STORAGE_ENGINE",
+    ] {
+        cmd.env_remove(var);
+    }
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        if Instant::now() > deadline {
+            bail!("Tansu did not listen on port {port} within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(Broker::Tansu {
+        child: Box::new(child),
+        brokers: format!("127.0.0.1:{port}"),
+        _dir: dir,
+    })
+}
+
+/// The headers the relay puts on an `order.paid` record (same names, same sizes).
+pub fn relay_like_headers(n: u64) -> Vec<(String, String)> {
+    let id = uuid::Uuid::now_v7().to_string();
+    vec![
+        ("ce_specversion".into(), "1.0".into()),
+        ("ce_id".into(), id),
+        ("ce_type".into(), "order.paid".into()),
+        ("ce_source".into(), "/idem/order".into()),
+        ("ce_time".into(), "2026-01-01T00:00:00.000000Z".into()),
+        ("ce_subject".into(), format!("b-order-{n}")),
+        ("content-type".into(), "application/json".into()),
+        ("idem_aggregate_type".into(), "order".into()),
+        ("idem_aggregate_id".into(), format!("b-order-{n}")),
+        ("idem_aggregate_seq".into(), "1".into()),
+        ("idem_attempt".into(), "1".into()),
+    ]
+}
+
+/// Produces `count` records of `payload` with relay-like keys and headers to `topic` through
+/// one producer with idem's producer settings, as fast as librdkafka takes them, and waits for
+/// every delivery report. Returns records per second.
+pub async fn produce_rate(
+    brokers: &str,
+    topic: &str,
+    count: u64,
+    payload: &[u8],
+    mut progress: impl FnMut(u64),
+) -> anyhow::Result<f64> {
+    let config = idem_kafka::producer_config(brokers, &[])?;
+    let producer: FutureProducer = config.create()?;
+    // Connection, metadata and producer id first: the rate is the steady one.
+    let warm_up = FutureRecord::to(topic).key("warm-up").payload(payload);
+    producer
+        .send(warm_up, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| anyhow::anyhow!("warming the producer up: {e}"))?;
+    let start = Instant::now();
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let mut done = 0u64;
+    for n in 1..=count {
+        let key = format!("b-order-{n}");
+        let header_values = relay_like_headers(n);
+        let mut headers = OwnedHeaders::new_with_capacity(header_values.len());
+        for (k, v) in &header_values {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
+        }
+        let mut record = FutureRecord::to(topic)
+            .key(key.as_bytes())
+            .payload(payload)
+            .headers(headers);
+        loop {
+            match producer.send_result(record) {
+                Ok(f) => {
+                    pending.push(f);
+                    break;
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    done += drain_some(&mut pending).await?;
+                    progress(done);
+                }
+                Err((e, _)) => return Err(e.into()),
+            }
+        }
+    }
+    use futures::StreamExt;
+    while let Some(r) = pending.next().await {
+        check_report(r)?;
+        done += 1;
+    }
+    progress(done);
+    Ok(count as f64 / start.elapsed().as_secs_f64().max(1e-9))
+}
+
+type Report = <rdkafka::producer::DeliveryFuture as std::future::Future>::Output;
+
+fn check_report(r: Report) -> anyhow::Result<()> {
+    match r {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(anyhow::anyhow!("a raw produce failed: {e}")),
+        Err(_) => Err(anyhow::anyhow!("a raw produce report was lost")),
+    }
+}
+
+async fn drain_some(
+    pending: &mut futures::stream::FuturesUnordered<rdkafka::producer::DeliveryFuture>,
+) -> anyhow::Result<u64> {
+    use futures::StreamExt;
+    let mut n = 0;
+    // Wait for at least one report, then take whatever else is ready.
+    if let Some(r) = pending.next().await {
+        check_report(r)?;
+        n += 1;
+    }
+    while let Some(Some(r)) = futures::FutureExt::now_or_never(pending.next()) {
+        check_report(r)?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Consumes `count` records of `topic` with a new group (idem's consumer settings), copying each
+/// out as the consumer runtime does. Returns records per second from the first record to the
+/// last (group join not counted).
+pub async fn consume_rate(
+    brokers: &str,
+    topic: &str,
+    count: u64,
+    timeout: Duration,
+    mut progress: impl FnMut(u64),
+) -> anyhow::Result<f64> {
+    let group = format!("bench-raw-{}", uuid::Uuid::new_v4().simple());
+    let config = idem_kafka::consumer_config(brokers, &group, &[])?;
+    let consumer: StreamConsumer = config.create()?;
+    consumer.subscribe(&[topic])?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut first: Option<Instant> = None;
+    let mut seen = 0u64;
+    let mut bytes = 0usize;
+    while seen < count {
+        let m = tokio::time::timeout_at(deadline, consumer.recv())
+            .await
+            .with_context(|| {
+                format!("raw consume: {seen} of {count} records within {timeout:?}")
+            })??;
+        first.get_or_insert_with(Instant::now);
+        let copy = (
+            m.topic().to_owned(),
+            m.key().map(<[u8]>::to_vec),
+            m.payload().map(<[u8]>::to_vec),
+        );
+        bytes += copy.2.as_ref().map_or(0, Vec::len);
+        seen += 1;
+        if seen.is_multiple_of(1_000) {
+            progress(seen);
+        }
+    }
+    progress(seen);
+    let elapsed = first.map_or(Duration::ZERO, |f| f.elapsed());
+    tracing::debug!(bytes, "raw consume done");
+    Ok(seen.saturating_sub(1).max(1) as f64 / elapsed.as_secs_f64().max(1e-9))
+}

@@ -1,0 +1,110 @@
+//! `idem bench no-inbox-consumer` (hidden): the settlement service exactly as `idem settlement`
+//! runs it, except that the inbox records nothing and calls every event new. Only the bench
+//! uses it, to price the inbox ("consumer with dedup ÷ without"); it is not effectively-once.
+
+use clap::Args;
+use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
+use idem_core::{Dedup, EventId, InboxEntry, InboxStore, Result, StoredDeadLetter};
+use idem_kafka::{KafkaSource, consumer_config};
+use idem_postgres::PgInbox;
+use sqlx::PgConnection;
+
+/// Options of the inbox-less consumer.
+#[derive(Args, Debug)]
+pub struct NoInboxArgs {
+    /// Settlement database.
+    #[arg(long)]
+    db: String,
+    /// Kafka bootstrap servers.
+    #[arg(long)]
+    brokers: String,
+    /// Consumer group.
+    #[arg(long)]
+    group: String,
+    /// Topic.
+    #[arg(long, default_value = "outbox.event.order")]
+    topic: String,
+    /// Records per transaction.
+    #[arg(long, default_value_t = 200)]
+    batch_size: usize,
+    /// librdkafka consumer setting KEY=VALUE (repeatable).
+    #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
+    consumer_config: Vec<(String, String)>,
+}
+
+/// [`PgInbox`] without the inbox insert: every event is new.
+struct NoInbox(PgInbox);
+
+impl InboxStore for NoInbox {
+    type Conn = PgConnection;
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+
+    async fn begin(&self) -> Result<Self::Tx> {
+        self.0.begin().await
+    }
+    async fn commit(&self, tx: Self::Tx) -> Result<()> {
+        self.0.commit(tx).await
+    }
+    async fn rollback(&self, tx: Self::Tx) -> Result<()> {
+        self.0.rollback(tx).await
+    }
+    async fn record(
+        &self,
+        _conn: &mut PgConnection,
+        _group: &str,
+        entries: &[InboxEntry<'_>],
+    ) -> Result<Vec<Dedup>> {
+        Ok(entries.iter().map(|_| Dedup::New).collect())
+    }
+    async fn savepoint(&self, conn: &mut PgConnection) -> Result<()> {
+        self.0.savepoint(conn).await
+    }
+    async fn rollback_to_savepoint(&self, conn: &mut PgConnection) -> Result<()> {
+        self.0.rollback_to_savepoint(conn).await
+    }
+    async fn release_savepoint(&self, conn: &mut PgConnection) -> Result<()> {
+        self.0.release_savepoint(conn).await
+    }
+    async fn mark_dead_lettered(
+        &self,
+        _conn: &mut PgConnection,
+        _group: &str,
+        _ids: &[EventId],
+    ) -> Result<()> {
+        Ok(())
+    }
+    async fn dead_letter(
+        &self,
+        conn: &mut PgConnection,
+        group: &str,
+        letters: &[idem_core::DeadLetter],
+    ) -> Result<()> {
+        self.0.dead_letter(conn, group, letters).await
+    }
+    async fn dead_letters(&self, group: &str, limit: u32) -> Result<Vec<StoredDeadLetter>> {
+        self.0.dead_letters(group, limit).await
+    }
+}
+
+/// Runs until SIGTERM.
+pub async fn run(args: NoInboxArgs) -> anyhow::Result<()> {
+    let shutdown = crate::relay_cmd::shutdown_signal()?;
+    let pool = idem_postgres::connect(&args.db, 4).await?;
+    idem_reference::ensure_schema_postgres(&pool).await?;
+    let kafka = consumer_config(&args.brokers, &args.group, &args.consumer_config)?;
+    let source = KafkaSource::new(&kafka, std::slice::from_ref(&args.topic))?;
+    let mut config = ConsumerConfig::new(&args.group);
+    config.batch_size = args.batch_size.max(1);
+    let metrics = ConsumerMetrics::new(&prometheus::Registry::new())?;
+    let inbox = NoInbox(PgInbox::new(pool, idem_core::TableNames::default()));
+    Consumer::new(
+        inbox,
+        idem_reference::Settlement::new(),
+        source,
+        config,
+        metrics,
+    )
+    .run(shutdown)
+    .await?;
+    Ok(())
+}

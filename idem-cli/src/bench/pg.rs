@@ -1,0 +1,450 @@
+//! The bench's own PostgreSQL databases, the backlog, and the SQL baselines.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use idem_core::outbox::{ClaimRequest, Outcome};
+use idem_core::{Delivery, InboundEvent, InboxEntry, InboxStore, OutboxStore, TableNames};
+use idem_postgres::{PgInbox, PgStore};
+use idem_reference::Settlement;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection};
+
+/// `url` with its database replaced by `name` (query string kept).
+pub fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
+    let scheme_end = url
+        .find("://")
+        .map(|i| i + 3)
+        .context("--db must be a postgres:// URL")?;
+    let (base, query) = match url.find('?') {
+        Some(q) => (&url[..q], &url[q..]),
+        None => (url, ""),
+    };
+    let host_end = base[scheme_end..]
+        .find('/')
+        .map_or(base.len(), |i| scheme_end + i);
+    Ok(format!("{}/{name}{query}", &base[..host_end]))
+}
+
+/// Databases created by this run, dropped by [`Databases::drop_all`].
+pub struct Databases {
+    server: String,
+    prefix: String,
+    created: Vec<String>,
+}
+
+impl Databases {
+    /// Databases named `idem_bench_<pid>_*` on the server of `url`.
+    pub fn new(url: &str) -> Self {
+        Databases {
+            server: url.to_owned(),
+            prefix: format!("idem_bench_{}", std::process::id()),
+            created: vec![],
+        }
+    }
+
+    /// Creates database `<prefix>_<suffix>` with idem's and the reference tables; returns its
+    /// URL and a pool of `connections`.
+    pub async fn create(
+        &mut self,
+        suffix: &str,
+        connections: u32,
+    ) -> anyhow::Result<(String, PgPool)> {
+        let name = format!("{}_{suffix}", self.prefix);
+        let mut admin = PgConnection::connect(&self.server)
+            .await
+            .with_context(|| format!("connecting to {}", idem_postgres::redact(&self.server)))?;
+        sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await
+            .with_context(|| format!("creating database {name}"))?;
+        self.created.push(name.clone());
+        let url = with_database(&self.server, &name)?;
+        // Filling a backlog is slow on purpose: no slow-statement warnings in the progress.
+        let options = url
+            .parse::<sqlx::postgres::PgConnectOptions>()?
+            .disable_statement_logging();
+        let pool = PgPoolOptions::new()
+            .max_connections(connections)
+            .connect_with(options)
+            .await?;
+        idem_postgres::migrate(&pool, &TableNames::default()).await?;
+        idem_reference::ensure_schema_postgres(&pool).await?;
+        Ok((url, pool))
+    }
+
+    /// Drops every database this run created.
+    pub async fn drop_all(&mut self) -> anyhow::Result<()> {
+        let mut admin = PgConnection::connect(&self.server).await?;
+        for name in self.created.drain(..) {
+            sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                .execute(&mut admin)
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// The `order.paid` payload of backlog order `n` as SQL (same fields as the reference
+/// service's, plus a `note` padding it to the message size).
+const PAYLOAD_SQL: &str = "jsonb_build_object('order_id', $p || 'order-' || n, 'payment_id', $p || 'pay-' || n, \
+     'amount', ((100 + n % 9900) / 100)::text || '.' || lpad(((100 + n % 9900) % 100)::text, 2, '0'), \
+     'currency', 'EUR', 'note', repeat('x', $pad))";
+
+/// Padding that brings the payload to about `size` bytes.
+pub fn padding(size: usize) -> usize {
+    // The JSON of order 1 with an empty note, as the relay sends it (jsonb text).
+    let base = r#"{"note": "", "amount": "1.01", "currency": "EUR", "order_id": "b-order-1", "payment_id": "b-pay-1"}"#;
+    size.saturating_sub(base.len() + 4)
+}
+
+/// Writes `count` paid orders (`<prefix>order-N`) and their pending `order.paid` outbox rows in
+/// two set-based statements: the backlog the relay and the consumer drain.
+pub async fn fill_backlog(
+    pool: &PgPool,
+    prefix: &str,
+    count: u64,
+    pad: usize,
+) -> anyhow::Result<()> {
+    let n = i64::try_from(count)?;
+    let pad = i32::try_from(pad)?;
+    sqlx::query(
+        "INSERT INTO orders (order_id, payment_id, amount_minor, currency) \
+         SELECT $1 || 'order-' || n, $1 || 'pay-' || n, 100 + n % 9900, 'EUR' FROM generate_series(1, $2::bigint) n",
+    )
+    .bind(prefix)
+    .bind(n)
+    .execute(pool)
+    .await
+    .context("writing the backlog's orders")?;
+    let sql = format!(
+        "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', $1 || 'order-' || n, 'order.paid', {} \
+         FROM generate_series(1, $2::bigint) n ORDER BY n",
+        PAYLOAD_SQL.replace("$pad", "$3").replace("$p", "$1")
+    );
+    sqlx::query(&sql)
+        .bind(prefix)
+        .bind(n)
+        .bind(pad)
+        .execute(pool)
+        .await
+        .context("writing the backlog's outbox rows")?;
+    sqlx::query("ANALYZE").execute(pool).await?;
+    Ok(())
+}
+
+/// The paid order `n` with its padded `order.paid` event, as the order service writes it.
+pub fn order_event(
+    prefix: &str,
+    n: u64,
+    pad: usize,
+) -> anyhow::Result<(idem_reference::PaidOrder, idem_core::Event)> {
+    let order = idem_reference::PaidOrder::numbered(prefix, n);
+    let event = idem_core::Event::builder(
+        idem_reference::ORDER,
+        &order.order_id,
+        idem_reference::ORDER_PAID,
+    )
+    .payload(&serde_json::json!({
+        "order_id": order.order_id,
+        "payment_id": order.payment_id,
+        "amount": idem_reference::money::format_minor(order.amount_minor),
+        "currency": order.currency,
+        "note": "x".repeat(pad),
+    }))
+    .build()?;
+    Ok((order, event))
+}
+
+/// How a business transaction writes its event.
+#[derive(Clone, Debug)]
+pub enum OrderWrite {
+    /// The order row alone: no event.
+    Alone,
+    /// The order row and its event through idem's outbox (the reference service).
+    Outbox(idem_postgres::Outbox),
+    /// The order row and the same event JSON as a plain row of `bench_plain` (one index, no
+    /// trigger, no constraint): what any second row costs, the outbox's physical floor.
+    PlainRow,
+}
+
+/// The plain table of [`OrderWrite::PlainRow`].
+pub const PLAIN_TABLE: &str = "CREATE TABLE IF NOT EXISTS bench_plain (id bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, \
+     event_id uuid NOT NULL, aggregate_id text NOT NULL, payload jsonb NOT NULL)";
+
+/// One business transaction: the order row and its event, written as `how` says, in one
+/// transaction (the reference order service's code, with the padded event).
+pub async fn place_order(
+    pool: &PgPool,
+    how: &OrderWrite,
+    prefix: &str,
+    n: u64,
+    pad: usize,
+) -> anyhow::Result<()> {
+    let (order, event) = order_event(prefix, n, pad)?;
+    match how {
+        OrderWrite::Alone => {
+            idem_reference::write_order_postgres(pool, None, &order, &event).await?;
+        }
+        OrderWrite::Outbox(outbox) => {
+            idem_reference::write_order_postgres(pool, Some(outbox), &order, &event).await?;
+        }
+        OrderWrite::PlainRow => {
+            let mut tx = pool.begin().await?;
+            let sql = "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)";
+            let q = sqlx::query(sql)
+                .bind(&order.order_id)
+                .bind(&order.payment_id);
+            q.bind(order.amount_minor)
+                .bind(&order.currency)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("INSERT INTO bench_plain (event_id, aggregate_id, payload) VALUES ($1, $2, $3::jsonb)")
+                .bind(event.id().as_uuid())
+                .bind(event.aggregate_id())
+                .bind(event.payload())
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `op(worker, n)` on `workers` tasks for `duration`, `n` counting up across them; returns
+/// operations per second.
+pub async fn closed_loop<F, Fut>(workers: u32, duration: Duration, op: F) -> anyhow::Result<f64>
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    let counter = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut tasks = vec![];
+    for _ in 0..workers.max(1) {
+        let (op, counter, done) = (op.clone(), counter.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                let n = counter.fetch_add(1, Ordering::Relaxed) + 1;
+                op(n).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Durable single-row inserts (autocommit, `synchronous_commit` as the server has it) on
+/// `workers` connections.
+pub async fn insert_rate(
+    pool: &PgPool,
+    workers: u32,
+    duration: Duration,
+    size: usize,
+) -> anyhow::Result<f64> {
+    sqlx::query("CREATE TABLE IF NOT EXISTS bench_insert (id bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, payload text NOT NULL)")
+        .execute(pool)
+        .await?;
+    let payload = Arc::new("x".repeat(size));
+    let pool = pool.clone();
+    closed_loop(workers, duration, move |_| {
+        let (pool, payload) = (pool.clone(), payload.clone());
+        async move {
+            sqlx::query("INSERT INTO bench_insert (payload) VALUES ($1)")
+                .bind(payload.as_str())
+                .execute(&pool)
+                .await?;
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// Records as the relay sends them, for the consumer-side baselines: `count` paid orders from
+/// `first`, decoded by the consumer's own decoder.
+pub fn deliveries(
+    prefix: &str,
+    first: u64,
+    count: usize,
+    pad: usize,
+) -> anyhow::Result<Vec<InboundEvent>> {
+    (0..count as u64)
+        .map(|i| {
+            let (order, event) = order_event(prefix, first + i, pad)?;
+            let d = Delivery {
+                topic: "outbox.event.order".to_owned(),
+                partition: 0,
+                offset: i64::try_from(first + i)?,
+                key: Some(order.order_id.clone()),
+                payload: Some(event.payload().as_bytes().to_vec()),
+                timestamp: None,
+                headers: vec![
+                    ("ce_id".to_owned(), event.id().to_string()),
+                    ("ce_type".to_owned(), event.event_type().to_owned()),
+                    (
+                        "idem_aggregate_type".to_owned(),
+                        event.aggregate_type().to_owned(),
+                    ),
+                    (
+                        "idem_aggregate_id".to_owned(),
+                        event.aggregate_id().to_owned(),
+                    ),
+                ],
+            };
+            idem_consumer::decode(&d).map_err(|e| anyhow::anyhow!(e))
+        })
+        .collect()
+}
+
+/// The consumer's own SQL run directly, one transaction per `batch` events for `duration`:
+/// with `dedup`, the inbox insert (`PgInbox::record`) and then the settlement handler for each
+/// event — exactly the statements `idem settlement` runs; without, the handler alone.
+/// Returns events per second.
+pub async fn consumer_sql_rate(
+    pool: &PgPool,
+    batch: usize,
+    duration: Duration,
+    pad: usize,
+    dedup: bool,
+    prefix: &str,
+) -> anyhow::Result<f64> {
+    use idem_consumer::Handler;
+    let inbox = PgInbox::new(pool.clone(), TableNames::default());
+    let handler = Settlement::new();
+    let start = Instant::now();
+    let mut sql_time = Duration::ZERO;
+    let mut done = 0u64;
+    while start.elapsed() < duration {
+        let events = deliveries(prefix, done + 1, batch, pad)?;
+        let mut sorted: Vec<&InboundEvent> = events.iter().collect();
+        sorted.sort_by_key(|e| Handler::<PgConnection>::business_key(&handler, e));
+        let t0 = Instant::now();
+        let mut tx = pool.begin().await?;
+        if dedup {
+            let entries: Vec<InboxEntry<'_>> = events
+                .iter()
+                .map(|e| InboxEntry {
+                    event: e,
+                    copies: 1,
+                    dead_lettered: false,
+                })
+                .collect();
+            inbox.record(&mut tx, "bench-sql", &entries).await?;
+        }
+        for e in sorted {
+            handler
+                .handle(&mut *tx, e)
+                .await
+                .map_err(|e| anyhow::anyhow!("settlement handler: {e:?}"))?;
+        }
+        tx.commit().await?;
+        // Building the events is the bench's work, not the SQL's: only the SQL is timed.
+        sql_time += t0.elapsed();
+        done += batch as u64;
+    }
+    Ok(done as f64 / sql_time.as_secs_f64().max(1e-9))
+}
+
+/// The relay's claim-and-mark SQL run directly (`PgStore::claim`, then `complete` marking every
+/// row published) at `batch` rows per claim until the outbox is empty. Returns rows per second.
+pub async fn relay_sql_rate(
+    pool: &PgPool,
+    batch: u32,
+    mut progress: impl FnMut(u64),
+) -> anyhow::Result<f64> {
+    let store = PgStore::new(pool.clone(), TableNames::default());
+    let request = ClaimRequest {
+        relay_id: "bench-sql".to_owned(),
+        batch_size: batch,
+        lease: Duration::from_secs(60),
+    };
+    let start = Instant::now();
+    let mut rows = 0u64;
+    loop {
+        let claim = store.claim(&request).await?;
+        if claim.records.is_empty() {
+            break;
+        }
+        let outcome = Outcome {
+            published: claim.records.iter().map(|r| r.id).collect(),
+            ..Outcome::default()
+        };
+        store.complete(&claim, &outcome).await?;
+        rows += claim.records.len() as u64;
+        progress(rows);
+    }
+    Ok(rows as f64 / start.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Steady-state rate of rows stamped in `column` of `table` (`now()` of each writing
+/// transaction): rows after the first stamp over the time from the first stamp to the last.
+/// Falls back to `rows / fallback` when every row has one stamp (a single batch).
+pub async fn stamped_rate(
+    pool: &PgPool,
+    table: &str,
+    column: &str,
+    filter: &str,
+    fallback: Duration,
+) -> anyhow::Result<f64> {
+    let (count, first_count, span): (i64, i64, Option<f64>) = sqlx::query_as(&format!(
+        "WITH r AS (SELECT {column} AS t FROM {table} WHERE {filter}) \
+         SELECT (SELECT count(*) FROM r), \
+                (SELECT count(*) FROM r WHERE t = (SELECT min(t) FROM r)), \
+                (SELECT extract(epoch FROM max(t) - min(t))::float8 FROM r)"
+    ))
+    .fetch_one(pool)
+    .await?;
+    match span {
+        Some(s) if s > 0.001 && count > first_count => Ok((count - first_count) as f64 / s),
+        _ => Ok(count as f64 / fallback.as_secs_f64().max(1e-9)),
+    }
+}
+
+/// `SELECT count(*) FROM …`.
+pub async fn count(pool: &PgPool, from_where: &str) -> anyhow::Result<u64> {
+    let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {from_where}"))
+        .fetch_one(pool)
+        .await?;
+    Ok(u64::try_from(n)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_urls() {
+        assert_eq!(
+            with_database("postgres://postgres@127.0.0.1:5432/postgres", "x").unwrap(),
+            "postgres://postgres@127.0.0.1:5432/x"
+        );
+        assert_eq!(
+            with_database("postgres://u:p@h/db?sslmode=disable", "x").unwrap(),
+            "postgres://u:p@h/x?sslmode=disable"
+        );
+        assert_eq!(
+            with_database("postgres://h:1", "x").unwrap(),
+            "postgres://h:1/x"
+        );
+        assert!(with_database("nope", "x").is_err());
+    }
+
+    #[test]
+    fn padded_payload_has_about_the_message_size() {
+        let (_, e) = order_event("b-", 1, padding(256)).unwrap();
+        let len = e.payload().len();
+        assert!((240..=272).contains(&len), "{len}");
+    }
+}

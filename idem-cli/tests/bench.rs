@@ -1,0 +1,128 @@
+//! `idem bench` runs end to end in a tiny configuration (PostgreSQL, the embedded broker, the
+//! relay and settlement as child processes) and reports every figure and ratio. Not a
+//! performance test: nothing here asserts a timing.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+use serde_json::Value;
+
+const FIGURES: &[&str] = &[
+    "pg_insert_1conn_per_s",
+    "pg_insert_nconn_per_s",
+    "consumer_sql_per_s",
+    "consumer_sql_no_inbox_per_s",
+    "relay_sql_per_s",
+    "kafka_produce_per_s",
+    "kafka_consume_per_s",
+    "business_tx_1conn_per_s",
+    "business_tx_outbox_1conn_per_s",
+    "business_tx_nconn_per_s",
+    "business_tx_outbox_nconn_per_s",
+    "business_tx_plain_1conn_per_s",
+    "business_tx_plain_nconn_per_s",
+    "relay_drain_per_s",
+    "relay_peak_rss_mib",
+    "consumer_drain_per_s",
+    "consumer_peak_rss_mib",
+    "consumer_no_inbox_drain_per_s",
+    "duplicates_drain_per_s",
+    "e2e_writers_per_s",
+    "e2e_sustained_per_s",
+];
+
+const LATENCY: &[&str] = &[
+    "target_per_s",
+    "rate_per_s",
+    "p50_ms",
+    "p99_ms",
+    "p999_ms",
+    "max_ms",
+    "samples",
+    "unsettled",
+    "relay_stage_p50_ms",
+    "relay_stage_p99_ms",
+    "consumer_stage_p50_ms",
+    "consumer_stage_p99_ms",
+];
+
+const RATIOS: &[&str] = &[
+    "consumer_drain_vs_sql",
+    "relay_drain_vs_limit",
+    "outbox_tx_1conn",
+    "outbox_tx_nconn",
+    "dedup_vs_no_dedup",
+    "latency_p99_at_50pct_ms",
+    "relay_peak_rss_mib",
+    "consumer_peak_rss_mib",
+    "outbox_vs_plain_row_1conn",
+    "outbox_vs_plain_row_nconn",
+    "duplicates_vs_drain",
+];
+
+fn idem_bench(args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("bench")
+        .args(args)
+        .args(["--db", &idem_conformance::pg::admin_url(), "--json"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "idem bench {args:?} failed:\n{stderr}"
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{}", String::from_utf8_lossy(&out.stdout)))
+}
+
+#[test]
+fn a_tiny_bench_run_reports_every_figure_and_ratio() {
+    let report = idem_bench(&[
+        "--brokers",
+        "embedded",
+        "--backlog",
+        "300",
+        "--batch-size",
+        "50",
+        "--relay-batch-size",
+        "100",
+        "--seconds",
+        "0.5",
+        "--connections",
+        "2",
+    ]);
+    let figures = &report["figures"];
+    let mut expected: Vec<String> = FIGURES.iter().map(|s| (*s).to_owned()).collect();
+    for pct in [25, 50, 80] {
+        expected.extend(LATENCY.iter().map(|s| format!("latency_{pct}pct_{s}")));
+    }
+    for key in &expected {
+        assert!(
+            figures[key].is_number(),
+            "figure {key} missing or not a number in {figures:#}"
+        );
+    }
+    assert!(figures["relay_drain_per_s"].as_f64().unwrap() > 0.0);
+    assert!(figures["relay_peak_rss_mib"].as_f64().unwrap() > 1.0);
+    for key in RATIOS {
+        let r = &report["ratios"][key];
+        assert!(r["value"].is_number(), "ratio {key}: {r}");
+        assert!(r["target"].is_string(), "ratio {key}: {r}");
+        assert!(r["met"].is_boolean(), "ratio {key}: {r}");
+    }
+    assert!(report["targets_met"].is_boolean());
+    assert_eq!(report["config"]["backlog"], 300);
+}
+
+#[test]
+fn bench_verify_reports_time_and_peak_memory() {
+    let report = idem_bench(&["verify", "--rows", "2000"]);
+    assert_eq!(report["rows_per_side"], 2000);
+    for key in ["verify_seconds", "verify_rows_per_s", "verify_peak_rss_mib"] {
+        assert!(report["figures"][key].is_number(), "{key}: {report}");
+    }
+    assert!(report["figures"]["verify_peak_rss_mib"].as_f64().unwrap() > 1.0);
+    assert!(report["ratios"]["verify_peak_rss_mib"]["met"].is_boolean());
+}
