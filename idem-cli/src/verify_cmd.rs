@@ -21,6 +21,21 @@ impl std::fmt::Display for ExitWith {
 
 impl std::error::Error for ExitWith {}
 
+/// Prints a command's report (JSON, or `table` for people) and ends with status 1 unless `ok`.
+pub fn emit<R: serde::Serialize>(
+    report: &R,
+    json: bool,
+    ok: bool,
+    table: impl FnOnce(&R),
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    } else {
+        table(report);
+    }
+    if ok { Ok(()) } else { Err(ExitWith(1).into()) }
+}
+
 #[derive(Args, Debug)]
 pub struct VerifyArgs {
     /// A TOML file naming the checks (see docs/verify.md); instead of the reference databases.

@@ -23,7 +23,6 @@ use idem_core::crash::{BREAKABLE, CRASH_POINTS};
 use serde::Serialize;
 
 use crate::demo::world::Databases;
-use crate::verify_cmd::ExitWith;
 use procs::{Proc, Rng, Role};
 
 #[derive(Args, Debug, Clone)]
@@ -218,16 +217,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
         let kept = dir.keep();
         report.logs = Some(kept.display().to_string());
     }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_report(&report);
-    }
-    if report.ok {
-        Ok(())
-    } else {
-        Err(ExitWith(1).into())
-    }
+    crate::verify_cmd::emit(&report, args.json, report.ok, print_report)
 }
 
 #[allow(clippy::too_many_lines)]

@@ -26,7 +26,6 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::verify_cmd::ExitWith;
 use world::{Broker, Databases, Pool};
 
 #[derive(Args, Debug, Clone)]
@@ -204,16 +203,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let cleanup = dbs.cleanup(args.keep).await;
     let report = result?;
     cleanup?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_report(&report);
-    }
-    if report.ok {
-        Ok(())
-    } else {
-        Err(ExitWith(1).into())
-    }
+    crate::verify_cmd::emit(&report, args.json, report.ok, print_report)
 }
 
 #[allow(clippy::too_many_lines)]
