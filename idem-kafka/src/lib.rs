@@ -120,6 +120,8 @@ pub struct KafkaPublisher {
     /// `message.timeout.ms`: also bounds how long a batch waits for room in the local queue.
     message_timeout: Duration,
     producer: Mutex<Arc<FutureProducer>>,
+    /// How many times the producer was replaced (see [`KafkaPublisher::replacements`]).
+    replacements: std::sync::atomic::AtomicU64,
     create_topics: Option<(i32, i32)>,
     known_topics: Mutex<HashSet<String>>,
 }
@@ -138,6 +140,7 @@ impl KafkaPublisher {
             config,
             message_timeout,
             producer: Mutex::new(producer),
+            replacements: std::sync::atomic::AtomicU64::new(0),
             create_topics: None,
             known_topics: Mutex::new(HashSet::new()),
         })
@@ -196,15 +199,39 @@ impl KafkaPublisher {
             .clone()
     }
 
-    /// An idempotent producer that hit a fatal error (for example an out-of-order sequence
-    /// after a broker lost acknowledged data) cannot produce again: replace it.
-    fn replace_if_fatal(&self, producer: &FutureProducer) {
-        if let Some((code, reason)) = producer.client().fatal_error() {
-            tracing::error!(?code, %reason, "the producer hit a fatal error; creating a new one");
-            match create_producer(&self.config) {
-                Ok(p) => *self.producer.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(p),
-                Err(e) => tracing::error!(error = %e, "could not create a new producer"),
+    /// How many times this publisher replaced its producer after a fatal error or a timed-out
+    /// batch.
+    pub fn replacements(&self) -> u64 {
+        self.replacements.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Replaces the producer with a new one (a new producer id, sequences from zero) when
+    ///
+    /// * it hit a **fatal error** (for example an out-of-order sequence after a broker lost
+    ///   acknowledged data): an idempotent producer cannot produce again after one; or
+    /// * a message of the batch **timed out**. librdkafka then drains the partitions and bumps
+    ///   the producer's epoch on its own, which the broker must accept for the producer to go
+    ///   on. Some brokers do not: Tansu 0.6 with its SQLite storage fails every later request
+    ///   of that producer. A new producer asks the broker for a new id instead, which every
+    ///   broker supports.
+    ///
+    /// Safe for the guarantee: it runs after every report of the batch has arrived, so no
+    /// message is left in the old producer; the rows that failed are published again by the
+    /// relay, and their duplicates (if the broker had them after all) are absorbed downstream.
+    fn replace_if_broken(&self, producer: &FutureProducer, timed_out: bool) {
+        let reason = match producer.client().fatal_error() {
+            Some((code, reason)) => format!("fatal error {code:?}: {reason}"),
+            None if timed_out => "a message timed out".to_owned(),
+            None => return,
+        };
+        tracing::warn!(%reason, "creating a new producer");
+        match create_producer(&self.config) {
+            Ok(p) => {
+                *self.producer.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(p);
+                self.replacements
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
+            Err(e) => tracing::error!(error = %e, "could not create a new producer"),
         }
     }
 
@@ -323,17 +350,24 @@ impl Publisher for KafkaPublisher {
             }
         }
         let (idx, futs): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
+        let mut timed_out = false;
         for (i, report) in idx.into_iter().zip(join_all(futs).await) {
             results[i] = Some(match report {
                 Ok(Ok(_delivery)) => Ok(()),
-                Ok(Err((e, _msg))) => Err(failure(&e)),
+                Ok(Err((e, _msg))) => {
+                    timed_out |= matches!(
+                        e,
+                        KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut)
+                    );
+                    Err(failure(&e))
+                }
                 Err(_canceled) => Err(PublishError {
                     kind: FailureKind::Transient,
                     reason: "the delivery report was lost (producer shut down)".to_owned(),
                 }),
             });
         }
-        self.replace_if_fatal(&producer);
+        self.replace_if_broken(&producer, timed_out);
         results
             .into_iter()
             .map(|r| {
