@@ -50,9 +50,10 @@ pub struct ChaosArgs {
     #[arg(long = "break", value_parser = BREAKABLE.to_vec())]
     pub break_mechanism: Option<String>,
     /// Also SIGKILL and restart the broker (with Tansu's SQLite storage, so that the log
-    /// survives). Off by default: Tansu 0.6's SQLite storage panics under this load ("more or
-    /// less than one row") and its memory storage loses the log on a restart, so by default the
-    /// broker keeps its log in memory and is paused (SIGSTOP/SIGCONT) instead.
+    /// survives). Off by default: Tansu 0.6's memory storage loses the log on a restart, and
+    /// its SQLite storage stops serving at the first failed request (a client that went away
+    /// is enough; see docs/demo-and-chaos.md), so by default the broker keeps its log in
+    /// memory and is paused (SIGSTOP/SIGCONT) instead.
     #[arg(long)]
     pub broker_kills: bool,
     /// How long the pipeline may take to settle after the faults stop.
