@@ -89,6 +89,13 @@ pub struct ChaosReport {
     /// Copies in the topic beyond the first per event id (exact).
     pub topic_duplicates: i64,
     pub settle_seconds: f64,
+    /// Missing effects whose event is still in the topic at or beyond its consumer group's
+    /// committed offset, per check: the group has not read past it, so it is not lost but
+    /// late — a liveness failure (Tansu 0.6's coordinator left the group without a working
+    /// assignment), reported apart from losses.
+    pub unconsumed: BTreeMap<String, u64>,
+    /// Missing effects that are not `unconsumed`: the event never reached the topic, or its
+    /// group read past it without applying it.
     pub lost: u64,
     pub duplicate_effects: u64,
     pub logs: Option<String>,
@@ -744,23 +751,56 @@ async fn drive(
         .settlement
         .scalar("SELECT COALESCE(sum(delivery_count - 1), 0)::bigint FROM idem_inbox")
         .await?;
-    let topic_duplicates = {
+    let records = {
         let (brokers, topic) = (brokers.clone(), topic.clone());
         tokio::task::spawn_blocking(move || {
-            idem_kafka::inspect::read_all(&brokers, &topic, Duration::from_secs(60)).map(
-                |records| {
-                    let total = records.len() as i64;
-                    let ids: std::collections::HashSet<String> = records
-                        .iter()
-                        .filter_map(|r| r.header("ce_id").map(str::to_owned))
-                        .collect();
-                    total - ids.len() as i64
-                },
-            )
+            idem_kafka::inspect::read_all(&brokers, &topic, Duration::from_secs(60))
         })
         .await?
-        .unwrap_or(-1)
     };
+    let topic_duplicates = match &records {
+        Ok(records) => {
+            let ids: std::collections::HashSet<&str> =
+                records.iter().filter_map(|r| r.header("ce_id")).collect();
+            records.len() as i64 - ids.len() as i64
+        }
+        Err(_) => -1,
+    };
+    // Per check: missing effects whose event its group has not consumed yet. A points award
+    // is downstream of the settlement group (the settlement handler records its intent).
+    let mut unconsumed = BTreeMap::new();
+    if let Ok(records) = &records {
+        let not_settled = unconsumed_missing(
+            &brokers,
+            &topic,
+            "settlement",
+            records,
+            &dbs.settlement,
+            "settlements",
+        )
+        .await
+        .context("counting what group settlement has not consumed")?;
+        let not_awarded = missing_in(&dbs.points, "points_awards", not_settled.clone()).await?;
+        let not_audited = unconsumed_missing(
+            &brokers,
+            &topic,
+            "audit",
+            records,
+            &dbs.settlement,
+            "audit_log",
+        )
+        .await
+        .context("counting what group audit has not consumed")?;
+        for (check, list) in [
+            ("settlements", not_settled),
+            ("points", not_awarded),
+            ("audit", not_audited),
+        ] {
+            if !list.is_empty() {
+                unconsumed.insert(check.to_owned(), list.len() as u64);
+            }
+        }
+    }
     let sum = |name: &str| -> u64 { procs.iter().map(|p| p.total(name)).sum::<f64>() as u64 };
     let (dup_deliveries, dup_skips, republishes) = (
         sum("idem_duplicate_delivery_total"),
@@ -780,10 +820,29 @@ async fn drive(
             args.settle_deadline
         ));
     }
-    if !verify.clean {
+    let unconsumed_total: u64 = unconsumed.values().sum();
+    let lost = verify.lost().saturating_sub(unconsumed_total);
+    // Violations other than missing effects (duplicates, amount mismatches, unexpected rows).
+    let other_violations: u64 = verify
+        .checks
+        .iter()
+        .flat_map(|c| &c.by_event_type)
+        .map(|t| t.unexpected + t.duplicate_effects + t.amount_mismatches + t.duplicate_source_keys)
+        .sum::<u64>()
+        + verify.unique.iter().map(|u| u.duplicated_keys).sum::<u64>();
+    if unconsumed_total > 0 {
         failures.push(format!(
-            "verification: {} lost, {} duplicate effects (see the report)",
-            verify.lost(),
+            "liveness: {unconsumed_total} missing effects wait for events still in the topic at or beyond their group's committed offset ({}); not lost — the group resumes from there — but the broker gave them to no live consumer",
+            unconsumed
+                .iter()
+                .map(|(c, n)| format!("check {c}: {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    if !verify.clean && (lost > 0 || other_violations > 0) {
+        failures.push(format!(
+            "verification: {lost} lost, {} duplicate effects (see the report)",
             verify.duplicate_effects()
         ));
     }
@@ -812,11 +871,73 @@ async fn drive(
         inbox_duplicate_deliveries: inbox_dups,
         topic_duplicates,
         settle_seconds,
-        lost: verify.lost(),
+        unconsumed,
+        lost,
         duplicate_effects: verify.duplicate_effects(),
         logs: None,
         verify,
     })
+}
+
+/// The payment ids of the events of `records` that sit at or beyond `group`'s committed offset
+/// in their partition (or in a partition where the group committed nothing) and have no row in
+/// `table`: events the group has not consumed yet, as opposed to events it read past.
+async fn unconsumed_missing(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    records: &[idem_kafka::inspect::Record],
+    db: &crate::demo::world::Pool,
+    table: &str,
+) -> anyhow::Result<Vec<String>> {
+    let committed: std::collections::HashMap<i32, i64> = {
+        let (brokers, topic, group) = (brokers.to_owned(), topic.to_owned(), group.to_owned());
+        tokio::task::spawn_blocking(move || {
+            idem_kafka::inspect::committed_offsets(
+                &brokers,
+                &group,
+                &topic,
+                Duration::from_secs(30),
+            )
+        })
+        .await??
+        .into_iter()
+        .collect()
+    };
+    let payments: Vec<String> = records
+        .iter()
+        .filter(|r| r.offset >= committed.get(&r.partition).copied().unwrap_or(0))
+        .filter_map(|r| r.payload.as_deref())
+        .filter_map(|p| serde_json::from_str::<serde_json::Value>(p).ok())
+        .filter_map(|v| v.get("payment_id")?.as_str().map(str::to_owned))
+        .collect();
+    missing_in(db, table, payments).await
+}
+
+/// The payment ids of `payments` without a row in `table` (one of the reference pipeline's
+/// tables, never input), sorted and without repeats.
+async fn missing_in(
+    db: &crate::demo::world::Pool,
+    table: &str,
+    mut payments: Vec<String>,
+) -> anyhow::Result<Vec<String>> {
+    payments.sort();
+    payments.dedup();
+    if payments.is_empty() {
+        return Ok(payments);
+    }
+    let crate::demo::world::Pool::Pg(pool) = db else {
+        bail!("chaos runs on PostgreSQL only");
+    };
+    let sql = format!(
+        "SELECT k.payment_id FROM unnest($1::text[]) AS k(payment_id) \
+         WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.payment_id = k.payment_id) \
+         ORDER BY 1"
+    );
+    Ok(sqlx::query_scalar(&sql)
+        .bind(payments)
+        .fetch_all(pool)
+        .await?)
 }
 
 /// Restarts a consumer group's processes cleanly (and first the broker, when asked): the
@@ -897,6 +1018,9 @@ fn print_report(r: &ChaosReport) {
     );
     println!("  duplicate copies in the topic  {}", r.topic_duplicates);
     println!("  settled after                  {:.1} s", r.settle_seconds);
+    for (c, n) in &r.unconsumed {
+        println!("  not yet consumed ({c:<11})     {n}");
+    }
     println!("  lost effects                   {}", r.lost);
     println!("  duplicate effects              {}", r.duplicate_effects);
     if !r.verify.clean {
