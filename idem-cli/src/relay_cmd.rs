@@ -126,6 +126,7 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
 
     let registry = prometheus::Registry::new();
     let metrics = RelayMetrics::new(&registry)?;
+    registry.register(Box::new(ProducerReplacements::new(publisher.clone())?))?;
     if let Some(addr) = args.metrics_addr {
         let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
         eprintln!("idem relay: metrics on http://{bound}/metrics");
@@ -183,6 +184,44 @@ pub fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>
             _ = int.recv() => tracing::info!("SIGINT: finishing in-flight work, then stopping"),
         }
     })
+}
+
+/// `idem_relay_producer_replacements_total`: read from the publisher at each scrape.
+struct ProducerReplacements {
+    publisher: std::sync::Arc<KafkaPublisher>,
+    desc: prometheus::core::Desc,
+}
+
+impl ProducerReplacements {
+    fn new(publisher: std::sync::Arc<KafkaPublisher>) -> prometheus::Result<Self> {
+        let desc = prometheus::core::Desc::new(
+            "idem_relay_producer_replacements_total".to_owned(),
+            "Kafka producers this relay replaced after a fatal error or a timed-out batch"
+                .to_owned(),
+            vec![],
+            std::collections::HashMap::new(),
+        )?;
+        Ok(ProducerReplacements { publisher, desc })
+    }
+}
+
+impl prometheus::core::Collector for ProducerReplacements {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let mut counter = prometheus::proto::Counter::default();
+        counter.set_value(self.publisher.replacements() as f64);
+        let mut metric = prometheus::proto::Metric::default();
+        metric.set_counter(counter);
+        let mut family = prometheus::proto::MetricFamily::default();
+        family.set_name(self.desc.fq_name.clone());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(prometheus::proto::MetricType::COUNTER);
+        family.set_metric(vec![metric]);
+        vec![family]
+    }
 }
 
 #[cfg(test)]

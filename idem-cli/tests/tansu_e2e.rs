@@ -188,6 +188,12 @@ async fn crash_after_publish_before_mark_republishes_once() {
         metric_sum(&body, "idem_outbox_published_total", &labels),
         1.0
     );
+    // The producer was never replaced: the broker answered every request in time.
+    assert!(
+        body.lines()
+            .any(|l| l == "idem_relay_producer_replacements_total 0"),
+        "{body}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

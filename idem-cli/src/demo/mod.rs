@@ -433,6 +433,7 @@ async fn drive(
     let mut written: u64 = 0;
     let mut republished: u64 = 0;
     let mut conflicts: u64 = 0;
+    let mut forged_up_to: i64 = 0;
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut last_progress = Instant::now();
     let deadline = started + args.deadline;
@@ -517,7 +518,7 @@ async fn drive(
         }
         // Idempotency conflicts: a published event id sent again with another payload.
         if conflicts < args.conflicts && written >= orders_total / 2 {
-            conflicts += inject_conflict(&dbs.orders, &publisher, topic).await?;
+            conflicts += inject_conflict(&dbs.orders, &publisher, topic, &mut forged_up_to).await?;
         }
         let settled = dbs
             .settlement
@@ -662,22 +663,35 @@ async fn dispatch_loop<S: idem_core::idempotency::IntentStore>(
 
 /// Sends a published event again under its own id with a changed amount: the consumer must
 /// refuse it as an idempotency conflict (dead-lettered with the reason), never apply it.
+///
+/// Each conflict forges another event (the first published row after `forged_up_to`, which it
+/// then advances): two copies of one forgery could meet in one consumer batch, where the second
+/// is a duplicate of the first rather than a conflict, and only one would be dead-lettered.
 async fn inject_conflict(
     orders: &Pool,
     publisher: &KafkaPublisher,
     topic: &str,
+    forged_up_to: &mut i64,
 ) -> anyhow::Result<u64> {
-    let sql = "SELECT event_id, aggregate_id FROM idem_outbox WHERE status = 'published' ORDER BY id LIMIT 1";
-    let row: Option<(String, String)> = match orders {
-        Pool::Pg(p) => sqlx::query_as::<_, (uuid::Uuid, String)>(sql)
+    let sql = "SELECT id, event_id, aggregate_id FROM idem_outbox \
+               WHERE status = 'published' AND id > $1 ORDER BY id LIMIT 1";
+    let row: Option<(i64, String, String)> = match orders {
+        Pool::Pg(p) => sqlx::query_as::<_, (i64, uuid::Uuid, String)>(sql)
+            .bind(*forged_up_to)
             .fetch_optional(p)
             .await?
-            .map(|(id, agg)| (id.to_string(), agg)),
-        Pool::Lite(p) => sqlx::query_as(sql).fetch_optional(p).await?,
+            .map(|(row_id, id, agg)| (row_id, id.to_string(), agg)),
+        Pool::Lite(p) => {
+            sqlx::query_as(sql)
+                .bind(*forged_up_to)
+                .fetch_optional(p)
+                .await?
+        }
     };
-    let Some((event_id, order_id)) = row else {
+    let Some((row_id, event_id, order_id)) = row else {
         return Ok(0);
     };
+    *forged_up_to = row_id;
     let payload = serde_json::json!({
         "order_id": order_id,
         "payment_id": "forged",
