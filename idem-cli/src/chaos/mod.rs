@@ -904,14 +904,23 @@ async fn unconsumed_missing(
         .into_iter()
         .collect()
     };
-    let payments: Vec<String> = records
+    missing_in(db, table, not_read_past(records, &committed)).await
+}
+
+/// The payment ids of the records a group has not read past: at or beyond its committed offset
+/// (the next offset it will read) in their partition, or anywhere in a partition where it
+/// committed nothing.
+fn not_read_past(
+    records: &[idem_kafka::inspect::Record],
+    committed: &std::collections::HashMap<i32, i64>,
+) -> Vec<String> {
+    records
         .iter()
         .filter(|r| r.offset >= committed.get(&r.partition).copied().unwrap_or(0))
         .filter_map(|r| r.payload.as_deref())
         .filter_map(|p| serde_json::from_str::<serde_json::Value>(p).ok())
         .filter_map(|v| v.get("payment_id")?.as_str().map(str::to_owned))
-        .collect();
-    missing_in(db, table, payments).await
+        .collect()
 }
 
 /// The payment ids of `payments` without a row in `table` (one of the reference pipeline's
@@ -1038,7 +1047,37 @@ fn print_report(r: &ChaosReport) {
 #[cfg(test)]
 mod tests {
     use super::procs::Role;
-    use super::role_of_point;
+    use super::{not_read_past, role_of_point};
+    use idem_kafka::inspect::Record;
+
+    fn record(partition: i32, offset: i64, payment: &str) -> Record {
+        Record {
+            partition,
+            offset,
+            key: None,
+            payload: Some(format!(r#"{{"payment_id":"{payment}","amount":"1.00"}}"#)),
+            headers: vec![],
+        }
+    }
+
+    #[test]
+    fn only_records_the_group_has_not_read_past_count_as_unconsumed() {
+        let records = [
+            record(0, 0, "p0"),
+            record(0, 1, "p1"),
+            record(0, 2, "p2"),
+            record(1, 0, "q0"),
+            record(1, 1, "q1"),
+            record(2, 0, "r0"),
+        ];
+        // Partition 0: offset 2 is the next to read; partition 1: everything read;
+        // partition 2: nothing committed.
+        let committed = [(0, 2), (1, 2)].into_iter().collect();
+        assert_eq!(not_read_past(&records, &committed), vec!["p2", "r0"]);
+        // A group that committed nothing has read past nothing.
+        let none = Default::default();
+        assert_eq!(not_read_past(&records, &none).len(), records.len());
+    }
 
     #[test]
     fn every_crash_point_has_a_process_that_reaches_it() {
