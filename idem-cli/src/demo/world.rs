@@ -95,18 +95,13 @@ impl Databases {
                     idem_reference::ensure_schema_postgres(&pool).await?;
                     pools.push(Pool::Pg(pool));
                 }
-                let [orders, settlement, points]: [Pool; 3] = pools
-                    .try_into()
-                    .map_err(|_| anyhow::anyhow!("three pools"))?;
-                Databases {
-                    orders,
-                    settlement,
-                    points,
-                    location: format!("PostgreSQL databases idem_demo_{run}_*"),
-                    urls: urls.try_into().map_err(|_| anyhow::anyhow!("three URLs"))?,
-                    drop_on_exit: Some((server.to_owned(), names)),
-                    _dir: None,
-                }
+                Databases::assemble(
+                    pools,
+                    urls,
+                    format!("PostgreSQL databases idem_demo_{run}_*"),
+                    Some((server.to_owned(), names)),
+                    None,
+                )?
             }
             None => {
                 let (path, temp) = match dir {
@@ -131,21 +126,38 @@ impl Databases {
                     pools.push(Pool::Lite(pool));
                     urls.push(url);
                 }
-                let [orders, settlement, points]: [Pool; 3] = pools
-                    .try_into()
-                    .map_err(|_| anyhow::anyhow!("three pools"))?;
-                Databases {
-                    orders,
-                    settlement,
-                    points,
-                    location: format!("SQLite files in {}", path.display()),
-                    urls: urls.try_into().map_err(|_| anyhow::anyhow!("three URLs"))?,
-                    drop_on_exit: None,
-                    _dir: temp,
-                }
+                Databases::assemble(
+                    pools,
+                    urls,
+                    format!("SQLite files in {}", path.display()),
+                    None,
+                    temp,
+                )?
             }
         };
         Ok(dbs)
+    }
+
+    /// The orders, settlement and points pools and URLs, in that order.
+    fn assemble(
+        pools: Vec<Pool>,
+        urls: Vec<String>,
+        location: String,
+        drop_on_exit: Option<(String, Vec<String>)>,
+        dir: Option<tempfile::TempDir>,
+    ) -> anyhow::Result<Self> {
+        let [orders, settlement, points]: [Pool; 3] = pools
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("three pools"))?;
+        Ok(Databases {
+            orders,
+            settlement,
+            points,
+            urls: urls.try_into().map_err(|_| anyhow::anyhow!("three URLs"))?,
+            drop_on_exit,
+            _dir: dir,
+            location,
+        })
     }
 
     /// Drops the PostgreSQL databases (SQLite files go with their temporary directory).
