@@ -27,9 +27,14 @@ enum Command {
     /// Run the whole reference pipeline in one process — SQLite, an in-process broker, the
     /// points API — with every crash point fired and duplicates injected, then verify it.
     Demo(demo::DemoArgs),
-    /// Run the reference pipeline as OS processes against PostgreSQL and Tansu while killing,
-    /// pausing and crashing them on a seeded schedule; then check nothing was lost or doubled.
+    /// Run the reference pipeline as OS processes against PostgreSQL and Apache Kafka while
+    /// killing, pausing and crashing them (and the brokers) on a seeded schedule; then check
+    /// nothing was lost or doubled.
     Chaos(chaos::ChaosArgs),
+    /// The chaos runner's `kafka-transactions` negative control: a settlement consumer with
+    /// Kafka transactions and no inbox (it applies effects twice; never use it).
+    #[command(hide = true)]
+    KafkaTxnSettlement(chaos::kafka_txn::KafkaTxnArgs),
     /// Create or upgrade idem's tables (PostgreSQL or sqlite:// URL).
     Migrate(DbArgs),
     /// Publish outbox rows to Kafka, at least once, in per-aggregate commit order.
@@ -137,6 +142,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Verify(args) => verify_cmd::run(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Chaos(args) => chaos::run(args).await,
+        Command::KafkaTxnSettlement(args) => chaos::kafka_txn::run(args).await,
         Command::Bench(args) => bench::run(args).await,
     }
 }

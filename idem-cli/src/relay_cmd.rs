@@ -53,6 +53,9 @@ pub struct RelayArgs {
     /// Create missing topics with this many partitions (for brokers without auto-creation).
     #[arg(long)]
     create_topics: Option<i32>,
+    /// Replicas of the topics --create-topics creates (default: min(3, the cluster's brokers)).
+    #[arg(long, requires = "create_topics")]
+    replication_factor: Option<i32>,
     /// Keep published rows this long before pruning.
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     retention: Duration,
@@ -120,13 +123,18 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     }
     let mut publisher = KafkaPublisher::new(producer)?;
     if let Some(p) = args.create_topics {
-        publisher = publisher.with_topic_creation(p, 1);
+        publisher = publisher.with_topic_creation(p, args.replication_factor);
+    }
+    if args.brokers != EMBEDDED {
+        // The mock cluster keeps one copy of everything: only real clusters are checked.
+        publisher = publisher.with_durability_check();
     }
     let publisher = std::sync::Arc::new(publisher);
 
     let registry = prometheus::Registry::new();
     let metrics = RelayMetrics::new(&registry)?;
     registry.register(Box::new(ProducerReplacements::new(publisher.clone())?))?;
+    registry.register(Box::new(TopicDurability::new(publisher.clone())?))?;
     if let Some(addr) = args.metrics_addr {
         let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
         eprintln!("idem relay: metrics on http://{bound}/metrics");
@@ -220,6 +228,60 @@ impl prometheus::core::Collector for ProducerReplacements {
         family.set_help(self.desc.help.clone());
         family.set_field_type(prometheus::proto::MetricType::COUNTER);
         family.set_metric(vec![metric]);
+        vec![family]
+    }
+}
+
+/// `idem_relay_topic_durability_at_risk{topic}`: 1 when a record acknowledged on that topic
+/// would not survive the loss of one broker (fewer than 2 replicas, or
+/// `min.insync.replicas` below 2), else 0; read when the relay first publishes to it.
+struct TopicDurability {
+    publisher: std::sync::Arc<KafkaPublisher>,
+    desc: prometheus::core::Desc,
+}
+
+impl TopicDurability {
+    fn new(publisher: std::sync::Arc<KafkaPublisher>) -> prometheus::Result<Self> {
+        let desc = prometheus::core::Desc::new(
+            "idem_relay_topic_durability_at_risk".to_owned(),
+            "1 when a record acknowledged on the topic would not survive the loss of one broker (replicas < 2 or min.insync.replicas < 2)".to_owned(),
+            vec!["topic".to_owned()],
+            std::collections::HashMap::new(),
+        )?;
+        Ok(TopicDurability { publisher, desc })
+    }
+}
+
+impl prometheus::core::Collector for TopicDurability {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let metrics: Vec<prometheus::proto::Metric> = self
+            .publisher
+            .durability()
+            .into_iter()
+            .map(|(topic, at_risk)| {
+                let mut gauge = prometheus::proto::Gauge::default();
+                gauge.set_value(if at_risk { 1.0 } else { 0.0 });
+                let mut label = prometheus::proto::LabelPair::default();
+                label.set_name("topic".to_owned());
+                label.set_value(topic);
+                let mut metric = prometheus::proto::Metric::default();
+                metric.set_label(vec![label]);
+                metric.set_gauge(gauge);
+                metric
+            })
+            .collect();
+        if metrics.is_empty() {
+            return vec![];
+        }
+        let mut family = prometheus::proto::MetricFamily::default();
+        family.set_name(self.desc.fq_name.clone());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(prometheus::proto::MetricType::GAUGE);
+        family.set_metric(metrics);
         vec![family]
     }
 }

@@ -1,7 +1,8 @@
 //! The reference pipeline as real OS processes — `idem orders`, `idem relay`, `idem settlement`
-//! — against real PostgreSQL databases (an order DB and a settlement DB) and a Tansu broker:
-//! a consumer crash between the database commit and the offset commit, and two consumers in
-//! one group with rebalances in the middle of a run.
+//! — against real PostgreSQL databases (an order DB and a settlement DB) and Apache Kafka (the
+//! suite's shared broker; each test its own topic and consumer group): a consumer crash between
+//! the database commit and the offset commit, and two consumers in one group with rebalances in
+//! the middle of a run, under both group protocols (classic and KIP-848).
 #![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -10,10 +11,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use idem_conformance::backend::{Backend, Pg};
+use idem_conformance::kafka;
 use idem_conformance::process::{Proc, eventually, http_get, metric_sum};
-use idem_conformance::tansu::Tansu;
-
-const TOPIC: &str = "outbox.event.order";
 
 fn idem(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
@@ -31,12 +30,27 @@ async fn databases() -> (Pg, Pg) {
     (orders, settle)
 }
 
-async fn broker(partitions: i32) -> Tansu {
-    let t = Tansu::start();
-    idem_kafka::ensure_topics(&t.brokers(), &[TOPIC.to_owned()], partitions, 1)
+/// The shared broker, with this test's own topic (`<prefix>order`) and consumer group.
+struct Kafka {
+    brokers: String,
+    prefix: String,
+    topic: String,
+    group: String,
+}
+
+async fn broker(partitions: i32) -> Kafka {
+    let brokers = kafka::shared();
+    let prefix = format!("{}.", kafka::unique("settlement-e2e"));
+    let topic = format!("{prefix}order");
+    idem_kafka::ensure_topics(&brokers, std::slice::from_ref(&topic), partitions, 1)
         .await
         .unwrap();
-    t
+    Kafka {
+        brokers,
+        prefix,
+        topic,
+        group: kafka::unique("settlement"),
+    }
 }
 
 fn write_orders(db: &str, count: u64) {
@@ -50,42 +64,56 @@ fn write_orders(db: &str, count: u64) {
     );
 }
 
-fn relay(db: &str, brokers: &str) -> Proc {
+fn relay(db: &str, k: &Kafka) -> Proc {
     Proc::spawn(
         "relay",
-        idem(&["relay", "--db", db, "--brokers", brokers, "--no-prune"]),
+        idem(&[
+            "relay",
+            "--db",
+            db,
+            "--brokers",
+            &k.brokers,
+            "--topic-prefix",
+            &k.prefix,
+            "--no-prune",
+        ]),
     )
 }
 
-fn settlement(db: &str, brokers: &str) -> Command {
-    idem(&[
+fn settlement(db: &str, k: &Kafka, extra: &[&str]) -> Command {
+    let mut cmd = idem(&[
         "settlement",
         "--db",
         db,
         "--brokers",
-        brokers,
+        &k.brokers,
+        "--group",
+        &k.group,
+        "--topic",
+        &k.topic,
         "--metrics-addr",
         "127.0.0.1:0",
         "--batch-size",
         "50",
-    ])
+    ]);
+    cmd.args(extra);
+    cmd
 }
 
-fn committed(brokers: &str) -> Vec<(i32, i64)> {
-    idem_kafka::inspect::committed_offsets(brokers, "settlement", TOPIC, Duration::from_secs(10))
+fn committed(brokers: &str, group: &str, topic: &str) -> Vec<(i32, i64)> {
+    idem_kafka::inspect::committed_offsets(brokers, group, topic, Duration::from_secs(10))
         .unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_db_commit_before_offset_commit_redelivers_and_skips() {
-    let ((orders, settle), tansu) = (databases().await, broker(1).await);
-    let brokers = tansu.brokers();
+    let ((orders, settle), k) = (databases().await, broker(1).await);
     write_orders(orders.url(), 1);
-    let _relay = relay(orders.url(), &brokers);
+    let _relay = relay(orders.url(), &k);
 
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("crashes");
-    let mut cmd = settlement(settle.url(), &brokers);
+    let mut cmd = settlement(settle.url(), &k, &[]);
     cmd.env(
         "IDEM_CRASH_POINTS",
         "consumer.after_db_commit_before_offset_commit",
@@ -113,8 +141,8 @@ async fn crash_after_db_commit_before_offset_commit_redelivers_and_skips() {
             .await,
         1
     );
-    let b = brokers.clone();
-    let before = tokio::task::spawn_blocking(move || committed(&b))
+    let (b, g, t) = (k.brokers.clone(), k.group.clone(), k.topic.clone());
+    let before = tokio::task::spawn_blocking(move || committed(&b, &g, &t))
         .await
         .unwrap();
     assert!(
@@ -122,7 +150,7 @@ async fn crash_after_db_commit_before_offset_commit_redelivers_and_skips() {
         "no offset was committed before the crash: {before:?}"
     );
 
-    let second = Proc::spawn("settlement-2", settlement(settle.url(), &brokers));
+    let second = Proc::spawn("settlement-2", settlement(settle.url(), &k, &[]));
     let metrics = second.metrics_addr();
     eventually(
         "the event to be delivered again",
@@ -137,8 +165,8 @@ async fn crash_after_db_commit_before_offset_commit_redelivers_and_skips() {
     )
     .await;
     let moved = eventually("the offset to move on", Duration::from_secs(30), || async {
-        let b = brokers.clone();
-        let c = tokio::task::spawn_blocking(move || committed(&b))
+        let (b, g, t) = (k.brokers.clone(), k.group.clone(), k.topic.clone());
+        let c = tokio::task::spawn_blocking(move || committed(&b, &g, &t))
             .await
             .unwrap();
         (c.iter().map(|(_, o)| o).sum::<i64>() == 1).then_some(c)
@@ -152,8 +180,8 @@ async fn crash_after_db_commit_before_offset_commit_redelivers_and_skips() {
     );
     let body = http_get(metrics, "/metrics");
     let labels = [
-        ("consumer_group", "settlement"),
-        ("topic", TOPIC),
+        ("consumer_group", k.group.as_str()),
+        ("topic", k.topic.as_str()),
         ("event_type", "order.paid"),
     ];
     assert_eq!(
@@ -172,69 +200,87 @@ async fn crash_after_db_commit_before_offset_commit_redelivers_and_skips() {
 }
 
 /// Two settlement processes in one group, with a rebalance when B joins and another when A is
-/// SIGKILLed mid-run. The broker is librdkafka's mock cluster, hosted by the relay process
-/// (`--brokers embedded`): Tansu 0.6.0 does not move a dead member's partitions to the
-/// survivors, so group rebalancing is tested against the mock cluster's coordinator.
+/// SIGKILLed mid-run, on Kafka with the classic group protocol.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_consumers_in_one_group_with_rebalances_settle_every_event_once() {
-    const N: i64 = 3000;
-    let (orders, settle) = databases().await;
-    write_orders(orders.url(), N as u64);
-    let relay = Proc::spawn(
-        "relay",
-        idem(&[
-            "relay",
-            "--db",
-            orders.url(),
-            "--brokers",
-            "embedded",
-            "--no-prune",
-        ]),
-    );
-    let line = relay.wait_for_line("embedded mock cluster at ", Duration::from_secs(30));
-    let brokers = line.rsplit(' ').next().unwrap().to_owned();
-    // The mock cluster creates the topic on the relay's first produce.
+async fn two_consumers_with_rebalances_settle_every_event_once_classic_protocol() {
+    rebalances_settle_every_event_once(&[]).await;
+}
+
+/// The same with KIP-848's consumer group protocol (`group.protocol=consumer`): the broker
+/// assigns partitions incrementally and owns the session timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_with_rebalances_settle_every_event_once_kip848_protocol() {
+    rebalances_settle_every_event_once(&["--consumer-config", "group.protocol=consumer"]).await;
+}
+
+/// No step waits on how fast anything runs: the first orders are all settled by A before B
+/// joins, the rest are written only after the rebalance (at a bounded rate), and A is killed
+/// while that writer is still running, so the kill always lands mid-run.
+async fn rebalances_settle_every_event_once(protocol: &[&str]) {
+    const FIRST: i64 = 600;
+    const SECOND: i64 = 2400;
+    const N: i64 = FIRST + SECOND;
+    let ((orders, settle), k) = (databases().await, broker(4).await);
+    let settled = "SELECT count(*) FROM settlements";
+    write_orders(orders.url(), FIRST as u64);
+    let _relay = relay(orders.url(), &k);
+
+    let mut a = Proc::spawn("settlement-a", settlement(settle.url(), &k, protocol));
     eventually(
-        "the relay to publish the first orders",
-        Duration::from_secs(60),
+        "consumer A alone to settle the first orders",
+        Duration::from_secs(120),
+        || async { (settle.scalar(settled).await == FIRST).then_some(()) },
+    )
+    .await;
+    // B joins: A gives up some of its partitions.
+    let b = Proc::spawn("settlement-b", settlement(settle.url(), &k, protocol));
+    eventually(
+        "the rebalance after B joined (A revoked, B assigned)",
+        Duration::from_secs(120),
         || async {
-            (orders
-                .scalar("SELECT count(*) FROM idem_outbox WHERE status = 'published'")
-                .await
-                > 0)
-            .then_some(())
+            let revoked = a.log().iter().any(|l| l.contains("partitions revoked"));
+            let assigned = b
+                .log()
+                .iter()
+                .any(|l| l.contains("partitions assigned") && !l.contains("partitions=0"));
+            (revoked && assigned).then_some(())
         },
     )
     .await;
-    let settled = "SELECT count(*) FROM settlements";
-
-    let mut a = Proc::spawn("settlement-a", settlement(settle.url(), &brokers));
+    // Only now are the other orders written, 250 a second: about 10 s of work for both.
+    let mut writer = Proc::spawn(
+        "writer",
+        idem(&[
+            "orders",
+            "--db",
+            orders.url(),
+            "--count",
+            &SECOND.to_string(),
+            "--start",
+            &(FIRST + 1).to_string(),
+            "--rate",
+            "250",
+        ]),
+    );
     eventually(
-        "consumer A to make progress",
-        Duration::from_secs(60),
-        || async { (settle.scalar(settled).await >= 300).then_some(()) },
+        "the group to settle orders written after the rebalance",
+        Duration::from_secs(120),
+        || async { (settle.scalar(settled).await >= FIRST + 300).then_some(()) },
     )
     .await;
-    // B joins: the group rebalances while A is busy.
-    let b = Proc::spawn("settlement-b", settlement(settle.url(), &brokers));
-    b.wait_for_line("partitions assigned", Duration::from_secs(60));
-    let at_join = settle.scalar(settled).await;
-    eventually(
-        "the group to make progress after the rebalance",
-        Duration::from_secs(60),
-        || async { (settle.scalar(settled).await >= at_join + 300).then_some(()) },
-    )
-    .await;
-    // A dies without leaving the group: after its session times out, B takes its partitions.
+    // A dies without leaving the group, while orders are still being written.
+    let written_at_kill = orders.scalar("SELECT count(*) FROM orders").await;
     a.kill9();
     let at_kill = settle.scalar(settled).await;
     assert!(
-        at_kill < N,
-        "the kill came mid-run ({at_kill} of {N} settled)"
+        written_at_kill < N,
+        "the kill came mid-run ({written_at_kill} of {N} orders written)"
     );
+    let status = writer.wait_exit(Duration::from_secs(120));
+    assert!(status.success(), "the writer failed: {status:?}");
     eventually(
         "every order to be settled",
-        Duration::from_secs(120),
+        Duration::from_secs(180),
         || async { (settle.scalar(settled).await == N).then_some(()) },
     )
     .await;
@@ -247,7 +293,10 @@ async fn two_consumers_in_one_group_with_rebalances_settle_every_event_once() {
     );
     assert_eq!(
         settle
-            .scalar("SELECT count(*) FROM idem_inbox WHERE consumer_group = 'settlement'")
+            .scalar(&format!(
+                "SELECT count(*) FROM idem_inbox WHERE consumer_group = '{}'",
+                k.group
+            ))
             .await,
         N
     );
@@ -257,19 +306,16 @@ async fn two_consumers_in_one_group_with_rebalances_settle_every_event_once() {
         orders.scalar(&format!("{sum} orders")).await,
         "amounts reconcile"
     );
-    let a_log = a.log().join("\n");
+    // A's partitions went to B: B settled orders that were written after A died.
+    let b_assignments = b
+        .log()
+        .iter()
+        .filter(|l| l.contains("partitions assigned") && !l.contains("partitions=0"))
+        .count();
     assert!(
-        a_log.contains("partitions revoked"),
-        "A went through the rebalance when B joined"
+        b_assignments >= 2,
+        "B was assigned A's partitions after A died: {b_assignments} assignments"
     );
-    // After A's session times out the group rebalances again and B takes A's partitions (B may
-    // already have settled everything left if A's partitions were drained before the kill).
-    eventually(
-        "B to be assigned again after A died",
-        Duration::from_secs(60),
-        || async { (b.log().join("\n").matches("partitions assigned").count() >= 2).then_some(()) },
-    )
-    .await;
     let dups = settle
         .scalar("SELECT (sum(delivery_count) - count(*))::bigint FROM idem_inbox")
         .await;
@@ -285,11 +331,10 @@ async fn two_consumers_in_one_group_with_rebalances_settle_every_event_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_paid_order_gets_one_points_award_through_the_effect_stage() {
     const N: i64 = 200;
-    let ((orders, settle), tansu) = (databases().await, broker(2).await);
+    let ((orders, settle), k) = (databases().await, broker(2).await);
     let points = Pg::new().await;
-    let brokers = tansu.brokers();
     write_orders(orders.url(), N as u64);
-    let _relay = relay(orders.url(), &brokers);
+    let _relay = relay(orders.url(), &k);
     let api = Proc::spawn(
         "points-api",
         idem(&[
@@ -302,7 +347,7 @@ async fn every_paid_order_gets_one_points_award_through_the_effect_stage() {
     );
     let line = api.wait_for_line("listening on http://", Duration::from_secs(30));
     let target = format!("{}/awards", line.rsplit(' ').next().unwrap());
-    let mut cmd = settlement(settle.url(), &brokers);
+    let mut cmd = settlement(settle.url(), &k, &[]);
     cmd.args(["--points-url", &target]);
     let _settlement = Proc::spawn("settlement", cmd);
 

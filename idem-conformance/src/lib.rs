@@ -1,13 +1,13 @@
 //! Test support for idem, not shipped: backend-agnostic store scenarios that run once per
-//! database ([`scenarios`]), throwaway PostgreSQL databases ([`pg`]) and a Tansu broker process
-//! ([`tansu`]).
+//! database ([`scenarios`]), throwaway PostgreSQL databases ([`pg`]) and Apache Kafka brokers
+//! ([`kafka`]).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 pub mod backend;
+pub mod kafka;
 pub mod pg;
 pub mod process;
 pub mod scenarios;
-pub mod tansu;
 
 /// Generates one `#[tokio::test]` per scenario for a backend constructor.
 ///

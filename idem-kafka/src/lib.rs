@@ -38,6 +38,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord, Producer};
 
+pub mod admin;
 pub mod inspect;
 pub mod source;
 
@@ -122,9 +123,17 @@ pub struct KafkaPublisher {
     producer: Mutex<Arc<FutureProducer>>,
     /// How many times the producer was replaced (see [`KafkaPublisher::replacements`]).
     replacements: std::sync::atomic::AtomicU64,
-    create_topics: Option<(i32, i32)>,
+    /// Partitions and replicas of topics created on first use (`None` replicas: min(3, brokers)).
+    create_topics: Option<(i32, Option<i32>)>,
     known_topics: Mutex<HashSet<String>>,
+    /// Read each topic's durability on first use (see [`KafkaPublisher::with_durability_check`]).
+    durability_check: bool,
+    /// Per topic: at risk (true) or safe (false), once read; when the last read was tried.
+    durability: Mutex<std::collections::BTreeMap<String, (Option<bool>, std::time::Instant)>>,
 }
+
+/// How long a failed durability read waits before the next try.
+const DURABILITY_RETRY: Duration = Duration::from_secs(10);
 
 impl KafkaPublisher {
     /// Creates the producer from a [`producer_config`].
@@ -143,15 +152,87 @@ impl KafkaPublisher {
             replacements: std::sync::atomic::AtomicU64::new(0),
             create_topics: None,
             known_topics: Mutex::new(HashSet::new()),
+            durability_check: false,
+            durability: Mutex::new(std::collections::BTreeMap::new()),
         })
     }
 
     /// Creates each topic (with `partitions` partitions and `replication` replicas) through the
     /// admin API the first time a batch needs it. For brokers that do not create topics on first
     /// produce (Tansu) and for demos; production topics are better provisioned ahead.
-    pub fn with_topic_creation(mut self, partitions: i32, replication: i32) -> Self {
+    /// `replication: None` takes min(3, the brokers the cluster reports).
+    pub fn with_topic_creation(mut self, partitions: i32, replication: Option<i32>) -> Self {
         self.create_topics = Some((partitions, replication));
         self
+    }
+
+    /// Reads each topic's replica count and `min.insync.replicas` the first time a batch goes
+    /// to it, and logs a warning when a record acknowledged with `acks=all` would not survive
+    /// the loss of one broker ([`admin::Durability::warning`]); [`KafkaPublisher::durability`]
+    /// reports the result (the relay exports it as `idem_relay_topic_durability_at_risk`).
+    pub fn with_durability_check(mut self) -> Self {
+        self.durability_check = true;
+        self
+    }
+
+    /// The topics whose durability was read, each with whether it is at risk.
+    pub fn durability(&self) -> Vec<(String, bool)> {
+        self.durability
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(|(t, (risk, _))| risk.map(|r| (t.clone(), r)))
+            .collect()
+    }
+
+    async fn check_durability(&self, messages: &[Message]) {
+        if !self.durability_check {
+            return;
+        }
+        let due: Vec<String> = {
+            let mut seen = self.durability.lock().unwrap_or_else(|p| p.into_inner());
+            let now = std::time::Instant::now();
+            let mut due: Vec<String> = vec![];
+            for m in messages {
+                let fresh = match seen.get(&m.topic) {
+                    None => true,
+                    Some((None, tried)) => now.duration_since(*tried) >= DURABILITY_RETRY,
+                    Some((Some(_), _)) => false,
+                };
+                if fresh && !due.contains(&m.topic) {
+                    seen.insert(m.topic.clone(), (None, now));
+                    due.push(m.topic.clone());
+                }
+            }
+            due
+        };
+        let brokers = self
+            .config
+            .get("bootstrap.servers")
+            .unwrap_or_default()
+            .to_owned();
+        for topic in due {
+            let risk = match admin::topic_durability(&brokers, &topic, Duration::from_secs(5)).await
+            {
+                Ok(d) => {
+                    let warning = d.warning();
+                    if let Some(w) = &warning {
+                        tracing::warn!(topic = %topic, replication = d.replication, min_insync = ?d.min_insync, "{w}");
+                    }
+                    Some(warning.is_some())
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, topic = %topic, "could not read the topic's durability yet");
+                    None
+                }
+            };
+            if let Some(r) = risk {
+                self.durability
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(topic, (Some(r), std::time::Instant::now()));
+            }
+        }
     }
 
     async fn create_missing_topics(&self, messages: &[Message]) {
@@ -177,6 +258,20 @@ impl KafkaPublisher {
             .get("bootstrap.servers")
             .unwrap_or_default()
             .to_owned();
+        let replication = match replication {
+            Some(r) => r,
+            None => {
+                let b = brokers.clone();
+                let n = tokio::task::spawn_blocking(move || {
+                    admin::broker_ids(&b, Duration::from_secs(5)).map(|ids| ids.len())
+                })
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or(1);
+                i32::try_from(n.clamp(1, 3)).unwrap_or(1)
+            }
+        };
         match ensure_topics(&brokers, &missing, partitions, replication).await {
             Ok(()) => self
                 .known_topics
@@ -283,6 +378,7 @@ impl Publisher for KafkaPublisher {
     async fn publish(&self, messages: &[Message]) -> Vec<std::result::Result<(), PublishError>> {
         let enqueue_deadline = std::time::Instant::now() + self.message_timeout;
         self.create_missing_topics(messages).await;
+        self.check_durability(messages).await;
         let producer = self.current();
         let mut results: Vec<Option<std::result::Result<(), PublishError>>> =
             vec![None; messages.len()];

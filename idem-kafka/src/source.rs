@@ -57,6 +57,10 @@ pub const DEFAULT_CONSUMER_SETTINGS: &[(&str, &str)] = &[
     ("queued.max.messages.kbytes", "16384"),
 ];
 
+/// Settings of the classic group protocol only: with `group.protocol=consumer` (KIP-848) the
+/// broker owns them, so idem's defaults for them are left out.
+pub const CLASSIC_GROUP_SETTINGS: &[&str] = &["session.timeout.ms", "heartbeat.interval.ms"];
+
 /// Builds a consumer configuration for `group`: `overrides` on top of idem's defaults, with the
 /// at-least-once settings forced.
 pub fn consumer_config(
@@ -68,7 +72,15 @@ pub fn consumer_config(
     cfg.set("bootstrap.servers", brokers)
         .set("group.id", group)
         .set("client.id", "idem-consumer");
+    // KIP-848 (`group.protocol=consumer`) moves session timeouts and heartbeats to the broker,
+    // and librdkafka refuses a consumer that sets them itself.
+    let kip848 = overrides
+        .iter()
+        .any(|(k, v)| k == "group.protocol" && v == "consumer");
     for (k, v) in DEFAULT_CONSUMER_SETTINGS {
+        if kip848 && CLASSIC_GROUP_SETTINGS.contains(k) {
+            continue;
+        }
         cfg.set(*k, *v);
     }
     for (k, v) in overrides {
@@ -169,7 +181,8 @@ impl KafkaSource {
     }
 }
 
-fn to_delivery(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivery {
+/// A consumed record as the consumer runtime sees it.
+pub fn to_delivery(m: &rdkafka::message::BorrowedMessage<'_>) -> Delivery {
     Delivery {
         topic: m.topic().to_owned(),
         partition: m.partition(),
@@ -335,5 +348,21 @@ mod tests {
         let cfg =
             consumer_config("b:1", "g", &[("auto.offset.reset".into(), "latest".into())]).unwrap();
         assert_eq!(cfg.get("auto.offset.reset"), Some("latest"));
+    }
+
+    #[test]
+    fn the_consumer_group_protocol_leaves_session_settings_to_the_broker() {
+        let classic = consumer_config("b:1", "g", &[]).unwrap();
+        assert_eq!(classic.get("session.timeout.ms"), Some("10000"));
+        let kip848 =
+            consumer_config("b:1", "g", &[("group.protocol".into(), "consumer".into())]).unwrap();
+        assert_eq!(kip848.get("group.protocol"), Some("consumer"));
+        for k in CLASSIC_GROUP_SETTINGS {
+            assert_eq!(kip848.get(k), None, "{k} set with group.protocol=consumer");
+        }
+        // librdkafka itself accepts what is left.
+        let created: std::result::Result<rdkafka::consumer::BaseConsumer, _> = kip848.create();
+        assert!(created.is_ok(), "{:?}", created.err());
+        assert_eq!(kip848.get("enable.auto.commit"), Some("false"));
     }
 }

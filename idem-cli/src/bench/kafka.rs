@@ -18,23 +18,21 @@ pub enum Broker {
     External(String),
     /// librdkafka's mock cluster, in this process.
     Embedded(EmbeddedCluster),
-    /// A Tansu broker started for this run (in-memory storage).
-    Tansu {
-        /// The process.
-        child: Box<tokio::process::Child>,
+    /// A single-node Apache Kafka started for this run (`scripts/kafka up`), stopped with it.
+    Kafka {
         /// `127.0.0.1:PORT`.
         brokers: String,
-        /// Its working directory.
-        _dir: TempDir,
+        /// Its state directory (`scripts/kafka down --dir` stops it).
+        dir: TempDir,
     },
 }
 
 impl Broker {
-    /// `embedded`, `tansu`, or bootstrap servers.
-    pub async fn start(brokers: &str, tansu_bin: Option<&PathBuf>) -> anyhow::Result<Self> {
+    /// `kafka`, `embedded`, or bootstrap servers.
+    pub async fn start(brokers: &str) -> anyhow::Result<Self> {
         match brokers {
             idem_kafka::EMBEDDED => Ok(Broker::Embedded(EmbeddedCluster::start(1)?)),
-            "tansu" => start_tansu(tansu_bin).await,
+            "kafka" => start_kafka().await,
             other => Ok(Broker::External(other.to_owned())),
         }
     }
@@ -44,7 +42,7 @@ impl Broker {
         match self {
             Broker::External(b) => b.clone(),
             Broker::Embedded(c) => c.bootstrap_servers(),
-            Broker::Tansu { brokers, .. } => brokers.clone(),
+            Broker::Kafka { brokers, .. } => brokers.clone(),
         }
     }
 
@@ -53,7 +51,7 @@ impl Broker {
         match self {
             Broker::External(_) => "external",
             Broker::Embedded(_) => "embedded (librdkafka mock cluster)",
-            Broker::Tansu { .. } => "tansu 0.6 (memory storage)",
+            Broker::Kafka { .. } => "apache kafka (scripts/kafka, one node)",
         }
     }
 
@@ -87,8 +85,12 @@ impl Broker {
 
     /// Stops a broker this run started.
     pub async fn stop(self) {
-        if let Broker::Tansu { mut child, .. } = self {
-            let _ = child.kill().await;
+        if let Broker::Kafka { dir, .. } = self {
+            let _ = tokio::process::Command::new(crate::chaos::kafka::script())
+                .args(["down", "--dir"])
+                .arg(&dir.0)
+                .output()
+                .await;
         }
     }
 }
@@ -115,72 +117,26 @@ impl Drop for TempDir {
     }
 }
 
-fn tansu_binary(given: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
-    if let Some(p) = given {
-        return Ok(p.clone());
-    }
-    if let Some(p) = std::env::var_os("TANSU_BIN") {
-        return Ok(p.into());
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&path) {
-            if dir.join("tansu").is_file() {
-                return Ok(dir.join("tansu"));
-            }
-        }
-    }
-    let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_default());
-    let p = home.join(".cargo/bin/tansu");
-    if p.is_file() {
-        return Ok(p);
-    }
-    bail!(
-        "--brokers tansu: no tansu binary (give --tansu-bin, or `cargo install tansu --version 0.6.0`)"
-    )
-}
-
-async fn start_tansu(given: Option<&PathBuf>) -> anyhow::Result<Broker> {
-    let bin = tansu_binary(given)?;
-    let dir = TempDir::new("tansu")?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let url = format!("tcp://127.0.0.1:{port}");
-    let mut cmd = tokio::process::Command::new(&bin);
-    cmd.arg("broker")
-        .args(["--listener-url", &url, "--advertised-listener-url", &url])
-        .args(["--storage-engine", "memory://tansu/"])
-        .current_dir(&dir.0)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(dir.0.join("tansu.log"))?)
-        .kill_on_drop(true);
-    for var in [
-        "CLUSTER_ID",
-        "LISTENER_URL",
-        "ADVERTISED_LISTENER_URL",
-        "STORAGE_ENGINE",
-    ] {
-        cmd.env_remove(var);
-    }
-    let child = cmd
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+async fn start_kafka() -> anyhow::Result<Broker> {
+    let dir = TempDir::new("kafka")?;
+    let script = crate::chaos::kafka::script();
+    let out = tokio::process::Command::new(&script)
+        .args(["up", "--nodes", "1", "--dir"])
+        .arg(&dir.0)
+        .stderr(std::process::Stdio::inherit())
+        .output()
         .await
-        .is_err()
-    {
-        if Instant::now() > deadline {
-            bail!("Tansu did not listen on port {port} within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} up failed ({})", script.display(), out.status);
     }
-    Ok(Broker::Tansu {
-        child: Box::new(child),
-        brokers: format!("127.0.0.1:{port}"),
-        _dir: dir,
-    })
+    let brokers = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    Ok(Broker::Kafka { brokers, dir })
 }
 
 /// The headers the relay puts on an `order.paid` record (same names, same sizes).

@@ -15,7 +15,6 @@ mod pg;
 mod report;
 mod verify;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -62,9 +61,9 @@ pub struct RunArgs {
     /// PostgreSQL server URL (any database on it); the bench creates and drops its own databases.
     #[arg(long, env = "IDEM_BENCH_DB", default_value = DEFAULT_DB)]
     db: String,
-    /// Kafka bootstrap servers, `embedded` (librdkafka's mock cluster in this process) or
-    /// `tansu` (start a Tansu broker with in-memory storage).
-    #[arg(long, default_value = "embedded")]
+    /// `kafka` (start a single-node Apache Kafka with scripts/kafka, stopped at the end),
+    /// `embedded` (librdkafka's mock cluster in this process) or bootstrap servers.
+    #[arg(long, default_value = "kafka")]
     brokers: String,
     /// Rows in the relay's backlog and events in the consumer's.
     #[arg(long, default_value_t = 100_000)]
@@ -95,9 +94,6 @@ pub struct RunArgs {
     /// --producer-config`.
     #[arg(long = "producer-config", value_parser = idem_kafka::parse_setting)]
     producer_config: Vec<(String, String)>,
-    /// The Tansu binary for `--brokers tansu` (default: $TANSU_BIN, the PATH, ~/.cargo/bin).
-    #[arg(long)]
-    tansu_bin: Option<PathBuf>,
     /// Print the report as JSON on stdout (progress stays on stderr).
     #[arg(long)]
     json: bool,
@@ -148,7 +144,7 @@ async fn run_all(args: RunArgs) -> anyhow::Result<()> {
         started: Instant::now(),
     };
     progress.phase("starting the broker and creating the databases");
-    let broker = Broker::start(&args.brokers, args.tansu_bin.as_ref()).await?;
+    let broker = Broker::start(&args.brokers).await?;
     let logs = TempDir::new("logs")?;
     let mut dbs = Databases::new(&args.db);
     let mut report = Report::new(&args, broker.kind());

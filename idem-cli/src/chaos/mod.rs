@@ -1,18 +1,21 @@
-//! `idem chaos`: the reference pipeline as separate OS processes against PostgreSQL and a Tansu
-//! broker — two order writers, two relays, two settlement consumers in one group, an audit
+//! `idem chaos`: the reference pipeline as separate OS processes against PostgreSQL and Apache
+//! Kafka (one node, or a 3-node cluster with `--kafka-nodes 3`) — two order writers, two relays, two settlement consumers in one group, an audit
 //! consumer group, the effect dispatcher and the points API — while a seeded schedule kills
 //! them (SIGKILL), pauses them (SIGSTOP/SIGCONT), restarts them with named crash points armed,
-//! and kills and restarts the broker. Then it stops injecting, waits for the pipeline to settle
+//! and kills and restarts brokers (with three nodes: the leader of a partition in use, and pauses
+//! a follower). Then it stops injecting, waits for the pipeline to settle
 //! (a deadline: missing it is a liveness failure), runs `idem verify`, and reports.
 //!
 //! `--break MECHANISM` runs a negative control: one mechanism deliberately broken, which the
 //! run must report as a violation.
 
+pub mod kafka;
+pub mod kafka_txn;
 mod procs;
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -40,22 +43,16 @@ pub struct ChaosArgs {
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     pub db: String,
-    /// The Tansu binary (default: `tansu` on the PATH, else ~/.cargo/bin/tansu).
-    #[arg(long, env = "TANSU_BIN")]
-    pub tansu: Option<PathBuf>,
+    /// Kafka nodes: 1, or 3 (replication 3, `min.insync.replicas=2`; the leader of a partition
+    /// in use is killed and followers are paused).
+    #[arg(long, default_value_t = 1, value_parser = parse_nodes)]
+    pub kafka_nodes: usize,
     /// Orders per second, per writer.
     #[arg(long, default_value_t = 25.0)]
     pub rate: f64,
     /// Break one mechanism on purpose (a negative control): the run must report a violation.
-    #[arg(long = "break", value_parser = BREAKABLE.to_vec())]
+    #[arg(long = "break", value_parser = negative_controls())]
     pub break_mechanism: Option<String>,
-    /// Also SIGKILL and restart the broker (with Tansu's SQLite storage, so that the log
-    /// survives). Off by default: Tansu 0.6's memory storage loses the log on a restart, and
-    /// its SQLite storage stops serving at the first failed request (a client that went away
-    /// is enough; see docs/demo-and-chaos.md), so by default the broker keeps its log in
-    /// memory and is paused (SIGSTOP/SIGCONT) instead.
-    #[arg(long)]
-    pub broker_kills: bool,
     /// How long the pipeline may take to settle after the faults stop.
     #[arg(long, default_value = "180s", value_parser = crate::relay_cmd::parse_duration)]
     pub settle_deadline: Duration,
@@ -74,6 +71,7 @@ pub struct ChaosReport {
     pub failures: Vec<String>,
     pub seed: u64,
     pub seconds: u64,
+    pub kafka_nodes: usize,
     pub negative_control: Option<String>,
     pub orders: i64,
     pub faults: BTreeMap<String, u64>,
@@ -91,7 +89,7 @@ pub struct ChaosReport {
     pub settle_seconds: f64,
     /// Missing effects whose event is still in the topic at or beyond its consumer group's
     /// committed offset, per check: the group has not read past it, so it is not lost but
-    /// late — a liveness failure (Tansu 0.6's coordinator left the group without a working
+    /// late — a liveness failure (the broker left the group without a working
     /// assignment), reported apart from losses.
     pub unconsumed: BTreeMap<String, u64>,
     /// Missing effects that are not `unconsumed`: the event never reached the topic, or its
@@ -102,25 +100,24 @@ pub struct ChaosReport {
     pub verify: idem_verify::Report,
 }
 
-fn tansu_binary(explicit: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
-    if let Some(p) = explicit {
-        return Ok(p.clone());
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&path) {
-            let p = dir.join("tansu");
-            if p.is_file() {
-                return Ok(p);
-            }
-        }
-    }
-    let p = PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cargo/bin/tansu");
-    if p.is_file() {
-        Ok(p)
-    } else {
-        bail!(
-            "Tansu is not installed: `cargo install tansu --version 0.6.0 --locked --features dynostore,libsql,postgres`, or --tansu PATH"
-        )
+/// The negative controls: the mechanisms idem's engines can break (`IDEM_BREAK`), and
+/// [`KAFKA_TRANSACTIONS`].
+fn negative_controls() -> Vec<&'static str> {
+    let mut v = BREAKABLE.to_vec();
+    v.push(KAFKA_TRANSACTIONS);
+    v
+}
+
+/// The negative control that replaces the settlement consumers' inbox with Kafka transactions
+/// (read_committed, offsets committed in a transaction after the database commit): "we turned
+/// on Kafka exactly-once" does not make a database side effect happen once.
+pub const KAFKA_TRANSACTIONS: &str = "kafka-transactions";
+
+fn parse_nodes(s: &str) -> Result<usize, String> {
+    match s {
+        "1" => Ok(1),
+        "3" => Ok(3),
+        _ => Err(format!("{s}: a chaos cluster has 1 or 3 Kafka nodes")),
     }
 }
 
@@ -169,6 +166,7 @@ fn window_of(mechanism: &str) -> Option<&'static str> {
         c::BREAK_OFFSET_BEFORE_COMMIT => Some(c::CONSUMER_AFTER_DEDUP_BEFORE_HANDLER),
         c::BREAK_SELECT_THEN_INSERT => Some(c::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT),
         c::BREAK_NEW_KEY_PER_RETRY => Some(c::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD),
+        KAFKA_TRANSACTIONS => Some(c::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT),
         _ => None,
     }
 }
@@ -212,12 +210,11 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     if !idem_core::crash::ENABLED {
         bail!("this idem binary was built without crash points (the `failpoints` feature)");
     }
-    let tansu = tansu_binary(args.tansu.as_ref())?;
     let run = format!("c{}{}", args.seed, std::process::id());
     let tables = TableNames::default();
     let dbs = Databases::create(Some(&args.db), None, &run, &tables).await?;
     let dir = tempfile::Builder::new().prefix("idem-chaos-").tempdir()?;
-    let result = drive(&args, &dbs, dir.path(), &tansu, &run).await;
+    let result = drive(&args, &dbs, dir.path(), &run).await;
     let cleanup = dbs.cleanup(args.keep).await;
     let mut report = result?;
     cleanup?;
@@ -233,64 +230,29 @@ async fn drive(
     args: &ChaosArgs,
     dbs: &Databases,
     dir: &Path,
-    tansu: &Path,
     run: &str,
 ) -> anyhow::Result<ChaosReport> {
     let mut rng = Rng::new(args.seed);
     let crash_log = dir.join("crashes.log");
     let mut env: Vec<(&str, String)> = vec![("IDEM_CRASH_LOG", crash_log.display().to_string())];
-    if let Some(b) = &args.break_mechanism {
+    let kafka_transactions = args.break_mechanism.as_deref() == Some(KAFKA_TRANSACTIONS);
+    if let Some(b) = args
+        .break_mechanism
+        .as_ref()
+        .filter(|_| !kafka_transactions)
+    {
         env.push(("IDEM_BREAK", b.clone()));
     }
-    let broker_port = free_port()?;
     let api_port = free_port()?;
-    let brokers = format!("127.0.0.1:{broker_port}");
     let prefix = format!("chaos-{run}.");
     let topic = format!("{prefix}order");
     let [orders_url, settle_url, points_url] = dbs.urls.clone();
     let target = format!("http://127.0.0.1:{api_port}/awards");
 
-    let mut procs: Vec<Proc> = vec![];
-    // The broker: SQLite storage in its own empty directory, so that a restart keeps the log.
-    let broker_dir = dir.join("tansu");
-    std::fs::create_dir_all(&broker_dir)?;
-    {
-        let (tansu, broker_dir) = (tansu.to_owned(), broker_dir.clone());
-        let url = format!("tcp://127.0.0.1:{broker_port}");
-        let storage = if args.broker_kills {
-            "sqlite://tansu.db"
-        } else {
-            "memory://tansu/"
-        };
-        procs.push(Proc::new(
-            Role::Broker,
-            "broker".to_owned(),
-            dir,
-            Box::new(move |_| {
-                let mut cmd = Command::new(&tansu);
-                cmd.args([
-                    "broker",
-                    "--listener-url",
-                    &url,
-                    "--advertised-listener-url",
-                    &url,
-                    "--storage-engine",
-                    storage,
-                ])
-                .current_dir(&broker_dir);
-                for var in [
-                    "CLUSTER_ID",
-                    "LISTENER_URL",
-                    "ADVERTISED_LISTENER_URL",
-                    "STORAGE_ENGINE",
-                    "OTEL_EXPORTER_OTLP_ENDPOINT",
-                ] {
-                    cmd.env_remove(var);
-                }
-                cmd
-            }),
-        ));
-    }
+    // The brokers first (procs[..kafka_nodes]), each node a child of this runner.
+    let prepared = kafka::prepare(args.kafka_nodes, dir)?;
+    let brokers = prepared.bootstrap.clone();
+    let mut procs: Vec<Proc> = prepared.nodes;
     let mut add = |role: Role, name: String, argv: Vec<String>| -> anyhow::Result<()> {
         let env = env.clone();
         // Fail now on an unusable binary path rather than inside the closure.
@@ -366,9 +328,10 @@ async fn drive(
     }
     // Static group membership: a restarted consumer takes its predecessor's place (and
     // partitions) in the group at once, instead of waiting for a dead member to expire.
+    // The kafka-transactions control replaces the settlement group's consumers (not the audit
+    // group's) with one that has no inbox and commits offsets in Kafka transactions.
     let consumer = |group: &str, handler: &str, member: &str| {
         let mut v = s(&[
-            "settlement",
             "--db",
             &settle_url,
             "--brokers",
@@ -377,12 +340,16 @@ async fn drive(
             group,
             "--topic",
             &topic,
-            "--handler",
-            handler,
+        ]);
+        if kafka_transactions && handler == "settlement" {
+            v.insert(0, "kafka-txn-settlement".to_owned());
+        } else {
+            v.insert(0, "settlement".to_owned());
+            v.extend(s(&["--handler", handler, "--metrics-addr", "127.0.0.1:0"]));
+        }
+        v.extend(s(&[
             "--batch-size",
             "50",
-            "--metrics-addr",
-            "127.0.0.1:0",
             "--consumer-config",
             "session.timeout.ms=10000",
             "--consumer-config",
@@ -391,7 +358,7 @@ async fn drive(
             "heartbeat.interval.ms=1000",
             "--consumer-config",
             &format!("group.instance.id={member}"),
-        ]);
+        ]));
         if handler == "settlement" {
             v.extend(s(&["--points-url", &target]));
         }
@@ -426,31 +393,24 @@ async fn drive(
         ]),
     )?;
 
-    // Start: the broker, the topic, then everything else.
-    procs[0].start(&[])?;
-    let ready = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect_timeout(
-        &([127, 0, 0, 1], broker_port).into(),
-        Duration::from_millis(200),
-    )
-    .is_err()
-    {
-        if Instant::now() > ready {
-            bail!(
-                "Tansu did not listen on {brokers} within 30 s (see {})",
-                dir.display()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // Start: the brokers, the topic, then everything else.
+    let nodes = args.kafka_nodes;
+    for p in procs.iter_mut().filter(|p| p.role == Role::Broker) {
+        p.start(&[])?;
     }
-    idem_kafka::ensure_topics(&brokers, std::slice::from_ref(&topic), 4, 1)
+    kafka::wait_ready(&brokers, nodes, Duration::from_secs(120))
+        .await
+        .with_context(|| format!("starting Kafka (see {})", dir.display()))?;
+    // Replicated as production topics should be: min(3, nodes) copies.
+    let replication = i32::try_from(nodes.min(3))?;
+    idem_kafka::ensure_topics(&brokers, std::slice::from_ref(&topic), 4, replication)
         .await
         .context("creating the topic")?;
-    for p in procs.iter_mut().skip(1) {
+    for p in procs.iter_mut().filter(|p| p.role != Role::Broker) {
         p.start(&[])?;
     }
     eprintln!(
-        "idem chaos: seed {} for {} s; {}; Tansu on {brokers}; logs in {}{}",
+        "idem chaos: seed {} for {} s; {}; Kafka ({nodes} node(s)) on {brokers}; logs in {}{}",
         args.seed,
         args.seconds,
         dbs.location,
@@ -474,8 +434,6 @@ async fn drive(
     let mut last_broker_kill = started;
     let mut last_scrape = started;
     let mut last_progress = started;
-    let mut last_watch = started;
-    let mut watch: BTreeMap<Role, (i64, Instant)> = BTreeMap::new();
     let counters = [
         "idem_duplicate_delivery_total",
         "idem_duplicate_skip_total",
@@ -506,12 +464,8 @@ async fn drive(
                 "sigkill"
             } else if roll < 80 {
                 "sigstop"
-            } else if roll < 90 && now >= last_broker_kill + Duration::from_secs(20) {
-                if args.broker_kills {
-                    "broker_kill"
-                } else {
-                    "broker_pause"
-                }
+            } else if roll < 90 && now >= last_broker_kill + Duration::from_secs(15) {
+                "broker"
             } else {
                 "sigterm_restart"
             };
@@ -549,23 +503,60 @@ async fn drive(
                         .entry(format!("crash_point_armed:{point}"))
                         .or_default() += 1;
                 }
-                "broker_pause" => {
-                    procs[0].signal(19);
-                    procs[0].paused_until =
-                        Some(now + rng.between(Duration::from_secs(1), Duration::from_secs(3)));
+                "broker" => {
+                    let partition = if nodes > 1 {
+                        let (b, t) = (brokers.clone(), topic.clone());
+                        let parts = tokio::task::spawn_blocking(move || {
+                            idem_kafka::admin::partitions(&b, &t, Duration::from_secs(2))
+                        })
+                        .await?
+                        .unwrap_or_default();
+                        let n = parts.len().max(1) as u64;
+                        parts.get(rng.below(n) as usize).cloned()
+                    } else {
+                        None
+                    };
+                    let all_up = procs
+                        .iter_mut()
+                        .filter(|p| p.role == Role::Broker)
+                        .all(|p| p.running() && p.paused_until.is_none());
+                    let Some(fault) =
+                        kafka::choose(nodes, rng.next(), partition.as_ref()).filter(|_| all_up)
+                    else {
+                        next_fault = now + Duration::from_millis(500);
+                        continue;
+                    };
+                    let (kafka::BrokerFault::Kill(id)
+                    | kafka::BrokerFault::LeaderKill(id)
+                    | kafka::BrokerFault::FollowerPause(id)
+                    | kafka::BrokerFault::Pause(id)) = fault;
+                    let Some(node) = procs.iter_mut().find(|p| p.name == format!("kafka-{id}"))
+                    else {
+                        bail!("the cluster reported broker {id}, which this run did not start");
+                    };
+                    match fault {
+                        kafka::BrokerFault::Kill(_) | kafka::BrokerFault::LeaderKill(_) => {
+                            node.kill9();
+                            node.restart_at = Some(
+                                now + rng.between(Duration::from_secs(1), Duration::from_secs(4)),
+                            );
+                        }
+                        kafka::BrokerFault::FollowerPause(_) | kafka::BrokerFault::Pause(_) => {
+                            node.signal(19);
+                            node.paused_until = Some(
+                                now + rng.between(Duration::from_secs(1), Duration::from_secs(3)),
+                            );
+                        }
+                    }
                     last_broker_kill = now;
-                    *faults.entry("broker_pause".to_owned()).or_default() += 1;
-                }
-                "broker_kill" => {
-                    procs[0].kill9();
-                    procs[0].restart_at =
-                        Some(now + rng.between(Duration::from_millis(500), Duration::from_secs(2)));
-                    last_broker_kill = now;
-                    *faults.entry("broker_kill".to_owned()).or_default() += 1;
+                    *faults.entry(fault.kind().to_owned()).or_default() += 1;
                 }
                 _ => {
-                    // Any process but the broker and the writers' bookkeeping.
-                    let i = 1 + rng.below(procs.len() as u64 - 1) as usize;
+                    // Any process but the brokers.
+                    let others: Vec<usize> = (0..procs.len())
+                        .filter(|i| procs[*i].role != Role::Broker)
+                        .collect();
+                    let i = others[rng.below(others.len() as u64) as usize];
                     if !procs[i].running() || procs[i].paused_until.is_some() || procs[i].armed(now)
                     {
                         next_fault = now + Duration::from_millis(100);
@@ -596,36 +587,6 @@ async fn drive(
                 }
             }
             next_fault = now + rng.between(Duration::from_millis(400), Duration::from_millis(1600));
-        }
-        // Watchdog for Tansu 0.6's group coordinator (it does not expire killed members, so a
-        // group can stop moving): a group that applied nothing for 8 s while events wait is
-        // restarted cleanly. Counted, so a report shows how often the broker needed it.
-        if now >= last_watch + Duration::from_secs(1) {
-            last_watch = now;
-            let published = dbs
-                .orders
-                .scalar("SELECT count(*) FROM idem_outbox WHERE status = 'published'")
-                .await
-                .unwrap_or(0);
-            for (role, sql) in [
-                (Role::Settlement, "SELECT count(*) FROM settlements"),
-                (Role::Audit, "SELECT count(*) FROM audit_log"),
-            ] {
-                let applied = dbs.settlement.scalar(sql).await.unwrap_or(0);
-                let w = watch.entry(role).or_insert((applied, now));
-                if applied != w.0 {
-                    *w = (applied, now);
-                } else if applied < published && now >= w.1 + Duration::from_secs(8) {
-                    let n = faults
-                        .entry("watchdog_consumer_group_restart".to_owned())
-                        .or_default();
-                    *n += 1;
-                    // Every other time the broker is restarted too: that clears its group state.
-                    let broker_too = args.broker_kills && (*n).is_multiple_of(2);
-                    restart_group(&mut procs, role, broker_too).await?;
-                    *w = (applied, Instant::now());
-                }
-            }
         }
         if now >= last_progress + Duration::from_secs(5) {
             let fired: u64 = crash_counts(&crash_log).values().sum();
@@ -673,7 +634,6 @@ async fn drive(
     let quick = idem_verify::Options { locate_limit: 0 };
     let mut last: Option<(u64, u64, i64, i64, i64)> = None;
     let mut stable = 0;
-    let mut group_restarts = 0;
     let mut live = false;
     let mut verify = idem_verify::verify(&config, &quick).await?;
     while settle_started.elapsed() < args.settle_deadline {
@@ -714,27 +674,7 @@ async fn drive(
             stable = 0;
         }
         last = Some(now);
-        // Tansu 0.6's group coordinator can leave a group without a working assignment after
-        // members were killed (it does not expire dead members): when nothing moves while
-        // events are missing, restart the consumers cleanly, at most three times.
-        if stable >= 4 && verify.lost() > 0 && group_restarts < 5 {
-            group_restarts += 1;
-            *faults
-                .entry("settle_consumer_group_restart".to_owned())
-                .or_default() += 1;
-            eprintln!(
-                "idem chaos: no progress with events missing; restarting the consumers (broker workaround {group_restarts}/5)"
-            );
-            restart_group(
-                &mut procs,
-                Role::Settlement,
-                args.broker_kills && group_restarts >= 2,
-            )
-            .await?;
-            restart_group(&mut procs, Role::Audit, false).await?;
-            stable = 0;
-            last = None;
-        } else if stable >= 5 && unpublished == 0 && pending_effects == 0 {
+        if stable >= 5 && unpublished == 0 && pending_effects == 0 {
             // Nothing moves any more: what is missing now stays missing.
             live = true;
             break;
@@ -807,10 +747,12 @@ async fn drive(
         sum("idem_duplicate_skip_total"),
         sum("idem_outbox_republish_total"),
     );
-    for p in procs.iter_mut().skip(1) {
+    for p in procs.iter_mut().filter(|p| p.role != Role::Broker) {
         p.stop(Duration::from_secs(10));
     }
-    procs[0].stop(Duration::from_secs(10));
+    for p in procs.iter_mut().filter(|p| p.role == Role::Broker) {
+        p.stop(Duration::from_secs(10));
+    }
 
     let crash_points_fired = crash_counts(&crash_log);
     let mut failures = vec![];
@@ -861,6 +803,7 @@ async fn drive(
         failures,
         seed: args.seed,
         seconds: args.seconds,
+        kafka_nodes: args.kafka_nodes,
         negative_control: args.break_mechanism.clone(),
         orders: dbs.orders.scalar("SELECT count(*) FROM orders").await?,
         faults,
@@ -947,24 +890,6 @@ async fn missing_in(
         .bind(payments)
         .fetch_all(pool)
         .await?)
-}
-
-/// Restarts a consumer group's processes cleanly (and first the broker, when asked): the
-/// workaround for Tansu 0.6's group coordinator, which keeps killed members.
-async fn restart_group(procs: &mut [Proc], role: Role, broker_too: bool) -> anyhow::Result<()> {
-    for p in procs.iter_mut().filter(|p| p.role == role) {
-        p.stop(Duration::from_secs(10));
-    }
-    if broker_too {
-        let broker = &mut procs[0];
-        broker.stop(Duration::from_secs(10));
-        broker.start(&[])?;
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-    for p in procs.iter_mut().filter(|p| p.role == role) {
-        p.start(&[])?;
-    }
-    Ok(())
 }
 
 /// Resumes paused processes and restarts dead ones when their time comes. A process that

@@ -1,4 +1,4 @@
-//! The chaos runner's processes: each role is an `idem` (or `tansu`) child that can be killed,
+//! The chaos runner's processes: each role is an `idem` (or Kafka node) child that can be killed,
 //! paused, restarted, and restarted with a crash point armed.
 
 use std::collections::BTreeMap;

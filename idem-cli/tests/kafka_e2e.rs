@@ -1,5 +1,6 @@
-//! The `idem relay` binary as a real OS process against a real broker (a Tansu process) and a
-//! real database: crashes at named points, SIGKILL in the middle of a batch, SIGTERM.
+//! The `idem relay` binary as a real OS process against Apache Kafka (the suite's shared broker,
+//! a topic per test) and a real database: crashes at named points, SIGKILL in the middle of a
+//! batch, SIGTERM.
 #![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,31 +10,44 @@ use std::process::Command;
 use std::time::Duration;
 
 use idem_conformance::backend::{Backend, Lite, OpenTx, Pg};
+use idem_conformance::kafka;
 use idem_conformance::process::{Proc, eventually, http_get, metric_sum};
 use idem_conformance::scenarios::event;
-use idem_conformance::tansu::Tansu;
 use idem_core::{Event, OutboxStore};
 use idem_kafka::inspect;
 
-const TOPIC: &str = "outbox.event.order";
+/// The shared broker, with a topic of this test's own (`<prefix>order`, 3 partitions).
+struct Broker {
+    brokers: String,
+    prefix: String,
+    topic: String,
+}
 
-async fn broker() -> Tansu {
-    let t = Tansu::start();
-    idem_kafka::ensure_topics(&t.brokers(), &[TOPIC.to_owned()], 3, 1)
+async fn broker() -> Broker {
+    let brokers = kafka::shared();
+    let prefix = format!("{}.", kafka::unique("relay-e2e"));
+    let topic = format!("{prefix}order");
+    idem_kafka::ensure_topics(&brokers, std::slice::from_ref(&topic), 3, 1)
         .await
         .unwrap();
-    t
+    Broker {
+        brokers,
+        prefix,
+        topic,
+    }
 }
 
 /// `idem relay` with a short lease, so a crashed relay's rows come back within seconds.
-fn relay(db: &str, brokers: &str, extra: &[&str]) -> Command {
+fn relay(db: &str, b: &Broker, extra: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
     cmd.args([
         "relay",
         "--db",
         db,
         "--brokers",
-        brokers,
+        &b.brokers,
+        "--topic-prefix",
+        &b.prefix,
         "--metrics-addr",
         "127.0.0.1:0",
     ])
@@ -50,8 +64,8 @@ fn relay(db: &str, brokers: &str, extra: &[&str]) -> Command {
     cmd
 }
 
-fn read(brokers: &str) -> Vec<inspect::Record> {
-    inspect::read_all(brokers, TOPIC, Duration::from_secs(60)).unwrap()
+fn read(b: &Broker) -> Vec<inspect::Record> {
+    inspect::read_all(&b.brokers, &b.topic, Duration::from_secs(60)).unwrap()
 }
 
 async fn enqueue<B: Backend>(b: &B, events: &[Event]) {
@@ -101,11 +115,11 @@ fn assert_complete_and_ordered(records: &[inspect::Record], events: &[Event]) ->
 async fn crash_log_and_run(
     point: &str,
     pg: &Pg,
-    brokers: &str,
+    b: &Broker,
 ) -> (std::path::PathBuf, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("crashes");
-    let mut cmd = relay(pg.url(), brokers, &[]);
+    let mut cmd = relay(pg.url(), b, &[]);
     cmd.env("IDEM_CRASH_POINTS", point)
         .env("IDEM_CRASH_LOG", &log);
     let mut p = Proc::spawn("relay-1", cmd);
@@ -125,10 +139,10 @@ async fn crash_log_and_run(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_publish_before_mark_republishes_once() {
-    let (pg, tansu) = (Pg::new().await, broker().await);
+    let (pg, kafka) = (Pg::new().await, broker().await);
     let e = event("o-1", 0);
     enqueue(&pg, std::slice::from_ref(&e)).await;
-    let _crash = crash_log_and_run("relay.after_publish_before_mark", &pg, &tansu.brokers()).await;
+    let _crash = crash_log_and_run("relay.after_publish_before_mark", &pg, &kafka).await;
 
     let s = pg.store().status().await.unwrap();
     assert_eq!(
@@ -136,14 +150,14 @@ async fn crash_after_publish_before_mark_republishes_once() {
         (1, 0),
         "the aborted relay did not mark the row"
     );
-    let copies = read(&tansu.brokers());
+    let copies = read(&kafka);
     assert_eq!(
         copies.len(),
         1,
         "but Kafka acknowledged it before the crash"
     );
 
-    let p = Proc::spawn("relay-2", relay(pg.url(), &tansu.brokers(), &[]));
+    let p = Proc::spawn("relay-2", relay(pg.url(), &kafka, &[]));
     let metrics = p.metrics_addr();
     eventually(
         "the row to be marked after the lease",
@@ -152,7 +166,7 @@ async fn crash_after_publish_before_mark_republishes_once() {
     )
     .await;
 
-    let records = read(&tansu.brokers());
+    let records = read(&kafka);
     let attempts: Vec<&str> = records
         .iter()
         .map(|r| r.header("idem_attempt").unwrap())
@@ -175,7 +189,7 @@ async fn crash_after_publish_before_mark_republishes_once() {
     );
     let body = http_get(metrics, "/metrics");
     let labels = [
-        ("topic", TOPIC),
+        ("topic", kafka.topic.as_str()),
         ("event_type", "order.paid"),
         ("aggregate_type", "order"),
     ];
@@ -198,23 +212,23 @@ async fn crash_after_publish_before_mark_republishes_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_claim_before_publish_publishes_once() {
-    let (pg, tansu) = (Pg::new().await, broker().await);
+    let (pg, kafka) = (Pg::new().await, broker().await);
     let e = event("o-1", 0);
     enqueue(&pg, std::slice::from_ref(&e)).await;
-    let _crash = crash_log_and_run("relay.after_claim_before_publish", &pg, &tansu.brokers()).await;
+    let _crash = crash_log_and_run("relay.after_claim_before_publish", &pg, &kafka).await;
     assert!(
-        read(&tansu.brokers()).is_empty(),
+        read(&kafka).is_empty(),
         "nothing was produced before the crash"
     );
 
-    let _p = Proc::spawn("relay-2", relay(pg.url(), &tansu.brokers(), &[]));
+    let _p = Proc::spawn("relay-2", relay(pg.url(), &kafka, &[]));
     eventually(
         "the row to be published after the lease",
         Duration::from_secs(30),
         || async { (pg.store().status().await.unwrap().published == 1).then_some(()) },
     )
     .await;
-    let records = read(&tansu.brokers());
+    let records = read(&kafka);
     assert_eq!(
         records.len(),
         1,
@@ -225,45 +239,65 @@ async fn crash_after_claim_before_publish_publishes_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_batch_loses_nothing() {
-    let (pg, tansu) = (Pg::new().await, broker().await);
+    let (pg, kafka) = (Pg::new().await, broker().await);
     let events = many(20_000, 40);
     enqueue(&pg, &events).await;
     let mut p = Proc::spawn(
         "relay-1",
-        relay(pg.url(), &tansu.brokers(), &["--batch-size", "5000"]),
+        relay(pg.url(), &kafka, &["--batch-size", "5000"]),
     );
     let leased =
         "SELECT count(*) FROM idem_outbox WHERE status = 'pending' AND claim_id IS NOT NULL";
-    let brokers = tansu.brokers();
+    let (brokers, topic) = (kafka.brokers.clone(), kafka.topic.clone());
     // Kill while a leased batch is partly in Kafka: the topic holds more records than the
     // outbox has marked.
+    // The relay is paused (SIGSTOP) for each look, so what is seen is what the kill hits.
     let in_flight = eventually(
         "a batch partly delivered but unmarked",
         Duration::from_secs(60),
         || async {
+            p.signal(19);
             let marked = pg.store().status().await.unwrap().published;
             let held = pg.scalar(leased).await;
-            let b = brokers.clone();
+            let (b, t) = (brokers.clone(), topic.clone());
             let in_topic = tokio::task::spawn_blocking(move || {
-                inspect::high_watermark_sum(&b, TOPIC, Duration::from_secs(5))
+                inspect::high_watermark_sum(&b, &t, Duration::from_secs(5))
             })
             .await
             .unwrap()
             .unwrap();
-            (held > 0 && in_topic > marked).then_some(in_topic - marked)
+            let hit = (held > 0 && in_topic > marked).then_some(in_topic - marked);
+            if hit.is_none() {
+                p.signal(18);
+            }
+            hit
         },
     )
     .await;
     p.kill9();
-    let held = pg.scalar(leased).await;
+    // Proof that the kill came mid-batch: rows still leased (unmarked) whose copy is in Kafka.
+    let leased_ids: HashSet<String> =
+        sqlx::query_scalar::<_, uuid::Uuid>(&leased.replace("count(*)", "event_id"))
+            .fetch_all(pg.pool())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|id| id.to_string())
+            .collect();
+    let delivered_unmarked = read(&kafka)
+        .iter()
+        .filter_map(|r| r.header("ce_id"))
+        .filter(|id| leased_ids.contains(*id))
+        .count();
+    let held = leased_ids.len();
     assert!(
-        held > 0,
-        "the relay died holding no batch: the kill was not mid-batch"
+        delivered_unmarked > 0,
+        "the kill was not mid-batch: none of the {held} leased rows was in Kafka yet"
     );
 
     let _p2 = Proc::spawn(
         "relay-2",
-        relay(pg.url(), &tansu.brokers(), &["--batch-size", "5000"]),
+        relay(pg.url(), &kafka, &["--batch-size", "5000"]),
     );
     eventually(
         "every row to be published",
@@ -272,26 +306,23 @@ async fn kill_9_mid_batch_loses_nothing() {
     )
     .await;
     assert_eq!(pg.store().status().await.unwrap().published, 20_000);
-    let dups = assert_complete_and_ordered(&read(&tansu.brokers()), &events);
+    let dups = assert_complete_and_ordered(&read(&kafka), &events);
     eprintln!(
         "killed with {held} rows leased, at least {in_flight} of them in Kafka; {dups} duplicate copies"
     );
     assert!(
-        dups > 0,
-        "rows delivered before the kill were published again"
+        dups >= delivered_unmarked,
+        "the {delivered_unmarked} rows delivered but unmarked at the kill were published again"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_batch_and_leaves_nothing_claimed() {
-    let (lite, tansu) = (Lite::new().await, broker().await);
+    let (lite, kafka) = (Lite::new().await, broker().await);
     let url = format!("sqlite://{}", lite.path().display());
     let events = many(20_000, 40);
     enqueue(&lite, &events).await;
-    let mut p = Proc::spawn(
-        "relay",
-        relay(&url, &tansu.brokers(), &["--batch-size", "5000"]),
-    );
+    let mut p = Proc::spawn("relay", relay(&url, &kafka, &["--batch-size", "5000"]));
     let leased = "SELECT count(*) FROM idem_outbox WHERE claim_id IS NOT NULL";
     eventually(
         "the relay to hold a leased batch",
@@ -317,13 +348,10 @@ async fn sigterm_finishes_the_batch_and_leaves_nothing_claimed() {
         "stopped part-way: {}",
         published.len()
     );
-    let in_kafka: HashMap<String, usize> =
-        read(&tansu.brokers())
-            .iter()
-            .fold(HashMap::new(), |mut m, r| {
-                *m.entry(r.header("ce_id").unwrap().to_owned()).or_default() += 1;
-                m
-            });
+    let in_kafka: HashMap<String, usize> = read(&kafka).iter().fold(HashMap::new(), |mut m, r| {
+        *m.entry(r.header("ce_id").unwrap().to_owned()).or_default() += 1;
+        m
+    });
     let in_kafka_ids: HashSet<String> = in_kafka.keys().cloned().collect();
     assert_eq!(
         in_kafka_ids, published,

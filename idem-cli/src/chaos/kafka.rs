@@ -1,0 +1,187 @@
+//! The chaos run's Apache Kafka: one node or a 3-node cluster, prepared by `scripts/kafka
+//! prepare` (configuration, formatted storage, each node's launch command) and run as the
+//! runner's own children, so that it can SIGKILL, pause and restart each node. The broker faults
+//! are chosen here, apart from the processes that carry them out.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+use super::procs::{Proc, Role};
+
+/// `scripts/kafka` of the source tree this binary was built from, unless `IDEM_KAFKA_SCRIPT`
+/// names another.
+pub fn script() -> PathBuf {
+    std::env::var_os("IDEM_KAFKA_SCRIPT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka"))
+}
+
+/// A prepared cluster: its bootstrap list and one process per node (not started).
+pub struct Prepared {
+    pub bootstrap: String,
+    pub nodes: Vec<Proc>,
+}
+
+/// Runs `scripts/kafka prepare` for `nodes` nodes in `dir/kafka` and builds their processes
+/// (named `kafka-N`, N the node id).
+pub fn prepare(nodes: usize, dir: &Path) -> anyhow::Result<Prepared> {
+    let kafka_dir = dir.join("kafka");
+    let script = script();
+    let out = Command::new(&script)
+        .args(["prepare", "--nodes", &nodes.to_string(), "--dir"])
+        .arg(&kafka_dir)
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} prepare failed ({}): {}",
+            script.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let bootstrap = std::fs::read_to_string(kafka_dir.join("bootstrap"))
+        .context("reading the prepared cluster's bootstrap list")?
+        .trim()
+        .to_owned();
+    let mut procs = vec![];
+    for id in 1..=nodes {
+        let argv: Vec<String> = std::fs::read_to_string(kafka_dir.join(format!("node{id}/argv")))
+            .with_context(|| format!("reading node {id}'s launch command"))?
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect();
+        let Some((java, rest)) = argv.split_first() else {
+            bail!("node {id}'s launch command is empty");
+        };
+        let (java, rest) = (java.clone(), rest.to_vec());
+        procs.push(Proc::new(
+            Role::Broker,
+            format!("kafka-{id}"),
+            dir,
+            Box::new(move |_| {
+                let mut cmd = Command::new(&java);
+                cmd.args(&rest);
+                cmd
+            }),
+        ));
+    }
+    Ok(Prepared {
+        bootstrap,
+        nodes: procs,
+    })
+}
+
+/// Waits until the cluster reports `nodes` brokers.
+pub async fn wait_ready(bootstrap: &str, nodes: usize, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let b = bootstrap.to_owned();
+        let ids = tokio::task::spawn_blocking(move || {
+            idem_kafka::admin::broker_ids(&b, Duration::from_secs(2))
+        })
+        .await?;
+        match ids {
+            Ok(ids) if ids.len() >= nodes => return Ok(()),
+            other if Instant::now() >= deadline => {
+                bail!(
+                    "Kafka at {bootstrap} did not report {nodes} brokers within {timeout:?}: {other:?}"
+                )
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// A broker fault, by node id (1-based).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokerFault {
+    /// SIGKILL the only node and restart it.
+    Kill(i32),
+    /// SIGKILL the leader of a partition in use and restart it.
+    LeaderKill(i32),
+    /// SIGSTOP a follower of a partition in use for a while.
+    FollowerPause(i32),
+    /// SIGSTOP the only node for a while.
+    Pause(i32),
+}
+
+impl BrokerFault {
+    /// The name the report counts it under.
+    pub fn kind(self) -> &'static str {
+        match self {
+            BrokerFault::Kill(_) => "broker_kill",
+            BrokerFault::LeaderKill(_) => "leader_kill",
+            BrokerFault::FollowerPause(_) => "follower_pause",
+            BrokerFault::Pause(_) => "broker_pause",
+        }
+    }
+}
+
+/// Chooses a broker fault. One node: killed three times in four, else paused. Three nodes: the
+/// leader of `partition` killed, or one of its in-sync followers paused, every other time
+/// (`roll` even: kill). `None` when the partition has no leader or no in-sync follower, which
+/// means the cluster is still recovering from the last fault.
+pub fn choose(
+    nodes: usize,
+    roll: u64,
+    partition: Option<&idem_kafka::admin::PartitionInfo>,
+) -> Option<BrokerFault> {
+    if nodes == 1 {
+        return Some(if roll % 4 == 3 {
+            BrokerFault::Pause(1)
+        } else {
+            BrokerFault::Kill(1)
+        });
+    }
+    let p = partition?;
+    if p.leader < 1 || p.isr.len() < nodes {
+        return None;
+    }
+    if roll.is_multiple_of(2) {
+        return Some(BrokerFault::LeaderKill(p.leader));
+    }
+    let followers: Vec<i32> = p.isr.iter().copied().filter(|b| *b != p.leader).collect();
+    let pick = followers.get((roll / 2) as usize % followers.len().max(1))?;
+    Some(BrokerFault::FollowerPause(*pick))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{BrokerFault, choose};
+    use idem_kafka::admin::PartitionInfo;
+
+    fn part(leader: i32, isr: &[i32]) -> PartitionInfo {
+        PartitionInfo {
+            id: 0,
+            leader,
+            replicas: vec![1, 2, 3],
+            isr: isr.to_vec(),
+        }
+    }
+
+    #[test]
+    fn one_node_is_killed_or_paused() {
+        assert_eq!(choose(1, 0, None), Some(BrokerFault::Kill(1)));
+        assert_eq!(choose(1, 3, None), Some(BrokerFault::Pause(1)));
+    }
+
+    #[test]
+    fn three_nodes_lose_the_leader_or_a_follower_never_two_at_once() {
+        let healthy = part(2, &[1, 2, 3]);
+        assert_eq!(
+            choose(3, 0, Some(&healthy)),
+            Some(BrokerFault::LeaderKill(2))
+        );
+        let paused = choose(3, 1, Some(&healthy));
+        assert!(matches!(paused, Some(BrokerFault::FollowerPause(b)) if b != 2));
+        // A cluster still missing a replica is left alone.
+        assert_eq!(choose(3, 0, Some(&part(2, &[2, 3]))), None);
+        assert_eq!(choose(3, 0, Some(&part(-1, &[1, 2, 3]))), None);
+        assert_eq!(choose(3, 0, None), None);
+    }
+}

@@ -1,0 +1,146 @@
+//! The `kafka-transactions` negative control (`idem chaos --break kafka-transactions`): a
+//! settlement consumer that trusts Kafka's exactly-once machinery instead of an inbox. It
+//! reads with `isolation.level=read_committed`, applies each batch with the reference
+//! settlement handler in one database transaction **without an inbox**, and after the database
+//! commit sends the batch's offsets in a Kafka transaction (`send_offsets_to_transaction`,
+//! KIP-447 group fencing).
+//!
+//! Kafka transactions make the *Kafka* side atomic — consumed offsets and produced records —
+//! but the database commit is outside them. A crash between the database commit and the
+//! Kafka commit (`consumer.after_db_commit_before_offset_commit`), a rebalance, or a record the
+//! relay published twice makes the handler apply an event again: duplicate effects, which the
+//! chaos run must report. It is the test behind the seed article's warning that "we turned on
+//! Kafka exactly-once, so there are no duplicates" is false for database side effects
+//! (docs/duplicate-windows.md). Never use this consumer for anything but that proof.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use idem_consumer::Handler;
+use idem_core::crash;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::producer::{BaseProducer, Producer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+/// Options of the Kafka-transactions settlement consumer.
+#[derive(Args, Debug)]
+pub struct KafkaTxnArgs {
+    /// Settlement database (PostgreSQL).
+    #[arg(long)]
+    db: String,
+    /// Kafka bootstrap servers.
+    #[arg(long)]
+    brokers: String,
+    /// Consumer group.
+    #[arg(long)]
+    group: String,
+    /// Topic.
+    #[arg(long)]
+    topic: String,
+    /// Records per transaction.
+    #[arg(long, default_value_t = 50)]
+    batch_size: usize,
+    /// librdkafka consumer setting KEY=VALUE (repeatable).
+    #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
+    consumer_config: Vec<(String, String)>,
+    /// Record one points award intent per payment, as `idem settlement --points-url` does.
+    #[arg(long)]
+    points_url: Option<String>,
+}
+
+const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub async fn run(args: KafkaTxnArgs) -> anyhow::Result<()> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&args.db)
+        .await
+        .context("connecting to the settlement database")?;
+    idem_reference::ensure_schema_postgres(&pool).await?;
+    let mut cc = ClientConfig::new();
+    cc.set("bootstrap.servers", &args.brokers)
+        .set("group.id", &args.group)
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest");
+    for (k, v) in &args.consumer_config {
+        cc.set(k, v);
+    }
+    let member = cc
+        .get("group.instance.id")
+        .map(str::to_owned)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let consumer: StreamConsumer = cc.create().context("creating the consumer")?;
+    consumer.subscribe(&[&args.topic])?;
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", &args.brokers)
+        .set("transactional.id", format!("{}-{member}", args.group))
+        .set("transaction.timeout.ms", "10000")
+        .create()
+        .context("creating the transactional producer")?;
+    tokio::task::block_in_place(|| producer.init_transactions(KAFKA_TIMEOUT))?;
+    let tables = idem_core::TableNames::default();
+    match args.points_url.clone() {
+        Some(url) => {
+            let intents = idem_postgres::PgIntents::new(pool.clone(), tables);
+            let handler = idem_reference::Settlement::with_points(intents, url);
+            consume(&args, &pool, &consumer, &producer, &handler).await
+        }
+        None => {
+            let handler = idem_reference::Settlement::new();
+            consume(&args, &pool, &consumer, &producer, &handler).await
+        }
+    }
+}
+
+async fn consume<H: Handler<sqlx::PgConnection>>(
+    args: &KafkaTxnArgs,
+    pool: &sqlx::PgPool,
+    consumer: &StreamConsumer,
+    producer: &BaseProducer,
+    handler: &H,
+) -> anyhow::Result<()> {
+    eprintln!(
+        "idem kafka-txn-settlement: group {} consuming {} (NEGATIVE CONTROL: no inbox)",
+        args.group, args.topic
+    );
+    loop {
+        let mut batch = vec![idem_kafka::source::to_delivery(&consumer.recv().await?)];
+        while batch.len() < args.batch_size {
+            match tokio::time::timeout(Duration::from_millis(20), consumer.recv()).await {
+                Ok(m) => batch.push(idem_kafka::source::to_delivery(&m?)),
+                Err(_) => break,
+            }
+        }
+        let mut tx = pool.begin().await?;
+        for d in &batch {
+            let Ok(event) = idem_consumer::decode(d) else {
+                continue;
+            };
+            if let Err(e) = handler.handle(&mut tx, &event).await {
+                anyhow::bail!("the handler failed on {}: {e:?}", event.event_id);
+            }
+        }
+        tx.commit().await?;
+        crash::crash_point(crash::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT)?;
+        let mut next: std::collections::BTreeMap<(&str, i32), i64> = Default::default();
+        for d in &batch {
+            let o = next.entry((d.topic.as_str(), d.partition)).or_default();
+            *o = (*o).max(d.offset + 1);
+        }
+        let mut offsets = TopicPartitionList::new();
+        for ((topic, partition), offset) in next {
+            offsets.add_partition_offset(topic, partition, Offset::Offset(offset))?;
+        }
+        let group = consumer
+            .group_metadata()
+            .context("the consumer has no group metadata")?;
+        tokio::task::block_in_place(|| -> anyhow::Result<()> {
+            producer.begin_transaction()?;
+            producer.send_offsets_to_transaction(&offsets, &group, KAFKA_TIMEOUT)?;
+            producer.commit_transaction(KAFKA_TIMEOUT)?;
+            Ok(())
+        })?;
+    }
+}
