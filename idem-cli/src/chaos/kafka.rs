@@ -122,15 +122,18 @@ impl BrokerFault {
     }
 }
 
-/// Chooses a broker fault. One node: killed three times in four, else paused. Three nodes: the
+/// Chooses a broker fault. The `first` of a run is always a kill, so that every run kills a
+/// broker at least once. One node: killed three times in four, else paused. Three nodes: the
 /// leader of `partition` killed, or one of its in-sync followers paused, every other time
 /// (`roll` even: kill). `None` when the partition has no leader or no in-sync follower, which
 /// means the cluster is still recovering from the last fault.
 pub fn choose(
     nodes: usize,
     roll: u64,
+    first: bool,
     partition: Option<&idem_kafka::admin::PartitionInfo>,
 ) -> Option<BrokerFault> {
+    let roll = if first { 0 } else { roll };
     if nodes == 1 {
         return Some(if roll % 4 == 3 {
             BrokerFault::Pause(1)
@@ -166,22 +169,29 @@ mod tests {
 
     #[test]
     fn one_node_is_killed_or_paused() {
-        assert_eq!(choose(1, 0, None), Some(BrokerFault::Kill(1)));
-        assert_eq!(choose(1, 3, None), Some(BrokerFault::Pause(1)));
+        assert_eq!(choose(1, 0, false, None), Some(BrokerFault::Kill(1)));
+        assert_eq!(choose(1, 3, false, None), Some(BrokerFault::Pause(1)));
+        // The first broker fault of a run is a kill, whatever the roll.
+        assert_eq!(choose(1, 3, true, None), Some(BrokerFault::Kill(1)));
+        let healthy = part(2, &[1, 2, 3]);
+        assert_eq!(
+            choose(3, 1, true, Some(&healthy)),
+            Some(BrokerFault::LeaderKill(2))
+        );
     }
 
     #[test]
     fn three_nodes_lose_the_leader_or_a_follower_never_two_at_once() {
         let healthy = part(2, &[1, 2, 3]);
         assert_eq!(
-            choose(3, 0, Some(&healthy)),
+            choose(3, 0, false, Some(&healthy)),
             Some(BrokerFault::LeaderKill(2))
         );
-        let paused = choose(3, 1, Some(&healthy));
+        let paused = choose(3, 1, false, Some(&healthy));
         assert!(matches!(paused, Some(BrokerFault::FollowerPause(b)) if b != 2));
         // A cluster still missing a replica is left alone.
-        assert_eq!(choose(3, 0, Some(&part(2, &[2, 3]))), None);
-        assert_eq!(choose(3, 0, Some(&part(-1, &[1, 2, 3]))), None);
-        assert_eq!(choose(3, 0, None), None);
+        assert_eq!(choose(3, 0, false, Some(&part(2, &[2, 3]))), None);
+        assert_eq!(choose(3, 0, false, Some(&part(-1, &[1, 2, 3]))), None);
+        assert_eq!(choose(3, 0, false, None), None);
     }
 }

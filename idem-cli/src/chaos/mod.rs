@@ -520,8 +520,14 @@ async fn drive(
                         .iter_mut()
                         .filter(|p| p.role == Role::Broker)
                         .all(|p| p.running() && p.paused_until.is_none());
-                    let Some(fault) =
-                        kafka::choose(nodes, rng.next(), partition.as_ref()).filter(|_| all_up)
+                    let first = !faults.keys().any(|k| {
+                        matches!(
+                            k.as_str(),
+                            "broker_kill" | "broker_pause" | "leader_kill" | "follower_pause"
+                        )
+                    });
+                    let Some(fault) = kafka::choose(nodes, rng.next(), first, partition.as_ref())
+                        .filter(|_| all_up)
                     else {
                         next_fault = now + Duration::from_millis(500);
                         continue;
