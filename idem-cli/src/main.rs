@@ -1,6 +1,7 @@
 //! `idem`: migrate the outbox, run the relay, inspect the outbox and topics.
 
 mod bench;
+mod broker;
 mod chaos;
 mod db;
 mod demo;

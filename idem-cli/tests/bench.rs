@@ -1,6 +1,6 @@
-//! `idem bench` runs end to end in a tiny configuration (PostgreSQL, the embedded broker, the
-//! relay and settlement as child processes) and reports every figure and ratio. Not a
-//! performance test: nothing here asserts a timing.
+//! `idem bench` runs end to end in a tiny configuration (PostgreSQL, the suite's Apache Kafka
+//! broker, the relay and settlement as child processes) and reports every figure and ratio. Not
+//! a performance test: nothing here asserts a timing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
@@ -79,9 +79,10 @@ fn idem_bench(args: &[&str]) -> Value {
 
 #[test]
 fn a_tiny_bench_run_reports_every_figure_and_ratio() {
+    let brokers = idem_conformance::kafka::shared();
     let report = idem_bench(&[
         "--brokers",
-        "embedded",
+        &brokers,
         "--backlog",
         "300",
         "--batch-size",
@@ -114,6 +115,7 @@ fn a_tiny_bench_run_reports_every_figure_and_ratio() {
     }
     assert!(report["targets_met"].is_boolean());
     assert_eq!(report["config"]["backlog"], 300);
+    assert_eq!(report["environment"]["broker"], "external", "{report:#}");
 }
 
 #[test]

@@ -1,97 +1,31 @@
-//! The broker under test (an external one, librdkafka's mock cluster, or a Tansu process) and
-//! the raw rdkafka produce and consume baselines.
+//! The raw rdkafka produce and consume baselines, and how many partitions a topic needs on the
+//! broker under test.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
-use idem_kafka::EmbeddedCluster;
+use anyhow::Context;
+
+use crate::broker::Broker;
 use rdkafka::Message as _;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-/// Where the brokers are.
-pub enum Broker {
-    /// Bootstrap servers given by the user.
-    External(String),
-    /// librdkafka's mock cluster, in this process.
-    Embedded(EmbeddedCluster),
-    /// A single-node Apache Kafka started for this run (`scripts/kafka up`), stopped with it.
-    Kafka {
-        /// `127.0.0.1:PORT`.
-        brokers: String,
-        /// Its state directory (`scripts/kafka down --dir` stops it).
-        dir: TempDir,
-    },
-}
-
-impl Broker {
-    /// `kafka`, `embedded`, or bootstrap servers.
-    pub async fn start(brokers: &str) -> anyhow::Result<Self> {
-        match brokers {
-            idem_kafka::EMBEDDED => Ok(Broker::Embedded(EmbeddedCluster::start(1)?)),
-            "kafka" => start_kafka().await,
-            other => Ok(Broker::External(other.to_owned())),
+/// Partitions for a topic that must hold `records` records of about `bytes` bytes each:
+/// `wanted`, or more on the mock cluster, which keeps only the last 5 MiB of a partition
+/// (librdkafka's `rdkafka_mock.c`, not configurable) and would silently drop the start of
+/// the backlog before the consumer reads it.
+pub fn partitions_for(broker: &Broker, wanted: i32, records: u64, bytes: usize) -> i32 {
+    match broker {
+        Broker::Embedded(_) => {
+            let per_partition = 4 * 1024 * 1024;
+            let total = records.saturating_mul(bytes as u64);
+            let needed = i32::try_from(total.div_ceil(per_partition)).unwrap_or(i32::MAX);
+            wanted.max(needed)
         }
-    }
-
-    /// Bootstrap servers for clients (and child processes).
-    pub fn bootstrap(&self) -> String {
-        match self {
-            Broker::External(b) => b.clone(),
-            Broker::Embedded(c) => c.bootstrap_servers(),
-            Broker::Kafka { brokers, .. } => brokers.clone(),
-        }
-    }
-
-    /// What it is, for the report.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Broker::External(_) => "external",
-            Broker::Embedded(_) => "embedded (librdkafka mock cluster)",
-            Broker::Kafka { .. } => "apache kafka (scripts/kafka, one node)",
-        }
-    }
-
-    /// Partitions for a topic that must hold `records` records of about `bytes` bytes each:
-    /// `wanted`, or more on the mock cluster, which keeps only the last 5 MiB of a partition
-    /// (librdkafka's `rdkafka_mock.c`, not configurable) and would silently drop the start of
-    /// the backlog before the consumer reads it.
-    pub fn partitions_for(&self, wanted: i32, records: u64, bytes: usize) -> i32 {
-        match self {
-            Broker::Embedded(_) => {
-                let per_partition = 4 * 1024 * 1024;
-                let total = records.saturating_mul(bytes as u64);
-                let needed = i32::try_from(total.div_ceil(per_partition)).unwrap_or(i32::MAX);
-                wanted.max(needed)
-            }
-            _ => wanted,
-        }
-    }
-
-    /// Creates `topic` with `partitions` partitions.
-    pub async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
-        match self {
-            Broker::Embedded(c) => c.create_topic(topic, partitions)?,
-            _ => {
-                idem_kafka::ensure_topics(&self.bootstrap(), &[topic.to_owned()], partitions, 1)
-                    .await?
-            }
-        }
-        Ok(())
-    }
-
-    /// Stops a broker this run started.
-    pub async fn stop(self) {
-        if let Broker::Kafka { dir, .. } = self {
-            let _ = tokio::process::Command::new(crate::chaos::kafka::script())
-                .args(["down", "--dir"])
-                .arg(&dir.0)
-                .output()
-                .await;
-        }
+        _ => wanted,
     }
 }
 
@@ -115,28 +49,6 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-async fn start_kafka() -> anyhow::Result<Broker> {
-    let dir = TempDir::new("kafka")?;
-    let script = crate::chaos::kafka::script();
-    let out = tokio::process::Command::new(&script)
-        .args(["up", "--nodes", "1", "--dir"])
-        .arg(&dir.0)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .await
-        .with_context(|| format!("running {}", script.display()))?;
-    if !out.status.success() {
-        bail!("{} up failed ({})", script.display(), out.status);
-    }
-    let brokers = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()
-        .unwrap_or_default()
-        .trim()
-        .to_owned();
-    Ok(Broker::Kafka { brokers, dir })
 }
 
 /// The headers the relay puts on an `order.paid` record (same names, same sizes).

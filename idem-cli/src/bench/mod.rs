@@ -23,18 +23,43 @@ use anyhow::bail;
 use clap::{Args, Subcommand};
 use sqlx::PgPool;
 
+use crate::broker::Broker;
 use child::Child;
-use kafka::{Broker, TempDir};
+use kafka::TempDir;
 use pg::{Databases, OrderWrite};
 use report::Report;
 
 /// The default PostgreSQL server.
 pub const DEFAULT_DB: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
-/// The relay's topic for orders.
-const TOPIC: &str = "outbox.event.order";
-/// The raw baselines' topic.
-const RAW_TOPIC: &str = "bench.raw";
+/// Topics and consumer groups of one run, unique to it: a run on a shared broker (or a second
+/// run on the same one) never reads another run's records.
+struct Names {
+    /// The relay's `--topic-prefix`.
+    topic_prefix: String,
+    /// The relay's topic for orders: the prefix and the aggregate type.
+    topic: String,
+    /// The raw baselines' topic.
+    raw_topic: String,
+    /// The settlement consumer's group.
+    group: String,
+    /// The consumer without the inbox's group.
+    group_no_inbox: String,
+}
+
+impl Names {
+    fn new() -> Self {
+        let run = uuid::Uuid::new_v4().simple().to_string();
+        let topic_prefix = format!("idem-bench-{run}.");
+        Names {
+            topic: format!("{topic_prefix}order"),
+            raw_topic: format!("idem-bench-{run}.raw"),
+            group: format!("idem-bench-{run}"),
+            group_no_inbox: format!("idem-bench-{run}-no-inbox"),
+            topic_prefix,
+        }
+    }
+}
 
 /// `idem bench`.
 #[derive(Args, Debug)]
@@ -157,7 +182,7 @@ async fn run_all(args: RunArgs) -> anyhow::Result<()> {
     if let Err(e) = dbs.drop_all().await {
         tracing::warn!(error = %e, "could not drop the bench databases");
     }
-    broker.stop().await;
+    drop(broker);
     result?;
     report.finish();
     if args.json {
@@ -182,10 +207,16 @@ async fn phases(
     let pad = pg::padding(args.message_size);
     let brokers = broker.bootstrap();
     // A record: the payload, about 450 bytes of relay headers, the key and framing.
-    let partitions = broker.partitions_for(args.partitions, args.backlog, args.message_size + 512);
+    let partitions = kafka::partitions_for(
+        broker,
+        args.partitions,
+        args.backlog,
+        args.message_size + 512,
+    );
     report.environment("partitions", &partitions.to_string());
-    broker.create_topic(TOPIC, partitions).await?;
-    broker.create_topic(RAW_TOPIC, partitions).await?;
+    let names = Names::new();
+    broker.create_topic(&names.topic, partitions).await?;
+    broker.create_topic(&names.raw_topic, partitions).await?;
     let (_, scratch) = dbs.create("scratch", n + 4).await?;
     let (orders_url, orders) = dbs.create("orders", n + 4).await?;
     let (settle_url, settle) = dbs.create("settle", 4).await?;
@@ -262,7 +293,7 @@ async fn phases(
         .as_bytes()
         .to_vec();
     let mut tick = Ticker::new();
-    let v = kafka::produce_rate(&brokers, RAW_TOPIC, args.backlog, &payload, |done| {
+    let v = kafka::produce_rate(&brokers, &names.raw_topic, args.backlog, &payload, |done| {
         tick.every_second(|| progress.note(&format!("{done} records acknowledged")));
     })
     .await?;
@@ -272,7 +303,7 @@ async fn phases(
     let mut tick = Ticker::new();
     let v = kafka::consume_rate(
         &brokers,
-        RAW_TOPIC,
+        &names.raw_topic,
         args.backlog,
         drain_timeout(args),
         |done| {
@@ -296,6 +327,8 @@ async fn phases(
         &orders_url,
         "--brokers",
         &brokers,
+        "--topic-prefix",
+        &names.topic_prefix,
         "--batch-size",
         &args.relay_batch_size.to_string(),
         "--no-prune",
@@ -346,8 +379,10 @@ async fn phases(
         &settle_url,
         "--brokers",
         &brokers,
+        "--topic",
+        &names.topic,
         "--group",
-        "bench",
+        &names.group,
         "--batch-size",
         &batch,
     ]);
@@ -376,8 +411,10 @@ async fn phases(
         &noinbox_url,
         "--brokers",
         &brokers,
+        "--topic",
+        &names.topic,
         "--group",
-        "bench-no-inbox",
+        &names.group_no_inbox,
         "--batch-size",
         &batch,
     ]);
@@ -415,7 +452,8 @@ async fn phases(
 
     ctx.progress
         .phase("consumer drain of 100 % redelivered duplicates");
-    let dups = "consumer_group = 'bench' AND delivery_count >= 2";
+    // The group is ours (a UUID), never input.
+    let dups = format!("consumer_group = '{}' AND delivery_count >= 2", names.group);
     let (mut settlement, elapsed) = ctx
         .drain(
             "settlement-2",
@@ -426,7 +464,7 @@ async fn phases(
             &mut [&mut relay],
         )
         .await?;
-    let v = pg::stamped_rate(&settle, "idem_inbox", "last_delivered_at", dups, elapsed).await?;
+    let v = pg::stamped_rate(&settle, "idem_inbox", "last_delivered_at", &dups, elapsed).await?;
     report.figure("duplicates_drain_per_s", v);
     let progress = ctx.progress;
 

@@ -3,21 +3,14 @@
 //! runner's own children, so that it can SIGKILL, pause and restart each node. The broker faults
 //! are chosen here, apart from the processes that carry them out.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
 use super::procs::{Proc, Role};
-
-/// `scripts/kafka` of the source tree this binary was built from, unless `IDEM_KAFKA_SCRIPT`
-/// names another.
-pub fn script() -> PathBuf {
-    std::env::var_os("IDEM_KAFKA_SCRIPT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka"))
-}
+use crate::broker::script;
 
 /// A prepared cluster: its bootstrap list and one process per node (not started).
 pub struct Prepared {

@@ -26,7 +26,8 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use world::{Broker, Databases, Pool};
+use crate::broker::Broker;
+use world::{Databases, Pool};
 
 #[derive(Args, Debug, Clone)]
 pub struct DemoArgs {
@@ -37,7 +38,8 @@ pub struct DemoArgs {
     /// SQLite files.
     #[arg(long)]
     pub db: Option<String>,
-    /// Kafka bootstrap servers, or `embedded` for librdkafka's in-process mock cluster.
+    /// `embedded` (librdkafka's in-process mock cluster), `kafka` (start a single-node Apache
+    /// Kafka with scripts/kafka, stopped at the end) or bootstrap servers.
     #[arg(long, default_value = "embedded")]
     pub brokers: String,
     /// Directory for the SQLite files (default: a temporary directory, deleted afterwards).
@@ -75,6 +77,9 @@ pub struct DemoReport {
     pub ok: bool,
     pub failures: Vec<String>,
     pub databases: String,
+    /// What the broker is (`Broker::kind`).
+    pub broker: &'static str,
+    /// Its bootstrap servers.
     pub brokers: String,
     pub seconds: f64,
     pub orders: i64,
@@ -185,18 +190,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let dbs = Databases::create(args.db.as_deref(), args.dir.clone(), &run, &tables).await?;
     let prefix = format!("idem-demo-{run}.");
     let topic = format!("{prefix}order");
-    let broker = Broker::start(&args.brokers, &topic, 4).await?;
+    let broker = Broker::start(&args.brokers).await?;
+    broker.create_topic(&topic, 4).await?;
     eprintln!(
-        "idem demo: {} orders through {} relays, {} consumers, the dispatcher and the points API; {}; broker {}",
+        "idem demo: {} orders through {} relays, {} consumers, the dispatcher and the points API; {}; broker {} at {}",
         args.orders,
         args.relays,
         args.consumers,
         dbs.location,
-        if args.brokers == idem_kafka::EMBEDDED {
-            format!("in-process mock cluster at {}", broker.servers)
-        } else {
-            broker.servers.clone()
-        }
+        broker.kind(),
+        broker.bootstrap()
     );
     let result = drive(&args, &dbs, &broker, &tables, &topic, &prefix, started).await;
     crash::disarm_all();
@@ -260,7 +263,7 @@ async fn drive(
 
     // Relays: short message timeout and lease so that a crashed relay's rows come back soon.
     let producer = idem_kafka::producer_config(
-        &broker.servers,
+        &broker.bootstrap(),
         &[("message.timeout.ms".to_owned(), "1000".to_owned())],
     )?;
     let publisher = Arc::new(KafkaPublisher::new(producer)?);
@@ -319,7 +322,10 @@ async fn drive(
     }
 
     // Settlement consumers, one group; each restart is a new group member.
-    let kafka = consumer_config(&broker.servers, "settlement", &[])?;
+    // The Kafka group is unique to the run (a shared broker may hold other runs' groups); the
+    // inbox's group is "settlement", as `idem verify`'s reference configuration expects, in
+    // databases that are this run's alone.
+    let kafka = consumer_config(&broker.bootstrap(), &format!("{prefix}settlement"), &[])?;
     for _ in 0..args.consumers {
         let (ctl2, metrics, kafka) = (ctl.clone(), consumer_metrics.clone(), kafka.clone());
         let (settle, tables, target, topic) = (
@@ -580,7 +586,8 @@ async fn drive(
         ok: false,
         failures: vec![],
         databases: dbs.location.clone(),
-        brokers: broker.servers.clone(),
+        broker: broker.kind(),
+        brokers: broker.bootstrap(),
         seconds: started.elapsed().as_secs_f64(),
         orders: dbs.orders.scalar("SELECT count(*) FROM orders").await?,
         events_published: dbs

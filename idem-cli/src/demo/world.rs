@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use idem_core::TableNames;
-use idem_kafka::EmbeddedCluster;
 
 /// One database role of the reference pipeline.
 #[derive(Clone, Debug)]
@@ -187,33 +186,6 @@ impl Databases {
             }
         }
         Ok(())
-    }
-}
-
-/// The broker: the in-process mock cluster, or the brokers given.
-pub struct Broker {
-    pub servers: String,
-    _embedded: Option<EmbeddedCluster>,
-}
-
-impl Broker {
-    pub async fn start(brokers: &str, topic: &str, partitions: i32) -> anyhow::Result<Self> {
-        if brokers == idem_kafka::EMBEDDED {
-            let cluster = EmbeddedCluster::start(1)?;
-            cluster.create_topic(topic, partitions)?;
-            Ok(Broker {
-                servers: cluster.bootstrap_servers(),
-                _embedded: Some(cluster),
-            })
-        } else {
-            idem_kafka::ensure_topics(brokers, &[topic.to_owned()], partitions, 1)
-                .await
-                .with_context(|| format!("creating topic {topic} on {brokers}"))?;
-            Ok(Broker {
-                servers: brokers.to_owned(),
-                _embedded: None,
-            })
-        }
     }
 }
 

@@ -1,0 +1,121 @@
+//! The broker a lab command (`idem demo`, `idem bench`) runs against, chosen by `--brokers`:
+//! bootstrap servers given by the user, `embedded` (librdkafka's mock cluster, in this process)
+//! or `kafka` (a single-node Apache Kafka that `scripts/kafka up` starts for the run and
+//! `scripts/kafka down` stops when the run ends, also when it fails).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use anyhow::{Context, bail};
+use idem_kafka::EmbeddedCluster;
+
+/// `--brokers kafka`: start a single-node Apache Kafka for the run.
+pub const KAFKA: &str = "kafka";
+
+/// `scripts/kafka` of the source tree this binary was built from, unless `IDEM_KAFKA_SCRIPT`
+/// names another.
+pub fn script() -> PathBuf {
+    std::env::var_os("IDEM_KAFKA_SCRIPT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka"))
+}
+
+/// Where the brokers are.
+pub enum Broker {
+    /// Bootstrap servers given by the user.
+    External(String),
+    /// librdkafka's mock cluster, in this process.
+    Embedded(EmbeddedCluster),
+    /// A single-node Apache Kafka started for this run, stopped when this value is dropped.
+    Kafka {
+        /// `127.0.0.1:PORT`, the last line `scripts/kafka up` printed.
+        bootstrap: String,
+        /// Its state directory (configuration, log segments, the node's pid).
+        dir: tempfile::TempDir,
+    },
+}
+
+impl Broker {
+    /// `kafka`, `embedded`, or bootstrap servers.
+    pub async fn start(brokers: &str) -> anyhow::Result<Self> {
+        match brokers {
+            idem_kafka::EMBEDDED => Ok(Broker::Embedded(EmbeddedCluster::start(1)?)),
+            KAFKA => start_kafka().await,
+            other => Ok(Broker::External(other.to_owned())),
+        }
+    }
+
+    /// Bootstrap servers for clients (and child processes).
+    pub fn bootstrap(&self) -> String {
+        match self {
+            Broker::External(b) => b.clone(),
+            Broker::Embedded(c) => c.bootstrap_servers(),
+            Broker::Kafka { bootstrap, .. } => bootstrap.clone(),
+        }
+    }
+
+    /// What it is, for reports.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Broker::External(_) => "external",
+            Broker::Embedded(_) => "embedded (librdkafka mock cluster)",
+            Broker::Kafka { .. } => "apache kafka (scripts/kafka, one node)",
+        }
+    }
+
+    /// Creates `topic` with `partitions` partitions (replication 1: every broker here that
+    /// this run starts has one node; an external cluster's own default is not assumed).
+    pub async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
+        match self {
+            Broker::Embedded(c) => c.create_topic(topic, partitions)?,
+            _ => idem_kafka::ensure_topics(&self.bootstrap(), &[topic.to_owned()], partitions, 1)
+                .await
+                .with_context(|| format!("creating topic {topic} on {}", self.bootstrap()))?,
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if let Broker::Kafka { dir, .. } = self {
+            // Blocks for the second or two the node takes to stop: it must not outlive the run.
+            let stopped = std::process::Command::new(script())
+                .args(["down", "--dir"])
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            if !matches!(stopped, Ok(s) if s.success()) {
+                tracing::warn!(dir = %dir.path().display(), "scripts/kafka down failed; a Kafka node may still run");
+            }
+        }
+    }
+}
+
+async fn start_kafka() -> anyhow::Result<Broker> {
+    let dir = tempfile::Builder::new()
+        .prefix("idem-kafka-")
+        .tempdir()
+        .context("creating the Kafka state directory")?;
+    let script = script();
+    let out = tokio::process::Command::new(&script)
+        .args(["up", "--nodes", "1", "--dir"])
+        .arg(dir.path())
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .with_context(|| format!("running {}", script.display()))?;
+    let bootstrap = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    // From here on a node may run: dropping the value stops it, also on the error below.
+    let broker = Broker::Kafka { bootstrap, dir };
+    if !out.status.success() {
+        bail!("{} up failed ({})", script.display(), out.status);
+    }
+    Ok(broker)
+}
