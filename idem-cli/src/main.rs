@@ -6,6 +6,7 @@ mod chaos;
 mod db;
 mod demo;
 mod effects_cmd;
+mod lab_consumer;
 mod metrics_server;
 mod outbox_cmd;
 mod reference_cmd;

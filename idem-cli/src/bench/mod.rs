@@ -77,7 +77,7 @@ enum Mode {
     Verify(verify::VerifyBenchArgs),
     /// (internal) the settlement consumer without its inbox, to price the inbox.
     #[command(hide = true)]
-    NoInboxConsumer(noinbox::NoInboxArgs),
+    NoInboxConsumer(crate::lab_consumer::LabConsumerArgs),
 }
 
 /// Options of a full bench run.

@@ -2,35 +2,13 @@
 //! runs it, except that the inbox records nothing and calls every event new. Only the bench
 //! uses it, to price the inbox ("consumer with dedup ÷ without"); it is not effectively-once.
 
-use clap::Args;
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::{Dedup, EventId, InboxEntry, InboxStore, Result, StoredDeadLetter};
 use idem_kafka::{KafkaSource, consumer_config};
 use idem_postgres::PgInbox;
 use sqlx::PgConnection;
 
-/// Options of the inbox-less consumer.
-#[derive(Args, Debug)]
-pub struct NoInboxArgs {
-    /// Settlement database.
-    #[arg(long)]
-    db: String,
-    /// Kafka bootstrap servers.
-    #[arg(long)]
-    brokers: String,
-    /// Consumer group.
-    #[arg(long)]
-    group: String,
-    /// Topic.
-    #[arg(long, default_value = "outbox.event.order")]
-    topic: String,
-    /// Records per transaction.
-    #[arg(long, default_value_t = 200)]
-    batch_size: usize,
-    /// librdkafka consumer setting KEY=VALUE (repeatable).
-    #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
-    consumer_config: Vec<(String, String)>,
-}
+use crate::lab_consumer::LabConsumerArgs;
 
 /// [`PgInbox`] without the inbox insert: every event is new.
 struct NoInbox(PgInbox);
@@ -87,7 +65,7 @@ impl InboxStore for NoInbox {
 }
 
 /// Runs until SIGTERM.
-pub async fn run(args: NoInboxArgs) -> anyhow::Result<()> {
+pub async fn run(args: LabConsumerArgs) -> anyhow::Result<()> {
     let shutdown = crate::relay_cmd::shutdown_signal()?;
     let pool = idem_postgres::connect(&args.db, 4).await?;
     idem_reference::ensure_schema_postgres(&pool).await?;

@@ -26,24 +26,8 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 /// Options of the Kafka-transactions settlement consumer.
 #[derive(Args, Debug)]
 pub struct KafkaTxnArgs {
-    /// Settlement database (PostgreSQL).
-    #[arg(long)]
-    db: String,
-    /// Kafka bootstrap servers.
-    #[arg(long)]
-    brokers: String,
-    /// Consumer group.
-    #[arg(long)]
-    group: String,
-    /// Topic.
-    #[arg(long)]
-    topic: String,
-    /// Records per transaction.
-    #[arg(long, default_value_t = 50)]
-    batch_size: usize,
-    /// librdkafka consumer setting KEY=VALUE (repeatable).
-    #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
-    consumer_config: Vec<(String, String)>,
+    #[command(flatten)]
+    target: crate::lab_consumer::LabConsumerArgs,
     /// Record one points award intent per payment, as `idem settlement --points-url` does.
     #[arg(long)]
     points_url: Option<String>,
@@ -51,7 +35,8 @@ pub struct KafkaTxnArgs {
 
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 
-pub async fn run(args: KafkaTxnArgs) -> anyhow::Result<()> {
+pub async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
+    let args = &all.target;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .connect(&args.db)
@@ -81,21 +66,21 @@ pub async fn run(args: KafkaTxnArgs) -> anyhow::Result<()> {
         .context("creating the transactional producer")?;
     tokio::task::block_in_place(|| producer.init_transactions(KAFKA_TIMEOUT))?;
     let tables = idem_core::TableNames::default();
-    match args.points_url.clone() {
+    match all.points_url.clone() {
         Some(url) => {
             let intents = idem_postgres::PgIntents::new(pool.clone(), tables);
             let handler = idem_reference::Settlement::with_points(intents, url);
-            consume(&args, &pool, &consumer, &producer, &handler).await
+            consume(args, &pool, &consumer, &producer, &handler).await
         }
         None => {
             let handler = idem_reference::Settlement::new();
-            consume(&args, &pool, &consumer, &producer, &handler).await
+            consume(args, &pool, &consumer, &producer, &handler).await
         }
     }
 }
 
 async fn consume<H: Handler<sqlx::PgConnection>>(
-    args: &KafkaTxnArgs,
+    args: &crate::lab_consumer::LabConsumerArgs,
     pool: &sqlx::PgPool,
     consumer: &StreamConsumer,
     producer: &BaseProducer,
