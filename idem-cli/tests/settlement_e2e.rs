@@ -430,3 +430,39 @@ async fn every_paid_order_gets_one_points_award_through_the_effect_stage() {
         .sum();
     assert_eq!(points.scalar(sum).await, expected, "points reconcile");
 }
+
+/// A static group member fenced by another with the same `group.instance.id` has a fatal
+/// librdkafka error: its client can never consume again (librdkafka#3437: a member can even
+/// fence itself after a session timeout, which wedged a chaos run). `idem settlement` then
+/// exits with the reason, for its supervisor to restart it, instead of idling forever with
+/// its partitions stuck; the member that took its place settles what is written next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_consumer_exits_with_the_reason_instead_of_idling() {
+    let (orders, settle) = databases().await;
+    let k = broker(2).await;
+    let member = kafka::unique("member");
+    let same_id = ["--consumer-config", &format!("group.instance.id={member}")];
+    let mut a = Proc::spawn("settlement-a", settlement(settle.url(), &k, &same_id));
+    a.wait_for_line("partitions assigned", Duration::from_secs(60));
+    let mut b = Proc::spawn("settlement-b", settlement(settle.url(), &k, &same_id));
+
+    let status = a.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "a fenced consumer exited cleanly");
+    let log = a.log().join("\n");
+    assert!(
+        log.contains("fatal broker client error") && log.contains("group.instance.id"),
+        "the exit does not give the reason:\n{log}"
+    );
+
+    b.wait_for_line("partitions assigned", Duration::from_secs(60));
+    write_orders(orders.url(), 50);
+    let mut relay = relay(orders.url(), &k);
+    eventually(
+        "the new member to settle 50 orders",
+        Duration::from_secs(60),
+        || async { (settle.scalar("SELECT count(*) FROM settlements").await == 50).then_some(()) },
+    )
+    .await;
+    relay.kill9();
+    b.kill9();
+}

@@ -265,9 +265,11 @@ where
     }
 
     /// Runs until `shutdown` resolves. A batch being applied is finished (committed, offsets
-    /// committed) first. Returns early with an error for a crash point fired in error mode, or
-    /// when a batch cannot be committed after `max_batch_retries`; the consumer is consumed, so
-    /// it cannot skip that batch by running on: a new consumer resumes from the committed offset.
+    /// committed) first. Returns early with an error for a crash point fired in error mode,
+    /// when a batch cannot be committed after `max_batch_retries`, or when the source reports a
+    /// fatal error ([`Error::is_fatal`]: its client can never fetch again); the consumer is
+    /// consumed, so it cannot skip that batch by running on: a new consumer resumes from the
+    /// committed offset.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
         let _lag = self.spawn_lag_gauge();
@@ -284,6 +286,11 @@ where
                     self.process(&records).await?;
                     backoff = Duration::from_millis(100);
                 }
+                // A client that cannot recover would be retried forever while its partitions
+                // sit idle (librdkafka#3437: a static member can fence itself after a session
+                // timeout): stop, so that a supervisor starts a new one. Nothing is lost: the
+                // new client resumes from the committed offsets.
+                Err(e) if e.is_fatal() => return Err(e),
                 Err(e) => {
                     tracing::warn!(error = %e, "fetching records failed; retrying");
                     tokio::time::sleep(backoff).await;

@@ -16,11 +16,17 @@ type Positions = Vec<(String, i32, i64)>;
 struct ScriptedSource {
     commits: Arc<Mutex<Vec<Positions>>>,
     fail_commits: Arc<Mutex<bool>>,
+    /// Errors `next_batch` returns, in order, before it waits forever.
+    fetch_errors: Arc<Mutex<Vec<Error>>>,
 }
 
 impl Source for ScriptedSource {
     async fn next_batch(&mut self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
-        std::future::pending().await
+        let next = self.fetch_errors.lock().unwrap().pop();
+        match next {
+            Some(e) => Err(e),
+            None => std::future::pending().await,
+        }
     }
     async fn commit(&mut self, done: &[(String, i32, i64)]) -> Result<()> {
         if *self.fail_commits.lock().unwrap() {
@@ -148,6 +154,25 @@ fn record(offset: i64, id: EventId, payload: &str) -> Delivery {
         ],
         timestamp: Some(std::time::SystemTime::now()),
     }
+}
+
+#[tokio::test]
+async fn a_fatal_source_error_ends_the_run_and_a_transient_one_is_retried() {
+    let f = fixture().await;
+    f.source.fetch_errors.lock().unwrap().extend([
+        Error::broker_fatal("receiving records", "fenced by another member"),
+        Error::broker("receiving records", "all brokers down"),
+    ]);
+    let run = tokio::time::timeout(
+        // One retry backoff (100 ms) for the transient error, then the fatal one ends it.
+        Duration::from_secs(10),
+        f.consumer.run(std::future::pending()),
+    )
+    .await
+    .expect("a consumer whose source can never fetch again ran on");
+    let e = run.expect_err("the run ended without the fatal error");
+    assert!(e.is_fatal(), "{e}");
+    assert!(f.source.fetch_errors.lock().unwrap().is_empty());
 }
 
 #[tokio::test]

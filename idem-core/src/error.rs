@@ -77,6 +77,23 @@ pub enum Error {
         source: BoxError,
     },
 
+    /// The broker client hit a fatal error and can never work again: for example a static group
+    /// member fenced by another with the same `group.instance.id`. Retrying with the same
+    /// client would idle forever; the process must stop (and be restarted), and a new client
+    /// resumes from the committed offsets.
+    #[error(
+        "fatal broker client error while {context}: {source}; the client cannot recover, so this \
+         process stops: restart it (it resumes from the committed offsets), and if another \
+         process uses the same group.instance.id, give each one its own"
+    )]
+    BrokerFatal {
+        /// What idem was doing.
+        context: String,
+        /// The client's error.
+        #[source]
+        source: BoxError,
+    },
+
     /// A named crash point fired in error mode (in-process fault injection).
     #[error("crash point {0} fired")]
     CrashPoint(&'static str),
@@ -97,6 +114,20 @@ impl Error {
             context: context.into(),
             source: source.into(),
         }
+    }
+
+    /// Wraps a broker client's fatal error ([`Error::BrokerFatal`]) with what idem was doing.
+    pub fn broker_fatal(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Error::BrokerFatal {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    /// Whether retrying cannot help because the component's client is broken for good
+    /// ([`Error::BrokerFatal`]): its owner must stop and be replaced.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, Error::BrokerFatal { .. })
     }
 
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {

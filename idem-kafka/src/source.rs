@@ -23,7 +23,7 @@ use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::error::KafkaError;
-use rdkafka::message::Message;
+use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 
 /// Consumer settings the guarantee depends on; [`consumer_config`] refuses to change them.
@@ -149,6 +149,7 @@ impl ConsumerContext for RebalanceContext {
 /// A Kafka consumer group member feeding the consumer runtime.
 pub struct KafkaSource {
     consumer: Arc<StreamConsumer<RebalanceContext>>,
+    transient_errors: Arc<AtomicU64>,
 }
 
 impl KafkaSource {
@@ -163,6 +164,7 @@ impl KafkaSource {
             .map_err(|e| Error::broker(format!("subscribing to {}", topics.join(", ")), e))?;
         Ok(KafkaSource {
             consumer: Arc::new(consumer),
+            transient_errors: Arc::default(),
         })
     }
 
@@ -266,16 +268,57 @@ impl KafkaSource {
             );
         }
     }
+
+    /// The next record. librdkafka reports transient trouble (a broker down, a connection
+    /// refused, the poll interval exceeded) as errors in the same queue as the records, one
+    /// event per reconnect attempt, and recovers from it on its own: such errors are logged and
+    /// the wait goes on. Handing each one to the runtime's retry backoff (up to 5 s) made a
+    /// consumer spend minutes working through a burst of stale errors after a broker restart
+    /// while its partitions sat idle (found by `idem chaos`). A fatal error ends the wait:
+    /// the client can never fetch again ([`Error::BrokerFatal`]).
+    async fn next_record(&self) -> Result<BorrowedMessage<'_>> {
+        loop {
+            self.check_fatal()?;
+            match self.consumer.recv().await {
+                Ok(m) => return Ok(m),
+                Err(e) if is_fatal(&e) || self.consumer.client().fatal_error().is_some() => {
+                    return Err(Error::broker_fatal("receiving records", e));
+                }
+                Err(e) => {
+                    self.transient_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "broker trouble while receiving records; librdkafka recovers on its own, waiting on");
+                }
+            }
+        }
+    }
+
+    /// [`Error::BrokerFatal`] once the client has had a fatal error (it never fetches again).
+    fn check_fatal(&self) -> Result<()> {
+        match self.consumer.client().fatal_error() {
+            Some((code, reason)) => Err(Error::broker_fatal(
+                "receiving records",
+                format!("{code:?}: {reason}"),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// A counter of the transient client errors waited out while receiving records, since this
+    /// source was created (it stays readable while the source is in use).
+    pub fn transient_errors(&self) -> Arc<AtomicU64> {
+        self.transient_errors.clone()
+    }
+}
+
+/// Whether librdkafka marked this consumer error fatal: the client cannot consume again.
+fn is_fatal(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::MessageConsumptionFatal(_))
 }
 
 impl Source for KafkaSource {
     async fn next_batch(&mut self, max: usize, linger: Duration) -> Result<Vec<Delivery>> {
         let mut seen = self.consumer.context().revocations.load(Ordering::SeqCst);
-        let first = self
-            .consumer
-            .recv()
-            .await
-            .map_err(|e| Error::broker("receiving records", e))?;
+        let first = self.next_record().await?;
         let mut batch: Vec<Delivery> = vec![];
         self.drop_revoked(&mut batch, &mut seen);
         batch.push(to_delivery(&first));
