@@ -51,10 +51,11 @@ pub struct RelayArgs {
     #[arg(long = "producer-config", value_parser = idem_kafka::parse_setting)]
     producer_config: Vec<(String, String)>,
     /// Create missing topics with this many partitions (for brokers without auto-creation).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(i32).range(1..))]
     create_topics: Option<i32>,
-    /// Replicas of the topics --create-topics creates (default: min(3, the cluster's brokers)).
-    #[arg(long, requires = "create_topics")]
+    /// Replicas of the topics --create-topics creates (default: min(3, the cluster's brokers);
+    /// while the brokers cannot be counted, nothing is created and the batch is retried).
+    #[arg(long, requires = "create_topics", value_parser = clap::value_parser!(i32).range(1..))]
     replication_factor: Option<i32>,
     /// Keep published rows this long before pruning.
     #[arg(long, default_value = "1h", value_parser = parse_duration)]

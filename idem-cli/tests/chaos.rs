@@ -1,7 +1,8 @@
-//! `idem chaos` against PostgreSQL and Apache Kafka (a broker of the run's own, SIGKILLed and
-//! restarted): a short run with crash points fired must lose nothing and double nothing; and each negative control — one mechanism
-//! broken on purpose, same seed — must be reported as the violation it causes. A harness that
-//! cannot fail proves nothing.
+//! `idem chaos` against PostgreSQL and Apache Kafka (brokers of the run's own, SIGKILLed and
+//! restarted): short runs with crash points fired, on one node and on three (a leader killed),
+//! must lose nothing and double nothing; and each negative control — one mechanism broken on
+//! purpose, same seed — must be reported as the violation it causes. A harness that cannot
+//! fail proves nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
@@ -47,6 +48,24 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
     assert!(
         r["inbox_duplicate_deliveries"].as_i64().unwrap() > 0,
         "a run without duplicate deliveries would be vacuous"
+    );
+    assert_eq!(r["verify"]["clean"], true);
+}
+
+/// The same on a 3-node cluster (replication 3, `min.insync.replicas=2`): the first broker fault
+/// of a run comes at 15 s and kills the leader of a partition in use.
+#[test]
+fn a_short_chaos_run_on_three_kafka_nodes_survives_a_leader_kill() {
+    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "2", "--kafka-nodes", "3"]);
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(r["kafka_nodes"], 3);
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(
+        r["faults"]["leader_kill"].as_u64().unwrap_or(0) > 0,
+        "no leader kill: {r:#}"
     );
     assert_eq!(r["verify"]["clean"], true);
 }

@@ -231,3 +231,32 @@ fn parked_rows_are_listed_and_retried_from_the_cli() {
     assert_eq!(pending(&db)["pending"], 1);
     assert_eq!(pending(&db)["parked"], 0);
 }
+
+/// The Kafka-transactions consumer applies effects twice on purpose: outside `idem chaos
+/// --break kafka-transactions` it refuses to start, before touching any database or broker.
+#[test]
+fn the_kafka_transactions_negative_control_refuses_to_run_outside_chaos() {
+    let o = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "kafka-txn-settlement",
+            "--db",
+            "postgres://nobody@127.0.0.1:1/none",
+            "--brokers",
+            "127.0.0.1:1",
+            "--group",
+            "g",
+            "--topic",
+            "t",
+        ])
+        .env_remove("IDEM_BREAK")
+        .env_remove("IDEM_CRASH_POINTS")
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&o);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(stderr.contains("negative control"), "{stderr}");
+    assert!(
+        stderr.contains("idem chaos --break kafka-transactions"),
+        "{stderr}"
+    );
+}

@@ -52,10 +52,21 @@ fn events(n: usize, tag: &str) -> Vec<Event> {
 
 async fn partitions(brokers: &str, topic: &str) -> Vec<admin::PartitionInfo> {
     let (b, t) = (brokers.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || admin::partitions(&b, &t, Duration::from_secs(5)))
+    tokio::task::spawn_blocking(move || {
+        admin::partitions(&admin::connection(&b), &t, Duration::from_secs(5))
+    })
+    .await
+    .unwrap()
+    .unwrap_or_default()
+}
+
+/// Partition 0 of `topic` as the metadata reports it now.
+async fn partition_0(brokers: &str, topic: &str) -> admin::PartitionInfo {
+    partitions(brokers, topic)
         .await
-        .unwrap()
-        .unwrap_or_default()
+        .into_iter()
+        .find(|p| p.id == 0)
+        .unwrap_or_else(|| panic!("no partition 0 of {topic} in the metadata"))
 }
 
 async fn published(pg: &Pg) -> i64 {
@@ -89,15 +100,20 @@ async fn a_killed_leader_and_a_paused_follower_lose_nothing_acknowledged() {
     })
     .await;
 
-    // Kill the leader of partition 0 while the relay is publishing.
-    let leader = partitions(&brokers, &topic).await[0].leader;
+    // Kill the leader of partition 0 while the relay is publishing: the relay is held
+    // (SIGSTOP) while the leader is looked up and killed, so it cannot finish in between.
+    relay.signal(19);
+    let before_kill = published(&pg).await;
+    let leader = partition_0(&brokers, &topic).await.leader;
     assert!(leader >= 1, "partition 0 has a leader");
     let status = cluster.kill(leader);
     assert_eq!(status.signal(), Some(9), "node {leader} was SIGKILLed");
     assert!(
-        published(&pg).await < first.len() as i64,
-        "the kill came mid-run"
+        before_kill < first.len() as i64,
+        "the kill came mid-run ({before_kill} of {} published)",
+        first.len()
     );
+    relay.signal(18);
     let new_leader = eventually(
         "another node to lead partition 0",
         Duration::from_secs(60),
@@ -128,13 +144,15 @@ async fn a_killed_leader_and_a_paused_follower_lose_nothing_acknowledged() {
     )
     .await;
 
-    // Pause a follower of partition 0 while more rows go out, then let it go.
-    let follower = partitions(&brokers, &topic).await[0]
+    // Pause a follower of partition 0 (as the metadata says now) while more rows go out, then
+    // let it go.
+    let p0 = partition_0(&brokers, &topic).await;
+    let follower = p0
         .isr
         .iter()
         .copied()
-        .find(|b| *b != new_leader)
-        .unwrap();
+        .find(|b| *b != p0.leader)
+        .expect("partition 0 has an in-sync follower");
     cluster.pause(follower);
     let second = events(1000, "b");
     enqueue(&pg, &second).await;

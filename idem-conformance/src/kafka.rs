@@ -65,7 +65,10 @@ pub fn unique(prefix: &str) -> String {
 pub fn wait_for_brokers(brokers: &str, n: usize, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
-        match idem_kafka::admin::broker_ids(brokers, Duration::from_secs(2)) {
+        match idem_kafka::admin::broker_ids(
+            &idem_kafka::admin::connection(brokers),
+            Duration::from_secs(2),
+        ) {
             Ok(ids) if ids.len() >= n => return,
             other => assert!(
                 Instant::now() < deadline,

@@ -64,6 +64,7 @@ pub const BREAKABLE: &[&str] = &[
     BREAK_NEW_KEY_PER_RETRY,
     BREAK_INBOX_IGNORES_GROUP,
     BREAK_ID_WATERMARK,
+    BREAK_KAFKA_TRANSACTIONS,
 ];
 /// The relay marks a batch published right after claiming it, before any delivery report.
 pub const BREAK_MARK_BEFORE_REPORT: &str = "mark-before-report";
@@ -77,6 +78,10 @@ pub const BREAK_NEW_KEY_PER_RETRY: &str = "new-key-per-retry";
 pub const BREAK_INBOX_IGNORES_GROUP: &str = "inbox-ignores-group";
 /// The relay keeps an id watermark and treats rows below it as already published.
 pub const BREAK_ID_WATERMARK: &str = "id-watermark";
+/// Kafka transactions instead of the inbox: only the lab's `idem kafka-txn-settlement` has this
+/// mechanism (read_committed, no inbox, offsets committed in a Kafka transaction after the
+/// database commit), and it refuses to run unless it is named here.
+pub const BREAK_KAFKA_TRANSACTIONS: &str = "kafka-transactions";
 
 /// Is `mechanism` deliberately broken in this process (`IDEM_BREAK`)?
 pub fn broken(mechanism: &str) -> bool {

@@ -1,9 +1,11 @@
 //! What a cluster says about itself: its brokers, who leads each partition, and whether a
 //! topic's acknowledged records survive the loss of one broker.
 //!
-//! The relay reads a topic's [`Durability`] when it starts ([`topic_durability`]) and warns
-//! through [`Durability::warning`]; test harnesses and `idem chaos` use [`broker_ids`] to wait
-//! for a cluster and [`partitions`] to find the leader of a partition in use.
+//! The relay reads a topic's [`Durability`] beside its first batch to it ([`topic_durability`],
+//! again every ten minutes) and warns through [`Durability::warning`]; test harnesses and `idem
+//! chaos` use [`broker_ids`] to wait for a cluster and [`partitions`] to find the leader of a
+//! partition in use. Every function takes a [`connection`] (or [`connection_of`] a client's
+//! configuration, so that a secured cluster accepts it).
 
 use std::time::Duration;
 
@@ -26,16 +28,47 @@ pub struct PartitionInfo {
     pub isr: Vec<i32>,
 }
 
-fn metadata_client(brokers: &str) -> Result<BaseConsumer> {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
+/// Settings prefixes that say how to reach and authenticate to a cluster, whatever the client.
+const CONNECTION_PREFIXES: &[&str] = &[
+    "bootstrap.servers",
+    "security.",
+    "ssl.",
+    "sasl.",
+    "client.",
+    "socket.",
+    "broker.address.",
+    "enable.ssl.",
+];
+
+/// The settings of `config` (a producer's or a consumer's) that reach and authenticate to its
+/// cluster — bootstrap servers, `security.*`, `ssl.*`, `sasl.*`, `client.*`, `socket.*` — for
+/// the metadata and admin clients built beside it: a secured cluster refuses a client made
+/// from the bootstrap servers alone.
+pub fn connection_of(config: &ClientConfig) -> ClientConfig {
+    let mut conn = ClientConfig::new();
+    for (k, v) in config.config_map() {
+        if CONNECTION_PREFIXES.iter().any(|p| k.starts_with(p)) {
+            conn.set(k, v);
+        }
+    }
+    conn
+}
+
+/// A connection to the cluster at `brokers` with no further settings.
+pub fn connection(brokers: &str) -> ClientConfig {
+    let mut conn = ClientConfig::new();
+    conn.set("bootstrap.servers", brokers);
+    conn
+}
+
+fn metadata_client(conn: &ClientConfig) -> Result<BaseConsumer> {
+    conn.create()
         .map_err(|e| Error::broker("creating a metadata client", e))
 }
 
 /// The ids of the brokers the cluster reports, sorted.
-pub fn broker_ids(brokers: &str, timeout: Duration) -> Result<Vec<i32>> {
-    let client = metadata_client(brokers)?;
+pub fn broker_ids(conn: &ClientConfig, timeout: Duration) -> Result<Vec<i32>> {
+    let client = metadata_client(conn)?;
     let metadata = client
         .fetch_metadata(None, timeout)
         .map_err(|e| Error::broker("reading cluster metadata", e))?;
@@ -45,8 +78,12 @@ pub fn broker_ids(brokers: &str, timeout: Duration) -> Result<Vec<i32>> {
 }
 
 /// `topic`'s partitions, sorted by id (empty if the topic does not exist).
-pub fn partitions(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<PartitionInfo>> {
-    let client = metadata_client(brokers)?;
+pub fn partitions(
+    conn: &ClientConfig,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<PartitionInfo>> {
+    let client = metadata_client(conn)?;
     let metadata = client
         .fetch_metadata(Some(topic), timeout)
         .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;
@@ -75,6 +112,8 @@ pub struct Durability {
     pub replication: usize,
     /// Its `min.insync.replicas` (the topic's, else the broker's default).
     pub min_insync: Option<i32>,
+    /// Its `unclean.leader.election.enable` (`None`: not read).
+    pub unclean_leader_election: Option<bool>,
 }
 
 impl Durability {
@@ -90,7 +129,16 @@ impl Durability {
                 self.replication
             ));
         }
+        if self.unclean_leader_election == Some(true) {
+            return Some(format!(
+                "topic {topic} has unclean.leader.election.enable=true: a replica that missed acknowledged records may become leader and drop them; set it to false"
+            ));
+        }
         match self.min_insync {
+            Some(m) if usize::try_from(m).is_ok_and(|m| m > self.replication) => Some(format!(
+                "topic {topic} has min.insync.replicas={m} but {} replicas: every acks=all send fails (NOT_ENOUGH_REPLICAS) and the relay retries forever; lower min.insync.replicas or add replicas",
+                self.replication
+            )),
             Some(m) if m >= 2 => None,
             Some(m) => Some(format!(
                 "topic {topic} has min.insync.replicas={m}: with the in-sync set shrunk to one broker, acks=all acknowledges records that broker alone holds; set min.insync.replicas=2 (`kafka-configs --alter --entity-type topics --entity-name {topic} --add-config min.insync.replicas=2`)"
@@ -104,10 +152,14 @@ impl Durability {
 
 /// Reads `topic`'s replica count (from the metadata) and its `min.insync.replicas` (from its
 /// configuration). An error if the topic does not exist.
-pub async fn topic_durability(brokers: &str, topic: &str, timeout: Duration) -> Result<Durability> {
+pub async fn topic_durability(
+    conn: &ClientConfig,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Durability> {
     let parts = {
-        let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
-        tokio::task::spawn_blocking(move || partitions(&brokers, &topic, timeout))
+        let (conn, topic) = (conn.clone(), topic.to_owned());
+        tokio::task::spawn_blocking(move || partitions(&conn, &topic, timeout))
             .await
             .map_err(|e| Error::broker("reading topic metadata", e))??
     };
@@ -117,8 +169,7 @@ pub async fn topic_durability(brokers: &str, topic: &str, timeout: Duration) -> 
             "the topic does not exist",
         ));
     };
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    let admin: AdminClient<DefaultClientContext> = conn
         .create()
         .map_err(|e| Error::broker("creating the Kafka admin client", e))?;
     let opts = AdminOptions::new().request_timeout(Some(timeout));
@@ -126,19 +177,23 @@ pub async fn topic_durability(brokers: &str, topic: &str, timeout: Duration) -> 
         .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
         .await
         .map_err(|e| Error::broker(format!("describing the configuration of {topic}"), e))?;
-    let min_insync = configs
+    let resources: Vec<_> = configs
         .into_iter()
         .filter_map(std::result::Result::ok)
-        .find_map(|resource| {
-            resource
-                .get("min.insync.replicas")
-                .and_then(|entry| entry.value.as_deref())
-                .and_then(|v| v.parse::<i32>().ok())
-        });
+        .collect();
+    let value = |name: &str| {
+        resources
+            .iter()
+            .find_map(|resource| resource.get(name).and_then(|entry| entry.value.clone()))
+    };
+    let min_insync = value("min.insync.replicas").and_then(|v| v.parse::<i32>().ok());
+    let unclean_leader_election =
+        value("unclean.leader.election.enable").and_then(|v| v.parse::<bool>().ok());
     Ok(Durability {
         topic: topic.to_owned(),
         replication,
         min_insync,
+        unclean_leader_election,
     })
 }
 
@@ -151,6 +206,7 @@ mod tests {
             topic: "t".to_owned(),
             replication,
             min_insync,
+            unclean_leader_election: Some(false),
         }
     }
 
@@ -166,5 +222,45 @@ mod tests {
             "{floor_of_one}"
         );
         assert!(d(3, None).warning().is_some());
+        let floor_above_replicas = d(2, Some(3)).warning().unwrap_or_default();
+        assert!(
+            floor_above_replicas.contains("every acks=all send fails"),
+            "{floor_above_replicas}"
+        );
+        let unclean = Durability {
+            unclean_leader_election: Some(true),
+            ..d(3, Some(2))
+        };
+        assert!(
+            unclean
+                .warning()
+                .unwrap_or_default()
+                .contains("unclean.leader.election.enable=true")
+        );
+    }
+
+    #[test]
+    fn side_clients_keep_the_connection_and_security_settings_only() {
+        let mut producer = rdkafka::ClientConfig::new();
+        producer
+            .set("bootstrap.servers", "b:9093")
+            .set("security.protocol", "SASL_SSL")
+            .set("sasl.mechanism", "SCRAM-SHA-512")
+            .set("sasl.username", "relay")
+            .set("ssl.ca.location", "/etc/ca.pem")
+            .set("acks", "all")
+            .set("enable.idempotence", "true");
+        let conn = super::connection_of(&producer);
+        for key in [
+            "bootstrap.servers",
+            "security.protocol",
+            "sasl.mechanism",
+            "sasl.username",
+            "ssl.ca.location",
+        ] {
+            assert_eq!(conn.get(key), producer.get(key), "{key}");
+        }
+        assert_eq!(conn.get("acks"), None);
+        assert_eq!(conn.get("enable.idempotence"), None);
     }
 }

@@ -128,12 +128,40 @@ pub struct KafkaPublisher {
     known_topics: Mutex<HashSet<String>>,
     /// Read each topic's durability on first use (see [`KafkaPublisher::with_durability_check`]).
     durability_check: bool,
-    /// Per topic: at risk (true) or safe (false), once read; when the last read was tried.
-    durability: Mutex<std::collections::BTreeMap<String, (Option<bool>, std::time::Instant)>>,
+    /// Per topic, what the durability reads found; shared with the reads running beside the
+    /// batches.
+    durability: Arc<Mutex<std::collections::BTreeMap<String, DurabilityRead>>>,
+}
+
+/// What the durability reads of one topic found so far.
+#[derive(Clone, Copy, Debug)]
+struct DurabilityRead {
+    /// At risk (true) or safe (false), once a read succeeded.
+    at_risk: Option<bool>,
+    /// When the last read started.
+    started: std::time::Instant,
+    /// Whether a read is running.
+    running: bool,
+    /// Reads that failed in a row.
+    failures: u32,
 }
 
 /// How long a failed durability read waits before the next try.
 const DURABILITY_RETRY: Duration = Duration::from_secs(10);
+/// How often a topic's durability is read again once known (its configuration may change).
+const DURABILITY_RECHECK: Duration = Duration::from_secs(600);
+
+impl DurabilityRead {
+    /// Whether a new read is due at `now`.
+    fn due(&self, now: std::time::Instant) -> bool {
+        let wait = if self.at_risk.is_some() {
+            DURABILITY_RECHECK
+        } else {
+            DURABILITY_RETRY
+        };
+        !self.running && now.duration_since(self.started) >= wait
+    }
+}
 
 impl KafkaPublisher {
     /// Creates the producer from a [`producer_config`].
@@ -153,23 +181,28 @@ impl KafkaPublisher {
             create_topics: None,
             known_topics: Mutex::new(HashSet::new()),
             durability_check: false,
-            durability: Mutex::new(std::collections::BTreeMap::new()),
+            durability: Arc::default(),
         })
     }
 
     /// Creates each topic (with `partitions` partitions and `replication` replicas) through the
-    /// admin API the first time a batch needs it. For brokers that do not create topics on first
-    /// produce (Tansu) and for demos; production topics are better provisioned ahead.
-    /// `replication: None` takes min(3, the brokers the cluster reports).
+    /// admin API the first time a batch needs it. For clusters that do not create topics on
+    /// first produce and for demos; production topics are better provisioned ahead.
+    /// `replication: None` takes min(3, the brokers the cluster reports); while that count
+    /// cannot be read, nothing is created (a topic created with fewer replicas than meant
+    /// would stay under-replicated for good) and the batch fails as a retryable error.
     pub fn with_topic_creation(mut self, partitions: i32, replication: Option<i32>) -> Self {
         self.create_topics = Some((partitions, replication));
         self
     }
 
-    /// Reads each topic's replica count and `min.insync.replicas` the first time a batch goes
-    /// to it, and logs a warning when a record acknowledged with `acks=all` would not survive
-    /// the loss of one broker ([`admin::Durability::warning`]); [`KafkaPublisher::durability`]
-    /// reports the result (the relay exports it as `idem_relay_topic_durability_at_risk`).
+    /// Reads each topic's replica count, `min.insync.replicas` and unclean leader election
+    /// the first time a batch goes to it (and every ten minutes after), on a task of its own
+    /// beside the batches, never in their way; logs a warning when a record acknowledged with
+    /// `acks=all` would not survive the loss of one broker ([`admin::Durability::warning`]);
+    /// [`KafkaPublisher::durability`] reports the result (the relay exports it as
+    /// `idem_relay_topic_durability_at_risk`). The reads use the producer's connection and
+    /// security settings ([`admin::connection_of`]).
     pub fn with_durability_check(mut self) -> Self {
         self.durability_check = true;
         self
@@ -181,63 +214,44 @@ impl KafkaPublisher {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .filter_map(|(t, (risk, _))| risk.map(|r| (t.clone(), r)))
+            .filter_map(|(t, r)| r.at_risk.map(|risk| (t.clone(), risk)))
             .collect()
     }
 
-    async fn check_durability(&self, messages: &[Message]) {
+    /// Starts a durability read, beside the batch, for each topic of `messages` that is due.
+    fn check_durability(&self, messages: &[Message]) {
         if !self.durability_check {
             return;
         }
-        let due: Vec<String> = {
-            let mut seen = self.durability.lock().unwrap_or_else(|p| p.into_inner());
-            let now = std::time::Instant::now();
-            let mut due: Vec<String> = vec![];
-            for m in messages {
-                let fresh = match seen.get(&m.topic) {
-                    None => true,
-                    Some((None, tried)) => now.duration_since(*tried) >= DURABILITY_RETRY,
-                    Some((Some(_), _)) => false,
-                };
-                if fresh && !due.contains(&m.topic) {
-                    seen.insert(m.topic.clone(), (None, now));
-                    due.push(m.topic.clone());
-                }
+        let now = std::time::Instant::now();
+        let mut reads = self.durability.lock().unwrap_or_else(|p| p.into_inner());
+        for m in messages {
+            let read = reads.entry(m.topic.clone()).or_insert(DurabilityRead {
+                at_risk: None,
+                started: now,
+                running: false,
+                failures: 0,
+            });
+            let never_read = read.at_risk.is_none() && read.failures == 0;
+            if read.running || !(never_read || read.due(now)) {
+                continue;
             }
-            due
-        };
-        let brokers = self
-            .config
-            .get("bootstrap.servers")
-            .unwrap_or_default()
-            .to_owned();
-        for topic in due {
-            let risk = match admin::topic_durability(&brokers, &topic, Duration::from_secs(5)).await
-            {
-                Ok(d) => {
-                    let warning = d.warning();
-                    if let Some(w) = &warning {
-                        tracing::warn!(topic = %topic, replication = d.replication, min_insync = ?d.min_insync, "{w}");
-                    }
-                    Some(warning.is_some())
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, topic = %topic, "could not read the topic's durability yet");
-                    None
-                }
-            };
-            if let Some(r) = risk {
-                self.durability
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(topic, (Some(r), std::time::Instant::now()));
-            }
+            read.running = true;
+            read.started = now;
+            let (conn, topic, state) = (
+                admin::connection_of(&self.config),
+                m.topic.clone(),
+                self.durability.clone(),
+            );
+            tokio::spawn(read_durability(conn, topic, state));
         }
     }
 
-    async fn create_missing_topics(&self, messages: &[Message]) {
+    /// Creates the topics of `messages` not created yet. An error (the batch then fails as a
+    /// retryable error) when the replica count to use cannot be read or the creation fails.
+    async fn create_missing_topics(&self, messages: &[Message]) -> Result<()> {
         let Some((partitions, replication)) = self.create_topics else {
-            return;
+            return Ok(());
         };
         let missing: Vec<String> = {
             let known = self.known_topics.lock().unwrap_or_else(|p| p.into_inner());
@@ -251,35 +265,30 @@ impl KafkaPublisher {
             m
         };
         if missing.is_empty() {
-            return;
+            return Ok(());
         }
-        let brokers = self
-            .config
-            .get("bootstrap.servers")
-            .unwrap_or_default()
-            .to_owned();
+        let conn = admin::connection_of(&self.config);
         let replication = match replication {
             Some(r) => r,
             None => {
-                let b = brokers.clone();
-                let n = tokio::task::spawn_blocking(move || {
-                    admin::broker_ids(&b, Duration::from_secs(5)).map(|ids| ids.len())
+                let c = conn.clone();
+                let counting =
+                    "counting the cluster's brokers for the replication factor of new topics";
+                let ids = tokio::task::spawn_blocking(move || {
+                    admin::broker_ids(&c, Duration::from_secs(5))
                 })
                 .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or(1);
-                i32::try_from(n.clamp(1, 3)).unwrap_or(1)
+                .map_err(|e| Error::broker(counting, e))?
+                .map_err(|e| Error::broker(counting, e))?;
+                i32::try_from(ids.len().min(3)).unwrap_or(3)
             }
         };
-        match ensure_topics(&brokers, &missing, partitions, replication).await {
-            Ok(()) => self
-                .known_topics
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend(missing),
-            Err(e) => tracing::warn!(error = %e, "could not create topics"),
-        }
+        ensure_topics_with(&conn, &missing, partitions, replication).await?;
+        self.known_topics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(missing);
+        Ok(())
     }
 
     /// The effective client configuration.
@@ -377,8 +386,20 @@ impl Publisher for KafkaPublisher {
     /// [`FailureKind::NotSent`] — and every enqueued message has a report within another.
     async fn publish(&self, messages: &[Message]) -> Vec<std::result::Result<(), PublishError>> {
         let enqueue_deadline = std::time::Instant::now() + self.message_timeout;
-        self.create_missing_topics(messages).await;
-        self.check_durability(messages).await;
+        if let Err(e) = self.create_missing_topics(messages).await {
+            tracing::warn!(error = %e, "could not create the batch's topics; the batch is retried");
+            let reason = format!("not sent: {e}");
+            return messages
+                .iter()
+                .map(|_| {
+                    Err(PublishError {
+                        kind: FailureKind::NotSent,
+                        reason: reason.clone(),
+                    })
+                })
+                .collect();
+        }
+        self.check_durability(messages);
         let producer = self.current();
         let mut results: Vec<Option<std::result::Result<(), PublishError>>> =
             vec![None; messages.len()];
@@ -520,6 +541,39 @@ impl EmbeddedCluster {
     }
 }
 
+/// One durability read of `topic` (see [`KafkaPublisher::with_durability_check`]): warns when
+/// the topic is at risk, and when the read fails the first time in a row.
+async fn read_durability(
+    conn: ClientConfig,
+    topic: String,
+    state: Arc<Mutex<std::collections::BTreeMap<String, DurabilityRead>>>,
+) {
+    let result = admin::topic_durability(&conn, &topic, Duration::from_secs(5)).await;
+    let mut reads = state.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(read) = reads.get_mut(&topic) else {
+        return;
+    };
+    read.running = false;
+    match result {
+        Ok(d) => {
+            let warning = d.warning();
+            if let Some(w) = &warning {
+                tracing::warn!(topic = %topic, replication = d.replication, min_insync = ?d.min_insync, "{w}");
+            }
+            read.at_risk = Some(warning.is_some());
+            read.failures = 0;
+        }
+        Err(e) => {
+            if read.failures == 0 {
+                tracing::warn!(error = %e, topic = %topic, "could not read the topic's durability; trying again every 10 s");
+            } else {
+                tracing::debug!(error = %e, topic = %topic, "could not read the topic's durability");
+            }
+            read.failures = read.failures.saturating_add(1);
+        }
+    }
+}
+
 /// Creates `topics` with `partitions` partitions each through the admin API; topics that
 /// already exist are left as they are.
 pub async fn ensure_topics(
@@ -528,8 +582,22 @@ pub async fn ensure_topics(
     partitions: i32,
     replication: i32,
 ) -> Result<()> {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    ensure_topics_with(&admin::connection(brokers), topics, partitions, replication).await
+}
+
+/// [`ensure_topics`] through a connection ([`admin::connection_of`] a client's configuration).
+pub async fn ensure_topics_with(
+    conn: &ClientConfig,
+    topics: &[String],
+    partitions: i32,
+    replication: i32,
+) -> Result<()> {
+    if replication < 1 || partitions < 1 {
+        return Err(Error::Config(format!(
+            "topics need at least 1 partition and 1 replica (asked: {partitions} partitions, {replication} replicas)"
+        )));
+    }
+    let admin: AdminClient<DefaultClientContext> = conn
         .create()
         .map_err(|e| Error::broker("creating the Kafka admin client", e))?;
     let new: Vec<NewTopic<'_>> = topics

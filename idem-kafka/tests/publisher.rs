@@ -63,3 +63,33 @@ async fn a_timed_out_batch_is_reported_failed_and_the_producer_is_replaced() {
     // twice (that is the relay's republish window), but none is missing.
     assert_eq!(ids, expected);
 }
+
+/// With `--create-topics` and no replication factor, the replica count is min(3, brokers). While
+/// the brokers cannot be counted, nothing is created — a topic created with one replica for
+/// want of a count would stay under-replicated for good — and the batch fails as not sent,
+/// with the reason, for the relay to retry. (Creating through the admin API needs a real
+/// broker: `kafka_e2e` and `kafka_cluster` in idem-cli create their topics this way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topics_are_not_created_while_the_brokers_cannot_be_counted() {
+    // A loopback port nothing listens on: every request fails.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let brokers = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let cfg = producer_config(
+        &brokers,
+        &[("message.timeout.ms".to_owned(), "3000".to_owned())],
+    )
+    .unwrap();
+    let publisher = KafkaPublisher::new(cfg)
+        .unwrap()
+        .with_topic_creation(2, None);
+    let results = publisher.publish(&messages("created", 0..3)).await;
+    assert_eq!(results.len(), 3);
+    for r in &results {
+        let e = r
+            .as_ref()
+            .expect_err("published to a cluster that does not answer");
+        assert_eq!(e.kind, FailureKind::NotSent, "{e:?}");
+        assert!(e.reason.contains("counting the cluster's brokers"), "{e:?}");
+    }
+}

@@ -75,7 +75,10 @@ pub async fn wait_ready(bootstrap: &str, nodes: usize, timeout: Duration) -> any
     loop {
         let b = bootstrap.to_owned();
         let ids = tokio::task::spawn_blocking(move || {
-            idem_kafka::admin::broker_ids(&b, Duration::from_secs(2))
+            idem_kafka::admin::broker_ids(
+                &idem_kafka::admin::connection(&b),
+                Duration::from_secs(2),
+            )
         })
         .await?;
         match ids {

@@ -36,6 +36,14 @@ pub struct KafkaTxnArgs {
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
+    if !crash::broken(crash::BREAK_KAFKA_TRANSACTIONS) {
+        anyhow::bail!(
+            "idem kafka-txn-settlement is the chaos runner's negative control: it applies effects \
+             twice on purpose, so it runs only under `idem chaos --break kafka-transactions` (a \
+             build with the failpoints feature and IDEM_BREAK=kafka-transactions); use `idem \
+             settlement` for real work"
+        );
+    }
     let args = &all.target;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)

@@ -100,18 +100,15 @@ pub struct ChaosReport {
     pub verify: idem_verify::Report,
 }
 
-/// The negative controls: the mechanisms idem's engines can break (`IDEM_BREAK`), and
-/// [`KAFKA_TRANSACTIONS`].
-fn negative_controls() -> Vec<&'static str> {
-    let mut v = BREAKABLE.to_vec();
-    v.push(KAFKA_TRANSACTIONS);
-    v
-}
-
-/// The negative control that replaces the settlement consumers' inbox with Kafka transactions
+/// The negative controls: the mechanisms idem can break (`IDEM_BREAK`). One of them,
+/// [`KAFKA_TRANSACTIONS`], replaces the settlement consumers' inbox with Kafka transactions
 /// (read_committed, offsets committed in a transaction after the database commit): "we turned
 /// on Kafka exactly-once" does not make a database side effect happen once.
-pub const KAFKA_TRANSACTIONS: &str = "kafka-transactions";
+fn negative_controls() -> Vec<&'static str> {
+    BREAKABLE.to_vec()
+}
+
+use idem_core::crash::BREAK_KAFKA_TRANSACTIONS as KAFKA_TRANSACTIONS;
 
 fn parse_nodes(s: &str) -> Result<usize, String> {
     match s {
@@ -236,11 +233,7 @@ async fn drive(
     let crash_log = dir.join("crashes.log");
     let mut env: Vec<(&str, String)> = vec![("IDEM_CRASH_LOG", crash_log.display().to_string())];
     let kafka_transactions = args.break_mechanism.as_deref() == Some(KAFKA_TRANSACTIONS);
-    if let Some(b) = args
-        .break_mechanism
-        .as_ref()
-        .filter(|_| !kafka_transactions)
-    {
+    if let Some(b) = &args.break_mechanism {
         env.push(("IDEM_BREAK", b.clone()));
     }
     let api_port = free_port()?;
@@ -458,13 +451,18 @@ async fn drive(
                 .filter(|p| fired.get(*p).copied().unwrap_or(0) == 0)
                 .collect();
             let roll = rng.below(100);
-            let kind = if (!unfired.is_empty() && tick % 2 == 1) || roll < 30 {
+            let broker_due = now >= last_broker_kill + Duration::from_secs(15);
+            let no_broker_fault_yet = !faults.keys().any(|k| is_broker_fault(k));
+            // The first broker fault is not left to the dice: every run of 15 s or more has one.
+            let kind = if broker_due && no_broker_fault_yet {
+                "broker"
+            } else if (!unfired.is_empty() && tick % 2 == 1) || roll < 30 {
                 "crash_point"
             } else if roll < 60 {
                 "sigkill"
             } else if roll < 80 {
                 "sigstop"
-            } else if roll < 90 && now >= last_broker_kill + Duration::from_secs(15) {
+            } else if roll < 90 && broker_due {
                 "broker"
             } else {
                 "sigterm_restart"
@@ -507,7 +505,11 @@ async fn drive(
                     let partition = if nodes > 1 {
                         let (b, t) = (brokers.clone(), topic.clone());
                         let parts = tokio::task::spawn_blocking(move || {
-                            idem_kafka::admin::partitions(&b, &t, Duration::from_secs(2))
+                            idem_kafka::admin::partitions(
+                                &idem_kafka::admin::connection(&b),
+                                &t,
+                                Duration::from_secs(2),
+                            )
                         })
                         .await?
                         .unwrap_or_default();
@@ -520,14 +522,9 @@ async fn drive(
                         .iter_mut()
                         .filter(|p| p.role == Role::Broker)
                         .all(|p| p.running() && p.paused_until.is_none());
-                    let first = !faults.keys().any(|k| {
-                        matches!(
-                            k.as_str(),
-                            "broker_kill" | "broker_pause" | "leader_kill" | "follower_pause"
-                        )
-                    });
-                    let Some(fault) = kafka::choose(nodes, rng.next(), first, partition.as_ref())
-                        .filter(|_| all_up)
+                    let Some(fault) =
+                        kafka::choose(nodes, rng.next(), no_broker_fault_yet, partition.as_ref())
+                            .filter(|_| all_up)
                     else {
                         next_fault = now + Duration::from_millis(500);
                         continue;
@@ -681,9 +678,22 @@ async fn drive(
         }
         last = Some(now);
         if stable >= 5 && unpublished == 0 && pending_effects == 0 {
-            // Nothing moves any more: what is missing now stays missing.
-            live = true;
-            break;
+            // Nothing moved for five checks. What is missing stays missing — unless some of it
+            // waits in the topic for a group that has not consumed it yet: a consumer coming
+            // back from a broker fault (reconnect backoff, session and poll timeouts of 10 s
+            // each) can take longer than five checks. Then wait on, up to the deadline.
+            let waiting: u64 = match read_topic(&brokers, &topic).await? {
+                Ok(records) => unconsumed(&brokers, &topic, &records, dbs)
+                    .await?
+                    .values()
+                    .sum(),
+                Err(_) => 0,
+            };
+            if waiting == 0 {
+                live = true;
+                break;
+            }
+            stable = 0;
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
@@ -697,13 +707,7 @@ async fn drive(
         .settlement
         .scalar("SELECT COALESCE(sum(delivery_count - 1), 0)::bigint FROM idem_inbox")
         .await?;
-    let records = {
-        let (brokers, topic) = (brokers.clone(), topic.clone());
-        tokio::task::spawn_blocking(move || {
-            idem_kafka::inspect::read_all(&brokers, &topic, Duration::from_secs(60))
-        })
-        .await?
-    };
+    let records = read_topic(&brokers, &topic).await?;
     let topic_duplicates = match &records {
         Ok(records) => {
             let ids: std::collections::HashSet<&str> =
@@ -712,41 +716,10 @@ async fn drive(
         }
         Err(_) => -1,
     };
-    // Per check: missing effects whose event its group has not consumed yet. A points award
-    // is downstream of the settlement group (the settlement handler records its intent).
-    let mut unconsumed = BTreeMap::new();
-    if let Ok(records) = &records {
-        let not_settled = unconsumed_missing(
-            &brokers,
-            &topic,
-            "settlement",
-            records,
-            &dbs.settlement,
-            "settlements",
-        )
-        .await
-        .context("counting what group settlement has not consumed")?;
-        let not_awarded = missing_in(&dbs.points, "points_awards", not_settled.clone()).await?;
-        let not_audited = unconsumed_missing(
-            &brokers,
-            &topic,
-            "audit",
-            records,
-            &dbs.settlement,
-            "audit_log",
-        )
-        .await
-        .context("counting what group audit has not consumed")?;
-        for (check, list) in [
-            ("settlements", not_settled),
-            ("points", not_awarded),
-            ("audit", not_audited),
-        ] {
-            if !list.is_empty() {
-                unconsumed.insert(check.to_owned(), list.len() as u64);
-            }
-        }
-    }
+    let unconsumed = match &records {
+        Ok(records) => unconsumed(&brokers, &topic, records, dbs).await?,
+        Err(_) => BTreeMap::new(),
+    };
     let sum = |name: &str| -> u64 { procs.iter().map(|p| p.total(name)).sum::<f64>() as u64 };
     let (dup_deliveries, dup_skips, republishes) = (
         sum("idem_duplicate_delivery_total"),
@@ -826,6 +799,68 @@ async fn drive(
         logs: None,
         verify,
     })
+}
+
+/// Whether a `faults` key counts a broker fault.
+fn is_broker_fault(kind: &str) -> bool {
+    matches!(
+        kind,
+        "broker_kill" | "broker_pause" | "leader_kill" | "follower_pause"
+    )
+}
+
+/// Every record of the run's topic (an error when the topic cannot be read).
+async fn read_topic(
+    brokers: &str,
+    topic: &str,
+) -> anyhow::Result<idem_core::Result<Vec<idem_kafka::inspect::Record>>> {
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    Ok(tokio::task::spawn_blocking(move || {
+        idem_kafka::inspect::read_all(&brokers, &topic, Duration::from_secs(60))
+    })
+    .await?)
+}
+
+/// Per check, the missing effects whose events their group has not consumed yet. A points
+/// award is downstream of the settlement group (the settlement handler records its intent).
+async fn unconsumed(
+    brokers: &str,
+    topic: &str,
+    records: &[idem_kafka::inspect::Record],
+    dbs: &Databases,
+) -> anyhow::Result<BTreeMap<String, u64>> {
+    let not_settled = unconsumed_missing(
+        brokers,
+        topic,
+        "settlement",
+        records,
+        &dbs.settlement,
+        "settlements",
+    )
+    .await
+    .context("counting what group settlement has not consumed")?;
+    let not_awarded = missing_in(&dbs.points, "points_awards", not_settled.clone()).await?;
+    let not_audited = unconsumed_missing(
+        brokers,
+        topic,
+        "audit",
+        records,
+        &dbs.settlement,
+        "audit_log",
+    )
+    .await
+    .context("counting what group audit has not consumed")?;
+    let mut counts = BTreeMap::new();
+    for (check, list) in [
+        ("settlements", not_settled),
+        ("points", not_awarded),
+        ("audit", not_audited),
+    ] {
+        if !list.is_empty() {
+            counts.insert(check.to_owned(), list.len() as u64);
+        }
+    }
+    Ok(counts)
 }
 
 /// The payment ids of the events of `records` that sit at or beyond `group`'s committed offset
