@@ -149,3 +149,85 @@ fn kafka_transactions_instead_of_the_inbox_are_caught_as_duplicate_effects() {
     assert!(doubled(&r) > 0, "{r:#}");
     assert_eq!(lost(&r), 0, "{r:#}");
 }
+
+/// Interrupting a run (SIGTERM, or Ctrl-C's SIGINT) kills every process it started, its Kafka
+/// node included, instead of leaving them running (some of them paused) behind it.
+#[test]
+fn an_interrupted_run_leaves_no_process_behind() {
+    use std::io::{BufRead, BufReader};
+    use std::net::{SocketAddr, TcpStream};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["chaos", "--seconds", "120", "--seed", "4"])
+        .env("RUST_LOG", "warn")
+        .env_remove("IDEM_CRASH_POINTS")
+        .env_remove("IDEM_BREAK")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    // "idem chaos: seed 4 for 120 s; …; Kafka (1 node(s)) on 127.0.0.1:PORT; logs in DIR":
+    // printed once the broker and every process have started.
+    let started = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.contains("; logs in "))
+        .expect("the run did not start");
+    let kafka: SocketAddr = started
+        .split(" on ")
+        .nth(1)
+        .and_then(|s| s.split(';').next())
+        .and_then(|s| s.split(',').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    // A fault or two first, so that some process may be paused or restarting.
+    lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.contains("faults"))
+        .expect("no progress line");
+    let run_db = format!("idem_demo_c4{}_", child.id());
+    let ours = || -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains(&run_db))
+            .collect()
+    };
+    assert!(
+        !ours().is_empty(),
+        "no process of the run found by {run_db}"
+    );
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let exit = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the run did not end within 60 s of SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!exit.success(), "an interrupted run reported success");
+    assert_eq!(
+        ours(),
+        Vec::<String>::new(),
+        "processes of the run survived it"
+    );
+    assert!(
+        TcpStream::connect_timeout(&kafka, Duration::from_secs(2)).is_err(),
+        "the run's Kafka node at {kafka} still listens"
+    );
+}

@@ -94,6 +94,7 @@ pub fn producer_config(brokers: &str, overrides: &[(String, String)]) -> Result<
                 "producer setting transactional.id is refused: the relay does not use Kafka transactions".to_owned(),
             ));
         }
+        check_message_timeout(k, v)?;
         if k == "bootstrap.servers" {
             return Err(Error::Config(
                 "set the brokers with --brokers, not bootstrap.servers".to_owned(),
@@ -105,6 +106,24 @@ pub fn producer_config(brokers: &str, overrides: &[(String, String)]) -> Result<
         cfg.set(*k, *v);
     }
     Ok(cfg)
+}
+
+/// The relay bounds every batch by `message.timeout.ms` (and its lease by twice that): it must
+/// be a finite number of milliseconds. librdkafka reads 0 as "wait forever" (the relay would then
+/// report every message not sent, forever), and its alias `delivery.timeout.ms` would set the
+/// timeout behind the lease check's back.
+fn check_message_timeout(k: &str, v: &str) -> Result<()> {
+    if k == "delivery.timeout.ms" {
+        return Err(Error::Config(format!(
+            "producer setting delivery.timeout.ms={v} is refused: set message.timeout.ms instead (librdkafka's name for the same timeout, which the relay's lease check reads)"
+        )));
+    }
+    if k == "message.timeout.ms" && !matches!(v.parse::<u32>(), Ok(1..=2_147_483_647)) {
+        return Err(Error::Config(format!(
+            "producer setting message.timeout.ms={v} is refused: it must be 1 to 2147483647 ms (0 means \"wait forever\" to librdkafka, and the relay bounds every batch by this timeout)"
+        )));
+    }
+    Ok(())
 }
 
 /// Parses `key=value` pairs, as given to `--producer-config`.
@@ -648,6 +667,10 @@ mod tests {
             ("acks", "1"),
             ("acks", "0"),
             ("transactional.id", "x"),
+            ("message.timeout.ms", "0"),
+            ("message.timeout.ms", "-1"),
+            ("message.timeout.ms", "soon"),
+            ("delivery.timeout.ms", "300000"),
         ] {
             let err = producer_config("b:1", &[(k.into(), v.into())]).unwrap_err();
             assert!(err.to_string().contains(k), "{k}={v}: {err}");
@@ -657,10 +680,12 @@ mod tests {
             &[
                 ("linger.ms".into(), "20".into()),
                 ("acks".into(), "all".into()),
+                ("message.timeout.ms".into(), "2000".into()),
             ],
         )
         .unwrap();
         assert_eq!(cfg.get("linger.ms"), Some("20"));
+        assert_eq!(cfg.get("message.timeout.ms"), Some("2000"));
     }
 
     #[test]

@@ -211,7 +211,15 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     let tables = TableNames::default();
     let dbs = Databases::create(Some(&args.db), None, &run, &tables).await?;
     let dir = tempfile::Builder::new().prefix("idem-chaos-").tempdir()?;
-    let result = drive(&args, &dbs, dir.path(), &run).await;
+    // Ctrl-C or SIGTERM ends the run: dropping `drive` kills every process it started, brokers
+    // included (`Proc` kills its child on drop), and the databases are still dropped.
+    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let result = tokio::select! {
+        r = drive(&args, &dbs, dir.path(), &run) => r,
+        () = interrupted => Err(anyhow::anyhow!(
+            "interrupted: every process of the run was killed and its databases are dropped"
+        )),
+    };
     let cleanup = dbs.cleanup(args.keep).await;
     let mut report = result?;
     cleanup?;

@@ -39,6 +39,16 @@ pub struct Proc {
     pub scraped: BTreeMap<u32, BTreeMap<String, f64>>,
 }
 
+/// A process of the run never outlives it: whatever ends the run (an error, an interrupt),
+/// dropping it SIGKILLs the current incarnation (paused or not).
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            self.kill9();
+        }
+    }
+}
+
 impl Proc {
     pub fn new(role: Role, name: String, dir: &Path, build: Build) -> Self {
         Proc {

@@ -201,7 +201,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         broker.kind(),
         broker.bootstrap()
     );
-    let result = drive(&args, &dbs, &broker, &tables, &topic, &prefix, started).await;
+    // Ctrl-C or SIGTERM ends the demo early: the databases are still dropped and a Kafka node
+    // it started is stopped (when `broker` is dropped).
+    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let result = tokio::select! {
+        r = drive(&args, &dbs, &broker, &tables, &topic, &prefix, started) => r,
+        () = interrupted => Err(anyhow::anyhow!("interrupted; the demo's databases are dropped")),
+    };
     crash::disarm_all();
     let cleanup = dbs.cleanup(args.keep).await;
     let report = result?;
