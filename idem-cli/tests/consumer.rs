@@ -334,3 +334,87 @@ async fn the_lag_probe_counts_what_the_member_has_not_read_yet() {
         "the producer stamps every record"
     );
 }
+
+/// The settlement handler, but for payment `pay-3` it also runs a statement that fails and
+/// swallows the error — the "duplicate key means done" idiom done wrong.
+struct Swallowing(Settlement);
+
+impl idem_consumer::Handler<sqlx::PgConnection> for Swallowing {
+    async fn handle(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        e: &idem_core::InboundEvent,
+    ) -> Result<(), idem_consumer::HandlerError> {
+        self.0.handle(conn, e).await?;
+        if e.payload["payment_id"] == "pay-3" {
+            let _ = sqlx::query("SELECT 1 / 0").execute(&mut *conn).await;
+        }
+        Ok(())
+    }
+}
+
+/// PostgreSQL aborts a transaction at its first failed statement and answers `COMMIT` with
+/// `ROLLBACK`, no error. A handler that swallowed a database error made the consumer take that
+/// for a commit and commit the offsets: the whole batch — inbox rows and settlements — was gone
+/// for good (review §2). Now the transaction is checked before the commit, the batch is retried
+/// one event at a time, and only the swallowing handler's event is held back (dead-lettered
+/// once its retries are spent, with the reason); the others settle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_swallows_a_database_error_loses_nothing() {
+    let s = setup().await;
+    let msgs: Vec<Message> = (1..=5).map(|n| paid(n).1).collect();
+    let acks = s.publisher.publish(&msgs).await;
+    assert!(acks.iter().all(Result::is_ok), "{acks:?}");
+    let source = KafkaSource::new(
+        &consumer_config(&s.brokers, "settlement", &[]).unwrap(),
+        &[TOPIC.to_owned()],
+    )
+    .unwrap();
+    let metrics = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
+    let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
+    let mut config = ConsumerConfig::new("settlement");
+    config.retry_backoff = Duration::from_millis(10);
+    config.retry_backoff_max = Duration::from_millis(50);
+    let consumer = Consumer::new(
+        inbox,
+        Swallowing(Settlement::new()),
+        source,
+        config,
+        metrics,
+    );
+    let (stop, mut rx) = watch::channel(false);
+    let handle = tokio::spawn(async move {
+        consumer
+            .run(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    eventually(
+        "the four other payments settled and pay-3 dead-lettered",
+        Duration::from_secs(60),
+        || async {
+            (scalar(&s, "SELECT count(*) FROM settlements").await == 4
+                && scalar(&s, "SELECT count(*) FROM idem_dead_letters").await == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    stop.send(true).unwrap();
+    handle.await.unwrap().unwrap();
+    assert_eq!(
+        scalar(
+            &s,
+            "SELECT count(*) FROM settlements WHERE payment_id = 'pay-3'"
+        )
+        .await,
+        0,
+        "the swallowing handler's writes were rolled back"
+    );
+    assert_eq!(scalar(&s, "SELECT count(*) FROM idem_inbox").await, 5);
+    let reason: String = sqlx::query_scalar("SELECT reason FROM idem_dead_letters")
+        .fetch_one(s.pg.pool())
+        .await
+        .unwrap();
+    assert!(reason.contains("swallowed a database error"), "{reason}");
+}

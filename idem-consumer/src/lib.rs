@@ -48,6 +48,15 @@ impl HandlerError {
 /// handler writes through it, so its writes commit or roll back together with the inbox rows.
 /// A handler must not commit, and must not call anything outside the transaction whose effect
 /// cannot be rolled back (use the effect stage for external calls).
+///
+/// A handler must **return** the database errors it meets (as [`HandlerError::Transient`] or
+/// [`HandlerError::Permanent`]), never swallow them: in PostgreSQL one failed statement aborts
+/// the whole transaction. A statement that may fail by design ("insert, and a duplicate key
+/// means done") belongs in a savepoint of the handler's own, or in `ON CONFLICT DO NOTHING`.
+/// The runtime checks that the transaction is still usable before it commits
+/// ([`InboxStore::check_usable`]); when a handler has swallowed an error, the batch is retried
+/// one event at a time, the handler that left the transaction aborted is found, its event
+/// retried as a transient failure, and nothing of the batch is acknowledged meanwhile.
 pub trait Handler<C>: Send + Sync + 'static {
     /// Applies one new event.
     fn handle(
@@ -205,6 +214,9 @@ enum Attempt {
     Poison(EventId, String),
     Transient(Option<EventId>, Error),
     Fatal(Error),
+    /// A handler reported success but left the transaction unable to commit
+    /// ([`InboxStore::check_usable`]): retried at once with a savepoint per event, to find it.
+    Unusable(Error),
 }
 
 /// The consumer runtime.
@@ -377,8 +389,9 @@ where
         let mut poison: HashMap<EventId, String> = HashMap::new();
         let mut transient_failures: HashMap<Option<EventId>, u32> = HashMap::new();
         let mut backoff = self.config.retry_backoff;
-        // After a first refused event the batch is retried once with a savepoint per event, so
-        // any number of refused events costs one extra attempt, not one per event.
+        // After a first refused event (or a failed attempt) the batch is retried with a
+        // savepoint per event, so any number of refused events costs one extra attempt, not one
+        // per event, and each failure is charged to the event that caused it.
         let mut isolate = false;
         let outcome = loop {
             match self
@@ -399,6 +412,11 @@ where
                     break results;
                 }
                 Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Unusable(e)) => {
+                    tracing::warn!(error = %e, "a handler left the transaction aborted; retrying the batch one event at a time to find it");
+                    report.retries += 1;
+                    isolate = true;
+                }
                 Err(Attempt::Poison(id, reason)) => {
                     tracing::warn!(event_id = %id, %reason, "dead-lettering an event the handler refused");
                     poison.insert(id, reason);
@@ -406,6 +424,9 @@ where
                 }
                 Err(Attempt::Transient(id, e)) => {
                     report.retries += 1;
+                    // Retried with a savepoint per event, so that a failure is charged to the
+                    // event that caused it.
+                    isolate = true;
                     let labels = uniques
                         .iter()
                         .find(|u| Some(u.event.event_id) == id)
@@ -652,6 +673,14 @@ where
                 .await
             {
                 Ok(()) if isolate => {
+                    // Reported success, but did it leave the transaction usable?
+                    if let Err(e) = self.inbox.check_usable(&mut *tx).await {
+                        self.inbox
+                            .rollback_to_savepoint(&mut *tx)
+                            .await
+                            .map_err(|e| Attempt::Transient(None, e))?;
+                        return Err(Attempt::Transient(Some(u.event.event_id), e));
+                    }
                     self.inbox
                         .release_savepoint(&mut *tx)
                         .await
@@ -668,15 +697,22 @@ where
                 Err(HandlerError::Permanent(reason)) => {
                     return Err(Attempt::Poison(u.event.event_id, reason));
                 }
+                // Without savepoints the failure may be an earlier handler's doing (one that
+                // swallowed an error and left the transaction aborted): it is charged to the
+                // event only when the events are isolated.
                 Err(HandlerError::Transient(e)) => {
                     return Err(Attempt::Transient(
-                        Some(u.event.event_id),
+                        isolate.then_some(u.event.event_id),
                         Error::database("running the handler", e),
                     ));
                 }
             }
         }
 
+        if !isolate && let Err(e) = self.inbox.check_usable(&mut *tx).await {
+            // A handler swallowed a database error; which one, isolating each tells.
+            return Err(Attempt::Unusable(e));
+        }
         if !found.is_empty() {
             let ids: Vec<EventId> = found.iter().map(|(id, _)| *id).collect();
             self.inbox

@@ -168,6 +168,15 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Drops the savepoint, keeping what was done since.
     fn release_savepoint(&self, conn: &mut Self::Conn) -> impl Future<Output = Result<()>> + Send;
 
+    /// Fails when the open transaction can no longer commit anything. PostgreSQL aborts a
+    /// transaction at the first failed statement and then answers `COMMIT` with `ROLLBACK` and
+    /// no error: a handler that swallowed a database error (`let _ = insert…`, "duplicate key
+    /// means done") would make the batch look committed, and its offsets would be committed
+    /// over writes that never happened. The runtime asks before every commit and after each
+    /// handler call it isolates. Stores whose transactions survive a failed statement (SQLite)
+    /// answer `Ok`.
+    fn check_usable(&self, conn: &mut Self::Conn) -> impl Future<Output = Result<()>> + Send;
+
     /// Marks events recorded by [`InboxStore::record`] in this transaction as dead-lettered.
     fn mark_dead_lettered(
         &self,

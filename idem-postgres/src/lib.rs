@@ -74,6 +74,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "outbox name checks",
         include_str!("../migrations/0005_outbox_name_checks.sql"),
     ),
+    (
+        6,
+        "outbox timestamp checks",
+        include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
+    ),
 ];
 
 /// How many of the oldest pending rows a claim looks at, per row of batch size.
@@ -397,11 +402,66 @@ fn decode_record(row: &PgRow) -> std::result::Result<OutboxRecord, sqlx::Error> 
         headers: headers_from_json(headers_value),
         topic: row.try_get("topic")?,
         traceparent: row.try_get("traceparent")?,
-        occurred_at: row.try_get::<DateTime<Utc>, _>("occurred_at")?,
-        created_at: row.try_get::<DateTime<Utc>, _>("created_at")?,
+        occurred_at: timestamp(row, "occurred_at")?,
+        created_at: timestamp(row, "created_at")?,
         attempt: row.try_get("attempts")?,
         permanent_failures: row.try_get("permanent_failures")?,
     })
+}
+
+/// Whether `e` is PostgreSQL's "current transaction is aborted" (SQLSTATE 25P02).
+fn is_aborted(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "25P02")
+}
+
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01 UTC).
+const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+/// A `timestamptz` column, decoded without sqlx's chrono decoder: that one panics on values
+/// chrono cannot hold ('infinity', '-infinity', years beyond 262143), which a writer of the SQL
+/// contract could store before version 6. Such a value is an error, and the row is parked.
+fn timestamp(row: &PgRow, column: &str) -> std::result::Result<DateTime<Utc>, sqlx::Error> {
+    use sqlx::ValueRef as _;
+    use sqlx::postgres::PgValueFormat;
+    let bad = |reason: String| sqlx::Error::ColumnDecode {
+        index: column.to_owned(),
+        source: reason.into(),
+    };
+    let raw = row.try_get_raw(column)?;
+    if raw.is_null() {
+        return Err(bad("NULL".to_owned()));
+    }
+    match raw.format() {
+        PgValueFormat::Binary => {
+            let bytes = raw.as_bytes().map_err(|e| bad(e.to_string()))?;
+            let micros = i64::from_be_bytes(
+                bytes
+                    .try_into()
+                    .map_err(|_| bad(format!("{} bytes, not 8", bytes.len())))?,
+            );
+            micros
+                .checked_add(PG_EPOCH_MICROS)
+                .and_then(DateTime::from_timestamp_micros)
+                .ok_or_else(|| bad(out_of_range(micros)))
+        }
+        PgValueFormat::Text => {
+            let text = raw.as_str().map_err(|e| bad(e.to_string()))?;
+            DateTime::parse_from_str(text, "%Y-%m-%d %H:%M:%S%.f%#z")
+                .map(|d| d.with_timezone(&Utc))
+                .map_err(|e| bad(format!("{text:?}: {e}")))
+        }
+    }
+}
+
+/// Why a `timestamptz` of `micros` (since 2000-01-01) cannot be used.
+fn out_of_range(micros: i64) -> String {
+    match micros {
+        i64::MAX => "'infinity' is not a time an event can have occurred at".to_owned(),
+        i64::MIN => "'-infinity' is not a time an event can have occurred at".to_owned(),
+        _ => format!("{micros} µs from 2000-01-01 is out of the range a client can hold"),
+    }
 }
 
 fn millis(d: std::time::Duration) -> i64 {
@@ -743,6 +803,22 @@ impl idem_core::InboxStore for PgInbox {
             .await
             .map(|_| ())
             .map_err(|e| Error::database("releasing a savepoint", e))
+    }
+
+    async fn check_usable(&self, conn: &mut PgConnection) -> Result<()> {
+        // Any statement fails in an aborted transaction (SQLSTATE 25P02).
+        match sqlx::Executor::execute(&mut *conn, "SELECT 1").await {
+            Ok(_) => Ok(()),
+            Err(e) if is_aborted(&e) => Err(Error::database(
+                "checking the transaction before commit: a statement of the handler failed and \
+                 the handler did not report it (it swallowed a database error), so PostgreSQL \
+                 aborted the transaction and would roll it back on COMMIT; nothing of the batch \
+                 is committed. Handlers must return database errors, or run statements that may \
+                 fail inside a savepoint of their own",
+                e,
+            )),
+            Err(e) => Err(Error::database("checking the transaction before commit", e)),
+        }
     }
 
     async fn mark_dead_lettered(

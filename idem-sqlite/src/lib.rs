@@ -70,6 +70,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "outbox name checks",
         include_str!("../migrations/0005_outbox_name_checks.sql"),
     ),
+    (
+        6,
+        "outbox timestamp checks",
+        include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
+    ),
 ];
 
 const CLAIM_WINDOW_FACTOR: u32 = 4;
@@ -738,6 +743,11 @@ impl idem_core::InboxStore for SqliteInbox {
             .await
             .map(|_| ())
             .map_err(|e| Error::database("releasing a savepoint", e))
+    }
+
+    async fn check_usable(&self, _conn: &mut SqliteConnection) -> Result<()> {
+        // A failed statement in SQLite undoes that statement only; the transaction goes on.
+        Ok(())
     }
 
     async fn mark_dead_lettered(

@@ -43,6 +43,9 @@ impl InboxStore for NoInbox {
     async fn release_savepoint(&self, conn: &mut PgConnection) -> Result<()> {
         self.0.release_savepoint(conn).await
     }
+    async fn check_usable(&self, conn: &mut PgConnection) -> Result<()> {
+        self.0.check_usable(conn).await
+    }
     async fn mark_dead_lettered(
         &self,
         _conn: &mut PgConnection,
