@@ -98,9 +98,7 @@ pub fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<Rec
     let mut high: HashMap<i32, i64> = HashMap::new();
     let mut tpl = TopicPartitionList::new();
     for p in &partitions {
-        let (lo, hi) = consumer
-            .fetch_watermarks(topic, *p, remaining(deadline)?)
-            .map_err(|e| Error::broker(format!("reading watermarks of {topic}/{p}"), e))?;
+        let (lo, hi) = watermarks(&consumer, topic, *p, deadline)?;
         if hi > lo {
             high.insert(*p, hi);
             tpl.add_partition_offset(topic, *p, Offset::Offset(lo))
@@ -154,6 +152,35 @@ pub fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<Rec
     Ok(out.into_values().collect())
 }
 
+/// A partition's low and high watermarks, asked again until `deadline` while the cluster
+/// answers with an error: right after a broker comes back, leadership moves and a request can
+/// meet `NOT_LEADER_FOR_PARTITION` before the client's metadata catches up.
+fn watermarks<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    partition: i32,
+    deadline: Instant,
+) -> Result<(i64, i64)> {
+    loop {
+        match consumer.fetch_watermarks(topic, partition, remaining(deadline)?) {
+            Ok(w) => return Ok(w),
+            Err(e) if deadline.saturating_duration_since(Instant::now()) > RETRY_PAUSE => {
+                tracing::debug!(error = %e, topic, partition, "reading watermarks; asking again");
+                std::thread::sleep(RETRY_PAUSE);
+            }
+            Err(e) => {
+                return Err(Error::broker(
+                    format!("reading watermarks of {topic}/{partition}"),
+                    e,
+                ));
+            }
+        }
+    }
+}
+
+/// How long [`watermarks`] waits before asking again.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+
 fn remaining(deadline: Instant) -> Result<Duration> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
@@ -175,14 +202,11 @@ pub fn high_watermark_sum(brokers: &str, topic: &str, timeout: Duration) -> Resu
     let metadata = consumer
         .fetch_metadata(Some(topic), timeout)
         .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;
+    let deadline = Instant::now() + timeout;
     let mut sum = 0;
     for t in metadata.topics().iter().filter(|t| t.name() == topic) {
         for p in t.partitions() {
-            let (_, hi) = consumer
-                .fetch_watermarks(topic, p.id(), timeout)
-                .map_err(|e| {
-                    Error::broker(format!("reading watermarks of {topic}/{}", p.id()), e)
-                })?;
+            let (_, hi) = watermarks(&consumer, topic, p.id(), deadline)?;
             sum += hi;
         }
     }
