@@ -68,6 +68,26 @@ fn start_consumer(
     watch::Sender<bool>,
     tokio::task::JoinHandle<ConsumerMetrics>,
 ) {
+    let (stop, handle) = start_consumer_with(s, Settlement::new());
+    (
+        stop,
+        tokio::spawn(async move {
+            let (result, metrics) = handle.await.unwrap();
+            result.unwrap();
+            metrics
+        }),
+    )
+}
+
+/// Runs a consumer with `handler` (retry backoff 10 to 50 ms) until the sender says stop; the
+/// task returns how its run ended and its metrics.
+fn start_consumer_with<H: idem_consumer::Handler<sqlx::PgConnection>>(
+    s: &Setup,
+    handler: H,
+) -> (
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<(idem_core::Result<()>, ConsumerMetrics)>,
+) {
     let source = KafkaSource::new(
         &consumer_config(&s.brokers, "settlement", &[]).unwrap(),
         &[TOPIC.to_owned()],
@@ -77,16 +97,16 @@ fn start_consumer(
     let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
     let mut config = ConsumerConfig::new("settlement");
     config.retry_backoff = Duration::from_millis(10);
-    let consumer = Consumer::new(inbox, Settlement::new(), source, config, metrics.clone());
+    config.retry_backoff_max = Duration::from_millis(50);
+    let consumer = Consumer::new(inbox, handler, source, config, metrics.clone());
     let (tx, mut rx) = watch::channel(false);
     let handle = tokio::spawn(async move {
-        consumer
+        let result = consumer
             .run(async move {
                 let _ = rx.wait_for(|s| *s).await;
             })
-            .await
-            .unwrap();
-        metrics
+            .await;
+        (result, metrics)
     });
     (tx, handle)
 }
@@ -365,31 +385,7 @@ async fn a_handler_that_swallows_a_database_error_loses_nothing() {
     let msgs: Vec<Message> = (1..=5).map(|n| paid(n).1).collect();
     let acks = s.publisher.publish(&msgs).await;
     assert!(acks.iter().all(Result::is_ok), "{acks:?}");
-    let source = KafkaSource::new(
-        &consumer_config(&s.brokers, "settlement", &[]).unwrap(),
-        &[TOPIC.to_owned()],
-    )
-    .unwrap();
-    let metrics = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
-    let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
-    let mut config = ConsumerConfig::new("settlement");
-    config.retry_backoff = Duration::from_millis(10);
-    config.retry_backoff_max = Duration::from_millis(50);
-    let consumer = Consumer::new(
-        inbox,
-        Swallowing(Settlement::new()),
-        source,
-        config,
-        metrics,
-    );
-    let (stop, mut rx) = watch::channel(false);
-    let handle = tokio::spawn(async move {
-        consumer
-            .run(async move {
-                let _ = rx.wait_for(|s| *s).await;
-            })
-            .await
-    });
+    let (stop, handle) = start_consumer_with(&s, Swallowing(Settlement::new()));
     eventually(
         "the four other payments settled and pay-3 dead-lettered",
         Duration::from_secs(60),
@@ -401,7 +397,7 @@ async fn a_handler_that_swallows_a_database_error_loses_nothing() {
     )
     .await;
     stop.send(true).unwrap();
-    handle.await.unwrap().unwrap();
+    handle.await.unwrap().0.unwrap();
     assert_eq!(
         scalar(
             &s,
