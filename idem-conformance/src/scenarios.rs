@@ -1075,3 +1075,53 @@ pub async fn unknown_intents_are_read_and_resolved_by_a_decision<B: Backend>(b: 
     );
     assert!(store.stuck(10).await.unwrap().is_empty());
 }
+
+/// The claim looks at a bounded window of pending rows. It used to be the oldest rows: one
+/// aggregate whose head backs off and whose rows fill that window made the windowed claim find
+/// nothing, and the whole outbox then moved one batch per second (a full scan at most once a
+/// second; review §6). The window is now made of claimable aggregate heads, so two claims in a
+/// row both find the other aggregates.
+pub async fn a_backing_off_aggregate_does_not_slow_the_others<B: Backend>(b: &B) {
+    // 70 rows of one aggregate first (more than the 64-row window of a batch of 10), then 20
+    // single-row aggregates.
+    let hot: Vec<Event> = (0..70).map(|i| event("hot-1", i)).collect();
+    let cold: Vec<Event> = (0..20).map(|i| event(&format!("cold-{i}"), 0)).collect();
+    for events in [&hot, &cold] {
+        let mut tx = b.begin().await;
+        tx.enqueue(events).await.unwrap();
+        tx.commit().await;
+    }
+    // The hot aggregate's head fails and backs off for an hour.
+    let head = b.store().claim(&req("r", 1)).await.unwrap();
+    assert_eq!(head.records.len(), 1);
+    assert_eq!(head.records[0].aggregate_id, "hot-1");
+    let outcome = Outcome {
+        published: vec![],
+        failed: vec![Failure {
+            id: head.records[0].id,
+            reason: "partition unavailable".into(),
+            backoff: Duration::from_secs(3600),
+            park: false,
+            permanent: false,
+            attempted: true,
+        }],
+    };
+    b.store().complete(&head, &outcome).await.unwrap();
+
+    let first = b.store().claim(&req("r", 10)).await.unwrap();
+    let second = b.store().claim(&req("r", 10)).await.unwrap();
+    for (n, c) in [(1, &first), (2, &second)] {
+        assert_eq!(c.records.len(), 10, "claim {n}: {:?}", ids(c));
+        assert!(
+            c.records.iter().all(|r| r.aggregate_id.starts_with("cold-")),
+            "claim {n} took a row behind the backing-off head"
+        );
+    }
+    let taken: std::collections::HashSet<i64> = first
+        .records
+        .iter()
+        .chain(&second.records)
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(taken.len(), 20, "the two claims overlap");
+}

@@ -1,15 +1,36 @@
 -- Leases up to $1 rows to claim $2 (relay $3) for $4 milliseconds.
--- $5 bounds how many of the oldest pending rows are looked at for aggregate heads (NULL: all
--- of them; the store falls back to that when the bounded look finds nothing).
+-- $5 bounds how many claimable heads, oldest first, are looked at (NULL: all of them; the store
+-- falls back to that when the bounded look finds nothing).
 --
 -- A head is the earliest pending row (in aggregate commit order) of its aggregate. Only heads
 -- that are not leased and are past their backoff are locked (SKIP LOCKED: two relays never
 -- wait for each other); the claim then takes a prefix of each locked head's pending rows.
 -- Another relay cannot take a later row of a locked aggregate: that row is not a head.
+--
+-- The window is made of claimable heads, not of the oldest pending rows: one aggregate whose
+-- head backs off (or is leased) and whose rows fill the oldest positions must not hide every
+-- other aggregate (review §6: the outbox then moved one batch per second). Walking past such a
+-- backlog costs one index probe per row it skips. The conditions are checked again in `heads`,
+-- on the locked row.
 WITH window_rows AS (
-    SELECT id FROM {outbox}
-    WHERE status = 'pending'
-    ORDER BY id
+    SELECT o.id FROM {outbox} o
+    WHERE o.status = 'pending'
+      AND o.next_attempt_at <= now()
+      AND (o.claimed_until IS NULL OR o.claimed_until < clock_timestamp())
+      AND NOT EXISTS (
+          SELECT 1 FROM {outbox} p
+          WHERE p.status = 'pending'
+            AND p.aggregate_type = o.aggregate_type
+            AND p.aggregate_id = o.aggregate_id
+            AND p.aggregate_seq < o.aggregate_seq)
+      AND NOT EXISTS (
+          SELECT 1 FROM {outbox} q
+          WHERE q.status = 'pending'
+            AND q.claim_id IS NOT NULL
+            AND q.aggregate_type = o.aggregate_type
+            AND q.aggregate_id = o.aggregate_id
+            AND q.claimed_until >= clock_timestamp())
+    ORDER BY o.id
     LIMIT $5
 ),
 heads AS (

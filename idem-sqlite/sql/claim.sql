@@ -1,9 +1,29 @@
 -- Leases up to ?1 rows to claim ?2 (relay ?3) until ?4 (Unix ms); ?5 is now (Unix ms);
--- ?6 bounds how many of the oldest pending rows are looked at for aggregate heads (-1: all).
+-- ?6 bounds how many claimable heads, oldest first, are looked at (-1: all).
 -- Runs inside BEGIN IMMEDIATE, so no other writer interleaves. Same shape as the PostgreSQL
--- claim: lock-free heads, then a prefix of each head's aggregate.
+-- claim: lock-free heads, then a prefix of each head's aggregate. The window is made of
+-- claimable heads, not of the oldest pending rows, so that one aggregate's backlog behind a
+-- backing-off head never hides the others (see the PostgreSQL claim).
 WITH window_rows AS (
-    SELECT id FROM {outbox} WHERE status = 'pending' ORDER BY id LIMIT ?6
+    SELECT o.id FROM {outbox} o
+    WHERE o.status = 'pending'
+      AND o.next_attempt_at <= ?5
+      AND (o.claimed_until IS NULL OR o.claimed_until < ?5)
+      AND NOT EXISTS (
+          SELECT 1 FROM {outbox} p
+          WHERE p.status = 'pending'
+            AND p.aggregate_type = o.aggregate_type
+            AND p.aggregate_id = o.aggregate_id
+            AND p.id < o.id)
+      AND NOT EXISTS (
+          SELECT 1 FROM {outbox} q
+          WHERE q.status = 'pending'
+            AND q.claim_id IS NOT NULL
+            AND q.aggregate_type = o.aggregate_type
+            AND q.aggregate_id = o.aggregate_id
+            AND q.claimed_until >= ?5)
+    ORDER BY o.id
+    LIMIT ?6
 ),
 heads AS (
     SELECT o.id, o.aggregate_type, o.aggregate_id
