@@ -21,8 +21,8 @@ pub struct Message {
 pub enum FailureKind {
     /// The broker was unreachable, slow or busy: retry later, forever.
     Transient,
-    /// The message itself is unpublishable (too large, invalid or unknown topic, not
-    /// authorized): retried a bounded number of times, then parked.
+    /// The message itself is unpublishable (too large, an invalid record or topic name):
+    /// retried a bounded number of times, then parked.
     Permanent,
     /// Never handed to the broker because an earlier message with the same topic and key
     /// failed in the same call (sending it would break per-key order). Not an attempt.

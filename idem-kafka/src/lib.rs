@@ -372,7 +372,13 @@ fn create_producer(config: &ClientConfig) -> Result<FutureProducer> {
         .map_err(|e| Error::broker("creating the Kafka producer", e))
 }
 
-/// Classifies a librdkafka error for the relay's retry policy.
+/// Classifies a librdkafka error for the relay's retry policy. Permanent (parked after
+/// `--max-attempts`) only when the message itself can never be published: too large, an
+/// invalid record, a topic name Kafka refuses. An unknown topic or partition, or a missing
+/// authorization, is the cluster's state — a topic being (re)created, metadata propagating, an
+/// ACL rollout — so it is transient: retried forever with backoff, the head keeping its place
+/// (parking it would let later events of its aggregate overtake it). A head stuck that way
+/// raises `IdemOutboxOldestPendingAgeHigh`.
 pub fn classify(e: &KafkaError) -> FailureKind {
     use RDKafkaErrorCode as C;
     match e.rdkafka_error_code() {
@@ -380,10 +386,6 @@ pub fn classify(e: &KafkaError) -> FailureKind {
             C::MessageSizeTooLarge
             | C::MessageBatchTooLarge
             | C::InvalidTopic
-            | C::UnknownTopic
-            | C::UnknownTopicOrPartition
-            | C::UnknownPartition
-            | C::TopicAuthorizationFailed
             | C::InvalidRecord
             | C::InvalidMessage
             | C::PolicyViolation,
@@ -689,10 +691,20 @@ mod tests {
     }
 
     #[test]
-    fn classifies_unpublishable_messages_as_permanent() {
+    fn only_unpublishable_messages_are_permanent() {
         let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
         assert_eq!(classify(&e), FailureKind::Permanent);
         let e = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
         assert_eq!(classify(&e), FailureKind::Transient);
+        // The cluster's state, not the message's: retried in place, never parked.
+        for code in [
+            RDKafkaErrorCode::UnknownTopic,
+            RDKafkaErrorCode::UnknownTopicOrPartition,
+            RDKafkaErrorCode::UnknownPartition,
+            RDKafkaErrorCode::TopicAuthorizationFailed,
+        ] {
+            let e = KafkaError::MessageProduction(code);
+            assert_eq!(classify(&e), FailureKind::Transient, "{code:?}");
+        }
     }
 }
