@@ -1113,7 +1113,9 @@ pub async fn a_backing_off_aggregate_does_not_slow_the_others<B: Backend>(b: &B)
     for (n, c) in [(1, &first), (2, &second)] {
         assert_eq!(c.records.len(), 10, "claim {n}: {:?}", ids(c));
         assert!(
-            c.records.iter().all(|r| r.aggregate_id.starts_with("cold-")),
+            c.records
+                .iter()
+                .all(|r| r.aggregate_id.starts_with("cold-")),
             "claim {n} took a row behind the backing-off head"
         );
     }

@@ -78,7 +78,11 @@ SET claim_id = $2,
     claimed_until = clock_timestamp() + $4 * interval '1 millisecond',
     attempts = u.attempts + 1
 FROM chosen
+-- Only the heads are locked: a member row may have been leased by a claim that committed while
+-- this one waited for it (after `idem outbox retry` made an earlier row the head). Re-checked
+-- on the row as committed, so two claims never hold rows of one aggregate.
 WHERE u.id = chosen.id AND u.status = 'pending'
+  AND (u.claimed_until IS NULL OR u.claimed_until < clock_timestamp())
 RETURNING u.id, u.event_id, u.aggregate_type, u.aggregate_id, u.aggregate_seq, u.event_type,
           u.payload::text AS payload, u.headers, u.topic, u.traceparent, u.occurred_at, u.created_at,
           u.attempts, u.permanent_failures

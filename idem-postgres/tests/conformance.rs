@@ -117,3 +117,95 @@ async fn timestamps_no_client_can_hold_are_refused_and_old_ones_parked_not_panic
         claim.corrupt
     );
 }
+
+/// Waits until `n` sessions of this database wait for a lock.
+async fn lock_waiters(pg: &Pg, n: i64) {
+    let sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+               AND wait_event_type = 'Lock'";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while pg.scalar(sql).await != n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} session(s) never waited for a lock"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// Two relays must never hold rows of one aggregate at once (review §10). The claim locks
+/// only the heads; it used to update an aggregate's other rows with no look at their lease.
+/// Interleaving, made deterministic with a row lock: relay B claims head 2 of an aggregate
+/// whose row 1 is parked, and is held before it commits; `idem outbox retry` makes row 1
+/// pending; relay C claims head 1 and waits for B's rows 2 and 3; B commits. C then took rows
+/// 2 and 3 over B's fresh lease: both published them. Now C re-checks the lease and leaves them.
+#[tokio::test]
+async fn a_claim_never_takes_rows_another_claim_just_leased_after_a_retry() {
+    use idem_core::outbox::{ClaimRequest, Failure, Outcome};
+    let pg = Pg::new().await;
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[
+        scenarios::event("x", 1),
+        scenarios::event("x", 2),
+        scenarios::event("x", 3),
+    ])
+    .await
+    .unwrap();
+    tx.commit().await;
+    let req = |batch| ClaimRequest {
+        relay_id: "r".to_owned(),
+        batch_size: batch,
+        lease: std::time::Duration::from_secs(60),
+    };
+    // Row 1 is parked.
+    let first = pg.store().claim(&req(1)).await.unwrap();
+    pg.store()
+        .complete(
+            &first,
+            &Outcome {
+                published: vec![],
+                failed: vec![Failure {
+                    id: first.records[0].id,
+                    reason: "message too large".into(),
+                    backoff: std::time::Duration::ZERO,
+                    park: true,
+                    permanent: true,
+                    attempted: true,
+                }],
+            },
+        )
+        .await
+        .unwrap();
+    let row3: i64 = pg
+        .scalar("SELECT id FROM idem_outbox WHERE aggregate_seq = 3")
+        .await;
+
+    // Hold row 3, so that B's claim stops after leasing row 2.
+    let mut holder = pg.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idem_outbox WHERE id = $1 FOR UPDATE")
+        .bind(row3)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let store_b = pg.store().clone();
+    let b = tokio::spawn(async move { store_b.claim(&req(10)).await });
+    lock_waiters(&pg, 1).await;
+
+    // The operator retries row 1; C claims while B has not committed.
+    assert_eq!(pg.store().retry_parked(None).await.unwrap(), 1);
+    let store_c = pg.store().clone();
+    let c = tokio::spawn(async move { store_c.claim(&req(10)).await });
+    lock_waiters(&pg, 2).await;
+    holder.rollback().await.unwrap();
+
+    let (b, c) = (b.await.unwrap().unwrap(), c.await.unwrap().unwrap());
+    let seqs = |claim: &idem_core::outbox::Claim| -> Vec<i64> {
+        claim.records.iter().map(|r| r.aggregate_seq).collect()
+    };
+    assert_eq!(seqs(&b), vec![2, 3], "B leased rows 2 and 3");
+    assert!(
+        seqs(&c).iter().all(|s| !seqs(&b).contains(s)),
+        "B and C both hold rows of one aggregate: B {:?}, C {:?}",
+        seqs(&b),
+        seqs(&c)
+    );
+}

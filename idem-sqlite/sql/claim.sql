@@ -65,5 +65,6 @@ chosen AS (
 UPDATE {outbox}
 SET claim_id = ?2, claimed_by = ?3, claimed_until = ?4, attempts = attempts + 1
 WHERE id IN (SELECT id FROM chosen) AND status = 'pending'
+  AND (claimed_until IS NULL OR claimed_until < ?5)
 RETURNING id, event_id, aggregate_type, aggregate_id, id AS aggregate_seq, event_type, payload, headers,
           topic, traceparent, occurred_at, created_at, attempts, permanent_failures
