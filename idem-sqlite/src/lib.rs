@@ -39,7 +39,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteRow, SqliteSynchronous,
 };
-use sqlx::{Executor, Row};
+use sqlx::{Connection, Executor, Row};
 use uuid::Uuid;
 
 const BASES: &[&str] = &[
@@ -283,23 +283,27 @@ pub async fn migrate(pool: &SqlitePool, tables: &TableNames) -> Result<Migration
 
 /// Runs `f` inside `BEGIN IMMEDIATE` (the write lock is taken up front, so the busy timeout
 /// applies instead of a snapshot conflict), committing on success and rolling back otherwise.
+/// The transaction is sqlx's, so it is rolled back however it ends: a failed `COMMIT`, or the
+/// future dropped half-way (a cancelled claim). A raw `BEGIN IMMEDIATE` left the write lock held
+/// by a pooled connection, and every other writer then waited out its busy timeout.
 async fn immediate<T>(
     conn: &mut SqliteConnection,
     context: &str,
     f: impl AsyncFnOnce(&mut SqliteConnection) -> std::result::Result<T, sqlx::Error>,
 ) -> Result<T> {
-    conn.execute("BEGIN IMMEDIATE")
+    let mut tx = conn
+        .begin_with("BEGIN IMMEDIATE")
         .await
         .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
-    match f(&mut *conn).await {
+    match f(&mut tx).await {
         Ok(v) => {
-            conn.execute("COMMIT")
+            tx.commit()
                 .await
                 .map_err(|e| Error::database(format!("{context}: committing"), e))?;
             Ok(v)
         }
         Err(e) => {
-            let _ = conn.execute("ROLLBACK").await;
+            let _ = tx.rollback().await;
             Err(Error::database(context.to_owned(), e))
         }
     }
@@ -1131,6 +1135,50 @@ impl idem_core::idempotency::IntentStore for SqliteIntents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A write transaction whose future is dropped half-way (a cancelled claim) leaves neither
+    /// its writes nor the write lock behind (review §15).
+    #[tokio::test]
+    async fn a_cancelled_write_transaction_leaves_no_lock_and_no_writes() {
+        let dir = std::env::temp_dir().join(format!("idem-sqlite-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pool = connect(&format!("sqlite://{}", dir.join("t.db").display()))
+            .await
+            .unwrap();
+        sqlx::query("CREATE TABLE t (x INTEGER)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        {
+            let mut conn = pool.acquire().await.unwrap();
+            let cancelled = tokio::time::timeout(
+                Duration::from_millis(200),
+                immediate(&mut conn, "a test write", async |c| {
+                    sqlx::query("INSERT INTO t VALUES (1)")
+                        .execute(&mut *c)
+                        .await?;
+                    std::future::pending::<()>().await;
+                    Ok(())
+                }),
+            )
+            .await;
+            assert!(cancelled.is_err(), "the write was meant to hang");
+        }
+        // The busy timeout is 5 s: a lock left behind would make this write wait it out.
+        let write = tokio::time::timeout(
+            Duration::from_secs(2),
+            sqlx::query("INSERT INTO t VALUES (2)").execute(&pool),
+        )
+        .await;
+        assert!(matches!(write, Ok(Ok(_))), "{write:?}");
+        let rows: Vec<i64> = sqlx::query_scalar("SELECT x FROM t")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        assert_eq!(rows, vec![2], "the cancelled write was kept");
+        pool.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn every_placeholder_is_rendered() {
