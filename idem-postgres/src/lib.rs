@@ -817,7 +817,9 @@ impl idem_core::InboxStore for PgInbox {
                  fail inside a savepoint of their own",
                 e,
             )),
-            Err(e) => Err(Error::database("checking the transaction before commit", e)),
+            // Anything else (a lost connection) is no handler's fault: the statements that
+            // follow, or the commit, fail with it and the batch is retried as a whole.
+            Err(_) => Ok(()),
         }
     }
 
