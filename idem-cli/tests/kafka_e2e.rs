@@ -55,7 +55,7 @@ fn relay(db: &str, b: &Broker, extra: &[&str]) -> Command {
         "--producer-config",
         "message.timeout.ms=1400",
         "--lease",
-        "3s",
+        "4s",
         "--no-prune",
     ])
     .args(extra)

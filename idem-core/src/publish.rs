@@ -48,6 +48,14 @@ pub trait Publisher: Send + Sync + 'static {
         &self,
         messages: &[Message],
     ) -> impl Future<Output = Vec<Result<(), PublishError>>> + Send;
+
+    /// The longest one [`Publisher::publish`] call can take before every message has its
+    /// report, or `None` when the publisher cannot bound it. The relay produces a claimed
+    /// batch only while its lease outlasts this bound, so a live relay never publishes rows
+    /// another relay may already have taken over (`idem_outbox_lease_lost_total`).
+    fn longest_publish(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 impl<T: Publisher> Publisher for std::sync::Arc<T> {
@@ -56,5 +64,9 @@ impl<T: Publisher> Publisher for std::sync::Arc<T> {
         messages: &[Message],
     ) -> impl Future<Output = Vec<Result<(), PublishError>>> + Send {
         (**self).publish(messages)
+    }
+
+    fn longest_publish(&self) -> Option<std::time::Duration> {
+        (**self).longest_publish()
     }
 }

@@ -402,6 +402,11 @@ fn failure(e: &KafkaError) -> PublishError {
 }
 
 impl Publisher for KafkaPublisher {
+    /// Twice `message.timeout.ms`: one to enqueue, one for the last delivery report.
+    fn longest_publish(&self) -> Option<Duration> {
+        Some(self.message_timeout.saturating_mul(2))
+    }
+
     /// A batch takes at most about twice `message.timeout.ms`: enqueueing (waiting for room in
     /// the bounded queue, creating topics) gives up after one timeout — the rest is reported
     /// [`FailureKind::NotSent`] — and every enqueued message has a report within another.

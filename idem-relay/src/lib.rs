@@ -99,6 +99,20 @@ impl Default for RelayConfig {
     }
 }
 
+/// The last instant at which a batch claimed no earlier than `started` may still be produced:
+/// the lease (which the database started after `started`) must outlast the longest publish.
+/// A publisher that cannot bound a publish gets 90% of the lease for the claim.
+fn produce_deadline(
+    started: Instant,
+    lease: Duration,
+    longest_publish: Option<Duration>,
+) -> Instant {
+    match longest_publish {
+        Some(publish) => started + lease.saturating_sub(publish),
+        None => started + lease.mul_f64(0.9),
+    }
+}
+
 /// `relay-<pid>-<random>`.
 pub fn default_relay_id() -> String {
     let nanos = std::time::SystemTime::now()
@@ -232,10 +246,13 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 }
             }
         }
-        let lease_safe_until = started + self.config.lease.mul_f64(0.9);
-        if Instant::now() >= lease_safe_until {
-            // Too slow to be sure the lease still holds: produce nothing, let it expire.
-            tracing::warn!(relay = %self.config.relay_id, "claim took longer than 90% of the lease; abandoning the batch");
+        if Instant::now()
+            >= produce_deadline(started, self.config.lease, self.publisher.longest_publish())
+        {
+            // The lease could end while the batch is still being produced, and another relay
+            // could then publish the same rows: produce nothing, let the lease expire.
+            tracing::warn!(relay = %self.config.relay_id, "the claim left too little of the lease to publish the batch; abandoning it");
+            self.metrics.abandoned.inc_by(records.len() as u64);
             return Ok(report);
         }
         let delivered = self.publisher.publish(&messages).await;

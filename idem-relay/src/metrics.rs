@@ -27,6 +27,10 @@ pub struct RelayMetrics {
     /// `idem_outbox_lease_lost_total`: rows this relay could not mark because another relay had
     /// taken over its expired lease.
     pub lease_lost: IntCounter,
+    /// `idem_outbox_abandoned_total`: claimed rows not produced because the claim left less of
+    /// the lease than one publish can take ([`idem_core::Publisher::longest_publish`]); they
+    /// are claimed again after the lease expires.
+    pub abandoned: IntCounter,
     /// `idem_outbox_pruned_total`: published rows deleted or archived.
     pub pruned: IntCounter,
     /// `idem_outbox_relay_errors_total`: failed cycles (database or broker errors).
@@ -87,6 +91,11 @@ impl RelayMetrics {
                 "Rows not marked because another relay took over an expired lease.",
             )
             .map_err(reg_err)?,
+            abandoned: IntCounter::new(
+                "idem_outbox_abandoned_total",
+                "Claimed rows not produced because too little of the lease was left to publish them.",
+            )
+            .map_err(reg_err)?,
             pruned: IntCounter::new("idem_outbox_pruned_total", "Published rows deleted or archived.").map_err(reg_err)?,
             errors: IntCounter::new("idem_outbox_relay_errors_total", "Relay cycles that failed and were retried.")
                 .map_err(reg_err)?,
@@ -130,7 +139,7 @@ impl RelayMetrics {
         registry
             .register(Box::new(m.failures.clone()))
             .map_err(reg_err)?;
-        for c in [&m.lease_lost, &m.pruned, &m.errors] {
+        for c in [&m.lease_lost, &m.abandoned, &m.pruned, &m.errors] {
             registry.register(Box::new(c.clone())).map_err(reg_err)?;
         }
         for g in [&m.pending, &m.parked_rows] {

@@ -316,7 +316,7 @@ async fn drive(
                 "--topic-prefix",
                 &prefix,
                 "--lease",
-                "5s",
+                "6s",
                 "--producer-config",
                 "message.timeout.ms=2000",
                 "--batch-size",
