@@ -50,6 +50,21 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
         "a run without duplicate deliveries would be vacuous"
     );
     assert_eq!(r["verify"]["clean"], true);
+    // A foreign writer's hostile rows: the contract refused some, the rest were contained
+    // (parked, or dead-lettered by both groups: `ok` would be false otherwise), no panic.
+    assert!(
+        faults["hostile_rows_refused"].as_u64().unwrap() >= 6,
+        "{r:#}"
+    );
+    let contained = r["hostile_rows"].as_object().unwrap();
+    assert!(contained.len() >= 8, "{r:#}");
+    assert!(
+        contained
+            .values()
+            .any(|v| v.as_str().unwrap().starts_with("parked")),
+        "the oversized row should be parked: {r:#}"
+    );
+    assert_eq!(r["panics"], serde_json::json!([]));
 }
 
 /// The same on a 3-node cluster (replication 3, `min.insync.replicas=2`): the first broker fault
@@ -72,7 +87,13 @@ fn a_short_chaos_run_on_three_kafka_nodes_survives_a_leader_kill() {
 
 /// Runs a negative control and returns its report, which must be a failure.
 fn broken(mechanism: &str) -> serde_json::Value {
-    let (code, r, stderr) = chaos(&["--seconds", "30", "--seed", "3", "--break", mechanism]);
+    broken_with(mechanism, &[])
+}
+
+fn broken_with(mechanism: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["--seconds", "30", "--seed", "3", "--break", mechanism];
+    args.extend(extra);
+    let (code, r, stderr) = chaos(&args);
     assert_eq!(
         code,
         Some(1),
@@ -148,6 +169,20 @@ fn kafka_transactions_instead_of_the_inbox_are_caught_as_duplicate_effects() {
     let r = broken("kafka-transactions");
     assert!(doubled(&r) > 0, "{r:#}");
     assert_eq!(lost(&r), 0, "{r:#}");
+}
+
+/// A relay that never parks retries a foreign writer's unpublishable row (over a megabyte)
+/// forever: the hostile-rows fault class reports the row as wedged. (Waiting for it is
+/// pointless, hence the short settle deadline.)
+#[test]
+fn a_relay_that_never_parks_is_caught_wedged_by_a_hostile_row() {
+    let r = broken_with("never-park", &["--settle-deadline", "40s"]);
+    let failures = r["failures"].to_string();
+    assert!(
+        failures.contains("hostile row payload_over_a_megabyte")
+            && failures.contains("still pending"),
+        "{r:#}"
+    );
 }
 
 /// Interrupting a run (SIGTERM, or Ctrl-C's SIGINT) kills every process it started, its Kafka

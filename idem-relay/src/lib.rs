@@ -312,7 +312,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                     let attempted = e.kind != FailureKind::NotSent;
                     let permanent = e.kind == FailureKind::Permanent;
                     // Only permanent failures count towards parking: a broker outage never parks.
-                    let park = permanent && r.permanent_failures + 1 >= self.config.max_attempts;
+                    let park = permanent
+                        && r.permanent_failures + 1 >= self.config.max_attempts
+                        && !crash::broken(crash::BREAK_NEVER_PARK);
                     let kind = match e.kind {
                         FailureKind::Transient => "transient",
                         FailureKind::Permanent => "permanent",

@@ -9,6 +9,7 @@
 //! `--break MECHANISM` runs a negative control: one mechanism deliberately broken, which the
 //! run must report as a violation.
 
+mod hostile;
 pub mod kafka;
 pub mod kafka_txn;
 mod procs;
@@ -96,6 +97,11 @@ pub struct ChaosReport {
     /// group read past it without applying it.
     pub lost: u64,
     pub duplicate_effects: u64,
+    /// Hostile rows written through the SQL contract: per row (name and event id), where it
+    /// ended; refused rows are counted in `faults` (`hostile_rows_refused`).
+    pub hostile_rows: BTreeMap<String, String>,
+    /// Panics in any process's log (a process a foreign writer or a remote can panic).
+    pub panics: Vec<String>,
     pub logs: Option<String>,
     pub verify: idem_verify::Report,
 }
@@ -441,9 +447,24 @@ async fn drive(
         "idem_outbox_republish_total",
     ];
     let mut tick: u64 = 0;
+    let mut hostile_round: u64 = 0;
+    let mut next_hostile = started + Duration::from_secs(5);
+    let mut hostile_accepted: Vec<hostile::Accepted> = vec![];
+    let mut hostile_violations: Vec<String> = vec![];
     while Instant::now() < end {
         supervise(&mut procs, &mut rng);
         let now = Instant::now();
+        if now >= next_hostile {
+            // A foreign writer's round of hostile rows, every 20 to 40 s.
+            hostile_round += 1;
+            let round = hostile::insert_round(&dbs.orders, hostile_round).await?;
+            *faults.entry("hostile_rows".to_owned()).or_default() +=
+                (round.accepted.len() + round.refused) as u64;
+            *faults.entry("hostile_rows_refused".to_owned()).or_default() += round.refused as u64;
+            hostile_accepted.extend(round.accepted);
+            hostile_violations.extend(round.violations);
+            next_hostile = now + rng.between(Duration::from_secs(20), Duration::from_secs(40));
+        }
         if now >= last_scrape + Duration::from_secs(1) {
             for p in procs.iter_mut().filter(|p| p.role != Role::Broker) {
                 p.scrape(&counters);
@@ -643,7 +664,7 @@ async fn drive(
     // Progress checks skip the localisation (it costs point queries per missing key); the
     // final verification locates.
     let quick = idem_verify::Options { locate_limit: 0 };
-    let mut last: Option<(u64, u64, i64, i64, i64)> = None;
+    let mut last: Option<(u64, u64, i64, i64, i64, usize)> = None;
     let mut stable = 0;
     let mut live = false;
     let mut verify = idem_verify::verify(&config, &quick).await?;
@@ -655,14 +676,19 @@ async fn drive(
             p.scrape(&counters);
         }
         verify = idem_verify::verify(&config, &quick).await?;
-        if verify.clean {
+        let hostile_open = hostile::fates(&dbs.orders, &dbs.settlement, &hostile_accepted)
+            .await?
+            .iter()
+            .filter(|(_, f)| hostile::contained(f).is_err())
+            .count();
+        if verify.clean && hostile_open == 0 {
             live = true;
             break;
         }
         // A broken mechanism never converges: settled means nothing moves any more.
         let unpublished = dbs
             .orders
-            .scalar("SELECT count(*) FROM idem_outbox WHERE status <> 'published'")
+            .scalar("SELECT count(*) FROM idem_outbox WHERE status = 'pending'")
             .await?;
         let pending_effects = dbs
             .settlement
@@ -678,6 +704,7 @@ async fn drive(
             unpublished,
             pending_effects,
             applied,
+            hostile_open,
         );
         if last == Some(now) {
             stable += 1;
@@ -728,6 +755,20 @@ async fn drive(
         Ok(records) => unconsumed(&brokers, &topic, records, dbs).await?,
         Err(_) => BTreeMap::new(),
     };
+    let mut hostile_rows = BTreeMap::new();
+    for (a, fate) in hostile::fates(&dbs.orders, &dbs.settlement, &hostile_accepted).await? {
+        let key = format!("{} {}", a.name, a.event_id);
+        match hostile::contained(&fate) {
+            Ok(how) => {
+                hostile_rows.insert(key, how);
+            }
+            Err(open) => {
+                hostile_violations.push(format!("hostile row {key}: {open}"));
+                hostile_rows.insert(key, open);
+            }
+        }
+    }
+    let panics: Vec<String> = procs.iter().flat_map(Proc::panics).collect();
     let sum = |name: &str| -> u64 { procs.iter().map(|p| p.total(name)).sum::<f64>() as u64 };
     let (dup_deliveries, dup_skips, republishes) = (
         sum("idem_duplicate_delivery_total"),
@@ -747,6 +788,14 @@ async fn drive(
         failures.push(format!(
             "liveness: the pipeline did not settle within {:?} after the faults stopped",
             args.settle_deadline
+        ));
+    }
+    failures.extend(hostile_violations);
+    if !panics.is_empty() {
+        failures.push(format!(
+            "{} panic(s) in process logs, first: {}",
+            panics.len(),
+            panics[0]
         ));
     }
     let unconsumed_total: u64 = unconsumed.values().sum();
@@ -804,6 +853,8 @@ async fn drive(
         unconsumed,
         lost,
         duplicate_effects: verify.duplicate_effects(),
+        hostile_rows,
+        panics,
         logs: None,
         verify,
     })
@@ -1006,6 +1057,8 @@ fn print_report(r: &ChaosReport) {
     }
     println!("  lost effects                   {}", r.lost);
     println!("  duplicate effects              {}", r.duplicate_effects);
+    let contained = r.hostile_rows.len();
+    println!("  hostile rows stored, contained {contained} (see --json for each one's fate)");
     if !r.verify.clean {
         println!();
         print!("{}", r.verify.table());

@@ -147,6 +147,15 @@ impl Proc {
         false
     }
 
+    /// Lines of this process's log (every incarnation) that report a Rust panic.
+    pub fn panics(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines()
+            .filter(|l| l.contains("panicked at"))
+            .map(|l| format!("{}: {l}", self.name))
+            .collect()
+    }
+
     /// The metrics address the current incarnation printed, if any.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         let text = std::fs::read_to_string(&self.log).ok()?;

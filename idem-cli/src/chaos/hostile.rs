@@ -1,0 +1,375 @@
+//! Hostile rows: a foreign writer that inserts into the outbox with plain SQL (the documented
+//! contract, no idem library) values the contract must refuse, and values it accepts that the
+//! pipeline must contain — parked at the relay, or dead-lettered (or handled) by every consumer
+//! group, each with its reason — while the other events keep flowing and no process panics.
+//!
+//! A round inserts the whole catalogue with fresh event ids and aggregate ids of its own, so a
+//! contained row holds back nothing but itself.
+
+use std::collections::BTreeMap;
+
+use crate::demo::world::Pool;
+
+/// What the contract should do with a row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expect {
+    /// A CHECK, a type or a unique constraint refuses it at insert.
+    Refused,
+    /// Stored; then parked or dead-lettered.
+    Contained,
+    /// Either is right (PostgreSQL may or may not store it, depending on its limits).
+    Either,
+}
+
+struct Row {
+    name: &'static str,
+    expect: Expect,
+    /// Extra columns, and their values (SQL), after the common ones.
+    columns: &'static str,
+    values: String,
+    /// Event type and payload (SQL).
+    event_type: &'static str,
+    payload: String,
+}
+
+/// The consumer groups that read the run's topic: each must account for a published row.
+pub const GROUPS: [&str; 2] = ["settlement", "audit"];
+
+fn catalogue() -> Vec<Row> {
+    let row = |name, expect, columns, values: &str, event_type, payload: &str| Row {
+        name,
+        expect,
+        columns,
+        values: values.to_owned(),
+        event_type,
+        payload: payload.to_owned(),
+    };
+    use Expect::{Contained, Either, Refused};
+    vec![
+        // Refused by the contract's CHECKs (migration 6 for the timestamps: §1 of the review).
+        row(
+            "infinite_occurred_at",
+            Refused,
+            ", occurred_at",
+            ", 'infinity'",
+            "order.paid",
+            "'{}'",
+        ),
+        row(
+            "year_262144_created_at",
+            Refused,
+            ", created_at",
+            ", '262144-01-01'",
+            "order.paid",
+            "'{}'",
+        ),
+        row(
+            "topic_with_a_space",
+            Refused,
+            ", topic",
+            ", 'bad topic'",
+            "order.paid",
+            "'{}'",
+        ),
+        row(
+            "headers_not_an_object",
+            Refused,
+            ", headers",
+            ", '[1, 2]'",
+            "order.paid",
+            "'{}'",
+        ),
+        row(
+            "event_type_with_sql",
+            Refused,
+            "",
+            "",
+            "order'; DROP TABLE orders; --",
+            "'{}'",
+        ),
+        row("reused_event_id", Refused, "", "", "order.paid", "'{}'"),
+        // Stored, then contained.
+        row(
+            "payload_over_a_megabyte",
+            Contained,
+            "",
+            "",
+            "order.paid",
+            "jsonb_build_object('order_id', 'h', 'payment_id', 'h', 'blob', repeat('x', 1100000))",
+        ),
+        row(
+            "payload_with_wrong_types",
+            Contained,
+            "",
+            "",
+            "order.paid",
+            r#"'{"order_id": 1, "payment_id": [], "amount_minor": "NaN"}'"#,
+        ),
+        row(
+            "payload_json_null",
+            Contained,
+            "",
+            "",
+            "order.paid",
+            "'null'",
+        ),
+        row(
+            "unknown_event_type",
+            Contained,
+            "",
+            "",
+            "order.hostile",
+            "'{}'",
+        ),
+        row(
+            "headers_with_non_string_values",
+            Contained,
+            ", headers",
+            r#", '{"x": 5, "ce_id": "forged", "idem_aggregate_seq": {"n": 1}}'"#,
+            "order.paid",
+            "'{}'",
+        ),
+        row(
+            "traceparent_of_5000_bytes",
+            Contained,
+            ", traceparent",
+            ", repeat('z', 5000)",
+            "order.paid",
+            "'{}'",
+        ),
+        row(
+            "earliest_occurred_at",
+            Contained,
+            ", occurred_at",
+            ", '0001-01-01T00:00:00Z'",
+            "order.paid",
+            "'{}'",
+        ),
+        row(
+            "unicode_aggregate_id",
+            Contained,
+            "",
+            "",
+            "order.paid",
+            "'null'",
+        ),
+        row(
+            "payload_nested_5000_deep",
+            Either,
+            "",
+            "",
+            "order.paid",
+            "(repeat('[', 5000) || repeat(']', 5000))::jsonb",
+        ),
+    ]
+}
+
+fn insert_sql(round: u64, r: &Row) -> String {
+    let event_id = if r.name == "reused_event_id" {
+        "(SELECT event_id FROM idem_outbox ORDER BY id LIMIT 1)"
+    } else {
+        "gen_random_uuid()"
+    };
+    let aggregate_id = if r.name == "unicode_aggregate_id" {
+        "repeat('한', 170)".to_owned()
+    } else {
+        format!("'hostile-{round}-{}'", r.name)
+    };
+    format!(
+        "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload{}) \
+         VALUES ({event_id}, 'order', {aggregate_id}, '{}', {}{}) RETURNING event_id::text",
+        r.columns,
+        r.event_type.replace('\'', "''"),
+        r.payload,
+        r.values
+    )
+}
+
+/// A stored hostile row, to be accounted for when the run settles.
+#[derive(Clone, Debug)]
+pub struct Accepted {
+    pub name: String,
+    pub event_id: String,
+}
+
+/// One round's result.
+#[derive(Debug, Default)]
+pub struct Round {
+    pub accepted: Vec<Accepted>,
+    pub refused: usize,
+    /// Rows the contract treated otherwise than it should.
+    pub violations: Vec<String>,
+}
+
+/// Inserts one round of the catalogue into the orders database (PostgreSQL).
+pub async fn insert_round(orders: &Pool, round: u64) -> anyhow::Result<Round> {
+    let Pool::Pg(pool) = orders else {
+        anyhow::bail!("hostile rows are written with PostgreSQL's SQL");
+    };
+    let mut out = Round::default();
+    for r in catalogue() {
+        let sql = insert_sql(round, &r);
+        let stored = sqlx::query_scalar::<_, String>(&sql).fetch_one(pool).await;
+        match (stored, r.expect) {
+            (Ok(event_id), expect) => {
+                if expect == Expect::Refused {
+                    out.violations.push(format!(
+                        "hostile row {}: the outbox contract accepted it (event {event_id})",
+                        r.name
+                    ));
+                }
+                out.accepted.push(Accepted {
+                    name: r.name.to_owned(),
+                    event_id,
+                });
+            }
+            (Err(e), Expect::Contained) => out.violations.push(format!(
+                "hostile row {}: expected PostgreSQL to store it (the harness would test nothing), got: {e}",
+                r.name
+            )),
+            (Err(_), _) => out.refused += 1,
+        }
+    }
+    Ok(out)
+}
+
+/// Where a stored hostile row ended.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Fate {
+    /// `pending`, `published` or `parked`.
+    pub status: String,
+    /// The relay's reason, when parked.
+    pub last_error: Option<String>,
+    /// Per group: `Some(reason)` when dead-lettered, `Some("")` when the inbox has it.
+    pub groups: BTreeMap<String, Option<String>>,
+}
+
+/// Whether a row's fate is final and contained; `Err` says what is still open.
+pub fn contained(f: &Fate) -> Result<String, String> {
+    match f.status.as_str() {
+        "parked" => match &f.last_error {
+            Some(reason) if !reason.is_empty() => Ok(format!("parked: {reason}")),
+            _ => Err("parked without a reason".to_owned()),
+        },
+        "published" => {
+            let open: Vec<&str> = GROUPS
+                .iter()
+                .copied()
+                .filter(|g| f.groups.get(*g).is_none_or(Option::is_none))
+                .collect();
+            if open.is_empty() {
+                Ok(format!("published; {}", describe_groups(f)))
+            } else {
+                Err(format!(
+                    "published, but group(s) {} neither applied nor dead-lettered it",
+                    open.join(", ")
+                ))
+            }
+        }
+        other => Err(format!("still {other} (a hostile row must not wedge)")),
+    }
+}
+
+fn describe_groups(f: &Fate) -> String {
+    f.groups
+        .iter()
+        .map(|(g, r)| match r.as_deref() {
+            Some("") => format!("{g}: handled"),
+            Some(reason) => format!("{g}: dead-lettered ({reason})"),
+            None => format!("{g}: open"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Reads where each accepted row ended.
+pub async fn fates(
+    orders: &Pool,
+    settlement: &Pool,
+    accepted: &[Accepted],
+) -> anyhow::Result<Vec<(Accepted, Fate)>> {
+    let (Pool::Pg(orders), Pool::Pg(settlement)) = (orders, settlement) else {
+        anyhow::bail!("hostile rows are accounted with PostgreSQL's SQL");
+    };
+    let mut out = Vec::with_capacity(accepted.len());
+    for a in accepted {
+        let (status, last_error): (String, Option<String>) =
+            sqlx::query_as("SELECT status, last_error FROM idem_outbox WHERE event_id = $1::uuid")
+                .bind(&a.event_id)
+                .fetch_one(orders)
+                .await?;
+        let mut groups = BTreeMap::new();
+        for g in GROUPS {
+            let letter: Option<String> = sqlx::query_scalar(
+                "SELECT reason FROM idem_dead_letters WHERE consumer_group = $1 AND event_id = $2::uuid \
+                 ORDER BY id DESC LIMIT 1",
+            )
+            .bind(g)
+            .bind(&a.event_id)
+            .fetch_optional(settlement)
+            .await?;
+            let handled: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM idem_inbox WHERE consumer_group = $1 AND event_id = $2::uuid \
+                 AND status = 'processed')",
+            )
+            .bind(g)
+            .bind(&a.event_id)
+            .fetch_one(settlement)
+            .await?;
+            let state = letter.or_else(|| handled.then(String::new));
+            groups.insert(g.to_owned(), state);
+        }
+        out.push((
+            a.clone(),
+            Fate {
+                status,
+                last_error,
+                groups,
+            },
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fate(status: &str, last_error: Option<&str>, groups: &[(&str, Option<&str>)]) -> Fate {
+        Fate {
+            status: status.to_owned(),
+            last_error: last_error.map(str::to_owned),
+            groups: groups
+                .iter()
+                .map(|(g, r)| ((*g).to_owned(), r.map(str::to_owned)))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn only_a_parked_row_with_a_reason_or_one_every_group_settled_is_contained() {
+        assert!(contained(&fate("parked", Some("too large"), &[])).is_ok());
+        assert!(contained(&fate("parked", None, &[])).is_err());
+        assert!(contained(&fate("pending", None, &[])).is_err());
+        let both = [("settlement", Some("bad payload")), ("audit", Some(""))];
+        assert!(contained(&fate("published", None, &both)).is_ok());
+        let one = [("settlement", Some("bad payload")), ("audit", None)];
+        let open = contained(&fate("published", None, &one)).unwrap_err();
+        assert!(open.contains("audit"), "{open}");
+        assert!(contained(&fate("published", None, &[("settlement", Some("x"))])).is_err());
+    }
+
+    #[test]
+    fn every_row_of_the_catalogue_is_one_statement_with_its_own_aggregate() {
+        let rows = catalogue();
+        let mut seen = std::collections::BTreeSet::new();
+        for r in &rows {
+            assert!(seen.insert(r.name), "{} twice", r.name);
+            let sql = insert_sql(7, r);
+            assert!(sql.ends_with("RETURNING event_id::text"), "{sql}");
+            assert_eq!(sql.matches("INSERT").count(), 1, "{sql}");
+        }
+        assert!(rows.iter().any(|r| r.expect == Expect::Refused));
+        assert!(rows.iter().any(|r| r.expect == Expect::Contained));
+    }
+}
