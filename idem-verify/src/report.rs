@@ -44,6 +44,9 @@ pub struct TypeTotals {
     pub amount_mismatches: u64,
     /// Keys that appear more than once in the source.
     pub duplicate_source_keys: u64,
+    /// Keys with a target row in another currency than the source row (checks with a
+    /// `[[currency]]`).
+    pub currency_mismatches: u64,
 }
 
 impl TypeTotals {
@@ -54,6 +57,7 @@ impl TypeTotals {
             + self.duplicate_effects
             + self.amount_mismatches
             + self.duplicate_source_keys
+            + self.currency_mismatches
             + u64::from(self.source_sum != self.target_sum)
     }
 }
@@ -140,6 +144,17 @@ pub struct Mismatch {
     pub target: i128,
 }
 
+/// A key settled in another currency.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct CurrencyMismatch {
+    /// The key.
+    pub key: String,
+    /// The source row's currency.
+    pub source: Option<String>,
+    /// The currency of each target row.
+    pub target: Vec<Option<String>>,
+}
+
 /// One reconciliation's results.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct CheckReport {
@@ -153,6 +168,8 @@ pub struct CheckReport {
     pub duplicates: Vec<Duplicate>,
     /// Amount mismatches (the first ones).
     pub mismatches: Vec<Mismatch>,
+    /// Currency mismatches (the first ones).
+    pub currency_mismatches: Vec<CurrencyMismatch>,
     /// Target keys without a source row (the first ones).
     pub unexpected: Vec<String>,
 }
@@ -174,6 +191,7 @@ impl CheckReport {
             t.duplicate_effects += e.duplicate_effects;
             t.amount_mismatches += e.amount_mismatches;
             t.duplicate_source_keys += e.duplicate_source_keys;
+            t.currency_mismatches += e.currency_mismatches;
         }
         t
     }
@@ -304,7 +322,7 @@ impl Report {
         let _ = writeln!(out);
         let _ = writeln!(
             out,
-            "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8}",
+            "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8} {:>8}",
             "check",
             "event type",
             "source",
@@ -314,13 +332,14 @@ impl Report {
             "missing",
             "unexpected",
             "duplicate",
-            "amount"
+            "amount",
+            "currency"
         );
         for c in &self.checks {
             for t in &c.by_event_type {
                 let _ = writeln!(
                     out,
-                    "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8}",
+                    "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8} {:>8}",
                     c.name,
                     t.event_type,
                     t.source_rows,
@@ -330,7 +349,8 @@ impl Report {
                     t.missing,
                     t.unexpected,
                     t.duplicate_effects,
-                    t.amount_mismatches
+                    t.amount_mismatches,
+                    t.currency_mismatches
                 );
             }
         }
@@ -414,6 +434,20 @@ impl Report {
                     out,
                     "AMOUNT    {:<14} key {}: source {} target {}",
                     c.name, m.key, m.source, m.target
+                );
+            }
+            for m in &c.currency_mismatches {
+                let _ = writeln!(
+                    out,
+                    "CURRENCY  {:<14} key {}: source {} target {}",
+                    c.name,
+                    m.key,
+                    m.source.as_deref().unwrap_or("NULL"),
+                    m.target
+                        .iter()
+                        .map(|t| t.as_deref().unwrap_or("NULL"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 );
             }
             for k in &c.unexpected {
