@@ -10,6 +10,7 @@ pub mod event;
 pub mod idempotency;
 pub mod inbox;
 pub mod metrics;
+pub mod ordering;
 pub mod outbox;
 pub mod publish;
 pub mod tables;

@@ -75,6 +75,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "outbox timestamp checks",
         include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
     ),
+    (
+        10,
+        "outbox sequence numbers for inserted rows only (PostgreSQL; none here)",
+        include_str!("../migrations/0010_outbox_seq_inserted_only.sql"),
+    ),
 ];
 
 const CLAIM_WINDOW_FACTOR: u32 = 4;
