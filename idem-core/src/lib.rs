@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod ordering;
 pub mod outbox;
 pub mod publish;
+pub mod retention;
 pub mod tables;
 pub mod trace;
 

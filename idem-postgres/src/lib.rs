@@ -44,6 +44,8 @@ use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Connection, Row};
 use uuid::Uuid;
 
+mod retention;
+
 /// Table bases used in the SQL files.
 const BASES: &[&str] = &[
     "outbox_aggregates",

@@ -42,6 +42,8 @@ use sqlx::sqlite::{
 use sqlx::{Connection, Executor, Row};
 use uuid::Uuid;
 
+mod retention;
+
 const BASES: &[&str] = &[
     "outbox_archive",
     "outbox",
