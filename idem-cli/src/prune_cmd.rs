@@ -4,10 +4,10 @@
 use std::time::Duration;
 
 use clap::Args;
-use idem_core::retention::{RetentionError, RetentionWindow};
+use idem_core::retention::{Prunable, RetentionError, RetentionStore, RetentionWindow};
 
 use crate::DbArgs;
-use crate::db::{self, Store};
+use crate::db;
 
 #[derive(Args, Debug)]
 pub struct PruneArgs {
@@ -53,8 +53,8 @@ fn windows(
             .transpose()
     };
     Ok((
-        window("inbox rows", args.inbox_older_than)?,
-        window("done effect intents", args.intents_older_than)?,
+        window(Prunable::Inbox, args.inbox_older_than)?,
+        window(Prunable::DoneIntents, args.intents_older_than)?,
     ))
 }
 
@@ -81,19 +81,11 @@ pub async fn run(args: PruneArgs) -> anyhow::Result<()> {
     }
     let store = db::open(&args.db, 1).await?;
     let batch = args.batch;
-    if let Some(w) = &inbox {
-        let n = match &store {
-            Store::Postgres(s) => drain(batch, || s.prune_inbox(w, batch)).await?,
-            Store::Sqlite(s) => drain(batch, || s.prune_inbox(w, batch)).await?,
-        };
-        println!("pruned {n} inbox row(s)");
-    }
-    if let Some(w) = &intents {
-        let n = match &store {
-            Store::Postgres(s) => drain(batch, || s.prune_intents(w, batch)).await?,
-            Store::Sqlite(s) => drain(batch, || s.prune_intents(w, batch)).await?,
-        };
-        println!("pruned {n} done effect intent(s)");
+    for (what, window) in [(Prunable::Inbox, inbox), (Prunable::DoneIntents, intents)] {
+        let Some(w) = window else { continue };
+        let n =
+            crate::with_store!(&store, s => drain(batch, || s.prune_older(what, &w, batch)).await)?;
+        println!("pruned {n} {}", what.describe());
     }
     Ok(())
 }

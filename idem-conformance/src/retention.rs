@@ -4,43 +4,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem_core::retention::RetentionWindow;
-use idem_postgres::PgStore;
-use idem_sqlite::SqliteStore;
+use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
 
 use crate::backend::Backend;
-
-/// The stores' pruning methods, for one scenario over both.
-pub trait Prunes {
-    fn prune_inbox(
-        &self,
-        window: &RetentionWindow,
-        batch: u32,
-    ) -> impl Future<Output = idem_core::Result<u64>>;
-    fn prune_intents(
-        &self,
-        window: &RetentionWindow,
-        batch: u32,
-    ) -> impl Future<Output = idem_core::Result<u64>>;
-}
-
-impl Prunes for PgStore {
-    async fn prune_inbox(&self, window: &RetentionWindow, batch: u32) -> idem_core::Result<u64> {
-        PgStore::prune_inbox(self, window, batch).await
-    }
-    async fn prune_intents(&self, window: &RetentionWindow, batch: u32) -> idem_core::Result<u64> {
-        PgStore::prune_intents(self, window, batch).await
-    }
-}
-
-impl Prunes for SqliteStore {
-    async fn prune_inbox(&self, window: &RetentionWindow, batch: u32) -> idem_core::Result<u64> {
-        SqliteStore::prune_inbox(self, window, batch).await
-    }
-    async fn prune_intents(&self, window: &RetentionWindow, batch: u32) -> idem_core::Result<u64> {
-        SqliteStore::prune_intents(self, window, batch).await
-    }
-}
 
 const DAY: Duration = Duration::from_secs(86_400);
 /// Far older than any window below, in a text form both engines read.
@@ -90,7 +56,7 @@ where
 
 pub async fn retention_prunes_old_rows_and_keeps_young_ones<B: Backend>(b: &B)
 where
-    B::Store: Prunes,
+    B::Store: RetentionStore,
 {
     let inbox = b.tables().qualified("inbox");
     let intents = b.tables().qualified("effect_intents");
@@ -130,10 +96,10 @@ where
         }
     }
 
-    let window = RetentionWindow::new("test rows", 7 * DAY, 7 * DAY).unwrap();
+    let window = RetentionWindow::new(Prunable::Inbox, 7 * DAY, 7 * DAY).unwrap();
     let store = b.store();
     assert_eq!(
-        drain(|| store.prune_inbox(&window, 1)).await,
+        drain(|| store.prune_older(Prunable::Inbox, &window, 1)).await,
         (2, 2),
         "two old processed rows, one per batch of 1"
     );
@@ -152,7 +118,10 @@ where
     };
     assert_eq!(left, vec![0, 0, 1, 1, 1], "inbox rows 1..=5 left");
 
-    assert_eq!(drain(|| store.prune_intents(&window, 10)).await, (2, 1));
+    assert_eq!(
+        drain(|| store.prune_older(Prunable::DoneIntents, &window, 10)).await,
+        (2, 1)
+    );
     let keys = b
         .scalar(&format!(
             "SELECT count(*) FROM {intents} WHERE idem_key IN ('key-13', 'key-14', 'key-15', 'key-16')"

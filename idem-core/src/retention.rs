@@ -15,7 +15,42 @@
 //! take for copies of events it applied ([`crate::ordering`]) and skip. One row per aggregate
 //! ever written is the price of numbers that never repeat.
 
+use std::future::Future;
 use std::time::Duration;
+
+use crate::Result;
+
+/// What a store can prune beyond a [`RetentionWindow`].
+/// Exhaustive on purpose: a new kind must be handled by every store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prunable {
+    /// `processed` inbox rows (every consumer group) processed and last delivered before the
+    /// window; `dead_lettered` rows stay.
+    Inbox,
+    /// `done` effect intents finished before the window; pending, parked and unknown ones stay.
+    DoneIntents,
+}
+
+impl Prunable {
+    /// Words for messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Prunable::Inbox => "inbox rows",
+            Prunable::DoneIntents => "done effect intents",
+        }
+    }
+}
+
+/// A store that prunes [`Prunable`] rows (the PostgreSQL and SQLite stores).
+pub trait RetentionStore {
+    /// Deletes up to `batch` rows of `what` older than `window`; returns how many.
+    fn prune_older(
+        &self,
+        what: Prunable,
+        window: &RetentionWindow,
+        batch: u32,
+    ) -> impl Future<Output = Result<u64>> + Send;
+}
 
 /// Why a retention window was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -58,10 +93,11 @@ impl RetentionWindow {
     /// A window of `older_than` for `what` (named in the error), refused when it is shorter than
     /// `horizon` or when `horizon` is zero.
     pub fn new(
-        what: &'static str,
+        what: Prunable,
         older_than: Duration,
         horizon: Duration,
-    ) -> Result<Self, RetentionError> {
+    ) -> std::result::Result<Self, RetentionError> {
+        let what = what.describe();
         if horizon.is_zero() {
             return Err(RetentionError::NoHorizon { what });
         }
@@ -89,7 +125,7 @@ mod tests {
 
     #[test]
     fn a_window_shorter_than_the_horizon_is_refused() {
-        let err = RetentionWindow::new("inbox rows", 6 * DAY, 7 * DAY).unwrap_err();
+        let err = RetentionWindow::new(Prunable::Inbox, 6 * DAY, 7 * DAY).unwrap_err();
         assert_eq!(
             err,
             RetentionError::ShorterThanHorizon {
@@ -100,10 +136,10 @@ mod tests {
         );
         assert!(err.to_string().contains("applied twice"), "{err}");
         assert_eq!(
-            RetentionWindow::new("inbox rows", DAY, Duration::ZERO),
+            RetentionWindow::new(Prunable::Inbox, DAY, Duration::ZERO),
             Err(RetentionError::NoHorizon { what: "inbox rows" })
         );
-        let ok = RetentionWindow::new("inbox rows", 7 * DAY, 7 * DAY).unwrap();
+        let ok = RetentionWindow::new(Prunable::Inbox, 7 * DAY, 7 * DAY).unwrap();
         assert_eq!(ok.older_than(), 7 * DAY);
     }
 }

@@ -3,46 +3,26 @@
 
 use chrono::Utc;
 use idem_core::Result;
-use idem_core::retention::RetentionWindow;
+use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
 
 use crate::{BASES, SqliteStore, TS_FORMAT, immediate};
 
-impl SqliteStore {
-    /// Deletes up to `batch` processed inbox rows (every consumer group) processed and last
-    /// delivered longer than `window` ago; returns how many. Dead-lettered rows stay.
-    pub async fn prune_inbox(&self, window: &RetentionWindow, batch: u32) -> Result<u64> {
-        self.prune_with(
-            include_str!("../sql/inbox_prune.sql"),
-            window,
-            batch,
-            "pruning the inbox",
-        )
-        .await
-    }
-
-    /// Deletes up to `batch` done effect intents finished longer than `window` ago; returns how
-    /// many. Pending, parked and unknown intents stay.
-    pub async fn prune_intents(&self, window: &RetentionWindow, batch: u32) -> Result<u64> {
-        self.prune_with(
-            include_str!("../sql/intent_prune.sql"),
-            window,
-            batch,
-            "pruning done effect intents",
-        )
-        .await
-    }
-
-    async fn prune_with(
+impl RetentionStore for SqliteStore {
+    async fn prune_older(
         &self,
-        sql: &str,
+        what: Prunable,
         window: &RetentionWindow,
         batch: u32,
-        context: &str,
     ) -> Result<u64> {
+        let sql = match what {
+            Prunable::Inbox => include_str!("../sql/inbox_prune.sql"),
+            Prunable::DoneIntents => include_str!("../sql/intent_prune.sql"),
+        };
         let sql = self.outbox.tables.render(sql, BASES);
         let cutoff = cutoff(window);
-        let mut conn = self.conn(context).await?;
-        immediate(&mut conn, context, async |c| {
+        let context = format!("pruning {}", what.describe());
+        let mut conn = self.conn(&context).await?;
+        immediate(&mut conn, &context, async |c| {
             Ok(sqlx::query(&sql)
                 .bind(&cutoff)
                 .bind(i64::from(batch))

@@ -407,63 +407,7 @@ impl Report {
             );
         }
         for c in &self.checks {
-            for l in &c.losses {
-                let _ = writeln!(
-                    out,
-                    "LOST      {:<14} key {} (aggregate {}, event {}): {}{}",
-                    c.name,
-                    l.key,
-                    l.aggregate_id.as_deref().unwrap_or("-"),
-                    l.event_id.as_deref().unwrap_or("-"),
-                    l.stage.describe(),
-                    l.detail
-                        .as_deref()
-                        .map(|d| format!(": {d}"))
-                        .unwrap_or_default()
-                );
-            }
-            for d in &c.duplicates {
-                let _ = writeln!(
-                    out,
-                    "DUPLICATE {:<14} key {}: {} target rows",
-                    c.name, d.key, d.rows
-                );
-            }
-            for m in &c.mismatches {
-                let _ = writeln!(
-                    out,
-                    "AMOUNT    {:<14} key {}: source {} target {}",
-                    c.name, m.key, m.source, m.target
-                );
-            }
-            for m in &c.currency_mismatches {
-                let _ = writeln!(
-                    out,
-                    "CURRENCY  {:<14} key {}: source {} target {}",
-                    c.name,
-                    m.key,
-                    m.source.as_deref().unwrap_or("NULL"),
-                    m.target
-                        .iter()
-                        .map(|t| t.as_deref().unwrap_or("NULL"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            }
-            for k in &c.unexpected {
-                let _ = writeln!(out, "UNEXPECTED {:<13} key {}: no source row", c.name, k);
-            }
-            let t = c.total();
-            if t.source_sum != t.target_sum {
-                let _ = writeln!(
-                    out,
-                    "SUM GAP   {:<14} source {} target {} (difference {})",
-                    c.name,
-                    t.source_sum,
-                    t.target_sum,
-                    t.source_sum - t.target_sum
-                );
-            }
+            c.write_findings(&mut out);
         }
         for u in &self.unique {
             for d in &u.duplicates {
@@ -475,5 +419,70 @@ impl Report {
             }
         }
         out
+    }
+}
+
+impl CheckReport {
+    /// The table's lines for each finding of this check (lost, duplicate, amount, currency,
+    /// unexpected, sum gap).
+    fn write_findings(&self, out: &mut String) {
+        let c = self;
+        for l in &c.losses {
+            let _ = writeln!(
+                out,
+                "LOST      {:<14} key {} (aggregate {}, event {}): {}{}",
+                c.name,
+                l.key,
+                l.aggregate_id.as_deref().unwrap_or("-"),
+                l.event_id.as_deref().unwrap_or("-"),
+                l.stage.describe(),
+                l.detail
+                    .as_deref()
+                    .map(|d| format!(": {d}"))
+                    .unwrap_or_default()
+            );
+        }
+        for d in &c.duplicates {
+            let _ = writeln!(
+                out,
+                "DUPLICATE {:<14} key {}: {} target rows",
+                c.name, d.key, d.rows
+            );
+        }
+        for m in &c.mismatches {
+            let _ = writeln!(
+                out,
+                "AMOUNT    {:<14} key {}: source {} target {}",
+                c.name, m.key, m.source, m.target
+            );
+        }
+        for m in &c.currency_mismatches {
+            let _ = writeln!(
+                out,
+                "CURRENCY  {:<14} key {}: source {} target {}",
+                c.name,
+                m.key,
+                m.source.as_deref().unwrap_or("NULL"),
+                m.target
+                    .iter()
+                    .map(|t| t.as_deref().unwrap_or("NULL"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        for k in &c.unexpected {
+            let _ = writeln!(out, "UNEXPECTED {:<13} key {}: no source row", c.name, k);
+        }
+        let t = c.total();
+        if t.source_sum != t.target_sum {
+            let _ = writeln!(
+                out,
+                "SUM GAP   {:<14} source {} target {} (difference {})",
+                c.name,
+                t.source_sum,
+                t.target_sum,
+                t.source_sum - t.target_sum
+            );
+        }
     }
 }
