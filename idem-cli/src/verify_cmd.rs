@@ -69,6 +69,10 @@ pub struct VerifyArgs {
     /// Serve Prometheus metrics here (with --watch).
     #[arg(long, requires = "watch")]
     metrics_addr: Option<SocketAddr>,
+    /// Negative control for `idem chaos`: leave the metrics of the last good run in place when
+    /// a run fails (the stale proof this command used to export). Never use it.
+    #[arg(long, hide = true, requires = "watch")]
+    lab_keep_stale_metrics: bool,
 }
 
 fn config(args: &VerifyArgs) -> anyhow::Result<VerifyConfig> {
@@ -153,7 +157,9 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
                 }
             }
             Err(e) => {
-                metrics.failed();
+                if !args.lab_keep_stale_metrics {
+                    metrics.failed();
+                }
                 eprintln!("idem verify: could not verify: {e}");
             }
         }

@@ -17,8 +17,7 @@ fn config(db: &str) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failing_run_after_a_clean_one_reports_down_not_a_stale_zero() {
+async fn facts_db() -> (Pg, tempfile::TempDir, std::path::PathBuf) {
     let pg = Pg::new().await;
     for sql in [
         "CREATE TABLE facts (k text NOT NULL, amount bigint NOT NULL)",
@@ -31,6 +30,10 @@ async fn a_failing_run_after_a_clean_one_reports_down_not_a_stale_zero() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("verify.toml");
     std::fs::write(&path, config(pg.url())).unwrap();
+    (pg, dir, path)
+}
+
+fn watch(path: &std::path::Path, extra: &[&str]) -> Proc {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
     cmd.args([
         "verify",
@@ -41,8 +44,15 @@ async fn a_failing_run_after_a_clean_one_reports_down_not_a_stale_zero() {
         "--metrics-addr",
         "127.0.0.1:0",
     ])
+    .args(extra)
     .env_remove("IDEM_CRASH_POINTS");
-    let watch = Proc::spawn("verify-watch", cmd);
+    Proc::spawn("verify-watch", cmd)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_run_after_a_clean_one_reports_down_not_a_stale_zero() {
+    let (pg, _dir, path) = facts_db().await;
+    let watch = watch(&path, &[]);
     let addr = watch.metrics_addr();
     let metric = move |name: &str, labels: &[(&str, &str)]| {
         metric_value(&http_get(addr, "/metrics"), name, labels)
@@ -102,4 +112,27 @@ async fn a_failing_run_after_a_clean_one_reports_down_not_a_stale_zero() {
         },
     )
     .await;
+}
+
+/// The chaos runner's negative control: with the hidden flag the old stale proof comes back
+/// (up stays 1, the gap stays 0 while nothing is verified), so a harness check on `up` fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_negative_control_keeps_the_stale_proof() {
+    let (pg, _dir, path) = facts_db().await;
+    let watch = watch(&path, &["--lab-keep-stale-metrics"]);
+    let addr = watch.metrics_addr();
+    let metric = move |name: &str| metric_value(&http_get(addr, "/metrics"), name, &[]);
+    watch.wait_for_line("idem verify: clean", Duration::from_secs(30));
+    eventually(
+        "a clean run to be exported",
+        Duration::from_secs(30),
+        || async { (metric("idem_reconciliation_up") == Some(1.0)).then_some(()) },
+    )
+    .await;
+    pg.exec("ALTER TABLE effects RENAME TO effects_moved")
+        .await
+        .unwrap();
+    watch.wait_for_line("could not verify", Duration::from_secs(30));
+    assert_eq!(metric("idem_reconciliation_up"), Some(1.0));
+    assert_eq!(metric("idem_reconciliation_gap"), Some(0.0));
 }
