@@ -9,6 +9,7 @@ mod effects_cmd;
 mod lab_consumer;
 mod metrics_server;
 mod outbox_cmd;
+mod prune_cmd;
 mod reference_cmd;
 mod relay_cmd;
 mod topic_cmd;
@@ -59,6 +60,9 @@ enum Command {
         #[command(subcommand)]
         command: effects_cmd::EffectsCommand,
     },
+    /// Delete old processed inbox rows and done effect intents, never inside the redelivery
+    /// horizon (the topic's retention): a younger inbox row still stops a duplicate.
+    Prune(prune_cmd::PruneArgs),
     /// Check that every fact has exactly one effect: lost, duplicated and mismatched effects,
     /// with where each lost one stopped (exit 0 clean, 1 violations, 2 could not verify).
     Verify(verify_cmd::VerifyArgs),
@@ -142,6 +146,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::PointsApi(args) => reference_cmd::points_api(args).await,
         Command::Effects { command } => effects_cmd::run(command).await,
         Command::Verify(args) => verify_cmd::run(args).await,
+        Command::Prune(args) => prune_cmd::run(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Chaos(args) => chaos::run(args).await,
         Command::KafkaTxnSettlement(args) => chaos::kafka_txn::run(args).await,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use idem_verify::{GapGauge, Options, VerifyConfig};
+use idem_verify::{Options, VerifyConfig, WatchMetrics};
 
 /// Ends the process with this status, after the command printed what it had to say.
 #[derive(Debug)]
@@ -62,12 +62,17 @@ pub struct VerifyArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
-    /// Keep verifying at this interval, exporting idem_reconciliation_gap (Ctrl-C stops).
+    /// Keep verifying at this interval, exporting idem_reconciliation_gap, idem_reconciliation_up
+    /// and idem_reconciliation_last_success_timestamp_seconds (Ctrl-C stops).
     #[arg(long, value_parser = crate::relay_cmd::parse_duration)]
     watch: Option<Duration>,
     /// Serve Prometheus metrics here (with --watch).
     #[arg(long, requires = "watch")]
     metrics_addr: Option<SocketAddr>,
+    /// Negative control for `idem chaos`: leave the metrics of the last good run in place when
+    /// a run fails (the stale proof this command used to export). Never use it.
+    #[arg(long, hide = true, requires = "watch")]
+    lab_keep_stale_metrics: bool,
 }
 
 fn config(args: &VerifyArgs) -> anyhow::Result<VerifyConfig> {
@@ -130,7 +135,7 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
         };
     };
     let registry = prometheus::Registry::new();
-    let gauge = GapGauge::new(&registry)?;
+    let metrics = WatchMetrics::new(&registry)?;
     if let Some(addr) = args.metrics_addr {
         let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
         eprintln!("idem verify: metrics on http://{bound}/metrics");
@@ -140,7 +145,7 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
     loop {
         match idem_verify::verify(&config, &options).await {
             Ok(report) => {
-                gauge.set(&report);
+                metrics.verified(&report, unix_now());
                 eprintln!(
                     "idem verify: {}: lost {}, duplicate effects {}",
                     if report.clean { "clean" } else { "VIOLATIONS" },
@@ -151,11 +156,22 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
                     print(&report, args.json)?;
                 }
             }
-            Err(e) => eprintln!("idem verify: could not verify: {e}"),
+            Err(e) => {
+                if !args.lab_keep_stale_metrics {
+                    metrics.failed();
+                }
+                eprintln!("idem verify: could not verify: {e}");
+            }
         }
         tokio::select! {
             () = &mut shutdown => return Ok(()),
             () = tokio::time::sleep(interval) => {}
         }
     }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }

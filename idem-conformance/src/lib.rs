@@ -7,6 +7,7 @@ pub mod backend;
 pub mod kafka;
 pub mod pg;
 pub mod process;
+pub mod retention;
 pub mod scenarios;
 
 /// Generates one `#[tokio::test]` per scenario for a backend constructor.

@@ -10,8 +10,10 @@ pub mod event;
 pub mod idempotency;
 pub mod inbox;
 pub mod metrics;
+pub mod ordering;
 pub mod outbox;
 pub mod publish;
+pub mod retention;
 pub mod tables;
 pub mod trace;
 

@@ -26,6 +26,8 @@
 //! row in `<prefix>outbox_aggregates`. The counter's row lock is held until the writing
 //! transaction commits or rolls back, so a second transaction writing the same aggregate waits,
 //! and `aggregate_seq` order is commit order. The relay publishes each aggregate in that order.
+//! A row that is not inserted because its `event_id` is already there (`ON CONFLICT (event_id)
+//! DO NOTHING`) hands its number back, so each aggregate's numbers are 1, 2, 3, … without gaps.
 //! Two transactions that enqueue events of the same aggregates in opposite orders can deadlock;
 //! PostgreSQL aborts one of them, which the caller retries. [`Outbox::enqueue_all`] sorts its
 //! events by aggregate to take the locks in one order.
@@ -41,6 +43,8 @@ use idem_core::{Error, Event, EventId, OutboxStore, Result, TableNames};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Connection, Row};
 use uuid::Uuid;
+
+mod retention;
 
 /// Table bases used in the SQL files.
 const BASES: &[&str] = &[
@@ -78,6 +82,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         6,
         "outbox timestamp checks",
         include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
+    ),
+    (
+        10,
+        "outbox sequence numbers for inserted rows only",
+        include_str!("../migrations/0010_outbox_seq_inserted_only.sql"),
     ),
 ];
 

@@ -42,6 +42,8 @@ use sqlx::sqlite::{
 use sqlx::{Connection, Executor, Row};
 use uuid::Uuid;
 
+mod retention;
+
 const BASES: &[&str] = &[
     "outbox_archive",
     "outbox",
@@ -74,6 +76,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         6,
         "outbox timestamp checks",
         include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
+    ),
+    (
+        10,
+        "outbox sequence numbers for inserted rows only (PostgreSQL; none here)",
+        include_str!("../migrations/0010_outbox_seq_inserted_only.sql"),
     ),
 ];
 

@@ -17,6 +17,22 @@ pub struct VerifyConfig {
     /// Where idem's own tables are (for loss localisation and attempt counts).
     #[serde(default)]
     pub tables: Tables,
+    /// Currency columns compared by checks that reconcile money (`[[currency]]`).
+    #[serde(default, rename = "currency")]
+    pub currencies: Vec<CurrencyColumns>,
+}
+
+/// The currency columns of one check: a target row in another currency than its source row is
+/// a violation (`kind="currency"`), even when the amounts agree.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CurrencyColumns {
+    /// The `[[check]]` it applies to.
+    pub check: String,
+    /// The source query's currency column.
+    pub source: String,
+    /// The target query's currency column.
+    pub target: String,
 }
 
 /// idem's table names in every database of the config.
@@ -150,6 +166,11 @@ impl VerifyConfig {
         Ok(config)
     }
 
+    /// The currency columns of check `name`, if its currency is compared.
+    pub fn currency_of(&self, name: &str) -> Option<&CurrencyColumns> {
+        self.currencies.iter().find(|c| c.check == name)
+    }
+
     /// Checks names and queries before anything connects.
     pub fn validate(&self) -> Result<(), VerifyError> {
         if self.checks.is_empty() && self.unique.is_empty() {
@@ -190,6 +211,22 @@ impl VerifyConfig {
                 )));
             }
         }
+        for cur in &self.currencies {
+            if !self.checks.iter().any(|c| c.name == cur.check) {
+                return Err(VerifyError::Config(format!(
+                    "[[currency]] names check {:?}, and there is no [[check]] of that name",
+                    cur.check
+                )));
+            }
+            column(
+                &cur.source,
+                &format!("currency of check {:?} source", cur.check),
+            )?;
+            column(
+                &cur.target,
+                &format!("currency of check {:?} target", cur.check),
+            )?;
+        }
         for u in &self.unique {
             one_statement(&u.query, &format!("unique {:?} query", u.name))?;
             column(&u.key, &format!("unique {:?} key", u.name))?;
@@ -197,7 +234,8 @@ impl VerifyConfig {
         Ok(())
     }
 
-    /// The reference pipeline: orders → settlements (one per payment, same amount), the
+    /// The reference pipeline: orders → settlements (one per payment, same amount and
+    /// currency), the
     /// settlement log (one application per event), and — with the points API's database —
     /// orders → points awards (one per payment, one point per whole currency unit).
     pub fn reference(orders_db: &str, settlement_db: &str, points_db: Option<&str>) -> Self {
@@ -215,7 +253,7 @@ impl VerifyConfig {
             event_type: Some("order.paid".to_owned()),
             source: Side {
                 db: orders_db.to_owned(),
-                query: "SELECT payment_id, amount_minor, order_id FROM orders".to_owned(),
+                query: "SELECT payment_id, amount_minor, currency, order_id FROM orders".to_owned(),
                 key: "payment_id".to_owned(),
                 amount: Some("amount_minor".to_owned()),
                 event_type_column: None,
@@ -223,7 +261,7 @@ impl VerifyConfig {
             },
             target: Side {
                 db: settlement_db.to_owned(),
-                query: "SELECT payment_id, amount_minor FROM settlements".to_owned(),
+                query: "SELECT payment_id, amount_minor, currency FROM settlements".to_owned(),
                 key: "payment_id".to_owned(),
                 amount: Some("amount_minor".to_owned()),
                 event_type_column: None,
@@ -272,6 +310,11 @@ impl VerifyConfig {
                 key: "event_id".to_owned(),
             }],
             tables: Tables::default(),
+            currencies: vec![CurrencyColumns {
+                check: "settlements".to_owned(),
+                source: "currency".to_owned(),
+                target: "currency".to_owned(),
+            }],
         }
     }
 }
@@ -307,6 +350,14 @@ source = { db = "postgres://h/a", query = "SELECT 1", key = "id", amount = "a" }
 target = { db = "postgres://h/a", query = "SELECT 1", key = "id" }"#,
             "",
             "[[check]]\nname = \"x\"\nsurprise = 1",
+            r#"[[check]]
+name = "x"
+source = { db = "postgres://h/a", query = "SELECT 1", key = "id" }
+target = { db = "postgres://h/a", query = "SELECT 1", key = "id" }
+[[currency]]
+check = "y"
+source = "c"
+target = "c""#,
         ] {
             assert!(
                 matches!(VerifyConfig::from_toml(bad), Err(VerifyError::Config(_))),

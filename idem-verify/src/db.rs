@@ -54,6 +54,7 @@ pub(crate) struct KeyRow {
     pub amount: Option<i64>,
     pub event_type: Option<String>,
     pub aggregate_id: Option<String>,
+    pub currency: Option<String>,
 }
 
 /// What a reader task sends.
@@ -66,6 +67,7 @@ pub(crate) struct SideQuery<'a> {
     pub amount: Option<&'a str>,
     pub event_type: Option<&'a str>,
     pub aggregate_id: Option<&'a str>,
+    pub currency: Option<&'a str>,
 }
 
 /// Open databases, shared by URL.
@@ -139,10 +141,11 @@ fn wrap(db: &Db, q: &SideQuery<'_>) -> Result<String, VerifyError> {
         "k".to_owned()
     };
     Ok(format!(
-        "SELECT CAST(q.{key} AS {text}) AS k, {} AS a, {} AS t, {} AS g FROM ({query}) AS q ORDER BY {order}",
+        "SELECT CAST(q.{key} AS {text}) AS k, {} AS a, {} AS t, {} AS g, {} AS c FROM ({query}) AS q ORDER BY {order}",
         col(q.amount, int)?,
         col(q.event_type, text)?,
         col(q.aggregate_id, text)?,
+        col(q.currency, text)?,
     ))
 }
 
@@ -159,6 +162,7 @@ where
         amount: r.try_get("a").map_err(dec)?,
         event_type: r.try_get("t").map_err(dec)?,
         aggregate_id: r.try_get("g").map_err(dec)?,
+        currency: r.try_get("c").map_err(dec)?,
     })
 }
 

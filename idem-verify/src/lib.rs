@@ -3,14 +3,15 @@
 pub mod config;
 mod db;
 mod merge;
+mod metrics;
 pub mod report;
 
 use idem_core::TableNames;
 use idem_core::idempotency::IdempotencyKey;
-use prometheus::{IntGaugeVec, Opts, Registry};
 use tokio::sync::oneshot;
 
-pub use config::{Check, Locate, Side, Tables, UniqueCheck, VerifyConfig};
+pub use config::{Check, CurrencyColumns, Locate, Side, Tables, UniqueCheck, VerifyConfig};
+pub use metrics::{GapGauge, WatchMetrics, gap_values};
 pub use report::{Loss, Report, Stage};
 
 use crate::db::{Db, Pools, SideQuery, counts, lookup_text, redact, stream_side};
@@ -77,7 +78,8 @@ pub async fn verify(config: &VerifyConfig, options: &Options) -> Result<Report, 
     let mut pools = Pools::default();
     let mut report = Report::default();
     for check in &config.checks {
-        let mut checked = run_check(&mut pools, check, options).await?;
+        let currency = config.currency_of(&check.name);
+        let mut checked = run_check(&mut pools, check, currency, options).await?;
         if let Some(l) = &check.locate {
             locate(&mut pools, &tables, check, l, &mut checked).await?;
         }
@@ -99,6 +101,7 @@ struct Checked {
 async fn run_check(
     pools: &mut Pools,
     check: &Check,
+    currency: Option<&CurrencyColumns>,
     options: &Options,
 ) -> Result<Checked, VerifyError> {
     let (sdb, tdb) = (
@@ -108,15 +111,18 @@ async fn run_check(
     // The target's snapshot first: a fact committed in between is seen at the source only,
     // and reads as in flight (missing), never as an effect without a cause (unexpected).
     let (t_ready, t_wait) = oneshot::channel();
-    let trx = stream_side(tdb, check.target.db.clone(), side(&check.target), t_ready)?;
+    let t_query = side(&check.target, currency.map(|c| c.target.as_str()));
+    let trx = stream_side(tdb, check.target.db.clone(), t_query, t_ready)?;
     let mut target = Cursor::new(trx, "target");
     // An error before the snapshot surfaces through the cursor.
     let _ = t_wait.await;
     let (s_ready, _s_wait) = oneshot::channel();
-    let srx = stream_side(sdb, check.source.db.clone(), side(&check.source), s_ready)?;
+    let s_query = side(&check.source, currency.map(|c| c.source.as_str()));
+    let srx = stream_side(sdb, check.source.db.clone(), s_query, s_ready)?;
     let mut source = Cursor::new(srx, "source");
     let default_type = check.event_type.as_deref().unwrap_or(&check.name);
     let mut tally = Tally::new(&check.name, default_type, options.locate_limit);
+    tally.compare_currency = currency.is_some();
     merge(&mut source, &mut target, &mut tally).await?;
     let (mut report, losses) = tally.finish();
     let missing = report.total().missing;
@@ -131,13 +137,14 @@ async fn run_check(
     Ok(Checked { report, losses })
 }
 
-fn side(s: &Side) -> SideQuery<'_> {
+fn side<'a>(s: &'a Side, currency: Option<&'a str>) -> SideQuery<'a> {
     SideQuery {
         query: &s.query,
         key: &s.key,
         amount: s.amount.as_deref(),
         event_type: s.event_type_column.as_deref(),
         aggregate_id: s.aggregate_id.as_deref(),
+        currency,
     }
 }
 
@@ -153,6 +160,7 @@ async fn run_unique(pools: &mut Pools, u: &UniqueCheck) -> Result<UniqueReport, 
             amount: None,
             event_type: None,
             aggregate_id: None,
+            currency: None,
         },
         ready,
     )?;
@@ -357,52 +365,4 @@ async fn attempts(
         }
     }
     Ok(out)
-}
-
-/// `idem_reconciliation_gap{check,event_type,kind}`: the findings of the last run, for
-/// `idem verify --watch`.
-#[derive(Clone)]
-pub struct GapGauge {
-    gauge: IntGaugeVec,
-}
-
-impl GapGauge {
-    /// Creates and registers the gauge.
-    pub fn new(registry: &Registry) -> Result<Self, VerifyError> {
-        let gauge = IntGaugeVec::new(
-            Opts::new(
-                "idem_reconciliation_gap",
-                "Source facts without exactly one matching effect, by kind: missing (lost or in flight), unexpected, duplicate, amount (mismatched keys).",
-            ),
-            &["check", "event_type", "kind"],
-        )
-        .map_err(|e| VerifyError::Config(format!("registering the gap gauge: {e}")))?;
-        registry
-            .register(Box::new(gauge.clone()))
-            .map_err(|e| VerifyError::Config(format!("registering the gap gauge: {e}")))?;
-        Ok(GapGauge { gauge })
-    }
-
-    /// Sets the gauge from `report`.
-    pub fn set(&self, report: &Report) {
-        for c in &report.checks {
-            for t in &c.by_event_type {
-                for (kind, v) in [
-                    ("missing", t.missing),
-                    ("unexpected", t.unexpected),
-                    ("duplicate", t.duplicate_effects),
-                    ("amount", t.amount_mismatches),
-                ] {
-                    self.gauge
-                        .with_label_values(&[c.name.as_str(), &t.event_type, kind])
-                        .set(i64::try_from(v).unwrap_or(i64::MAX));
-                }
-            }
-        }
-        for u in &report.unique {
-            self.gauge
-                .with_label_values(&[u.name.as_str(), "", "duplicate"])
-                .set(i64::try_from(u.duplicated_keys).unwrap_or(i64::MAX));
-        }
-    }
 }

@@ -7,7 +7,9 @@ use tokio::sync::mpsc;
 
 use crate::VerifyError;
 use crate::db::{Batch, KeyRow};
-use crate::report::{CheckReport, Duplicate, Loss, Mismatch, SAMPLES, Stage, TypeTotals};
+use crate::report::{
+    CheckReport, CurrencyMismatch, Duplicate, Loss, Mismatch, SAMPLES, Stage, TypeTotals,
+};
 
 /// One side, read in order.
 pub(crate) struct Cursor {
@@ -80,6 +82,8 @@ pub(crate) struct Tally {
     /// Missing keys still to be located (at most `locate_limit`).
     pub to_locate: Vec<Loss>,
     locate_limit: usize,
+    /// Compare each target row's currency with its source row's.
+    pub compare_currency: bool,
 }
 
 impl Tally {
@@ -93,6 +97,7 @@ impl Tally {
             },
             to_locate: Vec::new(),
             locate_limit,
+            compare_currency: false,
         }
     }
 
@@ -150,6 +155,17 @@ impl Tally {
                 self.report.duplicates.push(Duplicate {
                     key: key.to_owned(),
                     rows: target.len() as u64,
+                });
+            }
+        }
+        let currency = &source[0].currency;
+        if self.compare_currency && target.iter().any(|r| &r.currency != currency) {
+            t.currency_mismatches += 1;
+            if self.report.currency_mismatches.len() < SAMPLES {
+                self.report.currency_mismatches.push(CurrencyMismatch {
+                    key: key.to_owned(),
+                    source: currency.clone(),
+                    target: target.iter().map(|r| r.currency.clone()).collect(),
                 });
             }
         }
@@ -235,6 +251,7 @@ mod tests {
             amount: Some(amount),
             event_type: None,
             aggregate_id: Some(format!("agg-{key}")),
+            currency: None,
         }
     }
 

@@ -44,6 +44,9 @@ pub struct TypeTotals {
     pub amount_mismatches: u64,
     /// Keys that appear more than once in the source.
     pub duplicate_source_keys: u64,
+    /// Keys with a target row in another currency than the source row (checks with a
+    /// `[[currency]]`).
+    pub currency_mismatches: u64,
 }
 
 impl TypeTotals {
@@ -54,6 +57,7 @@ impl TypeTotals {
             + self.duplicate_effects
             + self.amount_mismatches
             + self.duplicate_source_keys
+            + self.currency_mismatches
             + u64::from(self.source_sum != self.target_sum)
     }
 }
@@ -140,6 +144,17 @@ pub struct Mismatch {
     pub target: i128,
 }
 
+/// A key settled in another currency.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct CurrencyMismatch {
+    /// The key.
+    pub key: String,
+    /// The source row's currency.
+    pub source: Option<String>,
+    /// The currency of each target row.
+    pub target: Vec<Option<String>>,
+}
+
 /// One reconciliation's results.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct CheckReport {
@@ -153,6 +168,8 @@ pub struct CheckReport {
     pub duplicates: Vec<Duplicate>,
     /// Amount mismatches (the first ones).
     pub mismatches: Vec<Mismatch>,
+    /// Currency mismatches (the first ones).
+    pub currency_mismatches: Vec<CurrencyMismatch>,
     /// Target keys without a source row (the first ones).
     pub unexpected: Vec<String>,
 }
@@ -174,6 +191,7 @@ impl CheckReport {
             t.duplicate_effects += e.duplicate_effects;
             t.amount_mismatches += e.amount_mismatches;
             t.duplicate_source_keys += e.duplicate_source_keys;
+            t.currency_mismatches += e.currency_mismatches;
         }
         t
     }
@@ -304,7 +322,7 @@ impl Report {
         let _ = writeln!(out);
         let _ = writeln!(
             out,
-            "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8}",
+            "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8} {:>8}",
             "check",
             "event type",
             "source",
@@ -314,13 +332,14 @@ impl Report {
             "missing",
             "unexpected",
             "duplicate",
-            "amount"
+            "amount",
+            "currency"
         );
         for c in &self.checks {
             for t in &c.by_event_type {
                 let _ = writeln!(
                     out,
-                    "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8}",
+                    "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8} {:>8}",
                     c.name,
                     t.event_type,
                     t.source_rows,
@@ -330,7 +349,8 @@ impl Report {
                     t.missing,
                     t.unexpected,
                     t.duplicate_effects,
-                    t.amount_mismatches
+                    t.amount_mismatches,
+                    t.currency_mismatches
                 );
             }
         }
@@ -387,49 +407,7 @@ impl Report {
             );
         }
         for c in &self.checks {
-            for l in &c.losses {
-                let _ = writeln!(
-                    out,
-                    "LOST      {:<14} key {} (aggregate {}, event {}): {}{}",
-                    c.name,
-                    l.key,
-                    l.aggregate_id.as_deref().unwrap_or("-"),
-                    l.event_id.as_deref().unwrap_or("-"),
-                    l.stage.describe(),
-                    l.detail
-                        .as_deref()
-                        .map(|d| format!(": {d}"))
-                        .unwrap_or_default()
-                );
-            }
-            for d in &c.duplicates {
-                let _ = writeln!(
-                    out,
-                    "DUPLICATE {:<14} key {}: {} target rows",
-                    c.name, d.key, d.rows
-                );
-            }
-            for m in &c.mismatches {
-                let _ = writeln!(
-                    out,
-                    "AMOUNT    {:<14} key {}: source {} target {}",
-                    c.name, m.key, m.source, m.target
-                );
-            }
-            for k in &c.unexpected {
-                let _ = writeln!(out, "UNEXPECTED {:<13} key {}: no source row", c.name, k);
-            }
-            let t = c.total();
-            if t.source_sum != t.target_sum {
-                let _ = writeln!(
-                    out,
-                    "SUM GAP   {:<14} source {} target {} (difference {})",
-                    c.name,
-                    t.source_sum,
-                    t.target_sum,
-                    t.source_sum - t.target_sum
-                );
-            }
+            c.write_findings(&mut out);
         }
         for u in &self.unique {
             for d in &u.duplicates {
@@ -441,5 +419,70 @@ impl Report {
             }
         }
         out
+    }
+}
+
+impl CheckReport {
+    /// The table's lines for each finding of this check (lost, duplicate, amount, currency,
+    /// unexpected, sum gap).
+    fn write_findings(&self, out: &mut String) {
+        let c = self;
+        for l in &c.losses {
+            let _ = writeln!(
+                out,
+                "LOST      {:<14} key {} (aggregate {}, event {}): {}{}",
+                c.name,
+                l.key,
+                l.aggregate_id.as_deref().unwrap_or("-"),
+                l.event_id.as_deref().unwrap_or("-"),
+                l.stage.describe(),
+                l.detail
+                    .as_deref()
+                    .map(|d| format!(": {d}"))
+                    .unwrap_or_default()
+            );
+        }
+        for d in &c.duplicates {
+            let _ = writeln!(
+                out,
+                "DUPLICATE {:<14} key {}: {} target rows",
+                c.name, d.key, d.rows
+            );
+        }
+        for m in &c.mismatches {
+            let _ = writeln!(
+                out,
+                "AMOUNT    {:<14} key {}: source {} target {}",
+                c.name, m.key, m.source, m.target
+            );
+        }
+        for m in &c.currency_mismatches {
+            let _ = writeln!(
+                out,
+                "CURRENCY  {:<14} key {}: source {} target {}",
+                c.name,
+                m.key,
+                m.source.as_deref().unwrap_or("NULL"),
+                m.target
+                    .iter()
+                    .map(|t| t.as_deref().unwrap_or("NULL"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        for k in &c.unexpected {
+            let _ = writeln!(out, "UNEXPECTED {:<13} key {}: no source row", c.name, k);
+        }
+        let t = c.total();
+        if t.source_sum != t.target_sum {
+            let _ = writeln!(
+                out,
+                "SUM GAP   {:<14} source {} target {} (difference {})",
+                c.name,
+                t.source_sum,
+                t.target_sum,
+                t.source_sum - t.target_sum
+            );
+        }
     }
 }

@@ -31,6 +31,7 @@ fn config(source: &str, target: &str) -> VerifyConfig {
         }],
         unique: vec![],
         tables: Default::default(),
+        currencies: vec![],
     }
 }
 

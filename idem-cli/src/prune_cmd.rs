@@ -1,0 +1,103 @@
+//! `idem prune`: retention of the consumer's inbox and of done effect intents, refused inside
+//! the redelivery horizon (docs/retention.md).
+
+use std::time::Duration;
+
+use clap::Args;
+use idem_core::retention::{Prunable, RetentionError, RetentionStore, RetentionWindow};
+
+use crate::DbArgs;
+use crate::db;
+
+#[derive(Args, Debug)]
+pub struct PruneArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// How long after processing a copy of an event can still be delivered: the topic's
+    /// retention.ms plus its segment.ms, longer if outbox rows can wait parked (e.g. 8d, 192h).
+    #[arg(long, value_parser = parse_days)]
+    redelivery_horizon: Duration,
+    /// Delete processed inbox rows (every consumer group) processed and last delivered longer
+    /// ago than this; refused below the horizon. Dead-lettered rows stay.
+    #[arg(long, value_parser = parse_days)]
+    inbox_older_than: Option<Duration>,
+    /// Delete done effect intents finished longer ago than this; refused below the horizon.
+    /// Pending, parked and unknown intents stay.
+    #[arg(long, value_parser = parse_days)]
+    intents_older_than: Option<Duration>,
+    /// Rows deleted per statement.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    batch: u32,
+}
+
+/// A duration as the other commands take it (`500ms`, `30s`, `5m`, `1h`), or in days (`7d`).
+fn parse_days(s: &str) -> Result<Duration, String> {
+    match s.trim().strip_suffix('d') {
+        Some(days) => {
+            let n: f64 = days
+                .parse()
+                .map_err(|_| format!("invalid duration {s:?}: expected e.g. 7d, 168h"))?;
+            Duration::try_from_secs_f64(n * 86_400.0)
+                .map_err(|e| format!("invalid duration {s:?}: {e}"))
+        }
+        None => crate::relay_cmd::parse_duration(s),
+    }
+}
+
+/// The windows asked for, each checked against the horizon, before anything connects.
+fn windows(
+    args: &PruneArgs,
+) -> Result<(Option<RetentionWindow>, Option<RetentionWindow>), RetentionError> {
+    let window = |what, w: Option<Duration>| {
+        w.map(|w| RetentionWindow::new(what, w, args.redelivery_horizon))
+            .transpose()
+    };
+    Ok((
+        window(Prunable::Inbox, args.inbox_older_than)?,
+        window(Prunable::DoneIntents, args.intents_older_than)?,
+    ))
+}
+
+/// Runs `prune` until a batch comes back short; returns the total.
+async fn drain<F, Fut>(batch: u32, mut prune: F) -> idem_core::Result<u64>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = idem_core::Result<u64>>,
+{
+    let mut total = 0;
+    loop {
+        let n = prune().await?;
+        total += n;
+        if n < u64::from(batch) {
+            return Ok(total);
+        }
+    }
+}
+
+pub async fn run(args: PruneArgs) -> anyhow::Result<()> {
+    let (inbox, intents) = windows(&args)?;
+    if inbox.is_none() && intents.is_none() {
+        anyhow::bail!("name what to prune: --inbox-older-than and/or --intents-older-than");
+    }
+    let store = db::open(&args.db, 1).await?;
+    let batch = args.batch;
+    for (what, window) in [(Prunable::Inbox, inbox), (Prunable::DoneIntents, intents)] {
+        let Some(w) = window else { continue };
+        let n =
+            crate::with_store!(&store, s => drain(batch, || s.prune_older(what, &w, batch)).await)?;
+        println!("pruned {n} {}", what.describe());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn days_and_the_usual_units_parse() {
+        assert_eq!(parse_days("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_days("168h"), Ok(Duration::from_secs(7 * 86_400)));
+        assert!(parse_days("xd").is_err());
+    }
+}

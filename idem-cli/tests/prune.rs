@@ -1,0 +1,87 @@
+//! `idem prune` refuses a window shorter than the redelivery horizon, and prunes only what is
+//! older than the window, on both databases.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::{Command, Output};
+
+use idem_conformance::backend::{Backend, Lite, Pg};
+
+const OLD: &str = "0190b6a4-0000-7000-8000-000000000001";
+const YOUNG: &str = "0190b6a4-0000-7000-8000-000000000002";
+
+fn prune(url: &str, extra: &[&str]) -> Output {
+    let mut args = vec!["prune", "--db", url, "--redelivery-horizon", "7d"];
+    args.extend_from_slice(extra);
+    Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(&args)
+        .env_remove("IDEM_CRASH_POINTS")
+        .output()
+        .unwrap()
+}
+
+async fn check<B: Backend>(b: &B, url: &str) {
+    for id in [OLD, YOUNG] {
+        b.exec(&format!(
+            "INSERT INTO idem_inbox (consumer_group, event_id, event_type, aggregate_type, aggregate_id, payload_hash) \
+             VALUES ('settlement', '{id}', 'order.paid', 'order', 'o-1', 'h')"
+        ))
+        .await
+        .unwrap();
+    }
+    b.exec(&format!(
+        "UPDATE idem_inbox SET processed_at = '2020-01-01T00:00:00.000Z', last_delivered_at = '2020-01-01T00:00:00.000Z' WHERE event_id = '{OLD}'"
+    ))
+    .await
+    .unwrap();
+
+    let out = prune(url, &["--inbox-older-than", "1d"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a 1-day window under a 7-day horizon ran: {err}"
+    );
+    assert!(
+        err.contains("refusing to prune inbox rows younger than the redelivery horizon"),
+        "{err}"
+    );
+    assert_eq!(
+        b.scalar("SELECT count(*) FROM idem_inbox").await,
+        2,
+        "nothing deleted"
+    );
+
+    let out = prune(
+        url,
+        &["--inbox-older-than", "8d", "--intents-older-than", "7d"],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("pruned 1 inbox rows"), "{text}");
+    assert!(text.contains("pruned 0 done effect intents"), "{text}");
+    assert_eq!(
+        b.scalar(&format!(
+            "SELECT count(*) FROM idem_inbox WHERE event_id = '{YOUNG}'"
+        ))
+        .await,
+        1
+    );
+    assert_eq!(b.scalar("SELECT count(*) FROM idem_inbox").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_refuses_a_short_window_and_prunes_old_rows_on_sqlite() {
+    let lite = Lite::new().await;
+    let url = format!("sqlite://{}", lite.path().display());
+    check(&lite, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_refuses_a_short_window_and_prunes_old_rows_on_postgres() {
+    let pg = Pg::new().await;
+    let url = pg.url().to_owned();
+    check(&pg, &url).await;
+}
