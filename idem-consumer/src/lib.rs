@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod metrics;
+pub mod replay;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
