@@ -329,35 +329,48 @@ async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
             .or_else(|| std::env::var("USER").ok())
             .unwrap_or_else(|| "idem dead-letters replay".to_owned()),
     };
-    let audit = args.handler == "audit";
     let done = match store {
         Store::Postgres(s) => {
             let inbox = PgInbox::new(s.pool().clone(), tables.clone());
-            match &args.points_url {
-                _ if audit => replay(&inbox, &idem_reference::Audit, &request).await,
-                Some(url) => {
-                    let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
-                    let handler = Settlement::with_points(intents, url.clone());
-                    replay(&inbox, &handler, &request).await
-                }
-                None => replay(&inbox, &Settlement::new(), &request).await,
-            }
+            let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
+            replay_with(&inbox, intents, &args, &request).await
         }
         Store::Sqlite(s) => {
             let inbox = SqliteInbox::new(s.pool().clone(), tables.clone());
-            match &args.points_url {
-                _ if audit => replay(&inbox, &idem_reference::Audit, &request).await,
-                Some(url) => {
-                    let intents = idem_sqlite::SqliteIntents::new(s.pool().clone(), tables);
-                    let handler = Settlement::with_points(intents, url.clone());
-                    replay(&inbox, &handler, &request).await
-                }
-                None => replay(&inbox, &Settlement::new(), &request).await,
-            }
+            let intents = idem_sqlite::SqliteIntents::new(s.pool().clone(), tables);
+            replay_with(&inbox, intents, &args, &request).await
         }
     }
     .context(MIGRATE_HINT)?;
     report_replay(&args, &done)
+}
+
+/// Replays with the handler `args` name: the audit log, or settlements (with points awards
+/// recorded through `intents` when `--points-url` is given).
+async fn replay_with<I, R>(
+    inbox: &I,
+    intents: R,
+    args: &ReplayArgs,
+    request: &ReplayRequest,
+) -> idem_core::Result<Vec<Replayed>>
+where
+    I: InboxStore,
+    idem_reference::Audit: idem_consumer::Handler<I::Conn>,
+    Settlement: idem_consumer::Handler<I::Conn>,
+    Settlement<R>: idem_consumer::Handler<I::Conn>,
+{
+    match &args.points_url {
+        _ if args.handler == "audit" => replay(inbox, &idem_reference::Audit, request).await,
+        Some(url) => {
+            replay(
+                inbox,
+                &Settlement::with_points(intents, url.clone()),
+                request,
+            )
+            .await
+        }
+        None => replay(inbox, &Settlement::new(), request).await,
+    }
 }
 
 /// Prints what the replay did; an error when a requested letter was not open or a replay failed.

@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-pub use metrics::{ConsumerMetrics, total};
+pub use metrics::{ConsumerMetrics, MAX_LABEL_PAIRS, OTHER, total};
 
 /// Why a handler did not apply an event.
 #[derive(Debug)]

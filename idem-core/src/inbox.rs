@@ -146,6 +146,52 @@ pub struct OpenDeadLetter {
     pub letter: DeadLetter,
 }
 
+/// The columns of a dead-letter row as both stores read them (text where the dialects differ).
+#[derive(Clone, Debug)]
+pub struct DeadLetterRow {
+    /// `id`.
+    pub id: i64,
+    /// `topic`.
+    pub topic: String,
+    /// `record_partition`.
+    pub partition: i32,
+    /// `record_offset`.
+    pub offset: i64,
+    /// `event_id` as text.
+    pub event_id: Option<String>,
+    /// `event_type`.
+    pub event_type: Option<String>,
+    /// `reason`.
+    pub reason: String,
+    /// `record_key`.
+    pub key: Option<String>,
+    /// `payload`.
+    pub payload: Option<String>,
+    /// `headers` as JSON text.
+    pub headers: String,
+}
+
+impl From<DeadLetterRow> for OpenDeadLetter {
+    /// A row written by a foreign hand may hold an event id that is not a UUID or headers that
+    /// are not JSON: they are read as none, and the replay then reports the record undecodable.
+    fn from(r: DeadLetterRow) -> Self {
+        OpenDeadLetter {
+            id: r.id,
+            letter: DeadLetter {
+                topic: r.topic,
+                partition: r.partition,
+                offset: r.offset,
+                event_id: r.event_id.and_then(|s| s.parse().ok()),
+                event_type: r.event_type,
+                reason: r.reason,
+                key: r.key,
+                payload: r.payload,
+                headers: serde_json::from_str(&r.headers).unwrap_or_default(),
+            },
+        }
+    }
+}
+
 /// How a replay of a dead letter ended, as recorded on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReplayOutcome {

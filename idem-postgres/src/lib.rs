@@ -993,25 +993,21 @@ impl idem_core::InboxStore for PgInbox {
     }
 }
 
-/// A dead letter row read for a replay. Headers that are not a JSON object of strings are
-/// read as none (the replay then reports the record undecodable).
+/// A dead letter row read for a replay ([`idem_core::DeadLetterRow`] decides what it means).
 fn open_letter(r: &PgRow) -> std::result::Result<idem_core::OpenDeadLetter, sqlx::Error> {
-    let headers: String = r.try_get("headers")?;
-    let event_id: Option<Uuid> = r.try_get("event_id")?;
-    Ok(idem_core::OpenDeadLetter {
+    Ok(idem_core::DeadLetterRow {
         id: r.try_get("id")?,
-        letter: idem_core::DeadLetter {
-            topic: r.try_get("topic")?,
-            partition: r.try_get("record_partition")?,
-            offset: r.try_get("record_offset")?,
-            event_id: event_id.map(EventId::from),
-            event_type: r.try_get("event_type")?,
-            reason: r.try_get("reason")?,
-            key: r.try_get("record_key")?,
-            payload: r.try_get("payload")?,
-            headers: serde_json::from_str(&headers).unwrap_or_default(),
-        },
-    })
+        topic: r.try_get("topic")?,
+        partition: r.try_get("record_partition")?,
+        offset: r.try_get("record_offset")?,
+        event_id: r.try_get("event_id")?,
+        event_type: r.try_get("event_type")?,
+        reason: r.try_get("reason")?,
+        key: r.try_get("record_key")?,
+        payload: r.try_get("payload")?,
+        headers: r.try_get("headers")?,
+    }
+    .into())
 }
 
 /// The server-side Idempotency-Key store in PostgreSQL ([`idem_core::idempotency::IdempotencyStore`]).
