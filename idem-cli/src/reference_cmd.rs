@@ -107,6 +107,19 @@ pub struct SettlementArgs {
     /// `idem effects dispatch` delivers it.
     #[arg(long)]
     points_url: Option<String>,
+    /// PostgreSQL: the settlement handler gives up on a lock held longer than this on its tables
+    /// (a transient failure, retried until the lock is released; never a dead letter). The
+    /// chaos runner's long-lock fault class uses it.
+    #[arg(long)]
+    lock_timeout_ms: Option<u64>,
+}
+
+/// The settlement handler with `--lock-timeout-ms` applied.
+fn settlement_handler<I>(handler: Settlement<I>, args: &SettlementArgs) -> Settlement<I> {
+    match args.lock_timeout_ms {
+        Some(ms) => handler.with_lock_timeout(Duration::from_millis(ms)),
+        None => handler,
+    }
 }
 
 pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
@@ -134,7 +147,7 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
                 .await
                 .context("creating the settlements table")?;
             let inbox = PgInbox::new(s.pool().clone(), tables.clone());
-            match args.points_url {
+            match args.points_url.clone() {
                 _ if args.handler == "audit" => {
                     Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
                         .run(shutdown)
@@ -142,17 +155,22 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
                 }
                 Some(url) => {
                     let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
-                    let handler = Settlement::with_points(intents, url);
+                    let handler =
+                        settlement_handler(Settlement::with_points(intents, url.clone()), &args);
                     Consumer::new(inbox, handler, source, config, metrics)
                         .run(shutdown)
                         .await?;
                 }
                 None => {
-                    Consumer::new(inbox, Settlement::new(), source, config, metrics)
+                    let handler = settlement_handler(Settlement::new(), &args);
+                    Consumer::new(inbox, handler, source, config, metrics)
                         .run(shutdown)
                         .await?;
                 }
             }
+        }
+        Store::Sqlite(_) if args.lock_timeout_ms.is_some() => {
+            anyhow::bail!("--lock-timeout-ms is for PostgreSQL (SQLite has no lock_timeout)");
         }
         Store::Sqlite(s) => {
             idem_reference::ensure_schema_sqlite(s.pool())

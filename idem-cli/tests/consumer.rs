@@ -88,6 +88,19 @@ fn start_consumer_with<H: idem_consumer::Handler<sqlx::PgConnection>>(
     watch::Sender<bool>,
     tokio::task::JoinHandle<(idem_core::Result<()>, ConsumerMetrics)>,
 ) {
+    let (stop, handle, _) = start_consumer_metered(s, handler);
+    (stop, handle)
+}
+
+/// [`start_consumer_with`], and the metrics to read while it runs.
+fn start_consumer_metered<H: idem_consumer::Handler<sqlx::PgConnection>>(
+    s: &Setup,
+    handler: H,
+) -> (
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<(idem_core::Result<()>, ConsumerMetrics)>,
+    ConsumerMetrics,
+) {
     let source = KafkaSource::new(
         &consumer_config(&s.brokers, "settlement", &[]).unwrap(),
         &[TOPIC.to_owned()],
@@ -100,6 +113,7 @@ fn start_consumer_with<H: idem_consumer::Handler<sqlx::PgConnection>>(
     config.retry_backoff_max = Duration::from_millis(50);
     let consumer = Consumer::new(inbox, handler, source, config, metrics.clone());
     let (tx, mut rx) = watch::channel(false);
+    let observed = metrics.clone();
     let handle = tokio::spawn(async move {
         let result = consumer
             .run(async move {
@@ -108,7 +122,7 @@ fn start_consumer_with<H: idem_consumer::Handler<sqlx::PgConnection>>(
             .await;
         (result, metrics)
     });
-    (tx, handle)
+    (tx, handle, observed)
 }
 
 async fn scalar(s: &Setup, sql: &str) -> i64 {
@@ -441,4 +455,66 @@ async fn a_handler_that_swallows_a_database_error_loses_nothing() {
     );
     assert_eq!(total(&metrics.dead_lettered), 0);
     assert!(total(&metrics.retries) >= 4);
+}
+
+/// Review §8 end to end: a lock held on the business table makes every attempt of the handler
+/// time out (SQLSTATE 55P03, transient) far past the ten retries after which the event used to
+/// be dead-lettered. Nothing is dead-lettered, the member is reported stalled, and once the lock
+/// is released every payment settles once. (The chaos runner's long-lock fault class; with
+/// `IDEM_BREAK=transient-dead-letters` the same run dead-letters the payments.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_held_on_the_business_table_stalls_the_batch_and_dead_letters_nothing() {
+    let s = setup().await;
+    let mut locker = s.pg.pool().begin().await.unwrap();
+    sqlx::query("LOCK TABLE settlements IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let msgs: Vec<Message> = (1..=3).map(|n| paid(n).1).collect();
+    assert!(s.publisher.publish(&msgs).await.iter().all(Result::is_ok));
+    let handler = Settlement::new().with_lock_timeout(Duration::from_millis(20));
+    let (stop, handle, metrics) = start_consumer_metered(&s, handler);
+    eventually(
+        "thirty lock timeouts (three times the old dead-letter budget)",
+        Duration::from_secs(60),
+        || async {
+            (total(&metrics.retries) >= 30 || total(&metrics.dead_lettered) > 0).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        scalar(&s, "SELECT count(*) FROM idem_dead_letters").await,
+        0,
+        "a transient failure dead-lettered a payment"
+    );
+    assert_eq!(total(&metrics.dead_lettered), 0);
+    let stalled = metrics
+        .stalled_since
+        .with_label_values(&[TOPIC, "settlement"])
+        .get();
+    assert!(stalled > 0, "the member reports itself stalled");
+    locker.rollback().await.unwrap();
+    eventually(
+        "the three payments to settle once the lock is gone",
+        Duration::from_secs(60),
+        || async { (scalar(&s, "SELECT count(*) FROM settlements").await == 3).then_some(()) },
+    )
+    .await;
+    stop.send(true).unwrap();
+    let (result, metrics) = handle.await.unwrap();
+    result.unwrap();
+    assert_eq!(scalar(&s, "SELECT count(*) FROM idem_inbox").await, 3);
+    assert_eq!(
+        scalar(&s, "SELECT count(*) FROM idem_dead_letters").await,
+        0
+    );
+    assert_eq!(total(&metrics.dead_lettered), 0);
+    assert_eq!(
+        metrics
+            .stalled_since
+            .with_label_values(&[TOPIC, "settlement"])
+            .get(),
+        0,
+        "flowing again"
+    );
 }

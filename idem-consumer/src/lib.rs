@@ -416,6 +416,7 @@ where
 
         let mut poison: HashMap<EventId, String> = HashMap::new();
         let mut batch_failures: u32 = 0;
+        let mut event_failures: HashMap<EventId, u32> = HashMap::new();
         let mut backoff = self.config.retry_backoff;
         let topics: BTreeSet<&str> = records.iter().map(|r| r.topic.as_str()).collect();
         // After a first refused event (or a failed attempt) the batch is retried with a
@@ -460,8 +461,18 @@ where
                     // A transient failure never dead-letters: the batch is retried until it
                     // commits. Only failures no event is charged with (the database down) end
                     // the run after `max_batch_retries`, for a supervisor to restart it.
-                    if id.is_none() {
-                        batch_failures += 1;
+                    match id {
+                        None => batch_failures += 1,
+                        Some(id) => {
+                            let n = event_failures.entry(id).or_default();
+                            *n += 1;
+                            if let Some(reason) = broken_transient_budget(*n, &e) {
+                                // Negative control: the old policy, a transient failure
+                                // dead-letters the event.
+                                poison.insert(id, reason);
+                                continue;
+                            }
+                        }
                     }
                     tracing::warn!(error = %e, event_id = ?id, retries = report.retries, "consumer transaction failed; retrying");
                     if batch_failures > self.config.max_batch_retries {
@@ -823,6 +834,13 @@ where
             .map_err(|e| Attempt::Transient(None, e))?;
         Ok((results, found))
     }
+}
+
+/// Under the `transient-dead-letters` negative control, the reason to dead-letter an event after
+/// its `n`th transient failure.
+fn broken_transient_budget(n: u32, e: &Error) -> Option<String> {
+    (n > crash::BROKEN_TRANSIENT_BUDGET && crash::broken(crash::BREAK_TRANSIENT_DEAD_LETTERS))
+        .then(|| format!("gave up after {n} transient failures; last: {e}"))
 }
 
 /// The span the handler runs in for one event: `idem.handle`, a consumer span whose parent is
