@@ -435,7 +435,10 @@ fn describe(r: &ReplayResult) -> String {
     match r {
         ReplayResult::WouldReplay => "would replay".to_owned(),
         ReplayResult::Applied => "applied".to_owned(),
-        ReplayResult::AlreadyApplied => "already applied (not applied again)".to_owned(),
+        ReplayResult::AlreadyApplied => {
+            "not applied: the inbox has the event processed, or under another payload (a conflict)"
+                .to_owned()
+        }
         ReplayResult::Failed(reason) => format!("failed, kept: {reason}"),
         ReplayResult::Undecodable(reason) => format!("not replayed (undecodable): {reason}"),
     }

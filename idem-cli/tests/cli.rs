@@ -338,7 +338,7 @@ fn dead_letters_are_replayed_from_the_cli_and_a_dry_run_changes_nothing() {
 
     let o = replay(&["--all", "--by", "ops"]);
     assert!(o.status.success(), "{:?}", text(&o));
-    assert!(text(&o).0.contains("applied"), "{:?}", text(&o));
+    assert!(text(&o).0.contains("  applied\n"), "{:?}", text(&o));
     assert_eq!(
         state(),
         (1, 1, 1),

@@ -35,8 +35,9 @@ pub enum ReplayResult {
     WouldReplay,
     /// Applied by the handler; the letter is closed.
     Applied,
-    /// The inbox already said `processed` (replayed before, or the event id was applied under
-    /// another payload): not applied again; the letter is closed.
+    /// The inbox already said `processed` (replayed before, or applied from a redelivery), or
+    /// holds the event id under another payload (an idempotency conflict, which must never be
+    /// applied): not applied; the letter is closed.
     AlreadyApplied,
     /// The handler failed again (nothing of it committed); the letter stays open with this
     /// reason.

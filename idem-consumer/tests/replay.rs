@@ -289,6 +289,27 @@ where
     assert_eq!(effects(&b).await, 0);
 }
 
+async fn a_conflicting_copy_is_never_applied_by_a_replay<B: Backend>(b: B)
+where
+    Effects: Handler<<B::Inbox as InboxStore>::Conn>,
+{
+    b.exec("CREATE TABLE replay_effects (event_id text NOT NULL)")
+        .await
+        .unwrap();
+    let h = Effects::default();
+    let id = EventId::new();
+    let mut other = record(1, id);
+    other.payload = Some(br#"{"order_id":"o-1","amount":"999.00"}"#.to_vec());
+    let mut c = consumer(&b, h.clone());
+    assert_eq!(c.process(&[record(0, id)]).await.unwrap().processed, 1);
+    assert_eq!(c.process(&[other]).await.unwrap().conflicts, 1);
+    let done = replay(&b.inbox(), &h, &request(None, false)).await.unwrap();
+    assert_eq!(done[0].result, ReplayResult::AlreadyApplied, "{done:?}");
+    assert_eq!(effects(&b).await, 1, "the conflicting copy was not applied");
+    let again = replay(&b.inbox(), &h, &request(None, false)).await.unwrap();
+    assert!(again.is_empty(), "the conflict letter is closed");
+}
+
 /// Two replays of one letter at once (PostgreSQL: concurrent writers). The first is held inside
 /// the handler until the second waits on the inbox row; then the second finds it processed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -396,4 +417,5 @@ both_stores!(
     a_dry_run_lists_and_changes_nothing,
     a_failing_replay_keeps_the_letter_with_the_new_reason,
     an_undecodable_letter_is_reported_and_left_alone,
+    a_conflicting_copy_is_never_applied_by_a_replay,
 );

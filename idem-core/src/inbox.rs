@@ -197,8 +197,8 @@ impl From<DeadLetterRow> for OpenDeadLetter {
 pub enum ReplayOutcome {
     /// The handler applied the event, in the transaction that made its inbox row `processed`.
     Applied,
-    /// The inbox already said `processed` (another replay, or the event id applied under
-    /// another payload): not applied again.
+    /// The inbox already said `processed` (another replay, a redelivery), or holds the event id
+    /// under another payload (a conflict): not applied. Closes the letter.
     AlreadyApplied,
     /// The handler failed again: the letter stays open with the new reason.
     Failed,
