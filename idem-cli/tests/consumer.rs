@@ -92,15 +92,18 @@ fn start_consumer_with<H: idem_consumer::Handler<sqlx::PgConnection>>(
     (stop, handle)
 }
 
+/// A consumer running in the background: its stop switch, its task, its metrics.
+type Metered = (
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<(idem_core::Result<()>, ConsumerMetrics)>,
+    ConsumerMetrics,
+);
+
 /// [`start_consumer_with`], and the metrics to read while it runs.
 fn start_consumer_metered<H: idem_consumer::Handler<sqlx::PgConnection>>(
     s: &Setup,
     handler: H,
-) -> (
-    watch::Sender<bool>,
-    tokio::task::JoinHandle<(idem_core::Result<()>, ConsumerMetrics)>,
-    ConsumerMetrics,
-) {
+) -> Metered {
     let source = KafkaSource::new(
         &consumer_config(&s.brokers, "settlement", &[]).unwrap(),
         &[TOPIC.to_owned()],

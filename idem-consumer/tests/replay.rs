@@ -1,5 +1,9 @@
 //! `idem_consumer::replay` on real PostgreSQL and SQLite: dead letters made by the consumer
-//! itself, replayed through the handler once, whatever races them.
+//! itself, replayed through the handler once, whatever races them. And the
+//! `transient-dead-letters` negative control: broken, the consumer dead-letters an event after a
+//! few transient failures (the defect of review §8), so a harness that drives transient
+//! failures must see a loss. `IDEM_BREAK` is read once per process: that test runs this binary
+//! again as a child process with it set.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
@@ -10,6 +14,7 @@ use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_conformance::process::eventually;
 use idem_consumer::replay::{ReplayRequest, ReplayResult, replay};
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError};
+use idem_core::crash::{BREAK_TRANSIENT_DEAD_LETTERS, BROKEN_TRANSIENT_BUDGET};
 use idem_core::{Delivery, EventId, InboundEvent, InboxStore, Result, Source};
 use tokio::sync::Semaphore;
 
@@ -419,3 +424,68 @@ both_stores!(
     an_undecodable_letter_is_reported_and_left_alone,
     a_conflicting_copy_is_never_applied_by_a_replay,
 );
+
+// ---- the transient-dead-letters negative control ------------------------------------------
+
+/// Fails transiently `failures` times, then succeeds.
+struct Flaky(Arc<AtomicU32>);
+
+impl Handler<sqlx::SqliteConnection> for Flaky {
+    async fn handle(
+        &self,
+        _conn: &mut sqlx::SqliteConnection,
+        _e: &InboundEvent,
+    ) -> std::result::Result<(), HandlerError> {
+        let left = self.0.load(Ordering::SeqCst);
+        if left > 0 {
+            self.0.store(left - 1, Ordering::SeqCst);
+            return Err(HandlerError::transient("lock timeout"));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn the_transient_dead_letters_control_brings_back_the_defect() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "broken_run", "--ignored", "--nocapture"])
+        .env("IDEM_BREAK", BREAK_TRANSIENT_DEAD_LETTERS)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test]
+#[ignore = "run by the_transient_dead_letters_control_brings_back_the_defect with IDEM_BREAK set"]
+async fn broken_run() {
+    assert!(idem_core::crash::broken(BREAK_TRANSIENT_DEAD_LETTERS));
+    let b = Lite::new().await;
+    let mut config = ConsumerConfig::new(GROUP);
+    config.retry_backoff = Duration::ZERO;
+    let handler = Flaky(Arc::new(AtomicU32::new(BROKEN_TRANSIENT_BUDGET + 5)));
+    let metrics = ConsumerMetrics::new(&prometheus::Registry::new()).unwrap();
+    let mut consumer = Consumer::new(b.inbox(), handler, NoSource, config, metrics);
+    let r = consumer
+        .process(&[record(0, EventId::new())])
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.processed, r.dead_lettered),
+        (0, 1),
+        "the control did not break the mechanism"
+    );
+    let letters = consumer
+        .inbox()
+        .dead_letters("settlement", 10)
+        .await
+        .unwrap();
+    assert!(
+        letters[0].reason.contains("transient failures"),
+        "{letters:?}"
+    );
+}
