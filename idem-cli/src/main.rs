@@ -51,7 +51,8 @@ enum Command {
     Orders(reference_cmd::OrdersArgs),
     /// Reference settlement service: consume order.paid events into one settlement per payment.
     Settlement(reference_cmd::SettlementArgs),
-    /// List a consumer group's dead letters with their reasons.
+    /// List a consumer group's dead letters with their reasons (`replay`: re-apply them).
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     DeadLetters(reference_cmd::DeadLettersArgs),
     /// Reference points API: awards points per request, behind the Idempotency-Key layer.
     PointsApi(reference_cmd::PointsApiArgs),

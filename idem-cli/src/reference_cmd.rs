@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use idem_consumer::replay::{ReplayRequest, ReplayResult, Replayed, replay};
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::InboxStore;
 use idem_kafka::{KafkaSource, consumer_config};
@@ -106,6 +107,19 @@ pub struct SettlementArgs {
     /// `idem effects dispatch` delivers it.
     #[arg(long)]
     points_url: Option<String>,
+    /// PostgreSQL: the settlement handler gives up on a lock held longer than this on its tables
+    /// (a transient failure, retried until the lock is released; never a dead letter). The
+    /// chaos runner's long-lock fault class uses it.
+    #[arg(long)]
+    lock_timeout_ms: Option<u64>,
+}
+
+/// The settlement handler with `--lock-timeout-ms` applied.
+fn settlement_handler<I>(handler: Settlement<I>, args: &SettlementArgs) -> Settlement<I> {
+    match args.lock_timeout_ms {
+        Some(ms) => handler.with_lock_timeout(Duration::from_millis(ms)),
+        None => handler,
+    }
 }
 
 pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
@@ -133,7 +147,7 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
                 .await
                 .context("creating the settlements table")?;
             let inbox = PgInbox::new(s.pool().clone(), tables.clone());
-            match args.points_url {
+            match args.points_url.clone() {
                 _ if args.handler == "audit" => {
                     Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
                         .run(shutdown)
@@ -141,17 +155,22 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
                 }
                 Some(url) => {
                     let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
-                    let handler = Settlement::with_points(intents, url);
+                    let handler =
+                        settlement_handler(Settlement::with_points(intents, url.clone()), &args);
                     Consumer::new(inbox, handler, source, config, metrics)
                         .run(shutdown)
                         .await?;
                 }
                 None => {
-                    Consumer::new(inbox, Settlement::new(), source, config, metrics)
+                    let handler = settlement_handler(Settlement::new(), &args);
+                    Consumer::new(inbox, handler, source, config, metrics)
                         .run(shutdown)
                         .await?;
                 }
             }
+        }
+        Store::Sqlite(_) if args.lock_timeout_ms.is_some() => {
+            anyhow::bail!("--lock-timeout-ms is for PostgreSQL (SQLite has no lock_timeout)");
         }
         Store::Sqlite(s) => {
             idem_reference::ensure_schema_sqlite(s.pool())
@@ -183,10 +202,35 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `idem dead-letters` (the list) and `idem dead-letters replay`; `main.rs` sets
+/// `args_conflicts_with_subcommands` and `subcommand_negates_reqs` on the command.
 #[derive(Args, Debug)]
 pub struct DeadLettersArgs {
+    #[command(subcommand)]
+    command: Option<DeadLettersCommand>,
     #[command(flatten)]
-    db: DbArgs,
+    list: ListDeadLettersArgs,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum DeadLettersCommand {
+    /// Re-apply dead letters through the reference handler, each in one transaction with its
+    /// inbox row (applied once, whatever races it); a failing one is kept with the new reason.
+    Replay(ReplayArgs),
+}
+
+/// [`DbArgs`] spelled out with `--db` optional, so that `replay` alone parses.
+#[derive(Args, Debug)]
+struct ListDeadLettersArgs {
+    /// Database URL: postgres://… or sqlite://path.
+    #[arg(long, env = "IDEM_DB")]
+    db: Option<String>,
+    /// PostgreSQL schema of idem's tables (default: the search path).
+    #[arg(long, env = "IDEM_SCHEMA")]
+    schema: Option<String>,
+    /// Prefix of idem's table names.
+    #[arg(long, env = "IDEM_TABLE_PREFIX", default_value = "idem_")]
+    table_prefix: String,
     /// Consumer group.
     #[arg(long, default_value = "settlement")]
     group: String,
@@ -198,29 +242,87 @@ pub struct DeadLettersArgs {
     json: bool,
 }
 
+#[derive(Args, Debug)]
+struct ReplayArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Consumer group whose dead letters (and inbox) to use.
+    #[arg(long)]
+    group: String,
+    /// Replay this dead letter (its id in `idem dead-letters`).
+    #[arg(long, conflicts_with = "all", required_unless_present = "all")]
+    id: Option<i64>,
+    /// Replay every open dead letter of the group (never replayed, or whose replay failed).
+    #[arg(long)]
+    all: bool,
+    /// List what would be replayed; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// The handler the group runs: `settlement` or `audit` (as for `idem settlement`).
+    #[arg(long, default_value = "settlement", value_parser = ["settlement", "audit"])]
+    handler: String,
+    /// The points URL the group's settlement handler awards points at, if it does (as for
+    /// `idem settlement --points-url`): a replayed payment records its points intent too.
+    #[arg(long)]
+    points_url: Option<String>,
+    /// Who replays, recorded on each letter (default: $USER).
+    #[arg(long)]
+    by: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
 pub async fn dead_letters(args: DeadLettersArgs) -> anyhow::Result<()> {
-    let store = db::open(&args.db, 1).await?;
-    let tables = db::tables(&args.db)?;
+    match args.command {
+        Some(DeadLettersCommand::Replay(r)) => replay_dead_letters(r).await,
+        None => list_dead_letters(args.list).await,
+    }
+}
+
+const MIGRATE_HINT: &str =
+    "reading the dead letters (a database below idem's schema version 9 needs `idem migrate`)";
+
+async fn list_dead_letters(args: ListDeadLettersArgs) -> anyhow::Result<()> {
+    let Some(url) = args.db.clone() else {
+        anyhow::bail!("idem dead-letters needs --db URL (or IDEM_DB)");
+    };
+    let dbargs = DbArgs {
+        db: url,
+        schema: args.schema.clone(),
+        table_prefix: args.table_prefix.clone(),
+    };
+    let store = db::open(&dbargs, 1).await?;
+    let tables = db::tables(&dbargs)?;
     let rows = match store {
         Store::Postgres(s) => {
             PgInbox::new(s.pool().clone(), tables)
                 .dead_letters(&args.group, args.limit)
-                .await?
+                .await
         }
         Store::Sqlite(s) => {
             SqliteInbox::new(s.pool().clone(), tables)
                 .dead_letters(&args.group, args.limit)
-                .await?
+                .await
         }
-    };
+    }
+    .context(MIGRATE_HINT)?;
     if args.json {
         println!("{}", serde_json::to_string(&rows)?);
     } else if rows.is_empty() {
         println!("no dead letters for group {}", args.group);
     } else {
         for r in rows {
+            let replayed = match (&r.replay_outcome, &r.replayed_at) {
+                (Some(o), Some(at)) => format!(
+                    "  replay: {o} at {at} by {}",
+                    r.replayed_by.as_deref().unwrap_or("-")
+                ),
+                _ => String::new(),
+            };
             println!(
-                "{}/{}@{}  event {}  reason: {}",
+                "#{} {}/{}@{}  event {}  reason: {}{replayed}",
+                r.id,
                 r.topic,
                 r.partition,
                 r.offset,
@@ -230,6 +332,135 @@ pub async fn dead_letters(args: DeadLettersArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
+    let store = db::open(&args.db, 2).await?;
+    let tables = db::tables(&args.db)?;
+    let request = ReplayRequest {
+        group: args.group.clone(),
+        only: args.id,
+        dry_run: args.dry_run,
+        by: args
+            .by
+            .clone()
+            .or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "idem dead-letters replay".to_owned()),
+    };
+    let done = match store {
+        Store::Postgres(s) => {
+            let inbox = PgInbox::new(s.pool().clone(), tables.clone());
+            let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
+            replay_with(&inbox, intents, &args, &request).await
+        }
+        Store::Sqlite(s) => {
+            let inbox = SqliteInbox::new(s.pool().clone(), tables.clone());
+            let intents = idem_sqlite::SqliteIntents::new(s.pool().clone(), tables);
+            replay_with(&inbox, intents, &args, &request).await
+        }
+    }
+    .context(MIGRATE_HINT)?;
+    report_replay(&args, &done)
+}
+
+/// Replays with the handler `args` name: the audit log, or settlements (with points awards
+/// recorded through `intents` when `--points-url` is given).
+async fn replay_with<I, R>(
+    inbox: &I,
+    intents: R,
+    args: &ReplayArgs,
+    request: &ReplayRequest,
+) -> idem_core::Result<Vec<Replayed>>
+where
+    I: InboxStore,
+    idem_reference::Audit: idem_consumer::Handler<I::Conn>,
+    Settlement: idem_consumer::Handler<I::Conn>,
+    Settlement<R>: idem_consumer::Handler<I::Conn>,
+{
+    match &args.points_url {
+        _ if args.handler == "audit" => replay(inbox, &idem_reference::Audit, request).await,
+        Some(url) => {
+            replay(
+                inbox,
+                &Settlement::with_points(intents, url.clone()),
+                request,
+            )
+            .await
+        }
+        None => replay(inbox, &Settlement::new(), request).await,
+    }
+}
+
+/// Prints what the replay did; an error when a requested letter was not open or a replay failed.
+fn report_replay(args: &ReplayArgs, done: &[Replayed]) -> anyhow::Result<()> {
+    if args.json {
+        let rows: Vec<serde_json::Value> = done.iter().map(replayed_json).collect();
+        println!("{}", serde_json::Value::Array(rows));
+    } else if done.is_empty() {
+        println!("no open dead letters to replay for group {}", args.group);
+    }
+    if !args.json {
+        for r in done {
+            println!(
+                "#{} {}/{}@{}  event {}  {}",
+                r.id,
+                r.topic,
+                r.partition,
+                r.offset,
+                r.event_id.map_or_else(|| "-".to_owned(), |e| e.to_string()),
+                describe(&r.result)
+            );
+        }
+    }
+    if let (Some(id), true) = (args.id, done.is_empty()) {
+        anyhow::bail!(
+            "group {} has no open dead letter #{id} (it does not exist, or its replay succeeded: see `idem dead-letters`)",
+            args.group
+        );
+    }
+    let failed = done
+        .iter()
+        .filter(|r| matches!(r.result, ReplayResult::Failed(_)))
+        .count();
+    if failed > 0 {
+        anyhow::bail!(
+            "{failed} of {} dead letters failed to replay; they are kept with the new reason",
+            done.len()
+        );
+    }
+    Ok(())
+}
+
+fn describe(r: &ReplayResult) -> String {
+    match r {
+        ReplayResult::WouldReplay => "would replay".to_owned(),
+        ReplayResult::Applied => "applied".to_owned(),
+        ReplayResult::AlreadyApplied => {
+            "not applied: the inbox has the event processed, or under another payload (a conflict)"
+                .to_owned()
+        }
+        ReplayResult::Failed(reason) => format!("failed, kept: {reason}"),
+        ReplayResult::Undecodable(reason) => format!("not replayed (undecodable): {reason}"),
+    }
+}
+
+fn replayed_json(r: &Replayed) -> serde_json::Value {
+    let (outcome, reason) = match &r.result {
+        ReplayResult::WouldReplay => ("would_replay", None),
+        ReplayResult::Applied => ("applied", None),
+        ReplayResult::AlreadyApplied => ("already_applied", None),
+        ReplayResult::Failed(reason) => ("failed", Some(reason)),
+        ReplayResult::Undecodable(reason) => ("undecodable", Some(reason)),
+    };
+    serde_json::json!({
+        "id": r.id,
+        "topic": r.topic,
+        "partition": r.partition,
+        "offset": r.offset,
+        "event_id": r.event_id.map(|e| e.to_string()),
+        "outcome": outcome,
+        "reason": reason,
+    })
 }
 
 #[derive(Args, Debug)]

@@ -1,8 +1,9 @@
 #![doc = include_str!("../README.md")]
 
 mod metrics;
+pub mod replay;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::time::Duration;
 
@@ -17,13 +18,16 @@ use sha2::{Digest, Sha256};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-pub use metrics::{ConsumerMetrics, total};
+pub use metrics::{ConsumerMetrics, MAX_LABEL_PAIRS, OTHER, total};
 
 /// Why a handler did not apply an event.
 #[derive(Debug)]
 pub enum HandlerError {
     /// Might work later (database busy, a lock timeout, a dependency down): the batch is rolled
-    /// back and retried with backoff, a bounded number of times for this event.
+    /// back and retried with backoff (bounded, exponential) until it applies. A transient
+    /// failure never dead-letters the event: while it lasts the batch, and with it this
+    /// consumer's partitions, stand still (`idem_consumer_stalled_since_seconds`, alert
+    /// `IdemConsumerStalled`). Return [`HandlerError::Permanent`] for what can never work.
     Transient(BoxError),
     /// Will never work (malformed payload, a business rule): the event is dead-lettered with
     /// this reason, and the rest of the batch is applied without it.
@@ -82,29 +86,29 @@ pub struct ConsumerConfig {
     pub batch_size: usize,
     /// How long to wait for more records after the first one of a batch.
     pub linger: Duration,
-    /// Transient failures of one event before it is dead-lettered.
-    pub max_retries: u32,
     /// Failures of a batch not caused by one event (the database unreachable, a failed commit)
     /// before [`Consumer::process`] gives up and returns the error; the offset is not committed,
-    /// so nothing is lost, and a restarted consumer retries the batch.
+    /// so nothing is lost, and a restarted consumer retries the batch. A transient failure of
+    /// one event's handler is retried without limit: it never dead-letters the event.
     pub max_batch_retries: u32,
     /// First retry backoff; doubles per retry.
     pub retry_backoff: Duration,
-    /// Longest retry backoff.
+    /// Longest retry backoff: a batch held up by a transient failure is retried at least this
+    /// often for as long as the failure lasts.
     pub retry_backoff_max: Duration,
     /// How often `idem_consumer_lag` is measured (when the source can measure it).
     pub lag_interval: Duration,
 }
 
 impl ConsumerConfig {
-    /// Defaults for `group`: batches of 200, 5 ms linger, 10 retries of an event from 100 ms
-    /// (doubling, at most 30 s: about two minutes before a failing event is dead-lettered).
+    /// Defaults for `group`: batches of 200, 5 ms linger, retries from 100 ms doubling to at
+    /// most 30 s (a transiently failing event is retried every 30 s until it applies; the
+    /// database unreachable for 20 attempts, about eight minutes, ends the run).
     pub fn new(group: impl Into<String>) -> Self {
         ConsumerConfig {
             group: group.into(),
             batch_size: 200,
             linger: Duration::from_millis(5),
-            max_retries: 10,
             max_batch_retries: 20,
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(30),
@@ -277,7 +281,8 @@ where
     }
 
     /// Runs until `shutdown` resolves. A batch being applied is finished (committed, offsets
-    /// committed) first. Returns early with an error for a crash point fired in error mode,
+    /// committed) first; a batch backing off after a transient failure is abandoned, uncommitted
+    /// (a new consumer gets it again from the committed offset). Returns early with an error for a crash point fired in error mode,
     /// when a batch cannot be committed after `max_batch_retries`, or when the source reports a
     /// fatal error ([`Error::is_fatal`]: its client can never fetch again); the consumer is
     /// consumed, so it cannot skip that batch by running on: a new consumer resumes from the
@@ -295,7 +300,9 @@ where
             match batch {
                 Ok(records) if records.is_empty() => {}
                 Ok(records) => {
-                    self.process(&records).await?;
+                    if self.process_until(&records, &mut shutdown).await?.is_none() {
+                        return Ok(()); // stopped while a failing batch backed off
+                    }
                     backoff = Duration::from_millis(100);
                 }
                 // A client that cannot recover would be retried forever while its partitions
@@ -348,9 +355,30 @@ where
     ///
     /// After an error, drop this consumer: its source has read past the batch, whose offset was
     /// not committed, and only a new source resumes from the committed offset.
+    ///
+    /// A transient failure is retried, with backoff, until the batch commits: this call returns
+    /// only then, or with the error of a database that stayed unreachable for
+    /// `max_batch_retries` attempts. [`Consumer::run`] can stop it while it backs off.
     pub async fn process(&mut self, records: &[Delivery]) -> Result<BatchReport> {
+        let mut never = std::future::pending::<()>();
+        Ok(self
+            .process_until(records, &mut never)
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// [`Consumer::process`], but `None` when `stop` resolves while the batch backs off after a
+    /// transient failure (nothing of it committed, its offsets neither).
+    async fn process_until<St>(
+        &mut self,
+        records: &[Delivery],
+        stop: &mut St,
+    ) -> Result<Option<BatchReport>>
+    where
+        St: Future<Output = ()> + Unpin,
+    {
         if records.is_empty() {
-            return Ok(BatchReport::default());
+            return Ok(Some(BatchReport::default()));
         }
         let mut report = BatchReport {
             records: records.len(),
@@ -387,8 +415,10 @@ where
         }
 
         let mut poison: HashMap<EventId, String> = HashMap::new();
-        let mut transient_failures: HashMap<Option<EventId>, u32> = HashMap::new();
+        let mut batch_failures: u32 = 0;
+        let mut event_failures: HashMap<EventId, u32> = HashMap::new();
         let mut backoff = self.config.retry_backoff;
+        let topics: BTreeSet<&str> = records.iter().map(|r| r.topic.as_str()).collect();
         // After a first refused event (or a failed attempt) the batch is retried with a
         // savepoint per event, so any number of refused events costs one extra attempt, not one
         // per event, and each failure is charged to the event that caused it.
@@ -427,47 +457,43 @@ where
                     // Retried with a savepoint per event, so that a failure is charged to the
                     // event that caused it.
                     isolate = true;
-                    let labels = uniques
-                        .iter()
-                        .find(|u| Some(u.event.event_id) == id)
-                        .or(uniques.first())
-                        .map(|u| labels(&self.config.group, u.event))
-                        .unwrap_or_else(|| {
-                            [
-                                records[0].topic.clone(),
-                                self.config.group.clone(),
-                                String::new(),
-                                String::new(),
-                            ]
-                        });
-                    self.metrics.retries.with_label_values(&labels).inc();
-                    let n = transient_failures.entry(id).or_default();
-                    *n += 1;
-                    tracing::warn!(error = %e, event_id = ?id, attempt = *n, "consumer transaction failed; retrying");
+                    self.count_retry(records, &uniques, &topics, id);
+                    // A transient failure never dead-letters: the batch is retried until it
+                    // commits. Only failures no event is charged with (the database down) end
+                    // the run after `max_batch_retries`, for a supervisor to restart it.
                     match id {
-                        Some(id) if *n > self.config.max_retries => {
-                            poison.insert(
-                                id,
-                                format!("gave up after {} transient failures; last: {e}", *n),
-                            );
-                            continue;
+                        None => batch_failures += 1,
+                        Some(id) => {
+                            let n = event_failures.entry(id).or_default();
+                            *n += 1;
+                            if let Some(reason) = broken_transient_budget(*n, &e) {
+                                // Negative control: the old policy, a transient failure
+                                // dead-letters the event.
+                                poison.insert(id, reason);
+                                continue;
+                            }
                         }
-                        None if *n > self.config.max_batch_retries => {
-                            tracing::error!(error = %e, "giving up on the batch; its offset is not committed");
-                            return Err(e);
-                        }
-                        _ => {}
                     }
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(self.config.retry_backoff_max);
+                    tracing::warn!(error = %e, event_id = ?id, retries = report.retries, "consumer transaction failed; retrying");
+                    if batch_failures > self.config.max_batch_retries {
+                        tracing::error!(error = %e, "giving up on the batch; its offset is not committed");
+                        return Err(e);
+                    }
+                    if !self.back_off(&mut backoff, stop).await {
+                        tracing::info!(
+                            "stopping while the batch backs off; its offset is not committed"
+                        );
+                        return Ok(None);
+                    }
                 }
             }
         };
+        self.metrics.clear_stalled(&self.config.group, &topics);
 
         let committed_at = std::time::SystemTime::now();
         // Counted only now: rolled-back attempts changed nothing.
         for (u, dedup) in uniques.iter().zip(&outcome) {
-            let l = labels(&self.config.group, u.event);
+            let l = self.labels(u.event);
             let extra = u64::try_from(u.copies - 1).unwrap_or(0);
             let copies = u64::try_from(u.copies).unwrap_or(0);
             match dedup {
@@ -519,7 +545,7 @@ where
             }
         }
         for (ev, _) in &in_batch_conflicts {
-            let l = labels(&self.config.group, ev);
+            let l = self.labels(ev);
             self.metrics.conflicts.with_label_values(&l).inc();
             self.metrics.dead_lettered.with_label_values(&l).inc();
             self.metrics
@@ -531,12 +557,12 @@ where
             report.duplicate_deliveries += 1;
         }
         for d in &undecodable {
-            let l = [
-                d.topic.clone(),
-                self.config.group.clone(),
-                d.event_type.clone().unwrap_or_default(),
-                String::new(),
-            ];
+            let l = self.metrics.labels(
+                &d.topic,
+                &self.config.group,
+                d.event_type.as_deref().unwrap_or_default(),
+                "",
+            );
             self.metrics.dead_lettered.with_label_values(&l).inc();
             report.dead_lettered += 1;
         }
@@ -566,7 +592,58 @@ where
             self.metrics.offset_commit_failures.inc();
             tracing::warn!(error = %e, "committing offsets failed; the batch may be delivered again and skipped");
         }
-        Ok(report)
+        Ok(Some(report))
+    }
+
+    /// The bounded label values of `event` ([`ConsumerMetrics::labels`]).
+    fn labels(&self, event: &InboundEvent) -> [String; 4] {
+        self.metrics.labels(
+            &event.topic,
+            &self.config.group,
+            &event.event_type,
+            &event.aggregate_type,
+        )
+    }
+
+    /// Counts a rolled-back attempt (under the failing event's labels, else the batch's first)
+    /// and marks the batch's topics stalled.
+    fn count_retry(
+        &self,
+        records: &[Delivery],
+        uniques: &[Unique<'_>],
+        topics: &BTreeSet<&str>,
+        id: Option<EventId>,
+    ) {
+        let labels = uniques
+            .iter()
+            .find(|u| Some(u.event.event_id) == id)
+            .or(uniques.first())
+            .map(|u| self.labels(u.event))
+            .unwrap_or_else(|| {
+                let topic = records.first().map_or("", |r| r.topic.as_str());
+                self.metrics.labels(topic, &self.config.group, "", "")
+            });
+        self.metrics.retries.with_label_values(&labels).inc();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        self.metrics
+            .set_stalled(&self.config.group, topics, now.max(1));
+    }
+
+    /// Sleeps `backoff` and doubles it (up to `retry_backoff_max`); false when `stop` resolved
+    /// first.
+    async fn back_off<St>(&self, backoff: &mut Duration, stop: &mut St) -> bool
+    where
+        St: Future<Output = ()> + Unpin,
+    {
+        let wait = *backoff;
+        *backoff = (*backoff * 2).min(self.config.retry_backoff_max);
+        tokio::select! {
+            biased;
+            () = stop => false,
+            () = tokio::time::sleep(wait) => true,
+        }
     }
 
     async fn attempt(
@@ -759,6 +836,13 @@ where
     }
 }
 
+/// Under the `transient-dead-letters` negative control, the reason to dead-letter an event after
+/// its `n`th transient failure.
+fn broken_transient_budget(n: u32, e: &Error) -> Option<String> {
+    (n > crash::BROKEN_TRANSIENT_BUDGET && crash::broken(crash::BREAK_TRANSIENT_DEAD_LETTERS))
+        .then(|| format!("gave up after {n} transient failures; last: {e}"))
+}
+
 /// The span the handler runs in for one event: `idem.handle`, a consumer span whose parent is
 /// the remote context of the event's `traceparent` (captured at enqueue, carried in the Kafka
 /// header), so an OpenTelemetry exporter links the handler to the trace that produced the
@@ -798,15 +882,6 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-fn labels(group: &str, e: &InboundEvent) -> [String; 4] {
-    [
-        e.topic.clone(),
-        group.to_owned(),
-        e.event_type.clone(),
-        e.aggregate_type.clone(),
-    ]
 }
 
 #[cfg(test)]

@@ -1,6 +1,10 @@
 //! Consumer metrics. Labels: topic, consumer_group, event_type, aggregate_type; never ids.
+//!
+//! `event_type` and `aggregate_type` are read from record headers, which any producer on the
+//! topic writes: they are bounded ([`ConsumerMetrics::labels`]), so a foreign producer cannot
+//! make one series per value it sends.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};
 
 use prometheus::{
@@ -36,9 +40,25 @@ pub struct ConsumerMetrics {
     /// `ConsumerConfig::lag_interval` while the consumer runs (also while it waits or retries).
     /// Each member of a group exports its own share: sum over instances.
     pub lag: IntGaugeVec,
+    /// `idem_consumer_stalled_since_seconds{topic,consumer_group}`: the Unix time at which the
+    /// batch being retried first failed transiently, 0 while batches commit. A transient failure
+    /// never dead-letters: the batch backs off and is retried until it commits, and this gauge
+    /// says for how long the topic's events have stood still.
+    pub stalled_since: IntGaugeVec,
     /// Topics the lag gauge has shown, so a topic whose partitions were all revoked drops to 0.
     lag_topics: Arc<Mutex<BTreeSet<String>>>,
+    /// The (event_type, aggregate_type) pairs given a series of their own so far.
+    label_pairs: Arc<Mutex<HashSet<(String, String)>>>,
 }
+
+/// Most distinct (event_type, aggregate_type) label pairs one consumer exports; the events of
+/// any further pair, and those whose header values are not valid names, are counted under
+/// [`OTHER`].
+pub const MAX_LABEL_PAIRS: usize = 100;
+
+/// The `event_type` and `aggregate_type` label value of events past [`MAX_LABEL_PAIRS`] or
+/// with a header value that is not a valid name (the outbox's name rules).
+pub const OTHER: &str = "other";
 
 const LABELS: &[&str] = &["topic", "consumer_group", "event_type", "aggregate_type"];
 
@@ -87,7 +107,16 @@ impl ConsumerMetrics {
                 &["topic", "consumer_group"],
             )
             .map_err(reg_err)?,
+            stalled_since: IntGaugeVec::new(
+                Opts::new(
+                    "idem_consumer_stalled_since_seconds",
+                    "Unix time at which the batch being retried first failed transiently; 0 while batches commit.",
+                ),
+                &["topic", "consumer_group"],
+            )
+            .map_err(reg_err)?,
             lag_topics: Arc::default(),
+            label_pairs: Arc::default(),
         };
         for c in [
             &m.processed,
@@ -105,10 +134,73 @@ impl ConsumerMetrics {
         registry
             .register(Box::new(m.publish_to_processed.clone()))
             .map_err(reg_err)?;
-        registry
-            .register(Box::new(m.lag.clone()))
-            .map_err(reg_err)?;
+        for g in [&m.lag, &m.stalled_since] {
+            registry.register(Box::new(g.clone())).map_err(reg_err)?;
+        }
         Ok(m)
+    }
+
+    /// The label values (topic, consumer_group, event_type, aggregate_type) for an event whose
+    /// headers said `event_type` and `aggregate_type`. Header values are a foreign producer's
+    /// input: a value that is not a valid name (ASCII letters, digits, `.`, `_`, `-`, as the
+    /// outbox requires) becomes [`OTHER`], and so do the pairs beyond the first
+    /// [`MAX_LABEL_PAIRS`] this consumer has seen. An absent value stays empty.
+    pub fn labels(
+        &self,
+        topic: &str,
+        group: &str,
+        event_type: &str,
+        aggregate_type: &str,
+    ) -> [String; 4] {
+        let (event_type, aggregate_type) = self.bounded_pair(event_type, aggregate_type);
+        [
+            topic.to_owned(),
+            group.to_owned(),
+            event_type,
+            aggregate_type,
+        ]
+    }
+
+    fn bounded_pair(&self, event_type: &str, aggregate_type: &str) -> (String, String) {
+        let named = |s: &str, ok: bool| if ok { s.to_owned() } else { OTHER.to_owned() };
+        let pair = (
+            named(
+                event_type,
+                event_type.is_empty() || idem_core::event::validate_event_type(event_type).is_ok(),
+            ),
+            named(
+                aggregate_type,
+                aggregate_type.is_empty()
+                    || idem_core::event::validate_aggregate_type(aggregate_type).is_ok(),
+            ),
+        );
+        let mut seen = self.label_pairs.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.contains(&pair) || seen.len() < MAX_LABEL_PAIRS {
+            seen.insert(pair.clone());
+            pair
+        } else {
+            (OTHER.to_owned(), OTHER.to_owned())
+        }
+    }
+
+    /// Marks the batch's topics as stalled since `since` (Unix seconds), unless they already
+    /// are.
+    pub(crate) fn set_stalled(&self, group: &str, topics: &BTreeSet<&str>, since: i64) {
+        for topic in topics {
+            let g = self.stalled_since.with_label_values(&[*topic, group]);
+            if g.get() == 0 {
+                g.set(since);
+            }
+        }
+    }
+
+    /// Marks the batch's topics as flowing again.
+    pub(crate) fn clear_stalled(&self, group: &str, topics: &BTreeSet<&str>) {
+        for topic in topics {
+            self.stalled_since
+                .with_label_values(&[*topic, group])
+                .set(0);
+        }
     }
 
     /// Sets `idem_consumer_lag` from a [`idem_core::LagProbe`] reading: the topics it lists get

@@ -88,6 +88,16 @@ pub const BREAK_KAFKA_TRANSACTIONS: &str = "kafka-transactions";
 /// it forever, so a foreign writer's hostile row wedges its aggregate.
 pub const BREAK_NEVER_PARK: &str = "never-park";
 
+/// The consumer dead-letters an event after a few transient failures of its handler (the policy
+/// before review §8), so that a lock held on the business tables for seconds loses events.
+/// Not in [`BREAKABLE`] yet: it fails a chaos run only together with the long-lock fault class
+/// (`idem settlement --lock-timeout-ms` and a lock held on `settlements`), which the chaos
+/// runner does not drive yet.
+pub const BREAK_TRANSIENT_DEAD_LETTERS: &str = "transient-dead-letters";
+
+/// Transient failures of one event after which [`BREAK_TRANSIENT_DEAD_LETTERS`] dead-letters it.
+pub const BROKEN_TRANSIENT_BUDGET: u32 = 3;
+
 /// Is `mechanism` deliberately broken in this process (`IDEM_BREAK`)?
 pub fn broken(mechanism: &str) -> bool {
     #[cfg(feature = "failpoints")]

@@ -115,6 +115,8 @@ pub struct DeadLetter {
 /// A dead letter read back, for `idem dead-letters` and tests.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct StoredDeadLetter {
+    /// Its id in the dead-letter table (`idem dead-letters replay --id`).
+    pub id: i64,
     /// Consumer group.
     pub consumer_group: String,
     /// Topic.
@@ -125,8 +127,92 @@ pub struct StoredDeadLetter {
     pub offset: i64,
     /// Event id, if known.
     pub event_id: Option<String>,
-    /// Reason.
+    /// Reason (of the last failure, for a replay that failed).
     pub reason: String,
+    /// How its last replay ended ([`ReplayOutcome::as_str`]), if it was replayed.
+    pub replay_outcome: Option<String>,
+    /// When it was last replayed (the database's clock, as text).
+    pub replayed_at: Option<String>,
+    /// Who replayed it last.
+    pub replayed_by: Option<String>,
+}
+
+/// A dead letter that has not been replayed successfully yet, with what replaying it needs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpenDeadLetter {
+    /// Its id in the dead-letter table.
+    pub id: i64,
+    /// The record as it was stored.
+    pub letter: DeadLetter,
+}
+
+/// The columns of a dead-letter row as both stores read them (text where the dialects differ).
+#[derive(Clone, Debug)]
+pub struct DeadLetterRow {
+    /// `id`.
+    pub id: i64,
+    /// `topic`.
+    pub topic: String,
+    /// `record_partition`.
+    pub partition: i32,
+    /// `record_offset`.
+    pub offset: i64,
+    /// `event_id` as text.
+    pub event_id: Option<String>,
+    /// `event_type`.
+    pub event_type: Option<String>,
+    /// `reason`.
+    pub reason: String,
+    /// `record_key`.
+    pub key: Option<String>,
+    /// `payload`.
+    pub payload: Option<String>,
+    /// `headers` as JSON text.
+    pub headers: String,
+}
+
+impl From<DeadLetterRow> for OpenDeadLetter {
+    /// A row written by a foreign hand may hold an event id that is not a UUID or headers that
+    /// are not JSON: they are read as none, and the replay then reports the record undecodable.
+    fn from(r: DeadLetterRow) -> Self {
+        OpenDeadLetter {
+            id: r.id,
+            letter: DeadLetter {
+                topic: r.topic,
+                partition: r.partition,
+                offset: r.offset,
+                event_id: r.event_id.and_then(|s| s.parse().ok()),
+                event_type: r.event_type,
+                reason: r.reason,
+                key: r.key,
+                payload: r.payload,
+                headers: serde_json::from_str(&r.headers).unwrap_or_default(),
+            },
+        }
+    }
+}
+
+/// How a replay of a dead letter ended, as recorded on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplayOutcome {
+    /// The handler applied the event, in the transaction that made its inbox row `processed`.
+    Applied,
+    /// The inbox already said `processed` (another replay, a redelivery), or holds the event id
+    /// under another payload (a conflict): not applied. Closes the letter.
+    AlreadyApplied,
+    /// The handler failed again: the letter stays open with the new reason.
+    Failed,
+}
+
+impl ReplayOutcome {
+    /// `applied`, `already_applied` or `failed` (the `replay_outcome` column).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplayOutcome::Applied => "applied",
+            ReplayOutcome::AlreadyApplied => "already_applied",
+            ReplayOutcome::Failed => "failed",
+        }
+    }
 }
 
 /// The processed-events inbox and dead-letter table of one database.
@@ -199,6 +285,39 @@ pub trait InboxStore: Send + Sync + 'static {
         group: &str,
         limit: u32,
     ) -> impl Future<Output = Result<Vec<StoredDeadLetter>>> + Send;
+
+    /// Up to `limit` dead letters of `group` with an id above `after` (only `only`, when
+    /// given) that were never replayed or whose last replay failed, by id.
+    fn open_dead_letters(
+        &self,
+        group: &str,
+        after: i64,
+        only: Option<i64>,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<OpenDeadLetter>>> + Send;
+
+    /// In a replay's transaction: makes `event`'s inbox row of `group` `processed` — inserting
+    /// it, or turning a `dead_lettered` row with the same payload hash — and says whether it
+    /// did. `false`: the row says `processed` already, or it holds another payload; the event
+    /// must not be applied. The row stays locked until the transaction ends, so a concurrent
+    /// replay or redelivery waits and then finds it `processed`.
+    fn claim_replay(
+        &self,
+        conn: &mut Self::Conn,
+        group: &str,
+        event: &InboundEvent,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Records a replay of dead letter `id`: when (now), `by` whom, the outcome, and for a
+    /// failure the new `reason`. Refused (`false`) for a letter whose replay already succeeded.
+    fn finish_replay(
+        &self,
+        conn: &mut Self::Conn,
+        id: i64,
+        by: &str,
+        outcome: ReplayOutcome,
+        reason: Option<&str>,
+    ) -> impl Future<Output = Result<bool>> + Send;
 }
 
 /// Measures one group member's consumer lag: per topic, the records between its position and

@@ -20,8 +20,8 @@ pub mod trace;
 pub use error::{BoxError, Error, Result};
 pub use event::{Event, EventBuilder, EventId};
 pub use inbox::{
-    DeadLetter, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, LagProbe, Source,
-    StoredDeadLetter,
+    DeadLetter, DeadLetterRow, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, LagProbe,
+    OpenDeadLetter, ReplayOutcome, Source, StoredDeadLetter,
 };
 pub use outbox::{
     Backlog, Claim, ClaimRequest, Completed, Failure, OutboxRecord, OutboxStatus, OutboxStore,

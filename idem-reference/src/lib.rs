@@ -299,6 +299,9 @@ pub struct PointsAward<I> {
 #[derive(Clone, Debug)]
 pub struct Settlement<I = ()> {
     points: Option<PointsAward<I>>,
+    /// PostgreSQL `lock_timeout` for the handler's statements, if set: a lock held longer on the
+    /// business tables fails the statement (SQLSTATE 55P03), a transient failure.
+    lock_timeout: Option<std::time::Duration>,
 }
 
 impl Default for Settlement {
@@ -310,7 +313,10 @@ impl Default for Settlement {
 impl Settlement {
     /// Settlements only.
     pub fn new() -> Self {
-        Settlement { points: None }
+        Settlement {
+            points: None,
+            lock_timeout: None,
+        }
     }
 
     /// Settlements, and one points award per paid order through the effect stage.
@@ -320,7 +326,18 @@ impl Settlement {
                 intents,
                 target: target.into(),
             }),
+            lock_timeout: None,
         }
+    }
+}
+
+impl<I> Settlement<I> {
+    /// On PostgreSQL, gives up on a lock held longer than `timeout` on the business tables (a
+    /// transient failure, retried until the lock is released; never a dead letter). Without it
+    /// the handler waits for the lock. `idem settlement --lock-timeout-ms`.
+    pub fn with_lock_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.lock_timeout = Some(timeout);
+        self
     }
 }
 
@@ -385,6 +402,14 @@ impl<I: RecordIntent<PgConnection>> Handler<PgConnection> for Settlement<I> {
         event: &InboundEvent,
     ) -> Result<(), HandlerError> {
         let paid = parse_paid(event)?;
+        if let Some(timeout) = self.lock_timeout {
+            // For the rest of the consumer's transaction (set_config's is_local).
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(format!("{}ms", timeout.as_millis().max(1)))
+                .execute(&mut *conn)
+                .await
+                .map_err(db_error)?;
+        }
         let inserted = sqlx::query(
             "INSERT INTO settlements (payment_id, order_id, amount_minor, currency, event_id) VALUES ($1, $2, $3, $4, $5) \
              ON CONFLICT (payment_id) DO NOTHING",

@@ -1,4 +1,5 @@
-SELECT consumer_group, topic, record_partition, record_offset, event_id, reason
+SELECT id, consumer_group, topic, record_partition, record_offset, event_id, reason,
+       replay_outcome, replayed_at, replayed_by
 FROM {dead_letters}
 WHERE consumer_group = ?1
 ORDER BY id

@@ -78,6 +78,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
     ),
     (
+        9,
+        "dead-letter replay",
+        include_str!("../migrations/0009_dead_letter_replay.sql"),
+    ),
+    (
         10,
         "outbox sequence numbers for inserted rows only (PostgreSQL; none here)",
         include_str!("../migrations/0010_outbox_seq_inserted_only.sql"),
@@ -106,6 +111,9 @@ struct Queries {
     dead_letter: String,
     dead_letters: String,
     inbox_dead_lettered: String,
+    inbox_replay: String,
+    dead_letters_open: String,
+    dead_letter_replayed: String,
     key_claim: String,
     key_get: String,
     key_complete: String,
@@ -140,6 +148,9 @@ impl Queries {
             dead_letter: r(include_str!("../sql/dead_letter.sql")),
             dead_letters: r(include_str!("../sql/dead_letters.sql")),
             inbox_dead_lettered: r(include_str!("../sql/inbox_dead_lettered.sql")),
+            inbox_replay: r(include_str!("../sql/inbox_replay.sql")),
+            dead_letters_open: r(include_str!("../sql/dead_letters_open.sql")),
+            dead_letter_replayed: r(include_str!("../sql/dead_letter_replayed.sql")),
             key_claim: r(include_str!("../sql/key_claim.sql")),
             key_get: r(include_str!("../sql/key_get.sql")),
             key_complete: r(include_str!("../sql/key_complete.sql")),
@@ -817,17 +828,97 @@ impl idem_core::InboxStore for SqliteInbox {
         rows.iter()
             .map(|r| {
                 Ok(idem_core::StoredDeadLetter {
+                    id: r.try_get("id")?,
                     consumer_group: r.try_get("consumer_group")?,
                     topic: r.try_get("topic")?,
                     partition: r.try_get("record_partition")?,
                     offset: r.try_get("record_offset")?,
                     event_id: r.try_get("event_id")?,
                     reason: r.try_get("reason")?,
+                    replay_outcome: r.try_get("replay_outcome")?,
+                    replayed_at: r.try_get("replayed_at")?,
+                    replayed_by: r.try_get("replayed_by")?,
                 })
             })
             .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
             .map_err(|e| Error::database("decoding dead letters", e))
     }
+
+    async fn open_dead_letters(
+        &self,
+        group: &str,
+        after: i64,
+        only: Option<i64>,
+        limit: u32,
+    ) -> Result<Vec<idem_core::OpenDeadLetter>> {
+        let rows = sqlx::query(&self.queries.dead_letters_open)
+            .bind(group)
+            .bind(after)
+            .bind(only)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("listing dead letters to replay", e))?;
+        rows.iter()
+            .map(open_letter)
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding dead letters to replay", e))
+    }
+
+    async fn claim_replay(
+        &self,
+        conn: &mut SqliteConnection,
+        group: &str,
+        event: &idem_core::InboundEvent,
+    ) -> Result<bool> {
+        sqlx::query(&self.queries.inbox_replay)
+            .bind(group)
+            .bind(event.event_id.to_string())
+            .bind(&event.event_type)
+            .bind(&event.aggregate_type)
+            .bind(&event.aggregate_id)
+            .bind(&event.payload_hash)
+            .fetch_optional(&mut *conn)
+            .await
+            .map(|row| row.is_some())
+            .map_err(|e| Error::database("claiming the inbox row of a replayed event", e))
+    }
+
+    async fn finish_replay(
+        &self,
+        conn: &mut SqliteConnection,
+        id: i64,
+        by: &str,
+        outcome: idem_core::ReplayOutcome,
+        reason: Option<&str>,
+    ) -> Result<bool> {
+        sqlx::query(&self.queries.dead_letter_replayed)
+            .bind(id)
+            .bind(by)
+            .bind(outcome.as_str())
+            .bind(reason)
+            .execute(&mut *conn)
+            .await
+            .map(|r| r.rows_affected() > 0)
+            .map_err(|e| Error::database("recording the replay of a dead letter", e))
+    }
+}
+
+/// A dead letter row read for a replay ([`idem_core::DeadLetterRow`] decides what it means).
+fn open_letter(r: &SqliteRow) -> std::result::Result<idem_core::OpenDeadLetter, sqlx::Error> {
+    Ok(idem_core::DeadLetterRow {
+        id: r.try_get("id")?,
+        topic: r.try_get("topic")?,
+        partition: r.try_get("record_partition")?,
+        offset: r.try_get("record_offset")?,
+        event_id: r.try_get("event_id")?,
+        event_type: r.try_get("event_type")?,
+        reason: r.try_get("reason")?,
+        key: r.try_get("record_key")?,
+        payload: r.try_get("payload")?,
+        headers: r.try_get("headers")?,
+    }
+    .into())
 }
 
 /// The server-side Idempotency-Key store in SQLite ([`idem_core::idempotency::IdempotencyStore`]).
@@ -1206,6 +1297,9 @@ mod tests {
             &q.dead_letter,
             &q.dead_letters,
             &q.inbox_dead_lettered,
+            &q.inbox_replay,
+            &q.dead_letters_open,
+            &q.dead_letter_replayed,
             &q.key_claim,
             &q.key_get,
             &q.key_complete,

@@ -65,6 +65,33 @@ impl InboxStore for NoInbox {
     async fn dead_letters(&self, group: &str, limit: u32) -> Result<Vec<StoredDeadLetter>> {
         self.0.dead_letters(group, limit).await
     }
+    async fn open_dead_letters(
+        &self,
+        group: &str,
+        after: i64,
+        only: Option<i64>,
+        limit: u32,
+    ) -> Result<Vec<idem_core::OpenDeadLetter>> {
+        self.0.open_dead_letters(group, after, only, limit).await
+    }
+    async fn claim_replay(
+        &self,
+        conn: &mut PgConnection,
+        group: &str,
+        event: &idem_core::InboundEvent,
+    ) -> Result<bool> {
+        self.0.claim_replay(conn, group, event).await
+    }
+    async fn finish_replay(
+        &self,
+        conn: &mut PgConnection,
+        id: i64,
+        by: &str,
+        outcome: idem_core::ReplayOutcome,
+        reason: Option<&str>,
+    ) -> Result<bool> {
+        self.0.finish_replay(conn, id, by, outcome, reason).await
+    }
 }
 
 /// Runs until SIGTERM.

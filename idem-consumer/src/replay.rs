@@ -1,0 +1,226 @@
+//! Replaying dead letters through the handler (`idem dead-letters replay`).
+//!
+//! A dead letter keeps the record as it arrived: key, value and headers. [`replay`] decodes it
+//! again with the consumer's own decoder and, **in one transaction**, makes the event's inbox row
+//! `processed` ([`InboxStore::claim_replay`]), runs the handler, and marks the letter replayed
+//! (who, when, `applied`). The inbox row is the fence: a second replay, or a redelivery of the
+//! record racing the replay, waits for that transaction and then finds the row `processed`, so
+//! the event is applied once. A replay whose handler fails is rolled back entirely; the letter
+//! stays open with the new reason. A letter that does not decode (no event id, a value that is
+//! not JSON) is reported and left alone.
+
+use idem_core::{
+    DeadLetter, Delivery, EventId, InboundEvent, InboxStore, OpenDeadLetter, ReplayOutcome, Result,
+};
+
+use crate::{Handler, HandlerError, decode};
+
+/// Which dead letters to replay, and how.
+#[derive(Clone, Debug)]
+pub struct ReplayRequest {
+    /// Consumer group whose dead letters (and inbox) these are.
+    pub group: String,
+    /// Only this dead letter (its id in `idem dead-letters`); `None`: every open one.
+    pub only: Option<i64>,
+    /// List what would be replayed, change nothing.
+    pub dry_run: bool,
+    /// Who replays (recorded on each letter replayed).
+    pub by: String,
+}
+
+/// What happened to one dead letter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReplayResult {
+    /// Dry run: it decodes and would be handed to the handler.
+    WouldReplay,
+    /// Applied by the handler; the letter is closed.
+    Applied,
+    /// The inbox already said `processed` (replayed before, or applied from a redelivery), or
+    /// holds the event id under another payload (an idempotency conflict, which must never be
+    /// applied): not applied; the letter is closed.
+    AlreadyApplied,
+    /// The handler failed again (nothing of it committed); the letter stays open with this
+    /// reason.
+    Failed(String),
+    /// The record cannot be decoded (no event id, a value that is not JSON, …): not replayed,
+    /// left as it is.
+    Undecodable(String),
+}
+
+/// One dead letter and what its replay did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replayed {
+    /// The letter's id.
+    pub id: i64,
+    /// Where the record was.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
+    /// The event id, when the record has one.
+    pub event_id: Option<EventId>,
+    /// The outcome.
+    pub result: ReplayResult,
+}
+
+/// Letters read per round trip.
+const PAGE: u32 = 100;
+
+/// Replays the open dead letters of `request.group` (never replayed, or whose last replay
+/// failed) through `handler`, oldest first, and says what happened to each. Errors of the
+/// database end the run; letters replayed before it stay replayed.
+pub async fn replay<I, H>(inbox: &I, handler: &H, request: &ReplayRequest) -> Result<Vec<Replayed>>
+where
+    I: InboxStore,
+    H: Handler<I::Conn>,
+{
+    let mut out = vec![];
+    let mut after = 0;
+    loop {
+        let page = inbox
+            .open_dead_letters(&request.group, after, request.only, PAGE)
+            .await?;
+        let Some(last) = page.last() else {
+            return Ok(out);
+        };
+        after = last.id;
+        for letter in &page {
+            let result = replay_one(inbox, handler, request, letter).await?;
+            out.push(replayed(letter, result));
+        }
+    }
+}
+
+fn replayed(open: &OpenDeadLetter, result: ReplayResult) -> Replayed {
+    Replayed {
+        id: open.id,
+        topic: open.letter.topic.clone(),
+        partition: open.letter.partition,
+        offset: open.letter.offset,
+        event_id: open.letter.event_id,
+        result,
+    }
+}
+
+/// The record a dead letter keeps, as the broker delivered it (headers in name order).
+pub fn delivery_of(letter: &DeadLetter) -> Delivery {
+    let headers = letter
+        .headers
+        .as_object()
+        .map(|h| {
+            h.iter()
+                .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_owned())))
+                .collect()
+        })
+        .unwrap_or_default();
+    Delivery {
+        topic: letter.topic.clone(),
+        partition: letter.partition,
+        offset: letter.offset,
+        key: letter.key.clone(),
+        payload: letter.payload.as_ref().map(|p| p.as_bytes().to_vec()),
+        headers,
+        timestamp: None,
+    }
+}
+
+async fn replay_one<I, H>(
+    inbox: &I,
+    handler: &H,
+    request: &ReplayRequest,
+    open: &OpenDeadLetter,
+) -> Result<ReplayResult>
+where
+    I: InboxStore,
+    H: Handler<I::Conn>,
+{
+    let event = match decode(&delivery_of(&open.letter)) {
+        Ok(event) => event,
+        Err(reason) => return Ok(ReplayResult::Undecodable(reason)),
+    };
+    if request.dry_run {
+        return Ok(ReplayResult::WouldReplay);
+    }
+    let mut tx = inbox.begin().await?;
+    let applied = match apply(inbox, handler, &request.group, &mut tx, &event).await {
+        Ok(applied) => applied,
+        Err(reason) => {
+            if let Err(e) = inbox.rollback(tx).await {
+                tracing::warn!(error = %e, "rollback failed (the connection is discarded)");
+            }
+            return record_failure(inbox, request, open.id, reason).await;
+        }
+    };
+    let outcome = if applied {
+        ReplayOutcome::Applied
+    } else {
+        ReplayOutcome::AlreadyApplied
+    };
+    inbox
+        .finish_replay(&mut tx, open.id, &request.by, outcome, None)
+        .await?;
+    inbox.commit(tx).await?;
+    Ok(if applied {
+        ReplayResult::Applied
+    } else {
+        ReplayResult::AlreadyApplied
+    })
+}
+
+/// In the replay's transaction: claims the inbox row and runs the handler. `Ok(false)`: the
+/// inbox says the event was applied; `Err(reason)`: the handler or the database failed, and the
+/// transaction must be rolled back.
+async fn apply<I, H>(
+    inbox: &I,
+    handler: &H,
+    group: &str,
+    tx: &mut I::Tx,
+    event: &InboundEvent,
+) -> std::result::Result<bool, String>
+where
+    I: InboxStore,
+    H: Handler<I::Conn>,
+{
+    let claimed = inbox
+        .claim_replay(&mut *tx, group, event)
+        .await
+        .map_err(|e| format!("replay failed: {e}"))?;
+    if !claimed {
+        return Ok(false);
+    }
+    match handler.handle(&mut *tx, event).await {
+        Ok(()) => {}
+        Err(HandlerError::Permanent(reason)) => return Err(format!("replay refused: {reason}")),
+        Err(HandlerError::Transient(e)) => {
+            return Err(format!("replay failed (transient): {e}"));
+        }
+    }
+    // A handler that swallowed a database error left the transaction unable to commit.
+    inbox
+        .check_usable(&mut *tx)
+        .await
+        .map_err(|e| format!("replay failed: {e}"))?;
+    Ok(true)
+}
+
+async fn record_failure<I: InboxStore>(
+    inbox: &I,
+    request: &ReplayRequest,
+    id: i64,
+    reason: String,
+) -> Result<ReplayResult> {
+    let reason = crate::clean(&reason);
+    let mut tx = inbox.begin().await?;
+    inbox
+        .finish_replay(
+            &mut tx,
+            id,
+            &request.by,
+            ReplayOutcome::Failed,
+            Some(&reason),
+        )
+        .await?;
+    inbox.commit(tx).await?;
+    Ok(ReplayResult::Failed(reason))
+}
