@@ -29,7 +29,7 @@ fn sqlite() -> Db {
     let o = idem(&["migrate", "--db", &url]);
     assert!(o.status.success(), "{:?}", text(&o));
     assert!(
-        text(&o).0.contains("applied [1, 2, 3, 4, 5, 6]"),
+        text(&o).0.contains("applied [1, 2, 3, 4, 5, 6, 7]"),
         "{:?}",
         text(&o)
     );
@@ -47,7 +47,7 @@ fn migrate_twice_is_a_no_op() {
     let db = sqlite();
     let o = idem(&["migrate", "--db", &db.url]);
     assert!(o.status.success());
-    assert!(text(&o).0.contains("up to date (version 6)"));
+    assert!(text(&o).0.contains("up to date (version 7)"));
 }
 
 #[test]

@@ -65,6 +65,7 @@ pub const BREAKABLE: &[&str] = &[
     BREAK_INBOX_IGNORES_GROUP,
     BREAK_ID_WATERMARK,
     BREAK_KAFKA_TRANSACTIONS,
+    BREAK_KEY_LOCK_RENEWAL,
 ];
 /// The relay marks a batch published right after claiming it, before any delivery report.
 pub const BREAK_MARK_BEFORE_REPORT: &str = "mark-before-report";
@@ -82,6 +83,9 @@ pub const BREAK_ID_WATERMARK: &str = "id-watermark";
 /// mechanism (read_committed, no inbox, offsets committed in a Kafka transaction after the
 /// database commit), and it refuses to run unless it is named here.
 pub const BREAK_KAFKA_TRANSACTIONS: &str = "kafka-transactions";
+/// The Idempotency-Key layer (`idem-http`) never renews a claim's lock while the handler runs,
+/// so a request slower than the lock is taken over by a retry and executes beside it.
+pub const BREAK_KEY_LOCK_RENEWAL: &str = "key-lock-renewal";
 
 /// Is `mechanism` deliberately broken in this process (`IDEM_BREAK`)?
 pub fn broken(mechanism: &str) -> bool {

@@ -79,6 +79,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "outbox timestamp checks",
         include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
     ),
+    (
+        7,
+        "idempotency claim tokens",
+        include_str!("../migrations/0007_idempotency_claim_tokens.sql"),
+    ),
 ];
 
 /// How many of the oldest pending rows a claim looks at, per row of batch size.
@@ -102,6 +107,7 @@ struct Queries {
     inbox_dead_lettered: String,
     key_claim: String,
     key_get: String,
+    key_renew: String,
     key_complete: String,
     key_release: String,
     key_sweep: String,
@@ -134,6 +140,7 @@ impl Queries {
             inbox_dead_lettered: r(include_str!("../sql/inbox_dead_lettered.sql")),
             key_claim: r(include_str!("../sql/key_claim.sql")),
             key_get: r(include_str!("../sql/key_get.sql")),
+            key_renew: r(include_str!("../sql/key_renew.sql")),
             key_complete: r(include_str!("../sql/key_complete.sql")),
             key_release: r(include_str!("../sql/key_release.sql")),
             key_sweep: r(include_str!("../sql/key_sweep.sql")),
@@ -946,17 +953,19 @@ impl idem_core::idempotency::IdempotencyStore for PgKeyStore {
         retention: std::time::Duration,
     ) -> Result<idem_core::idempotency::KeyClaim> {
         use idem_core::idempotency::{KeyClaim, StoredResponse};
+        let token = idem_core::idempotency::ClaimToken::random();
         let claimed = sqlx::query(&self.queries.key_claim)
             .bind(scope)
             .bind(key.as_str())
             .bind(fingerprint)
             .bind(millis(lock))
             .bind(millis(retention))
+            .bind(token.as_str())
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| Error::database("claiming an idempotency key", e))?;
         if claimed.is_some() {
-            return Ok(KeyClaim::New);
+            return Ok(KeyClaim::New(token));
         }
         let row = sqlx::query(&self.queries.key_get)
             .bind(scope)
@@ -987,12 +996,31 @@ impl idem_core::idempotency::IdempotencyStore for PgKeyStore {
         }))
     }
 
+    async fn renew(
+        &self,
+        scope: &str,
+        key: &idem_core::idempotency::IdempotencyKey,
+        token: &idem_core::idempotency::ClaimToken,
+        lock: std::time::Duration,
+    ) -> Result<bool> {
+        sqlx::query(&self.queries.key_renew)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(token.as_str())
+            .bind(millis(lock))
+            .execute(&self.pool)
+            .await
+            .map(|r| r.rows_affected() == 1)
+            .map_err(|e| Error::database("renewing the lock of an idempotency key", e))
+    }
+
     async fn complete(
         &self,
         scope: &str,
         key: &idem_core::idempotency::IdempotencyKey,
+        token: &idem_core::idempotency::ClaimToken,
         response: &idem_core::idempotency::StoredResponse,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let headers = serde_json::to_string(&response.headers).unwrap_or_else(|_| "[]".to_owned());
         sqlx::query(&self.queries.key_complete)
             .bind(scope)
@@ -1000,9 +1028,10 @@ impl idem_core::idempotency::IdempotencyStore for PgKeyStore {
             .bind(i32::from(response.status))
             .bind(headers)
             .bind(&response.body)
+            .bind(token.as_str())
             .execute(&self.pool)
             .await
-            .map(|_| ())
+            .map(|r| r.rows_affected() == 1)
             .map_err(|e| Error::database("storing an idempotent response", e))
     }
 
@@ -1010,13 +1039,15 @@ impl idem_core::idempotency::IdempotencyStore for PgKeyStore {
         &self,
         scope: &str,
         key: &idem_core::idempotency::IdempotencyKey,
-    ) -> Result<()> {
+        token: &idem_core::idempotency::ClaimToken,
+    ) -> Result<bool> {
         sqlx::query(&self.queries.key_release)
             .bind(scope)
             .bind(key.as_str())
+            .bind(token.as_str())
             .execute(&self.pool)
             .await
-            .map(|_| ())
+            .map(|r| r.rows_affected() == 1)
             .map_err(|e| Error::database("releasing an idempotency key", e))
     }
 
@@ -1229,6 +1260,7 @@ mod tests {
             &q.inbox_dead_lettered,
             &q.key_claim,
             &q.key_get,
+            &q.key_renew,
             &q.key_complete,
             &q.key_release,
             &q.key_sweep,

@@ -10,13 +10,14 @@
 //! * `POST /keyless/awards` → the same award **without** the Idempotency-Key layer: a stand-in for
 //!   a remote that ignores keys, to exercise the status probe and the unknown-outcome state.
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{Next, from_fn};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem_core::idempotency::IdempotencyStore;
-use idem_http::{Idempotency, IdempotencyConfig};
+use idem_http::{ClientScope, Idempotency, IdempotencyConfig};
 
 /// The points database.
 #[derive(Clone, Debug)]
@@ -283,12 +284,29 @@ async fn reverse(
     }
 }
 
-/// The points API router: `POST /awards` behind the Idempotency-Key layer over `keys`, the
-/// status probe, the reversal (compensation) and the key-less stand-in.
+/// The points API's authentication layer: `Authorization: Bearer <client>` names the client,
+/// and the Idempotency-Key layer scopes keys by that [`ClientScope`] (never by the raw header).
+async fn authenticate(mut req: Request, next: Next) -> Response {
+    match client(req.headers()) {
+        Some(c) => {
+            req.extensions_mut().insert(ClientScope(c));
+            next.run(req).await
+        }
+        None => problem(
+            StatusCode::UNAUTHORIZED,
+            "send Authorization: Bearer <client>",
+        ),
+    }
+}
+
+/// The points API router: `POST /awards` behind the Idempotency-Key layer over `keys` (scoped
+/// per client by [`authenticate`]), the status probe, the reversal (compensation) and the
+/// key-less stand-in.
 pub fn router<S: IdempotencyStore>(db: PointsDb, keys: S, config: IdempotencyConfig) -> Router {
     Router::new()
         .route("/awards", post(award))
         .route_layer(Idempotency::new(keys, config).layer())
+        .route_layer(from_fn(authenticate))
         .route("/keyless/awards", post(award_keyless))
         .route("/awards/by-payment/{payment_id}", get(by_payment))
         .route("/awards/by-payment/{payment_id}/reversal", post(reverse))
