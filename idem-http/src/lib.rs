@@ -347,6 +347,8 @@ struct Held<S> {
     token: ClaimToken,
     config: IdempotencyConfig,
     stats: Arc<LayerStats>,
+    /// Set once the claim was found lost (counted once per claim).
+    lost: std::sync::atomic::AtomicBool,
 }
 
 async fn run<S: IdempotencyStore>(
@@ -396,6 +398,7 @@ async fn run<S: IdempotencyStore>(
         token,
         config: state.config.clone(),
         stats: state.stats(),
+        lost: std::sync::atomic::AtomicBool::new(false),
     });
     // From here the request runs in its own task: a client that disconnects (a timeout) must
     // not cancel the handler between its effect and the key's completion, which would leave
@@ -532,7 +535,9 @@ impl<S: IdempotencyStore> Held<S> {
     }
 
     fn lost(&self, doing: &str) {
-        LayerStats::count(&self.stats.claims_lost);
+        if !self.lost.swap(true, Ordering::Relaxed) {
+            LayerStats::count(&self.stats.claims_lost);
+        }
         tracing::error!(
             key = self.key.as_str(),
             "the idempotency key's claim was lost (its lock ran out and a retry took it over, or it was swept) when {doing}: a retry may have executed beside this request; nothing was changed"

@@ -497,3 +497,47 @@ async fn scoping_by_credential_is_opt_in_and_per_credential() {
         .unwrap();
     assert_eq!(call(&router, anonymous).await.0, StatusCode::UNAUTHORIZED);
 }
+
+/// A request whose claim was taken from it (here: another token written over it, as a retry's
+/// takeover would) stores nothing over the new claim, and the layer counts the loss.
+async fn a_request_that_lost_its_claim_changes_nothing_and_is_counted<B: Backend>(b: &B) {
+    let state = new_app(0, false);
+    let layer = Idempotency::new(b.keys(), IdempotencyConfig::default());
+    let stats = layer.stats();
+    let router = Router::new()
+        .route("/awards", post(award))
+        .route_layer(layer.layer())
+        .with_state(state.clone())
+        .route_layer(axum::middleware::from_fn(authenticate));
+    let r = router.clone();
+    let a = tokio::spawn(async move { call(&r, req("a", &["\"k\""], "{}")).await });
+    state.entered(1).await;
+    let taken = b
+        .exec("UPDATE idem_idempotency_keys SET claim_token = 'another-request'")
+        .await
+        .unwrap();
+    assert_eq!(taken, 1);
+    state.gate.add_permits(10);
+    assert_eq!(a.await.unwrap().0, StatusCode::CREATED, "A's own answer");
+    assert_eq!(
+        stats.claims_lost.load(Ordering::SeqCst),
+        1,
+        "the loss is counted"
+    );
+    let retry = call(&router, req("a", &["\"k\""], "{}")).await;
+    assert_eq!(
+        retry.0,
+        StatusCode::CONFLICT,
+        "the other request's claim is still in flight, not overwritten by A's response"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_claim_changes_nothing_and_is_counted_on_sqlite() {
+    a_request_that_lost_its_claim_changes_nothing_and_is_counted(&Lite::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_claim_changes_nothing_and_is_counted_on_postgres() {
+    a_request_that_lost_its_claim_changes_nothing_and_is_counted(&Pg::new().await).await;
+}
