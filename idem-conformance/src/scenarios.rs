@@ -781,6 +781,15 @@ fn new_claim(c: KeyClaim) -> ClaimToken {
     }
 }
 
+/// Claims `k` for client "c" with a lock that has already run out.
+async fn claim_with_zero_lock<K: IdempotencyStore>(keys: &K, k: &IdempotencyKey) -> ClaimToken {
+    new_claim(
+        keys.claim("c", k, "fp", Duration::ZERO, MINUTE)
+            .await
+            .unwrap(),
+    )
+}
+
 fn empty(status: u16) -> StoredResponse {
     StoredResponse {
         status,
@@ -902,11 +911,7 @@ pub async fn idempotency_keys_release_expire_and_sweep<B: Backend>(b: &B) {
 pub async fn idempotency_claims_are_fenced_by_their_token<B: Backend>(b: &B) {
     let keys = b.keys();
     let k = IdempotencyKey::new("slow").unwrap();
-    let a = new_claim(
-        keys.claim("c", &k, "fp", Duration::ZERO, MINUTE)
-            .await
-            .unwrap(),
-    );
+    let a = claim_with_zero_lock(&keys, &k).await;
     // Time has to pass: A's zero-length lock runs out.
     tokio::time::sleep(Duration::from_millis(5)).await;
     let b_token = new_claim(keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap());
@@ -948,11 +953,7 @@ pub async fn idempotency_claims_are_fenced_by_their_token<B: Backend>(b: &B) {
 pub async fn a_renewed_claim_is_not_taken_over<B: Backend>(b: &B) {
     let keys = b.keys();
     let k = IdempotencyKey::new("renewed").unwrap();
-    let a = new_claim(
-        keys.claim("c", &k, "fp", Duration::ZERO, MINUTE)
-            .await
-            .unwrap(),
-    );
+    let a = claim_with_zero_lock(&keys, &k).await;
     assert!(keys.renew("c", &k, &a, MINUTE).await.unwrap());
     // Time passes beyond the claim's first lock; the renewal holds it.
     tokio::time::sleep(Duration::from_millis(5)).await;

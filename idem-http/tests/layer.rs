@@ -228,8 +228,8 @@ async fn a_server_error_is_not_stored_so_the_retry_executes() {
     assert_eq!(app.executions.load(Ordering::SeqCst), 2);
 }
 
-async fn ten_concurrent_requests_with_one_key_execute_once<S: IdempotencyStore>(store: S) {
-    let (router, app) = app(store, 0);
+async fn ten_concurrent_requests_with_one_key_execute_once<B: Backend>(b: &B) {
+    let (router, app) = app(b.keys(), 0);
     let mut tasks = vec![];
     for _ in 0..10 {
         let router = router.clone();
@@ -270,16 +270,6 @@ async fn ten_concurrent_requests_with_one_key_execute_once<S: IdempotencyStore>(
     assert_eq!(app.executions.load(Ordering::SeqCst), 1, "one execution");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_concurrent_requests_execute_once_on_sqlite() {
-    ten_concurrent_requests_with_one_key_execute_once(Lite::new().await.keys()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_concurrent_requests_execute_once_on_postgres() {
-    ten_concurrent_requests_with_one_key_execute_once(Pg::new().await.keys()).await;
-}
-
 // ---- a request slower than the key's lock (review §4) -----------------------------------------
 
 const LOCK: Duration = Duration::from_millis(300);
@@ -316,8 +306,8 @@ async fn retry_while_a_runs_past_its_lock(
     (a, b_answer)
 }
 
-async fn a_slow_request_that_completes_is_executed_once<S: IdempotencyStore>(store: S) {
-    let (router, app) = app_with(store, new_app(0, false), slow_config());
+async fn a_slow_request_that_completes_is_executed_once<B: Backend>(b: &B) {
+    let (router, app) = app_with(b.keys(), new_app(0, false), slow_config());
     let body = r#"{"points":5}"#;
     let (a, b) = retry_while_a_runs_past_its_lock(&router, &app, body).await;
     app.gate.add_permits(1);
@@ -337,8 +327,8 @@ async fn a_slow_request_that_completes_is_executed_once<S: IdempotencyStore>(sto
     );
 }
 
-async fn a_slow_request_that_fails_never_runs_beside_a_retry<S: IdempotencyStore>(store: S) {
-    let (router, app) = app_with(store, new_app(0, true), slow_config());
+async fn a_slow_request_that_fails_never_runs_beside_a_retry<B: Backend>(b: &B) {
+    let (router, app) = app_with(b.keys(), new_app(0, true), slow_config());
     let body = r#"{"points":5}"#;
     let (a, b) = retry_while_a_runs_past_its_lock(&router, &app, body).await;
     app.gate.add_permits(1);
@@ -361,34 +351,14 @@ async fn a_slow_request_that_fails_never_runs_beside_a_retry<S: IdempotencyStore
     assert_eq!(b, Some(StatusCode::CONFLICT), "B was refused while A ran");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_slower_than_the_lock_is_not_taken_over_on_sqlite() {
-    a_slow_request_that_completes_is_executed_once(Lite::new().await.keys()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_slower_than_the_lock_is_not_taken_over_on_postgres() {
-    a_slow_request_that_completes_is_executed_once(Pg::new().await.keys()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_failure_never_releases_a_retry_s_claim_on_sqlite() {
-    a_slow_request_that_fails_never_runs_beside_a_retry(Lite::new().await.keys()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_failure_never_releases_a_retry_s_claim_on_postgres() {
-    a_slow_request_that_fails_never_runs_beside_a_retry(Pg::new().await.keys()).await;
-}
-
 // ---- a response larger than the layer stores (review §5) --------------------------------------
 
-async fn an_oversized_success_is_replayed_not_executed_again<S: IdempotencyStore>(store: S) {
+async fn an_oversized_success_is_replayed_not_executed_again<B: Backend>(b: &B) {
     let config = IdempotencyConfig {
         max_body: BIG / 4,
         ..IdempotencyConfig::default()
     };
-    let (router, app) = app_with(store, new_app(100, false), config);
+    let (router, app) = app_with(b.keys(), new_app(100, false), config);
     let first = call(&router, req("a", &["\"k\""], r#"{"big":1}"#)).await;
     let retry = call(&router, req("a", &["\"k\""], r#"{"big":1}"#)).await;
     assert_eq!(
@@ -423,16 +393,6 @@ async fn an_oversized_success_is_replayed_not_executed_again<S: IdempotencyStore
         Some(&b"true"[..]),
         "the replay says why its body is empty"
     );
-}
-
-#[tokio::test]
-async fn an_oversized_success_is_replayed_on_sqlite() {
-    an_oversized_success_is_replayed_not_executed_again(Lite::new().await.keys()).await;
-}
-
-#[tokio::test]
-async fn an_oversized_success_is_replayed_on_postgres() {
-    an_oversized_success_is_replayed_not_executed_again(Pg::new().await.keys()).await;
 }
 
 // ---- the key's scope (review §16) -------------------------------------------------------------
@@ -532,12 +492,25 @@ async fn a_request_that_lost_its_claim_changes_nothing_and_is_counted<B: Backend
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_claim_changes_nothing_and_is_counted_on_sqlite() {
-    a_request_that_lost_its_claim_changes_nothing_and_is_counted(&Lite::new().await).await;
+/// One test per key store (SQLite, PostgreSQL) for each scenario `f(&backend)`.
+macro_rules! on_both_stores {
+    ($($sqlite:ident, $postgres:ident => $scenario:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $sqlite() {
+            $scenario(&Lite::new().await).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $postgres() {
+            $scenario(&Pg::new().await).await;
+        }
+    )*};
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_claim_changes_nothing_and_is_counted_on_postgres() {
-    a_request_that_lost_its_claim_changes_nothing_and_is_counted(&Pg::new().await).await;
+on_both_stores! {
+    ten_concurrent_requests_execute_once_on_sqlite, ten_concurrent_requests_execute_once_on_postgres => ten_concurrent_requests_with_one_key_execute_once;
+    a_request_slower_than_the_lock_is_not_taken_over_on_sqlite, a_request_slower_than_the_lock_is_not_taken_over_on_postgres => a_slow_request_that_completes_is_executed_once;
+    a_slow_failure_never_releases_a_retry_s_claim_on_sqlite, a_slow_failure_never_releases_a_retry_s_claim_on_postgres => a_slow_request_that_fails_never_runs_beside_a_retry;
+    a_lost_claim_changes_nothing_and_is_counted_on_sqlite, a_lost_claim_changes_nothing_and_is_counted_on_postgres => a_request_that_lost_its_claim_changes_nothing_and_is_counted;
+    an_oversized_success_is_replayed_on_sqlite, an_oversized_success_is_replayed_on_postgres => an_oversized_success_is_replayed_not_executed_again;
 }

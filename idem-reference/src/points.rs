@@ -305,7 +305,7 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
 }
 
 /// The points API router: `POST /awards` behind the Idempotency-Key layer over `keys` (scoped
-/// per client by [`authenticate`]), the status probe, the reversal (compensation) and the
+/// per client by its authentication layer), the status probe, the reversal (compensation) and the
 /// key-less stand-in.
 pub fn router<S: IdempotencyStore>(db: PointsDb, keys: S, config: IdempotencyConfig) -> Router {
     build(db, keys, config, None)

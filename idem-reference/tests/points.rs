@@ -61,13 +61,19 @@ async fn probe(app: &axum::Router, client: &str, payment: &str) -> Vec<Award> {
     .unwrap()
 }
 
-#[tokio::test]
-async fn one_award_per_key_replayed_to_retries_and_visible_to_the_probe() {
-    let lite = Lite::new().await;
+/// The points tables in the SQLite database of `lite`.
+async fn points_db(lite: &Lite) -> sqlx::SqlitePool {
     let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", lite.path().display()))
         .await
         .unwrap();
     idem_reference::ensure_schema_sqlite(&pool).await.unwrap();
+    pool
+}
+
+#[tokio::test]
+async fn one_award_per_key_replayed_to_retries_and_visible_to_the_probe() {
+    let lite = Lite::new().await;
+    let pool = points_db(&lite).await;
     let app = router(
         PointsDb::Sqlite(pool),
         lite.keys(),
@@ -183,10 +189,7 @@ async fn a_points_api_slower_than_its_key_lock_awards_once<K: IdempotencyStore>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_points_api_slower_than_its_key_lock_awards_once_on_sqlite() {
     let lite = Lite::new().await;
-    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", lite.path().display()))
-        .await
-        .unwrap();
-    idem_reference::ensure_schema_sqlite(&pool).await.unwrap();
+    let pool = points_db(&lite).await;
     a_points_api_slower_than_its_key_lock_awards_once(PointsDb::Sqlite(pool), lite.keys()).await;
 }
 
