@@ -432,19 +432,23 @@ async fn execute<S: IdempotencyStore>(
         (parts, body)
     };
     let (parts, body) = held.while_renewing(work).await;
-    match decide(&parts, body) {
+    match decide(parts, body) {
         Decision::Release(resp) => {
             // A retry may succeed: do not pin this failure to the key.
             held.release().await;
             resp
         }
-        Decision::Store { stored, omitted } => {
+        Decision::Store {
+            stored,
+            answer,
+            omitted,
+        } => {
             if let Some(e) = omitted {
                 LayerStats::count(&held.stats.bodies_omitted);
                 tracing::error!(error = %e, status = stored.status, "the response body could not be stored; the status is stored and replayed with an empty body");
             }
             held.complete(&stored).await;
-            response_of(stored)
+            answer
         }
     }
 }
@@ -453,18 +457,37 @@ async fn execute<S: IdempotencyStore>(
 enum Decision {
     /// A 5xx: release the key and answer this.
     Release(Response),
-    /// The effect happened: store this and answer it (`omitted`: why the body is not in it).
+    /// The effect happened: store `stored` and answer `answer` (`omitted`: why the body is not
+    /// stored, in which case the answer has no body either, like the replays).
     Store {
         stored: StoredResponse,
+        answer: Response,
         omitted: Option<axum::Error>,
     },
 }
 
-fn decide(parts: &axum::http::response::Parts, body: Result<Bytes, axum::Error>) -> Decision {
+fn decide(mut parts: axum::http::response::Parts, body: Result<Bytes, axum::Error>) -> Decision {
     if parts.status.is_server_error() {
         let body = body.unwrap_or_default();
-        return Decision::Release(Response::from_parts(parts.clone(), Body::from(body)));
+        return Decision::Release(Response::from_parts(parts, Body::from(body)));
     }
+    let (body, omitted) = match body {
+        Ok(body) => (body, None),
+        Err(e) => {
+            for h in [
+                header::CONTENT_TYPE,
+                header::CONTENT_LENGTH,
+                header::TRANSFER_ENCODING,
+            ] {
+                parts.headers.remove(h);
+            }
+            parts.headers.insert(
+                HeaderName::from_static(IDEMPOTENT_BODY_OMITTED),
+                HeaderValue::from_static("true"),
+            );
+            (Bytes::new(), Some(e))
+        }
+    };
     let kept = |h: &HeaderName| {
         parts
             .headers
@@ -472,28 +495,19 @@ fn decide(parts: &axum::http::response::Parts, body: Result<Bytes, axum::Error>)
             .and_then(|v| v.to_str().ok())
             .map(|v| (h.as_str().to_owned(), v.to_owned()))
     };
-    match body {
-        Ok(body) => Decision::Store {
-            stored: StoredResponse {
-                status: parts.status.as_u16(),
-                headers: REPLAYED_HEADERS.iter().filter_map(kept).collect(),
-                body: body.to_vec(),
-            },
-            omitted: None,
-        },
-        Err(e) => {
-            let mut headers: Vec<(String, String)> =
-                [header::LOCATION].iter().filter_map(kept).collect();
-            headers.push((IDEMPOTENT_BODY_OMITTED.to_owned(), "true".to_owned()));
-            Decision::Store {
-                stored: StoredResponse {
-                    status: parts.status.as_u16(),
-                    headers,
-                    body: Vec::new(),
-                },
-                omitted: Some(e),
-            }
-        }
+    let mut headers: Vec<(String, String)> = REPLAYED_HEADERS.iter().filter_map(kept).collect();
+    if omitted.is_some() {
+        headers.push((IDEMPOTENT_BODY_OMITTED.to_owned(), "true".to_owned()));
+    }
+    let stored = StoredResponse {
+        status: parts.status.as_u16(),
+        headers,
+        body: body.to_vec(),
+    };
+    Decision::Store {
+        stored,
+        answer: Response::from_parts(parts, Body::from(body)),
+        omitted,
     }
 }
 
@@ -514,7 +528,8 @@ impl<S: IdempotencyStore> Held<S> {
         if idem_core::crash::broken(idem_core::crash::BREAK_KEY_LOCK_RENEWAL) {
             return std::future::pending().await;
         }
-        let every = (self.config.lock / 3).max(Duration::from_millis(1));
+        let every =
+            (self.config.lock / 3).clamp(Duration::from_millis(1), Duration::from_secs(3600));
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -589,4 +604,107 @@ pub fn spawn_sweeper<S: IdempotencyStore>(
             }
         }
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn parts(status: u16) -> axum::http::response::Parts {
+        Response::builder()
+            .status(status)
+            .header("content-type", "application/json")
+            .header("x-request-id", "r-1")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    #[test]
+    fn a_success_is_stored_and_answered_with_all_its_headers() {
+        let Decision::Store {
+            stored,
+            answer,
+            omitted,
+        } = decide(parts(201), Ok(Bytes::from_static(b"{}")))
+        else {
+            panic!("a 201 must be stored");
+        };
+        assert!(omitted.is_none());
+        assert_eq!(stored.body, b"{}");
+        assert_eq!(
+            stored.headers,
+            [("content-type".to_owned(), "application/json".to_owned())]
+        );
+        assert_eq!(
+            answer.headers()["x-request-id"],
+            "r-1",
+            "the first answer is whole"
+        );
+    }
+
+    #[test]
+    fn a_success_whose_body_failed_is_stored_as_its_status_with_the_marker() {
+        let Decision::Store {
+            stored,
+            answer,
+            omitted,
+        } = decide(parts(200), Err(axum::Error::new("length limit exceeded")))
+        else {
+            panic!("a 200 must be stored, never released");
+        };
+        assert!(omitted.is_some());
+        assert_eq!((stored.status, stored.body.len()), (200, 0));
+        assert_eq!(
+            stored.headers,
+            [(IDEMPOTENT_BODY_OMITTED.to_owned(), "true".to_owned())]
+        );
+        assert_eq!(answer.headers()[IDEMPOTENT_BODY_OMITTED], "true");
+        assert!(answer.headers().get(header::CONTENT_TYPE).is_none());
+    }
+
+    #[test]
+    fn only_a_server_error_releases_the_key() {
+        assert!(matches!(
+            decide(parts(503), Ok(Bytes::new())),
+            Decision::Release(_)
+        ));
+        assert!(matches!(
+            decide(parts(500), Err(axum::Error::new("stream failed"))),
+            Decision::Release(_)
+        ));
+        for status in [200, 201, 301, 404, 409, 422, 429] {
+            assert!(
+                matches!(
+                    decide(parts(status), Ok(Bytes::new())),
+                    Decision::Store { .. }
+                ),
+                "{status}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_scope_is_the_client_and_the_credential_only_on_opt_in() {
+        let auth = HeaderValue::from_static("Bearer t");
+        let client = ClientScope("a".to_owned());
+        let src = ScopeSource::ClientScope;
+        assert_eq!(scope(Some(&client), Some(&auth), src).unwrap(), "client:a");
+        assert!(matches!(
+            scope(None, Some(&auth), src),
+            Err(IdempotencyRejection::NoScope)
+        ));
+        assert!(matches!(
+            scope(None, None, src),
+            Err(IdempotencyRejection::NoClient)
+        ));
+        let opt_in = ScopeSource::ClientScopeOrCredential;
+        assert!(
+            scope(None, Some(&auth), opt_in)
+                .unwrap()
+                .starts_with("credential:")
+        );
+    }
 }
