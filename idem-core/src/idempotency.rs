@@ -282,8 +282,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         retention: std::time::Duration,
     ) -> impl std::future::Future<Output = crate::Result<KeyClaim>> + Send;
 
-    /// Extends the lock of the claim `token` holds to `lock` from now (and its expiry, if that
-    /// is sooner). Returns false when the claim is not held any more.
+    /// Extends the lock of the claim `token` holds to `lock` from now. Returns false when the
+    /// claim is not held any more. (A claim whose lock is live is never swept, even past its
+    /// retention.)
     fn renew(
         &self,
         scope: &str,
