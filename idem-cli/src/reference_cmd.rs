@@ -470,10 +470,47 @@ pub struct PointsApiArgs {
     /// Address to listen on (loopback; port 0 picks one).
     #[arg(long, default_value = "127.0.0.1:8088")]
     listen: SocketAddr,
+    /// How long an in-flight Idempotency-Key claim is exclusive without renewal (the layer
+    /// renews it every third of this while an award runs).
+    #[arg(long, default_value = "30s", value_parser = crate::relay_cmd::parse_duration)]
+    key_lock: Duration,
+    /// Lab only: every keyed award waits this long before it is stored (a points API slower
+    /// than its key lock), and `GET /lab/award-executions` counts executions of one key that
+    /// overlap (stored in `points_lab_overlaps`).
+    #[arg(long, value_parser = crate::relay_cmd::parse_duration)]
+    award_delay: Option<Duration>,
+}
+
+fn points_router<K: idem_core::idempotency::IdempotencyStore>(
+    db: idem_reference::points::PointsDb,
+    keys: K,
+    args: &PointsApiArgs,
+) -> axum::Router {
+    use idem_reference::points::{Lab, lab_router, router};
+    let config = idem_http::IdempotencyConfig {
+        lock: args.key_lock,
+        ..idem_http::IdempotencyConfig::default()
+    };
+    match args.award_delay {
+        Some(award_delay) => {
+            eprintln!(
+                "idem points-api: LAB: every award waits {award_delay:?} (key lock {:?})",
+                args.key_lock
+            );
+            lab_router(db, keys, config, Lab { award_delay })
+        }
+        None => router(db, keys, config),
+    }
 }
 
 /// Runs the reference points API until SIGTERM/SIGINT.
 pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.key_lock >= Duration::from_millis(100),
+        "--key-lock {:?} is too short: the lock is renewed every third of it, and must outlast a \
+         key-store round trip (use 100ms or more; the default is 30s)",
+        args.key_lock
+    );
     let shutdown = crate::relay_cmd::shutdown_signal()?;
     let store = db::open(&args.db, 8).await?;
     let tables = db::tables(&args.db)?;
@@ -483,10 +520,10 @@ pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
             idem_reference::ensure_schema_postgres(s.pool()).await?;
             let keys = idem_postgres::PgKeyStore::new(s.pool().clone(), tables);
             idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));
-            idem_reference::points::router(
+            points_router(
                 idem_reference::points::PointsDb::Postgres(s.pool().clone()),
                 keys,
-                idem_http::IdempotencyConfig::default(),
+                &args,
             )
         }
         Store::Sqlite(s) => {
@@ -494,10 +531,10 @@ pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
             idem_reference::ensure_schema_sqlite(s.pool()).await?;
             let keys = idem_sqlite::SqliteKeyStore::new(s.pool().clone(), tables);
             idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));
-            idem_reference::points::router(
+            points_router(
                 idem_reference::points::PointsDb::Sqlite(s.pool().clone()),
                 keys,
-                idem_http::IdempotencyConfig::default(),
+                &args,
             )
         }
     };

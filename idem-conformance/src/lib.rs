@@ -41,6 +41,8 @@ macro_rules! conformance_tests {
             dead_letters_are_kept_once_per_record,
             idempotency_keys_claim_replay_and_scope,
             idempotency_keys_release_expire_and_sweep,
+            idempotency_claims_are_fenced_by_their_token,
+            a_renewed_claim_is_not_taken_over,
             concurrent_claims_of_one_key_let_exactly_one_execute,
             intents_commit_with_the_handler_and_keep_their_key,
             intent_outcomes_are_fenced_by_the_attempt,

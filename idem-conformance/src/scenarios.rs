@@ -586,7 +586,7 @@ pub async fn migrate_is_idempotent<B: Backend>(b: &B) {
 
 pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
     let other = b.with_tables(TableNames::new(None, "billing_").unwrap());
-    assert_eq!(other.migrate().await.unwrap(), vec![1, 2, 3, 4, 5, 6, 9, 10]);
+    assert_eq!(other.migrate().await.unwrap(), vec![1, 2, 3, 4, 5, 6, 7, 9, 10]);
     let mut tx = other.begin().await;
     tx.enqueue(&[event("o-1", 0)]).await.unwrap();
     tx.commit().await;
@@ -766,18 +766,45 @@ pub async fn dead_letters_are_kept_once_per_record<B: Backend>(b: &B) {
 
 // ---- server-side idempotency keys -----------------------------------------------------------
 
-use idem_core::idempotency::{IdempotencyKey, IdempotencyStore, KeyClaim, StoredResponse};
+use idem_core::idempotency::{
+    ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, StoredResponse,
+};
 
 const MINUTE: Duration = Duration::from_secs(60);
+
+/// The token of a claim that must be new.
+#[track_caller]
+fn new_claim(c: KeyClaim) -> ClaimToken {
+    match c {
+        KeyClaim::New(token) => token,
+        other => panic!("expected a new claim, got {other:?}"),
+    }
+}
+
+/// Claims `k` for client "c" with a lock that has already run out.
+async fn claim_with_zero_lock<K: IdempotencyStore>(keys: &K, k: &IdempotencyKey) -> ClaimToken {
+    new_claim(
+        keys.claim("c", k, "fp", Duration::ZERO, MINUTE)
+            .await
+            .unwrap(),
+    )
+}
+
+fn empty(status: u16) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers: vec![],
+        body: vec![],
+    }
+}
 
 pub async fn idempotency_keys_claim_replay_and_scope<B: Backend>(b: &B) {
     let keys = b.keys();
     let k = IdempotencyKey::new("order-10042-points").unwrap();
-    assert_eq!(
+    let a = new_claim(
         keys.claim("client-a", &k, "fp1", MINUTE, MINUTE)
             .await
             .unwrap(),
-        KeyClaim::New
     );
     assert_eq!(
         keys.claim("client-a", &k, "fp1", MINUTE, MINUTE)
@@ -791,19 +818,18 @@ pub async fn idempotency_keys_claim_replay_and_scope<B: Backend>(b: &B) {
             .unwrap(),
         KeyClaim::Mismatch
     );
-    assert_eq!(
+    let b_token = new_claim(
         keys.claim("client-b", &k, "fp1", MINUTE, MINUTE)
             .await
             .unwrap(),
-        KeyClaim::New,
-        "keys are per client"
     );
+    assert_ne!(a, b_token, "every claim has its own token");
     let resp = StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), "application/json".into())],
         body: br#"{"award":1}"#.to_vec(),
     };
-    keys.complete("client-a", &k, &resp).await.unwrap();
+    assert!(keys.complete("client-a", &k, &a, &resp).await.unwrap());
     assert_eq!(
         keys.claim("client-a", &k, "fp1", MINUTE, MINUTE)
             .await
@@ -828,70 +854,114 @@ pub async fn idempotency_keys_claim_replay_and_scope<B: Backend>(b: &B) {
 pub async fn idempotency_keys_release_expire_and_sweep<B: Backend>(b: &B) {
     let keys = b.keys();
     let k = IdempotencyKey::new("k").unwrap();
-    assert_eq!(
-        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
-        KeyClaim::New
-    );
-    keys.release("c", &k).await.unwrap();
-    assert_eq!(
+    let t = new_claim(keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap());
+    assert!(keys.release("c", &k, &t).await.unwrap());
+    new_claim(
         keys.claim("c", &k, "fp", Duration::ZERO, MINUTE)
             .await
             .unwrap(),
-        KeyClaim::New,
-        "a released key executes again"
     );
     // The in-flight lock ran out (its server died mid-request): the same request takes over.
     // (Time has to pass here: this waits past the zero-length lock, it synchronises nothing.)
     tokio::time::sleep(Duration::from_millis(5)).await;
     assert_eq!(
-        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
-        KeyClaim::New
+        keys.claim("c", &k, "other", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::Mismatch,
+        "a dead claim is taken over only by the same request"
     );
-    keys.complete(
-        "c",
-        &k,
-        &StoredResponse {
-            status: 200,
-            headers: vec![],
-            body: vec![],
-        },
-    )
-    .await
-    .unwrap();
+    let t = new_claim(keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap());
+    assert!(keys.complete("c", &k, &t, &empty(200)).await.unwrap());
     let old = IdempotencyKey::new("old").unwrap();
-    assert_eq!(
+    let t = new_claim(
         keys.claim("c", &old, "fp", MINUTE, Duration::ZERO)
             .await
             .unwrap(),
-        KeyClaim::New
     );
-    keys.complete(
-        "c",
-        &old,
-        &StoredResponse {
-            status: 200,
-            headers: vec![],
-            body: vec![],
-        },
-    )
-    .await
-    .unwrap();
+    assert!(keys.complete("c", &old, &t, &empty(200)).await.unwrap());
+    let live = IdempotencyKey::new("live").unwrap();
+    new_claim(
+        keys.claim("c", &live, "fp", MINUTE, Duration::ZERO)
+            .await
+            .unwrap(),
+    );
+    tokio::time::sleep(Duration::from_millis(5)).await;
     assert_eq!(
         keys.sweep().await.unwrap(),
         1,
-        "only the expired key is swept"
+        "only the expired completed key is swept, not an expired claim whose lock is live"
     );
     assert!(matches!(
         keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
         KeyClaim::Completed(_)
     ));
     assert_eq!(
+        keys.claim("c", &live, "fp", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::InFlight,
+        "a live claim is not taken over, even past its retention"
+    );
+    new_claim(
         keys.claim("c", &old, "other", MINUTE, MINUTE)
             .await
             .unwrap(),
-        KeyClaim::New,
-        "an expired key is free"
     );
+}
+
+/// Review §4 at the store: A's lock runs out, B takes the key over; A's renew, complete and
+/// release change nothing and say so, and B's claim is intact.
+pub async fn idempotency_claims_are_fenced_by_their_token<B: Backend>(b: &B) {
+    let keys = b.keys();
+    let k = IdempotencyKey::new("slow").unwrap();
+    let a = claim_with_zero_lock(&keys, &k).await;
+    // Time has to pass: A's zero-length lock runs out.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let b_token = new_claim(keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap());
+    assert!(
+        !keys.renew("c", &k, &a, MINUTE).await.unwrap(),
+        "A's renew is fenced"
+    );
+    assert!(
+        !keys.release("c", &k, &a).await.unwrap(),
+        "A's release is fenced"
+    );
+    assert!(
+        !keys.complete("c", &k, &a, &empty(201)).await.unwrap(),
+        "A's completion is fenced"
+    );
+    assert_eq!(
+        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::InFlight,
+        "B's claim survived A's release and completion"
+    );
+    assert!(keys.renew("c", &k, &b_token, MINUTE).await.unwrap());
+    assert!(keys.complete("c", &k, &b_token, &empty(202)).await.unwrap());
+    assert_eq!(
+        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::Completed(empty(202)),
+        "B's response, not A's"
+    );
+    assert!(
+        !keys.complete("c", &k, &b_token, &empty(203)).await.unwrap(),
+        "once"
+    );
+    assert!(
+        !keys.release("c", &k, &b_token).await.unwrap(),
+        "a completed key is kept"
+    );
+}
+
+/// A claim renewed before its lock runs out is never taken over.
+pub async fn a_renewed_claim_is_not_taken_over<B: Backend>(b: &B) {
+    let keys = b.keys();
+    let k = IdempotencyKey::new("renewed").unwrap();
+    let a = claim_with_zero_lock(&keys, &k).await;
+    assert!(keys.renew("c", &k, &a, MINUTE).await.unwrap());
+    // Time passes beyond the claim's first lock; the renewal holds it.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(
+        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::InFlight
+    );
+    assert!(keys.complete("c", &k, &a, &empty(201)).await.unwrap());
 }
 
 pub async fn concurrent_claims_of_one_key_let_exactly_one_execute<B: Backend>(b: &B) {
@@ -906,7 +976,7 @@ pub async fn concurrent_claims_of_one_key_let_exactly_one_execute<B: Backend>(b:
     let mut new = 0;
     for t in tasks {
         match t.await.unwrap() {
-            KeyClaim::New => new += 1,
+            KeyClaim::New(_) => new += 1,
             KeyClaim::InFlight => {}
             other => panic!("unexpected {other:?}"),
         }

@@ -66,6 +66,7 @@ pub const BREAKABLE: &[&str] = &[
     BREAK_ID_WATERMARK,
     BREAK_KAFKA_TRANSACTIONS,
     BREAK_NEVER_PARK,
+    BREAK_KEY_LOCK_RENEWAL,
 ];
 /// The relay marks a batch published right after claiming it, before any delivery report.
 pub const BREAK_MARK_BEFORE_REPORT: &str = "mark-before-report";
@@ -83,6 +84,9 @@ pub const BREAK_ID_WATERMARK: &str = "id-watermark";
 /// mechanism (read_committed, no inbox, offsets committed in a Kafka transaction after the
 /// database commit), and it refuses to run unless it is named here.
 pub const BREAK_KAFKA_TRANSACTIONS: &str = "kafka-transactions";
+/// The Idempotency-Key layer (`idem-http`) never renews a claim's lock while the handler runs,
+/// so a request slower than the lock is taken over by a retry and executes beside it.
+pub const BREAK_KEY_LOCK_RENEWAL: &str = "key-lock-renewal";
 
 /// The relay never parks a row that fails permanently (too large, unpublishable): it retries
 /// it forever, so a foreign writer's hostile row wedges its aggregate.

@@ -222,11 +222,38 @@ pub struct StoredResponse {
     pub body: Vec<u8>,
 }
 
+/// Proof that a caller holds a key's in-flight claim: a random token stored with the claim.
+///
+/// Renewing, completing and releasing a claim are fenced by it: a caller whose claim was taken
+/// over (its lock ran out) changes nothing, and learns it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClaimToken(String);
+
+impl ClaimToken {
+    /// A new random token (a UUID v4: 122 random bits).
+    pub fn random() -> Self {
+        ClaimToken(uuid::Uuid::new_v4().simple().to_string())
+    }
+
+    /// The token as stored.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ClaimToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // A token is a capability over one claim: never in logs.
+        f.write_str("ClaimToken(..)")
+    }
+}
+
 /// What the key store says when a request claims a key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyClaim {
-    /// The key is new (or its earlier use expired): execute the request.
-    New,
+    /// The key is new (or its earlier use expired, or its lock ran out): execute the request.
+    /// The token fences what this caller does with the claim.
+    New(ClaimToken),
     /// A request with this key is still executing.
     InFlight,
     /// The key was used with a different request (another fingerprint).
@@ -238,10 +265,14 @@ pub enum KeyClaim {
 /// Server-side storage of idempotency keys, scoped per client.
 ///
 /// Claiming is one atomic statement on a unique (scope, key) constraint — never a read followed
-/// by an insert — so of concurrent requests with one key exactly one executes.
+/// by an insert — so of concurrent claims of one key exactly one gets [`KeyClaim::New`]. The
+/// claim is exclusive while its lock lasts; the holder keeps it with [`renew`](Self::renew)
+/// while it executes. Renewing, completing and releasing are fenced by the claim's
+/// [`ClaimToken`]: they return `false`, and change nothing, when the caller no longer holds the
+/// claim (its lock ran out and a retry took the key over, or the key was swept).
 pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Claims `key` for `scope` with the request `fingerprint`. An in-flight claim is exclusive
-    /// for `lock`; a completed key is kept for `retention`.
+    /// for `lock` (unless renewed); a completed key is kept for `retention`.
     fn claim(
         &self,
         scope: &str,
@@ -251,21 +282,36 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         retention: std::time::Duration,
     ) -> impl std::future::Future<Output = crate::Result<KeyClaim>> + Send;
 
-    /// Stores the response of a claimed key.
+    /// Extends the lock of the claim `token` holds to `lock` from now. Returns false when the
+    /// claim is not held any more. (A claim whose lock is live is never swept, even past its
+    /// retention.)
+    fn renew(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: &ClaimToken,
+        lock: std::time::Duration,
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
+
+    /// Stores the response of the claim `token` holds. Returns false, storing nothing, when the
+    /// claim is not held any more.
     fn complete(
         &self,
         scope: &str,
         key: &IdempotencyKey,
+        token: &ClaimToken,
         response: &StoredResponse,
-    ) -> impl std::future::Future<Output = crate::Result<()>> + Send;
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
 
-    /// Forgets a claimed key whose request failed in a way a retry may fix (a 5xx): the retry
-    /// executes again.
+    /// Forgets the claim `token` holds, whose request failed in a way a retry may fix (a 5xx):
+    /// the retry executes again. Returns false, deleting nothing, when the claim is not held
+    /// any more (another request's claim is never deleted).
     fn release(
         &self,
         scope: &str,
         key: &IdempotencyKey,
-    ) -> impl std::future::Future<Output = crate::Result<()>> + Send;
+        token: &ClaimToken,
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
 
     /// Deletes expired keys; returns how many.
     fn sweep(&self) -> impl std::future::Future<Output = crate::Result<u64>> + Send;

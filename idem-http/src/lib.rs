@@ -5,10 +5,13 @@
 //! use axum::{Router, routing::post};
 //! use idem_http::{Idempotency, IdempotencyConfig};
 //! # async fn award() -> &'static str { "ok" }
+//! # async fn authenticate(req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response { next.run(req).await }
 //! # fn demo(store: idem_sqlite::SqliteKeyStore) {
 //! let app: Router = Router::new()
 //!     .route("/awards", post(award))
-//!     .route_layer(Idempotency::new(store, IdempotencyConfig::default()).layer());
+//!     .route_layer(Idempotency::new(store, IdempotencyConfig::default()).layer())
+//!     // Outermost: identifies the client and inserts its `idem_http::ClientScope`.
+//!     .route_layer(axum::middleware::from_fn(authenticate));
 //! # }
 //! ```
 //!
@@ -16,23 +19,47 @@
 //!
 //! * the `Idempotency-Key` header is required (missing → 400) and validated (an sf-string of 1 to
 //!   255 printable ASCII characters, exactly one header field; otherwise 400 with the reason);
-//! * keys are scoped per client — the [`ClientScope`] an authentication layer put in the request
-//!   extensions, else a hash of the `Authorization` header (no client → 401) — so one client's key
-//!   never reveals or replays another client's response;
+//! * keys are scoped per client: the [`ClientScope`] an authentication layer put in the request
+//!   extensions, so one client's key never reveals or replays another client's response, and a
+//!   client's retry after a token refresh is still a retry. Without a `ClientScope` the request
+//!   is refused and not executed: 401 when it carries no `Authorization` header, else 500 (the
+//!   server has no authentication layer that names clients). Scoping by a hash of the raw
+//!   `Authorization` header is opt-in ([`ScopeSource::ClientScopeOrCredential`]) and is per
+//!   credential: a retry after a token refresh executes again;
 //! * the key is **claimed atomically** (a unique key in the database, never a read then an
-//!   insert): of concurrent requests with one key exactly one executes, the others get 409
-//!   (`Retry-After: 1`) until it completes;
+//!   insert) with a random claim token: of concurrent requests with one key one executes, the
+//!   others get 409 (`Retry-After: 1`) until it completes. While the handler runs, the layer
+//!   renews the claim's lock every third of [`IdempotencyConfig::lock`], so a request slower than
+//!   the lock is not taken over by a retry; storing the response and releasing the key are
+//!   fenced by the token, so a request that did lose its claim never overwrites or deletes the
+//!   claim of the request that took it over (it logs an error and counts it in
+//!   [`LayerStats::claims_lost`]);
 //! * the request fingerprint (SHA-256 of method, path and body) is stored with the key: the same
 //!   key with a different request → 422;
-//! * a completed key replays the stored status, content type and body with
-//!   `Idempotent-Replayed: true`; a 5xx response is not stored (the key is released, so a retry
-//!   executes again);
+//! * a completed key replays the stored status, content type, location and body with
+//!   `Idempotent-Replayed: true`;
+//! * a 5xx response is not stored: the key is released, so a retry executes again. Any other
+//!   response is stored, whatever its size: a body larger than [`IdempotencyConfig::max_body`]
+//!   (or one whose stream fails) is stored and answered as the status alone, with an empty body
+//!   and `Idempotent-Body-Omitted: true`, because the handler's effect happened and a retry must
+//!   not execute it again;
 //! * errors are `application/problem+json` documents.
 //!
 //! Retention: a completed key is kept for [`IdempotencyConfig::retention`] (default 24 h);
-//! [`spawn_sweeper`] deletes expired keys. An in-flight claim whose server died is taken over by
-//! a retry of the same request after [`IdempotencyConfig::lock`] (default 30 s).
+//! [`spawn_sweeper`] deletes expired keys (never an in-flight claim whose lock is live). An
+//! in-flight claim whose server died (it stops renewing) is taken over by a retry of the same
+//! request after [`IdempotencyConfig::lock`] (default 30 s).
+//!
+//! **When renewal fails.** A renewal that fails (the key store is unreachable) is logged,
+//! counted in [`LayerStats::renewal_failures`] and tried again at the next tick; the handler is
+//! not interrupted, because stopping it part-way could leave half an effect. If the store stays
+//! unreachable for longer than the lock while it is reachable to a retry, the retry may take the
+//! key over and execute beside the first request; the first request's completion is then fenced
+//! (it stores and deletes nothing) and counted in [`LayerStats::claims_lost`]. The handler's own
+//! idempotency (a unique business key) is the last line there.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -41,7 +68,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use idem_core::idempotency::{
-    IdempotencyKey, IdempotencyStore, KeyClaim, KeyError, StoredResponse,
+    ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, KeyError, StoredResponse,
 };
 use sha2::{Digest, Sha256};
 
@@ -49,20 +76,39 @@ use sha2::{Digest, Sha256};
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The response header set on replays.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+/// The response header set when the handler's body was not stored (larger than
+/// [`IdempotencyConfig::max_body`], or its stream failed): the status is stored and replayed
+/// with an empty body.
+pub const IDEMPOTENT_BODY_OMITTED: &str = "idempotent-body-omitted";
 
 /// The client a request belongs to, as set by an authentication layer in the request extensions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClientScope(pub String);
 
+/// Where the layer takes the scope of a key from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ScopeSource {
+    /// Only the [`ClientScope`] an authentication layer set; a request without one is refused.
+    #[default]
+    ClientScope,
+    /// The [`ClientScope`], else a hash of the raw `Authorization` header. Opt-in: keys are then
+    /// per credential, so a client's retry after a token refresh or rotation executes again.
+    ClientScopeOrCredential,
+}
+
 /// Layer settings.
 #[derive(Clone, Debug)]
 pub struct IdempotencyConfig {
-    /// How long an in-flight claim is exclusive (then a retry of the same request may take it).
+    /// How long an in-flight claim is exclusive without renewal (then a retry of the same
+    /// request may take it). The layer renews it every third of this while the handler runs.
     pub lock: Duration,
     /// How long a completed key is kept and replayed.
     pub retention: Duration,
-    /// Largest request or response body buffered, in bytes.
+    /// Largest request body buffered, and largest response body stored, in bytes.
     pub max_body: usize,
+    /// Where the key's scope comes from.
+    pub scope: ScopeSource,
 }
 
 impl Default for IdempotencyConfig {
@@ -71,7 +117,27 @@ impl Default for IdempotencyConfig {
             lock: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 3600),
             max_body: 1 << 20,
+            scope: ScopeSource::ClientScope,
         }
+    }
+}
+
+/// What the layer counts (each also logged): read them with [`Idempotency::stats`].
+#[derive(Debug, Default)]
+pub struct LayerStats {
+    /// Claims this layer found taken over or gone when it renewed, completed or released them:
+    /// a request ran longer than its lock without renewing it. A retry may have executed beside
+    /// it. Never normal.
+    pub claims_lost: AtomicU64,
+    /// Lock renewals that failed (the key store was unreachable) and were tried again.
+    pub renewal_failures: AtomicU64,
+    /// Responses stored without their body (too large to store, or the body stream failed).
+    pub bodies_omitted: AtomicU64,
+}
+
+impl LayerStats {
+    fn count(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -81,8 +147,11 @@ impl Default for IdempotencyConfig {
 pub enum IdempotencyRejection {
     /// The key is missing or malformed (400).
     BadKey(KeyError),
-    /// No client could be identified to scope the key (401).
+    /// The request carries no credentials, so no client could be identified (401).
     NoClient,
+    /// The request carries credentials but no authentication layer set a [`ClientScope`], and
+    /// scoping by credential is not enabled (500: the server's configuration, not the client).
+    NoScope,
     /// The body is larger than the layer buffers (413).
     TooLarge,
     /// A request with this key is still executing (409).
@@ -93,14 +162,19 @@ pub enum IdempotencyRejection {
     Store(idem_core::Error),
 }
 
-impl IntoResponse for IdempotencyRejection {
-    fn into_response(self) -> Response {
-        let (status, title, detail) = match &self {
+impl IdempotencyRejection {
+    fn parts(&self) -> (StatusCode, &'static str, String) {
+        match self {
             IdempotencyRejection::BadKey(e) => (StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", e.to_string()),
             IdempotencyRejection::NoClient => (
                 StatusCode::UNAUTHORIZED,
                 "Client required",
                 "Idempotency-Key is scoped per client: send credentials".to_owned(),
+            ),
+            IdempotencyRejection::NoScope => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Client not identified",
+                "the server did not identify the client (no ClientScope from an authentication layer), so it cannot scope the Idempotency-Key; nothing was executed".to_owned(),
             ),
             IdempotencyRejection::TooLarge => (
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -117,11 +191,25 @@ impl IntoResponse for IdempotencyRejection {
                 "Idempotency-Key reused",
                 "this Idempotency-Key was used with a different request; use a new key for a new request".to_owned(),
             ),
-            IdempotencyRejection::Store(e) => {
-                tracing::error!(error = %e, "idempotency key store failed");
+            IdempotencyRejection::Store(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "Try again", "the idempotency key store is unavailable".to_owned())
             }
-        };
+        }
+    }
+}
+
+impl IntoResponse for IdempotencyRejection {
+    fn into_response(self) -> Response {
+        match &self {
+            IdempotencyRejection::Store(e) => {
+                tracing::error!(error = %e, "idempotency key store failed");
+            }
+            IdempotencyRejection::NoScope => tracing::error!(
+                "a request with an Idempotency-Key reached the layer without a ClientScope: add an authentication layer that inserts idem_http::ClientScope (or opt in to ScopeSource::ClientScopeOrCredential)"
+            ),
+            _ => {}
+        }
+        let (status, title, detail) = self.parts();
         let body = serde_json::json!({
             "type": "about:blank",
             "title": title,
@@ -161,27 +249,45 @@ pub type IdempotencyLayer<S> =
 pub struct Idempotency<S> {
     store: S,
     config: IdempotencyConfig,
+    stats: Arc<LayerStats>,
 }
 
 impl<S: IdempotencyStore> Idempotency<S> {
     /// Keys in `store`, with `config`.
     pub fn new(store: S, config: IdempotencyConfig) -> Self {
-        Idempotency { store, config }
+        Idempotency {
+            store,
+            config,
+            stats: Arc::default(),
+        }
     }
 
-    /// The axum layer; apply it with `Router::route_layer` to the routes that require a key.
+    /// The layer's counters (shared by every clone and by the layer).
+    pub fn stats(&self) -> Arc<LayerStats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// The axum layer; apply it with `Router::route_layer` to the routes that require a key,
+    /// inside the authentication layer that sets [`ClientScope`].
     pub fn layer(self) -> IdempotencyLayer<S> {
         from_fn_with_state(self, |state, req, next| Box::pin(handle(state, req, next)))
     }
 }
 
-fn scope(req: &Request) -> Option<String> {
-    if let Some(ClientScope(s)) = req.extensions().get::<ClientScope>() {
-        return Some(format!("client:{s}"));
+/// The scope of a request's key: a pure decision over what the request carries.
+fn scope(
+    client: Option<&ClientScope>,
+    authorization: Option<&HeaderValue>,
+    source: ScopeSource,
+) -> Result<String, IdempotencyRejection> {
+    match (client, authorization, source) {
+        (Some(ClientScope(s)), _, _) => Ok(format!("client:{s}")),
+        (None, None, _) => Err(IdempotencyRejection::NoClient),
+        (None, Some(v), ScopeSource::ClientScopeOrCredential) => {
+            Ok(format!("credential:{}", hex(&Sha256::digest(v.as_bytes()))))
+        }
+        (None, Some(_), ScopeSource::ClientScope) => Err(IdempotencyRejection::NoScope),
     }
-    req.headers()
-        .get(header::AUTHORIZATION)
-        .map(|v| format!("credential:{}", hex(&Sha256::digest(v.as_bytes()))))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -200,7 +306,7 @@ fn fingerprint(method: &str, uri: &str, body: &[u8]) -> String {
 
 const REPLAYED_HEADERS: &[HeaderName] = &[header::CONTENT_TYPE, header::LOCATION];
 
-fn replay(stored: StoredResponse) -> Response {
+fn response_of(stored: StoredResponse) -> Response {
     let mut resp = Response::new(Body::from(stored.body));
     *resp.status_mut() =
         StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -210,7 +316,12 @@ fn replay(stored: StoredResponse) -> Response {
             headers.append(k, v);
         }
     }
-    headers.insert(
+    resp
+}
+
+fn replay(stored: StoredResponse) -> Response {
+    let mut resp = response_of(stored);
+    resp.headers_mut().insert(
         HeaderName::from_static(IDEMPOTENT_REPLAYED),
         HeaderValue::from_static("true"),
     );
@@ -228,6 +339,18 @@ async fn handle<S: IdempotencyStore>(
     }
 }
 
+/// A claim this request holds.
+struct Held<S> {
+    store: S,
+    scope: String,
+    key: IdempotencyKey,
+    token: ClaimToken,
+    config: IdempotencyConfig,
+    stats: Arc<LayerStats>,
+    /// Set once the claim was found lost (counted once per claim).
+    lost: std::sync::atomic::AtomicBool,
+}
+
 async fn run<S: IdempotencyStore>(
     state: Idempotency<S>,
     req: Request,
@@ -240,7 +363,11 @@ async fn run<S: IdempotencyStore>(
         .map(HeaderValue::as_bytes)
         .collect();
     let key = IdempotencyKey::from_header_values(&values).map_err(IdempotencyRejection::BadKey)?;
-    let scope = scope(&req).ok_or(IdempotencyRejection::NoClient)?;
+    let scope = scope(
+        req.extensions().get::<ClientScope>(),
+        req.headers().get(header::AUTHORIZATION),
+        state.config.scope,
+    )?;
     let (parts, body) = req.into_parts();
     let bytes: Bytes = axum::body::to_bytes(body, state.config.max_body)
         .await
@@ -252,38 +379,37 @@ async fn run<S: IdempotencyStore>(
         .unwrap_or("/")
         .to_owned();
     let print = fingerprint(parts.method.as_str(), &uri, &bytes);
-    match state
+    let c = &state.config;
+    let token = match state
         .store
-        .claim(
-            &scope,
-            &key,
-            &print,
-            state.config.lock,
-            state.config.retention,
-        )
+        .claim(&scope, &key, &print, c.lock, c.retention)
         .await
         .map_err(IdempotencyRejection::Store)?
     {
-        KeyClaim::New => {}
+        KeyClaim::New(token) => token,
         KeyClaim::InFlight => return Err(IdempotencyRejection::InFlight),
         KeyClaim::Mismatch => return Err(IdempotencyRejection::Mismatch),
         KeyClaim::Completed(stored) => return Ok(replay(stored)),
-    }
+    };
+    let held = Arc::new(Held {
+        store: state.store.clone(),
+        scope,
+        key,
+        token,
+        config: state.config.clone(),
+        stats: state.stats(),
+        lost: std::sync::atomic::AtomicBool::new(false),
+    });
     // From here the request runs in its own task: a client that disconnects (a timeout) must
     // not cancel the handler between its effect and the key's completion, which would leave
     // the key in flight until the lock expires and let a retry execute again.
-    let (store, max_body) = (state.store.clone(), state.config.max_body);
-    let (scope2, key2) = (scope.clone(), key.clone());
-    let task =
-        tokio::spawn(
-            async move { execute(store, max_body, &scope2, &key2, next, parts, bytes).await },
-        );
+    let task = tokio::spawn(execute(Arc::clone(&held), next, parts, bytes));
     match task.await {
         Ok(resp) => Ok(resp),
         Err(e) => {
             // The handler panicked: whether its effect happened is unknown to us; release the
             // key so that a retry is not refused forever, and say so.
-            let _ = state.store.release(&scope, &key).await;
+            held.release().await;
             tracing::error!(error = %e, "the handler panicked; the idempotency key was released");
             Ok(StatusCode::INTERNAL_SERVER_ERROR.into_response())
         }
@@ -291,53 +417,175 @@ async fn run<S: IdempotencyStore>(
 }
 
 async fn execute<S: IdempotencyStore>(
-    store: S,
-    max_body: usize,
-    scope: &str,
-    key: &IdempotencyKey,
+    held: Arc<Held<S>>,
     next: Next,
     parts: axum::http::request::Parts,
     bytes: Bytes,
 ) -> Response {
-    let resp = next
-        .run(Request::from_parts(parts, Body::from(bytes)))
-        .await;
-    let (parts, body) = resp.into_parts();
-    let body = match axum::body::to_bytes(body, max_body).await {
-        Ok(b) => b,
-        Err(e) => {
-            let _ = store.release(scope, key).await;
-            tracing::error!(error = %e, "the response body could not be buffered; the key was released");
-            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
-        }
+    let max_body = held.config.max_body;
+    let work = async move {
+        let resp = next
+            .run(Request::from_parts(parts, Body::from(bytes)))
+            .await;
+        let (parts, body) = resp.into_parts();
+        let body = axum::body::to_bytes(body, max_body).await;
+        (parts, body)
     };
-    if parts.status.is_server_error() {
-        // A retry may succeed: do not pin this failure to the key.
-        if let Err(e) = store.release(scope, key).await {
-            tracing::warn!(error = %e, "releasing an idempotency key after a server error");
+    let (parts, body) = held.while_renewing(work).await;
+    match decide(parts, body) {
+        Decision::Release(resp) => {
+            // A retry may succeed: do not pin this failure to the key.
+            held.release().await;
+            resp
         }
-    } else {
-        let stored = StoredResponse {
-            status: parts.status.as_u16(),
-            headers: REPLAYED_HEADERS
-                .iter()
-                .filter_map(|h| {
-                    parts
-                        .headers
-                        .get(h)
-                        .and_then(|v| v.to_str().ok())
-                        .map(|v| (h.as_str().to_owned(), v.to_owned()))
-                })
-                .collect(),
-            body: body.to_vec(),
-        };
-        if let Err(e) = store.complete(scope, key, &stored).await {
-            // The effect happened; a retry will see the key in flight until the lock expires,
-            // then execute again. Logged so an operator can see the window.
-            tracing::error!(error = %e, "storing an idempotent response failed");
+        Decision::Store {
+            stored,
+            answer,
+            omitted,
+        } => {
+            if let Some(e) = omitted {
+                LayerStats::count(&held.stats.bodies_omitted);
+                tracing::error!(error = %e, status = stored.status, "the response body could not be stored; the status is stored and replayed with an empty body");
+            }
+            held.complete(&stored).await;
+            answer
         }
     }
-    Response::from_parts(parts, Body::from(body))
+}
+
+/// What to do with the handler's response: a pure decision.
+enum Decision {
+    /// A 5xx: release the key and answer this.
+    Release(Response),
+    /// The effect happened: store `stored` and answer `answer` (`omitted`: why the body is not
+    /// stored, in which case the answer has no body either, like the replays).
+    Store {
+        stored: StoredResponse,
+        answer: Response,
+        omitted: Option<axum::Error>,
+    },
+}
+
+fn decide(mut parts: axum::http::response::Parts, body: Result<Bytes, axum::Error>) -> Decision {
+    if parts.status.is_server_error() {
+        let body = body.unwrap_or_default();
+        return Decision::Release(Response::from_parts(parts, Body::from(body)));
+    }
+    let (body, omitted) = match body {
+        Ok(body) => (body, None),
+        Err(e) => {
+            for h in [
+                header::CONTENT_TYPE,
+                header::CONTENT_LENGTH,
+                header::TRANSFER_ENCODING,
+            ] {
+                parts.headers.remove(h);
+            }
+            parts.headers.insert(
+                HeaderName::from_static(IDEMPOTENT_BODY_OMITTED),
+                HeaderValue::from_static("true"),
+            );
+            (Bytes::new(), Some(e))
+        }
+    };
+    let kept = |h: &HeaderName| {
+        parts
+            .headers
+            .get(h)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| (h.as_str().to_owned(), v.to_owned()))
+    };
+    let mut headers: Vec<(String, String)> = REPLAYED_HEADERS.iter().filter_map(kept).collect();
+    if omitted.is_some() {
+        headers.push((IDEMPOTENT_BODY_OMITTED.to_owned(), "true".to_owned()));
+    }
+    let stored = StoredResponse {
+        status: parts.status.as_u16(),
+        headers,
+        body: body.to_vec(),
+    };
+    Decision::Store {
+        stored,
+        answer: Response::from_parts(parts, Body::from(body)),
+        omitted,
+    }
+}
+
+impl<S: IdempotencyStore> Held<S> {
+    /// Runs `work` while renewing the claim's lock.
+    async fn while_renewing<T>(&self, work: impl Future<Output = T>) -> T {
+        let work = std::pin::pin!(work);
+        let mut work = work;
+        tokio::select! {
+            biased;
+            out = &mut work => out,
+            () = self.heartbeat() => work.await,
+        }
+    }
+
+    /// Renews the lock every third of it; returns only when the claim is lost.
+    async fn heartbeat(&self) {
+        if idem_core::crash::broken(idem_core::crash::BREAK_KEY_LOCK_RENEWAL) {
+            return std::future::pending().await;
+        }
+        let every =
+            (self.config.lock / 3).clamp(Duration::from_millis(1), Duration::from_secs(3600));
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let renewed = self
+                .store
+                .renew(&self.scope, &self.key, &self.token, self.config.lock)
+                .await;
+            match renewed {
+                Ok(true) => {}
+                Ok(false) => return self.lost("renewing its lock"),
+                Err(e) => {
+                    LayerStats::count(&self.stats.renewal_failures);
+                    tracing::warn!(error = %e, "renewing the lock of an idempotency key failed; trying again");
+                }
+            }
+        }
+    }
+
+    fn lost(&self, doing: &str) {
+        if !self.lost.swap(true, Ordering::Relaxed) {
+            LayerStats::count(&self.stats.claims_lost);
+        }
+        tracing::error!(
+            key = self.key.as_str(),
+            "the idempotency key's claim was lost (its lock ran out and a retry took it over, or it was swept) when {doing}: a retry may have executed beside this request; nothing was changed"
+        );
+    }
+
+    async fn complete(&self, stored: &StoredResponse) {
+        match self
+            .store
+            .complete(&self.scope, &self.key, &self.token, stored)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => self.lost("storing its response"),
+            // The effect happened; a retry will see the key in flight until the lock expires,
+            // then execute again. Logged so an operator can see the window.
+            Err(e) => tracing::error!(error = %e, "storing an idempotent response failed"),
+        }
+    }
+
+    async fn release(&self) {
+        match self
+            .store
+            .release(&self.scope, &self.key, &self.token)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => self.lost("releasing it"),
+            Err(e) => {
+                tracing::warn!(error = %e, "releasing an idempotency key after a server error")
+            }
+        }
+    }
 }
 
 /// Deletes expired keys every `every`, until the runtime shuts down.
@@ -356,4 +604,107 @@ pub fn spawn_sweeper<S: IdempotencyStore>(
             }
         }
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn parts(status: u16) -> axum::http::response::Parts {
+        Response::builder()
+            .status(status)
+            .header("content-type", "application/json")
+            .header("x-request-id", "r-1")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    #[test]
+    fn a_success_is_stored_and_answered_with_all_its_headers() {
+        let Decision::Store {
+            stored,
+            answer,
+            omitted,
+        } = decide(parts(201), Ok(Bytes::from_static(b"{}")))
+        else {
+            panic!("a 201 must be stored");
+        };
+        assert!(omitted.is_none());
+        assert_eq!(stored.body, b"{}");
+        assert_eq!(
+            stored.headers,
+            [("content-type".to_owned(), "application/json".to_owned())]
+        );
+        assert_eq!(
+            answer.headers()["x-request-id"],
+            "r-1",
+            "the first answer is whole"
+        );
+    }
+
+    #[test]
+    fn a_success_whose_body_failed_is_stored_as_its_status_with_the_marker() {
+        let Decision::Store {
+            stored,
+            answer,
+            omitted,
+        } = decide(parts(200), Err(axum::Error::new("length limit exceeded")))
+        else {
+            panic!("a 200 must be stored, never released");
+        };
+        assert!(omitted.is_some());
+        assert_eq!((stored.status, stored.body.len()), (200, 0));
+        assert_eq!(
+            stored.headers,
+            [(IDEMPOTENT_BODY_OMITTED.to_owned(), "true".to_owned())]
+        );
+        assert_eq!(answer.headers()[IDEMPOTENT_BODY_OMITTED], "true");
+        assert!(answer.headers().get(header::CONTENT_TYPE).is_none());
+    }
+
+    #[test]
+    fn only_a_server_error_releases_the_key() {
+        assert!(matches!(
+            decide(parts(503), Ok(Bytes::new())),
+            Decision::Release(_)
+        ));
+        assert!(matches!(
+            decide(parts(500), Err(axum::Error::new("stream failed"))),
+            Decision::Release(_)
+        ));
+        for status in [200, 201, 301, 404, 409, 422, 429] {
+            assert!(
+                matches!(
+                    decide(parts(status), Ok(Bytes::new())),
+                    Decision::Store { .. }
+                ),
+                "{status}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_scope_is_the_client_and_the_credential_only_on_opt_in() {
+        let auth = HeaderValue::from_static("Bearer t");
+        let client = ClientScope("a".to_owned());
+        let src = ScopeSource::ClientScope;
+        assert_eq!(scope(Some(&client), Some(&auth), src).unwrap(), "client:a");
+        assert!(matches!(
+            scope(None, Some(&auth), src),
+            Err(IdempotencyRejection::NoScope)
+        ));
+        assert!(matches!(
+            scope(None, None, src),
+            Err(IdempotencyRejection::NoClient)
+        ));
+        let opt_in = ScopeSource::ClientScopeOrCredential;
+        assert!(
+            scope(None, Some(&auth), opt_in)
+                .unwrap()
+                .starts_with("credential:")
+        );
+    }
 }

@@ -13,22 +13,47 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_core::idempotency::IdempotencyStore;
-use idem_http::{Idempotency, IdempotencyConfig};
+use idem_http::{ClientScope, Idempotency, IdempotencyConfig, ScopeSource};
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
 #[derive(Clone)]
 struct App {
+    /// Executions started (counted on entry, before the gate).
+    entered: Arc<tokio::sync::watch::Sender<u64>>,
     executions: Arc<AtomicU64>,
+    /// Executions running now, and the most ever running at once.
+    running: Arc<AtomicU64>,
+    max_running: Arc<AtomicU64>,
     /// Each execution takes one permit: tests hold requests in flight by withholding permits.
     gate: Arc<Semaphore>,
+    /// The first execution answers 503 (a failure a retry may fix).
+    fail_first: bool,
 }
 
+impl App {
+    /// Waits until `n` executions have started.
+    async fn entered(&self, n: u64) {
+        let mut rx = self.entered.subscribe();
+        rx.wait_for(|e| *e >= n).await.unwrap();
+    }
+}
+
+const BIG: usize = 4096;
+
 async fn award(State(app): State<App>, body: String) -> impl IntoResponse {
-    let _permit = app.gate.acquire().await.unwrap();
     let n = app.executions.fetch_add(1, Ordering::SeqCst) + 1;
-    if body.contains("fail") {
+    let now = app.running.fetch_add(1, Ordering::SeqCst) + 1;
+    app.max_running.fetch_max(now, Ordering::SeqCst);
+    app.entered.send_modify(|e| *e += 1);
+    let permit = app.gate.acquire().await.unwrap();
+    drop(permit);
+    app.running.fetch_sub(1, Ordering::SeqCst);
+    if body.contains("fail") || (app.fail_first && n == 1) {
         return (StatusCode::SERVICE_UNAVAILABLE, "try later".to_owned());
+    }
+    if body.contains("big") {
+        return (StatusCode::CREATED, "x".repeat(BIG));
     }
     (
         StatusCode::CREATED,
@@ -36,16 +61,51 @@ async fn award(State(app): State<App>, body: String) -> impl IntoResponse {
     )
 }
 
-fn app<S: IdempotencyStore>(store: S, permits: usize) -> (Router, App) {
-    let state = App {
+/// The authentication layer of the test service: `Authorization: Bearer <client>.<secret>`
+/// identifies `<client>` (so a refreshed secret is the same client).
+async fn authenticate(
+    mut req: Request<Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let client = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| t.split('.').next().unwrap_or(t).to_owned());
+    if let Some(c) = client {
+        req.extensions_mut().insert(ClientScope(c));
+    }
+    next.run(req).await
+}
+
+fn new_app(permits: usize, fail_first: bool) -> App {
+    App {
+        entered: Arc::new(tokio::sync::watch::Sender::new(0)),
         executions: Arc::new(AtomicU64::new(0)),
+        running: Arc::new(AtomicU64::new(0)),
+        max_running: Arc::new(AtomicU64::new(0)),
         gate: Arc::new(Semaphore::new(permits)),
-    };
-    let router = Router::new()
+        fail_first,
+    }
+}
+
+/// The route behind the layer, without an authentication layer.
+fn bare_app<S: IdempotencyStore>(store: S, state: App, config: IdempotencyConfig) -> Router {
+    Router::new()
         .route("/awards", post(award))
-        .route_layer(Idempotency::new(store, IdempotencyConfig::default()).layer())
-        .with_state(state.clone());
+        .route_layer(Idempotency::new(store, config).layer())
+        .with_state(state)
+}
+
+fn app_with<S: IdempotencyStore>(store: S, state: App, config: IdempotencyConfig) -> (Router, App) {
+    let router =
+        bare_app(store, state.clone(), config).route_layer(axum::middleware::from_fn(authenticate));
     (router, state)
+}
+
+fn app<S: IdempotencyStore>(store: S, permits: usize) -> (Router, App) {
+    app_with(store, new_app(permits, false), IdempotencyConfig::default())
 }
 
 fn req(client: &str, keys: &[&str], body: &str) -> Request<Body> {
@@ -168,8 +228,8 @@ async fn a_server_error_is_not_stored_so_the_retry_executes() {
     assert_eq!(app.executions.load(Ordering::SeqCst), 2);
 }
 
-async fn ten_concurrent_requests_with_one_key_execute_once<S: IdempotencyStore>(store: S) {
-    let (router, app) = app(store, 0);
+async fn ten_concurrent_requests_with_one_key_execute_once<B: Backend>(b: &B) {
+    let (router, app) = app(b.keys(), 0);
     let mut tasks = vec![];
     for _ in 0..10 {
         let router = router.clone();
@@ -210,12 +270,247 @@ async fn ten_concurrent_requests_with_one_key_execute_once<S: IdempotencyStore>(
     assert_eq!(app.executions.load(Ordering::SeqCst), 1, "one execution");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_concurrent_requests_execute_once_on_sqlite() {
-    ten_concurrent_requests_with_one_key_execute_once(Lite::new().await.keys()).await;
+// ---- a request slower than the key's lock (review §4) -----------------------------------------
+
+const LOCK: Duration = Duration::from_millis(300);
+
+fn slow_config() -> IdempotencyConfig {
+    IdempotencyConfig {
+        lock: LOCK,
+        ..IdempotencyConfig::default()
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_concurrent_requests_execute_once_on_postgres() {
-    ten_concurrent_requests_with_one_key_execute_once(Pg::new().await.keys()).await;
+/// A's handler is held past the lock; retry B arrives. Returns B's answer, or `None` when B
+/// entered the handler (a takeover of a live request).
+async fn retry_while_a_runs_past_its_lock(
+    router: &Router,
+    app: &App,
+    body: &'static str,
+) -> (
+    tokio::task::JoinHandle<(StatusCode, Option<String>, String)>,
+    Option<StatusCode>,
+) {
+    let r = router.clone();
+    let a = tokio::spawn(async move { call(&r, req("a", &["\"k\""], body)).await });
+    app.entered(1).await;
+    // Time has to pass here: A's handler outlives its lock (what is under test; it
+    // synchronises nothing).
+    tokio::time::sleep(LOCK * 3).await;
+    let r = router.clone();
+    let b = tokio::spawn(async move { call(&r, req("a", &["\"k\""], body)).await });
+    let b_answer = tokio::select! {
+        got = b => Some(got.unwrap().0),
+        () = app.entered(2) => None,
+    };
+    (a, b_answer)
+}
+
+async fn a_slow_request_that_completes_is_executed_once<B: Backend>(b: &B) {
+    let (router, app) = app_with(b.keys(), new_app(0, false), slow_config());
+    let body = r#"{"points":5}"#;
+    let (a, b) = retry_while_a_runs_past_its_lock(&router, &app, body).await;
+    app.gate.add_permits(1);
+    let a = a.await.unwrap();
+    app.gate.add_permits(10);
+    let c = call(&router, req("a", &["\"k\""], body)).await;
+    assert_eq!(app.executions.load(Ordering::SeqCst), 1, "one execution");
+    assert_eq!(
+        b,
+        Some(StatusCode::CONFLICT),
+        "the retry must get 409 while A runs, not take the key over"
+    );
+    assert_eq!((a.0, a.1.as_deref()), (StatusCode::CREATED, None));
+    assert_eq!(
+        (c.0, c.1.as_deref(), c.2),
+        (StatusCode::CREATED, Some("true"), a.2)
+    );
+}
+
+async fn a_slow_request_that_fails_never_runs_beside_a_retry<B: Backend>(b: &B) {
+    let (router, app) = app_with(b.keys(), new_app(0, true), slow_config());
+    let body = r#"{"points":5}"#;
+    let (a, b) = retry_while_a_runs_past_its_lock(&router, &app, body).await;
+    app.gate.add_permits(1);
+    assert_eq!(a.await.unwrap().0, StatusCode::SERVICE_UNAVAILABLE);
+    // A released its key (503): retry C executes, and must be the only execution running.
+    let r = router.clone();
+    let c = tokio::spawn(async move { call(&r, req("a", &["\"k\""], body)).await });
+    let entered = if b.is_some() { 2 } else { 3 };
+    app.entered(entered).await;
+    app.gate.add_permits(10);
+    assert_eq!(c.await.unwrap().0, StatusCode::CREATED);
+    assert_eq!(
+        (
+            app.max_running.load(Ordering::SeqCst),
+            app.executions.load(Ordering::SeqCst)
+        ),
+        (1, 2),
+        "(most executions of one key at once, executions): A (failed, released), then C"
+    );
+    assert_eq!(b, Some(StatusCode::CONFLICT), "B was refused while A ran");
+}
+
+// ---- a response larger than the layer stores (review §5) --------------------------------------
+
+async fn an_oversized_success_is_replayed_not_executed_again<B: Backend>(b: &B) {
+    let config = IdempotencyConfig {
+        max_body: BIG / 4,
+        ..IdempotencyConfig::default()
+    };
+    let (router, app) = app_with(b.keys(), new_app(100, false), config);
+    let first = call(&router, req("a", &["\"k\""], r#"{"big":1}"#)).await;
+    let retry = call(&router, req("a", &["\"k\""], r#"{"big":1}"#)).await;
+    assert_eq!(
+        app.executions.load(Ordering::SeqCst),
+        1,
+        "the retry of a request whose effect happened must not execute again"
+    );
+    assert_eq!(
+        first.0,
+        StatusCode::CREATED,
+        "the handler's status, not 500"
+    );
+    assert_eq!(
+        (retry.0, retry.1.as_deref()),
+        (StatusCode::CREATED, Some("true"))
+    );
+    assert_eq!(
+        (first.2.as_str(), retry.2.as_str()),
+        ("", ""),
+        "the body is not stored"
+    );
+    let again = router
+        .clone()
+        .oneshot(req("a", &["\"k\""], r#"{"big":1}"#))
+        .await
+        .unwrap();
+    assert_eq!(
+        again
+            .headers()
+            .get("idempotent-body-omitted")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "the replay says why its body is empty"
+    );
+}
+
+// ---- the key's scope (review §16) -------------------------------------------------------------
+
+#[tokio::test]
+async fn without_a_client_scope_the_request_is_refused_not_scoped_by_credential() {
+    let lite = Lite::new().await;
+    let state = new_app(100, false);
+    let router = bare_app(lite.keys(), state.clone(), IdempotencyConfig::default());
+    let (status, _, body) = call(&router, req("a.secret-1", &["\"k\""], "{}")).await;
+    assert_eq!(
+        status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "no authentication layer set a ClientScope: {body}"
+    );
+    assert!(body.contains("ClientScope"), "{body}");
+    assert_eq!(
+        state.executions.load(Ordering::SeqCst),
+        0,
+        "nothing executed"
+    );
+}
+
+#[tokio::test]
+async fn a_retry_after_a_token_refresh_is_replayed_for_the_same_client() {
+    let lite = Lite::new().await;
+    let (router, app) = app(lite.keys(), 100);
+    let first = call(&router, req("a.secret-1", &["\"k\""], "{}")).await;
+    let retry = call(&router, req("a.secret-2", &["\"k\""], "{}")).await;
+    assert_eq!(
+        (retry.0, retry.1.as_deref(), retry.2),
+        (first.0, Some("true"), first.2)
+    );
+    assert_eq!(app.executions.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn scoping_by_credential_is_opt_in_and_per_credential() {
+    let lite = Lite::new().await;
+    let state = new_app(100, false);
+    let config = IdempotencyConfig {
+        scope: ScopeSource::ClientScopeOrCredential,
+        ..IdempotencyConfig::default()
+    };
+    let router = bare_app(lite.keys(), state.clone(), config);
+    let first = call(&router, req("a.secret-1", &["\"k\""], "{}")).await;
+    let retry = call(&router, req("a.secret-1", &["\"k\""], "{}")).await;
+    let refreshed = call(&router, req("a.secret-2", &["\"k\""], "{}")).await;
+    assert_eq!(
+        (first.0, retry.1.as_deref()),
+        (StatusCode::CREATED, Some("true"))
+    );
+    assert_eq!(
+        (refreshed.0, refreshed.1.as_deref()),
+        (StatusCode::CREATED, None),
+        "another credential is another scope: documented, and why this is opt-in"
+    );
+    assert_eq!(state.executions.load(Ordering::SeqCst), 2);
+    let anonymous = Request::post("/awards")
+        .header("idempotency-key", "\"k\"")
+        .body(Body::from("{}"))
+        .unwrap();
+    assert_eq!(call(&router, anonymous).await.0, StatusCode::UNAUTHORIZED);
+}
+
+/// A request whose claim was taken from it (here: another token written over it, as a retry's
+/// takeover would) stores nothing over the new claim, and the layer counts the loss.
+async fn a_request_that_lost_its_claim_changes_nothing_and_is_counted<B: Backend>(b: &B) {
+    let state = new_app(0, false);
+    let layer = Idempotency::new(b.keys(), IdempotencyConfig::default());
+    let stats = layer.stats();
+    let router = Router::new()
+        .route("/awards", post(award))
+        .route_layer(layer.layer())
+        .with_state(state.clone())
+        .route_layer(axum::middleware::from_fn(authenticate));
+    let r = router.clone();
+    let a = tokio::spawn(async move { call(&r, req("a", &["\"k\""], "{}")).await });
+    state.entered(1).await;
+    let taken = b
+        .exec("UPDATE idem_idempotency_keys SET claim_token = 'another-request'")
+        .await
+        .unwrap();
+    assert_eq!(taken, 1);
+    state.gate.add_permits(10);
+    assert_eq!(a.await.unwrap().0, StatusCode::CREATED, "A's own answer");
+    assert_eq!(
+        stats.claims_lost.load(Ordering::SeqCst),
+        1,
+        "the loss is counted"
+    );
+    let retry = call(&router, req("a", &["\"k\""], "{}")).await;
+    assert_eq!(
+        retry.0,
+        StatusCode::CONFLICT,
+        "the other request's claim is still in flight, not overwritten by A's response"
+    );
+}
+
+/// One test per key store (SQLite, PostgreSQL) for each scenario `f(&backend)`.
+macro_rules! on_both_stores {
+    ($($sqlite:ident, $postgres:ident => $scenario:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $sqlite() {
+            $scenario(&Lite::new().await).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $postgres() {
+            $scenario(&Pg::new().await).await;
+        }
+    )*};
+}
+
+on_both_stores! {
+    ten_concurrent_requests_execute_once_on_sqlite, ten_concurrent_requests_execute_once_on_postgres => ten_concurrent_requests_with_one_key_execute_once;
+    a_request_slower_than_the_lock_is_not_taken_over_on_sqlite, a_request_slower_than_the_lock_is_not_taken_over_on_postgres => a_slow_request_that_completes_is_executed_once;
+    a_slow_failure_never_releases_a_retry_s_claim_on_sqlite, a_slow_failure_never_releases_a_retry_s_claim_on_postgres => a_slow_request_that_fails_never_runs_beside_a_retry;
+    a_lost_claim_changes_nothing_and_is_counted_on_sqlite, a_lost_claim_changes_nothing_and_is_counted_on_postgres => a_request_that_lost_its_claim_changes_nothing_and_is_counted;
+    an_oversized_success_is_replayed_on_sqlite, an_oversized_success_is_replayed_on_postgres => an_oversized_success_is_replayed_not_executed_again;
 }

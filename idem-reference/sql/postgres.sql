@@ -59,3 +59,12 @@ CREATE TABLE IF NOT EXISTS audit_log (
     amount_minor  bigint      NOT NULL,
     logged_at     timestamptz NOT NULL DEFAULT now()
 );
+
+-- Lab only (`idem points-api --award-delay`): executions of one Idempotency-Key that overlapped
+-- in time, which the Idempotency-Key layer must prevent. Empty unless the harness breaks it.
+CREATE TABLE IF NOT EXISTS points_lab_overlaps (
+    id            bigserial   PRIMARY KEY,
+    client        text        NOT NULL,
+    idem_key      text        NOT NULL,
+    at            timestamptz NOT NULL DEFAULT now()
+);

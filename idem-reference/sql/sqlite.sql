@@ -53,3 +53,11 @@ CREATE TABLE IF NOT EXISTS audit_log (
     amount_minor  INTEGER NOT NULL,
     logged_at     TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );
+
+-- Lab only (see postgres.sql).
+CREATE TABLE IF NOT EXISTS points_lab_overlaps (
+    id            INTEGER PRIMARY KEY,
+    client        TEXT    NOT NULL,
+    idem_key      TEXT    NOT NULL,
+    at            TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);

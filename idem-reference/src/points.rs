@@ -10,13 +10,19 @@
 //! * `POST /keyless/awards` → the same award **without** the Idempotency-Key layer: a stand-in for
 //!   a remote that ignores keys, to exercise the status probe and the unknown-outcome state.
 
-use axum::extract::{Path, State};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{Next, from_fn, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem_core::idempotency::IdempotencyStore;
-use idem_http::{Idempotency, IdempotencyConfig};
+use idem_http::{ClientScope, Idempotency, IdempotencyConfig};
 
 /// The points database.
 #[derive(Clone, Debug)]
@@ -283,14 +289,182 @@ async fn reverse(
     }
 }
 
-/// The points API router: `POST /awards` behind the Idempotency-Key layer over `keys`, the
-/// status probe, the reversal (compensation) and the key-less stand-in.
+/// The points API's authentication layer: `Authorization: Bearer <client>` names the client,
+/// and the Idempotency-Key layer scopes keys by that [`ClientScope`] (never by the raw header).
+async fn authenticate(mut req: Request, next: Next) -> Response {
+    match client(req.headers()) {
+        Some(c) => {
+            req.extensions_mut().insert(ClientScope(c));
+            next.run(req).await
+        }
+        None => problem(
+            StatusCode::UNAUTHORIZED,
+            "send Authorization: Bearer <client>",
+        ),
+    }
+}
+
+/// The points API router: `POST /awards` behind the Idempotency-Key layer over `keys` (scoped
+/// per client by its authentication layer), the status probe, the reversal (compensation) and the
+/// key-less stand-in.
 pub fn router<S: IdempotencyStore>(db: PointsDb, keys: S, config: IdempotencyConfig) -> Router {
-    Router::new()
-        .route("/awards", post(award))
+    build(db, keys, config, None)
+}
+
+/// [`router`] with the lab options of the test harness: every keyed award waits
+/// [`Lab::award_delay`] inside the Idempotency-Key layer before it is stored (a points API slower
+/// than its key lock), and the lab counts executions of one key that overlap in time —
+/// the Idempotency-Key layer guarantees there are none. `GET /lab/award-executions` answers
+/// `{"executions": n, "overlapping": m}`; each overlap is also logged and stored in
+/// `points_lab_overlaps` (so it survives a kill of the process).
+pub fn lab_router<S: IdempotencyStore>(
+    db: PointsDb,
+    keys: S,
+    config: IdempotencyConfig,
+    lab: Lab,
+) -> Router {
+    build(db, keys, config, Some(lab))
+}
+
+fn build<S: IdempotencyStore>(
+    db: PointsDb,
+    keys: S,
+    config: IdempotencyConfig,
+    lab: Option<Lab>,
+) -> Router {
+    let awards: Router<PointsDb> = Router::new().route("/awards", post(award));
+    let (awards, lab_routes): (_, Router) = match lab {
+        Some(lab) => {
+            let state = Arc::new(LabState::new(lab, db.clone()));
+            (
+                awards.route_layer(from_fn_with_state(Arc::clone(&state), lab_award)),
+                Router::new()
+                    .route("/lab/award-executions", get(lab_executions))
+                    .with_state(state),
+            )
+        }
+        None => (awards, Router::new()),
+    };
+    awards
         .route_layer(Idempotency::new(keys, config).layer())
+        .route_layer(from_fn(authenticate))
         .route("/keyless/awards", post(award_keyless))
         .route("/awards/by-payment/{payment_id}", get(by_payment))
         .route("/awards/by-payment/{payment_id}/reversal", post(reverse))
         .with_state(db)
+        .merge(lab_routes)
+}
+
+/// Lab options of the points API (`idem points-api --award-delay`), for the test harness only.
+#[derive(Clone, Debug, Default)]
+pub struct Lab {
+    /// How long every keyed award waits before it is stored.
+    pub award_delay: Duration,
+}
+
+/// Executions of keyed awards, per (client, key), as the lab sees them.
+struct LabState {
+    lab: Lab,
+    db: PointsDb,
+    running: Mutex<HashMap<(String, String), u32>>,
+    executions: AtomicU64,
+    overlapping: AtomicU64,
+}
+
+impl LabState {
+    fn new(lab: Lab, db: PointsDb) -> Self {
+        LabState {
+            lab,
+            db,
+            running: Mutex::default(),
+            executions: AtomicU64::new(0),
+            overlapping: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts an execution of `id` starting; true when another one of `id` is running.
+    fn enter(&self, id: &(String, String)) -> bool {
+        self.executions.fetch_add(1, Ordering::SeqCst);
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let n = running.entry(id.clone()).or_insert(0);
+        *n += 1;
+        *n > 1
+    }
+
+    fn leave(&self, id: &(String, String)) {
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = running.get_mut(id) {
+            *n -= 1;
+            if *n == 0 {
+                running.remove(id);
+            }
+        }
+    }
+
+    async fn record_overlap(&self, (client, key): &(String, String)) {
+        self.overlapping.fetch_add(1, Ordering::SeqCst);
+        tracing::error!(
+            client,
+            key,
+            "LAB: two executions of one Idempotency-Key overlap"
+        );
+        let stored = match &self.db {
+            PointsDb::Postgres(p) => {
+                sqlx::query("INSERT INTO points_lab_overlaps (client, idem_key) VALUES ($1, $2)")
+                    .bind(client)
+                    .bind(key)
+                    .execute(p)
+                    .await
+                    .map(|_| ())
+            }
+            PointsDb::Sqlite(p) => {
+                sqlx::query("INSERT INTO points_lab_overlaps (client, idem_key) VALUES (?1, ?2)")
+                    .bind(client)
+                    .bind(key)
+                    .execute(p)
+                    .await
+                    .map(|_| ())
+            }
+        };
+        if let Err(e) = stored {
+            tracing::error!(error = %e, "storing a lab overlap");
+        }
+    }
+}
+
+/// Leaves the execution when dropped, however the handler ends.
+struct Running<'a>(&'a LabState, (String, String));
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.leave(&self.1);
+    }
+}
+
+async fn lab_award(State(lab): State<Arc<LabState>>, req: Request, next: Next) -> Response {
+    let client = req
+        .extensions()
+        .get::<ClientScope>()
+        .map(|c| c.0.clone())
+        .unwrap_or_default();
+    let key = req
+        .headers()
+        .get(idem_http::IDEMPOTENCY_KEY)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default();
+    let id = (client, key);
+    if lab.enter(&id) {
+        lab.record_overlap(&id).await;
+    }
+    let _running = Running(&lab, id);
+    tokio::time::sleep(lab.lab.award_delay).await;
+    next.run(req).await
+}
+
+async fn lab_executions(State(lab): State<Arc<LabState>>) -> Response {
+    Json(serde_json::json!({
+        "executions": lab.executions.load(Ordering::SeqCst),
+        "overlapping": lab.overlapping.load(Ordering::SeqCst),
+    }))
+    .into_response()
 }

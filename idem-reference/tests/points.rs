@@ -4,9 +4,12 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use idem_conformance::backend::{Backend, Lite};
+use std::time::Duration;
+
+use idem_conformance::backend::{Backend, Lite, Pg};
+use idem_core::idempotency::IdempotencyStore;
 use idem_http::IdempotencyConfig;
-use idem_reference::points::{Award, PointsDb, router};
+use idem_reference::points::{Award, Lab, PointsDb, lab_router, router};
 use tower::ServiceExt;
 
 async fn send(
@@ -58,13 +61,19 @@ async fn probe(app: &axum::Router, client: &str, payment: &str) -> Vec<Award> {
     .unwrap()
 }
 
-#[tokio::test]
-async fn one_award_per_key_replayed_to_retries_and_visible_to_the_probe() {
-    let lite = Lite::new().await;
+/// The points tables in the SQLite database of `lite`.
+async fn points_db(lite: &Lite) -> sqlx::SqlitePool {
     let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", lite.path().display()))
         .await
         .unwrap();
     idem_reference::ensure_schema_sqlite(&pool).await.unwrap();
+    pool
+}
+
+#[tokio::test]
+async fn one_award_per_key_replayed_to_retries_and_visible_to_the_probe() {
+    let lite = Lite::new().await;
+    let pool = points_db(&lite).await;
     let app = router(
         PointsDb::Sqlite(pool),
         lite.keys(),
@@ -102,4 +111,97 @@ async fn one_award_per_key_replayed_to_retries_and_visible_to_the_probe() {
         probe(&app, "someone-else", "pay-1").await.is_empty(),
         "the probe is scoped per client"
     );
+}
+
+/// Sends `body` with `key` until the answer is not 409 (a client honouring `Retry-After`).
+async fn send_until_done(app: &axum::Router, key: &str, body: &str) -> (StatusCode, String) {
+    loop {
+        let (status, _, text) = send(app, "settlement", Some(key), body).await;
+        if status != StatusCode::CONFLICT {
+            return (status, text);
+        }
+        // The client's own backoff between retries (what a client does on 409).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn lab_counts(app: &axum::Router) -> serde_json::Value {
+    let r = Request::get("/lab/award-executions")
+        .body(Body::empty())
+        .unwrap();
+    let resp = app.clone().oneshot(r).await.unwrap();
+    serde_json::from_slice(
+        &axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+/// The harness's "points API slower than the key lock": awards take 700 ms, the lock is 200 ms;
+/// concurrent requests with one key, each retried on 409, give one award and no overlapping
+/// executions.
+async fn a_points_api_slower_than_its_key_lock_awards_once<K: IdempotencyStore>(
+    db: PointsDb,
+    keys: K,
+) {
+    let config = IdempotencyConfig {
+        lock: Duration::from_millis(200),
+        ..IdempotencyConfig::default()
+    };
+    let lab = Lab {
+        award_delay: Duration::from_millis(700),
+    };
+    let app = lab_router(db, keys, config, lab);
+    let body = r#"{"order_id":"order-1","payment_id":"pay-1","points":12}"#;
+    let key = "\"event-01936f5e-4c1a-7d55-9a51-0cc0f0d4a7e2-points.award\"";
+    let mut tasks = vec![];
+    for _ in 0..4 {
+        let app = app.clone();
+        tasks.push(tokio::spawn(async move {
+            send_until_done(&app, key, body).await
+        }));
+    }
+    let mut answers = vec![];
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    assert!(
+        answers.iter().all(|a| a.0 == StatusCode::CREATED),
+        "{answers:?}"
+    );
+    assert!(
+        answers.iter().all(|a| a.1 == answers[0].1),
+        "one award, replayed: {answers:?}"
+    );
+    let counts = lab_counts(&app).await;
+    assert_eq!(
+        (
+            counts["executions"].as_u64(),
+            counts["overlapping"].as_u64()
+        ),
+        (Some(1), Some(0)),
+        "{counts}"
+    );
+    assert_eq!(probe(&app, "settlement", "pay-1").await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_points_api_slower_than_its_key_lock_awards_once_on_sqlite() {
+    let lite = Lite::new().await;
+    let pool = points_db(&lite).await;
+    a_points_api_slower_than_its_key_lock_awards_once(PointsDb::Sqlite(pool), lite.keys()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_points_api_slower_than_its_key_lock_awards_once_on_postgres() {
+    let pg = Pg::new().await;
+    idem_reference::ensure_schema_postgres(pg.pool())
+        .await
+        .unwrap();
+    a_points_api_slower_than_its_key_lock_awards_once(
+        PointsDb::Postgres(pg.pool().clone()),
+        pg.keys(),
+    )
+    .await;
 }

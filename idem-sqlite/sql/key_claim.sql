@@ -1,10 +1,12 @@
--- Claims key (?1 scope, ?2 key, ?3 fingerprint); ?4 lock until, ?5 expires at, ?6 now (Unix ms).
--- See the PostgreSQL version.
-INSERT INTO {idempotency_keys} (scope, idem_key, fingerprint, status, locked_until, created_at, expires_at)
-VALUES (?1, ?2, ?3, 'in_flight', ?4, ?6, ?5)
+-- Claims key (?1 scope, ?2 key, ?3 fingerprint); ?4 lock until, ?5 expires at, ?6 now (Unix ms),
+-- ?7 the claim token that fences renew, complete and release. See the PostgreSQL version.
+INSERT INTO {idempotency_keys} (scope, idem_key, fingerprint, status, locked_until, created_at, expires_at, claim_token)
+VALUES (?1, ?2, ?3, 'in_flight', ?4, ?6, ?5, ?7)
 ON CONFLICT (scope, idem_key) DO UPDATE
     SET fingerprint = excluded.fingerprint, status = 'in_flight', locked_until = excluded.locked_until,
         response_status = NULL, response_headers = NULL, response_body = NULL,
-        created_at = excluded.created_at, expires_at = excluded.expires_at
-    WHERE expires_at < ?6 OR (status = 'in_flight' AND locked_until < ?6 AND fingerprint = excluded.fingerprint)
+        created_at = excluded.created_at, expires_at = excluded.expires_at, claim_token = excluded.claim_token
+    WHERE (status = 'completed' AND expires_at < ?6)
+       OR (status = 'in_flight' AND locked_until < ?6
+           AND (fingerprint = excluded.fingerprint OR expires_at < ?6))
 RETURNING 1 AS claimed

@@ -78,6 +78,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
     ),
     (
+        7,
+        "idempotency claim tokens",
+        include_str!("../migrations/0007_idempotency_claim_tokens.sql"),
+    ),
+    (
         9,
         "dead-letter replay",
         include_str!("../migrations/0009_dead_letter_replay.sql"),
@@ -116,6 +121,7 @@ struct Queries {
     dead_letter_replayed: String,
     key_claim: String,
     key_get: String,
+    key_renew: String,
     key_complete: String,
     key_release: String,
     key_sweep: String,
@@ -153,6 +159,7 @@ impl Queries {
             dead_letter_replayed: r(include_str!("../sql/dead_letter_replayed.sql")),
             key_claim: r(include_str!("../sql/key_claim.sql")),
             key_get: r(include_str!("../sql/key_get.sql")),
+            key_renew: r(include_str!("../sql/key_renew.sql")),
             key_complete: r(include_str!("../sql/key_complete.sql")),
             key_release: r(include_str!("../sql/key_release.sql")),
             key_sweep: r(include_str!("../sql/key_sweep.sql")),
@@ -949,6 +956,7 @@ impl idem_core::idempotency::IdempotencyStore for SqliteKeyStore {
     ) -> Result<idem_core::idempotency::KeyClaim> {
         use idem_core::idempotency::{KeyClaim, StoredResponse};
         let now = now_ms();
+        let token = idem_core::idempotency::ClaimToken::random();
         let claimed = sqlx::query(&self.queries.key_claim)
             .bind(scope)
             .bind(key.as_str())
@@ -956,11 +964,12 @@ impl idem_core::idempotency::IdempotencyStore for SqliteKeyStore {
             .bind(now.saturating_add(millis(lock)))
             .bind(now.saturating_add(millis(retention)))
             .bind(now)
+            .bind(token.as_str())
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| Error::database("claiming an idempotency key", e))?;
         if claimed.is_some() {
-            return Ok(KeyClaim::New);
+            return Ok(KeyClaim::New(token));
         }
         let row = sqlx::query(&self.queries.key_get)
             .bind(scope)
@@ -990,12 +999,31 @@ impl idem_core::idempotency::IdempotencyStore for SqliteKeyStore {
         }))
     }
 
+    async fn renew(
+        &self,
+        scope: &str,
+        key: &idem_core::idempotency::IdempotencyKey,
+        token: &idem_core::idempotency::ClaimToken,
+        lock: std::time::Duration,
+    ) -> Result<bool> {
+        sqlx::query(&self.queries.key_renew)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(token.as_str())
+            .bind(now_ms().saturating_add(millis(lock)))
+            .execute(&self.pool)
+            .await
+            .map(|r| r.rows_affected() == 1)
+            .map_err(|e| Error::database("renewing the lock of an idempotency key", e))
+    }
+
     async fn complete(
         &self,
         scope: &str,
         key: &idem_core::idempotency::IdempotencyKey,
+        token: &idem_core::idempotency::ClaimToken,
         response: &idem_core::idempotency::StoredResponse,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let headers = serde_json::to_string(&response.headers).unwrap_or_else(|_| "[]".to_owned());
         sqlx::query(&self.queries.key_complete)
             .bind(scope)
@@ -1003,9 +1031,10 @@ impl idem_core::idempotency::IdempotencyStore for SqliteKeyStore {
             .bind(i64::from(response.status))
             .bind(headers)
             .bind(&response.body)
+            .bind(token.as_str())
             .execute(&self.pool)
             .await
-            .map(|_| ())
+            .map(|r| r.rows_affected() == 1)
             .map_err(|e| Error::database("storing an idempotent response", e))
     }
 
@@ -1013,13 +1042,15 @@ impl idem_core::idempotency::IdempotencyStore for SqliteKeyStore {
         &self,
         scope: &str,
         key: &idem_core::idempotency::IdempotencyKey,
-    ) -> Result<()> {
+        token: &idem_core::idempotency::ClaimToken,
+    ) -> Result<bool> {
         sqlx::query(&self.queries.key_release)
             .bind(scope)
             .bind(key.as_str())
+            .bind(token.as_str())
             .execute(&self.pool)
             .await
-            .map(|_| ())
+            .map(|r| r.rows_affected() == 1)
             .map_err(|e| Error::database("releasing an idempotency key", e))
     }
 
@@ -1302,6 +1333,7 @@ mod tests {
             &q.dead_letter_replayed,
             &q.key_claim,
             &q.key_get,
+            &q.key_renew,
             &q.key_complete,
             &q.key_release,
             &q.key_sweep,

@@ -1,0 +1,3 @@
+-- Server-side Idempotency-Key store, SQLite, version 7: claim tokens (see the PostgreSQL
+-- migration).
+ALTER TABLE {idempotency_keys} ADD COLUMN claim_token TEXT;
