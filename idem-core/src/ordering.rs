@@ -14,7 +14,9 @@
 //! the transaction that applies (or holds) the event, so that a restart resumes where it
 //! stopped. Holding is required, not an optimisation: dropping the early copy is safe only when
 //! the relay will publish it again (`2, 1, 2`), and not after a park, where the later rows were
-//! marked published and never come again.
+//! marked published and never come again. Events held for long mean the missing one is
+//! parked (`idem outbox parked`): watch the held count per aggregate and bound it, since a
+//! hostile or broken producer can send numbers far ahead.
 //!
 //! SQLite outboxes stamp the row id instead, which increases within an aggregate but skips
 //! numbers: there a gap cannot be told apart, so rely on the inbox for duplicates and make
@@ -101,9 +103,11 @@ impl<T> InOrder<T> {
             Sequenced::Next => {
                 let mut ready = vec![(seq, event)];
                 self.last = seq;
-                while let Some(next) = self.held.remove(&(self.last + 1)) {
-                    self.last += 1;
-                    ready.push((self.last, next));
+                while let Some(following) = self.last.checked_add(1)
+                    && let Some(next) = self.held.remove(&following)
+                {
+                    self.last = following;
+                    ready.push((following, next));
                 }
                 ready
             }
@@ -179,5 +183,18 @@ mod tests {
         );
         assert_eq!(again.last_applied(), 7);
         assert_eq!(again.held().count(), 0);
+    }
+
+    #[test]
+    fn hostile_numbers_neither_overflow_nor_apply_out_of_order() {
+        let mut agg = InOrder::new(i64::MAX - 1);
+        assert_eq!(agg.offer(i64::MAX, 'x'), vec![(i64::MAX, 'x')]);
+        assert_eq!(agg.decide(i64::MAX), Sequenced::AlreadyApplied);
+        let mut fresh = InOrder::default();
+        assert!(
+            fresh.offer(-3, 'n').is_empty(),
+            "no event has a number below 1"
+        );
+        assert!(fresh.offer(i64::MAX, 'm').is_empty(), "held ahead of a gap");
     }
 }
