@@ -472,12 +472,13 @@ pub struct PointsApiArgs {
     listen: SocketAddr,
     /// How long an in-flight Idempotency-Key claim is exclusive without renewal (the layer
     /// renews it every third of this while an award runs).
-    #[arg(long, default_value = "30s", value_parser = crate::relay_cmd::parse_duration)]
+    #[arg(long, env = "IDEM_POINTS_KEY_LOCK", default_value = "30s", value_parser = crate::relay_cmd::parse_duration)]
     key_lock: Duration,
     /// Lab only: every keyed award waits this long before it is stored (a points API slower
     /// than its key lock), and `GET /lab/award-executions` counts executions of one key that
     /// overlap (stored in `points_lab_overlaps`).
-    #[arg(long, value_parser = crate::relay_cmd::parse_duration)]
+    /// (`IDEM_LAB_AWARD_DELAY`: how the chaos runner opens a slow window.)
+    #[arg(long, env = "IDEM_LAB_AWARD_DELAY", value_parser = crate::relay_cmd::parse_duration)]
     award_delay: Option<Duration>,
 }
 

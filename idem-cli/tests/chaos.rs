@@ -65,6 +65,11 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
         "the oversized row should be parked: {r:#}"
     );
     assert_eq!(r["panics"], serde_json::json!([]));
+    // The windows: a points API slower than its key lock, and a lock held on settlements.
+    for kind in ["slow_points_api", "long_lock"] {
+        assert!(faults[kind].as_u64().unwrap() >= 1, "no {kind}: {r:#}");
+    }
+    assert_eq!(r["overlapping_executions"], 0);
 }
 
 /// The same on a 3-node cluster (replication 3, `min.insync.replicas=2`): the first broker fault
@@ -183,6 +188,23 @@ fn a_relay_that_never_parks_is_caught_wedged_by_a_hostile_row() {
             && failures.contains("still pending"),
         "{r:#}"
     );
+}
+
+/// Without lock renewal, the slow points API window (awards of 4 s, a 1.5 s key lock, a 2 s
+/// dispatcher timeout) lets a retry take over a live execution of its key.
+#[test]
+fn a_key_lock_that_is_not_renewed_is_caught_as_overlapping_executions() {
+    let r = broken("key-lock-renewal");
+    assert!(r["overlapping_executions"].as_i64().unwrap() > 0, "{r:#}");
+}
+
+/// The consumer policy before review §8 (dead-letter after a few transient failures): the
+/// long-lock window makes the settlement handlers fail transiently for 5 s, and the events
+/// dead-lettered for it are lost.
+#[test]
+fn dead_lettering_transient_failures_is_caught_as_loss() {
+    let r = broken("transient-dead-letters");
+    assert!(lost(&r) > 0, "{r:#}");
 }
 
 /// Interrupting a run (SIGTERM, or Ctrl-C's SIGINT) kills every process it started, its Kafka

@@ -586,7 +586,10 @@ pub async fn migrate_is_idempotent<B: Backend>(b: &B) {
 
 pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
     let other = b.with_tables(TableNames::new(None, "billing_").unwrap());
-    assert_eq!(other.migrate().await.unwrap(), vec![1, 2, 3, 4, 5, 6, 7, 9, 10]);
+    assert_eq!(
+        other.migrate().await.unwrap(),
+        vec![1, 2, 3, 4, 5, 6, 7, 9, 10]
+    );
     let mut tx = other.begin().await;
     tx.enqueue(&[event("o-1", 0)]).await.unwrap();
     tx.commit().await;

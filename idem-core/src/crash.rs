@@ -67,6 +67,7 @@ pub const BREAKABLE: &[&str] = &[
     BREAK_KAFKA_TRANSACTIONS,
     BREAK_NEVER_PARK,
     BREAK_KEY_LOCK_RENEWAL,
+    BREAK_TRANSIENT_DEAD_LETTERS,
 ];
 /// The relay marks a batch published right after claiming it, before any delivery report.
 pub const BREAK_MARK_BEFORE_REPORT: &str = "mark-before-report";
@@ -94,9 +95,8 @@ pub const BREAK_NEVER_PARK: &str = "never-park";
 
 /// The consumer dead-letters an event after a few transient failures of its handler (the policy
 /// before review §8), so that a lock held on the business tables for seconds loses events.
-/// Not in [`BREAKABLE`] yet: it fails a chaos run only together with the long-lock fault class
-/// (`idem settlement --lock-timeout-ms` and a lock held on `settlements`), which the chaos
-/// runner does not drive yet.
+/// The chaos runner's long-lock window (`idem settlement --lock-timeout-ms` and a lock held on
+/// `settlements`) makes it visible.
 pub const BREAK_TRANSIENT_DEAD_LETTERS: &str = "transient-dead-letters";
 
 /// Transient failures of one event after which [`BREAK_TRANSIENT_DEAD_LETTERS`] dead-letters it.

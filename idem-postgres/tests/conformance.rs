@@ -10,7 +10,10 @@ idem_conformance::conformance_tests!(Pg::new().await);
 async fn tables_in_a_named_schema() {
     let pg = Pg::new().await;
     let billing = pg.with_tables(TableNames::new(Some("billing"), "idem_").unwrap());
-    assert_eq!(billing.migrate().await.unwrap(), vec![1, 2, 3, 4, 5, 6, 7, 9, 10]);
+    assert_eq!(
+        billing.migrate().await.unwrap(),
+        vec![1, 2, 3, 4, 5, 6, 7, 9, 10]
+    );
     let mut tx = billing.begin().await;
     tx.enqueue(&[scenarios::event("o-1", 0)]).await.unwrap();
     tx.commit().await;

@@ -13,6 +13,7 @@ mod hostile;
 pub mod kafka;
 pub mod kafka_txn;
 mod procs;
+mod windows;
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -102,6 +103,9 @@ pub struct ChaosReport {
     pub hostile_rows: BTreeMap<String, String>,
     /// Panics in any process's log (a process a foreign writer or a remote can panic).
     pub panics: Vec<String>,
+    /// Executions of one Idempotency-Key that overlapped in the points API during slow
+    /// windows (`points_lab_overlaps`): each is an effect the key failed to make once.
+    pub overlapping_executions: i64,
     pub logs: Option<String>,
     pub verify: idem_verify::Report,
 }
@@ -132,7 +136,9 @@ fn idem_cmd(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Command> {
     let mut cmd = Command::new(std::env::current_exe().context("locating the idem binary")?);
     cmd.args(args)
         .env("RUST_LOG", "warn,idem=info")
-        .env_remove("IDEM_CRASH_POINTS");
+        .env_remove("IDEM_CRASH_POINTS")
+        .env_remove("IDEM_LAB_AWARD_DELAY")
+        .env_remove("IDEM_POINTS_KEY_LOCK");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -353,6 +359,10 @@ async fn drive(
         } else {
             v.insert(0, "settlement".to_owned());
             v.extend(s(&["--handler", handler, "--metrics-addr", "127.0.0.1:0"]));
+            if handler == "settlement" {
+                // The long-lock window: a locked settlements table fails handlers fast.
+                v.extend(s(&["--lock-timeout-ms", windows::LOCK_TIMEOUT_MS]));
+            }
         }
         v.extend(s(&[
             "--batch-size",
@@ -451,9 +461,13 @@ async fn drive(
     let mut next_hostile = started + Duration::from_secs(5);
     let mut hostile_accepted: Vec<hostile::Accepted> = vec![];
     let mut hostile_violations: Vec<String> = vec![];
+    let mut windows = windows::Windows::new(started);
     while Instant::now() < end {
         supervise(&mut procs, &mut rng);
         let now = Instant::now();
+        windows
+            .tick(now, end, &mut procs, &dbs.settlement, &mut faults)
+            .await?;
         if now >= next_hostile {
             // A foreign writer's round of hostile rows, every 20 to 40 s.
             hostile_round += 1;
@@ -644,8 +658,9 @@ async fn drive(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    // Stop injecting: resume the paused, restart the dead, stop the writers.
+    // Stop injecting: close the windows, resume the paused, restart the dead, stop the writers.
     eprintln!("idem chaos: faults stopped; waiting for the pipeline to settle");
+    windows.close(&mut procs).await?;
     for p in procs.iter_mut() {
         if p.paused_until.take().is_some() {
             p.signal(18);
@@ -769,6 +784,7 @@ async fn drive(
         }
     }
     let panics: Vec<String> = procs.iter().flat_map(Proc::panics).collect();
+    let overlapping_executions = windows::overlapping_executions(&dbs.points).await?;
     let sum = |name: &str| -> u64 { procs.iter().map(|p| p.total(name)).sum::<f64>() as u64 };
     let (dup_deliveries, dup_skips, republishes) = (
         sum("idem_duplicate_delivery_total"),
@@ -788,6 +804,11 @@ async fn drive(
         failures.push(format!(
             "liveness: the pipeline did not settle within {:?} after the faults stopped",
             args.settle_deadline
+        ));
+    }
+    if overlapping_executions > 0 {
+        failures.push(format!(
+            "duplicate execution: {overlapping_executions} overlapping executions of one Idempotency-Key in the slow points API"
         ));
     }
     failures.extend(hostile_violations);
@@ -855,6 +876,7 @@ async fn drive(
         duplicate_effects: verify.duplicate_effects(),
         hostile_rows,
         panics,
+        overlapping_executions,
         logs: None,
         verify,
     })
@@ -1057,6 +1079,10 @@ fn print_report(r: &ChaosReport) {
     }
     println!("  lost effects                   {}", r.lost);
     println!("  duplicate effects              {}", r.duplicate_effects);
+    println!(
+        "  overlapping key executions     {}",
+        r.overlapping_executions
+    );
     let contained = r.hostile_rows.len();
     println!("  hostile rows stored, contained {contained} (see --json for each one's fate)");
     if !r.verify.clean {

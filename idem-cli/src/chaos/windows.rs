@@ -1,0 +1,134 @@
+//! Fault windows: conditions that last for seconds, unlike a kill.
+//!
+//! * **slow points API** — the points API is restarted with every award taking
+//!   [`AWARD_DELAY`], longer than the dispatcher's 2 s timeout and than its key lock
+//!   ([`KEY_LOCK`]): the dispatcher's retries arrive while the first execution still runs, and
+//!   only the layer's lock renewal keeps them from executing beside it. Overlapping executions
+//!   of one key are counted by the API in `points_lab_overlaps` and must stay 0.
+//! * **long lock** — the runner holds `LOCK TABLE settlements IN ACCESS EXCLUSIVE MODE` for
+//!   [`LOCK_HOLD`]; the settlement consumers run with a 50 ms `lock_timeout`, so every handler
+//!   call fails transiently until it is released. Nothing may be dead-lettered for it.
+//!
+//! The first window of each kind opens at a fixed time, so every run of 30 s or more has one
+//! (the negative controls `key-lock-renewal` and `transient-dead-letters` need them).
+
+use std::time::{Duration, Instant};
+
+use super::procs::{Proc, Role};
+use crate::demo::world::Pool;
+
+/// How long each award takes in a slow window.
+pub const AWARD_DELAY: &str = "4s";
+/// The points API's key lock in a slow window (renewed every third of it).
+pub const KEY_LOCK: &str = "1500ms";
+/// How long a slow window lasts.
+const SLOW_FOR: Duration = Duration::from_secs(10);
+/// How long the settlements table stays locked: under the consumers' 10 s
+/// `max.poll.interval.ms`, so a stalled member keeps its partitions.
+const LOCK_HOLD: Duration = Duration::from_secs(5);
+/// The settlement consumers' `--lock-timeout-ms`.
+pub const LOCK_TIMEOUT_MS: &str = "50";
+
+pub struct Windows {
+    next_slow: Instant,
+    slow_until: Option<Instant>,
+    next_lock: Instant,
+    lock: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Windows {
+    pub fn new(started: Instant) -> Self {
+        Windows {
+            next_slow: started + Duration::from_secs(8),
+            slow_until: None,
+            next_lock: started + Duration::from_secs(12),
+            lock: None,
+        }
+    }
+
+    /// Opens and closes windows that are due; `end` is when faults stop (no window outlives it).
+    pub async fn tick(
+        &mut self,
+        now: Instant,
+        end: Instant,
+        procs: &mut [Proc],
+        settlement: &Pool,
+        faults: &mut std::collections::BTreeMap<String, u64>,
+    ) -> anyhow::Result<()> {
+        if let Some(until) = self.slow_until
+            && now >= until
+        {
+            self.close_slow(procs)?;
+        }
+        if self.slow_until.is_none() && now >= self.next_slow && now + SLOW_FOR < end {
+            if let Some(api) = procs.iter_mut().find(|p| p.role == Role::Api) {
+                api.kill9();
+                api.start(&[
+                    ("IDEM_LAB_AWARD_DELAY", AWARD_DELAY.to_owned()),
+                    ("IDEM_POINTS_KEY_LOCK", KEY_LOCK.to_owned()),
+                ])?;
+                // Left alone while slow: a pause longer than the key lock would let a retry
+                // take over a live execution legitimately (the layer cannot renew while stopped).
+                api.armed_until = Some(now + SLOW_FOR);
+                self.slow_until = Some(now + SLOW_FOR);
+                *faults.entry("slow_points_api".to_owned()).or_default() += 1;
+            }
+            self.next_slow = now + Duration::from_secs(40);
+        }
+        if let Some(task) = &self.lock
+            && task.is_finished()
+            && let Some(task) = self.lock.take()
+        {
+            task.await??;
+        }
+        if self.lock.is_none() && now >= self.next_lock && now + LOCK_HOLD < end {
+            let Pool::Pg(pool) = settlement.clone() else {
+                anyhow::bail!("the long-lock window needs the PostgreSQL settlement database");
+            };
+            self.lock = Some(tokio::spawn(hold_lock(pool, LOCK_HOLD)));
+            *faults.entry("long_lock".to_owned()).or_default() += 1;
+            self.next_lock = now + Duration::from_secs(30);
+        }
+        Ok(())
+    }
+
+    /// Ends every open window (the API back to normal speed, the lock released).
+    pub async fn close(&mut self, procs: &mut [Proc]) -> anyhow::Result<()> {
+        if self.slow_until.is_some() {
+            self.close_slow(procs)?;
+        }
+        if let Some(task) = self.lock.take() {
+            task.await??;
+        }
+        Ok(())
+    }
+
+    fn close_slow(&mut self, procs: &mut [Proc]) -> anyhow::Result<()> {
+        if let Some(api) = procs.iter_mut().find(|p| p.role == Role::Api) {
+            // A graceful stop lets the awards in flight finish and store their responses.
+            api.stop(Duration::from_secs(10));
+            api.armed_until = None;
+            api.start(&[])?;
+        }
+        self.slow_until = None;
+        Ok(())
+    }
+}
+
+async fn hold_lock(pool: sqlx::PgPool, hold: Duration) -> anyhow::Result<()> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("LOCK TABLE settlements IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await?;
+    // The window itself: the lock is the fault, held for this long.
+    tokio::time::sleep(hold).await;
+    tx.rollback().await?;
+    Ok(())
+}
+
+/// Executions of one Idempotency-Key that overlapped in the points API (slow windows only).
+pub async fn overlapping_executions(points: &Pool) -> anyhow::Result<i64> {
+    points
+        .scalar("SELECT count(*) FROM points_lab_overlaps")
+        .await
+}
