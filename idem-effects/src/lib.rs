@@ -27,7 +27,7 @@
 pub mod remote;
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use idem_core::Result;
@@ -35,7 +35,7 @@ use idem_core::idempotency::{ClaimedIntent, IntentOutcome, IntentStore, Resoluti
 use prometheus::{IntCounterVec, Opts, Registry};
 
 pub use remote::{
-    Compensation, EffectPolicy, HttpCompensation, HttpStatusProbe, Probe, StatusProbe,
+    AppliedWhen, Compensation, EffectPolicy, HttpCompensation, HttpStatusProbe, Probe, StatusProbe,
 };
 
 /// Dispatcher settings.
@@ -53,8 +53,15 @@ pub struct DispatcherConfig {
     pub backoff_max: Duration,
     /// `Authorization` header sent with every request (the remote scopes keys per client).
     pub authorization: Option<String>,
-    /// Requests of one claimed batch in flight at once.
+    /// Requests of one claimed batch in flight at once. A claim takes at most this many
+    /// intents (and at most `batch`), so that every request of a claim starts right after it.
     pub concurrency: usize,
+    /// Lease that must be left, on top of `timeout`, when a request starts (clock drift, the
+    /// sending mark's round trip): an intent with less is not sent by this claim.
+    pub lease_margin: Duration,
+    /// Attempts after which an intent the remote keeps answering 409 (still processing the
+    /// key) or 429 (rate limited) is parked for a person instead of being retried again.
+    pub busy_attempts: i32,
 }
 
 impl Default for DispatcherConfig {
@@ -67,6 +74,8 @@ impl Default for DispatcherConfig {
             backoff_max: Duration::from_secs(60),
             authorization: None,
             concurrency: 8,
+            lease_margin: Duration::from_millis(500),
+            busy_attempts: 20,
         }
     }
 }
@@ -90,6 +99,9 @@ pub struct EffectMetrics {
     pub probes: IntCounterVec,
     /// `idem_effect_compensation_total{result}`: compensations run, `ok` or `failed`.
     pub compensations: IntCounterVec,
+    /// `idem_effect_lease_skip_total`: claimed intents not sent because too little of their
+    /// lease was left for the request (sent by a later claim).
+    pub lease_skips: IntCounterVec,
 }
 
 impl EffectMetrics {
@@ -136,6 +148,10 @@ impl EffectMetrics {
                 "idem_effect_compensation_total",
                 "Compensations run on unknown or parked intents, by result (ok, failed).",
             )?,
+            lease_skips: v(
+                "idem_effect_lease_skip_total",
+                "Claimed intents not sent because too little of their lease was left for the request.",
+            )?,
         };
         for c in [
             &m.attempts,
@@ -146,6 +162,7 @@ impl EffectMetrics {
             &m.unknown,
             &m.probes,
             &m.compensations,
+            &m.lease_skips,
         ] {
             registry.register(Box::new(c.clone())).map_err(|e| {
                 idem_core::Error::Config(format!("registering effect metrics: {e}"))
@@ -226,7 +243,7 @@ pub fn classify(
     match status {
         200..=299 => IntentOutcome::Done { status, body },
         409 => IntentOutcome::Retry {
-            after: retry_after.unwrap_or(Duration::from_secs(1)),
+            after: retry_after.unwrap_or(backoff.max(Duration::from_secs(1))),
             reason: "409: the remote is still processing this key".to_owned(),
         },
         429 | 500..=599 => IntentOutcome::Retry {
@@ -245,9 +262,66 @@ pub fn classify(
     }
 }
 
+/// Bounds the retries of a remote that keeps refusing: a 409 or 429 on attempt `attempt` or
+/// later (`busy_attempts`) parks the intent for a person, with the reason.
+pub fn bound_busy(
+    outcome: IntentOutcome,
+    status: u16,
+    attempt: i32,
+    busy_attempts: i32,
+) -> IntentOutcome {
+    match outcome {
+        IntentOutcome::Retry { reason, .. }
+            if matches!(status, 409 | 429) && attempt >= busy_attempts =>
+        {
+            IntentOutcome::Park {
+                reason: format!(
+                    "{reason} (answered {status} on attempt {attempt}, the last one allowed): \
+                     check the remote, then `idem effects retry --id` sends it again with the same key"
+                ),
+            }
+        }
+        outcome => outcome,
+    }
+}
+
+/// Is there enough lease left (`left`) to start a request that may take `timeout`?
+pub fn lease_allows_send(left: Duration, timeout: Duration, margin: Duration) -> bool {
+    left >= timeout.saturating_add(margin)
+}
+
+/// What a re-attempt to a remote that ignores keys must do before anything is sent, decided
+/// from the stored intent alone: `Some(unknown)` when an earlier attempt was sent, its outcome
+/// never recorded, and no probe can tell whether it was applied.
+pub fn predecessor_outcome(c: &ClaimedIntent, policy: Option<&EffectPolicy>) -> Option<IntentOutcome> {
+    if !policy.is_some_and(|p| p.remote_ignores_keys && p.probe.is_none()) {
+        return None;
+    }
+    let sent = c.unrecorded_send?;
+    Some(IntentOutcome::Unknown {
+        reason: format!(
+            "attempt {sent} was sent to a remote that ignores keys and its outcome was never \
+             recorded (the dispatcher died or lost its lease); no status probe is configured, so \
+             re-sending could apply the effect twice: check the remote, then `idem effects resolve`"
+        ),
+    })
+}
+
 impl<S: IntentStore> Dispatcher<S> {
-    /// A dispatcher over `store`.
+    /// A dispatcher over `store`. Refuses a lease too short for a probe and a request
+    /// (`lease >= 2 × timeout + lease_margin`).
     pub fn new(store: S, config: DispatcherConfig, metrics: EffectMetrics) -> Result<Self> {
+        let needed = config
+            .timeout
+            .saturating_mul(2)
+            .saturating_add(config.lease_margin);
+        if config.lease < needed {
+            return Err(idem_core::Error::Config(format!(
+                "the dispatcher's lease ({:?}) must be at least twice the request timeout plus the \
+                 margin ({needed:?}): a probe and a request must fit in it",
+                config.lease
+            )));
+        }
         let client = reqwest::Client::builder()
             .timeout(config.timeout)
             .build()
@@ -331,20 +405,44 @@ impl<S: IntentStore> Dispatcher<S> {
             .min(self.config.backoff_max)
     }
 
-    /// Claims due intents, sends each once, records the outcomes; returns how many were sent.
+    /// Claims due intents (at most `concurrency`, so that every request starts right after the
+    /// claim), sends each once, records the outcomes; returns how many were claimed. An error in
+    /// one send is returned after the others have ended and been recorded: a request in flight
+    /// is never dropped unrecorded.
     pub async fn run_once(&self) -> Result<usize> {
-        let claimed = self
-            .store
-            .claim(self.config.batch, self.config.lease)
-            .await?;
+        let concurrency = self.config.concurrency.max(1);
+        let size = u32::try_from(concurrency)
+            .unwrap_or(u32::MAX)
+            .min(self.config.batch);
+        // The lease runs from before the claim by this clock: never later than the store's.
+        let lease_end = Instant::now() + self.config.lease;
+        let claimed = self.store.claim(size, self.config.lease).await?;
         // Each intent is independent (its own key); several are in flight at once.
-        let sends: Vec<_> = claimed.iter().map(|c| self.send(c)).collect();
-        let mut sends =
-            futures::stream::iter(sends).buffer_unordered(self.config.concurrency.max(1));
+        let sends: Vec<_> = claimed.iter().map(|c| self.send(c, lease_end)).collect();
+        let mut sends = futures::stream::iter(sends).buffer_unordered(concurrency);
+        let mut first_error = None;
         while let Some(r) = sends.next().await {
-            r?;
+            if let Err(e) = r {
+                first_error.get_or_insert(e);
+            }
         }
-        Ok(claimed.len())
+        first_error.map_or(Ok(claimed.len()), Err)
+    }
+
+    /// `None` when a request that may take `timeout` can start now under a lease ending at
+    /// `lease_end`; otherwise the outcome that gives the intent back for a later claim.
+    fn lease_check(&self, lease_end: Instant, labels: [&str; 2]) -> Option<IntentOutcome> {
+        let left = lease_end.saturating_duration_since(Instant::now());
+        if lease_allows_send(left, self.config.timeout, self.config.lease_margin) {
+            return None;
+        }
+        self.metrics.lease_skips.with_label_values(&labels).inc();
+        Some(IntentOutcome::Retry {
+            after: Duration::ZERO,
+            reason: format!(
+                "not sent: {left:?} of the lease was left, less than the timeout plus the margin"
+            ),
+        })
     }
 
     /// Asks the probe, before a re-attempt, whether the effect already happened: `Some` ends the
@@ -389,8 +487,15 @@ impl<S: IntentStore> Dispatcher<S> {
     }
 
     /// One attempt of one claimed intent, and its recorded outcome.
-    async fn send(&self, c: &ClaimedIntent) -> Result<()> {
-        let outcome = self.attempt(c).await?;
+    async fn send(&self, c: &ClaimedIntent, lease_end: Instant) -> Result<()> {
+        let Some(outcome) = self.attempt(c, lease_end).await? else {
+            tracing::warn!(
+                intent = c.id,
+                attempt = c.attempt,
+                "not sent: the lease was lost or too short to mark the intent as sending"
+            );
+            return Ok(());
+        };
         if !self.store.finish(c.id, c.attempt, &outcome).await? {
             tracing::warn!(
                 intent = c.id,
@@ -401,16 +506,52 @@ impl<S: IntentStore> Dispatcher<S> {
         Ok(())
     }
 
-    async fn attempt(&self, c: &ClaimedIntent) -> Result<IntentOutcome> {
+    /// Marks a keyless remote's intent as sending (committed before the request); false: the
+    /// lease is lost or too short, do not send.
+    async fn mark_sending(&self, c: &ClaimedIntent, policy: Option<&EffectPolicy>) -> Result<bool> {
+        if !policy.is_some_and(|p| p.remote_ignores_keys)
+            || idem_core::crash::broken(idem_core::crash::BREAK_SKIP_SENDING_MARK)
+        {
+            return Ok(true);
+        }
+        let left = self.config.timeout.saturating_add(self.config.lease_margin);
+        self.store.mark_sending(c.id, c.attempt, left).await
+    }
+
+    /// The outcome of one attempt, or `None` when nothing was sent and nothing is to be
+    /// recorded (the lease is lost).
+    async fn attempt(&self, c: &ClaimedIntent, lease_end: Instant) -> Result<Option<IntentOutcome>> {
         let target = host(&c.intent.target);
         let labels = [c.intent.effect.as_str(), target.as_str()];
         let policy = self.policies.get(&c.intent.effect);
+        if let Some(outcome) = predecessor_outcome(c, policy) {
+            return Ok(Some(self.count(outcome, labels)));
+        }
+        if let Some(outcome) = self.lease_check(lease_end, labels) {
+            return Ok(Some(self.count(outcome, labels)));
+        }
         if let Some(policy) = policy
             && let Some(outcome) = self.probe_first(c, policy, labels).await
         {
-            return Ok(self.count(outcome, labels));
+            return Ok(Some(self.count(outcome, labels)));
+        }
+        if let Some(outcome) = self.lease_check(lease_end, labels) {
+            return Ok(Some(self.count(outcome, labels)));
         }
         idem_core::crash::crash_point(idem_core::crash::EFFECT_BEFORE_HTTP)?;
+        if !self.mark_sending(c, policy).await? {
+            return Ok(None);
+        }
+        self.request(c, policy, labels).await.map(Some)
+    }
+
+    /// Sends the request of one attempt and classifies its outcome.
+    async fn request(
+        &self,
+        c: &ClaimedIntent,
+        policy: Option<&EffectPolicy>,
+        labels: [&str; 2],
+    ) -> Result<IntentOutcome> {
         self.metrics.attempts.with_label_values(&labels).inc();
         let key = if idem_core::crash::broken(idem_core::crash::BREAK_NEW_KEY_PER_RETRY)
             && c.attempt > 1
@@ -438,8 +579,9 @@ impl<S: IntentStore> Dispatcher<S> {
                 let body = resp.text().await.unwrap_or_default();
                 // A 5xx may come after the remote applied the effect; a 429 is a refusal.
                 let ambiguous = status >= 500;
+                let outcome = classify(status, body, after, self.backoff(c.attempt));
                 (
-                    classify(status, body, after, self.backoff(c.attempt)),
+                    bound_busy(outcome, status, c.attempt, self.config.busy_attempts),
                     ambiguous,
                 )
             }
@@ -538,5 +680,19 @@ mod tests {
             classify(404, String::new(), None, b),
             IntentOutcome::Park { .. }
         ));
+    }
+
+    #[test]
+    fn refusals_are_bounded_and_leases_checked() {
+        let retry = || classify(409, String::new(), None, Duration::ZERO);
+        assert!(matches!(bound_busy(retry(), 409, 19, 20), IntentOutcome::Retry { .. }));
+        assert!(
+            matches!(bound_busy(retry(), 409, 20, 20), IntentOutcome::Park { reason } if reason.starts_with("409"))
+        );
+        let unavailable = classify(503, String::new(), None, Duration::ZERO);
+        assert_eq!(bound_busy(unavailable.clone(), 503, 99, 20), unavailable);
+        let (t, m) = (Duration::from_secs(10), Duration::from_secs(1));
+        assert!(lease_allows_send(Duration::from_secs(11), t, m));
+        assert!(!lease_allows_send(Duration::from_millis(10_999), t, m));
     }
 }

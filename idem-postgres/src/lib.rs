@@ -79,6 +79,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "outbox timestamp checks",
         include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
     ),
+    (
+        8,
+        "effect intent sending mark",
+        include_str!("../migrations/0008_intent_sending_mark.sql"),
+    ),
 ];
 
 /// How many of the oldest pending rows a claim looks at, per row of batch size.
@@ -112,6 +117,7 @@ struct Queries {
     intent_retry: String,
     intent_get: String,
     intent_resolve: String,
+    intent_mark_sending: String,
 }
 
 impl Queries {
@@ -144,6 +150,7 @@ impl Queries {
             intent_retry: r(include_str!("../sql/intent_retry.sql")),
             intent_get: r(include_str!("../sql/intent_get.sql")),
             intent_resolve: r(include_str!("../sql/intent_resolve.sql")),
+            intent_mark_sending: r(include_str!("../sql/intent_mark_sending.sql")),
         }
     }
 }
@@ -1048,6 +1055,7 @@ fn decode_intent(r: &PgRow) -> Result<idem_core::idempotency::ClaimedIntent> {
             traceparent: r.try_get("traceparent").map_err(dec)?,
         },
         attempt: r.try_get("attempts").map_err(dec)?,
+        unrecorded_send: r.try_get("sending_attempt").map_err(dec)?,
     })
 }
 
@@ -1065,6 +1073,22 @@ impl PgIntents {
             pool,
             queries: Arc::new(Queries::render(&tables)),
         }
+    }
+}
+
+impl PgIntents {
+    /// Parks a claimed row that cannot be decoded (a foreign writer's), with the reason, so that
+    /// it never fails a claim again and the other intents keep flowing.
+    async fn park_undecodable(&self, row: &PgRow, error: &Error) -> Result<()> {
+        use idem_core::idempotency::{IntentOutcome, IntentStore};
+        let dec = |e| Error::database("decoding an effect intent's id and attempt", e);
+        let id: i64 = row.try_get("id").map_err(dec)?;
+        let attempt: i32 = row.try_get("attempts").map_err(dec)?;
+        let reason = idem_core::idempotency::undecodable_reason(error);
+        tracing::warn!(intent = id, %reason, "parking an effect intent that cannot be decoded");
+        self.finish(id, attempt, &IntentOutcome::Park { reason })
+            .await
+            .map(|_| ())
     }
 }
 
@@ -1105,7 +1129,31 @@ impl idem_core::idempotency::IntentStore for PgIntents {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| Error::database("claiming effect intents", e))?;
-        rows.iter().map(decode_intent).collect()
+        let mut claimed = Vec::with_capacity(rows.len());
+        for row in &rows {
+            match decode_intent(row) {
+                Ok(c) => claimed.push(c),
+                Err(e) => self.park_undecodable(row, &e).await?,
+            }
+        }
+        Ok(claimed)
+    }
+
+    async fn mark_sending(
+        &self,
+        id: i64,
+        attempt: i32,
+        lease_left: std::time::Duration,
+    ) -> Result<bool> {
+        let n = sqlx::query(&self.queries.intent_mark_sending)
+            .bind(id)
+            .bind(attempt)
+            .bind(millis(lease_left))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("marking an effect intent as sending", e))?
+            .rows_affected();
+        Ok(n == 1)
     }
 
     async fn finish(
@@ -1239,6 +1287,7 @@ mod tests {
             &q.intent_retry,
             &q.intent_get,
             &q.intent_resolve,
+            &q.intent_mark_sending,
         ];
         let migrations: Vec<String> = MIGRATIONS.iter().map(|m| t.render(m.2, BASES)).collect();
         for sql in queries.into_iter().chain(migrations.iter()) {

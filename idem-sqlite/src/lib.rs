@@ -75,6 +75,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "outbox timestamp checks",
         include_str!("../migrations/0006_outbox_timestamp_checks.sql"),
     ),
+    (
+        8,
+        "effect intent sending mark",
+        include_str!("../migrations/0008_intent_sending_mark.sql"),
+    ),
 ];
 
 const CLAIM_WINDOW_FACTOR: u32 = 4;
@@ -111,6 +116,7 @@ struct Queries {
     intent_retry: String,
     intent_get: String,
     intent_resolve: String,
+    intent_mark_sending: String,
     intent_retry_one: String,
 }
 
@@ -145,6 +151,7 @@ impl Queries {
             intent_retry: r(include_str!("../sql/intent_retry.sql")),
             intent_get: r(include_str!("../sql/intent_get.sql")),
             intent_resolve: r(include_str!("../sql/intent_resolve.sql")),
+            intent_mark_sending: r(include_str!("../sql/intent_mark_sending.sql")),
             intent_retry_one: r(include_str!("../sql/intent_retry_one.sql")),
         }
     }
@@ -954,6 +961,7 @@ fn decode_intent(r: &SqliteRow) -> Result<idem_core::idempotency::ClaimedIntent>
             traceparent: r.try_get("traceparent").map_err(dec)?,
         },
         attempt: r.try_get("attempts").map_err(dec)?,
+        unrecorded_send: r.try_get("sending_attempt").map_err(dec)?,
     })
 }
 
@@ -971,6 +979,22 @@ impl SqliteIntents {
             pool,
             queries: Arc::new(Queries::render(&tables)),
         }
+    }
+}
+
+impl SqliteIntents {
+    /// Parks a claimed row that cannot be decoded (a foreign writer's), with the reason, so that
+    /// it never fails a claim again and the other intents keep flowing.
+    async fn park_undecodable(&self, row: &SqliteRow, error: &Error) -> Result<()> {
+        use idem_core::idempotency::{IntentOutcome, IntentStore};
+        let dec = |e| Error::database("decoding an effect intent's id and attempt", e);
+        let id: i64 = row.try_get("id").map_err(dec)?;
+        let attempt: i32 = row.try_get("attempts").map_err(dec)?;
+        let reason = idem_core::idempotency::undecodable_reason(error);
+        tracing::warn!(intent = id, %reason, "parking an effect intent that cannot be decoded");
+        self.finish(id, attempt, &IntentOutcome::Park { reason })
+            .await
+            .map(|_| ())
     }
 }
 
@@ -1021,7 +1045,26 @@ impl idem_core::idempotency::IntentStore for SqliteIntents {
                 .await
         })
         .await?;
-        rows.iter().map(decode_intent).collect()
+        let mut claimed = Vec::with_capacity(rows.len());
+        for row in &rows {
+            match decode_intent(row) {
+                Ok(c) => claimed.push(c),
+                Err(e) => self.park_undecodable(row, &e).await?,
+            }
+        }
+        Ok(claimed)
+    }
+
+    async fn mark_sending(&self, id: i64, attempt: i32, lease_left: Duration) -> Result<bool> {
+        let n = sqlx::query(&self.queries.intent_mark_sending)
+            .bind(id)
+            .bind(attempt)
+            .bind(now_ms().saturating_add(millis(lease_left)))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("marking an effect intent as sending", e))?
+            .rows_affected();
+        Ok(n == 1)
     }
 
     async fn finish(
@@ -1211,6 +1254,7 @@ mod tests {
             &q.intent_retry,
             &q.intent_get,
             &q.intent_resolve,
+            &q.intent_mark_sending,
             &q.intent_retry_one,
         ];
         let migrations: Vec<String> = MIGRATIONS.iter().map(|m| t.render(m.2, BASES)).collect();
