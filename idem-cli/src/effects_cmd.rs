@@ -22,8 +22,9 @@ pub struct PolicyArgs {
     /// The effect these switches apply to.
     #[arg(long, default_value = "points.award")]
     effect: String,
-    /// The remote ignores Idempotency-Key: never re-send after an ambiguous failure without
-    /// asking the status probe; without a probe the intent becomes `unknown`.
+    /// The remote ignores Idempotency-Key: a sending mark is committed before every request,
+    /// and after an ambiguous failure, or an attempt that died after its mark, nothing is
+    /// re-sent without asking the status probe; without a probe the intent becomes `unknown`.
     #[arg(long)]
     remote_ignores_keys: bool,
     /// Status probe URL template, asked before every re-attempt: `{key}`, `{event_id}` or a

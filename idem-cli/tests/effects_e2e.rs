@@ -24,8 +24,9 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_replays() {
+/// A settlement (client) and a points (server) database, and the points API over the server
+/// one: (client, server, client URL, the API process, its base URL).
+async fn points_api() -> (Lite, Lite, String, Proc, String) {
     let (client, server) = (Lite::new().await, Lite::new().await);
     let server_url = format!("sqlite://{}", server.path().display());
     let client_url = format!("sqlite://{}", client.path().display());
@@ -34,7 +35,14 @@ async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_re
         idem(&["points-api", "--db", &server_url, "--listen", "127.0.0.1:0"]),
     );
     let line = api.wait_for_line("listening on http://", Duration::from_secs(30));
-    let target = format!("{}/awards", line.rsplit(' ').next().unwrap());
+    let base = line.rsplit(' ').next().unwrap().to_owned();
+    (client, server, client_url, api, base)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_replays() {
+    let (client, server, client_url, _api, base) = points_api().await;
+    let target = format!("{base}/awards");
 
     let intent = EffectIntent {
         event_id: EventId::new(),
@@ -141,15 +149,7 @@ struct Keyless {
 
 impl Keyless {
     async fn new(payments: usize) -> Self {
-        let (client, server) = (Lite::new().await, Lite::new().await);
-        let server_url = format!("sqlite://{}", server.path().display());
-        let client_url = format!("sqlite://{}", client.path().display());
-        let api = Proc::spawn(
-            "points-api",
-            idem(&["points-api", "--db", &server_url, "--listen", "127.0.0.1:0"]),
-        );
-        let line = api.wait_for_line("listening on http://", Duration::from_secs(30));
-        let base = line.rsplit(' ').next().unwrap().to_owned();
+        let (client, server, client_url, api, base) = points_api().await;
         let mut tx = client.begin().await;
         for p in 0..payments {
             let intent = EffectIntent {
@@ -220,7 +220,9 @@ impl Keyless {
     }
 
     async fn awards(&self) -> i64 {
-        self.server.scalar("SELECT count(*) FROM points_awards").await
+        self.server
+            .scalar("SELECT count(*) FROM points_awards")
+            .await
     }
 
     /// Runs a dispatcher armed at `point` until it aborts there (the crash log proves it), or
@@ -228,13 +230,17 @@ impl Keyless {
     async fn abort_at(&self, probe: bool, point: &str, broken: bool) {
         let before = self.crashes();
         let mut d = Proc::spawn("dispatcher", self.dispatcher(probe, Some(point), broken));
-        let fired = eventually("the crash point to fire or the intents to settle", Duration::from_secs(60), || async {
-            if self.crashes() > before {
-                Some(true)
-            } else {
-                (self.pending().await == 0).then_some(false)
-            }
-        })
+        let fired = eventually(
+            "the crash point to fire or the intents to settle",
+            Duration::from_secs(60),
+            || async {
+                if self.crashes() > before {
+                    Some(true)
+                } else {
+                    (self.pending().await == 0).then_some(false)
+                }
+            },
+        )
         .await;
         if fired {
             let status = d.wait_exit(Duration::from_secs(30));
@@ -259,9 +265,11 @@ impl Keyless {
     /// Runs a dispatcher until nothing is pending.
     async fn settle(&self, probe: bool, broken: bool) {
         let _d = Proc::spawn("dispatcher", self.dispatcher(probe, None, broken));
-        eventually("every intent to settle", Duration::from_secs(90), || async {
-            (self.pending().await == 0).then_some(())
-        })
+        eventually(
+            "every intent to settle",
+            Duration::from_secs(90),
+            || async { (self.pending().await == 0).then_some(()) },
+        )
         .await;
     }
 
@@ -287,15 +295,17 @@ impl Keyless {
         .fetch_all(&pool)
         .await
         .unwrap();
-        let server = sqlx::SqlitePool::connect(&format!("sqlite://{}", self.server.path().display()))
-            .await
-            .unwrap();
-        for (payment, status) in rows {
-            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM points_awards WHERE payment_id = ?1")
-                .bind(&payment)
-                .fetch_one(&server)
+        let server =
+            sqlx::SqlitePool::connect(&format!("sqlite://{}", self.server.path().display()))
                 .await
                 .unwrap();
+        for (payment, status) in rows {
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM points_awards WHERE payment_id = ?1")
+                    .bind(&payment)
+                    .fetch_one(&server)
+                    .await
+                    .unwrap();
             match status.as_str() {
                 "done" => assert_eq!(n, 1, "{payment} is done with {n} awards"),
                 "unknown" => assert!(n <= 1, "{payment}"),

@@ -1152,7 +1152,11 @@ pub async fn an_undecodable_intent_is_parked_and_the_others_are_claimed<B: Backe
     assert_eq!(stuck.len(), 1, "{stuck:?}");
     assert_eq!(stuck[0].status, "parked");
     assert!(
-        stuck[0].reason.as_deref().unwrap_or_default().contains("cannot be decoded"),
+        stuck[0]
+            .reason
+            .as_deref()
+            .unwrap_or_default()
+            .contains("cannot be decoded"),
         "{stuck:?}"
     );
     assert!(store.claim(10, MINUTE).await.unwrap().is_empty());
@@ -1206,8 +1210,20 @@ pub async fn a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded<B:
     assert!(store.mark_sending(third.id, 3, SECOND).await.unwrap());
     assert!(store.finish(third.id, 3, &retry("429")).await.unwrap());
     let fourth = store.claim(10, MINUTE).await.unwrap().remove(0);
-    assert_eq!(fourth.unrecorded_send, None, "attempt 3's outcome is recorded");
-    assert_eq!(store.get(fourth.id).await.unwrap().unwrap().0.unrecorded_send, None);
+    assert_eq!(
+        fourth.unrecorded_send, None,
+        "attempt 3's outcome is recorded"
+    );
+    assert_eq!(
+        store
+            .get(fourth.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .0
+            .unrecorded_send,
+        None
+    );
 
     assert!(store.mark_sending(fourth.id, 4, SECOND).await.unwrap());
     let unknown = IntentOutcome::Unknown {

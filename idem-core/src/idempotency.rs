@@ -429,12 +429,59 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
     ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
 }
 
-/// The parking reason of a claimed intent row that cannot be decoded (for stores).
+/// A row returned by an intent claim, as a store decoded it.
+#[derive(Debug)]
+pub enum ClaimedRow {
+    /// A deliverable intent.
+    Intent(ClaimedIntent),
+    /// A row that cannot be decoded (a foreign writer's), with the claim's attempt number.
+    Undecodable {
+        /// Row id.
+        id: i64,
+        /// The attempt number the claim gave it.
+        attempt: i32,
+        /// Why it cannot be decoded.
+        error: crate::Error,
+    },
+}
+
+impl ClaimedRow {
+    /// The row `id`, claimed as attempt `attempt`, from its decoding.
+    pub fn of(decoded: crate::Result<ClaimedIntent>, id: i64, attempt: i32) -> Self {
+        match decoded {
+            Ok(c) => ClaimedRow::Intent(c),
+            Err(error) => ClaimedRow::Undecodable { id, attempt, error },
+        }
+    }
+}
+
+/// The parking reason of a claimed intent row that cannot be decoded.
 pub fn undecodable_reason(error: &crate::Error) -> String {
     format!(
         "this intent row cannot be decoded ({error}); it was written by something other than \
          idem: fix or delete the row, then `idem effects retry --id`"
     )
+}
+
+/// Parks the undecodable rows of a claim with their reason, so that one of them never fails a
+/// claim again, and returns the deliverable intents (for [`IntentStore::claim`]).
+pub async fn park_undecodable<S: IntentStore>(
+    store: &S,
+    rows: Vec<ClaimedRow>,
+) -> crate::Result<Vec<ClaimedIntent>> {
+    let mut claimed = Vec::with_capacity(rows.len());
+    for row in rows {
+        match row {
+            ClaimedRow::Intent(c) => claimed.push(c),
+            ClaimedRow::Undecodable { id, attempt, error } => {
+                let reason = undecodable_reason(&error);
+                store
+                    .finish(id, attempt, &IntentOutcome::Park { reason })
+                    .await?;
+            }
+        }
+    }
+    Ok(claimed)
 }
 
 /// How a parked or unknown intent is settled ([`IntentStore::resolve`]).

@@ -11,18 +11,23 @@
 //! | response | outcome |
 //! |---|---|
 //! | 2xx | done; the response is stored |
-//! | timeout, connection error, 5xx, 429 | retried with backoff (or the `Retry-After` the remote sent), same key |
-//! | 409 (the remote is still processing the key) | retried later, same key |
+//! | timeout, connection error, 5xx | retried with backoff (or the `Retry-After` the remote sent), same key |
+//! | 409 (the remote is still processing the key), 429 | retried with backoff, same key, until [`DispatcherConfig::busy_attempts`]; then parked for a person |
 //! | 422 (the key was used with a different body) | parked for a person; `idem_idempotency_conflict_total` |
 //! | other 4xx | parked with the reason |
 //!
 //! Duplicate windows: a crash after the remote applied the effect and before the outcome is
 //! recorded (`effect.after_http_success_before_record`) leads to a new attempt with the same
 //! key, which the remote answers from its stored response. A remote that ignores keys would
-//! apply it twice: declare it with an [`EffectPolicy`] (`remote_ignores_keys`), and the
-//! dispatcher asks its [`StatusProbe`] before every re-attempt, or, without a probe, moves the
-//! intent to the *unknown* state instead of re-sending; a [`Compensation`] settles unknown
-//! intents. The [`remote`] module documents the window that remains.
+//! apply it twice: declare it with an [`EffectPolicy`] (`remote_ignores_keys`). The dispatcher
+//! then commits a sending mark before every request ([`IntentStore::mark_sending`]); an attempt
+//! that finds an earlier attempt's mark with no recorded outcome (the dispatcher died or lost
+//! its lease after sending) and every ambiguous failure go to the [`StatusProbe`], or, without
+//! one, to the *unknown* state instead of a re-send; a [`Compensation`] settles unknown intents.
+//! The [`remote`] module documents the window that remains.
+//!
+//! A claim takes at most `concurrency` intents, and no probe or request starts unless its
+//! intent's lease ends after `now + timeout + lease_margin` ([`lease_allows_send`]).
 
 pub mod remote;
 
@@ -293,7 +298,10 @@ pub fn lease_allows_send(left: Duration, timeout: Duration, margin: Duration) ->
 /// What a re-attempt to a remote that ignores keys must do before anything is sent, decided
 /// from the stored intent alone: `Some(unknown)` when an earlier attempt was sent, its outcome
 /// never recorded, and no probe can tell whether it was applied.
-pub fn predecessor_outcome(c: &ClaimedIntent, policy: Option<&EffectPolicy>) -> Option<IntentOutcome> {
+pub fn predecessor_outcome(
+    c: &ClaimedIntent,
+    policy: Option<&EffectPolicy>,
+) -> Option<IntentOutcome> {
     if !policy.is_some_and(|p| p.remote_ignores_keys && p.probe.is_none()) {
         return None;
     }
@@ -520,7 +528,11 @@ impl<S: IntentStore> Dispatcher<S> {
 
     /// The outcome of one attempt, or `None` when nothing was sent and nothing is to be
     /// recorded (the lease is lost).
-    async fn attempt(&self, c: &ClaimedIntent, lease_end: Instant) -> Result<Option<IntentOutcome>> {
+    async fn attempt(
+        &self,
+        c: &ClaimedIntent,
+        lease_end: Instant,
+    ) -> Result<Option<IntentOutcome>> {
         let target = host(&c.intent.target);
         let labels = [c.intent.effect.as_str(), target.as_str()];
         let policy = self.policies.get(&c.intent.effect);
@@ -685,7 +697,10 @@ mod tests {
     #[test]
     fn refusals_are_bounded_and_leases_checked() {
         let retry = || classify(409, String::new(), None, Duration::ZERO);
-        assert!(matches!(bound_busy(retry(), 409, 19, 20), IntentOutcome::Retry { .. }));
+        assert!(matches!(
+            bound_busy(retry(), 409, 19, 20),
+            IntentOutcome::Retry { .. }
+        ));
         assert!(
             matches!(bound_busy(retry(), 409, 20, 20), IntentOutcome::Park { reason } if reason.starts_with("409"))
         );

@@ -13,6 +13,9 @@
 //!   still being processed by the remote has finished before the probe looks.
 //! * Without a probe, an ambiguous failure puts the intent in the *unknown* state at once:
 //!   `idem effects stuck` lists it, and a person (or a [`Compensation`]) settles it.
+//! * Every request is preceded by a committed sending mark; an attempt that died after it (a
+//!   crash, a lost lease) leaves it, and the next attempt treats it like an ambiguous failure:
+//!   the probe decides, or the intent becomes *unknown*. Nothing is re-sent blindly.
 //! * A [`Compensation`] undoes whatever an unknown attempt may have done (it must itself be
 //!   safe to run when nothing happened — "reverse the award of payment P if there is one").
 //!   After it succeeds the intent is parked for review, or sent again on request.
@@ -167,8 +170,8 @@ pub enum AppliedWhen {
 
 /// Judges a `200` probe body by `rule`.
 pub fn judge_probe_body(body: &str, rule: &AppliedWhen) -> Result<bool, String> {
-    let value: serde_json::Value = serde_json::from_str(body)
-        .map_err(|e| format!("the answer is not JSON ({e})"))?;
+    let value: serde_json::Value =
+        serde_json::from_str(body).map_err(|e| format!("the answer is not JSON ({e})"))?;
     match rule {
         AppliedWhen::NonEmptyArray => match value {
             serde_json::Value::Array(a) => Ok(!a.is_empty()),
@@ -359,14 +362,25 @@ mod tests {
         let arr = AppliedWhen::NonEmptyArray;
         assert_eq!(judge_probe_body(r#"[{"award_id":1}]"#, &arr), Ok(true));
         assert_eq!(judge_probe_body("[]", &arr), Ok(false));
-        assert!(judge_probe_body(r#"{"awards":[]}"#, &arr).is_err(), "an object says nothing");
+        assert!(
+            judge_probe_body(r#"{"awards":[]}"#, &arr).is_err(),
+            "an object says nothing"
+        );
         assert!(judge_probe_body("not json", &arr).is_err());
         let ptr = AppliedWhen::Pointer("/awards".into());
         assert_eq!(judge_probe_body(r#"{"awards":[1]}"#, &ptr), Ok(true));
-        for empty in [r#"{"awards":[]}"#, r#"{"awards":null}"#, r#"{"awards":0}"#, r#"{"awards":false}"#] {
+        for empty in [
+            r#"{"awards":[]}"#,
+            r#"{"awards":null}"#,
+            r#"{"awards":0}"#,
+            r#"{"awards":false}"#,
+        ] {
             assert_eq!(judge_probe_body(empty, &ptr), Ok(false), "{empty}");
         }
-        assert!(judge_probe_body(r#"{"other":1}"#, &ptr).is_err(), "no value there");
+        assert!(
+            judge_probe_body(r#"{"other":1}"#, &ptr).is_err(),
+            "no value there"
+        );
     }
 
     #[test]

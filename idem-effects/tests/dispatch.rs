@@ -191,12 +191,9 @@ async fn world_configured(
         keys_seen: Arc::new(Mutex::new(vec![])),
         traceparents_seen: Arc::new(Mutex::new(vec![])),
         lease_left_ms: Arc::new(Mutex::new(vec![])),
-        client_pool: sqlx::SqlitePool::connect(&format!(
-            "sqlite://{}",
-            client_db.path().display()
-        ))
-        .await
-        .unwrap(),
+        client_pool: sqlx::SqlitePool::connect(&format!("sqlite://{}", client_db.path().display()))
+            .await
+            .unwrap(),
     };
     let app = router(
         PointsDb::Sqlite(server_pool.clone()),
@@ -613,6 +610,17 @@ impl World {
         self.client_db.intents().get(id).await.unwrap().unwrap().1
     }
 
+    /// Sends the intent; the remote applies it and holds the response, and the dispatcher dies
+    /// there: its `run_once` future is dropped at that await, as a SIGKILL would end it.
+    async fn die_after_the_award(&self) {
+        *self.faults.next.lock().unwrap() = Fault::ApplyThenHold;
+        tokio::select! {
+            biased;
+            () = self.wait_applied() => {}
+            r = self.dispatcher.run_once() => panic!("the response is held, yet run_once ended: {r:?}"),
+        }
+    }
+
     async fn wait_applied(&self) {
         let mut applied = self.faults.applied.subscribe();
         applied.wait_for(|n| *n > 0).await.unwrap();
@@ -626,12 +634,7 @@ impl World {
 async fn a_dispatcher_killed_after_a_keyless_award_leaves_the_intent_unknown_not_resent() {
     let w = world_configured("/keyless/awards", |b| keyless(b, false), patient).await;
     let id = w.record_payment("pay-1").await;
-    *w.faults.next.lock().unwrap() = Fault::ApplyThenHold;
-    tokio::select! {
-        biased;
-        () = w.wait_applied() => {}
-        r = w.dispatcher.run_once() => panic!("the response is held, yet run_once ended: {r:?}"),
-    }
+    w.die_after_the_award().await;
     assert_eq!(w.awards_of("pay-1").await, 1, "the remote applied it");
     w.expire_leases().await;
     w.another_dispatcher().run_once().await.unwrap();
@@ -657,12 +660,7 @@ async fn a_dispatcher_killed_after_a_keyless_award_leaves_the_intent_unknown_not
 async fn after_a_crash_the_probe_decides_whether_a_keyless_intent_is_sent_again() {
     let w = world_configured("/keyless/awards", |b| keyless(b, true), patient).await;
     let id = w.record_payment("pay-1").await;
-    *w.faults.next.lock().unwrap() = Fault::ApplyThenHold;
-    tokio::select! {
-        biased;
-        () = w.wait_applied() => {}
-        r = w.dispatcher.run_once() => panic!("the response is held, yet run_once ended: {r:?}"),
-    }
+    w.die_after_the_award().await;
     w.expire_leases().await;
     w.another_dispatcher().run_once().await.unwrap();
     assert_eq!((w.awards_of("pay-1").await, w.posts()), (1, 1));
@@ -724,7 +722,10 @@ impl IntentStore for FailFinish {
         }
         self.inner.finish(id, attempt, outcome).await
     }
-    async fn stuck(&self, limit: u32) -> idem_core::Result<Vec<idem_core::idempotency::StuckIntent>> {
+    async fn stuck(
+        &self,
+        limit: u32,
+    ) -> idem_core::Result<Vec<idem_core::idempotency::StuckIntent>> {
         self.inner.stuck(limit).await
     }
     async fn retry_stuck(&self, ids: Option<&[i64]>) -> idem_core::Result<u64> {
@@ -772,7 +773,11 @@ async fn a_failed_send_does_not_drop_another_keyless_request_unrecorded() {
         fail: failing,
     });
     assert!(broken.run_once().await.is_err(), "the store error surfaces");
-    assert_eq!(w.awards_of("pay-held").await, 1, "the held request was applied");
+    assert_eq!(
+        w.awards_of("pay-held").await,
+        1,
+        "the held request was applied"
+    );
     w.expire_leases().await;
     w.dispatcher.run_once().await.unwrap();
     assert_eq!(

@@ -1076,21 +1076,7 @@ impl PgIntents {
     }
 }
 
-impl PgIntents {
-    /// Parks a claimed row that cannot be decoded (a foreign writer's), with the reason, so that
-    /// it never fails a claim again and the other intents keep flowing.
-    async fn park_undecodable(&self, row: &PgRow, error: &Error) -> Result<()> {
-        use idem_core::idempotency::{IntentOutcome, IntentStore};
-        let dec = |e| Error::database("decoding an effect intent's id and attempt", e);
-        let id: i64 = row.try_get("id").map_err(dec)?;
-        let attempt: i32 = row.try_get("attempts").map_err(dec)?;
-        let reason = idem_core::idempotency::undecodable_reason(error);
-        tracing::warn!(intent = id, %reason, "parking an effect intent that cannot be decoded");
-        self.finish(id, attempt, &IntentOutcome::Park { reason })
-            .await
-            .map(|_| ())
-    }
-}
+use idem_core::idempotency::ClaimedRow;
 
 impl idem_core::idempotency::IntentStore for PgIntents {
     type Conn = PgConnection;
@@ -1129,14 +1115,19 @@ impl idem_core::idempotency::IntentStore for PgIntents {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| Error::database("claiming effect intents", e))?;
-        let mut claimed = Vec::with_capacity(rows.len());
-        for row in &rows {
-            match decode_intent(row) {
-                Ok(c) => claimed.push(c),
-                Err(e) => self.park_undecodable(row, &e).await?,
-            }
-        }
-        Ok(claimed)
+        // Only a row's id and attempt number must decode; anything else parks the row.
+        let rows = rows
+            .iter()
+            .map(|r| {
+                Ok(ClaimedRow::of(
+                    decode_intent(r),
+                    r.try_get("id")?,
+                    r.try_get("attempts")?,
+                ))
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding claimed effect intents", e))?;
+        idem_core::idempotency::park_undecodable(self, rows).await
     }
 
     async fn mark_sending(
