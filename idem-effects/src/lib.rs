@@ -12,7 +12,7 @@
 //! |---|---|
 //! | 2xx | done; the response is stored |
 //! | timeout, connection error, 5xx | retried with backoff (or the `Retry-After` the remote sent), same key |
-//! | 409 (the remote is still processing the key), 429 | retried with backoff, same key, until [`DispatcherConfig::busy_attempts`]; then parked for a person |
+//! | 409 (the remote is still processing the key), 429 | retried with exponential backoff (never shorter than the remote's `Retry-After`), same key, until [`DispatcherConfig::busy_attempts`]; then parked for a person |
 //! | 422 (the key was used with a different body) | parked for a person; `idem_idempotency_conflict_total` |
 //! | other 4xx | parked with the reason |
 //!
@@ -247,11 +247,21 @@ pub fn classify(
 ) -> IntentOutcome {
     match status {
         200..=299 => IntentOutcome::Done { status, body },
+        // A refusal backs off exponentially even when the remote asks for less (`Retry-After:
+        // 1` from a key still locked by a request that died): the attempt bound of
+        // `bound_busy` then spans minutes, longer than a remote's key lock.
         409 => IntentOutcome::Retry {
-            after: retry_after.unwrap_or(backoff.max(Duration::from_secs(1))),
+            after: retry_after
+                .unwrap_or(Duration::ZERO)
+                .max(backoff)
+                .max(Duration::from_secs(1)),
             reason: "409: the remote is still processing this key".to_owned(),
         },
-        429 | 500..=599 => IntentOutcome::Retry {
+        429 => IntentOutcome::Retry {
+            after: retry_after.unwrap_or(Duration::ZERO).max(backoff),
+            reason: format!("429: {}", body.chars().take(200).collect::<String>()),
+        },
+        500..=599 => IntentOutcome::Retry {
             after: retry_after.unwrap_or(backoff),
             reason: format!("{status}: {}", body.chars().take(200).collect::<String>()),
         },
@@ -288,6 +298,18 @@ pub fn bound_busy(
         }
         outcome => outcome,
     }
+}
+
+/// The wait after a failed attempt `attempt`: `backoff` doubling per attempt, at most
+/// `backoff_max`.
+pub fn backoff_after(config: &DispatcherConfig, attempt: i32) -> Duration {
+    let exp = u32::try_from(attempt.saturating_sub(1))
+        .unwrap_or(0)
+        .min(20);
+    config
+        .backoff
+        .saturating_mul(1 << exp)
+        .min(config.backoff_max)
 }
 
 /// Is there enough lease left (`left`) to start a request that may take `timeout`?
@@ -404,13 +426,7 @@ impl<S: IntentStore> Dispatcher<S> {
     }
 
     fn backoff(&self, attempt: i32) -> Duration {
-        let exp = u32::try_from(attempt.saturating_sub(1))
-            .unwrap_or(0)
-            .min(20);
-        self.config
-            .backoff
-            .saturating_mul(1 << exp)
-            .min(self.config.backoff_max)
+        backoff_after(&self.config, attempt)
     }
 
     /// Claims due intents (at most `concurrency`, so that every request starts right after the
@@ -685,6 +701,11 @@ mod tests {
         assert!(
             matches!(classify(429, String::new(), None, b), IntentOutcome::Retry { after, .. } if after == b)
         );
+        let long = Duration::from_secs(8);
+        assert!(
+            matches!(classify(409, String::new(), Some(Duration::from_secs(1)), long), IntentOutcome::Retry { after, .. } if after == long),
+            "a short Retry-After does not cut the backoff of a refusal"
+        );
         assert!(
             matches!(classify(422, String::new(), None, b), IntentOutcome::Park { reason } if reason.starts_with("422"))
         );
@@ -706,6 +727,13 @@ mod tests {
         );
         let unavailable = classify(503, String::new(), None, Duration::ZERO);
         assert_eq!(bound_busy(unavailable.clone(), 503, 99, 20), unavailable);
+        // With the defaults the refusals of a key locked by a request that died (idem-http: 30 s)
+        // end long before the bound parks the intent.
+        let config = DispatcherConfig::default();
+        let waited: Duration = (1..config.busy_attempts)
+            .map(|a| backoff_after(&config, a))
+            .sum();
+        assert!(waited > Duration::from_secs(600), "{waited:?}");
         let (t, m) = (Duration::from_secs(10), Duration::from_secs(1));
         assert!(lease_allows_send(Duration::from_secs(11), t, m));
         assert!(!lease_allows_send(Duration::from_millis(10_999), t, m));
