@@ -11,7 +11,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::time::Duration;
 
-use idem_conformance::backend::{Backend, Lite, OpenTx};
+use idem_conformance::backend::{Backend, Lite, OpenTx, Pg};
 use idem_conformance::process::{Proc, eventually};
 use idem_core::EventId;
 use idem_core::idempotency::EffectIntent;
@@ -28,15 +28,21 @@ fn idem(args: &[&str]) -> Command {
 /// one: (client, server, client URL, the API process, its base URL).
 async fn points_api() -> (Lite, Lite, String, Proc, String) {
     let (client, server) = (Lite::new().await, Lite::new().await);
-    let server_url = format!("sqlite://{}", server.path().display());
     let client_url = format!("sqlite://{}", client.path().display());
+    let (api, base) = spawn_points_api(&server);
+    (client, server, client_url, api, base)
+}
+
+/// The points API over `server`, and its base URL.
+fn spawn_points_api(server: &Lite) -> (Proc, String) {
+    let server_url = format!("sqlite://{}", server.path().display());
     let api = Proc::spawn(
         "points-api",
         idem(&["points-api", "--db", &server_url, "--listen", "127.0.0.1:0"]),
     );
     let line = api.wait_for_line("listening on http://", Duration::from_secs(30));
     let base = line.rsplit(' ').next().unwrap().to_owned();
-    (client, server, client_url, api, base)
+    (api, base)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -138,18 +144,34 @@ async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_re
 
 /// The points API, a settlement database with one `points.award` intent per payment, all
 /// targeting `POST /keyless/awards`.
-struct Keyless {
-    client: Lite,
+struct Keyless<B: Backend> {
+    client: B,
     server: Lite,
     client_url: String,
+    payments: usize,
     base: String,
     _api: Proc,
     dir: tempfile::TempDir,
 }
 
-impl Keyless {
-    async fn new(payments: usize) -> Self {
-        let (client, server, client_url, api, base) = points_api().await;
+/// The settlement database on SQLite.
+async fn lite() -> (Lite, String) {
+    let client = Lite::new().await;
+    let url = format!("sqlite://{}", client.path().display());
+    (client, url)
+}
+
+/// The settlement database on PostgreSQL.
+async fn pg() -> (Pg, String) {
+    let client = Pg::new().await;
+    let url = client.url().to_owned();
+    (client, url)
+}
+
+impl<B: Backend> Keyless<B> {
+    async fn new((client, client_url): (B, String), payments: usize) -> Self {
+        let server = Lite::new().await;
+        let (api, base) = spawn_points_api(&server);
         let mut tx = client.begin().await;
         for p in 0..payments {
             let intent = EffectIntent {
@@ -166,6 +188,7 @@ impl Keyless {
             client,
             server,
             client_url,
+            payments,
             base,
             _api: api,
             dir: tempfile::tempdir().unwrap(),
@@ -288,28 +311,28 @@ impl Keyless {
     /// `unknown`, every `done` intent awarded exactly once.
     async fn assert_at_most_once(&self) {
         assert_eq!(self.doubled().await, vec![], "a payment was awarded twice");
-        let pool = sqlx::SqlitePool::connect(&self.client_url).await.unwrap();
-        let rows: Vec<(String, String)> = sqlx::query_as(
-            "SELECT json_extract(body, '$.payment_id'), status FROM idem_effect_intents ORDER BY id",
-        )
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-        let server =
-            sqlx::SqlitePool::connect(&format!("sqlite://{}", self.server.path().display()))
-                .await
-                .unwrap();
-        for (payment, status) in rows {
-            let n: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM points_awards WHERE payment_id = ?1")
-                    .bind(&payment)
-                    .fetch_one(&server)
-                    .await
-                    .unwrap();
-            match status.as_str() {
-                "done" => assert_eq!(n, 1, "{payment} is done with {n} awards"),
-                "unknown" => assert!(n <= 1, "{payment}"),
-                other => panic!("{payment} ended {other}"),
+        for p in 0..self.payments {
+            let payment = format!("pay-{p}");
+            let n = self
+                .server
+                .scalar(&format!(
+                    "SELECT count(*) FROM points_awards WHERE payment_id = '{payment}'"
+                ))
+                .await;
+            let status = |s: &str| {
+                format!(
+                    "SELECT count(*) FROM idem_effect_intents WHERE body ->> 'payment_id' = '{payment}' AND status = '{s}'"
+                )
+            };
+            let done = self.client.scalar(&status("done")).await;
+            let unknown = self.client.scalar(&status("unknown")).await;
+            assert_eq!(
+                done + unknown,
+                1,
+                "{payment} ended neither done nor unknown"
+            );
+            if done == 1 {
+                assert_eq!(n, 1, "{payment} is done with {n} awards");
             }
         }
     }
@@ -320,7 +343,11 @@ impl Keyless {
 /// time (intent `done`, attempts 2). Now the intent is `unknown` and there is one award.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyless_dispatcher_aborted_after_the_award_leaves_the_intent_unknown() {
-    let w = Keyless::new(1).await;
+    aborted_after_the_award(Keyless::new(lite().await, 1).await).await;
+    aborted_after_the_award(Keyless::new(pg().await, 1).await).await;
+}
+
+async fn aborted_after_the_award<B: Backend>(w: Keyless<B>) {
     w.abort_at(false, "effect.after_http_success_before_record", false)
         .await;
     assert_eq!(w.awards().await, 1);
@@ -338,7 +365,7 @@ async fn a_keyless_dispatcher_aborted_after_the_award_leaves_the_intent_unknown(
 /// same crash and restart award the payment twice — the harness notices a broken mark.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_sending_mark_the_same_crash_awards_twice() {
-    let w = Keyless::new(1).await;
+    let w = Keyless::new(lite().await, 1).await;
     w.abort_at(false, "effect.after_http_success_before_record", true)
         .await;
     w.settle(false, true).await;
@@ -347,29 +374,33 @@ async fn without_the_sending_mark_the_same_crash_awards_twice() {
 
 /// The battery: 12 payments against the keyless route, the dispatcher aborted at both crash
 /// points around sending and SIGKILLed after progress (requests may be in flight), restarted
-/// each time; without a probe the intents end `done` or `unknown`, with one the probe decides.
-/// Never a second award.
+/// each time; without a probe the intents end `done` or `unknown`, with one the probe decides
+/// (SQLite; without a probe on PostgreSQL too). Never a second award.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyless_dispatcher_kills_never_award_a_payment_twice() {
     for probe in [false, true] {
-        let w = Keyless::new(12).await;
-        w.abort_at(probe, "effect.after_http_success_before_record", false)
-            .await;
-        w.kill_after_progress(probe).await;
-        w.abort_at(probe, "effect.before_http@2", false).await;
-        w.abort_at(probe, "effect.after_http_success_before_record@2", false)
-            .await;
-        w.kill_after_progress(probe).await;
-        w.settle(probe, false).await;
-        w.assert_at_most_once().await;
-        if probe {
-            assert_eq!(
-                w.client
-                    .scalar("SELECT count(*) FROM idem_effect_intents WHERE status = 'done'")
-                    .await,
-                12,
-                "with a probe every intent is settled as done"
-            );
-        }
+        battery(Keyless::new(lite().await, 12).await, probe).await;
+    }
+    battery(Keyless::new(pg().await, 12).await, false).await;
+}
+
+async fn battery<B: Backend>(w: Keyless<B>, probe: bool) {
+    w.abort_at(probe, "effect.after_http_success_before_record", false)
+        .await;
+    w.kill_after_progress(probe).await;
+    w.abort_at(probe, "effect.before_http@2", false).await;
+    w.abort_at(probe, "effect.after_http_success_before_record@2", false)
+        .await;
+    w.kill_after_progress(probe).await;
+    w.settle(probe, false).await;
+    w.assert_at_most_once().await;
+    if probe {
+        assert_eq!(
+            w.client
+                .scalar("SELECT count(*) FROM idem_effect_intents WHERE status = 'done'")
+                .await,
+            12,
+            "with a probe every intent is settled as done"
+        );
     }
 }
