@@ -9,7 +9,8 @@ use anyhow::bail;
 use clap::{Args, Subcommand};
 use idem_core::idempotency::{IntentStore, Resolution};
 use idem_effects::{
-    Dispatcher, DispatcherConfig, EffectMetrics, EffectPolicy, HttpCompensation, HttpStatusProbe,
+    AppliedWhen, Dispatcher, DispatcherConfig, EffectMetrics, EffectPolicy, HttpCompensation,
+    HttpStatusProbe,
 };
 
 use crate::DbArgs;
@@ -21,15 +22,22 @@ pub struct PolicyArgs {
     /// The effect these switches apply to.
     #[arg(long, default_value = "points.award")]
     effect: String,
-    /// The remote ignores Idempotency-Key: never re-send after an ambiguous failure without
-    /// asking the status probe; without a probe the intent becomes `unknown`.
+    /// The remote ignores Idempotency-Key: a sending mark is committed before every request,
+    /// and after an ambiguous failure, or an attempt that died after its mark, nothing is
+    /// re-sent without asking the status probe; without a probe the intent becomes `unknown`.
     #[arg(long)]
     remote_ignores_keys: bool,
     /// Status probe URL template, asked before every re-attempt: `{key}`, `{event_id}` or a
-    /// body field such as `{payment_id}` (200 with a non-empty array or an object: applied;
-    /// `[]` or 404: not applied).
+    /// body field such as `{payment_id}`. Its answer: 200 with a non-empty JSON array →
+    /// applied, `[]` or 404 → not applied, any other body → the intent becomes `unknown`
+    /// (see `--probe-applied-pointer`).
     #[arg(long)]
     probe_url: Option<String>,
+    /// The probe's 200 answer is a JSON object: the JSON pointer (RFC 6901, e.g. `/awards`)
+    /// whose value says whether the effect happened (`[]`, `{}`, `null`, `false`, `0`, `""` →
+    /// not applied; any other value → applied; no value there → unknown).
+    #[arg(long, requires = "probe_url")]
+    probe_applied_pointer: Option<String>,
     /// Compensation URL template (same placeholders), POSTed with the intent's body by
     /// `idem effects compensate`.
     #[arg(long)]
@@ -48,7 +56,13 @@ impl PolicyArgs {
         EffectPolicy {
             remote_ignores_keys: self.remote_ignores_keys,
             probe: self.probe_url.as_ref().map(|u| {
-                Arc::new(HttpStatusProbe::new(u.clone(), self.authorization.clone())) as Arc<_>
+                let rule = match &self.probe_applied_pointer {
+                    Some(p) => AppliedWhen::Pointer(p.clone()),
+                    None => AppliedWhen::NonEmptyArray,
+                };
+                Arc::new(
+                    HttpStatusProbe::new(u.clone(), self.authorization.clone()).applied_when(rule),
+                ) as Arc<_>
             }),
             compensation: self.compensate_url.as_ref().map(|u| {
                 Arc::new(HttpCompensation::new(u.clone(), self.authorization.clone())) as Arc<_>
@@ -165,9 +179,11 @@ fn dispatcher<S: IntentStore>(
     timeout: Duration,
     registry: &prometheus::Registry,
 ) -> anyhow::Result<Dispatcher<S>> {
+    // A probe and a request (2 × timeout) and the margin fit in the lease.
     let config = DispatcherConfig {
         timeout,
         lease: timeout.saturating_mul(3),
+        lease_margin: timeout / 2,
         authorization: policy.authorization.clone(),
         ..DispatcherConfig::default()
     };

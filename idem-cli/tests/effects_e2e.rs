@@ -1,6 +1,9 @@
 //! The effect dispatcher and the points API as real processes: the dispatcher is aborted after
 //! the API applied the award and before the outcome was recorded; restarted, it sends the same
-//! key, the API replays, and there is one award.
+//! key, the API replays, and there is one award. Against the API's route that ignores keys
+//! (`POST /keyless/awards`) the dispatcher is aborted at its crash points and SIGKILLed, and no
+//! payment is ever awarded twice; with the sending mark broken (`IDEM_BREAK=skip-sending-mark`,
+//! the negative control) a payment is.
 #![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -8,7 +11,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::time::Duration;
 
-use idem_conformance::backend::{Backend, Lite, OpenTx};
+use idem_conformance::backend::{Backend, Lite, OpenTx, Pg};
 use idem_conformance::process::{Proc, eventually};
 use idem_core::EventId;
 use idem_core::idempotency::EffectIntent;
@@ -21,17 +24,31 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_replays() {
+/// A settlement (client) and a points (server) database, and the points API over the server
+/// one: (client, server, client URL, the API process, its base URL).
+async fn points_api() -> (Lite, Lite, String, Proc, String) {
     let (client, server) = (Lite::new().await, Lite::new().await);
-    let server_url = format!("sqlite://{}", server.path().display());
     let client_url = format!("sqlite://{}", client.path().display());
+    let (api, base) = spawn_points_api(&server);
+    (client, server, client_url, api, base)
+}
+
+/// The points API over `server`, and its base URL.
+fn spawn_points_api(server: &Lite) -> (Proc, String) {
+    let server_url = format!("sqlite://{}", server.path().display());
     let api = Proc::spawn(
         "points-api",
         idem(&["points-api", "--db", &server_url, "--listen", "127.0.0.1:0"]),
     );
     let line = api.wait_for_line("listening on http://", Duration::from_secs(30));
-    let target = format!("{}/awards", line.rsplit(' ').next().unwrap());
+    let base = line.rsplit(' ').next().unwrap().to_owned();
+    (api, base)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_replays() {
+    let (client, server, client_url, _api, base) = points_api().await;
+    let target = format!("{base}/awards");
 
     let intent = EffectIntent {
         event_id: EventId::new(),
@@ -121,4 +138,269 @@ async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_re
         body.contains("\"award_id\":1"),
         "the replayed response names the first award: {body}"
     );
+}
+
+// ---- a points API route that ignores keys, with dispatcher kills (review §3) -----------------
+
+/// The points API, a settlement database with one `points.award` intent per payment, all
+/// targeting `POST /keyless/awards`.
+struct Keyless<B: Backend> {
+    client: B,
+    server: Lite,
+    client_url: String,
+    payments: usize,
+    base: String,
+    _api: Proc,
+    dir: tempfile::TempDir,
+}
+
+/// The settlement database on SQLite.
+async fn lite() -> (Lite, String) {
+    let client = Lite::new().await;
+    let url = format!("sqlite://{}", client.path().display());
+    (client, url)
+}
+
+/// The settlement database on PostgreSQL.
+async fn pg() -> (Pg, String) {
+    let client = Pg::new().await;
+    let url = client.url().to_owned();
+    (client, url)
+}
+
+impl<B: Backend> Keyless<B> {
+    async fn new((client, client_url): (B, String), payments: usize) -> Self {
+        let server = Lite::new().await;
+        let (api, base) = spawn_points_api(&server);
+        let mut tx = client.begin().await;
+        for p in 0..payments {
+            let intent = EffectIntent {
+                event_id: EventId::new(),
+                effect: "points.award".into(),
+                target: format!("{base}/keyless/awards"),
+                body: serde_json::json!({"order_id": format!("order-{p}"), "payment_id": format!("pay-{p}"), "points": 5}),
+                traceparent: None,
+            };
+            tx.record_intent(&intent).await.unwrap();
+        }
+        tx.commit().await;
+        Keyless {
+            client,
+            server,
+            client_url,
+            payments,
+            base,
+            _api: api,
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// `idem effects dispatch --remote-ignores-keys` (with the reference status probe when
+    /// `probe`), crash points from `crash`, the negative control when `broken`.
+    fn dispatcher(&self, probe: bool, crash: Option<&str>, broken: bool) -> Command {
+        let probe_url = format!("{}/awards/by-payment/{{payment_id}}", self.base);
+        let mut args = vec![
+            "effects",
+            "dispatch",
+            "--db",
+            &self.client_url,
+            "--authorization",
+            "Bearer settlement",
+            "--timeout",
+            "1s",
+            "--settle",
+            "0s",
+            "--remote-ignores-keys",
+        ];
+        if probe {
+            args.extend(["--probe-url", &probe_url]);
+        }
+        let mut cmd = idem(&args);
+        cmd.env("IDEM_CRASH_LOG", self.crash_log());
+        if let Some(points) = crash {
+            cmd.env("IDEM_CRASH_POINTS", points);
+        }
+        if broken {
+            cmd.env("IDEM_BREAK", "skip-sending-mark");
+        }
+        cmd
+    }
+
+    fn crash_log(&self) -> std::path::PathBuf {
+        self.dir.path().join("crashes")
+    }
+
+    fn crashes(&self) -> usize {
+        std::fs::read_to_string(self.crash_log())
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+
+    async fn pending(&self) -> i64 {
+        self.client
+            .scalar("SELECT count(*) FROM idem_effect_intents WHERE status = 'pending'")
+            .await
+    }
+
+    async fn awards(&self) -> i64 {
+        self.server
+            .scalar("SELECT count(*) FROM points_awards")
+            .await
+    }
+
+    /// Runs a dispatcher armed at `point` until it aborts there (the crash log proves it), or
+    /// until nothing is pending any more (then it is SIGKILLed).
+    async fn abort_at(&self, probe: bool, point: &str, broken: bool) {
+        let before = self.crashes();
+        let mut d = Proc::spawn("dispatcher", self.dispatcher(probe, Some(point), broken));
+        let fired = eventually(
+            "the crash point to fire or the intents to settle",
+            Duration::from_secs(60),
+            || async {
+                if self.crashes() > before {
+                    Some(true)
+                } else {
+                    (self.pending().await == 0).then_some(false)
+                }
+            },
+        )
+        .await;
+        if fired {
+            let status = d.wait_exit(Duration::from_secs(30));
+            assert_eq!(status.signal(), Some(6), "not aborted: {status:?}");
+        } else {
+            d.kill9();
+        }
+    }
+
+    /// Runs a dispatcher until the API applied one more award (or nothing is pending), then
+    /// SIGKILLs it, possibly with requests in flight.
+    async fn kill_after_progress(&self, probe: bool) {
+        let before = self.awards().await;
+        let mut d = Proc::spawn("dispatcher", self.dispatcher(probe, None, false));
+        eventually("one more award", Duration::from_secs(60), || async {
+            (self.awards().await > before || self.pending().await == 0).then_some(())
+        })
+        .await;
+        d.kill9();
+    }
+
+    /// Runs a dispatcher until nothing is pending.
+    async fn settle(&self, probe: bool, broken: bool) {
+        let _d = Proc::spawn("dispatcher", self.dispatcher(probe, None, broken));
+        eventually(
+            "every intent to settle",
+            Duration::from_secs(90),
+            || async { (self.pending().await == 0).then_some(()) },
+        )
+        .await;
+    }
+
+    /// (payment, awards) with more than one award.
+    async fn doubled(&self) -> Vec<(String, i64)> {
+        let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", self.server.path().display()))
+            .await
+            .unwrap();
+        sqlx::query_as("SELECT payment_id, count(*) FROM points_awards GROUP BY payment_id HAVING count(*) > 1")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    }
+
+    /// Checks the battery's outcome: at most one award per payment, every intent `done` or
+    /// `unknown`, every `done` intent awarded exactly once.
+    async fn assert_at_most_once(&self) {
+        assert_eq!(self.doubled().await, vec![], "a payment was awarded twice");
+        for p in 0..self.payments {
+            let payment = format!("pay-{p}");
+            let n = self
+                .server
+                .scalar(&format!(
+                    "SELECT count(*) FROM points_awards WHERE payment_id = '{payment}'"
+                ))
+                .await;
+            let status = |s: &str| {
+                format!(
+                    "SELECT count(*) FROM idem_effect_intents WHERE body ->> 'payment_id' = '{payment}' AND status = '{s}'"
+                )
+            };
+            let done = self.client.scalar(&status("done")).await;
+            let unknown = self.client.scalar(&status("unknown")).await;
+            assert_eq!(
+                done + unknown,
+                1,
+                "{payment} ended neither done nor unknown"
+            );
+            if done == 1 {
+                assert_eq!(n, 1, "{payment} is done with {n} awards");
+            }
+        }
+    }
+}
+
+/// Review §3 as demonstrated: aborted at `effect.after_http_success_before_record` against the
+/// keyless route, then restarted after the lease, the dispatcher used to award `pay-0` a second
+/// time (intent `done`, attempts 2). Now the intent is `unknown` and there is one award.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyless_dispatcher_aborted_after_the_award_leaves_the_intent_unknown() {
+    aborted_after_the_award(Keyless::new(lite().await, 1).await).await;
+    aborted_after_the_award(Keyless::new(pg().await, 1).await).await;
+}
+
+async fn aborted_after_the_award<B: Backend>(w: Keyless<B>) {
+    w.abort_at(false, "effect.after_http_success_before_record", false)
+        .await;
+    assert_eq!(w.awards().await, 1);
+    w.settle(false, false).await;
+    assert_eq!(w.awards().await, 1, "sent again after the restart");
+    assert_eq!(
+        w.client
+            .scalar("SELECT count(*) FROM idem_effect_intents WHERE status = 'unknown'")
+            .await,
+        1
+    );
+}
+
+/// The negative control: with the sending mark skipped (`IDEM_BREAK=skip-sending-mark`), the
+/// same crash and restart award the payment twice — the harness notices a broken mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_sending_mark_the_same_crash_awards_twice() {
+    let w = Keyless::new(lite().await, 1).await;
+    w.abort_at(false, "effect.after_http_success_before_record", true)
+        .await;
+    w.settle(false, true).await;
+    assert_eq!(w.doubled().await, vec![("pay-0".to_owned(), 2)]);
+}
+
+/// The battery: 12 payments against the keyless route, the dispatcher aborted at both crash
+/// points around sending and SIGKILLed after progress (requests may be in flight), restarted
+/// each time; without a probe the intents end `done` or `unknown`, with one the probe decides
+/// (SQLite; without a probe on PostgreSQL too). Never a second award.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyless_dispatcher_kills_never_award_a_payment_twice() {
+    for probe in [false, true] {
+        battery(Keyless::new(lite().await, 12).await, probe).await;
+    }
+    battery(Keyless::new(pg().await, 12).await, false).await;
+}
+
+async fn battery<B: Backend>(w: Keyless<B>, probe: bool) {
+    w.abort_at(probe, "effect.after_http_success_before_record", false)
+        .await;
+    w.kill_after_progress(probe).await;
+    w.abort_at(probe, "effect.before_http@2", false).await;
+    w.abort_at(probe, "effect.after_http_success_before_record@2", false)
+        .await;
+    w.kill_after_progress(probe).await;
+    w.settle(probe, false).await;
+    w.assert_at_most_once().await;
+    if probe {
+        assert_eq!(
+            w.client
+                .scalar("SELECT count(*) FROM idem_effect_intents WHERE status = 'done'")
+                .await,
+            12,
+            "with a probe every intent is settled as done"
+        );
+    }
 }

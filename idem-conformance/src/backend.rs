@@ -37,6 +37,8 @@ pub trait Backend: Send + Sync + Sized {
     fn scalar(&self, sql: &str) -> impl Future<Output = i64> + Send;
     /// Makes every lease and backoff look expired (time passing, without waiting).
     fn expire_leases(&self) -> impl Future<Output = ()> + Send;
+    /// Makes every effect intent's lease and backoff look expired.
+    fn expire_intent_leases(&self) -> impl Future<Output = ()> + Send;
     /// Number of connections waiting on a lock (always 0 where writers cannot overlap).
     fn lock_waiters(&self) -> impl Future<Output = i64> + Send;
 }
@@ -176,6 +178,14 @@ impl Backend for Pg {
         .await
         .unwrap();
     }
+    async fn expire_intent_leases(&self) {
+        let t = self.tables.qualified("effect_intents");
+        self.exec(&format!(
+            "UPDATE {t} SET claimed_until = now() - interval '1 hour', next_attempt_at = '-infinity' WHERE status = 'pending'"
+        ))
+        .await
+        .unwrap();
+    }
     async fn lock_waiters(&self) -> i64 {
         self.scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
@@ -302,6 +312,14 @@ impl Backend for Lite {
     }
     async fn expire_leases(&self) {
         let t = self.tables.qualified("outbox");
+        self.exec(&format!(
+            "UPDATE {t} SET claimed_until = 0, next_attempt_at = 0 WHERE status = 'pending'"
+        ))
+        .await
+        .unwrap();
+    }
+    async fn expire_intent_leases(&self) {
+        let t = self.tables.qualified("effect_intents");
         self.exec(&format!(
             "UPDATE {t} SET claimed_until = 0, next_attempt_at = 0 WHERE status = 'pending'"
         ))

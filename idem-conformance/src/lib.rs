@@ -48,7 +48,9 @@ macro_rules! conformance_tests {
             intent_outcomes_are_fenced_by_the_attempt,
             parked_intents_are_listed_and_retried_with_the_same_key,
             unknown_intents_are_read_and_resolved_by_a_decision,
-            a_backing_off_aggregate_does_not_slow_the_others
+            a_backing_off_aggregate_does_not_slow_the_others,
+            an_undecodable_intent_is_parked_and_the_others_are_claimed,
+            a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded
         );
     };
     (@each $make:expr; $($name:ident),* $(,)?) => {

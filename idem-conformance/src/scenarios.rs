@@ -588,7 +588,7 @@ pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
     let other = b.with_tables(TableNames::new(None, "billing_").unwrap());
     assert_eq!(
         other.migrate().await.unwrap(),
-        vec![1, 2, 3, 4, 5, 6, 7, 9, 10]
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     );
     let mut tx = other.begin().await;
     tx.enqueue(&[event("o-1", 0)]).await.unwrap();
@@ -774,6 +774,7 @@ use idem_core::idempotency::{
 };
 
 const MINUTE: Duration = Duration::from_secs(60);
+const SECOND: Duration = Duration::from_secs(1);
 
 /// The token of a claim that must be new.
 #[track_caller]
@@ -1199,4 +1200,117 @@ pub async fn a_backing_off_aggregate_does_not_slow_the_others<B: Backend>(b: &B)
         .map(|r| r.id)
         .collect();
     assert_eq!(taken.len(), 20, "the two claims overlap");
+}
+
+/// A row written through the SQL contract by a foreign writer that cannot be decoded (here an
+/// empty key) used to fail the whole claim after it committed, every lease period: no intent
+/// was delivered any more. It is parked with its reason; the others are claimed.
+pub async fn an_undecodable_intent_is_parked_and_the_others_are_claimed<B: Backend>(b: &B) {
+    let t = b.tables().qualified("effect_intents");
+    b.exec(&format!(
+        "INSERT INTO {t} (idem_key, effect, target, event_id, body) \
+         VALUES ('', 'points.award', 'http://127.0.0.1:1/awards', '018f0000-0000-7000-8000-000000000001', '{{}}')"
+    ))
+    .await
+    .unwrap();
+    let good = intent(EventId::new());
+    let mut tx = b.begin().await;
+    tx.record_intent(&good).await.unwrap();
+    tx.commit().await;
+    let store = b.intents();
+    let claimed = store.claim(10, MINUTE).await.unwrap();
+    assert_eq!(claimed.len(), 1, "the decodable intent is delivered");
+    assert_eq!(claimed[0].intent, good);
+    let stuck = store.stuck(10).await.unwrap();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_eq!(stuck[0].status, "parked");
+    assert!(
+        stuck[0]
+            .reason
+            .as_deref()
+            .unwrap_or_default()
+            .contains("cannot be decoded"),
+        "{stuck:?}"
+    );
+    assert!(store.claim(10, MINUTE).await.unwrap().is_empty());
+}
+
+/// The durable sending mark (review §3): written only while the attempt holds enough lease,
+/// seen by every later attempt until an outcome of the marked attempt is recorded, kept by a
+/// retry of an attempt that sent nothing, cleared by a decision.
+pub async fn a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded<B: Backend>(b: &B) {
+    let i = intent(EventId::new());
+    let mut tx = b.begin().await;
+    tx.record_intent(&i).await.unwrap();
+    tx.commit().await;
+    let store = b.intents();
+    let first = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!(first.unrecorded_send, None);
+    assert!(
+        !store.mark_sending(first.id, 1, 2 * MINUTE).await.unwrap(),
+        "the lease is too short for this request"
+    );
+    assert!(
+        !store.mark_sending(first.id, 2, SECOND).await.unwrap(),
+        "not this attempt's lease"
+    );
+    assert!(store.mark_sending(first.id, 1, SECOND).await.unwrap());
+
+    // The dispatcher dies; after the lease, the next attempt sees the unrecorded send.
+    b.expire_intent_leases().await;
+    let second = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!((second.attempt, second.unrecorded_send), (2, Some(1)));
+    let retry = |reason: &str| IntentOutcome::Retry {
+        after: Duration::ZERO,
+        reason: reason.into(),
+    };
+    assert!(
+        !store.finish(first.id, 1, &retry("late")).await.unwrap(),
+        "the dead attempt is fenced"
+    );
+    assert!(
+        store
+            .finish(second.id, 2, &retry("not sent: too little lease left"))
+            .await
+            .unwrap()
+    );
+    let third = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!(
+        third.unrecorded_send,
+        Some(1),
+        "a retry of an attempt that sent nothing keeps the mark"
+    );
+    assert!(store.mark_sending(third.id, 3, SECOND).await.unwrap());
+    assert!(store.finish(third.id, 3, &retry("429")).await.unwrap());
+    let fourth = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!(
+        fourth.unrecorded_send, None,
+        "attempt 3's outcome is recorded"
+    );
+    assert_eq!(
+        store
+            .get(fourth.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .0
+            .unrecorded_send,
+        None
+    );
+
+    assert!(store.mark_sending(fourth.id, 4, SECOND).await.unwrap());
+    let unknown = IntentOutcome::Unknown {
+        reason: "attempt 4 was sent and its outcome never recorded".into(),
+    };
+    b.expire_intent_leases().await;
+    let fifth = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!(fifth.unrecorded_send, Some(4));
+    assert!(store.finish(fifth.id, 5, &unknown).await.unwrap());
+    assert_eq!(store.retry_stuck(Some(&[fifth.id])).await.unwrap(), 1);
+    let sixth = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!(
+        (sixth.attempt, sixth.unrecorded_send),
+        (6, None),
+        "a person's retry is a decision: the mark is gone"
+    );
 }

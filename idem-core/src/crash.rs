@@ -68,6 +68,7 @@ pub const BREAKABLE: &[&str] = &[
     BREAK_NEVER_PARK,
     BREAK_KEY_LOCK_RENEWAL,
     BREAK_TRANSIENT_DEAD_LETTERS,
+    BREAK_SKIP_SENDING_MARK,
 ];
 /// The relay marks a batch published right after claiming it, before any delivery report.
 pub const BREAK_MARK_BEFORE_REPORT: &str = "mark-before-report";
@@ -81,6 +82,9 @@ pub const BREAK_NEW_KEY_PER_RETRY: &str = "new-key-per-retry";
 pub const BREAK_INBOX_IGNORES_GROUP: &str = "inbox-ignores-group";
 /// The relay keeps an id watermark and treats rows below it as already published.
 pub const BREAK_ID_WATERMARK: &str = "id-watermark";
+/// The effect dispatcher sends to a remote that ignores keys without the durable sending mark, so
+/// an attempt that died after sending is sent again blindly (review §3).
+pub const BREAK_SKIP_SENDING_MARK: &str = "skip-sending-mark";
 /// Kafka transactions instead of the inbox: only the lab's `idem kafka-txn-settlement` has this
 /// mechanism (read_committed, no inbox, offsets committed in a Kafka transaction after the
 /// database commit), and it refuses to run unless it is named here.

@@ -351,6 +351,10 @@ pub struct ClaimedIntent {
     pub intent: EffectIntent,
     /// This attempt's number (1 = first).
     pub attempt: i32,
+    /// An earlier attempt that was marked as sending ([`IntentStore::mark_sending`]) and whose
+    /// outcome was never recorded (the dispatcher died, or lost its lease, with the request
+    /// possibly applied by the remote). `None` when every marked attempt has an outcome.
+    pub unrecorded_send: Option<i32>,
 }
 
 /// How an attempt ended.
@@ -419,8 +423,22 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
         lease: std::time::Duration,
     ) -> impl std::future::Future<Output = crate::Result<Vec<ClaimedIntent>>> + Send;
 
+    /// Records, durably and before the request goes out, that attempt `attempt` of intent `id`
+    /// is sending it: a later attempt sees it as [`ClaimedIntent::unrecorded_send`] until an
+    /// outcome of this attempt is recorded. Marks only while this attempt still holds the lease
+    /// for at least `lease_left` (by the database's clock); false means not marked (the lease was
+    /// lost or is too short): the request must not be sent.
+    fn mark_sending(
+        &self,
+        id: i64,
+        attempt: i32,
+        lease_left: std::time::Duration,
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
+
     /// Records how attempt `attempt` of intent `id` ended. Fenced by the attempt number: a
-    /// dispatcher whose lease was taken over changes nothing (returns false).
+    /// dispatcher whose lease was taken over changes nothing (returns false). The sending mark
+    /// of this attempt is cleared, and any mark when the intent leaves `pending`; a `Retry` of
+    /// an attempt that sent nothing keeps an earlier attempt's mark.
     fn finish(
         &self,
         id: i64,
@@ -455,6 +473,61 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
         resolution: Resolution,
         note: &str,
     ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
+}
+
+/// A row returned by an intent claim, as a store decoded it.
+#[derive(Debug)]
+pub enum ClaimedRow {
+    /// A deliverable intent.
+    Intent(ClaimedIntent),
+    /// A row that cannot be decoded (a foreign writer's), with the claim's attempt number.
+    Undecodable {
+        /// Row id.
+        id: i64,
+        /// The attempt number the claim gave it.
+        attempt: i32,
+        /// Why it cannot be decoded.
+        error: crate::Error,
+    },
+}
+
+impl ClaimedRow {
+    /// The row `id`, claimed as attempt `attempt`, from its decoding.
+    pub fn of(decoded: crate::Result<ClaimedIntent>, id: i64, attempt: i32) -> Self {
+        match decoded {
+            Ok(c) => ClaimedRow::Intent(c),
+            Err(error) => ClaimedRow::Undecodable { id, attempt, error },
+        }
+    }
+}
+
+/// The parking reason of a claimed intent row that cannot be decoded.
+pub fn undecodable_reason(error: &crate::Error) -> String {
+    format!(
+        "this intent row cannot be decoded ({error}); it was written by something other than \
+         idem: fix or delete the row, then `idem effects retry --id`"
+    )
+}
+
+/// Parks the undecodable rows of a claim with their reason, so that one of them never fails a
+/// claim again, and returns the deliverable intents (for [`IntentStore::claim`]).
+pub async fn park_undecodable<S: IntentStore>(
+    store: &S,
+    rows: Vec<ClaimedRow>,
+) -> crate::Result<Vec<ClaimedIntent>> {
+    let mut claimed = Vec::with_capacity(rows.len());
+    for row in rows {
+        match row {
+            ClaimedRow::Intent(c) => claimed.push(c),
+            ClaimedRow::Undecodable { id, attempt, error } => {
+                let reason = undecodable_reason(&error);
+                store
+                    .finish(id, attempt, &IntentOutcome::Park { reason })
+                    .await?;
+            }
+        }
+    }
+    Ok(claimed)
 }
 
 /// How a parked or unknown intent is settled ([`IntentStore::resolve`]).

@@ -13,6 +13,9 @@
 //!   still being processed by the remote has finished before the probe looks.
 //! * Without a probe, an ambiguous failure puts the intent in the *unknown* state at once:
 //!   `idem effects stuck` lists it, and a person (or a [`Compensation`]) settles it.
+//! * Every request is preceded by a committed sending mark; an attempt that died after it (a
+//!   crash, a lost lease) leaves it, and the next attempt treats it like an ambiguous failure:
+//!   the probe decides, or the intent becomes *unknown*. Nothing is re-sent blindly.
 //! * A [`Compensation`] undoes whatever an unknown attempt may have done (it must itself be
 //!   safe to run when nothing happened — "reverse the award of payment P if there is one").
 //!   After it succeeds the intent is parked for review, or sent again on request.
@@ -152,23 +155,75 @@ fn percent_encode(s: &str) -> String {
     out
 }
 
-/// A probe that GETs a URL built from a template ([`fill_template`]):
-/// `200` with a non-empty JSON array or an object → applied; `200` with `[]` or `404` → not
-/// applied; another 4xx → unknown; 5xx, 429 or no answer → unavailable.
+/// When a `200` answer of an [`HttpStatusProbe`] means "applied". Anything the condition does
+/// not name is [`Probe::Unknown`] (the intent enters the unknown state), never applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AppliedWhen {
+    /// The body is a JSON array: non-empty → applied, `[]` → not applied (the reference points
+    /// API's `GET /awards/by-payment/{payment_id}`). Any other body → unknown.
+    NonEmptyArray,
+    /// The value at this JSON pointer (RFC 6901, e.g. `/awards` or `/applied`): `[]`, `{}`,
+    /// `null`, `false`, `0` or `""` → not applied; any other value → applied; no value there →
+    /// unknown.
+    Pointer(String),
+}
+
+/// Judges a `200` probe body by `rule`.
+pub fn judge_probe_body(body: &str, rule: &AppliedWhen) -> Result<bool, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(body).map_err(|e| format!("the answer is not JSON ({e})"))?;
+    match rule {
+        AppliedWhen::NonEmptyArray => match value {
+            serde_json::Value::Array(a) => Ok(!a.is_empty()),
+            _ => Err("the answer is not a JSON array (configure the applied condition with a JSON pointer)".to_owned()),
+        },
+        AppliedWhen::Pointer(p) => {
+            let v = value
+                .pointer(p)
+                .ok_or_else(|| format!("the answer has no value at {p:?}"))?;
+            Ok(!is_empty_value(v))
+        }
+    }
+}
+
+fn is_empty_value(v: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::String(s) => s.is_empty(),
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::Bool(true) => false,
+    }
+}
+
+/// A probe that GETs a URL built from a template ([`fill_template`]): `200` whose body meets
+/// the [`AppliedWhen`] condition → applied, fails it explicitly → not applied, anything else →
+/// unknown; `404` → not applied; another 4xx → unknown; 5xx, 429 or no answer → unavailable.
 #[derive(Clone, Debug)]
 pub struct HttpStatusProbe {
     template: String,
     authorization: Option<String>,
+    applied_when: AppliedWhen,
 }
 
 impl HttpStatusProbe {
     /// A probe of `template`, for example
-    /// `http://127.0.0.1:8088/awards/by-payment/{payment_id}`.
+    /// `http://127.0.0.1:8088/awards/by-payment/{payment_id}`, whose answer is a JSON array
+    /// ([`AppliedWhen::NonEmptyArray`]).
     pub fn new(template: impl Into<String>, authorization: Option<String>) -> Self {
         HttpStatusProbe {
             template: template.into(),
             authorization,
+            applied_when: AppliedWhen::NonEmptyArray,
         }
+    }
+
+    /// The same probe with another applied condition.
+    pub fn applied_when(mut self, rule: AppliedWhen) -> Self {
+        self.applied_when = rule;
+        self
     }
 }
 
@@ -199,15 +254,11 @@ impl StatusProbe for HttpStatusProbe {
             let body = resp.text().await.unwrap_or_default();
             match status {
                 404 => Probe::NotApplied,
-                200 => match serde_json::from_str::<serde_json::Value>(&body) {
-                    Ok(serde_json::Value::Array(a)) if a.is_empty() => Probe::NotApplied,
-                    Ok(serde_json::Value::Array(_) | serde_json::Value::Object(_)) => {
-                        Probe::Applied { status, body }
-                    }
-                    _ => Probe::Unknown {
-                        reason: format!(
-                            "status probe {url} answered 200 with a body that is neither a JSON array nor an object"
-                        ),
+                200 => match judge_probe_body(&body, &self.applied_when) {
+                    Ok(true) => Probe::Applied { status, body },
+                    Ok(false) => Probe::NotApplied,
+                    Err(why) => Probe::Unknown {
+                        reason: format!("status probe {url} answered 200 but {why}"),
                     },
                 },
                 429 | 500..=599 => Probe::Unavailable {
@@ -302,7 +353,34 @@ mod tests {
             key: intent.key().unwrap(),
             intent,
             attempt: 2,
+            unrecorded_send: None,
         }
+    }
+
+    #[test]
+    fn probe_bodies_are_applied_only_by_the_explicit_condition() {
+        let arr = AppliedWhen::NonEmptyArray;
+        assert_eq!(judge_probe_body(r#"[{"award_id":1}]"#, &arr), Ok(true));
+        assert_eq!(judge_probe_body("[]", &arr), Ok(false));
+        assert!(
+            judge_probe_body(r#"{"awards":[]}"#, &arr).is_err(),
+            "an object says nothing"
+        );
+        assert!(judge_probe_body("not json", &arr).is_err());
+        let ptr = AppliedWhen::Pointer("/awards".into());
+        assert_eq!(judge_probe_body(r#"{"awards":[1]}"#, &ptr), Ok(true));
+        for empty in [
+            r#"{"awards":[]}"#,
+            r#"{"awards":null}"#,
+            r#"{"awards":0}"#,
+            r#"{"awards":false}"#,
+        ] {
+            assert_eq!(judge_probe_body(empty, &ptr), Ok(false), "{empty}");
+        }
+        assert!(
+            judge_probe_body(r#"{"other":1}"#, &ptr).is_err(),
+            "no value there"
+        );
     }
 
     #[test]

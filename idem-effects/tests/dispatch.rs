@@ -3,6 +3,7 @@
 //! ignores keys, with and without a status probe, and its compensation.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,21 +26,73 @@ enum Fault {
     LoseResponse,
     /// Answer 503 without reaching the API.
     Unavailable,
+    /// Let the server apply the award, signal `Faults::applied`, then hold the response for
+    /// longer than any test runs (the dispatcher dies or times out with the award applied).
+    ApplyThenHold,
+    /// Answer this status without reaching the API, to every request.
+    Always(u16),
+    /// Wait until an `ApplyThenHold` request was applied, then pass.
+    AfterApplied,
 }
 
 #[derive(Clone)]
 struct Faults {
     next: Arc<Mutex<Fault>>,
+    /// One-shot faults for the POSTs of one payment (by `payment_id`).
+    by_payment: Arc<Mutex<HashMap<String, Fault>>>,
+    /// Applies to every request when not `None`.
+    every: Arc<Mutex<Fault>>,
+    /// How many `ApplyThenHold` requests were applied.
+    applied: Arc<tokio::sync::watch::Sender<usize>>,
     keys_seen: Arc<Mutex<Vec<String>>>,
     traceparents_seen: Arc<Mutex<Vec<String>>>,
+    /// For each POST: how long the intent's lease still had to run when the request arrived
+    /// (ms, read from the dispatcher's database).
+    lease_left_ms: Arc<Mutex<Vec<i64>>>,
+    client_pool: sqlx::SqlitePool,
+}
+
+/// The one-shot fault of this POST's payment, and the request rebuilt after reading its body.
+async fn payment_fault(f: &Faults, req: Request) -> (Fault, Request) {
+    let (parts, body) = req.into_parts();
+    let bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+    let payment = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("payment_id")?.as_str().map(str::to_owned));
+    let fault = payment
+        .and_then(|p| f.by_payment.lock().unwrap().remove(&p))
+        .unwrap_or(Fault::None);
+    (
+        fault,
+        Request::from_parts(parts, axum::body::Body::from(bytes)),
+    )
+}
+
+async fn record_lease_left(f: &Faults, key: &str) {
+    let until: Option<i64> =
+        sqlx::query_scalar("SELECT claimed_until FROM idem_effect_intents WHERE idem_key = ?1")
+            .bind(key.trim_matches('"'))
+            .fetch_optional(&f.client_pool)
+            .await
+            .unwrap()
+            .flatten();
+    if let Some(until) = until {
+        let now = i64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis(),
+        )
+        .unwrap();
+        f.lease_left_ms.lock().unwrap().push(until - now);
+    }
 }
 
 async fn faults(State(f): State<Faults>, req: Request, next: Next) -> Response {
     if let Some(k) = req.headers().get("idempotency-key") {
-        f.keys_seen
-            .lock()
-            .unwrap()
-            .push(k.to_str().unwrap().to_owned());
+        let k = k.to_str().unwrap().to_owned();
+        record_lease_left(&f, &k).await;
+        f.keys_seen.lock().unwrap().push(k);
     }
     if let Some(tp) = req.headers().get("traceparent") {
         f.traceparents_seen
@@ -47,8 +100,34 @@ async fn faults(State(f): State<Faults>, req: Request, next: Next) -> Response {
             .unwrap()
             .push(tp.to_str().unwrap().to_owned());
     }
-    let fault = std::mem::replace(&mut *f.next.lock().unwrap(), Fault::None);
+    let (by_payment, req) = if req.method() == axum::http::Method::POST {
+        payment_fault(&f, req).await
+    } else {
+        (Fault::None, req)
+    };
+    let every = *f.every.lock().unwrap();
+    let next_fault = std::mem::replace(&mut *f.next.lock().unwrap(), Fault::None);
+    let fault = [by_payment, every, next_fault]
+        .into_iter()
+        .find(|f| *f != Fault::None)
+        .unwrap_or(Fault::None);
     match fault {
+        Fault::Always(status) => (
+            axum::http::StatusCode::from_u16(status).unwrap(),
+            "refused by the fault middleware",
+        )
+            .into_response(),
+        Fault::AfterApplied => {
+            let mut applied = f.applied.subscribe();
+            applied.wait_for(|n| *n > 0).await.unwrap();
+            next.run(req).await
+        }
+        Fault::ApplyThenHold => {
+            let resp = next.run(req).await;
+            f.applied.send_modify(|n| *n += 1);
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            resp
+        }
         Fault::Unavailable => (axum::http::StatusCode::SERVICE_UNAVAILABLE, "down").into_response(),
         Fault::LoseResponse => {
             let resp = next.run(req).await;
@@ -60,6 +139,8 @@ async fn faults(State(f): State<Faults>, req: Request, next: Next) -> Response {
 }
 
 struct World {
+    config: DispatcherConfig,
+    policy: EffectPolicy,
     client_db: Lite,
     server_db: Lite,
     server_pool: sqlx::SqlitePool,
@@ -74,6 +155,26 @@ async fn world() -> World {
 
 /// A world whose dispatcher sends to `path` with the policy `policy(base URL)`.
 async fn world_with(path: &str, policy: impl Fn(&str) -> EffectPolicy) -> World {
+    world_configured(path, policy, |c| c).await
+}
+
+/// The dispatcher settings of the test worlds (before `tune`).
+fn test_config() -> DispatcherConfig {
+    DispatcherConfig {
+        timeout: Duration::from_millis(300),
+        backoff: Duration::ZERO,
+        lease: Duration::from_secs(5),
+        authorization: Some("Bearer settlement".into()),
+        ..DispatcherConfig::default()
+    }
+}
+
+/// [`world_with`] with dispatcher settings changed by `tune`.
+async fn world_configured(
+    path: &str,
+    policy: impl Fn(&str) -> EffectPolicy,
+    tune: impl Fn(DispatcherConfig) -> DispatcherConfig,
+) -> World {
     let (client_db, server_db) = (Lite::new().await, Lite::new().await);
     let server_pool =
         sqlx::SqlitePool::connect(&format!("sqlite://{}", server_db.path().display()))
@@ -84,34 +185,42 @@ async fn world_with(path: &str, policy: impl Fn(&str) -> EffectPolicy) -> World 
         .unwrap();
     let faults = Faults {
         next: Arc::new(Mutex::new(Fault::None)),
+        by_payment: Arc::new(Mutex::new(HashMap::new())),
+        every: Arc::new(Mutex::new(Fault::None)),
+        applied: Arc::new(tokio::sync::watch::channel(0).0),
         keys_seen: Arc::new(Mutex::new(vec![])),
         traceparents_seen: Arc::new(Mutex::new(vec![])),
+        lease_left_ms: Arc::new(Mutex::new(vec![])),
+        client_pool: sqlx::SqlitePool::connect(&format!("sqlite://{}", client_db.path().display()))
+            .await
+            .unwrap(),
     };
     let app = router(
         PointsDb::Sqlite(server_pool.clone()),
         server_db.keys(),
         idem_http::IdempotencyConfig::default(),
     )
+    .route(
+        "/odd-probe/{payment_id}",
+        axum::routing::get(|| async { axum::Json(serde_json::json!({"awards": []})) }),
+    )
     .layer(from_fn_with_state(faults.clone(), faults_mw));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let target = format!("{base}{path}");
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let config = DispatcherConfig {
-        timeout: Duration::from_millis(300),
-        backoff: Duration::ZERO,
-        lease: Duration::from_secs(5),
-        authorization: Some("Bearer settlement".into()),
-        ..DispatcherConfig::default()
-    };
+    let config = tune(test_config());
+    let policy = policy(&base);
     let dispatcher = Dispatcher::new(
         client_db.intents(),
-        config,
+        config.clone(),
         EffectMetrics::new(&prometheus::Registry::new()).unwrap(),
     )
     .unwrap()
-    .with_policy("points.award", policy(&base));
+    .with_policy("points.award", policy.clone());
     World {
+        config,
+        policy,
         client_db,
         server_db,
         server_pool,
@@ -434,4 +543,329 @@ async fn every_attempt_carries_the_traceparent_recorded_with_the_intent() {
         vec![tp.to_owned(); 2],
         "the failed attempt and the retry both continue the event's trace"
     );
+}
+
+// ---- review §3: a keyless remote whose attempt was sent and never recorded --------------------
+
+/// Settings for tests that hold a request at the remote: a timeout no test run reaches.
+fn patient(c: DispatcherConfig) -> DispatcherConfig {
+    DispatcherConfig {
+        timeout: Duration::from_secs(5),
+        lease: Duration::from_secs(15),
+        ..c
+    }
+}
+
+impl World {
+    /// Another dispatcher over the same intents, settings and policy (a second process).
+    fn another_dispatcher(&self) -> Dispatcher<idem_sqlite::SqliteIntents> {
+        self.dispatcher_over(self.client_db.intents())
+    }
+
+    fn dispatcher_over<S: IntentStore>(&self, store: S) -> Dispatcher<S> {
+        Dispatcher::new(
+            store,
+            self.config.clone(),
+            EffectMetrics::new(&prometheus::Registry::new()).unwrap(),
+        )
+        .unwrap()
+        .with_policy("points.award", self.policy.clone())
+    }
+
+    /// Time passes: every lease and backoff is over.
+    async fn expire_leases(&self) {
+        self.client_db
+            .exec("UPDATE idem_effect_intents SET claimed_until = 0, next_attempt_at = 0 WHERE status = 'pending'")
+            .await
+            .unwrap();
+    }
+
+    async fn record_payment(&self, payment: &str) -> i64 {
+        let intent = EffectIntent {
+            event_id: EventId::new(),
+            effect: "points.award".into(),
+            target: self.target.clone(),
+            body: serde_json::json!({"order_id": "order-1", "payment_id": payment, "points": 3}),
+            traceparent: None,
+        };
+        let mut tx = self.client_db.begin().await;
+        assert!(tx.record_intent(&intent).await.unwrap());
+        tx.commit().await;
+        self.client_db
+            .scalar(&format!(
+                "SELECT id FROM idem_effect_intents WHERE json_extract(body, '$.payment_id') = '{payment}'"
+            ))
+            .await
+    }
+
+    async fn awards_of(&self, payment: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM points_awards WHERE payment_id = ?1")
+            .bind(payment)
+            .fetch_one(&self.server_pool)
+            .await
+            .unwrap()
+    }
+
+    async fn status_of(&self, id: i64) -> String {
+        self.client_db.intents().get(id).await.unwrap().unwrap().1
+    }
+
+    /// Sends the intent; the remote applies it and holds the response, and the dispatcher dies
+    /// there: its `run_once` future is dropped at that await, as a SIGKILL would end it.
+    async fn die_after_the_award(&self) {
+        *self.faults.next.lock().unwrap() = Fault::ApplyThenHold;
+        tokio::select! {
+            biased;
+            () = self.wait_applied() => {}
+            r = self.dispatcher.run_once() => panic!("the response is held, yet run_once ended: {r:?}"),
+        }
+    }
+
+    async fn wait_applied(&self) {
+        let mut applied = self.faults.applied.subscribe();
+        applied.wait_for(|n| *n > 0).await.unwrap();
+    }
+}
+
+/// §3 as reported: the dispatcher dies after the keyless remote applied the award and before
+/// the outcome is recorded (here: its `run_once` future is dropped at that await, as a SIGKILL
+/// would end it); restarted after the lease, it used to POST again (two awards, intent `done`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_killed_after_a_keyless_award_leaves_the_intent_unknown_not_resent() {
+    let w = world_configured("/keyless/awards", |b| keyless(b, false), patient).await;
+    let id = w.record_payment("pay-1").await;
+    w.die_after_the_award().await;
+    assert_eq!(w.awards_of("pay-1").await, 1, "the remote applied it");
+    w.expire_leases().await;
+    w.another_dispatcher().run_once().await.unwrap();
+    assert_eq!(
+        (w.awards_of("pay-1").await, w.posts()),
+        (1, 1),
+        "the restarted dispatcher sent the award again"
+    );
+    assert_eq!(w.status_of(id).await, "unknown");
+    let stuck = w.client_db.intents().stuck(10).await.unwrap();
+    assert!(
+        stuck[0]
+            .reason
+            .as_deref()
+            .unwrap_or_default()
+            .contains("never recorded"),
+        "{stuck:?}"
+    );
+}
+
+/// The same crash with a status probe: the probe decides (it finds the award; nothing is sent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_crash_the_probe_decides_whether_a_keyless_intent_is_sent_again() {
+    let w = world_configured("/keyless/awards", |b| keyless(b, true), patient).await;
+    let id = w.record_payment("pay-1").await;
+    w.die_after_the_award().await;
+    w.expire_leases().await;
+    w.another_dispatcher().run_once().await.unwrap();
+    assert_eq!((w.awards_of("pay-1").await, w.posts()), (1, 1));
+    assert_eq!(w.status_of(id).await, "done", "the probe found the award");
+}
+
+/// §3, lease takeover: a second dispatcher claims the intent while the first one's request is
+/// still in flight at the keyless remote (the first one paused past its lease); it used to send
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyless_intent_taken_over_while_its_request_is_in_flight_is_not_resent() {
+    let w = world_configured("/keyless/awards", |b| keyless(b, false), patient).await;
+    let id = w.record_payment("pay-1").await;
+    *w.faults.next.lock().unwrap() = Fault::ApplyThenHold;
+    let first = w.another_dispatcher();
+    let first = tokio::spawn(async move { first.run_once().await });
+    w.wait_applied().await;
+    w.expire_leases().await;
+    w.dispatcher.run_once().await.unwrap();
+    first.abort();
+    assert_eq!(
+        (w.awards_of("pay-1").await, w.posts()),
+        (1, 1),
+        "the second dispatcher sent the award again"
+    );
+    assert_eq!(w.status_of(id).await, "unknown");
+}
+
+/// An intent store whose `finish` fails for one intent: a store error in one send of a batch.
+#[derive(Clone)]
+struct FailFinish {
+    inner: idem_sqlite::SqliteIntents,
+    fail: i64,
+}
+
+impl IntentStore for FailFinish {
+    type Conn = sqlx::SqliteConnection;
+    async fn record(&self, c: &mut Self::Conn, i: &EffectIntent) -> idem_core::Result<bool> {
+        self.inner.record(c, i).await
+    }
+    async fn claim(
+        &self,
+        batch: u32,
+        lease: Duration,
+    ) -> idem_core::Result<Vec<idem_core::idempotency::ClaimedIntent>> {
+        self.inner.claim(batch, lease).await
+    }
+    async fn mark_sending(&self, id: i64, attempt: i32, left: Duration) -> idem_core::Result<bool> {
+        self.inner.mark_sending(id, attempt, left).await
+    }
+    async fn finish(
+        &self,
+        id: i64,
+        attempt: i32,
+        outcome: &idem_core::idempotency::IntentOutcome,
+    ) -> idem_core::Result<bool> {
+        if id == self.fail {
+            return Err(idem_core::Error::Config("the database went away".into()));
+        }
+        self.inner.finish(id, attempt, outcome).await
+    }
+    async fn stuck(
+        &self,
+        limit: u32,
+    ) -> idem_core::Result<Vec<idem_core::idempotency::StuckIntent>> {
+        self.inner.stuck(limit).await
+    }
+    async fn retry_stuck(&self, ids: Option<&[i64]>) -> idem_core::Result<u64> {
+        self.inner.retry_stuck(ids).await
+    }
+    async fn get(
+        &self,
+        id: i64,
+    ) -> idem_core::Result<Option<(idem_core::idempotency::ClaimedIntent, String)>> {
+        self.inner.get(id).await
+    }
+    async fn resolve(
+        &self,
+        id: i64,
+        r: idem_core::idempotency::Resolution,
+        note: &str,
+    ) -> idem_core::Result<bool> {
+        self.inner.resolve(id, r, note).await
+    }
+}
+
+/// §3, the early return: one send of a batch fails (a store error) while another intent's
+/// request is in flight at the keyless remote; `run_once` used to return at once, dropping that
+/// request unrecorded, and the next attempt sent it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_send_does_not_drop_another_keyless_request_unrecorded() {
+    let w = world_configured(
+        "/keyless/awards",
+        |b| keyless(b, false),
+        |c| DispatcherConfig {
+            timeout: Duration::from_secs(1),
+            lease: Duration::from_secs(4),
+            ..c
+        },
+    )
+    .await;
+    let held = w.record_payment("pay-held").await;
+    let failing = w.record_payment("pay-failing").await;
+    w.faults.by_payment.lock().unwrap().extend([
+        ("pay-held".to_owned(), Fault::ApplyThenHold),
+        ("pay-failing".to_owned(), Fault::AfterApplied),
+    ]);
+    let broken = w.dispatcher_over(FailFinish {
+        inner: w.client_db.intents(),
+        fail: failing,
+    });
+    assert!(broken.run_once().await.is_err(), "the store error surfaces");
+    assert_eq!(
+        w.awards_of("pay-held").await,
+        1,
+        "the held request was applied"
+    );
+    w.expire_leases().await;
+    w.dispatcher.run_once().await.unwrap();
+    assert_eq!(
+        w.awards_of("pay-held").await,
+        1,
+        "the dropped request was sent again"
+    );
+    assert_eq!(w.status_of(held).await, "unknown");
+}
+
+// ---- review §13: the lease and the batch -------------------------------------------------------
+
+/// A slow remote and a batch of intents sent one at a time: every request used to be sent on
+/// the lease taken for the whole batch, so the last ones went out after it had expired (when
+/// another dispatcher may hold them). No request may start with less than `timeout` left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_starts_after_the_safe_point_of_its_lease() {
+    let w = world_configured(
+        "/awards",
+        |_| EffectPolicy::default(),
+        |c| DispatcherConfig {
+            timeout: Duration::from_millis(300),
+            lease: Duration::from_millis(1200),
+            batch: 6,
+            concurrency: 1,
+            ..c
+        },
+    )
+    .await;
+    for p in 0..6 {
+        w.record_payment(&format!("pay-{p}")).await;
+    }
+    *w.faults.every.lock().unwrap() = Fault::LoseResponse; // every request ends in a timeout
+    for _ in 0..20 {
+        let seen: std::collections::HashSet<String> =
+            w.faults.keys_seen.lock().unwrap().iter().cloned().collect();
+        if seen.len() == 6 {
+            break;
+        }
+        w.dispatcher.run_once().await.unwrap();
+    }
+    let left = w.faults.lease_left_ms.lock().unwrap().clone();
+    assert!(left.len() >= 6, "{left:?}");
+    assert!(
+        left.iter().all(|ms| *ms >= 300),
+        "requests started with less than the timeout left on their lease (ms): {left:?}"
+    );
+}
+
+// ---- review §17 ---------------------------------------------------------------------------------
+
+/// A remote that keeps answering 409 (or 429) used to be retried forever, every second; after
+/// a bounded number of attempts the intent is parked, where `idem effects stuck` shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_409_and_429_answers_park_the_intent_after_a_bound() {
+    for status in [409, 429] {
+        let w = world().await;
+        let id = w.record_payment("pay-1").await;
+        *w.faults.every.lock().unwrap() = Fault::Always(status);
+        for _ in 0..40 {
+            w.expire_leases().await;
+            w.dispatcher.run_once().await.unwrap();
+        }
+        assert_eq!(w.status_of(id).await, "parked", "{status}");
+        let stuck = w.client_db.intents().stuck(10).await.unwrap();
+        let reason = stuck[0].reason.clone().unwrap_or_default();
+        assert!(reason.starts_with(&status.to_string()), "{reason}");
+        assert!(w.posts() < 40, "{status}: {} posts", w.posts());
+    }
+}
+
+/// A probe answer that is a JSON object says nothing by itself (`{"awards": []}` has no award);
+/// it used to count as applied, so the intent became `done` with the effect never applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_answer_that_does_not_meet_the_applied_condition_is_unknown_not_done() {
+    let w = world_with("/keyless/awards", |base| EffectPolicy {
+        probe: Some(Arc::new(HttpStatusProbe::new(
+            format!("{base}/odd-probe/{{payment_id}}"),
+            Some("Bearer settlement".to_owned()),
+        ))),
+        ..keyless(base, false)
+    })
+    .await;
+    let id = w.record_payment("pay-1").await;
+    *w.faults.next.lock().unwrap() = Fault::Unavailable; // a 503: maybe applied, maybe not
+    w.dispatcher.run_once().await.unwrap();
+    w.dispatcher.run_once().await.unwrap();
+    assert_eq!(w.awards().await, 0);
+    assert_eq!(w.status_of(id).await, "unknown", "done without an award");
+    assert_eq!(w.probes("unknown"), 1);
 }

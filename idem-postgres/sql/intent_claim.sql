@@ -10,4 +10,5 @@ WITH due AS (
 UPDATE {effect_intents} i
 SET attempts = i.attempts + 1, claimed_until = clock_timestamp() + $2 * interval '1 millisecond', updated_at = now()
 FROM due WHERE i.id = due.id
-RETURNING i.id, i.idem_key, i.effect, i.target, i.event_id, i.body::text AS body, i.traceparent, i.attempts
+RETURNING i.id, i.idem_key, i.effect, i.target, i.event_id, i.body::text AS body, i.traceparent, i.attempts,
+          i.sending_attempt

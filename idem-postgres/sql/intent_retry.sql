@@ -1,3 +1,3 @@
 UPDATE {effect_intents}
-SET status = 'pending', next_attempt_at = '-infinity', claimed_until = NULL, updated_at = now()
+SET status = 'pending', next_attempt_at = '-infinity', claimed_until = NULL, sending_attempt = NULL, updated_at = now()
 WHERE status IN ('parked', 'unknown') AND ($1::bigint[] IS NULL OR id = ANY($1))

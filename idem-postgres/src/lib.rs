@@ -89,6 +89,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0007_idempotency_claim_tokens.sql"),
     ),
     (
+        8,
+        "effect intent sending mark",
+        include_str!("../migrations/0008_intent_sending_mark.sql"),
+    ),
+    (
         9,
         "dead-letter replay",
         include_str!("../migrations/0009_dead_letter_replay.sql"),
@@ -135,6 +140,7 @@ struct Queries {
     intent_retry: String,
     intent_get: String,
     intent_resolve: String,
+    intent_mark_sending: String,
 }
 
 impl Queries {
@@ -171,6 +177,7 @@ impl Queries {
             intent_retry: r(include_str!("../sql/intent_retry.sql")),
             intent_get: r(include_str!("../sql/intent_get.sql")),
             intent_resolve: r(include_str!("../sql/intent_resolve.sql")),
+            intent_mark_sending: r(include_str!("../sql/intent_mark_sending.sql")),
         }
     }
 }
@@ -1179,6 +1186,7 @@ fn decode_intent(r: &PgRow) -> Result<idem_core::idempotency::ClaimedIntent> {
             traceparent: r.try_get("traceparent").map_err(dec)?,
         },
         attempt: r.try_get("attempts").map_err(dec)?,
+        unrecorded_send: r.try_get("sending_attempt").map_err(dec)?,
     })
 }
 
@@ -1198,6 +1206,8 @@ impl PgIntents {
         }
     }
 }
+
+use idem_core::idempotency::ClaimedRow;
 
 impl idem_core::idempotency::IntentStore for PgIntents {
     type Conn = PgConnection;
@@ -1236,7 +1246,36 @@ impl idem_core::idempotency::IntentStore for PgIntents {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| Error::database("claiming effect intents", e))?;
-        rows.iter().map(decode_intent).collect()
+        // Only a row's id and attempt number must decode; anything else parks the row.
+        let rows = rows
+            .iter()
+            .map(|r| {
+                Ok(ClaimedRow::of(
+                    decode_intent(r),
+                    r.try_get("id")?,
+                    r.try_get("attempts")?,
+                ))
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding claimed effect intents", e))?;
+        idem_core::idempotency::park_undecodable(self, rows).await
+    }
+
+    async fn mark_sending(
+        &self,
+        id: i64,
+        attempt: i32,
+        lease_left: std::time::Duration,
+    ) -> Result<bool> {
+        let n = sqlx::query(&self.queries.intent_mark_sending)
+            .bind(id)
+            .bind(attempt)
+            .bind(millis(lease_left))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("marking an effect intent as sending", e))?
+            .rows_affected();
+        Ok(n == 1)
     }
 
     async fn finish(
@@ -1374,6 +1413,7 @@ mod tests {
             &q.intent_retry,
             &q.intent_get,
             &q.intent_resolve,
+            &q.intent_mark_sending,
         ];
         let migrations: Vec<String> = MIGRATIONS.iter().map(|m| t.render(m.2, BASES)).collect();
         for sql in queries.into_iter().chain(migrations.iter()) {

@@ -6,4 +6,4 @@ WHERE id IN (
     WHERE status = 'pending' AND next_attempt_at <= ?3 AND (claimed_until IS NULL OR claimed_until < ?3)
     ORDER BY next_attempt_at, id
     LIMIT ?1)
-RETURNING id, idem_key, effect, target, event_id, body, traceparent, attempts
+RETURNING id, idem_key, effect, target, event_id, body, traceparent, attempts, sending_attempt

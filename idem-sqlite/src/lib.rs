@@ -83,6 +83,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0007_idempotency_claim_tokens.sql"),
     ),
     (
+        8,
+        "effect intent sending mark",
+        include_str!("../migrations/0008_intent_sending_mark.sql"),
+    ),
+    (
         9,
         "dead-letter replay",
         include_str!("../migrations/0009_dead_letter_replay.sql"),
@@ -132,6 +137,7 @@ struct Queries {
     intent_retry: String,
     intent_get: String,
     intent_resolve: String,
+    intent_mark_sending: String,
     intent_retry_one: String,
 }
 
@@ -170,6 +176,7 @@ impl Queries {
             intent_retry: r(include_str!("../sql/intent_retry.sql")),
             intent_get: r(include_str!("../sql/intent_get.sql")),
             intent_resolve: r(include_str!("../sql/intent_resolve.sql")),
+            intent_mark_sending: r(include_str!("../sql/intent_mark_sending.sql")),
             intent_retry_one: r(include_str!("../sql/intent_retry_one.sql")),
         }
     }
@@ -1083,6 +1090,7 @@ fn decode_intent(r: &SqliteRow) -> Result<idem_core::idempotency::ClaimedIntent>
             traceparent: r.try_get("traceparent").map_err(dec)?,
         },
         attempt: r.try_get("attempts").map_err(dec)?,
+        unrecorded_send: r.try_get("sending_attempt").map_err(dec)?,
     })
 }
 
@@ -1102,6 +1110,8 @@ impl SqliteIntents {
         }
     }
 }
+
+use idem_core::idempotency::ClaimedRow;
 
 impl idem_core::idempotency::IntentStore for SqliteIntents {
     type Conn = SqliteConnection;
@@ -1150,7 +1160,31 @@ impl idem_core::idempotency::IntentStore for SqliteIntents {
                 .await
         })
         .await?;
-        rows.iter().map(decode_intent).collect()
+        // Only a row's id and attempt number must decode; anything else parks the row.
+        let rows = rows
+            .iter()
+            .map(|r| {
+                Ok(ClaimedRow::of(
+                    decode_intent(r),
+                    r.try_get("id")?,
+                    r.try_get("attempts")?,
+                ))
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding claimed effect intents", e))?;
+        idem_core::idempotency::park_undecodable(self, rows).await
+    }
+
+    async fn mark_sending(&self, id: i64, attempt: i32, lease_left: Duration) -> Result<bool> {
+        let n = sqlx::query(&self.queries.intent_mark_sending)
+            .bind(id)
+            .bind(attempt)
+            .bind(now_ms().saturating_add(millis(lease_left)))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("marking an effect intent as sending", e))?
+            .rows_affected();
+        Ok(n == 1)
     }
 
     async fn finish(
@@ -1344,6 +1378,7 @@ mod tests {
             &q.intent_retry,
             &q.intent_get,
             &q.intent_resolve,
+            &q.intent_mark_sending,
             &q.intent_retry_one,
         ];
         let migrations: Vec<String> = MIGRATIONS.iter().map(|m| t.render(m.2, BASES)).collect();

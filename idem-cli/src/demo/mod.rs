@@ -392,12 +392,14 @@ async fn drive(
         );
         let config = DispatcherConfig {
             batch: 50,
+            // A probe and a request fit in the lease (2 × timeout + margin).
             lease: Duration::from_secs(3),
-            timeout: Duration::from_secs(2),
+            timeout: Duration::from_secs(1),
             backoff: Duration::from_millis(50),
             backoff_max: Duration::from_secs(1),
             authorization: Some("Bearer settlement".to_owned()),
             concurrency: 16,
+            ..DispatcherConfig::default()
         };
         tasks.push((
             "dispatcher",

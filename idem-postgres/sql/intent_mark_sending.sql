@@ -1,0 +1,6 @@
+-- Marks attempt $2 of intent $1 as sending, only while that attempt holds the lease for at
+-- least $3 ms more (by this server's clock). Committed before the request goes out.
+UPDATE {effect_intents}
+SET sending_attempt = $2, updated_at = now()
+WHERE id = $1 AND attempts = $2 AND status = 'pending'
+  AND claimed_until >= clock_timestamp() + $3 * interval '1 millisecond'
