@@ -114,8 +114,16 @@ pub struct ChaosReport {
 /// [`KAFKA_TRANSACTIONS`], replaces the settlement consumers' inbox with Kafka transactions
 /// (read_committed, offsets committed in a transaction after the database commit): "we turned
 /// on Kafka exactly-once" does not make a database side effect happen once.
+///
+/// `skip-sending-mark` is left out: the run's points route honours keys, so breaking the mark
+/// for keyless remotes would go unnoticed — a control that cannot fail. The battery catches it
+/// (`without_the_sending_mark_the_same_crash_awards_twice`, real processes killed).
 fn negative_controls() -> Vec<&'static str> {
-    BREAKABLE.to_vec()
+    BREAKABLE
+        .iter()
+        .copied()
+        .filter(|b| *b != idem_core::crash::BREAK_SKIP_SENDING_MARK)
+        .collect()
 }
 
 use idem_core::crash::BREAK_KAFKA_TRANSACTIONS as KAFKA_TRANSACTIONS;
