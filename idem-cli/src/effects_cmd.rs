@@ -49,6 +49,11 @@ pub struct PolicyArgs {
     /// `Authorization` header sent to the remote (it scopes keys per client).
     #[arg(long, env = "IDEM_EFFECT_AUTHORIZATION")]
     authorization: Option<String>,
+    /// Requests in flight at once; a claim takes this many intents (at least 50 per claim
+    /// otherwise). A slow request holds its claim until the timeout, so a remote that is
+    /// sometimes slow needs more.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    concurrency: u16,
 }
 
 impl PolicyArgs {
@@ -185,6 +190,8 @@ fn dispatcher<S: IntentStore>(
         lease: timeout.saturating_mul(3),
         lease_margin: timeout / 2,
         authorization: policy.authorization.clone(),
+        concurrency: usize::from(policy.concurrency),
+        batch: u32::from(policy.concurrency).max(DispatcherConfig::default().batch),
         ..DispatcherConfig::default()
     };
     Ok(

@@ -480,6 +480,10 @@ pub struct PointsApiArgs {
     /// (`IDEM_LAB_AWARD_DELAY`: how the chaos runner opens a slow window.)
     #[arg(long, env = "IDEM_LAB_AWARD_DELAY", value_parser = crate::relay_cmd::parse_duration)]
     award_delay: Option<Duration>,
+    /// Lab only, with `--award-delay`: only one key in this many is slow (by a hash of the key),
+    /// so the API keeps up while its slow awards are retried (`IDEM_LAB_SLOW_ONE_IN`).
+    #[arg(long, env = "IDEM_LAB_SLOW_ONE_IN", default_value_t = 1)]
+    award_delay_one_in: u32,
 }
 
 fn points_router<K: idem_core::idempotency::IdempotencyStore>(
@@ -495,10 +499,19 @@ fn points_router<K: idem_core::idempotency::IdempotencyStore>(
     match args.award_delay {
         Some(award_delay) => {
             eprintln!(
-                "idem points-api: LAB: every award waits {award_delay:?} (key lock {:?})",
+                "idem points-api: LAB: one key in {} waits {award_delay:?} per award (key lock {:?})",
+                args.award_delay_one_in.max(1),
                 args.key_lock
             );
-            lab_router(db, keys, config, Lab { award_delay })
+            lab_router(
+                db,
+                keys,
+                config,
+                Lab {
+                    award_delay,
+                    slow_one_in: args.award_delay_one_in,
+                },
+            )
         }
         None => router(db, keys, config),
     }

@@ -190,7 +190,7 @@ fn a_relay_that_never_parks_is_caught_wedged_by_a_hostile_row() {
     );
 }
 
-/// Without lock renewal, the slow points API window (awards of 4 s, a 1.5 s key lock, a 2 s
+/// Without lock renewal, the slow points API window (awards of 6 s, a 2 s key lock, a 2 s
 /// dispatcher timeout) lets a retry take over a live execution of its key.
 #[test]
 fn a_key_lock_that_is_not_renewed_is_caught_as_overlapping_executions() {

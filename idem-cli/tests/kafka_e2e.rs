@@ -54,8 +54,10 @@ fn relay(db: &str, b: &Broker, extra: &[&str]) -> Command {
     .args([
         "--producer-config",
         "message.timeout.ms=1400",
+        // The lease must outlast a claim plus one publish (2 × 1.4 s): claims took over a
+        // second under the full suite's load, and a 4 s lease had them abandoned again and again.
         "--lease",
-        "4s",
+        "8s",
         "--no-prune",
     ])
     .args(extra)

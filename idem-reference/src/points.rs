@@ -358,8 +358,22 @@ fn build<S: IdempotencyStore>(
 /// Lab options of the points API (`idem points-api --award-delay`), for the test harness only.
 #[derive(Clone, Debug, Default)]
 pub struct Lab {
-    /// How long every keyed award waits before it is stored.
+    /// How long a slow keyed award waits before it is stored.
     pub award_delay: Duration,
+    /// Which keys are slow: one in this many, chosen by a hash of the key (so every execution
+    /// of a key is slow or none is); 0 and 1 mean every key.
+    pub slow_one_in: u32,
+}
+
+impl Lab {
+    /// Whether awards with idempotency key `key` wait [`Lab::award_delay`].
+    pub fn is_slow(&self, key: &str) -> bool {
+        // FNV-1a: stable across processes and runs, unlike the std hasher.
+        let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        self.slow_one_in <= 1 || hash % u64::from(self.slow_one_in) == 0
+    }
 }
 
 /// Executions of keyed awards, per (client, key), as the lab sees them.
@@ -452,12 +466,15 @@ async fn lab_award(State(lab): State<Arc<LabState>>, req: Request, next: Next) -
         .get(idem_http::IDEMPOTENCY_KEY)
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         .unwrap_or_default();
+    let slow = lab.lab.is_slow(&key);
     let id = (client, key);
     if lab.enter(&id) {
         lab.record_overlap(&id).await;
     }
     let _running = Running(&lab, id);
-    tokio::time::sleep(lab.lab.award_delay).await;
+    if slow {
+        tokio::time::sleep(lab.lab.award_delay).await;
+    }
     next.run(req).await
 }
 

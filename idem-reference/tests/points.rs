@@ -151,6 +151,7 @@ async fn a_points_api_slower_than_its_key_lock_awards_once<K: IdempotencyStore>(
     };
     let lab = Lab {
         award_delay: Duration::from_millis(700),
+        slow_one_in: 1,
     };
     let app = lab_router(db, keys, config, lab);
     let body = r#"{"order_id":"order-1","payment_id":"pay-1","points":12}"#;
@@ -204,4 +205,30 @@ async fn a_points_api_slower_than_its_key_lock_awards_once_on_postgres() {
         pg.keys(),
     )
     .await;
+}
+
+/// The lab's slow keys: all of them by default; with `slow_one_in` a stable fraction, the same
+/// for every execution of a key (so a retry of a slow award is slow too).
+#[test]
+fn one_key_in_n_is_slow_and_always_the_same_keys() {
+    let every = Lab {
+        award_delay: Duration::from_millis(1),
+        slow_one_in: 1,
+    };
+    let some = Lab {
+        slow_one_in: 8,
+        ..every.clone()
+    };
+    let keys: Vec<String> = (0..800)
+        .map(|i| format!("\"event-{i}-points.award\""))
+        .collect();
+    assert!(keys.iter().all(|k| every.is_slow(k)));
+    let slow = keys.iter().filter(|k| some.is_slow(k)).count();
+    assert!((50..=150).contains(&slow), "{slow} of 800 keys slow");
+    // Another process (another instance) picks the same keys: no per-instance random hasher.
+    let other = Lab {
+        award_delay: Duration::from_secs(5),
+        slow_one_in: 8,
+    };
+    assert!(keys.iter().all(|k| some.is_slow(k) == other.is_slow(k)));
 }

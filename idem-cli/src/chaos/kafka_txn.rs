@@ -111,8 +111,22 @@ async fn consume<H: Handler<sqlx::PgConnection>>(
             let Ok(event) = idem_consumer::decode(d) else {
                 continue;
             };
-            if let Err(e) = handler.handle(&mut tx, &event).await {
-                anyhow::bail!("the handler failed on {}: {e:?}", event.event_id);
+            // Permanent failures (a foreign writer's hostile rows) are skipped, as the decode
+            // failures are: there is no dead-letter table in this design. Crashing on them
+            // would wedge the group, and the control would prove a wedge, not a duplicate.
+            sqlx::query("SAVEPOINT event").execute(&mut *tx).await?;
+            match handler.handle(&mut tx, &event).await {
+                Ok(()) => {}
+                Err(idem_consumer::HandlerError::Permanent(reason)) => {
+                    eprintln!(
+                        "idem kafka-txn-settlement: skipping {}: {reason}",
+                        event.event_id
+                    );
+                    sqlx::query("ROLLBACK TO SAVEPOINT event")
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                Err(e) => anyhow::bail!("the handler failed on {}: {e:?}", event.event_id),
             }
         }
         tx.commit().await?;

@@ -146,7 +146,8 @@ fn idem_cmd(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Command> {
         .env("RUST_LOG", "warn,idem=info")
         .env_remove("IDEM_CRASH_POINTS")
         .env_remove("IDEM_LAB_AWARD_DELAY")
-        .env_remove("IDEM_POINTS_KEY_LOCK");
+        .env_remove("IDEM_POINTS_KEY_LOCK")
+        .env_remove("IDEM_LAB_SLOW_ONE_IN");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -335,8 +336,9 @@ async fn drive(
                 &brokers,
                 "--topic-prefix",
                 &prefix,
+                // A claim plus one publish (2 × 2 s) must fit: claims under load take seconds.
                 "--lease",
-                "6s",
+                "8s",
                 "--producer-config",
                 "message.timeout.ms=2000",
                 "--batch-size",
@@ -413,6 +415,10 @@ async fn drive(
             "Bearer settlement",
             "--timeout",
             "2s",
+            // Spare capacity: in a slow window a slow award holds its claim until the timeout,
+            // and its retry must not queue behind a backlog (windows.rs).
+            "--concurrency",
+            "64",
             "--metrics-addr",
             "127.0.0.1:0",
         ]),

@@ -1,9 +1,13 @@
 //! Fault windows: conditions that last for seconds, unlike a kill.
 //!
-//! * **slow points API** — the points API is restarted with every award taking
-//!   [`AWARD_DELAY`], longer than the dispatcher's 2 s timeout and than its key lock
+//! * **slow points API** — the points API is restarted with one key in [`SLOW_ONE_IN`] taking
+//!   [`AWARD_DELAY`] per award, longer than the dispatcher's 2 s timeout and than its key lock
 //!   ([`KEY_LOCK`]): the dispatcher's retries arrive while the first execution still runs, and
-//!   only the layer's lock renewal keeps them from executing beside it. Overlapping executions
+//!   only the layer's lock renewal keeps them from executing beside it. An award outlasts the
+//!   timeout by 8 s and the dispatcher runs 64 requests at once, so a retry lands while the
+//!   first execution still runs. (Measured: with every key slow, or 8 requests at once, the
+//!   claims held by slow awards let retries queue behind the backlog until the first execution
+//!   had ended, and the negative control missed.) Overlapping executions
 //!   of one key are counted by the API in `points_lab_overlaps` and must stay 0.
 //! * **long lock** — the runner holds `LOCK TABLE settlements IN ACCESS EXCLUSIVE MODE` for
 //!   [`LOCK_HOLD`]; the settlement consumers run with a 50 ms `lock_timeout`, so every handler
@@ -17,12 +21,17 @@ use std::time::{Duration, Instant};
 use super::procs::{Proc, Role};
 use crate::demo::world::Pool;
 
-/// How long each award takes in a slow window.
-pub const AWARD_DELAY: &str = "4s";
+/// How long a slow award takes in a slow window.
+pub const AWARD_DELAY: &str = "10s";
+/// One key in this many is slow: the API keeps up with the rest, so a slow award's retries
+/// come within a second or two of the dispatcher's timeout instead of queueing behind a
+/// backlog of slow awards (which made the negative control miss: retries after the first
+/// execution ended found its stored response).
+pub const SLOW_ONE_IN: &str = "8";
 /// The points API's key lock in a slow window (renewed every third of it).
-pub const KEY_LOCK: &str = "1500ms";
+pub const KEY_LOCK: &str = "2s";
 /// How long a slow window lasts.
-const SLOW_FOR: Duration = Duration::from_secs(10);
+const SLOW_FOR: Duration = Duration::from_secs(15);
 /// How long the settlements table stays locked: under the consumers' 10 s
 /// `max.poll.interval.ms`, so a stalled member keeps its partitions.
 const LOCK_HOLD: Duration = Duration::from_secs(5);
@@ -66,6 +75,7 @@ impl Windows {
                 api.start(&[
                     ("IDEM_LAB_AWARD_DELAY", AWARD_DELAY.to_owned()),
                     ("IDEM_POINTS_KEY_LOCK", KEY_LOCK.to_owned()),
+                    ("IDEM_LAB_SLOW_ONE_IN", SLOW_ONE_IN.to_owned()),
                 ])?;
                 // Left alone while slow: a pause longer than the key lock would let a retry
                 // take over a live execution legitimately (the layer cannot renew while stopped).
@@ -105,8 +115,9 @@ impl Windows {
 
     fn close_slow(&mut self, procs: &mut [Proc]) -> anyhow::Result<()> {
         if let Some(api) = procs.iter_mut().find(|p| p.role == Role::Api) {
-            // A graceful stop lets the awards in flight finish and store their responses.
-            api.stop(Duration::from_secs(10));
+            // Slow awards in flight die unstored (as in any SIGKILL); their keys' locks lapse and
+            // the next attempt executes them.
+            api.kill9();
             api.armed_until = None;
             api.start(&[])?;
         }
