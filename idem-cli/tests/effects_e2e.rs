@@ -387,6 +387,11 @@ async fn keyless_dispatcher_kills_never_award_a_payment_twice() {
 async fn battery<B: Backend>(w: Keyless<B>, probe: bool) {
     w.abort_at(probe, "effect.after_http_success_before_record", false)
         .await;
+    // The first request of a fresh run reaches the point: the battery crashed for real.
+    assert!(
+        w.crashes() >= 1,
+        "the dispatcher never aborted at its crash point"
+    );
     w.kill_after_progress(probe).await;
     w.abort_at(probe, "effect.before_http@2", false).await;
     w.abort_at(probe, "effect.after_http_success_before_record@2", false)
