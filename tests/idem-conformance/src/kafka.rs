@@ -20,7 +20,7 @@ use crate::process::Proc;
 
 /// The repository's `scripts/kafka`.
 pub fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/kafka")
 }
 
 /// Runs `scripts/kafka ARGS` and returns the last line it printed (the bootstrap list).

@@ -17,7 +17,7 @@ pub const KAFKA: &str = "kafka";
 pub fn script() -> PathBuf {
     std::env::var_os("IDEM_KAFKA_SCRIPT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka"))
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/kafka"))
 }
 
 /// Where the brokers are.

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
+        .ancestors()
+        .nth(2)
         .unwrap()
         .to_owned()
 }
@@ -57,10 +58,17 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 /// names elsewhere do not count).
 fn metrics_in_code() -> BTreeSet<String> {
     let mut files = vec![];
-    for entry in std::fs::read_dir(root()).unwrap() {
-        let src = entry.unwrap().path().join("src");
-        if src.is_dir() {
-            rust_files(&src, &mut files);
+    // Crates sit one level down, in their role's folder (core/, engines/, stores/, ...).
+    for group in std::fs::read_dir(root()).unwrap() {
+        let group = group.unwrap().path();
+        if !group.is_dir() {
+            continue;
+        }
+        for entry in std::fs::read_dir(&group).unwrap() {
+            let src = entry.unwrap().path().join("src");
+            if src.is_dir() {
+                rust_files(&src, &mut files);
+            }
         }
     }
     let mut names = BTreeSet::new();

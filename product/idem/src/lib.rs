@@ -1,4 +1,4 @@
-#![doc = include_str!("../../README.md")]
+#![doc = include_str!("../../../README.md")]
 
 pub use idem_core::{
     BoxError, Claim, ClaimRequest, Completed, Error, Event, EventBuilder, EventId, Failure,
