@@ -3,7 +3,7 @@
 //! An [`Event`] is validated when it is built, so a malformed event is refused with a clear
 //! [`Error::InvalidEvent`] before anything touches the database. The same rules are enforced
 //! again by `CHECK` constraints in the outbox table, for writers in other languages
-//! (see `docs/outbox-contract.md`).
+//! (see `docs/integrating/outbox-contract.md`).
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -1,5 +1,5 @@
 //! What the metrics of the relay, the consumer and the effect stage share. The metrics
-//! themselves live next to the code that updates them; `docs/metrics.md` lists them all.
+//! themselves live next to the code that updates them; `docs/operating/metrics.md` lists them all.
 
 /// Buckets of the end-to-end latency histograms (`idem_outbox_commit_to_publish_seconds`,
 /// `idem_consumer_publish_to_processed_seconds`), in seconds: from an idle relay's poll interval

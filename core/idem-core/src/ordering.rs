@@ -129,7 +129,7 @@ mod tests {
         out
     }
 
-    /// The advice docs/relay.md used to give: apply a copy unless it is older than (or equal
+    /// The advice docs/operating/relay.md used to give: apply a copy unless it is older than (or equal
     /// to) the last applied one.
     fn skip_older(arrivals: &[i64]) -> Vec<i64> {
         let mut last = 0;

@@ -1,4 +1,4 @@
-#![doc = include_str!("../../../docs/verify.md")]
+#![doc = include_str!("../../../docs/operating/verify.md")]
 
 pub mod config;
 mod db;

@@ -1,5 +1,5 @@
 //! `idem prune`: retention of the consumer's inbox and of done effect intents, refused inside
-//! the redelivery horizon (docs/retention.md).
+//! the redelivery horizon (docs/operating/retention.md).
 
 use std::time::Duration;
 

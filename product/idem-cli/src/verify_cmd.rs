@@ -38,7 +38,7 @@ pub fn emit<R: serde::Serialize>(
 
 #[derive(Args, Debug)]
 pub struct VerifyArgs {
-    /// A TOML file naming the checks (see docs/verify.md); instead of the reference databases.
+    /// A TOML file naming the checks (see docs/operating/verify.md); instead of the reference databases.
     #[arg(long, conflicts_with_all = ["orders_db", "settlement_db", "points_db"])]
     config: Option<PathBuf>,
     /// Reference pipeline: the order database (orders + outbox).

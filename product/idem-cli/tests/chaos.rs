@@ -25,7 +25,7 @@ fn chaos(args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
 
 /// About two minutes of wall time: 40 s of faults (the broker killed and restarted among them),
 /// then settling and verification. The default 120 s run, which must fire every crash point, is
-/// recorded in docs/demo-and-chaos.md.
+/// recorded in docs/internals/demo-and-chaos.md.
 #[test]
 fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
     let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1"]);

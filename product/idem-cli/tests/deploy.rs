@@ -1,7 +1,7 @@
 //! The files under `deploy/` against the code: the Grafana dashboard is valid JSON wired to a
 //! `${DS_PROMETHEUS}` datasource input, and every metric the dashboard, the alert rules and
 //! their tests name is one the code exports (or `idem verify`'s gauge, documented) and is
-//! listed in `docs/metrics.md`, which lists nothing else. `promtool check rules` / `test rules`
+//! listed in `docs/operating/metrics.md`, which lists nothing else. `promtool check rules` / `test rules`
 //! (in `scripts/test`) check the rules themselves.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -99,9 +99,9 @@ fn metric_of(token: &str, known: &BTreeSet<String>) -> String {
     token.to_owned()
 }
 
-/// Metric names in the first column of docs/metrics.md's tables.
+/// Metric names in the first column of docs/operating/metrics.md's tables.
 fn documented() -> BTreeSet<String> {
-    read("docs/metrics.md")
+    read("docs/operating/metrics.md")
         .lines()
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split('`').next())
@@ -189,7 +189,7 @@ fn every_metric_the_deploy_files_name_is_exported_and_documented() {
             assert!(code.contains(m), "{file} uses {m}, which no code exports");
             assert!(
                 docs.contains(m),
-                "{file} uses {m}, which docs/metrics.md does not list"
+                "{file} uses {m}, which docs/operating/metrics.md does not list"
             );
         }
     }
@@ -204,12 +204,15 @@ fn the_metrics_page_lists_every_metric_and_nothing_else() {
     let code = metrics_in_code();
     let docs = documented();
     for m in &code {
-        assert!(docs.contains(m), "docs/metrics.md does not list {m}");
+        assert!(
+            docs.contains(m),
+            "docs/operating/metrics.md does not list {m}"
+        );
     }
     for m in &docs {
         assert!(
             code.contains(m),
-            "docs/metrics.md lists {m}, which no code exports"
+            "docs/operating/metrics.md lists {m}, which no code exports"
         );
     }
 }

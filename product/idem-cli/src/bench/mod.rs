@@ -1,5 +1,5 @@
 //! `idem bench`: what idem costs on this hardware, next to same-run baselines of the same
-//! PostgreSQL server and broker (see docs/performance.md).
+//! PostgreSQL server and broker (see docs/operating/performance.md).
 //!
 //! The baselines run first — durable single-row inserts, the consumer's and the relay's own SQL
 //! called directly, bare rdkafka produce and consume — then the system: the relay and the

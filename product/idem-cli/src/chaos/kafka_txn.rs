@@ -11,7 +11,7 @@
 //! relay published twice makes the handler apply an event again: duplicate effects, which the
 //! chaos run must report. It is the test behind the seed article's warning that "we turned on
 //! Kafka exactly-once, so there are no duplicates" is false for database side effects
-//! (docs/duplicate-windows.md). Never use this consumer for anything but that proof.
+//! (docs/concepts/duplicate-windows.md). Never use this consumer for anything but that proof.
 
 use std::time::Duration;
 

@@ -1,0 +1,247 @@
+//! The documentation against the tree: every test that `docs/concepts/duplicate-windows.md`
+//! names as the proof of a window exists (so the table cannot point at a test that was renamed
+//! or deleted), and the README's layout block lists exactly the workspace's crates and the
+//! repository's top-level folders, each of which exists.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors()
+        .find(|p| p.join("Cargo.lock").is_file())
+        .map_or_else(|| here.to_owned(), Path::to_owned)
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("reading {rel}: {e}"))
+}
+
+/// Every `.rs` file of the repository, outside build output.
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() {
+            if name != "target" && !name.starts_with('.') {
+                rust_files(&path, out);
+            }
+        } else if name.ends_with(".rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// Every identifier in the code (comments left out) of the repository's Rust files: test
+/// functions, and the names that test-stamping macros give the tests they generate.
+fn identifiers() -> BTreeSet<String> {
+    let mut files = vec![];
+    rust_files(&root(), &mut files);
+    let mut names = BTreeSet::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for line in text.lines() {
+            let code = line.split("//").next().unwrap_or_default();
+            names.extend(
+                code.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .filter(|w| !w.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+    }
+    names
+}
+
+/// The cells of every table column headed `test`.
+fn test_cells(markdown: &str) -> Vec<String> {
+    let mut cells = vec![];
+    let mut column = None;
+    for line in markdown.lines() {
+        let Some(row) = line.trim().strip_prefix('|') else {
+            column = None;
+            continue;
+        };
+        let row: Vec<&str> = row
+            .trim_end_matches('|')
+            .split('|')
+            .map(str::trim)
+            .collect();
+        if row
+            .iter()
+            .all(|c| c.chars().all(|ch| ch == '-' || ch == ':'))
+        {
+            continue;
+        }
+        match column {
+            None => column = Some(row.iter().position(|c| *c == "test")),
+            Some(Some(i)) => cells.extend(row.get(i).map(|c| (*c).to_owned())),
+            Some(None) => {}
+        }
+    }
+    cells
+}
+
+/// Backticked test names in a cell: snake_case identifiers, where `{a,b}` stands for each
+/// alternative and `*` for any text.
+fn names_in(cell: &str) -> Vec<String> {
+    cell.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|t| {
+            // Test names are sentences; table and column names have fewer words.
+            t.matches('_').count() >= 3
+                && t.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "_*{},".contains(c))
+        })
+        .flat_map(expand)
+        .collect()
+}
+
+fn expand(pattern: &str) -> Vec<String> {
+    let (Some(open), Some(close)) = (pattern.find('{'), pattern.find('}')) else {
+        return vec![pattern.to_owned()];
+    };
+    pattern[open + 1..close]
+        .split(',')
+        .flat_map(|alt| {
+            expand(&format!(
+                "{}{alt}{}",
+                &pattern[..open],
+                &pattern[close + 1..]
+            ))
+        })
+        .collect()
+}
+
+fn matches(pattern: &str, name: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == name;
+    }
+    let mut rest = name;
+    for (i, part) in parts.iter().enumerate() {
+        match rest.find(part) {
+            Some(at) if i > 0 || at == 0 => rest = &rest[at + part.len()..],
+            _ => return false,
+        }
+    }
+    parts
+        .last()
+        .is_some_and(|p| p.is_empty() || name.ends_with(p))
+}
+
+#[test]
+fn every_test_the_duplicate_windows_table_names_exists() {
+    let doc = read("docs/concepts/duplicate-windows.md");
+    let fns = identifiers();
+    let named: Vec<String> = test_cells(&doc).iter().flat_map(|c| names_in(c)).collect();
+    assert!(
+        named.len() > 30,
+        "found only {} test names in the table",
+        named.len()
+    );
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|n| !fns.iter().any(|f| matches(n, f)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/concepts/duplicate-windows.md names tests that do not exist: {missing:?}"
+    );
+}
+
+#[test]
+fn a_renamed_test_would_be_reported() {
+    let fns = identifiers();
+    // Built at run time, so that this file does not itself contain the missing name.
+    let cell = format!(
+        "`{}_{}` (both databases), `duplicate_event_id_is_refused`",
+        "no_such_test", "exists_anywhere"
+    );
+    let names = names_in(&cell);
+    assert_eq!(names.len(), 2);
+    assert!(!fns.iter().any(|f| matches(&names[0], f)));
+    assert!(fns.iter().any(|f| matches(&names[1], f)));
+    assert_eq!(expand("a_{x,y}_b"), ["a_x_b", "a_y_b"]);
+    assert!(matches("*_records_one", "postgres_records_one"));
+    assert!(!matches("*_records_one", "postgres_records_one_more"));
+}
+
+/// The first column of the README's layout block.
+fn layout_paths() -> Vec<String> {
+    let readme = read("README.md");
+    let block = readme
+        .split("## Layout")
+        .nth(1)
+        .and_then(|s| s.split("```text").nth(1))
+        .and_then(|s| s.split("```").next())
+        .expect("README.md has a ```text block under ## Layout");
+    block
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(|p| p.trim_end_matches('/').to_owned())
+        .collect()
+}
+
+#[test]
+fn the_readme_layout_matches_the_tree() {
+    let listed = layout_paths();
+    for p in &listed {
+        assert!(
+            root().join(p).exists(),
+            "README.md's layout lists {p}, which does not exist"
+        );
+    }
+    let manifest = read("Cargo.toml");
+    let members = manifest
+        .split("members = [")
+        .nth(1)
+        .and_then(|s| s.split(']').next())
+        .expect("the workspace lists its members");
+    for member in members
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| !m.is_empty())
+    {
+        assert!(
+            listed.iter().any(|p| p == member),
+            "README.md's layout does not list the workspace member {member}"
+        );
+    }
+    for entry in std::fs::read_dir(root()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() && !name.starts_with('.') && name != "target" {
+            assert!(
+                listed
+                    .iter()
+                    .any(|p| p == &name || p.starts_with(&format!("{name}/"))),
+                "README.md's layout does not mention the folder {name}/"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_crash_point_and_negative_control_is_documented() {
+    let crash_doc = read("docs/reference/crash-points.md");
+    let windows = read("docs/concepts/duplicate-windows.md");
+    for point in idem_core::crash::CRASH_POINTS {
+        assert!(
+            crash_doc.contains(point),
+            "docs/reference/crash-points.md does not list {point}"
+        );
+        assert!(
+            windows.contains(point),
+            "docs/concepts/duplicate-windows.md has no window for {point}"
+        );
+    }
+    let lab = read("docs/internals/demo-and-chaos.md");
+    for control in idem_core::crash::BREAKABLE {
+        assert!(
+            lab.contains(&format!("`{control}`")),
+            "docs/internals/demo-and-chaos.md does not describe the negative control {control}"
+        );
+    }
+}
