@@ -36,7 +36,10 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
-use rdkafka::producer::{DefaultProducerContext, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::future_producer::OwnedDeliveryResult;
+use rdkafka::producer::{
+    DefaultProducerContext, DeliveryFuture, FutureProducer, FutureRecord, Producer,
+};
 
 pub mod admin;
 pub mod inspect;
@@ -414,16 +417,8 @@ impl Publisher for KafkaPublisher {
         let enqueue_deadline = std::time::Instant::now() + self.message_timeout;
         if let Err(e) = self.create_missing_topics(messages).await {
             tracing::warn!(error = %e, "could not create the batch's topics; the batch is retried");
-            let reason = format!("not sent: {e}");
-            return messages
-                .iter()
-                .map(|_| {
-                    Err(PublishError {
-                        kind: FailureKind::NotSent,
-                        reason: reason.clone(),
-                    })
-                })
-                .collect();
+            let failed = not_sent(format!("not sent: {e}"));
+            return messages.iter().map(|_| Err(failed.clone())).collect();
         }
         self.check_durability(messages);
         let producer = self.current();
@@ -434,81 +429,32 @@ impl Publisher for KafkaPublisher {
         // messages of the same key are held back to keep their order.
         let mut broken: HashSet<(&str, &str)> = HashSet::new();
         for (i, m) in messages.iter().enumerate() {
-            if std::time::Instant::now() >= enqueue_deadline {
-                results[i] = Some(Err(PublishError {
-                    kind: FailureKind::NotSent,
-                    reason: "not sent: the batch could not be enqueued within message.timeout.ms"
-                        .to_owned(),
-                }));
-                continue;
-            }
-            if broken.contains(&(m.topic.as_str(), m.key.as_str())) {
-                results[i] = Some(Err(PublishError {
-                    kind: FailureKind::NotSent,
-                    reason: "held back: an earlier message of the same key failed in this batch"
-                        .to_owned(),
-                }));
-                continue;
-            }
-            let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
-            for (k, v) in &m.headers {
-                headers = headers.insert(Header {
-                    key: k.as_str(),
-                    value: Some(v.as_bytes()),
-                });
-            }
-            let mut record = FutureRecord::to(&m.topic)
-                .key(m.key.as_bytes())
-                .payload(m.payload.as_bytes())
-                .headers(headers);
-            loop {
-                match producer.send_result(record) {
-                    Ok(fut) => {
-                        pending.push((i, fut));
-                        break;
-                    }
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
-                        if std::time::Instant::now() >= enqueue_deadline =>
-                    {
-                        broken.insert((m.topic.as_str(), m.key.as_str()));
-                        results[i] = Some(Err(PublishError {
-                            kind: FailureKind::NotSent,
-                            reason:
-                                "not sent: the producer queue stayed full for message.timeout.ms"
-                                    .to_owned(),
-                        }));
-                        break;
-                    }
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                        // The bounded local queue is full: wait for deliveries, then retry.
-                        record = back;
-                        tokio::time::sleep(Duration::from_millis(2)).await;
-                    }
-                    Err((e, _)) => {
-                        broken.insert((m.topic.as_str(), m.key.as_str()));
-                        results[i] = Some(Err(failure(&e)));
-                        break;
-                    }
+            let sent = if std::time::Instant::now() >= enqueue_deadline {
+                Err(not_sent(
+                    "not sent: the batch could not be enqueued within message.timeout.ms",
+                ))
+            } else if broken.contains(&(m.topic.as_str(), m.key.as_str())) {
+                Err(not_sent(
+                    "held back: an earlier message of the same key failed in this batch",
+                ))
+            } else {
+                let sent = enqueue(&producer, m, enqueue_deadline).await;
+                if sent.is_err() {
+                    broken.insert((m.topic.as_str(), m.key.as_str()));
                 }
+                sent
+            };
+            match sent {
+                Ok(fut) => pending.push((i, fut)),
+                Err(e) => results[i] = Some(Err(e)),
             }
         }
         let (idx, futs): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
         let mut timed_out = false;
         for (i, report) in idx.into_iter().zip(join_all(futs).await) {
-            results[i] = Some(match report {
-                Ok(Ok(_delivery)) => Ok(()),
-                Ok(Err((e, _msg))) => {
-                    timed_out |= matches!(
-                        e,
-                        KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut)
-                    );
-                    Err(failure(&e))
-                }
-                Err(_canceled) => Err(PublishError {
-                    kind: FailureKind::Transient,
-                    reason: "the delivery report was lost (producer shut down)".to_owned(),
-                }),
-            });
+            let (result, timeout) = delivery_result(report);
+            timed_out |= timeout;
+            results[i] = Some(result);
         }
         self.replace_if_broken(&producer, timed_out);
         results
@@ -522,6 +468,75 @@ impl Publisher for KafkaPublisher {
                 })
             })
             .collect()
+    }
+}
+
+/// A message that never reached the producer's queue.
+fn not_sent(reason: impl Into<String>) -> PublishError {
+    PublishError {
+        kind: FailureKind::NotSent,
+        reason: reason.into(),
+    }
+}
+
+/// Puts one message in the producer's bounded queue, waiting for room until `deadline`.
+async fn enqueue(
+    producer: &FutureProducer,
+    m: &Message,
+    deadline: std::time::Instant,
+) -> std::result::Result<DeliveryFuture, PublishError> {
+    let mut headers = OwnedHeaders::new_with_capacity(m.headers.len());
+    for (k, v) in &m.headers {
+        headers = headers.insert(Header {
+            key: k.as_str(),
+            value: Some(v.as_bytes()),
+        });
+    }
+    let mut record = FutureRecord::to(&m.topic)
+        .key(m.key.as_bytes())
+        .payload(m.payload.as_bytes())
+        .headers(headers);
+    loop {
+        match producer.send_result(record) {
+            Ok(fut) => return Ok(fut),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
+                if std::time::Instant::now() >= deadline =>
+            {
+                return Err(not_sent(
+                    "not sent: the producer queue stayed full for message.timeout.ms",
+                ));
+            }
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                // The bounded local queue is full: wait for deliveries, then retry.
+                record = back;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            Err((e, _)) => return Err(failure(&e)),
+        }
+    }
+}
+
+/// A delivery report as a publish result, and whether it was a message timeout (the producer
+/// may then be wedged: see `replace_if_broken`).
+fn delivery_result(
+    report: std::result::Result<OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
+) -> (std::result::Result<(), PublishError>, bool) {
+    match report {
+        Ok(Ok(_delivery)) => (Ok(()), false),
+        Ok(Err((e, _msg))) => {
+            let timeout = matches!(
+                e,
+                KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut)
+            );
+            (Err(failure(&e)), timeout)
+        }
+        Err(_canceled) => (
+            Err(PublishError {
+                kind: FailureKind::Transient,
+                reason: "the delivery report was lost (producer shut down)".to_owned(),
+            }),
+            false,
+        ),
     }
 }
 
