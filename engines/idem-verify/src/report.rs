@@ -320,6 +320,25 @@ impl Report {
             }
         );
         let _ = writeln!(out);
+        self.write_counts(&mut out);
+        self.attempts.write(&mut out);
+        for c in &self.checks {
+            c.write_findings(&mut out);
+        }
+        for u in &self.unique {
+            for d in &u.duplicates {
+                let _ = writeln!(
+                    out,
+                    "DUPLICATE unique {:?} key {}: {} rows",
+                    u.name, d.key, d.rows
+                );
+            }
+        }
+        out
+    }
+
+    /// One line per check and event type, then the uniqueness checks.
+    fn write_counts(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "{:<14} {:<14} {:>10} {:>14} {:>10} {:>14} {:>8} {:>10} {:>10} {:>8} {:>8}",
@@ -361,7 +380,13 @@ impl Report {
                 u.name, u.rows, u.duplicated_keys
             );
         }
-        let a = &self.attempts;
+    }
+}
+
+impl Attempts {
+    /// The attempts section: duplicates absorbed, which are allowed.
+    fn write(&self, out: &mut String) {
+        let a = self;
         if !(a.outbox.is_empty() && a.inbox.is_empty() && a.effects.is_empty()) {
             let _ = writeln!(out, "\nattempts (duplicates absorbed, allowed):");
         }
@@ -406,19 +431,6 @@ impl Report {
                 e.unknown
             );
         }
-        for c in &self.checks {
-            c.write_findings(&mut out);
-        }
-        for u in &self.unique {
-            for d in &u.duplicates {
-                let _ = writeln!(
-                    out,
-                    "DUPLICATE unique {:?} key {}: {} rows",
-                    u.name, d.key, d.rows
-                );
-            }
-        }
-        out
     }
 }
 
