@@ -20,7 +20,7 @@
 //! recorded (`effect.after_http_success_before_record`) leads to a new attempt with the same
 //! key, which the remote answers from its stored response. A remote that ignores keys would
 //! apply it twice: declare it with an [`EffectPolicy`] (`remote_ignores_keys`). The dispatcher
-//! then commits a sending mark before every request ([`IntentStore::mark_sending`]); an attempt
+//! then commits a sending mark before every request ([`IntentStore::mark_sending`](idem_core::idempotency::IntentStore::mark_sending)); an attempt
 //! that finds an earlier attempt's mark with no recorded outcome (the dispatcher died or lost
 //! its lease after sending) and every ambiguous failure go to the [`StatusProbe`], or, without
 //! one, to the *unknown* state instead of a re-send; a [`Compensation`] settles unknown intents.
@@ -31,7 +31,7 @@
 //!
 //! # Layout
 //!
-//! [`classify`] holds the pure decisions (an answer → a [`Verdict`], waits, lease checks),
+//! [`classify`](mod@classify) holds the pure decisions (an answer → a [`Verdict`], waits, lease checks),
 //! `dispatcher.rs` the I/O around them ([`Dispatcher`], [`Dispatcher::run`]),
 //! [`remote`] the remotes that ignore keys, [`EffectMetrics`] the metrics and
 //! [`IntentStatus`] an intent's stored state.

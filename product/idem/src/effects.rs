@@ -1,3 +1,6 @@
+//! The effect stage: effect intents recorded in a handler's transaction, delivered by the
+//! [`Dispatcher`] with the same `Idempotency-Key` on every attempt.
+//!
 //! Recording an effect from a handler is one call, [`RecordEffect::record_effect`], on the
 //! intent store of the handler's database:
 //!

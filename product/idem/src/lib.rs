@@ -56,8 +56,6 @@ pub mod consumer {
     };
 }
 
-/// The effect stage: effect intents recorded in a handler's transaction, delivered by the
-/// [`Dispatcher`](effects::Dispatcher) with the same `Idempotency-Key` on every attempt.
 #[cfg(feature = "effects")]
 #[cfg_attr(docsrs, doc(cfg(feature = "effects")))]
 pub mod effects;
