@@ -32,7 +32,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::idempotency::{ClaimedIntent, IdempotencyKey};
+use idem_core::idempotency::{ClaimedIntent, IdempotencyKey, KeyError};
 
 /// A boxed future (the probe and compensation traits are used as trait objects).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -74,12 +74,65 @@ pub trait StatusProbe: Send + Sync + 'static {
 /// Undoes whatever an intent's unknown attempts may have done. It must be safe to run when the
 /// effect never happened, and safe to run twice.
 pub trait Compensation: Send + Sync + 'static {
-    /// Compensates `intent`; `Err` carries the reason it could not.
+    /// Compensates `intent`: `Ok` carries a note for the intent's reason, `Err` why it could
+    /// not.
     fn compensate<'a>(
         &'a self,
         client: &'a reqwest::Client,
         intent: &'a ClaimedIntent,
-    ) -> BoxFuture<'a, Result<String, String>>;
+    ) -> BoxFuture<'a, Result<String, CompensationError>>;
+}
+
+/// Why a URL template could not be filled from an intent.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TemplateError {
+    /// A `{` without its `}`.
+    #[error("unclosed '{{' in URL template {template:?}")]
+    Unclosed {
+        /// The template.
+        template: String,
+    },
+    /// The body has no string or number field of that name.
+    #[error("the intent body has no string or number field {field:?} for the URL template")]
+    MissingField {
+        /// The field the template names.
+        field: String,
+    },
+}
+
+/// Why a [`Compensation`] could not compensate; the intent is left as it was.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompensationError {
+    /// Its URL could not be built.
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    /// Its key could not be built (an effect name too long for a key).
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    /// The request got no answer.
+    #[error("compensation {url}: {source}")]
+    Request {
+        /// Where it was sent.
+        url: String,
+        /// The client's error.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The remote answered with a status that does not mean compensated.
+    #[error("compensation {url} answered {status}: {body}")]
+    Refused {
+        /// Where it was sent.
+        url: String,
+        /// The status.
+        status: u16,
+        /// The start of the body.
+        body: String,
+    },
+    /// A compensation of one's own failed for this reason.
+    #[error("{0}")]
+    Other(String),
 }
 
 /// How the dispatcher treats one effect's remote.
@@ -111,16 +164,16 @@ impl std::fmt::Debug for EffectPolicy {
 pub(crate) type Policies = HashMap<String, EffectPolicy>;
 
 /// Fills a URL template: `{key}`, `{event_id}`, `{effect}` and `{field}` for a top-level string
-/// or number field of the intent's body (percent-encoded). `None` names the missing field.
-pub fn fill_template(template: &str, intent: &ClaimedIntent) -> Result<String, String> {
+/// or number field of the intent's body (percent-encoded). The error names the missing field.
+pub fn fill_template(template: &str, intent: &ClaimedIntent) -> Result<String, TemplateError> {
     let mut out = String::with_capacity(template.len() + 32);
     let mut rest = template;
     while let Some(open) = rest.find('{') {
         out.push_str(&rest[..open]);
         let after = &rest[open + 1..];
-        let close = after
-            .find('}')
-            .ok_or_else(|| format!("unclosed '{{' in URL template {template:?}"))?;
+        let close = after.find('}').ok_or_else(|| TemplateError::Unclosed {
+            template: template.to_owned(),
+        })?;
         let name = &after[..close];
         let value = match name {
             "key" => intent.key.as_str().to_owned(),
@@ -130,9 +183,9 @@ pub fn fill_template(template: &str, intent: &ClaimedIntent) -> Result<String, S
                 Some(serde_json::Value::String(s)) => s.clone(),
                 Some(serde_json::Value::Number(n)) => n.to_string(),
                 _ => {
-                    return Err(format!(
-                        "the intent body has no string or number field {field:?} for the URL template"
-                    ));
+                    return Err(TemplateError::MissingField {
+                        field: field.to_owned(),
+                    });
                 }
             },
         };
@@ -236,7 +289,11 @@ impl StatusProbe for HttpStatusProbe {
         Box::pin(async move {
             let url = match fill_template(&self.template, intent) {
                 Ok(u) => u,
-                Err(reason) => return Probe::Unknown { reason },
+                Err(e) => {
+                    return Probe::Unknown {
+                        reason: e.to_string(),
+                    };
+                }
             };
             let mut req = client.get(&url);
             if let Some(a) = &self.authorization {
@@ -296,9 +353,9 @@ impl HttpCompensation {
 }
 
 /// The key of an intent's compensation: `event-<event id>-<effect>.compensate`.
-pub fn compensation_key(intent: &ClaimedIntent) -> Result<IdempotencyKey, String> {
+pub fn compensation_key(intent: &ClaimedIntent) -> Result<IdempotencyKey, KeyError> {
     let effect = format!("{}.compensate", intent.intent.effect);
-    IdempotencyKey::for_effect(intent.intent.event_id, &effect).map_err(|e| e.to_string())
+    IdempotencyKey::for_effect(intent.intent.event_id, &effect)
 }
 
 impl Compensation for HttpCompensation {
@@ -306,7 +363,7 @@ impl Compensation for HttpCompensation {
         &'a self,
         client: &'a reqwest::Client,
         intent: &'a ClaimedIntent,
-    ) -> BoxFuture<'a, Result<String, String>> {
+    ) -> BoxFuture<'a, Result<String, CompensationError>> {
         Box::pin(async move {
             let url = fill_template(&self.template, intent)?;
             let key = compensation_key(intent)?;
@@ -317,17 +374,17 @@ impl Compensation for HttpCompensation {
             if let Some(a) = &self.authorization {
                 req = req.header("authorization", a);
             }
-            let resp = req
-                .send()
-                .await
-                .map_err(|e| format!("compensation {url}: {e}"))?;
+            let resp = match req.send().await {
+                Ok(resp) => resp,
+                Err(source) => return Err(CompensationError::Request { url, source }),
+            };
             let status = resp.status().as_u16();
             let body = resp.text().await.unwrap_or_default();
             let body: String = body.chars().take(200).collect();
             match status {
                 200..=299 => Ok(format!("compensated by {url}: {status} {body}")),
                 404 => Ok(format!("nothing to compensate at {url}: 404 {body}")),
-                _ => Err(format!("compensation {url} answered {status}: {body}")),
+                _ => Err(CompensationError::Refused { url, status, body }),
             }
         })
     }
@@ -397,6 +454,7 @@ mod tests {
         assert!(
             fill_template("http://h/{nested}", &c)
                 .unwrap_err()
+                .to_string()
                 .contains("nested")
         );
         assert!(fill_template("http://h/{oops", &c).is_err());

@@ -869,3 +869,41 @@ async fn a_probe_answer_that_does_not_meet_the_applied_condition_is_unknown_not_
     assert_eq!(w.status_of(id).await, "unknown", "done without an award");
     assert_eq!(w.probes("unknown"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_dispatches_until_shutdown_with_a_dispatcher_built_without_a_registry() {
+    let w = world().await;
+    w.record(7).await;
+    *w.faults.next.lock().unwrap() = Fault::Unavailable;
+    let d = Dispatcher::builder(w.client_db.intents())
+        .config(w.config.clone())
+        .policy("points.award", w.policy.clone())
+        .build()
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        d.run(async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while w.status().await != "1" {
+        assert!(tokio::time::Instant::now() < deadline, "never delivered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .expect("run stops on shutdown")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        w.awards().await,
+        1,
+        "the 503 was retried once, applied once"
+    );
+    let seen = w.faults.keys_seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0], seen[1]);
+}

@@ -1,15 +1,95 @@
 #![doc = include_str!("../../../README.md")]
+//!
+//! # The facade
+//!
+//! `idem` is the one dependency a user needs (and `sqlx` for one's own queries). Each stage is
+//! a Cargo feature and a module:
+//!
+//! | feature | module | what |
+//! |---|---|---|
+//! | `postgres` (default) | [`postgres`] | the PostgreSQL stores |
+//! | `sqlite` (default) | [`sqlite`] | the SQLite stores |
+//! | `relay` | `relay` | outbox rows to a broker |
+//! | `consumer` | `consumer` | the consumer runtime: inbox, [`Handler`](consumer::Handler)s, dead letters |
+//! | `kafka` | `kafka` | the Kafka source and publisher, the embedded mock cluster |
+//! | `http` | `http` | the server-side `Idempotency-Key` layer (axum) |
+//! | `effects` | `effects` | recording effect intents in a handler, the dispatcher |
+//! | `verify` | `verify` | reconciliation |
+//! | `full` | | all of them |
+//!
+//! [`prelude`] holds what a handler is written with.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_core::{
     BoxError, Claim, ClaimRequest, Completed, Error, Event, EventBuilder, EventId, Failure,
-    FailureKind, Message, OutboxRecord, OutboxStatus, OutboxStore, Outcome, ParkedRow, PrunePolicy,
-    PublishError, Publisher, Result, TableNames, crash, event, trace,
+    FailureKind, InboundEvent, Message, OutboxRecord, OutboxStatus, OutboxStore, Outcome,
+    ParkedRow, PrunePolicy, PublishError, Publisher, Result, TableNames, crash, event, trace,
 };
 
-/// The PostgreSQL outbox (production).
+pub mod prelude;
+
+/// The PostgreSQL stores (production).
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idem_postgres as postgres;
 
-/// The SQLite outbox (embedded default).
+/// The SQLite stores (embedded default).
 #[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use idem_sqlite as sqlite;
+
+/// The relay: claims outbox rows and publishes them, at least once.
+#[cfg(feature = "relay")]
+#[cfg_attr(docsrs, doc(cfg(feature = "relay")))]
+pub mod relay {
+    pub use idem_relay::*;
+}
+
+/// The consumer runtime: at-least-once delivery in, the handler's writes applied once (inbox in
+/// the handler's transaction, offsets committed after it).
+#[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
+pub mod consumer {
+    pub use idem_consumer::*;
+    pub use idem_core::{
+        DeadLetter, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, LagProbe, Source,
+    };
+}
+
+#[cfg(feature = "effects")]
+#[cfg_attr(docsrs, doc(cfg(feature = "effects")))]
+pub mod effects;
+
+/// Kafka: the source a consumer reads, the publisher a relay writes with, topics, and
+/// librdkafka's mock cluster for tests and embedded runs.
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub mod kafka {
+    pub use idem_kafka::*;
+}
+
+/// The server side of `Idempotency-Key`: an axum layer that executes a keyed request once and
+/// replays its response.
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http {
+    pub use idem_core::idempotency::{
+        ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, KeyError, StoredResponse,
+    };
+    pub use idem_http::*;
+}
+
+/// Reconciliation: compares the outbox, the inbox and the business tables and names what was
+/// lost or applied twice.
+#[cfg(feature = "verify")]
+#[cfg_attr(docsrs, doc(cfg(feature = "verify")))]
+pub mod verify {
+    pub use idem_verify::*;
+}
+
+/// Metrics: the registry the stages' metrics are registered into.
+#[cfg(any(feature = "relay", feature = "consumer"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "relay", feature = "consumer"))))]
+pub mod metrics {
+    pub use prometheus::{Encoder, Registry, TextEncoder};
+}

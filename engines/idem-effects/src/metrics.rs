@@ -1,0 +1,147 @@
+//! The dispatcher's Prometheus metrics, labelled by effect and target host (bounded).
+
+use idem_core::Result;
+use prometheus::{IntCounterVec, Opts, Registry};
+
+/// Dispatcher metrics, labelled by effect and target host (bounded).
+#[derive(Clone)]
+pub struct EffectMetrics {
+    /// `idem_effect_attempts_total`.
+    pub attempts: IntCounterVec,
+    /// `idem_effect_success_total`.
+    pub successes: IntCounterVec,
+    /// `idem_effect_retry_total`.
+    pub retries: IntCounterVec,
+    /// `idem_idempotency_conflict_total` (client side: 422 from the remote).
+    pub conflicts: IntCounterVec,
+    /// `idem_effect_parked_total`.
+    pub parked: IntCounterVec,
+    /// `idem_effect_unknown_total`: intents whose outcome cannot be known (a remote without keys).
+    pub unknown: IntCounterVec,
+    /// `idem_effect_probe_total{result}`: status probes by what they found.
+    pub probes: IntCounterVec,
+    /// `idem_effect_compensation_total{result}`: compensations run, `ok` or `failed`.
+    pub compensations: IntCounterVec,
+    /// `idem_effect_lease_skip_total`: claimed intents not sent because too little of their
+    /// lease was left for the request (sent by a later claim).
+    pub lease_skips: IntCounterVec,
+}
+
+fn config_error(e: prometheus::Error) -> idem_core::Error {
+    idem_core::Error::Config(format!("registering effect metrics: {e}"))
+}
+
+impl EffectMetrics {
+    /// Creates and registers the metrics.
+    pub fn new(registry: &Registry) -> Result<Self> {
+        let m = Self::unregistered()?;
+        for c in m.all() {
+            registry
+                .register(Box::new(c.clone()))
+                .map_err(config_error)?;
+        }
+        Ok(m)
+    }
+
+    /// Creates the metrics without registering them anywhere (a dispatcher built without a
+    /// registry counts into these, and nobody scrapes them).
+    pub fn unregistered() -> Result<Self> {
+        let v = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["effect", "target"]).map_err(config_error)
+        };
+        let with_result = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["effect", "target", "result"])
+                .map_err(config_error)
+        };
+        Ok(EffectMetrics {
+            attempts: v(
+                "idem_effect_attempts_total",
+                "HTTP attempts of effect intents.",
+            )?,
+            successes: v(
+                "idem_effect_success_total",
+                "Effect intents completed with a 2xx.",
+            )?,
+            retries: v(
+                "idem_effect_retry_total",
+                "Attempts that will be retried with the same key.",
+            )?,
+            conflicts: v(
+                "idem_idempotency_conflict_total",
+                "Idempotency conflicts: the remote says the key was used with a different request (422).",
+            )?,
+            parked: v(
+                "idem_effect_parked_total",
+                "Effect intents parked for a person.",
+            )?,
+            unknown: v(
+                "idem_effect_unknown_total",
+                "Effect intents whose outcome cannot be known (the remote ignores keys and no probe could tell).",
+            )?,
+            probes: with_result(
+                "idem_effect_probe_total",
+                "Status probes asked before re-attempts, by result (applied, not_applied, unknown, unavailable).",
+            )?,
+            compensations: with_result(
+                "idem_effect_compensation_total",
+                "Compensations run on unknown or parked intents, by result (ok, failed).",
+            )?,
+            lease_skips: v(
+                "idem_effect_lease_skip_total",
+                "Claimed intents not sent because too little of their lease was left for the request.",
+            )?,
+        })
+    }
+
+    fn all(&self) -> [&IntCounterVec; 9] {
+        [
+            &self.attempts,
+            &self.successes,
+            &self.retries,
+            &self.conflicts,
+            &self.parked,
+            &self.unknown,
+            &self.probes,
+            &self.compensations,
+            &self.lease_skips,
+        ]
+    }
+}
+
+impl std::fmt::Debug for EffectMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<String> = self
+            .all()
+            .iter()
+            .filter_map(|c| {
+                prometheus::core::Collector::desc(*c)
+                    .first()
+                    .map(|d| d.fq_name.clone())
+            })
+            .collect();
+        f.debug_struct("EffectMetrics")
+            .field("metrics", &names)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_registered_only_into_a_given_registry() {
+        let registry = Registry::new();
+        let m = EffectMetrics::new(&registry).unwrap();
+        m.attempts.with_label_values(&["points.award", "h:1"]).inc();
+        assert!(
+            registry
+                .gather()
+                .iter()
+                .any(|f| f.name() == "idem_effect_attempts_total")
+        );
+        assert!(EffectMetrics::new(&registry).is_err(), "registered twice");
+        let loose = EffectMetrics::unregistered().unwrap();
+        assert!(format!("{loose:?}").contains("idem_effect_lease_skip_total"));
+    }
+}

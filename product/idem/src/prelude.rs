@@ -1,0 +1,11 @@
+//! What a handler, an enqueue or an effect is written with: `use idem::prelude::*;`.
+
+pub use idem_core::{Event, EventId, InboundEvent, OutboxStore, TableNames};
+
+#[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
+pub use idem_consumer::{Handler, HandlerError};
+
+#[cfg(feature = "effects")]
+#[cfg_attr(docsrs, doc(cfg(feature = "effects")))]
+pub use crate::effects::{EffectIntent, IntentStore, RecordEffect};
