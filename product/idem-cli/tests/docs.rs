@@ -168,8 +168,8 @@ fn a_renamed_test_would_be_reported() {
     assert!(!matches("*_records_one", "postgres_records_one_more"));
 }
 
-/// The first column of the README's layout block.
-fn layout_paths() -> Vec<String> {
+/// The README's layout block: each line's path (its first column) and description.
+fn layout() -> Vec<(String, String)> {
     let readme = read("README.md");
     let block = readme
         .split("## Layout")
@@ -179,14 +179,20 @@ fn layout_paths() -> Vec<String> {
         .expect("README.md has a ```text block under ## Layout");
     block
         .lines()
-        .filter_map(|l| l.split_whitespace().next())
-        .map(|p| p.trim_end_matches('/').to_owned())
+        .filter_map(|l| {
+            let (path, text) = l
+                .trim()
+                .split_once(char::is_whitespace)
+                .unwrap_or((l.trim(), ""));
+            (!path.is_empty()).then(|| (path.trim_end_matches('/').to_owned(), text.to_owned()))
+        })
         .collect()
 }
 
 #[test]
 fn the_readme_layout_matches_the_tree() {
-    let listed = layout_paths();
+    let lines = layout();
+    let listed: Vec<String> = lines.iter().map(|(p, _)| p.clone()).collect();
     for p in &listed {
         assert!(
             root().join(p).exists(),
@@ -204,8 +210,12 @@ fn the_readme_layout_matches_the_tree() {
         .map(|m| m.trim().trim_matches('"'))
         .filter(|m| !m.is_empty())
     {
+        // Listed by its path, or named on the line of the folder that holds it (examples/).
+        let (parent, name) = member.rsplit_once('/').unwrap_or(("", member));
         assert!(
-            listed.iter().any(|p| p == member),
+            lines
+                .iter()
+                .any(|(p, text)| p == member || (p == parent && text.contains(name))),
             "README.md's layout does not list the workspace member {member}"
         );
     }
