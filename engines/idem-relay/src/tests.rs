@@ -4,10 +4,14 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
+use idem_core::outbox::{ClaimRequest, Outcome};
+use idem_core::publish::{FailureKind, Message, PublishError};
 use idem_core::{Event, TableNames};
 use idem_sqlite::SqliteStore;
 
 use super::*;
+use crate::cycle::produce_deadline;
 
 /// Records every message; fails the event ids it is told to, with the given kind.
 #[derive(Default)]
