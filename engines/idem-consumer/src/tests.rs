@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use idem_core::TableNames;
-use idem_core::crash::Action;
+use idem_core::crash::{Action, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER};
 use idem_sqlite::SqliteInbox;
 use sqlx::SqliteConnection;
 
