@@ -659,3 +659,37 @@ async fn ten_thousand_hostile_header_values_do_not_make_ten_thousand_series() {
     }
     assert_eq!(total(&m.processed), 5_000, "nothing uncounted");
 }
+
+#[tokio::test]
+async fn a_built_consumer_registers_its_metrics_only_when_given_a_registry() {
+    let f = fixture().await;
+    let inbox = || SqliteInbox::new(f.pool.clone(), TableNames::default());
+    let mut quiet = Consumer::builder(inbox(), f.handler.clone(), f.source.clone(), "settlement")
+        .build()
+        .unwrap();
+    let r = quiet
+        .process(&[record(0, EventId::new(), "{}")])
+        .await
+        .unwrap();
+    assert_eq!(r.processed, 1);
+    assert_eq!(
+        total(&quiet.metrics().processed),
+        1,
+        "counted, not exported"
+    );
+    let registry = prometheus::Registry::new();
+    let exported = Consumer::builder(inbox(), f.handler.clone(), f.source.clone(), "settlement")
+        .registry(&registry)
+        .build()
+        .unwrap();
+    assert!(format!("{exported:?}").starts_with("Consumer {"));
+    let names: Vec<String> = registry
+        .gather()
+        .iter()
+        .map(|mf| mf.get_name().to_owned())
+        .collect();
+    assert!(
+        names.contains(&"idem_consumer_offset_commit_failures_total".to_owned()),
+        "{names:?}"
+    );
+}

@@ -466,3 +466,41 @@ async fn backlog_gauges_follow_each_aggregate_type_and_marked_rows_are_timed() {
         0.0
     );
 }
+
+#[tokio::test]
+async fn a_built_relay_registers_its_metrics_only_when_given_a_registry() {
+    let f = fixture().await;
+    f.enqueue("a", 1).await;
+    let quiet = Relay::builder(f.store.clone(), f.publisher)
+        .config(fast())
+        .build()
+        .unwrap();
+    assert_eq!(quiet.run_once().await.unwrap().published, 1);
+    assert_eq!(
+        quiet.metrics().published_total(),
+        1,
+        "counted, not exported"
+    );
+    let registry = prometheus::Registry::new();
+    let exported = Relay::builder(f.store.clone(), f.publisher)
+        .registry(&registry)
+        .build()
+        .unwrap();
+    assert!(format!("{exported:?}").starts_with("Relay {"));
+    let names: Vec<String> = registry
+        .gather()
+        .iter()
+        .map(|mf| mf.get_name().to_owned())
+        .collect();
+    assert!(
+        names.contains(&"idem_outbox_abandoned_total".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        Relay::builder(f.store.clone(), f.publisher)
+            .registry(&registry)
+            .build()
+            .is_err(),
+        "a second relay's metrics clash in the same registry"
+    );
+}
