@@ -57,11 +57,17 @@ pub struct WireRecord {
 impl WireRecord {
     /// The first header named `name`.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+        first_header(&self.headers, name)
     }
+}
+
+/// The value of the first header named `name` in `headers`: a record's reader takes the first
+/// of a name.
+pub fn first_header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
 }
 
 /// How the relay names topics.

@@ -186,22 +186,32 @@ impl Counts {
     }
 }
 
+/// A record of topic `t`, partition 0, key `k`, with `ce_id` `id` and `ce_type` `order.paid`,
+/// for unit tests.
+#[cfg(test)]
+pub(crate) fn test_delivery(offset: i64, id: &str, payload: &str) -> Delivery {
+    Delivery {
+        topic: "t".into(),
+        partition: 0,
+        offset,
+        key: Some("k".into()),
+        payload: Some(payload.as_bytes().to_vec()),
+        headers: vec![
+            ("ce_id".into(), id.into()),
+            ("ce_type".into(), "order.paid".into()),
+        ],
+        timestamp: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn record(offset: i64, id: &str, payload: &str) -> Delivery {
         Delivery {
-            topic: "t".into(),
             partition: i32::from(offset >= 10),
-            offset,
-            key: Some(format!("k{offset}")),
-            payload: Some(payload.as_bytes().to_vec()),
-            headers: vec![
-                ("ce_id".into(), id.into()),
-                ("ce_type".into(), "order.paid".into()),
-            ],
-            timestamp: None,
+            ..test_delivery(offset, id, payload)
         }
     }
 

@@ -94,18 +94,10 @@ mod tests {
     use super::*;
 
     fn record(offset: i64, id: &str, payload: &str) -> Delivery {
-        Delivery {
-            topic: "t".into(),
-            partition: 0,
-            offset,
-            key: Some("k\0ey".into()),
-            payload: Some(payload.as_bytes().to_vec()),
-            headers: vec![
-                ("ce_id".into(), id.into()),
-                ("ce_type".into(), "order\0paid".into()),
-            ],
-            timestamp: None,
-        }
+        let mut d = crate::batch::test_delivery(offset, id, payload);
+        d.key = Some("k\0ey".into());
+        d.headers[1].1 = "order\0paid".into();
+        d
     }
 
     const A: &str = "0190a3d2-0000-7000-8000-000000000001";

@@ -298,3 +298,24 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
 
 #[cfg(test)]
 mod tests;
+
+/// A claimed row of aggregate `aggregate_type`/`aggregate_id`, first attempt, for unit tests.
+#[cfg(test)]
+fn test_row(id: i64, aggregate_type: &str, aggregate_id: &str) -> idem_core::OutboxRecord {
+    idem_core::OutboxRecord {
+        id,
+        event_id: idem_core::EventId::new(),
+        aggregate_type: aggregate_type.into(),
+        aggregate_id: aggregate_id.into(),
+        aggregate_seq: id,
+        event_type: "order.paid".into(),
+        payload: "{}".into(),
+        headers: std::collections::BTreeMap::new(),
+        topic: None,
+        traceparent: None,
+        occurred_at: chrono::Utc::now(),
+        created_at: chrono::Utc::now(),
+        attempt: 1,
+        permanent_failures: 0,
+    }
+}

@@ -87,30 +87,10 @@ impl Plan {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
-    use chrono::Utc;
-    use idem_core::EventId;
-
     use super::*;
 
     fn row(id: i64, aggregate_type: &str) -> OutboxRecord {
-        OutboxRecord {
-            id,
-            event_id: EventId::new(),
-            aggregate_type: aggregate_type.into(),
-            aggregate_id: "a".into(),
-            aggregate_seq: id,
-            event_type: "order.paid".into(),
-            payload: "{}".into(),
-            headers: BTreeMap::new(),
-            topic: None,
-            traceparent: None,
-            occurred_at: Utc::now(),
-            created_at: Utc::now(),
-            attempt: 1,
-            permanent_failures: 0,
-        }
+        crate::test_row(id, aggregate_type, "a")
     }
 
     #[test]

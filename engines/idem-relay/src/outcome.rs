@@ -161,29 +161,13 @@ pub(crate) fn mark(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
-    use chrono::Utc;
-    use idem_core::EventId;
-
     use super::*;
 
     fn row(id: i64, aggregate_id: &str, permanent_failures: i32) -> OutboxRecord {
         OutboxRecord {
-            id,
-            event_id: EventId::new(),
-            aggregate_type: "order".into(),
-            aggregate_id: aggregate_id.into(),
-            aggregate_seq: id,
-            event_type: "order.paid".into(),
-            payload: "{}".into(),
-            headers: BTreeMap::new(),
-            topic: None,
-            traceparent: None,
-            occurred_at: Utc::now(),
-            created_at: Utc::now(),
             attempt: 3,
             permanent_failures,
+            ..crate::test_row(id, "order", aggregate_id)
         }
     }
 
