@@ -61,10 +61,7 @@ pub struct Record {
 impl Record {
     /// The first header named `name`.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+        idem_core::wire::first_header(&self.headers, name)
     }
 }
 

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use idem_core::publish::{FailureKind, Message, Publisher};
+use idem_core::wire::CE_ID;
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, inspect, producer_config};
 
 fn messages(topic: &str, ids: std::ops::Range<u32>) -> Vec<Message> {
@@ -11,7 +12,7 @@ fn messages(topic: &str, ids: std::ops::Range<u32>) -> Vec<Message> {
         topic: topic.to_owned(),
         key: format!("order-{}", i % 3),
         payload: format!("{{\"n\":{i}}}"),
-        headers: vec![("ce_id".to_owned(), format!("id-{i}"))],
+        headers: vec![(CE_ID.to_owned(), format!("id-{i}"))],
     })
     .collect()
 }
@@ -56,7 +57,7 @@ async fn a_timed_out_batch_is_reported_failed_and_the_producer_is_replaced() {
         inspect::read_all(&brokers, "orders", Duration::from_secs(20))
             .unwrap()
             .iter()
-            .filter_map(|r| r.header("ce_id").map(str::to_owned))
+            .filter_map(|r| r.header(CE_ID).map(str::to_owned))
             .collect();
     let expected: std::collections::BTreeSet<String> = (0..10).map(|i| format!("id-{i}")).collect();
     // Every id is there; a message the broker had stored before the timeout may be there

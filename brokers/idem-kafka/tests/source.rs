@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use idem_core::Source;
 use idem_core::publish::{Message, Publisher};
+use idem_core::wire::CE_ID;
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config, producer_config};
 
 fn message(n: u32) -> Vec<Message> {
@@ -15,7 +16,7 @@ fn message(n: u32) -> Vec<Message> {
         topic: "orders".to_owned(),
         key: "order-1".to_owned(),
         payload: format!("{{\"n\":{n}}}"),
-        headers: vec![("ce_id".to_owned(), format!("id-{n}"))],
+        headers: vec![(CE_ID.to_owned(), format!("id-{n}"))],
     }]
 }
 

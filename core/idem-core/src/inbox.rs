@@ -35,10 +35,7 @@ pub struct Delivery {
 impl Delivery {
     /// The first header named `name`.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+        crate::wire::first_header(&self.headers, name)
     }
 }
 

@@ -1,6 +1,6 @@
 //! Core types of idem: the event envelope, the error type, validated table names, the
-//! [`OutboxStore`] and [`Publisher`] traits that the database and Kafka crates implement, and the
-//! named crash points used by fault-injection tests.
+//! [`OutboxStore`] and [`Publisher`] traits that the database and Kafka crates implement, the
+//! Kafka wire contract ([`wire`]), and the named crash points used by fault-injection tests.
 //!
 //! Most users depend on the `idem` facade crate instead of this one.
 
@@ -16,6 +16,7 @@ pub mod publish;
 pub mod retention;
 pub mod tables;
 pub mod trace;
+pub mod wire;
 
 pub use error::{BoxError, Error, Result};
 pub use event::{Event, EventBuilder, EventId};

@@ -3,18 +3,8 @@
 
 use std::future::Future;
 
-/// One message to publish.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Message {
-    /// Destination topic.
-    pub topic: String,
-    /// Record key (the aggregate id).
-    pub key: String,
-    /// Record value (the JSON payload).
-    pub payload: String,
-    /// Record headers, in order.
-    pub headers: Vec<(String, String)>,
-}
+/// One message to publish: a Kafka record as the wire contract ([`crate::wire`]) lays it out.
+pub type Message = crate::wire::WireRecord;
 
 /// Whether retrying a failed publish can help.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,192 +1,28 @@
 #![doc = include_str!("../README.md")]
 
+mod attempt;
+mod batch;
+mod config;
+mod dead_letter;
+mod handler;
 mod metrics;
 pub mod replay;
+mod retry;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::time::Duration;
 
-use idem_core::crash::{
-    self, CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER,
-};
-use idem_core::{
-    BoxError, DeadLetter, Dedup, Delivery, Error, EventId, InboundEvent, InboxEntry, InboxStore,
-    Result, Source,
-};
-use sha2::{Digest, Sha256};
-use tracing::Instrument;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
+use idem_core::crash::{self, CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT};
+use idem_core::{Delivery, Error, EventId, InboundEvent, InboxEntry, InboxStore, Result, Source};
 
+use crate::attempt::AttemptCx;
+use crate::batch::{Batch, Counts, Unique, last_offsets};
+use crate::retry::{Retries, Step};
+
+pub use config::ConsumerConfig;
+pub use handler::{Handler, HandlerError, effect_traceparent};
+pub use idem_core::wire::{DecodeError, decode};
 pub use metrics::{ConsumerMetrics, MAX_LABEL_PAIRS, OTHER, total};
-
-/// Why a handler did not apply an event.
-#[derive(Debug)]
-pub enum HandlerError {
-    /// Might work later (database busy, a lock timeout, a dependency down): the batch is rolled
-    /// back and retried with backoff (bounded, exponential) until it applies. A transient
-    /// failure never dead-letters the event: while it lasts the batch, and with it this
-    /// consumer's partitions, stand still (`idem_consumer_stalled_since_seconds`, alert
-    /// `IdemConsumerStalled`). Return [`HandlerError::Permanent`] for what can never work.
-    Transient(BoxError),
-    /// Will never work (malformed payload, a business rule): the event is dead-lettered with
-    /// this reason, and the rest of the batch is applied without it.
-    Permanent(String),
-}
-
-impl HandlerError {
-    /// A permanent failure with a person-readable reason.
-    pub fn permanent(reason: impl Into<String>) -> Self {
-        HandlerError::Permanent(reason.into())
-    }
-
-    /// A transient failure.
-    pub fn transient(e: impl Into<BoxError>) -> Self {
-        HandlerError::Transient(e.into())
-    }
-}
-
-/// Applies events to the business tables, inside the consumer's transaction.
-///
-/// `C` is the store's connection type (`sqlx::PgConnection`, `sqlx::SqliteConnection`): the
-/// handler writes through it, so its writes commit or roll back together with the inbox rows.
-/// A handler must not commit, and must not call anything outside the transaction whose effect
-/// cannot be rolled back (use the effect stage for external calls).
-///
-/// A handler must **return** the database errors it meets (as [`HandlerError::Transient`] or
-/// [`HandlerError::Permanent`]), never swallow them: in PostgreSQL one failed statement aborts
-/// the whole transaction. A statement that may fail by design ("insert, and a duplicate key
-/// means done") belongs in a savepoint of the handler's own, or in `ON CONFLICT DO NOTHING`.
-/// The runtime checks that the transaction is still usable before it commits
-/// ([`InboxStore::check_usable`]); when a handler has swallowed an error, the batch is retried
-/// one event at a time, the handler that left the transaction aborted is found, its event
-/// retried as a transient failure, and nothing of the batch is acknowledged meanwhile.
-pub trait Handler<C>: Send + Sync + 'static {
-    /// Applies one new event.
-    fn handle(
-        &self,
-        conn: &mut C,
-        event: &InboundEvent,
-    ) -> impl Future<Output = std::result::Result<(), HandlerError>> + Send;
-
-    /// The business key whose rows `handle` locks. Events of a batch are applied sorted by it
-    /// (stably, so one key keeps its delivery order), so concurrent batches take locks in the
-    /// same order and do not deadlock. Default: the aggregate id.
-    fn business_key(&self, event: &InboundEvent) -> String {
-        event.aggregate_id.clone()
-    }
-}
-
-/// Consumer settings.
-#[derive(Clone, Debug)]
-pub struct ConsumerConfig {
-    /// Consumer group: the inbox is keyed by (group, event id).
-    pub group: String,
-    /// Most records per transaction.
-    pub batch_size: usize,
-    /// How long to wait for more records after the first one of a batch.
-    pub linger: Duration,
-    /// Failures of a batch not caused by one event (the database unreachable, a failed commit)
-    /// before [`Consumer::process`] gives up and returns the error; the offset is not committed,
-    /// so nothing is lost, and a restarted consumer retries the batch. A transient failure of
-    /// one event's handler is retried without limit: it never dead-letters the event.
-    pub max_batch_retries: u32,
-    /// First retry backoff; doubles per retry.
-    pub retry_backoff: Duration,
-    /// Longest retry backoff: a batch held up by a transient failure is retried at least this
-    /// often for as long as the failure lasts.
-    pub retry_backoff_max: Duration,
-    /// How often `idem_consumer_lag` is measured (when the source can measure it).
-    pub lag_interval: Duration,
-}
-
-impl ConsumerConfig {
-    /// Defaults for `group`: batches of 200, 5 ms linger, retries from 100 ms doubling to at
-    /// most 30 s (a transiently failing event is retried every 30 s until it applies; the
-    /// database unreachable for 20 attempts, about eight minutes, ends the run).
-    pub fn new(group: impl Into<String>) -> Self {
-        ConsumerConfig {
-            group: group.into(),
-            batch_size: 200,
-            linger: Duration::from_millis(5),
-            max_batch_retries: 20,
-            retry_backoff: Duration::from_millis(100),
-            retry_backoff_max: Duration::from_secs(30),
-            lag_interval: Duration::from_secs(5),
-        }
-    }
-}
-
-/// Decodes a record into an event, or says why it cannot be processed.
-pub fn decode(d: &Delivery) -> std::result::Result<InboundEvent, String> {
-    let id = d
-        .header("ce_id")
-        .ok_or("the record has no ce_id header (event id)")?;
-    let event_id: EventId = id
-        .parse()
-        .map_err(|_| format!("ce_id {id:?} is not a UUID"))?;
-    let event_type = d
-        .header("ce_type")
-        .ok_or("the record has no ce_type header (event type)")?;
-    let bytes = d.payload.as_deref().ok_or("the record has no value")?;
-    let payload: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| format!("the record value is not valid JSON: {e}"))?;
-    // Text that reaches the inbox must be storable: PostgreSQL text cannot hold NUL.
-    Ok(InboundEvent {
-        event_id,
-        event_type: clean(event_type),
-        aggregate_type: clean(d.header("idem_aggregate_type").unwrap_or_default()),
-        aggregate_id: clean(
-            d.header("idem_aggregate_id")
-                .or(d.key.as_deref())
-                .unwrap_or_default(),
-        ),
-        payload,
-        payload_hash: hex_sha256(bytes),
-        traceparent: d.header("traceparent").map(str::to_owned),
-        topic: d.topic.clone(),
-        partition: d.partition,
-        offset: d.offset,
-    })
-}
-
-fn hex_sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// PostgreSQL `text` cannot hold NUL; dead letters keep everything else.
-fn clean(s: &str) -> String {
-    s.replace('\0', "\u{FFFD}")
-}
-
-fn dead_letter_of(d: &Delivery, event: Option<&InboundEvent>, reason: String) -> DeadLetter {
-    DeadLetter {
-        topic: d.topic.clone(),
-        partition: d.partition,
-        offset: d.offset,
-        event_id: event
-            .map(|e| e.event_id)
-            .or_else(|| d.header("ce_id").and_then(|s| s.parse().ok())),
-        event_type: event
-            .map(|e| e.event_type.clone())
-            .or_else(|| d.header("ce_type").map(clean)),
-        reason: clean(&reason),
-        key: d.key.as_deref().map(clean),
-        payload: d
-            .payload
-            .as_deref()
-            .map(|p| clean(&String::from_utf8_lossy(p))),
-        headers: serde_json::Value::Object(
-            d.headers
-                .iter()
-                .map(|(k, v)| (clean(k), serde_json::Value::String(clean(v))))
-                .collect(),
-        ),
-    }
-}
 
 /// What one batch did, after its commit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -205,22 +41,6 @@ pub struct BatchReport {
     pub dead_lettered: u64,
     /// Transaction attempts that were rolled back and retried.
     pub retries: u64,
-}
-
-/// One distinct event of a batch with its copies.
-struct Unique<'a> {
-    event: &'a InboundEvent,
-    delivery: &'a Delivery,
-    copies: i32,
-}
-
-enum Attempt {
-    Poison(EventId, String),
-    Transient(Option<EventId>, Error),
-    Fatal(Error),
-    /// A handler reported success but left the transaction unable to commit
-    /// ([`InboxStore::check_usable`]): retried at once with a savepoint per event, to find it.
-    Unusable(Error),
 }
 
 /// The consumer runtime.
@@ -247,6 +67,83 @@ pub struct Consumer<I, H, S> {
     metrics: ConsumerMetrics,
 }
 
+impl<I, H, S> std::fmt::Debug for Consumer<I, H, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("inbox", &std::any::type_name::<I>())
+            .field("handler", &std::any::type_name::<H>())
+            .field("source", &std::any::type_name::<S>())
+            .field("config", &self.config)
+            .field("metrics", &self.metrics)
+            .finish()
+    }
+}
+
+/// Builds a [`Consumer`]: metrics registered only when a registry is given
+/// ([`ConsumerBuilder::registry`]).
+pub struct ConsumerBuilder<I, H, S> {
+    inbox: I,
+    handler: H,
+    source: S,
+    config: ConsumerConfig,
+    registry: Option<prometheus::Registry>,
+    metrics: Option<ConsumerMetrics>,
+}
+
+impl<I, H, S> std::fmt::Debug for ConsumerBuilder<I, H, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("config", &self.config)
+            .field("registry", &self.registry.is_some())
+            .field("metrics", &self.metrics)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<I, H, S> ConsumerBuilder<I, H, S>
+where
+    I: InboxStore,
+    H: Handler<I::Conn>,
+    S: Source,
+{
+    /// Settings other than the defaults of [`ConsumerConfig::new`] for the group.
+    pub fn config(mut self, config: ConsumerConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Creates the consumer's metrics and registers them in `registry` (at
+    /// [`ConsumerBuilder::build`]).
+    pub fn registry(mut self, registry: &prometheus::Registry) -> Self {
+        self.registry = Some(registry.clone());
+        self
+    }
+
+    /// Counts into `metrics`, created (and registered) by the caller; wins over
+    /// [`ConsumerBuilder::registry`].
+    pub fn metrics(mut self, metrics: ConsumerMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// The consumer. Without a registry or metrics it counts into metrics nothing exports.
+    /// Fails when the registry holds the consumer's metric names already.
+    pub fn build(self) -> Result<Consumer<I, H, S>> {
+        let metrics = match (self.metrics, &self.registry) {
+            (Some(m), _) => m,
+            (None, Some(registry)) => ConsumerMetrics::new(registry)?,
+            (None, None) => ConsumerMetrics::unregistered()?,
+        };
+        Ok(Consumer::new(
+            self.inbox,
+            self.handler,
+            self.source,
+            self.config,
+            metrics,
+        ))
+    }
+}
+
 impl<I, H, S> Consumer<I, H, S>
 where
     I: InboxStore,
@@ -267,6 +164,24 @@ where
             source,
             config,
             metrics,
+        }
+    }
+
+    /// A builder of a consumer in consumer group `group` ([`ConsumerConfig::new`]), metrics
+    /// optional.
+    pub fn builder(
+        inbox: I,
+        handler: H,
+        source: S,
+        group: impl Into<String>,
+    ) -> ConsumerBuilder<I, H, S> {
+        ConsumerBuilder {
+            inbox,
+            handler,
+            source,
+            config: ConsumerConfig::new(group),
+            registry: None,
+            metrics: None,
         }
     }
 
@@ -380,105 +295,84 @@ where
         if records.is_empty() {
             return Ok(Some(BatchReport::default()));
         }
-        let mut report = BatchReport {
-            records: records.len(),
-            ..BatchReport::default()
-        };
         if crash::broken(crash::BREAK_OFFSET_BEFORE_COMMIT) {
             // Negative control: the offsets move on before anything is applied.
             self.source.commit(&last_offsets(records)).await?;
         }
-        let decoded: Vec<std::result::Result<InboundEvent, String>> =
-            records.iter().map(decode).collect();
-        let mut undecodable: Vec<DeadLetter> = vec![];
-        let mut uniques: Vec<Unique<'_>> = vec![];
-        let mut index: HashMap<EventId, usize> = HashMap::new();
-        let mut in_batch_conflicts: Vec<(&InboundEvent, &Delivery)> = vec![];
-        for (d, ev) in records.iter().zip(&decoded) {
-            match ev {
-                Err(reason) => undecodable.push(dead_letter_of(d, None, reason.clone())),
-                Ok(ev) => match index.get(&ev.event_id) {
-                    Some(&i) if uniques[i].event.payload_hash == ev.payload_hash => {
-                        uniques[i].copies += 1
-                    }
-                    Some(_) => in_batch_conflicts.push((ev, d)),
-                    None => {
-                        index.insert(ev.event_id, uniques.len());
-                        uniques.push(Unique {
-                            event: ev,
-                            delivery: d,
-                            copies: 1,
-                        });
-                    }
-                },
-            }
-        }
+        let decoded: Vec<_> = records.iter().map(decode).collect();
+        let batch = Batch::new(records, &decoded);
+        let Some((results, retries)) = self.apply(records, &batch, stop).await? else {
+            return Ok(None);
+        };
+        self.metrics
+            .clear_stalled(&self.config.group, &batch.topics);
+        let mut report = self.account(&batch, &results, &retries);
+        report.records = records.len();
 
-        let mut poison: HashMap<EventId, String> = HashMap::new();
-        let mut batch_failures: u32 = 0;
-        let mut event_failures: HashMap<EventId, u32> = HashMap::new();
+        crash::crash_point(CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT)?;
+        if crash::broken(crash::BREAK_SELECT_THEN_INSERT) {
+            // Negative control: the inbox rows are written only now, after the business
+            // commit, in a transaction of their own.
+            self.record_late(&batch).await?;
+        }
+        if let Err(e) = self.source.commit(&last_offsets(records)).await {
+            // Not fatal: the batch is committed in the database; if it comes back, the inbox
+            // skips it.
+            self.metrics.offset_commit_failures.inc();
+            tracing::warn!(error = %e, "committing offsets failed; the batch may be delivered again and skipped");
+        }
+        Ok(Some(report))
+    }
+
+    /// Attempts the batch until an attempt commits: the inbox's verdicts and the retry state
+    /// (refused events, retries), or `None` when `stop` resolved while it backed off.
+    async fn apply<St>(
+        &self,
+        records: &[Delivery],
+        batch: &Batch<'_>,
+        stop: &mut St,
+    ) -> Result<Option<(Vec<idem_core::Dedup>, Retries)>>
+    where
+        St: Future<Output = ()> + Unpin,
+    {
+        let mut retries = Retries::new(self.config.max_batch_retries, broken_transient_budget);
         let mut backoff = self.config.retry_backoff;
-        let topics: BTreeSet<&str> = records.iter().map(|r| r.topic.as_str()).collect();
-        // After a first refused event (or a failed attempt) the batch is retried with a
-        // savepoint per event, so any number of refused events costs one extra attempt, not one
-        // per event, and each failure is charged to the event that caused it.
-        let mut isolate = false;
-        let outcome = loop {
-            match self
-                .attempt(
-                    &uniques,
-                    &poison,
-                    &undecodable,
-                    &in_batch_conflicts,
-                    isolate,
-                )
-                .await
-            {
-                Ok((results, found)) => {
-                    for (id, reason) in found {
+        loop {
+            let cx = AttemptCx {
+                batch,
+                poison: &retries.poison,
+                isolate: retries.isolate,
+            };
+            let failure = match self.attempt(cx).await {
+                Ok(done) => {
+                    for (id, reason) in &done.refused {
                         tracing::warn!(event_id = %id, %reason, "dead-lettered an event the handler refused");
-                        poison.insert(id, reason);
                     }
-                    break results;
+                    retries.refused(done.refused);
+                    return Ok(Some((done.results, retries)));
                 }
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Unusable(e)) => {
+                Err(failure) => failure,
+            };
+            match &failure {
+                attempt::Attempt::Unusable(e) => {
                     tracing::warn!(error = %e, "a handler left the transaction aborted; retrying the batch one event at a time to find it");
-                    report.retries += 1;
-                    isolate = true;
                 }
-                Err(Attempt::Poison(id, reason)) => {
+                attempt::Attempt::Poison(id, reason) => {
                     tracing::warn!(event_id = %id, %reason, "dead-lettering an event the handler refused");
-                    poison.insert(id, reason);
-                    isolate = true;
                 }
-                Err(Attempt::Transient(id, e)) => {
-                    report.retries += 1;
-                    // Retried with a savepoint per event, so that a failure is charged to the
-                    // event that caused it.
-                    isolate = true;
-                    self.count_retry(records, &uniques, &topics, id);
-                    // A transient failure never dead-letters: the batch is retried until it
-                    // commits. Only failures no event is charged with (the database down) end
-                    // the run after `max_batch_retries`, for a supervisor to restart it.
-                    match id {
-                        None => batch_failures += 1,
-                        Some(id) => {
-                            let n = event_failures.entry(id).or_default();
-                            *n += 1;
-                            if let Some(reason) = broken_transient_budget(*n, &e) {
-                                // Negative control: the old policy, a transient failure
-                                // dead-letters the event.
-                                poison.insert(id, reason);
-                                continue;
-                            }
-                        }
-                    }
-                    tracing::warn!(error = %e, event_id = ?id, retries = report.retries, "consumer transaction failed; retrying");
-                    if batch_failures > self.config.max_batch_retries {
-                        tracing::error!(error = %e, "giving up on the batch; its offset is not committed");
-                        return Err(e);
-                    }
+                attempt::Attempt::Transient(id, _) => self.count_retry(records, batch, *id),
+                attempt::Attempt::Fatal(_) => {}
+            }
+            match retries.after(failure) {
+                Step::Again => {}
+                Step::Fatal(e) => return Err(e),
+                Step::GiveUp { error, event } => {
+                    tracing::warn!(error = %error, event_id = ?event, retries = retries.retries, "consumer transaction failed; retrying");
+                    tracing::error!(error = %error, "giving up on the batch; its offset is not committed");
+                    return Err(error);
+                }
+                Step::BackOff { error, event } => {
+                    tracing::warn!(error = %error, event_id = ?event, retries = retries.retries, "consumer transaction failed; retrying");
                     if !self.back_off(&mut backoff, stop).await {
                         tracing::info!(
                             "stopping while the batch backs off; its offset is not committed"
@@ -487,112 +381,66 @@ where
                     }
                 }
             }
-        };
-        self.metrics.clear_stalled(&self.config.group, &topics);
+        }
+    }
 
+    /// Counts the committed batch, now that rolled-back attempts changed nothing.
+    fn account(
+        &self,
+        batch: &Batch<'_>,
+        results: &[idem_core::Dedup],
+        retries: &Retries,
+    ) -> BatchReport {
+        let mut report = BatchReport {
+            retries: retries.retries,
+            ..BatchReport::default()
+        };
         let committed_at = std::time::SystemTime::now();
-        // Counted only now: rolled-back attempts changed nothing.
-        for (u, dedup) in uniques.iter().zip(&outcome) {
-            let l = self.labels(u.event);
-            let extra = u64::try_from(u.copies - 1).unwrap_or(0);
-            let copies = u64::try_from(u.copies).unwrap_or(0);
-            match dedup {
-                Dedup::New if poison.contains_key(&u.event.event_id) => {
-                    self.metrics.dead_lettered.with_label_values(&l).inc();
-                    report.dead_lettered += 1;
-                }
-                Dedup::New => {
-                    self.metrics.processed.with_label_values(&l).inc();
-                    if let Some(published) = u.delivery.timestamp {
-                        let waited = committed_at.duration_since(published).unwrap_or_default();
-                        self.metrics
-                            .publish_to_processed
-                            .with_label_values(&l)
-                            .observe(waited.as_secs_f64());
-                    }
-                    report.processed += 1;
-                }
-                Dedup::Duplicate => {}
-                Dedup::Conflict => {
-                    // Every copy is a conflicting delivery; one dead-letter row keeps the first.
-                    self.metrics.conflicts.with_label_values(&l).inc_by(copies);
-                    self.metrics.dead_lettered.with_label_values(&l).inc();
-                    self.metrics
-                        .duplicate_deliveries
-                        .with_label_values(&l)
-                        .inc_by(copies);
-                    report.conflicts += copies;
-                    report.dead_lettered += 1;
-                    report.duplicate_deliveries += copies;
-                }
-            }
-            let skipped = match dedup {
-                Dedup::New => extra,
-                Dedup::Duplicate => copies,
-                Dedup::Conflict => 0,
-            };
-            if skipped > 0 {
-                self.metrics
-                    .duplicate_deliveries
-                    .with_label_values(&l)
-                    .inc_by(skipped);
-                self.metrics
-                    .duplicate_skips
-                    .with_label_values(&l)
-                    .inc_by(skipped);
-                report.duplicate_deliveries += skipped;
-                report.duplicate_skips += skipped;
-            }
+        for (u, dedup) in batch.uniques.iter().zip(results) {
+            let poisoned = retries.poison.contains_key(&u.event.event_id);
+            let counts = Counts::of(u.copies, dedup, poisoned);
+            let waited = u
+                .delivery
+                .timestamp
+                .map(|published| committed_at.duration_since(published).unwrap_or_default());
+            self.metrics.count(&self.labels(u.event), counts, waited);
+            report.add(counts);
         }
-        for (ev, _) in &in_batch_conflicts {
-            let l = self.labels(ev);
-            self.metrics.conflicts.with_label_values(&l).inc();
-            self.metrics.dead_lettered.with_label_values(&l).inc();
+        for (ev, _) in &batch.in_batch_conflicts {
             self.metrics
-                .duplicate_deliveries
-                .with_label_values(&l)
-                .inc();
-            report.conflicts += 1;
-            report.dead_lettered += 1;
-            report.duplicate_deliveries += 1;
+                .count(&self.labels(ev), Counts::IN_BATCH_CONFLICT, None);
+            report.add(Counts::IN_BATCH_CONFLICT);
         }
-        for d in &undecodable {
+        for d in &batch.undecodable {
             let l = self.metrics.labels(
                 &d.topic,
                 &self.config.group,
                 d.event_type.as_deref().unwrap_or_default(),
                 "",
             );
-            self.metrics.dead_lettered.with_label_values(&l).inc();
-            report.dead_lettered += 1;
+            self.metrics.count(&l, Counts::UNDECODABLE, None);
+            report.add(Counts::UNDECODABLE);
         }
+        report
+    }
 
-        crash::crash_point(CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT)?;
-        if crash::broken(crash::BREAK_SELECT_THEN_INSERT) {
-            // Negative control: the inbox rows are written only now, after the business
-            // commit, in a transaction of their own.
-            let mut tx = self.inbox.begin().await?;
-            let entries: Vec<InboxEntry<'_>> = uniques
-                .iter()
-                .map(|u| InboxEntry {
-                    event: u.event,
-                    copies: u.copies,
-                    dead_lettered: false,
-                })
-                .collect();
-            self.inbox
-                .record(&mut tx, self.inbox_group(), &entries)
-                .await?;
-            self.inbox.commit(tx).await?;
-        }
-        let done = last_offsets(records);
-        if let Err(e) = self.source.commit(&done).await {
-            // Not fatal: the batch is committed in the database; if it comes back, the inbox
-            // skips it.
-            self.metrics.offset_commit_failures.inc();
-            tracing::warn!(error = %e, "committing offsets failed; the batch may be delivered again and skipped");
-        }
-        Ok(Some(report))
+    /// Under the `select-then-insert` negative control: the inbox rows, written after the
+    /// business commit in a transaction of their own.
+    async fn record_late(&self, batch: &Batch<'_>) -> Result<()> {
+        let mut tx = self.inbox.begin().await?;
+        let entries: Vec<InboxEntry<'_>> = batch
+            .uniques
+            .iter()
+            .map(|u| InboxEntry {
+                event: u.event,
+                copies: u.copies,
+                dead_lettered: false,
+            })
+            .collect();
+        self.inbox
+            .record(&mut tx, self.inbox_group(), &entries)
+            .await?;
+        self.inbox.commit(tx).await
     }
 
     /// The bounded label values of `event` ([`ConsumerMetrics::labels`]).
@@ -607,13 +455,8 @@ where
 
     /// Counts a rolled-back attempt (under the failing event's labels, else the batch's first)
     /// and marks the batch's topics stalled.
-    fn count_retry(
-        &self,
-        records: &[Delivery],
-        uniques: &[Unique<'_>],
-        topics: &BTreeSet<&str>,
-        id: Option<EventId>,
-    ) {
+    fn count_retry(&self, records: &[Delivery], batch: &Batch<'_>, id: Option<EventId>) {
+        let uniques: &[Unique<'_>] = &batch.uniques;
         let labels = uniques
             .iter()
             .find(|u| Some(u.event.event_id) == id)
@@ -628,7 +471,7 @@ where
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
         self.metrics
-            .set_stalled(&self.config.group, topics, now.max(1));
+            .set_stalled(&self.config.group, &batch.topics, now.max(1));
     }
 
     /// Sleeps `backoff` and doubles it (up to `retry_backoff_max`); false when `stop` resolved
@@ -645,194 +488,15 @@ where
             () = tokio::time::sleep(wait) => true,
         }
     }
+}
 
-    async fn attempt(
-        &self,
-        uniques: &[Unique<'_>],
-        poison: &HashMap<EventId, String>,
-        undecodable: &[DeadLetter],
-        in_batch_conflicts: &[(&InboundEvent, &Delivery)],
-        isolate: bool,
-    ) -> std::result::Result<(Vec<Dedup>, Vec<(EventId, String)>), Attempt> {
-        let selected = if crash::broken(crash::BREAK_SELECT_THEN_INSERT) {
-            // Negative control: "is it new?" asked in a transaction of its own, rolled back.
-            let mut probe = self
-                .inbox
-                .begin()
-                .await
-                .map_err(|e| Attempt::Transient(None, e))?;
-            let entries = inbox_entries(uniques, poison);
-            let found = self
-                .inbox
-                .record(&mut probe, self.inbox_group(), &entries)
-                .await
-                .map_err(|e| Attempt::Transient(None, e))?;
-            let _ = self.inbox.rollback(probe).await;
-            Some(found)
-        } else {
-            None
-        };
-        let mut tx = self
-            .inbox
-            .begin()
-            .await
-            .map_err(|e| Attempt::Transient(None, e))?;
-        match self
-            .attempt_in(
-                &mut tx,
-                uniques,
-                poison,
-                undecodable,
-                in_batch_conflicts,
-                isolate,
-                selected,
-            )
-            .await
-        {
-            Ok(results) => {
-                self.inbox
-                    .commit(tx)
-                    .await
-                    .map_err(|e| Attempt::Transient(None, e))?;
-                Ok(results)
-            }
-            Err(e) => {
-                if let Err(rb) = self.inbox.rollback(tx).await {
-                    tracing::warn!(error = %rb, "rollback failed (the connection is discarded)");
-                }
-                Err(e)
-            }
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn attempt_in(
-        &self,
-        tx: &mut I::Tx,
-        uniques: &[Unique<'_>],
-        poison: &HashMap<EventId, String>,
-        undecodable: &[DeadLetter],
-        in_batch_conflicts: &[(&InboundEvent, &Delivery)],
-        isolate: bool,
-        selected: Option<Vec<Dedup>>,
-    ) -> std::result::Result<(Vec<Dedup>, Vec<(EventId, String)>), Attempt> {
-        let entries = inbox_entries(uniques, poison);
-        let results = match selected {
-            Some(found) => found,
-            None => self
-                .inbox
-                .record(&mut *tx, self.inbox_group(), &entries)
-                .await
-                .map_err(|e| Attempt::Transient(None, e))?,
-        };
-        crash::crash_point(CONSUMER_AFTER_DEDUP_BEFORE_HANDLER).map_err(Attempt::Fatal)?;
-
-        let mut apply: Vec<(String, &Unique<'_>)> = uniques
-            .iter()
-            .zip(&results)
-            .filter(|(u, r)| **r == Dedup::New && !poison.contains_key(&u.event.event_id))
-            .map(|(u, _)| (self.handler.business_key(u.event), u))
-            .collect();
-        apply.sort_by(|a, b| a.0.cmp(&b.0)); // stable: one key keeps its delivery order
-        let mut found: Vec<(EventId, String)> = vec![];
-        for (_, u) in &apply {
-            let span = handle_span(u.event);
-            if isolate {
-                self.inbox
-                    .savepoint(&mut *tx)
-                    .await
-                    .map_err(|e| Attempt::Transient(None, e))?;
-            }
-            match self
-                .handler
-                .handle(&mut *tx, u.event)
-                .instrument(span)
-                .await
-            {
-                Ok(()) if isolate => {
-                    // Reported success, but did it leave the transaction usable?
-                    if let Err(e) = self.inbox.check_usable(&mut *tx).await {
-                        self.inbox
-                            .rollback_to_savepoint(&mut *tx)
-                            .await
-                            .map_err(|e| Attempt::Transient(None, e))?;
-                        return Err(Attempt::Transient(Some(u.event.event_id), e));
-                    }
-                    self.inbox
-                        .release_savepoint(&mut *tx)
-                        .await
-                        .map_err(|e| Attempt::Transient(None, e))?;
-                }
-                Ok(()) => {}
-                Err(HandlerError::Permanent(reason)) if isolate => {
-                    self.inbox
-                        .rollback_to_savepoint(&mut *tx)
-                        .await
-                        .map_err(|e| Attempt::Transient(None, e))?;
-                    found.push((u.event.event_id, reason));
-                }
-                Err(HandlerError::Permanent(reason)) => {
-                    return Err(Attempt::Poison(u.event.event_id, reason));
-                }
-                // Without savepoints the failure may be an earlier handler's doing (one that
-                // swallowed an error and left the transaction aborted): it is charged to the
-                // event only when the events are isolated.
-                Err(HandlerError::Transient(e)) => {
-                    return Err(Attempt::Transient(
-                        isolate.then_some(u.event.event_id),
-                        Error::database("running the handler", e),
-                    ));
-                }
-            }
-        }
-
-        if !isolate && let Err(e) = self.inbox.check_usable(&mut *tx).await {
-            // A handler swallowed a database error; which one, isolating each tells.
-            return Err(Attempt::Unusable(e));
-        }
-        if !found.is_empty() {
-            let ids: Vec<EventId> = found.iter().map(|(id, _)| *id).collect();
-            self.inbox
-                .mark_dead_lettered(&mut *tx, self.inbox_group(), &ids)
-                .await
-                .map_err(|e| Attempt::Transient(None, e))?;
-        }
-        let found_reasons: HashMap<EventId, &String> =
-            found.iter().map(|(id, r)| (*id, r)).collect();
-        let mut letters: Vec<DeadLetter> = undecodable.to_vec();
-        let mut seen: HashSet<(String, i32, i64)> = HashSet::new();
-        for (u, r) in uniques.iter().zip(&results) {
-            if let Some(reason) = poison
-                .get(&u.event.event_id)
-                .or(found_reasons.get(&u.event.event_id).copied())
-                && *r == Dedup::New
-            {
-                letters.push(dead_letter_of(u.delivery, Some(u.event), reason.clone()));
-            }
-            if *r == Dedup::Conflict {
-                letters.push(dead_letter_of(
-                    u.delivery,
-                    Some(u.event),
-                    format!(
-                        "idempotency conflict: event {} was received before with a different payload; not applied",
-                        u.event.event_id
-                    ),
-                ));
-            }
-        }
-        for (ev, d) in in_batch_conflicts {
-            letters.push(dead_letter_of(
-                d,
-                Some(ev),
-                format!("idempotency conflict: event {} appears twice in one batch with different payloads; not applied", ev.event_id),
-            ));
-        }
-        letters.retain(|l| seen.insert((l.topic.clone(), l.partition, l.offset)));
-        self.inbox
-            .dead_letter(&mut *tx, &self.config.group, &letters)
-            .await
-            .map_err(|e| Attempt::Transient(None, e))?;
-        Ok((results, found))
+impl BatchReport {
+    fn add(&mut self, c: Counts) {
+        self.processed += c.processed;
+        self.dead_lettered += c.dead_lettered;
+        self.conflicts += c.conflicts;
+        self.duplicate_deliveries += c.duplicate_deliveries;
+        self.duplicate_skips += c.duplicate_skips;
     }
 }
 
@@ -841,38 +505,6 @@ where
 fn broken_transient_budget(n: u32, e: &Error) -> Option<String> {
     (n > crash::BROKEN_TRANSIENT_BUDGET && crash::broken(crash::BREAK_TRANSIENT_DEAD_LETTERS))
         .then(|| format!("gave up after {n} transient failures; last: {e}"))
-}
-
-/// The span the handler runs in for one event: `idem.handle`, a consumer span whose parent is
-/// the remote context of the event's `traceparent` (captured at enqueue, carried in the Kafka
-/// header), so an OpenTelemetry exporter links the handler to the trace that produced the
-/// event. Without a `tracing-opentelemetry` layer the parent is simply not recorded.
-fn handle_span(event: &InboundEvent) -> tracing::Span {
-    let span = tracing::info_span!(
-        "idem.handle",
-        otel.kind = "consumer",
-        event_id = %event.event_id,
-        event_type = %event.event_type,
-        messaging.destination.name = %event.topic,
-    );
-    if let Some(cx) = event
-        .traceparent
-        .as_deref()
-        .and_then(idem_core::trace::remote_context)
-    {
-        // Fails only when no OpenTelemetry layer is installed: nothing to link then.
-        let _ = span.set_parent(cx);
-    }
-    span
-}
-
-/// The `traceparent` an effect recorded by a handler should carry (see the effect stage): the
-/// context of the consumer span the handler runs in, when an OpenTelemetry layer is installed,
-/// so the outbound HTTP call is a child of it; otherwise the event's own `traceparent`. Either
-/// way the trace id is the one captured at enqueue.
-pub fn effect_traceparent(event: &InboundEvent) -> Option<String> {
-    idem_core::trace::traceparent_of(&tracing::Span::current().context())
-        .or_else(|| event.traceparent.clone())
 }
 
 /// Aborts a background task when dropped.
@@ -886,29 +518,3 @@ impl Drop for AbortOnDrop {
 
 #[cfg(test)]
 mod tests;
-
-fn inbox_entries<'a>(
-    uniques: &[Unique<'a>],
-    poison: &HashMap<EventId, String>,
-) -> Vec<InboxEntry<'a>> {
-    uniques
-        .iter()
-        .map(|u| InboxEntry {
-            event: u.event,
-            copies: u.copies,
-            dead_lettered: poison.contains_key(&u.event.event_id),
-        })
-        .collect()
-}
-
-/// The offset of the last record of each partition in `records`.
-fn last_offsets(records: &[Delivery]) -> Vec<(String, i32, i64)> {
-    let mut last: BTreeMap<(String, i32), i64> = BTreeMap::new();
-    for r in records {
-        let e = last
-            .entry((r.topic.clone(), r.partition))
-            .or_insert(r.offset);
-        *e = (*e).max(r.offset);
-    }
-    last.into_iter().map(|((t, p), o)| (t, p, o)).collect()
-}

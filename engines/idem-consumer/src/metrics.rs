@@ -11,7 +11,11 @@ use prometheus::{
     HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
 };
 
+use std::time::Duration;
+
 use idem_core::{Error, Result};
+
+use crate::batch::Counts;
 
 /// Prometheus metrics of one consumer.
 #[derive(Clone)]
@@ -69,7 +73,15 @@ fn vec(name: &str, help: &str) -> Result<IntCounterVec> {
 impl ConsumerMetrics {
     /// Creates the metrics and registers them in `registry`.
     pub fn new(registry: &Registry) -> Result<Self> {
-        let m = ConsumerMetrics {
+        let m = Self::unregistered()?;
+        m.register(registry)?;
+        Ok(m)
+    }
+
+    /// Creates the metrics without registering them anywhere: a consumer built without a
+    /// registry counts into these, and nothing exports them.
+    pub fn unregistered() -> Result<Self> {
+        Ok(ConsumerMetrics {
             processed: vec("idem_consumer_processed_total", "Events applied by the handler and committed.")?,
             duplicate_deliveries: vec(
                 "idem_duplicate_delivery_total",
@@ -117,7 +129,13 @@ impl ConsumerMetrics {
             .map_err(reg_err)?,
             lag_topics: Arc::default(),
             label_pairs: Arc::default(),
-        };
+        })
+    }
+
+    /// Registers every metric in `registry`; fails when one of the names is registered there
+    /// already (by another consumer, for instance).
+    pub fn register(&self, registry: &Registry) -> Result<()> {
+        let m = self;
         for c in [
             &m.processed,
             &m.duplicate_deliveries,
@@ -137,7 +155,31 @@ impl ConsumerMetrics {
         for g in [&m.lag, &m.stalled_since] {
             registry.register(Box::new(g.clone())).map_err(reg_err)?;
         }
-        Ok(m)
+        Ok(())
+    }
+
+    /// Adds what one event (or record) of a committed batch counts as under `labels`; `waited`:
+    /// from the record's timestamp to the commit, observed for an applied event. Only series
+    /// with something to add are touched.
+    pub(crate) fn count(&self, labels: &[String; 4], c: Counts, waited: Option<Duration>) {
+        for (v, n) in [
+            (&self.processed, c.processed),
+            (&self.dead_lettered, c.dead_lettered),
+            (&self.conflicts, c.conflicts),
+            (&self.duplicate_deliveries, c.duplicate_deliveries),
+            (&self.duplicate_skips, c.duplicate_skips),
+        ] {
+            if n > 0 {
+                v.with_label_values(labels).inc_by(n);
+            }
+        }
+        if c.processed > 0
+            && let Some(waited) = waited
+        {
+            self.publish_to_processed
+                .with_label_values(labels)
+                .observe(waited.as_secs_f64());
+        }
     }
 
     /// The label values (topic, consumer_group, event_type, aggregate_type) for an event whose
@@ -216,6 +258,20 @@ impl ConsumerMetrics {
                 .set(*lag);
             topics.insert(topic.clone());
         }
+    }
+}
+
+impl std::fmt::Debug for ConsumerMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerMetrics")
+            .field("processed", &total(&self.processed))
+            .field("duplicate_deliveries", &total(&self.duplicate_deliveries))
+            .field("duplicate_skips", &total(&self.duplicate_skips))
+            .field("conflicts", &total(&self.conflicts))
+            .field("retries", &total(&self.retries))
+            .field("dead_lettered", &total(&self.dead_lettered))
+            .field("offset_commit_failures", &self.offset_commit_failures.get())
+            .finish_non_exhaustive()
     }
 }
 

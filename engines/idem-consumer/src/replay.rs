@@ -14,6 +14,7 @@ use idem_core::{
 };
 
 use crate::{Handler, HandlerError, decode};
+use idem_core::wire::storable;
 
 /// Which dead letters to replay, and how.
 #[derive(Clone, Debug)]
@@ -137,7 +138,7 @@ where
 {
     let event = match decode(&delivery_of(&open.letter)) {
         Ok(event) => event,
-        Err(reason) => return Ok(ReplayResult::Undecodable(reason)),
+        Err(reason) => return Ok(ReplayResult::Undecodable(reason.to_string())),
     };
     if request.dry_run {
         return Ok(ReplayResult::WouldReplay);
@@ -210,7 +211,7 @@ async fn record_failure<I: InboxStore>(
     id: i64,
     reason: String,
 ) -> Result<ReplayResult> {
-    let reason = crate::clean(&reason);
+    let reason = storable(&reason);
     let mut tx = inbox.begin().await?;
     inbox
         .finish_replay(

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use idem_core::TableNames;
-use idem_core::crash::Action;
+use idem_core::crash::{Action, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER};
 use idem_sqlite::SqliteInbox;
 use sqlx::SqliteConnection;
 
@@ -658,4 +658,31 @@ async fn ten_thousand_hostile_header_values_do_not_make_ten_thousand_series() {
         assert!(n <= 200, "{name}: {n} series from hostile headers");
     }
     assert_eq!(total(&m.processed), 5_000, "nothing uncounted");
+}
+
+#[tokio::test]
+async fn a_built_consumer_registers_its_metrics_only_when_given_a_registry() {
+    let f = fixture().await;
+    let inbox = || SqliteInbox::new(f.pool.clone(), TableNames::default());
+    let mut quiet = Consumer::builder(inbox(), f.handler.clone(), f.source.clone(), "settlement")
+        .build()
+        .unwrap();
+    let r = quiet
+        .process(&[record(0, EventId::new(), "{}")])
+        .await
+        .unwrap();
+    assert_eq!(r.processed, 1);
+    assert_eq!(
+        total(&quiet.metrics().processed),
+        1,
+        "counted, not exported"
+    );
+    let registry = prometheus::Registry::new();
+    let exported = Consumer::builder(inbox(), f.handler.clone(), f.source.clone(), "settlement")
+        .registry(&registry)
+        .build()
+        .unwrap();
+    assert!(format!("{exported:?}").starts_with("Consumer {"));
+    let exports = |name: &str| registry.gather().iter().any(|mf| mf.name() == name);
+    assert!(exports("idem_consumer_offset_commit_failures_total"));
 }

@@ -8,7 +8,11 @@ use prometheus::{
     Registry,
 };
 
+use chrono::TimeDelta;
+use idem_core::publish::FailureKind;
 use idem_core::{Error, Result};
+
+use crate::outcome::Next;
 
 /// Prometheus metrics of one relay process.
 #[derive(Clone)]
@@ -62,7 +66,15 @@ const BACKLOG_LABELS: &[&str] = &["aggregate_type"];
 impl RelayMetrics {
     /// Creates the metrics and registers them in `registry`.
     pub fn new(registry: &Registry) -> Result<Self> {
-        let m = RelayMetrics {
+        let m = Self::unregistered()?;
+        m.register(registry)?;
+        Ok(m)
+    }
+
+    /// Creates the metrics without registering them anywhere: a relay built without a
+    /// registry counts into these, and nothing exports them.
+    pub fn unregistered() -> Result<Self> {
+        Ok(RelayMetrics {
             published: IntCounterVec::new(
                 Opts::new("idem_outbox_published_total", "Outbox rows acknowledged by the broker and marked published."),
                 LABELS,
@@ -132,7 +144,13 @@ impl RelayMetrics {
             )
             .map_err(reg_err)?,
             seen_aggregate_types: Arc::default(),
-        };
+        })
+    }
+
+    /// Registers every metric in `registry`; fails when one of the names is registered there
+    /// already (by another relay, for instance).
+    pub fn register(&self, registry: &Registry) -> Result<()> {
+        let m = self;
         for c in [&m.published, &m.republished, &m.parked] {
             registry.register(Box::new(c.clone())).map_err(reg_err)?;
         }
@@ -154,7 +172,34 @@ impl RelayMetrics {
         registry
             .register(Box::new(m.commit_to_publish.clone()))
             .map_err(reg_err)?;
-        Ok(m)
+        Ok(())
+    }
+
+    /// Counts a row the broker did not acknowledge (unless it was never sent) and, when it is
+    /// parked, the parking. `labels`: topic, event type, aggregate type.
+    pub(crate) fn count_failed(&self, labels: &[&str; 3], kind: FailureKind, next: Next) {
+        if kind != FailureKind::NotSent {
+            let [topic, event_type, aggregate_type] = *labels;
+            self.failures
+                .with_label_values(&[topic, event_type, aggregate_type, kind_label(kind)])
+                .inc();
+        }
+        if next == Next::Park {
+            self.parked.with_label_values(labels).inc();
+        }
+    }
+
+    /// Counts a row marked published `waited` after its `created_at`; `republish` when it had
+    /// been attempted before.
+    pub(crate) fn count_published(&self, labels: &[&str; 3], waited: TimeDelta, republish: bool) {
+        self.published.with_label_values(labels).inc();
+        let micros = waited.num_microseconds().unwrap_or(i64::MAX);
+        self.commit_to_publish
+            .with_label_values(labels)
+            .observe((micros as f64 / 1e6).max(0.0));
+        if republish {
+            self.republished.with_label_values(labels).inc();
+        }
     }
 
     /// Sets the backlog gauges from a [`idem_core::OutboxStore::backlog`] result: types it
@@ -191,6 +236,28 @@ impl RelayMetrics {
     /// Sum of `idem_outbox_published_total` over all labels.
     pub fn published_total(&self) -> u64 {
         sum(&self.published)
+    }
+}
+
+impl std::fmt::Debug for RelayMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayMetrics")
+            .field("published", &self.published_total())
+            .field("republished", &self.republished_total())
+            .field("lease_lost", &self.lease_lost.get())
+            .field("abandoned", &self.abandoned.get())
+            .field("pruned", &self.pruned.get())
+            .field("errors", &self.errors.get())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The `kind` label of `idem_outbox_publish_failures_total`.
+fn kind_label(kind: FailureKind) -> &'static str {
+    match kind {
+        FailureKind::Transient => "transient",
+        FailureKind::Permanent => "permanent",
+        FailureKind::NotSent => "not_sent",
     }
 }
 

@@ -4,10 +4,14 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
+use idem_core::outbox::{ClaimRequest, Outcome};
+use idem_core::publish::{FailureKind, Message, PublishError};
 use idem_core::{Event, TableNames};
 use idem_sqlite::SqliteStore;
 
 use super::*;
+use crate::cycle::produce_deadline;
 
 /// Records every message; fails the event ids it is told to, with the given kind.
 #[derive(Default)]
@@ -460,5 +464,36 @@ async fn backlog_gauges_follow_each_aggregate_type_and_marked_rows_are_timed() {
     assert_eq!(
         m.oldest_pending_age.with_label_values(&["order"]).get(),
         0.0
+    );
+}
+
+#[tokio::test]
+async fn a_built_relay_registers_its_metrics_only_when_given_a_registry() {
+    let f = fixture().await;
+    f.enqueue("a", 1).await;
+    let quiet = Relay::builder(f.store.clone(), f.publisher)
+        .config(fast())
+        .build()
+        .unwrap();
+    assert_eq!(quiet.run_once().await.unwrap().published, 1);
+    assert_eq!(
+        quiet.metrics().published_total(),
+        1,
+        "counted, not exported"
+    );
+    let registry = prometheus::Registry::new();
+    let exported = Relay::builder(f.store.clone(), f.publisher)
+        .registry(&registry)
+        .build()
+        .unwrap();
+    assert!(format!("{exported:?}").starts_with("Relay {"));
+    let exports = |name: &str| registry.gather().iter().any(|mf| mf.name() == name);
+    assert!(exports("idem_outbox_abandoned_total"));
+    assert!(
+        Relay::builder(f.store.clone(), f.publisher)
+            .registry(&registry)
+            .build()
+            .is_err(),
+        "a second relay's metrics clash in the same registry"
     );
 }

@@ -1,0 +1,43 @@
+//! Consumer settings.
+
+use std::time::Duration;
+
+/// Consumer settings.
+#[derive(Clone, Debug)]
+pub struct ConsumerConfig {
+    /// Consumer group: the inbox is keyed by (group, event id).
+    pub group: String,
+    /// Most records per transaction.
+    pub batch_size: usize,
+    /// How long to wait for more records after the first one of a batch.
+    pub linger: Duration,
+    /// Failures of a batch not caused by one event (the database unreachable, a failed commit)
+    /// before [`Consumer::process`](crate::Consumer::process) gives up and returns the error; the offset is not committed,
+    /// so nothing is lost, and a restarted consumer retries the batch. A transient failure of
+    /// one event's handler is retried without limit: it never dead-letters the event.
+    pub max_batch_retries: u32,
+    /// First retry backoff; doubles per retry.
+    pub retry_backoff: Duration,
+    /// Longest retry backoff: a batch held up by a transient failure is retried at least this
+    /// often for as long as the failure lasts.
+    pub retry_backoff_max: Duration,
+    /// How often `idem_consumer_lag` is measured (when the source can measure it).
+    pub lag_interval: Duration,
+}
+
+impl ConsumerConfig {
+    /// Defaults for `group`: batches of 200, 5 ms linger, retries from 100 ms doubling to at
+    /// most 30 s (a transiently failing event is retried every 30 s until it applies; the
+    /// database unreachable for 20 attempts, about eight minutes, ends the run).
+    pub fn new(group: impl Into<String>) -> Self {
+        ConsumerConfig {
+            group: group.into(),
+            batch_size: 200,
+            linger: Duration::from_millis(5),
+            max_batch_retries: 20,
+            retry_backoff: Duration::from_millis(100),
+            retry_backoff_max: Duration::from_secs(30),
+            lag_interval: Duration::from_secs(5),
+        }
+    }
+}
