@@ -1,4 +1,4 @@
-#![doc = include_str!("../../../docs/wire-contract.md")]
+#![doc = include_str!("../../../docs/integrating/wire-contract.md")]
 
 use std::collections::BTreeMap;
 
