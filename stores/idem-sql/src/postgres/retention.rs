@@ -4,9 +4,9 @@
 use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
 use idem_core::{Error, Result};
 
-use crate::{BASES, PgStore};
+use crate::RelayStore;
 
-impl RetentionStore for PgStore {
+impl RetentionStore for RelayStore<sqlx::Postgres> {
     async fn prune_older(
         &self,
         what: Prunable,
@@ -14,11 +14,10 @@ impl RetentionStore for PgStore {
         batch: u32,
     ) -> Result<u64> {
         let sql = match what {
-            Prunable::Inbox => include_str!("../sql/inbox_prune.sql"),
-            Prunable::DoneIntents => include_str!("../sql/intent_prune.sql"),
+            Prunable::Inbox => &self.q().inbox_prune,
+            Prunable::DoneIntents => &self.q().intent_prune,
         };
-        let sql = self.outbox.tables.render(sql, BASES);
-        Ok(sqlx::query(&sql)
+        Ok(sqlx::query(sql)
             .bind(window.older_than().as_secs_f64())
             .bind(i64::from(batch))
             .execute(&self.pool)

@@ -5,9 +5,10 @@ use chrono::Utc;
 use idem_core::Result;
 use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
 
-use crate::{BASES, SqliteStore, TS_FORMAT, immediate};
+use super::{TS_FORMAT, immediate};
+use crate::RelayStore;
 
-impl RetentionStore for SqliteStore {
+impl RetentionStore for RelayStore<sqlx::Sqlite> {
     async fn prune_older(
         &self,
         what: Prunable,
@@ -15,15 +16,14 @@ impl RetentionStore for SqliteStore {
         batch: u32,
     ) -> Result<u64> {
         let sql = match what {
-            Prunable::Inbox => include_str!("../sql/inbox_prune.sql"),
-            Prunable::DoneIntents => include_str!("../sql/intent_prune.sql"),
+            Prunable::Inbox => &self.q().inbox_prune,
+            Prunable::DoneIntents => &self.q().intent_prune,
         };
-        let sql = self.outbox.tables.render(sql, BASES);
         let cutoff = cutoff(window);
         let context = format!("pruning {}", what.describe());
         let mut conn = self.conn(&context).await?;
         immediate(&mut conn, &context, async |c| {
-            Ok(sqlx::query(&sql)
+            Ok(sqlx::query(sql)
                 .bind(&cutoff)
                 .bind(i64::from(batch))
                 .execute(&mut *c)
