@@ -49,7 +49,6 @@ impl Scheme {
 
 /// A pool of either database.
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub enum AnyPool {
     /// PostgreSQL.
     #[cfg(feature = "postgres")]
@@ -59,15 +58,72 @@ pub enum AnyPool {
     Sqlite(sqlx::SqlitePool),
 }
 
-/// Runs `$body` with `$p` bound to the pool of whichever database `$pool` is.
+/// Runs `$body` with `$p` bound to the pool of whichever database `$pool` ([`AnyPool`]) is,
+/// so that `$body` is written once, generic over [`Dialect`].
+#[cfg(all(feature = "postgres", feature = "sqlite"))]
 #[macro_export]
 macro_rules! with_pool {
     ($pool:expr, $p:ident => $body:expr) => {
         match $pool {
-            #[cfg(feature = "postgres")]
             $crate::AnyPool::Postgres($p) => $body,
-            #[cfg(feature = "sqlite")]
             $crate::AnyPool::Sqlite($p) => $body,
+        }
+    };
+}
+
+/// Runs `$body` with `$p` bound to the pool of `$pool` ([`AnyPool`]).
+#[cfg(all(feature = "postgres", not(feature = "sqlite")))]
+#[macro_export]
+macro_rules! with_pool {
+    ($pool:expr, $p:ident => $body:expr) => {
+        match $pool {
+            $crate::AnyPool::Postgres($p) => $body,
+        }
+    };
+}
+
+/// Runs `$body` with `$p` bound to the pool of `$pool` ([`AnyPool`]).
+#[cfg(all(feature = "sqlite", not(feature = "postgres")))]
+#[macro_export]
+macro_rules! with_pool {
+    ($pool:expr, $p:ident => $body:expr) => {
+        match $pool {
+            $crate::AnyPool::Sqlite($p) => $body,
+        }
+    };
+}
+
+/// Runs `$body` with `$s` bound to the [`Store`] of whichever database `$store`
+/// ([`AnyStore`]) is, so that `$body` is written once, generic over [`Dialect`].
+#[cfg(all(feature = "postgres", feature = "sqlite"))]
+#[macro_export]
+macro_rules! with_store {
+    ($store:expr, $s:ident => $body:expr) => {
+        match $store {
+            $crate::AnyStore::Postgres($s) => $body,
+            $crate::AnyStore::Sqlite($s) => $body,
+        }
+    };
+}
+
+/// Runs `$body` with `$s` bound to the [`Store`] of `$store` ([`AnyStore`]).
+#[cfg(all(feature = "postgres", not(feature = "sqlite")))]
+#[macro_export]
+macro_rules! with_store {
+    ($store:expr, $s:ident => $body:expr) => {
+        match $store {
+            $crate::AnyStore::Postgres($s) => $body,
+        }
+    };
+}
+
+/// Runs `$body` with `$s` bound to the [`Store`] of `$store` ([`AnyStore`]).
+#[cfg(all(feature = "sqlite", not(feature = "postgres")))]
+#[macro_export]
+macro_rules! with_store {
+    ($store:expr, $s:ident => $body:expr) => {
+        match $store {
+            $crate::AnyStore::Sqlite($s) => $body,
         }
     };
 }
@@ -196,7 +252,6 @@ impl<DB: Dialect> Store<DB> {
 /// # let _ = n; Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub enum AnyStore {
     /// PostgreSQL.
     #[cfg(feature = "postgres")]
@@ -204,19 +259,6 @@ pub enum AnyStore {
     /// SQLite.
     #[cfg(feature = "sqlite")]
     Sqlite(Store<sqlx::Sqlite>),
-}
-
-/// Runs `$body` with `$s` bound to the [`Store`] of whichever database `$store` is.
-#[macro_export]
-macro_rules! with_store {
-    ($store:expr, $s:ident => $body:expr) => {
-        match $store {
-            #[cfg(feature = "postgres")]
-            $crate::AnyStore::Postgres($s) => $body,
-            #[cfg(feature = "sqlite")]
-            $crate::AnyStore::Sqlite($s) => $body,
-        }
-    };
 }
 
 impl AnyStore {

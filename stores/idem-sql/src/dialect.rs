@@ -32,6 +32,10 @@ pub trait Dialect: Database + sealed::Sealed {
         })
     }
 
+    /// Which database this is (for the rare statement only one of them has, such as
+    /// PostgreSQL's `lock_timeout`).
+    const SCHEME: crate::Scheme;
+
     /// Whether `e` says a table is missing (idem's tables were not migrated yet).
     fn is_undefined_table(e: &sqlx::Error) -> bool;
 }
@@ -114,40 +118,63 @@ impl<DB: Database> WriteTx<'_, DB> {
     }
 }
 
-/// A statement with dialect-aware binds and runners.
-pub(crate) struct Stmt<'q, DB: Dialect>(Q<'q, DB>);
+/// A statement written once for every dialect: `sqlx::query` with binds and runners that
+/// need no per-database bounds (write its SQL with `$N` placeholders, which both accept).
+///
+/// ```no_run
+/// # async fn demo<C: idem_sql::SqlConnection>(conn: &mut C, e: &idem_core::InboundEvent) -> sqlx::Result<u64> {
+/// idem_sql::Statement::<C::Dialect>::new("INSERT INTO audit_log (event_id) VALUES ($1)")
+///     .event_id(e.event_id)
+///     .execute(conn)
+///     .await
+/// # }
+/// ```
+pub struct Statement<'q, DB: Dialect>(Q<'q, DB>);
 
-impl<'q, DB: Dialect> Stmt<'q, DB> {
-    pub(crate) fn new(sql: &'q str) -> Self {
-        Stmt(sqlx::query(sql))
+pub(crate) type Stmt<'q, DB> = Statement<'q, DB>;
+
+impl<DB: Dialect> std::fmt::Debug for Statement<'_, DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Statement")
+    }
+}
+
+impl<'q, DB: Dialect> Statement<'q, DB> {
+    /// The statement `sql`.
+    pub fn new(sql: &'q str) -> Self {
+        Statement(sqlx::query(sql))
     }
 
-    pub(crate) fn bind<T: Param<'q>>(self, v: T) -> Self {
-        Stmt(DB::bind(self.0, v))
+    /// Binds the next parameter.
+    pub fn bind<T: Param<'q>>(self, v: T) -> Self {
+        Statement(DB::bind(self.0, v))
     }
 
-    pub(crate) fn event_id(self, id: EventId) -> Self {
-        Stmt(DB::bind_event_id(self.0, id))
+    /// Binds an event id as the database stores it (`uuid`, or text on SQLite).
+    pub fn event_id(self, id: EventId) -> Self {
+        Statement(DB::bind_event_id(self.0, id))
     }
 
     /// `d` from now: milliseconds for a dialect with a clock, a Unix-ms deadline otherwise.
     pub(crate) fn after(self, now: Now, d: Duration) -> Self {
-        Stmt(DB::bind_after(self.0, now, d))
+        Statement(DB::bind_after(self.0, now, d))
     }
 
     /// The clock, as the statement's last parameter, where the dialect has none of its own.
     pub(crate) fn now(self, now: Now) -> Self {
-        Stmt(DB::bind_now(self.0, now))
+        Statement(DB::bind_now(self.0, now))
     }
 
-    pub(crate) fn execute<'c>(self, c: &'c mut DB::Connection) -> BoxFuture<'c, sqlx::Result<u64>>
+    /// Runs the statement on `c`; the rows it changed.
+    pub fn execute<'c>(self, c: &'c mut DB::Connection) -> BoxFuture<'c, sqlx::Result<u64>>
     where
         'q: 'c,
     {
         DB::execute(self.0, c)
     }
 
-    pub(crate) fn fetch_all<'c>(
+    /// Runs the query on `c`; every row.
+    pub fn fetch_all<'c>(
         self,
         c: &'c mut DB::Connection,
     ) -> BoxFuture<'c, sqlx::Result<Vec<DB::Row>>>
@@ -157,7 +184,8 @@ impl<'q, DB: Dialect> Stmt<'q, DB> {
         DB::fetch_all(self.0, c)
     }
 
-    pub(crate) fn fetch_optional<'c>(
+    /// Runs the query on `c`; the first row, if any.
+    pub fn fetch_optional<'c>(
         self,
         c: &'c mut DB::Connection,
     ) -> BoxFuture<'c, sqlx::Result<Option<DB::Row>>>
@@ -168,8 +196,8 @@ impl<'q, DB: Dialect> Stmt<'q, DB> {
     }
 }
 
-/// Reads column `col` of `row`.
-pub(crate) fn get<'r, DB: Dialect, T: Decoded<'r>>(row: &'r DB::Row, col: &str) -> sqlx::Result<T> {
+/// Reads column `col` of `row`, for code written once for every dialect.
+pub fn get<'r, DB: Dialect, T: Decoded<'r>>(row: &'r DB::Row, col: &str) -> sqlx::Result<T> {
     DB::get(row, col)
 }
 

@@ -59,7 +59,7 @@ mod postgres;
 mod sqlite;
 
 pub use any::{AnyPool, AnyStore, Scheme, Store};
-pub use dialect::{Decoded, Dialect, Param, SqlConnection, is_unique_violation};
+pub use dialect::{Decoded, Dialect, Param, SqlConnection, Statement, get, is_unique_violation};
 pub use inbox::Inbox;
 pub use intents::Intents;
 pub use keys::KeyStore;

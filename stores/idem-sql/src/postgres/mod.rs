@@ -50,6 +50,8 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
 }
 
 impl Dialect for Postgres {
+    const SCHEME: crate::Scheme = crate::Scheme::Postgres;
+
     fn is_undefined_table(e: &sqlx::Error) -> bool {
         sqlstate(e, "42P01")
     }

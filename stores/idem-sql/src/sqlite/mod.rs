@@ -72,6 +72,8 @@ pub(crate) fn parse_ts(s: &str) -> std::result::Result<DateTime<Utc>, String> {
 }
 
 impl Dialect for Sqlite {
+    const SCHEME: crate::Scheme = crate::Scheme::Sqlite;
+
     /// SQLite reports a missing table as plain `SQLITE_ERROR` (code 1, no extended code), so
     /// the message is the only thing that tells it apart; it only adds a hint to an error.
     fn is_undefined_table(e: &sqlx::Error) -> bool {
