@@ -1,10 +1,11 @@
 //! The relay's view of the outbox ([`idem_core::OutboxStore`]): the struct, written once; the
 //! claim and mark statements are per dialect (`postgres/relay.rs`, `sqlite/relay.rs`).
 
-use idem_core::TableNames;
-use idem_core::outbox::FullScanThrottle;
+use idem_core::outbox::{FullScanThrottle, ParkedRow};
+use idem_core::{Error, EventId, Result, TableNames};
 use sqlx::Pool;
 
+use crate::dialect::{Stmt, get};
 use crate::{Dialect, Outbox};
 
 /// How many of the oldest pending rows a claim looks at, per row of batch size.
@@ -67,6 +68,60 @@ impl<DB: Dialect> RelayStore<DB> {
     }
 }
 
+impl<DB: Dialect> RelayStore<DB> {
+    /// [`idem_core::OutboxStore::parked`], for both dialects: a row whose columns cannot be
+    /// read is reported as corrupt.
+    pub(crate) async fn parked_rows(&self, limit: u32) -> Result<Vec<ParkedRow>> {
+        let context = "listing parked rows";
+        let mut c = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| Error::database(context, e))?;
+        let rows = Stmt::<DB>::new(&self.q().parked)
+            .bind(i64::from(limit))
+            .fetch_all(&mut c)
+            .await
+            .map_err(|e| Error::database(context, e))?;
+        rows.iter().map(parked_row::<DB>).collect()
+    }
+
+    /// [`idem_core::OutboxStore::retry_parked`], for both dialects.
+    pub(crate) async fn retry_parked_rows(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
+        let context = "retrying parked rows";
+        let mut conn = self.conn(context).await?;
+        let mut w = DB::begin_write(&mut conn)
+            .await
+            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let q = self.q();
+        let n = DB::for_event_ids(w.conn(), &q.retry_parked, &q.retry_parked_one, event_ids).await;
+        w.finish(n, context).await
+    }
+}
+
+fn parked_row<DB: Dialect>(r: &DB::Row) -> Result<ParkedRow> {
+    let id: i64 = get::<DB, _>(r, "id").map_err(|e| Error::database("decoding parked rows", e))?;
+    let dec = |e: sqlx::Error| Error::CorruptRow {
+        id,
+        reason: e.to_string(),
+    };
+    Ok(ParkedRow {
+        id,
+        event_id: DB::get_event_id(r, "event_id").map_err(dec)??,
+        aggregate_type: get::<DB, _>(r, "aggregate_type").map_err(dec)?,
+        aggregate_id: get::<DB, _>(r, "aggregate_id").map_err(dec)?,
+        event_type: get::<DB, _>(r, "event_type").map_err(dec)?,
+        attempts: get::<DB, _>(r, "attempts").map_err(dec)?,
+        last_error: get::<DB, _>(r, "last_error").map_err(dec)?,
+    })
+}
+
+/// How many marks a stale claim lost: rows neither marked nor released.
+pub(crate) fn fenced(outcome: &idem_core::outbox::Outcome, marked: u64, released: u64) -> u64 {
+    let expected = (outcome.published.len() + outcome.failed.len()) as u64;
+    expected.saturating_sub(marked + released)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -74,5 +129,16 @@ mod tests {
         assert_eq!(super::claim_window(1), 64);
         assert_eq!(super::claim_window(100), 400);
         assert_eq!(super::claim_window(u32::MAX), i64::from(u32::MAX));
+    }
+
+    #[test]
+    fn rows_neither_marked_nor_released_were_fenced() {
+        let outcome = idem_core::outbox::Outcome {
+            published: vec![1, 2, 3],
+            failed: vec![],
+        };
+        assert_eq!(super::fenced(&outcome, 2, 0), 1);
+        assert_eq!(super::fenced(&outcome, 3, 0), 0);
+        assert_eq!(super::fenced(&outcome, 4, 0), 0);
     }
 }

@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use crate::RelayStore;
 use crate::millis;
-use crate::relay_store::claim_window;
+use crate::relay_store::{claim_window, fenced};
 
 type PgStore = RelayStore<Postgres>;
 
@@ -167,8 +167,7 @@ impl OutboxStore for PgStore {
         tx.commit()
             .await
             .map_err(|e| Error::database("committing marks", e))?;
-        let expected = (outcome.published.len() + outcome.failed.len()) as u64;
-        done.fenced = expected.saturating_sub(done.marked + done.released);
+        done.fenced = fenced(outcome, done.marked, done.released);
         Ok(done)
     }
 
@@ -226,36 +225,10 @@ impl OutboxStore for PgStore {
     }
 
     async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
-        let rows = sqlx::query(&self.q().parked)
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| Error::database("listing parked rows", e))?;
-        rows.iter()
-            .map(|r| {
-                Ok(ParkedRow {
-                    id: r.try_get("id")?,
-                    event_id: EventId(r.try_get("event_id")?),
-                    aggregate_type: r.try_get("aggregate_type")?,
-                    aggregate_id: r.try_get("aggregate_id")?,
-                    event_type: r.try_get("event_type")?,
-                    attempts: r.try_get("attempts")?,
-                    last_error: r.try_get("last_error")?,
-                })
-            })
-            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
-            .map_err(|e| Error::database("decoding parked rows", e))
+        self.parked_rows(limit).await
     }
 
     async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
-        let ids: Option<Vec<Uuid>> =
-            event_ids.map(|ids| ids.iter().map(EventId::as_uuid).collect());
-        let n = sqlx::query(&self.q().retry_parked)
-            .bind(ids)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| Error::database("retrying parked rows", e))?
-            .rows_affected();
-        Ok(n)
+        self.retry_parked_rows(event_ids).await
     }
 }

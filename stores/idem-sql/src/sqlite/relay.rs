@@ -16,7 +16,7 @@ use uuid::Uuid;
 use super::{TS_FORMAT, immediate, now_ms, parse_ts};
 use crate::RelayStore;
 use crate::millis;
-use crate::relay_store::claim_window;
+use crate::relay_store::{claim_window, fenced};
 
 type SqliteStore = RelayStore<Sqlite>;
 
@@ -141,9 +141,8 @@ impl OutboxStore for SqliteStore {
             Ok(done)
         })
         .await?;
-        let expected = (outcome.published.len() + outcome.failed.len()) as u64;
         Ok(Completed {
-            fenced: expected.saturating_sub(done.marked + done.released),
+            fenced: fenced(outcome, done.marked, done.released),
             ..done
         })
     }
@@ -228,57 +227,10 @@ impl OutboxStore for SqliteStore {
     }
 
     async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
-        let rows = sqlx::query(&self.q().parked)
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| Error::database("listing parked rows", e))?;
-        rows.iter()
-            .map(|r| {
-                let id: i64 = r
-                    .try_get("id")
-                    .map_err(|e| Error::database("decoding parked rows", e))?;
-                let dec = |e: sqlx::Error| Error::CorruptRow {
-                    id,
-                    reason: e.to_string(),
-                };
-                Ok(ParkedRow {
-                    id,
-                    event_id: EventId::from_str(&r.try_get::<String, _>("event_id").map_err(dec)?)?,
-                    aggregate_type: r.try_get("aggregate_type").map_err(dec)?,
-                    aggregate_id: r.try_get("aggregate_id").map_err(dec)?,
-                    event_type: r.try_get("event_type").map_err(dec)?,
-                    attempts: r.try_get("attempts").map_err(dec)?,
-                    last_error: r.try_get("last_error").map_err(dec)?,
-                })
-            })
-            .collect()
+        self.parked_rows(limit).await
     }
 
     async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
-        let mut conn = self.conn("retrying parked rows").await?;
-        let q = self.q();
-        immediate(
-            &mut conn,
-            "retrying parked rows",
-            async |c| match event_ids {
-                None => Ok(sqlx::query(&q.retry_parked)
-                    .execute(&mut *c)
-                    .await?
-                    .rows_affected()),
-                Some(ids) => {
-                    let mut n = 0;
-                    for id in ids {
-                        n += sqlx::query(&q.retry_parked_one)
-                            .bind(id.to_string())
-                            .execute(&mut *c)
-                            .await?
-                            .rows_affected();
-                    }
-                    Ok(n)
-                }
-            },
-        )
-        .await
+        self.retry_parked_rows(event_ids).await
     }
 }
