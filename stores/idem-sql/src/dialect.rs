@@ -205,7 +205,7 @@ pub(crate) mod sealed {
     use super::*;
 
     /// The dialect primitives. Public in a private module: callable in this crate only.
-    pub trait Sealed: Database + Sized + Batches {
+    pub trait Sealed: Database + Sized + Batches + RelayOps {
         /// The statements of this dialect.
         fn sql() -> &'static SqlSet;
         /// The table bases its statements name.
@@ -300,6 +300,56 @@ pub(crate) mod sealed {
         ) -> BoxFuture<'c, sqlx::Result<()>>;
         /// Fails when the handler's transaction can no longer commit.
         fn check_usable(c: &mut Self::Connection) -> BoxFuture<'_, Result<()>>;
+    }
+
+    /// The relay's statements whose flow is the dialect's own (claim and mark in
+    /// `FOR UPDATE SKIP LOCKED` with arrays, or in `BEGIN IMMEDIATE` one row at a time; ages
+    /// from the database's clock, or parsed from text).
+    pub trait RelayOps: Database + Sized {
+        /// One claim over the oldest `window` pending rows (None: every pending row).
+        fn claim_within<'a>(
+            store: &'a crate::RelayStore<Self>,
+            request: &'a idem_core::outbox::ClaimRequest,
+            window: Option<i64>,
+        ) -> BoxFuture<'a, Result<idem_core::outbox::Claim>>
+        where
+            Self: super::Dialect;
+        /// [`idem_core::OutboxStore::complete`].
+        fn complete<'a>(
+            store: &'a crate::RelayStore<Self>,
+            claim: &'a idem_core::outbox::Claim,
+            outcome: &'a idem_core::outbox::Outcome,
+        ) -> BoxFuture<'a, Result<idem_core::outbox::Completed>>
+        where
+            Self: super::Dialect;
+        /// [`idem_core::OutboxStore::prune`].
+        fn prune<'a>(
+            store: &'a crate::RelayStore<Self>,
+            policy: &'a idem_core::outbox::PrunePolicy,
+        ) -> BoxFuture<'a, Result<u64>>
+        where
+            Self: super::Dialect;
+        /// [`idem_core::OutboxStore::status`].
+        fn status(
+            store: &crate::RelayStore<Self>,
+        ) -> BoxFuture<'_, Result<idem_core::outbox::OutboxStatus>>
+        where
+            Self: super::Dialect;
+        /// [`idem_core::OutboxStore::backlog`].
+        fn backlog(
+            store: &crate::RelayStore<Self>,
+        ) -> BoxFuture<'_, Result<Vec<idem_core::outbox::Backlog>>>
+        where
+            Self: super::Dialect;
+        /// [`idem_core::retention::RetentionStore::prune_older`].
+        fn prune_older<'a>(
+            store: &'a crate::RelayStore<Self>,
+            what: idem_core::retention::Prunable,
+            window: &'a idem_core::retention::RetentionWindow,
+            batch: u32,
+        ) -> BoxFuture<'a, Result<u64>>
+        where
+            Self: super::Dialect;
     }
 
     /// Seals [`SqlConnection`](super::SqlConnection).

@@ -10,7 +10,7 @@
 //!
 //! The statements live in `sql/<dialect>/`, one per file, and in `sql/common/` where both
 //! dialects run the same text (sqlx-sqlite accepts `$N` placeholders). They are rendered once
-//! per [`TableNames`] and shared by every store over those tables.
+//! per [`TableNames`](idem_core::TableNames) and shared by every store over those tables.
 //!
 //! ```no_run
 //! # #[cfg(feature = "sqlite")]

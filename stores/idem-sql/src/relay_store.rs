@@ -1,8 +1,13 @@
-//! The relay's view of the outbox ([`idem_core::OutboxStore`]): the struct, written once; the
-//! claim and mark statements are per dialect (`postgres/relay.rs`, `sqlite/relay.rs`).
+//! The relay's view of the outbox ([`idem_core::OutboxStore`]), written once; the claim, mark,
+//! prune and status statements whose flow differs are the dialect's (`postgres/relay.rs`,
+//! `sqlite/relay.rs`).
 
-use idem_core::outbox::{FullScanThrottle, ParkedRow};
-use idem_core::{Error, EventId, Result, TableNames};
+use idem_core::outbox::{
+    Backlog, Claim, ClaimRequest, Completed, FullScanThrottle, OutboxStatus, Outcome, ParkedRow,
+    PrunePolicy,
+};
+use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
+use idem_core::{Error, EventId, OutboxStore, Result, TableNames};
 use sqlx::Pool;
 
 use crate::dialect::{Stmt, get};
@@ -71,7 +76,7 @@ impl<DB: Dialect> RelayStore<DB> {
 impl<DB: Dialect> RelayStore<DB> {
     /// [`idem_core::OutboxStore::parked`], for both dialects: a row whose columns cannot be
     /// read is reported as corrupt.
-    pub(crate) async fn parked_rows(&self, limit: u32) -> Result<Vec<ParkedRow>> {
+    async fn parked_rows(&self, limit: u32) -> Result<Vec<ParkedRow>> {
         let context = "listing parked rows";
         let mut c = self
             .pool
@@ -87,7 +92,7 @@ impl<DB: Dialect> RelayStore<DB> {
     }
 
     /// [`idem_core::OutboxStore::retry_parked`], for both dialects.
-    pub(crate) async fn retry_parked_rows(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
+    async fn retry_parked_rows(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
         let context = "retrying parked rows";
         let mut conn = self.conn(context).await?;
         let mut w = DB::begin_write(&mut conn)
@@ -114,6 +119,56 @@ fn parked_row<DB: Dialect>(r: &DB::Row) -> Result<ParkedRow> {
         attempts: get::<DB, _>(r, "attempts").map_err(dec)?,
         last_error: get::<DB, _>(r, "last_error").map_err(dec)?,
     })
+}
+
+impl<DB: Dialect> OutboxStore for RelayStore<DB> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
+        let window = claim_window(request.batch_size);
+        let claim = DB::claim_within(self, request, Some(window)).await?;
+        // The oldest rows may all sit behind leased or backing-off heads (one aggregate with a
+        // deep backlog): then look at every pending row, so other aggregates never starve.
+        if claim.records.is_empty() && claim.corrupt.is_empty() && self.full_scan.due() {
+            return DB::claim_within(self, request, None).await;
+        }
+        Ok(claim)
+    }
+
+    async fn complete(&self, claim: &Claim, outcome: &Outcome) -> Result<Completed> {
+        DB::complete(self, claim, outcome).await
+    }
+
+    async fn prune(&self, policy: &PrunePolicy) -> Result<u64> {
+        DB::prune(self, policy).await
+    }
+
+    async fn status(&self) -> Result<OutboxStatus> {
+        DB::status(self).await
+    }
+
+    async fn backlog(&self) -> Result<Vec<Backlog>> {
+        DB::backlog(self).await
+    }
+
+    async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
+        self.parked_rows(limit).await
+    }
+
+    async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
+        self.retry_parked_rows(event_ids).await
+    }
+}
+
+/// Pruning of the inbox and of done effect intents, never inside the redelivery horizon
+/// ([`idem_core::retention`]). The outbox's per-aggregate counters are never pruned.
+impl<DB: Dialect> RetentionStore for RelayStore<DB> {
+    async fn prune_older(
+        &self,
+        what: Prunable,
+        window: &RetentionWindow,
+        batch: u32,
+    ) -> Result<u64> {
+        DB::prune_older(self, what, window, batch).await
+    }
 }
 
 /// How many marks a stale claim lost: rows neither marked nor released.

@@ -2,19 +2,22 @@
 //! database's clock, marks as arrays.
 
 use chrono::{DateTime, Utc};
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use idem_core::outbox::{
-    Backlog, Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, ParkedRow,
-    PrunePolicy, headers_from_json, sort_records,
+    Backlog, Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, PrunePolicy,
+    headers_from_json, sort_records,
 };
-use idem_core::{Error, EventId, OutboxStore, Result};
+use idem_core::{Error, EventId, Result};
 use sqlx::Postgres;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 use uuid::Uuid;
 
 use crate::RelayStore;
+use crate::dialect::sealed::RelayOps;
 use crate::millis;
-use crate::relay_store::{claim_window, fenced};
+use crate::relay_store::fenced;
 
 type PgStore = RelayStore<Postgres>;
 
@@ -86,149 +89,158 @@ fn out_of_range(micros: i64) -> String {
     }
 }
 
-impl PgStore {
-    async fn claim_within(&self, request: &ClaimRequest, window: Option<i64>) -> Result<Claim> {
-        let claim_id = Uuid::now_v7();
-        let rows = sqlx::query(&self.q().claim)
-            .bind(i64::from(request.batch_size))
-            .bind(claim_id)
-            .bind(&request.relay_id)
-            .bind(millis(request.lease))
-            .bind(window)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| Error::database("claiming outbox rows", e))?;
-        let mut records = Vec::with_capacity(rows.len());
-        let mut corrupt = vec![];
-        for row in &rows {
-            match decode_record(row) {
-                Ok(r) => records.push(r),
-                Err(e) => {
-                    let id: i64 = row
-                        .try_get("id")
-                        .map_err(|e| Error::database("decoding a claimed row id", e))?;
-                    corrupt.push((id, format!("the row cannot be decoded: {e}")));
+impl RelayOps for Postgres {
+    fn claim_within<'a>(
+        this: &'a PgStore,
+        request: &'a ClaimRequest,
+        window: Option<i64>,
+    ) -> BoxFuture<'a, Result<Claim>> {
+        async move {
+            let claim_id = Uuid::now_v7();
+            let rows = sqlx::query(&this.q().claim)
+                .bind(i64::from(request.batch_size))
+                .bind(claim_id)
+                .bind(&request.relay_id)
+                .bind(millis(request.lease))
+                .bind(window)
+                .fetch_all(&this.pool)
+                .await
+                .map_err(|e| Error::database("claiming outbox rows", e))?;
+            let mut records = Vec::with_capacity(rows.len());
+            let mut corrupt = vec![];
+            for row in &rows {
+                match decode_record(row) {
+                    Ok(r) => records.push(r),
+                    Err(e) => {
+                        let id: i64 = row
+                            .try_get("id")
+                            .map_err(|e| Error::database("decoding a claimed row id", e))?;
+                        corrupt.push((id, format!("the row cannot be decoded: {e}")));
+                    }
                 }
             }
-        }
-        sort_records(&mut records);
-        Ok(Claim {
-            claim_id,
-            records,
-            corrupt,
-        })
-    }
-}
-
-impl OutboxStore for PgStore {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
-        let claim = self
-            .claim_within(request, Some(claim_window(request.batch_size)))
-            .await?;
-        // The oldest rows may all sit behind leased or backing-off heads (one aggregate with a
-        // deep backlog): then look at every pending row, so other aggregates never starve.
-        if claim.records.is_empty() && claim.corrupt.is_empty() && self.full_scan.due() {
-            return self.claim_within(request, None).await;
-        }
-        Ok(claim)
-    }
-
-    async fn complete(&self, claim: &Claim, outcome: &Outcome) -> Result<Completed> {
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .map_err(|e| Error::database("starting to mark rows", e))?;
-        let mut done = Completed::default();
-        if !outcome.published.is_empty() {
-            done.marked = sqlx::query(&self.q().mark_published)
-                .bind(&outcome.published)
-                .bind(claim.claim_id)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| Error::database("marking rows published", e))?
-                .rows_affected();
-        }
-        if !outcome.failed.is_empty() {
-            let f = &outcome.failed;
-            done.released = sqlx::query(&self.q().release)
-                .bind(f.iter().map(|x| x.id).collect::<Vec<_>>())
-                .bind(f.iter().map(|x| x.reason.as_str()).collect::<Vec<_>>())
-                .bind(f.iter().map(|x| millis(x.backoff)).collect::<Vec<_>>())
-                .bind(f.iter().map(|x| x.park).collect::<Vec<_>>())
-                .bind(f.iter().map(|x| x.attempted).collect::<Vec<_>>())
-                .bind(claim.claim_id)
-                .bind(f.iter().map(|x| x.permanent).collect::<Vec<_>>())
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| Error::database("releasing failed rows", e))?
-                .rows_affected();
-        }
-        tx.commit()
-            .await
-            .map_err(|e| Error::database("committing marks", e))?;
-        done.fenced = fenced(outcome, done.marked, done.released);
-        Ok(done)
-    }
-
-    async fn prune(&self, policy: &PrunePolicy) -> Result<u64> {
-        let sql = if policy.archive {
-            &self.q().prune_archive
-        } else {
-            &self.q().prune_delete
-        };
-        let n = sqlx::query(sql)
-            .bind(policy.retention.as_secs_f64())
-            .bind(i64::from(policy.batch))
-            .execute(&self.pool)
-            .await
-            .map_err(|e| Error::database("pruning published rows", e))?
-            .rows_affected();
-        Ok(n)
-    }
-
-    async fn status(&self) -> Result<OutboxStatus> {
-        let row = sqlx::query(&self.q().status)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| Error::database("counting outbox rows", e))?;
-        let get = |c: &str| {
-            row.try_get::<i64, _>(c)
-                .map_err(|e| Error::database("decoding status", e))
-        };
-        Ok(OutboxStatus {
-            pending: get("pending")?,
-            parked: get("parked")?,
-            published: get("published")?,
-            oldest_pending_age_seconds: row
-                .try_get("oldest_pending_age")
-                .map_err(|e| Error::database("decoding status", e))?,
-        })
-    }
-
-    async fn backlog(&self) -> Result<Vec<Backlog>> {
-        let rows = sqlx::query(&self.q().backlog)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| Error::database("counting the outbox backlog", e))?;
-        rows.iter()
-            .map(|r| {
-                Ok(Backlog {
-                    aggregate_type: r.try_get("aggregate_type")?,
-                    pending: r.try_get("pending")?,
-                    parked: r.try_get("parked")?,
-                    oldest_pending_age_seconds: r.try_get("oldest_pending_age")?,
-                })
+            sort_records(&mut records);
+            Ok(Claim {
+                claim_id,
+                records,
+                corrupt,
             })
-            .collect::<std::result::Result<_, sqlx::Error>>()
-            .map_err(|e| Error::database("decoding the outbox backlog", e))
+        }
+        .boxed()
+    }
+    fn complete<'a>(
+        this: &'a PgStore,
+        claim: &'a Claim,
+        outcome: &'a Outcome,
+    ) -> BoxFuture<'a, Result<Completed>> {
+        async move {
+            let mut tx = this
+                .pool
+                .begin()
+                .await
+                .map_err(|e| Error::database("starting to mark rows", e))?;
+            let mut done = Completed::default();
+            if !outcome.published.is_empty() {
+                done.marked = sqlx::query(&this.q().mark_published)
+                    .bind(&outcome.published)
+                    .bind(claim.claim_id)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| Error::database("marking rows published", e))?
+                    .rows_affected();
+            }
+            if !outcome.failed.is_empty() {
+                let f = &outcome.failed;
+                done.released = sqlx::query(&this.q().release)
+                    .bind(f.iter().map(|x| x.id).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| x.reason.as_str()).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| millis(x.backoff)).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| x.park).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| x.attempted).collect::<Vec<_>>())
+                    .bind(claim.claim_id)
+                    .bind(f.iter().map(|x| x.permanent).collect::<Vec<_>>())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| Error::database("releasing failed rows", e))?
+                    .rows_affected();
+            }
+            tx.commit()
+                .await
+                .map_err(|e| Error::database("committing marks", e))?;
+            done.fenced = fenced(outcome, done.marked, done.released);
+            Ok(done)
+        }
+        .boxed()
     }
 
-    async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
-        self.parked_rows(limit).await
+    fn prune<'a>(this: &'a PgStore, policy: &'a PrunePolicy) -> BoxFuture<'a, Result<u64>> {
+        async move {
+            let sql = if policy.archive {
+                &this.q().prune_archive
+            } else {
+                &this.q().prune_delete
+            };
+            let n = sqlx::query(sql)
+                .bind(policy.retention.as_secs_f64())
+                .bind(i64::from(policy.batch))
+                .execute(&this.pool)
+                .await
+                .map_err(|e| Error::database("pruning published rows", e))?
+                .rows_affected();
+            Ok(n)
+        }
+        .boxed()
     }
 
-    async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
-        self.retry_parked_rows(event_ids).await
+    fn status(this: &PgStore) -> BoxFuture<'_, Result<OutboxStatus>> {
+        async move {
+            let row = sqlx::query(&this.q().status)
+                .fetch_one(&this.pool)
+                .await
+                .map_err(|e| Error::database("counting outbox rows", e))?;
+            let get = |c: &str| {
+                row.try_get::<i64, _>(c)
+                    .map_err(|e| Error::database("decoding status", e))
+            };
+            Ok(OutboxStatus {
+                pending: get("pending")?,
+                parked: get("parked")?,
+                published: get("published")?,
+                oldest_pending_age_seconds: row
+                    .try_get("oldest_pending_age")
+                    .map_err(|e| Error::database("decoding status", e))?,
+            })
+        }
+        .boxed()
+    }
+
+    fn backlog(this: &PgStore) -> BoxFuture<'_, Result<Vec<Backlog>>> {
+        async move {
+            let rows = sqlx::query(&this.q().backlog)
+                .fetch_all(&this.pool)
+                .await
+                .map_err(|e| Error::database("counting the outbox backlog", e))?;
+            rows.iter()
+                .map(|r| {
+                    Ok(Backlog {
+                        aggregate_type: r.try_get("aggregate_type")?,
+                        pending: r.try_get("pending")?,
+                        parked: r.try_get("parked")?,
+                        oldest_pending_age_seconds: r.try_get("oldest_pending_age")?,
+                    })
+                })
+                .collect::<std::result::Result<_, sqlx::Error>>()
+                .map_err(|e| Error::database("decoding the outbox backlog", e))
+        }
+        .boxed()
+    }
+
+    fn prune_older<'a>(
+        store: &'a PgStore,
+        what: idem_core::retention::Prunable,
+        window: &'a idem_core::retention::RetentionWindow,
+        batch: u32,
+    ) -> BoxFuture<'a, Result<u64>> {
+        super::retention::prune_older(store, what, window, batch)
     }
 }

@@ -2,26 +2,28 @@
 //! ([`idem_core::retention`]).
 
 use chrono::Utc;
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use idem_core::Result;
-use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
+use idem_core::retention::{Prunable, RetentionWindow};
 
 use super::{TS_FORMAT, immediate};
 use crate::RelayStore;
 
-impl RetentionStore for RelayStore<sqlx::Sqlite> {
-    async fn prune_older(
-        &self,
-        what: Prunable,
-        window: &RetentionWindow,
-        batch: u32,
-    ) -> Result<u64> {
+pub(super) fn prune_older<'a>(
+    store: &'a RelayStore<sqlx::Sqlite>,
+    what: Prunable,
+    window: &'a RetentionWindow,
+    batch: u32,
+) -> BoxFuture<'a, Result<u64>> {
+    async move {
         let sql = match what {
-            Prunable::Inbox => &self.q().inbox_prune,
-            Prunable::DoneIntents => &self.q().intent_prune,
+            Prunable::Inbox => &store.q().inbox_prune,
+            Prunable::DoneIntents => &store.q().intent_prune,
         };
         let cutoff = cutoff(window);
         let context = format!("pruning {}", what.describe());
-        let mut conn = self.conn(&context).await?;
+        let mut conn = store.conn(&context).await?;
         immediate(&mut conn, &context, async |c| {
             Ok(sqlx::query(sql)
                 .bind(&cutoff)
@@ -32,6 +34,7 @@ impl RetentionStore for RelayStore<sqlx::Sqlite> {
         })
         .await
     }
+    .boxed()
 }
 
 /// The timestamp `window` ago, in the columns' text format; a window beyond chrono's range is
