@@ -1,7 +1,5 @@
 //! The consumer's inbox and dead letters ([`InboxStore`]), written once.
 
-use std::sync::Arc;
-
 use idem_core::{
     DeadLetter, DeadLetterRow, Dedup, Error, EventId, InboundEvent, InboxEntry, InboxStore,
     OpenDeadLetter, ReplayOutcome, Result, StoredDeadLetter, TableNames,
@@ -10,46 +8,30 @@ use sqlx::{Pool, Transaction};
 
 use crate::Dialect;
 use crate::dialect::{Stmt, get};
-use crate::queries::{Queries, shared};
+use crate::queries::Handle;
 
 /// The consumer's inbox and dead letters ([`InboxStore`]) in database `DB`.
 ///
 /// Handlers receive `&mut DB::Connection` (`&mut PgConnection`, `&mut SqliteConnection`) inside
 /// the batch transaction: write with `sqlx::query(..).execute(&mut *conn)`.
 #[derive(Debug)]
-pub struct Inbox<DB: Dialect> {
-    pool: Pool<DB>,
-    queries: Arc<Queries>,
-}
+pub struct Inbox<DB: Dialect>(Handle<DB>);
 
 impl<DB: Dialect> Clone for Inbox<DB> {
     fn clone(&self) -> Self {
-        Inbox {
-            pool: self.pool.clone(),
-            queries: Arc::clone(&self.queries),
-        }
+        Inbox(self.0.clone())
     }
 }
 
 impl<DB: Dialect> Inbox<DB> {
     /// An inbox over `pool` with the given tables (created by [`migrate`](crate::migrate())).
     pub fn new(pool: Pool<DB>, tables: TableNames) -> Self {
-        Inbox {
-            pool,
-            queries: shared::<DB>(&tables),
-        }
+        Inbox(Handle::new(pool, &tables))
     }
 
     /// The pool.
     pub fn pool(&self) -> &Pool<DB> {
-        &self.pool
-    }
-
-    async fn conn(&self, context: &str) -> Result<sqlx::pool::PoolConnection<DB>> {
-        self.pool
-            .acquire()
-            .await
-            .map_err(|e| Error::database(context.to_owned(), e))
+        &self.0.pool
     }
 }
 
@@ -121,7 +103,7 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
     async fn begin(&self) -> Result<Self::Tx> {
         // SQLite: IMMEDIATE, the write lock up front, so the busy timeout applies instead of a
         // snapshot conflict when another writer committed first.
-        DB::begin_pool(&self.pool)
+        DB::begin_pool(&self.0.pool)
             .await
             .map_err(|e| Error::database("beginning a consumer transaction", e))
     }
@@ -147,7 +129,7 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         if entries.is_empty() {
             return Ok(vec![]);
         }
-        let rows = DB::inbox_record(conn, &self.queries.inbox_record, group, entries).await?;
+        let rows = DB::inbox_record(conn, &self.0.queries.inbox_record, group, entries).await?;
         Ok(entries
             .iter()
             .zip(rows)
@@ -190,7 +172,7 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         if ids.is_empty() {
             return Ok(());
         }
-        DB::inbox_dead_lettered(conn, &self.queries.inbox_dead_lettered, group, ids)
+        DB::inbox_dead_lettered(conn, &self.0.queries.inbox_dead_lettered, group, ids)
             .await
             .map_err(|e| Error::database("marking inbox rows dead-lettered", e))
     }
@@ -204,15 +186,15 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         if letters.is_empty() {
             return Ok(());
         }
-        DB::dead_letter(conn, &self.queries.dead_letter, group, letters)
+        DB::dead_letter(conn, &self.0.queries.dead_letter, group, letters)
             .await
             .map_err(|e| Error::database("storing dead letters", e))
     }
 
     async fn dead_letters(&self, group: &str, limit: u32) -> Result<Vec<StoredDeadLetter>> {
         let context = "listing dead letters";
-        let mut c = self.conn(context).await?;
-        let rows = Stmt::<DB>::new(&self.queries.dead_letters)
+        let mut c = self.0.conn(context).await?;
+        let rows = Stmt::<DB>::new(&self.0.queries.dead_letters)
             .bind(group)
             .bind(i64::from(limit))
             .fetch_all(&mut c)
@@ -232,8 +214,8 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         limit: u32,
     ) -> Result<Vec<OpenDeadLetter>> {
         let context = "listing dead letters to replay";
-        let mut c = self.conn(context).await?;
-        let rows = Stmt::<DB>::new(&self.queries.dead_letters_open)
+        let mut c = self.0.conn(context).await?;
+        let rows = Stmt::<DB>::new(&self.0.queries.dead_letters_open)
             .bind(group)
             .bind(after)
             .bind(only)
@@ -253,7 +235,7 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         group: &str,
         event: &InboundEvent,
     ) -> Result<bool> {
-        Stmt::<DB>::new(&self.queries.inbox_replay)
+        Stmt::<DB>::new(&self.0.queries.inbox_replay)
             .bind(group)
             .event_id(event.event_id)
             .bind(event.event_type.as_str())
@@ -274,7 +256,7 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         outcome: ReplayOutcome,
         reason: Option<&str>,
     ) -> Result<bool> {
-        Stmt::<DB>::new(&self.queries.dead_letter_replayed)
+        Stmt::<DB>::new(&self.0.queries.dead_letter_replayed)
             .bind(id)
             .bind(by)
             .bind(outcome.as_str())

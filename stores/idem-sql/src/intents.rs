@@ -1,6 +1,5 @@
 //! Effect intents ([`IntentStore`]), written once.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::idempotency::{
@@ -12,43 +11,27 @@ use sqlx::Pool;
 
 use crate::Dialect;
 use crate::dialect::{Now, Stmt, get};
-use crate::queries::{Queries, shared};
+use crate::queries::Handle;
 
 /// Effect intents ([`IntentStore`]) in database `DB`.
 #[derive(Debug)]
-pub struct Intents<DB: Dialect> {
-    pool: Pool<DB>,
-    queries: Arc<Queries>,
-}
+pub struct Intents<DB: Dialect>(Handle<DB>);
 
 impl<DB: Dialect> Clone for Intents<DB> {
     fn clone(&self) -> Self {
-        Intents {
-            pool: self.pool.clone(),
-            queries: Arc::clone(&self.queries),
-        }
+        Intents(self.0.clone())
     }
 }
 
 impl<DB: Dialect> Intents<DB> {
     /// Intents over `pool` with the given tables (created by [`migrate`](crate::migrate())).
     pub fn new(pool: Pool<DB>, tables: TableNames) -> Self {
-        Intents {
-            pool,
-            queries: shared::<DB>(&tables),
-        }
-    }
-
-    async fn conn(&self, context: &str) -> Result<sqlx::pool::PoolConnection<DB>> {
-        self.pool
-            .acquire()
-            .await
-            .map_err(|e| Error::database(context.to_owned(), e))
+        Intents(Handle::new(pool, &tables))
     }
 
     /// Runs one statement on the pool and counts the rows it changed.
     async fn changed(&self, context: &str, stmt: Stmt<'_, DB>) -> Result<u64> {
-        let mut c = self.conn(context).await?;
+        let mut c = self.0.conn(context).await?;
         stmt.execute(&mut c)
             .await
             .map_err(|e| Error::database(context.to_owned(), e))
@@ -96,7 +79,7 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
             field: "effect",
             reason: e.to_string(),
         })?;
-        let n = Stmt::<DB>::new(&self.queries.intent_record)
+        let n = Stmt::<DB>::new(&self.0.queries.intent_record)
             .bind(key.as_str())
             .bind(intent.effect.as_str())
             .bind(intent.target.as_str())
@@ -112,11 +95,11 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
     async fn claim(&self, batch: u32, lease: Duration) -> Result<Vec<ClaimedIntent>> {
         let context = "claiming effect intents";
         let now = Now::read();
-        let mut conn = self.conn(context).await?;
+        let mut conn = self.0.conn(context).await?;
         let mut w = DB::begin_write(&mut conn)
             .await
             .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
-        let rows = Stmt::<DB>::new(&self.queries.intent_claim)
+        let rows = Stmt::<DB>::new(&self.0.queries.intent_claim)
             .bind(i64::from(batch))
             .after(now, lease)
             .now(now)
@@ -140,7 +123,7 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
     }
 
     async fn mark_sending(&self, id: i64, attempt: i32, lease_left: Duration) -> Result<bool> {
-        let stmt = Stmt::<DB>::new(&self.queries.intent_mark_sending)
+        let stmt = Stmt::<DB>::new(&self.0.queries.intent_mark_sending)
             .bind(id)
             .bind(attempt)
             .after(Now::read(), lease_left);
@@ -152,7 +135,7 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
 
     async fn finish(&self, id: i64, attempt: i32, outcome: &IntentOutcome) -> Result<bool> {
         let c = outcome.columns();
-        let stmt = Stmt::<DB>::new(&self.queries.intent_finish)
+        let stmt = Stmt::<DB>::new(&self.0.queries.intent_finish)
             .bind(id)
             .bind(attempt)
             .bind(c.status)
@@ -165,8 +148,8 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
 
     async fn stuck(&self, limit: u32) -> Result<Vec<StuckIntent>> {
         let context = "listing stuck effect intents";
-        let mut c = self.conn(context).await?;
-        let rows = Stmt::<DB>::new(&self.queries.intent_stuck)
+        let mut c = self.0.conn(context).await?;
+        let rows = Stmt::<DB>::new(&self.0.queries.intent_stuck)
             .bind(i64::from(limit))
             .fetch_all(&mut c)
             .await
@@ -179,19 +162,19 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
 
     async fn retry_stuck(&self, ids: Option<&[i64]>) -> Result<u64> {
         let context = "retrying effect intents";
-        let mut conn = self.conn(context).await?;
+        let mut conn = self.0.conn(context).await?;
         let mut w = DB::begin_write(&mut conn)
             .await
             .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
-        let q = &self.queries;
+        let q = &self.0.queries;
         let n = DB::for_ids(w.conn(), &q.intent_retry, &q.intent_retry_one, ids).await;
         w.finish(n, context).await
     }
 
     async fn get(&self, id: i64) -> Result<Option<(ClaimedIntent, String)>> {
         let context = "reading an effect intent";
-        let mut c = self.conn(context).await?;
-        let row = Stmt::<DB>::new(&self.queries.intent_get)
+        let mut c = self.0.conn(context).await?;
+        let row = Stmt::<DB>::new(&self.0.queries.intent_get)
             .bind(id)
             .fetch_optional(&mut c)
             .await
@@ -207,7 +190,7 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
     }
 
     async fn resolve(&self, id: i64, resolution: Resolution, note: &str) -> Result<bool> {
-        let stmt = Stmt::<DB>::new(&self.queries.intent_resolve)
+        let stmt = Stmt::<DB>::new(&self.0.queries.intent_resolve)
             .bind(id)
             .bind(resolution.status())
             .bind(note);

@@ -1,6 +1,5 @@
 //! The server-side Idempotency-Key store ([`IdempotencyStore`]), written once.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::idempotency::{
@@ -11,38 +10,22 @@ use sqlx::Pool;
 
 use crate::Dialect;
 use crate::dialect::{Now, Stmt, get};
-use crate::queries::{Queries, shared};
+use crate::queries::Handle;
 
 /// The server-side Idempotency-Key store ([`IdempotencyStore`]) in database `DB`.
 #[derive(Debug)]
-pub struct KeyStore<DB: Dialect> {
-    pool: Pool<DB>,
-    queries: Arc<Queries>,
-}
+pub struct KeyStore<DB: Dialect>(Handle<DB>);
 
 impl<DB: Dialect> Clone for KeyStore<DB> {
     fn clone(&self) -> Self {
-        KeyStore {
-            pool: self.pool.clone(),
-            queries: Arc::clone(&self.queries),
-        }
+        KeyStore(self.0.clone())
     }
 }
 
 impl<DB: Dialect> KeyStore<DB> {
     /// A key store over `pool` with the given tables (created by [`migrate`](crate::migrate())).
     pub fn new(pool: Pool<DB>, tables: TableNames) -> Self {
-        KeyStore {
-            pool,
-            queries: shared::<DB>(&tables),
-        }
-    }
-
-    async fn conn(&self, context: &str) -> Result<sqlx::pool::PoolConnection<DB>> {
-        self.pool
-            .acquire()
-            .await
-            .map_err(|e| Error::database(context.to_owned(), e))
+        KeyStore(Handle::new(pool, &tables))
     }
 
     /// The key as stored, for a claim that found it taken.
@@ -53,8 +36,8 @@ impl<DB: Dialect> KeyStore<DB> {
         fingerprint: &str,
     ) -> Result<KeyClaim> {
         let context = "reading an idempotency key";
-        let mut c = self.conn(context).await?;
-        let row = Stmt::<DB>::new(&self.queries.key_get)
+        let mut c = self.0.conn(context).await?;
+        let row = Stmt::<DB>::new(&self.0.queries.key_get)
             .bind(scope)
             .bind(key.as_str())
             .fetch_optional(&mut c)
@@ -114,8 +97,8 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
         let context = "claiming an idempotency key";
         let now = Now::read();
         let token = ClaimToken::random();
-        let mut c = self.conn(context).await?;
-        let claimed = Stmt::<DB>::new(&self.queries.key_claim)
+        let mut c = self.0.conn(context).await?;
+        let claimed = Stmt::<DB>::new(&self.0.queries.key_claim)
             .bind(scope)
             .bind(key.as_str())
             .bind(fingerprint)
@@ -141,8 +124,8 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
         lock: Duration,
     ) -> Result<bool> {
         let context = "renewing the lock of an idempotency key";
-        let mut c = self.conn(context).await?;
-        Stmt::<DB>::new(&self.queries.key_renew)
+        let mut c = self.0.conn(context).await?;
+        Stmt::<DB>::new(&self.0.queries.key_renew)
             .bind(scope)
             .bind(key.as_str())
             .bind(token.as_str())
@@ -162,8 +145,8 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
     ) -> Result<bool> {
         let context = "storing an idempotent response";
         let headers = serde_json::to_string(&response.headers).unwrap_or_else(|_| "[]".to_owned());
-        let mut c = self.conn(context).await?;
-        Stmt::<DB>::new(&self.queries.key_complete)
+        let mut c = self.0.conn(context).await?;
+        Stmt::<DB>::new(&self.0.queries.key_complete)
             .bind(scope)
             .bind(key.as_str())
             .bind(i32::from(response.status))
@@ -178,8 +161,8 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
 
     async fn release(&self, scope: &str, key: &IdempotencyKey, token: &ClaimToken) -> Result<bool> {
         let context = "releasing an idempotency key";
-        let mut c = self.conn(context).await?;
-        Stmt::<DB>::new(&self.queries.key_release)
+        let mut c = self.0.conn(context).await?;
+        Stmt::<DB>::new(&self.0.queries.key_release)
             .bind(scope)
             .bind(key.as_str())
             .bind(token.as_str())
@@ -191,8 +174,8 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
 
     async fn sweep(&self) -> Result<u64> {
         let context = "sweeping expired idempotency keys";
-        let mut c = self.conn(context).await?;
-        Stmt::<DB>::new(&self.queries.key_sweep)
+        let mut c = self.0.conn(context).await?;
+        Stmt::<DB>::new(&self.0.queries.key_sweep)
             .now(Now::read())
             .execute(&mut c)
             .await

@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use idem_core::TableNames;
+use idem_core::{Error, Result, TableNames};
+use sqlx::Pool;
 
 use crate::Dialect;
 
@@ -131,6 +132,39 @@ macro_rules! sql_set {
     };
 }
 pub(crate) use sql_set;
+
+/// A pool and the statements for its tables: what every store holds.
+#[derive(Debug)]
+pub(crate) struct Handle<DB: Dialect> {
+    pub(crate) pool: Pool<DB>,
+    pub(crate) queries: Arc<Queries>,
+}
+
+impl<DB: Dialect> Clone for Handle<DB> {
+    fn clone(&self) -> Self {
+        Handle {
+            pool: self.pool.clone(),
+            queries: Arc::clone(&self.queries),
+        }
+    }
+}
+
+impl<DB: Dialect> Handle<DB> {
+    pub(crate) fn new(pool: Pool<DB>, tables: &TableNames) -> Self {
+        Handle {
+            pool,
+            queries: shared::<DB>(tables),
+        }
+    }
+
+    /// A connection of the pool; `context` names what it is for in the error.
+    pub(crate) async fn conn(&self, context: &str) -> Result<sqlx::pool::PoolConnection<DB>> {
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| Error::database(context.to_owned(), e))
+    }
+}
 
 type Cache = Mutex<HashMap<(&'static str, Option<String>, String), Arc<Queries>>>;
 

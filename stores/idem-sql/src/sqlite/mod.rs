@@ -206,21 +206,7 @@ impl Sealed for Sqlite {
         some: &'c str,
         ids: Option<&'c [i64]>,
     ) -> BoxFuture<'c, sqlx::Result<u64>> {
-        async move {
-            let Some(ids) = ids else {
-                return Self::execute(sqlx::query(all), c).await;
-            };
-            let mut n = 0;
-            for id in ids {
-                n += sqlx::query(some)
-                    .bind(id)
-                    .execute(&mut *c)
-                    .await?
-                    .rows_affected();
-            }
-            Ok(n)
-        }
-        .boxed()
+        each_id(c, all, some, ids, |id| *id)
     }
     fn for_event_ids<'c>(
         c: &'c mut SqliteConnection,
@@ -228,22 +214,36 @@ impl Sealed for Sqlite {
         some: &'c str,
         ids: Option<&'c [EventId]>,
     ) -> BoxFuture<'c, sqlx::Result<u64>> {
-        async move {
-            let Some(ids) = ids else {
-                return Self::execute(sqlx::query(all), c).await;
-            };
-            let mut n = 0;
-            for id in ids {
-                n += sqlx::query(some)
-                    .bind(id.to_string())
-                    .execute(&mut *c)
-                    .await?
-                    .rows_affected();
-            }
-            Ok(n)
-        }
-        .boxed()
+        each_id(c, all, some, ids, EventId::to_string)
     }
+}
+
+/// Runs `all` when there are no `ids`, else `some` once per id (bound as `key` of it).
+fn each_id<'c, T: Sync, V>(
+    c: &'c mut SqliteConnection,
+    all: &'c str,
+    some: &'c str,
+    ids: Option<&'c [T]>,
+    key: fn(&T) -> V,
+) -> BoxFuture<'c, sqlx::Result<u64>>
+where
+    V: 'c + Send + sqlx::Encode<'c, Sqlite> + sqlx::Type<Sqlite>,
+{
+    async move {
+        let Some(ids) = ids else {
+            return Sqlite::execute(sqlx::query(all), c).await;
+        };
+        let mut n = 0;
+        for id in ids {
+            n += sqlx::query(some)
+                .bind(key(id))
+                .execute(&mut *c)
+                .await?
+                .rows_affected();
+        }
+        Ok(n)
+    }
+    .boxed()
 }
 
 impl Batches for Sqlite {
