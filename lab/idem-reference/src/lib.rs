@@ -494,3 +494,25 @@ impl<C: SqlConnection> Handler<C> for Audit {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_a_handler<C, H: Handler<C>>() {}
+
+    /// Code generic over the dialect (one consumer wiring for both databases) sees the
+    /// handlers: the connection of every [`Dialect`] is a [`SqlConnection`].
+    #[allow(dead_code)]
+    fn handlers_serve_code_generic_over_the_dialect<DB: Dialect>() {
+        is_a_handler::<DB::Connection, Settlement>();
+        is_a_handler::<DB::Connection, Settlement<idem_sql::Intents<DB>>>();
+        is_a_handler::<DB::Connection, Audit>();
+    }
+
+    #[test]
+    fn handlers_serve_both_databases() {
+        handlers_serve_code_generic_over_the_dialect::<sqlx::Postgres>();
+        handlers_serve_code_generic_over_the_dialect::<sqlx::Sqlite>();
+    }
+}

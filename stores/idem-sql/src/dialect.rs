@@ -23,7 +23,7 @@ use sqlx::{Database, Transaction};
 use crate::queries::SqlSet;
 
 /// A database idem's store runs on. Sealed: PostgreSQL and SQLite.
-pub trait Dialect: Database + sealed::Sealed {
+pub trait Dialect: Database<Connection: SqlConnection<Dialect = Self>> + sealed::Sealed {
     /// Whether `url` names this database (a scheme of [`Database::URL_SCHEMES`]).
     fn accepts(url: &str) -> bool {
         <Self as Database>::URL_SCHEMES.iter().any(|s| {
