@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use futures::TryStreamExt;
 use idem_core::TableNames;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
+use idem_sql::{AnyPool, Scheme};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use sqlx::{ConnectOptions, Connection, Executor, Row};
 use tokio::sync::{mpsc, oneshot};
 
@@ -19,25 +20,9 @@ const BATCH: usize = 1024;
 const DEPTH: usize = 4;
 
 /// One database, PostgreSQL or SQLite.
-#[derive(Clone, Debug)]
-pub(crate) enum Db {
-    Pg(PgPool),
-    Lite(SqlitePool),
-}
+pub(crate) type Db = AnyPool;
 
-/// A URL with its password hidden, for messages.
-pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
-}
+pub(crate) use idem_sql::redact;
 
 fn db_error(url: &str, context: &str, e: sqlx::Error) -> VerifyError {
     VerifyError::Database {
@@ -81,39 +66,43 @@ impl Pools {
         if let Some(db) = self.open.get(url) {
             return Ok(db.clone());
         }
-        let db = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let opts: PgConnectOptions = url
-                .parse()
-                .map_err(|e| db_error(url, "reading the PostgreSQL URL", e))?;
-            // Full-table reads are slow by design: do not log them as slow statements.
-            let opts = opts.log_slow_statements(log::LevelFilter::Off, Duration::ZERO);
-            Db::Pg(
-                PgPoolOptions::new()
-                    .max_connections(4)
-                    .connect_with(opts)
-                    .await
-                    .map_err(|e| db_error(url, "connecting", e))?,
-            )
-        } else if url.starts_with("sqlite:") {
-            let opts: SqliteConnectOptions = url
-                .parse()
-                .map_err(|e| db_error(url, "reading the SQLite URL", e))?;
-            Db::Lite(
-                SqlitePoolOptions::new()
-                    .max_connections(4)
-                    .connect_with(
-                        opts.create_if_missing(false)
-                            .read_only(true)
-                            .log_slow_statements(log::LevelFilter::Off, Duration::ZERO),
-                    )
-                    .await
-                    .map_err(|e| db_error(url, "opening", e))?,
-            )
-        } else {
-            return Err(VerifyError::Config(format!(
-                "database URL {} is neither postgres:// nor sqlite://",
-                redact(url)
-            )));
+        let db = match Scheme::of(url) {
+            Ok(Scheme::Postgres) => {
+                let opts: PgConnectOptions = url
+                    .parse()
+                    .map_err(|e| db_error(url, "reading the PostgreSQL URL", e))?;
+                // Full-table reads are slow by design: do not log them as slow statements.
+                let opts = opts.log_slow_statements(log::LevelFilter::Off, Duration::ZERO);
+                AnyPool::Postgres(
+                    PgPoolOptions::new()
+                        .max_connections(4)
+                        .connect_with(opts)
+                        .await
+                        .map_err(|e| db_error(url, "connecting", e))?,
+                )
+            }
+            Ok(Scheme::Sqlite) => {
+                let opts: SqliteConnectOptions = url
+                    .parse()
+                    .map_err(|e| db_error(url, "reading the SQLite URL", e))?;
+                AnyPool::Sqlite(
+                    SqlitePoolOptions::new()
+                        .max_connections(4)
+                        .connect_with(
+                            opts.create_if_missing(false)
+                                .read_only(true)
+                                .log_slow_statements(log::LevelFilter::Off, Duration::ZERO),
+                        )
+                        .await
+                        .map_err(|e| db_error(url, "opening", e))?,
+                )
+            }
+            Err(_) => {
+                return Err(VerifyError::Config(format!(
+                    "database URL {} is neither postgres:// nor sqlite://",
+                    redact(url)
+                )));
+            }
         };
         self.open.insert(url.to_owned(), db.clone());
         Ok(db)
@@ -123,7 +112,7 @@ impl Pools {
 fn wrap(db: &Db, q: &SideQuery<'_>) -> Result<String, VerifyError> {
     let query = one_statement(q.query, "query")?;
     let key = column(q.key, "key column")?;
-    let pg = matches!(db, Db::Pg(_));
+    let pg = db.scheme() == Scheme::Postgres;
     let (text, int) = if pg {
         ("text", "bigint")
     } else {
@@ -209,7 +198,7 @@ async fn read_snapshot(
         }};
     }
     match db {
-        Db::Pg(pool) => {
+        AnyPool::Postgres(pool) => {
             let mut conn = pool.acquire().await.map_err(err("connecting"))?;
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 .await
@@ -224,7 +213,7 @@ async fn read_snapshot(
                 .await
                 .map_err(err("closing the snapshot"))?;
         }
-        Db::Lite(pool) => {
+        AnyPool::Sqlite(pool) => {
             let mut conn = pool.acquire().await.map_err(err("connecting"))?;
             let mut read = conn.begin().await.map_err(err("opening a snapshot"))?;
             // SQLite (WAL) fixes the read snapshot at the first read.
@@ -265,8 +254,8 @@ const BASES: &[&str] = &[
 impl Lookups {
     pub fn for_db(db: &Db, tables: &TableNames) -> Lookups {
         let r = |sql: &str| tables.render(sql, BASES);
-        match db {
-            Db::Pg(_) => Lookups {
+        match db.scheme() {
+            Scheme::Postgres => Lookups {
                 outbox_row: r(include_str!("../sql/postgres/outbox_row.sql")),
                 archive_row: r(include_str!("../sql/postgres/archive_row.sql")),
                 inbox_row: r(include_str!("../sql/postgres/inbox_row.sql")),
@@ -276,7 +265,7 @@ impl Lookups {
                 inbox_stats: r(include_str!("../sql/postgres/inbox_stats.sql")),
                 intent_stats: r(include_str!("../sql/postgres/intent_stats.sql")),
             },
-            Db::Lite(_) => Lookups {
+            Scheme::Sqlite => Lookups {
                 outbox_row: r(include_str!("../sql/sqlite/outbox_row.sql")),
                 archive_row: r(include_str!("../sql/sqlite/archive_row.sql")),
                 inbox_row: r(include_str!("../sql/sqlite/inbox_row.sql")),
@@ -316,10 +305,7 @@ pub(crate) async fn lookup_text(
             }
         }};
     }
-    Ok(match db {
-        Db::Pg(p) => run!(p),
-        Db::Lite(p) => run!(p),
-    })
+    Ok(idem_sql::with_pool!(db, p => run!(p)))
 }
 
 /// Runs a query returning one row of `n` integer columns.
@@ -344,10 +330,7 @@ pub(crate) async fn counts(
                 .map_err(err)?
         }};
     }
-    Ok(match db {
-        Db::Pg(p) => run!(p),
-        Db::Lite(p) => run!(p),
-    })
+    Ok(idem_sql::with_pool!(db, p => run!(p)))
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ pub mod points;
 
 use idem_consumer::{Handler, HandlerError};
 use idem_core::{Event, InboundEvent};
-use sqlx::{PgConnection, SqliteConnection};
+use idem_sql::{Dialect, Scheme, SqlConnection, Statement, get};
 
 /// The event type the settlement service applies.
 pub const ORDER_PAID: &str = "order.paid";
@@ -99,7 +99,14 @@ pub async fn place_order_postgres(
     outbox: &idem_postgres::Outbox,
     order: &PaidOrder,
 ) -> Result<(), OrderError> {
-    write_order_postgres(pool, Some(outbox), order, &order.event()?).await
+    write_order(
+        pool,
+        Some(outbox),
+        order,
+        &order.event()?,
+        std::time::Duration::ZERO,
+    )
+    .await
 }
 
 /// [`place_order_postgres`], holding the transaction open for `hold` before committing: a
@@ -111,7 +118,7 @@ pub async fn place_order_postgres_held(
     order: &PaidOrder,
     hold: std::time::Duration,
 ) -> Result<(), OrderError> {
-    write_order_postgres_held(pool, Some(outbox), order, &order.event()?, hold).await
+    write_order(pool, Some(outbox), order, &order.event()?, hold).await
 }
 
 /// Writes the order row and `event` in one PostgreSQL transaction; with no `outbox`, the order
@@ -122,12 +129,30 @@ pub async fn write_order_postgres(
     order: &PaidOrder,
     event: &Event,
 ) -> Result<(), OrderError> {
-    write_order_postgres_held(pool, outbox, order, event, std::time::Duration::ZERO).await
+    write_order(pool, outbox, order, event, std::time::Duration::ZERO).await
 }
 
-async fn write_order_postgres_held(
-    pool: &sqlx::PgPool,
-    outbox: Option<&idem_postgres::Outbox>,
+/// Writes the order row and its `order.paid` event in one SQLite transaction.
+pub async fn place_order_sqlite(
+    pool: &sqlx::SqlitePool,
+    outbox: &idem_sqlite::Outbox,
+    order: &PaidOrder,
+) -> Result<(), OrderError> {
+    write_order(
+        pool,
+        Some(outbox),
+        order,
+        &order.event()?,
+        std::time::Duration::ZERO,
+    )
+    .await
+}
+
+/// Writes the order row and `event` (when there is an `outbox`) in one transaction of either
+/// database, holding it open for `hold` before committing.
+pub async fn write_order<DB: Dialect>(
+    pool: &sqlx::Pool<DB>,
+    outbox: Option<&idem_sql::Outbox<DB>>,
     order: &PaidOrder,
     event: &Event,
     hold: std::time::Duration,
@@ -137,14 +162,14 @@ async fn write_order_postgres_held(
         source,
     };
     let mut tx = pool.begin().await.map_err(db)?;
-    sqlx::query(
+    Statement::<DB>::new(
         "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)",
     )
-    .bind(&order.order_id)
-    .bind(&order.payment_id)
+    .bind(order.order_id.as_str())
+    .bind(order.payment_id.as_str())
     .bind(order.amount_minor)
-    .bind(&order.currency)
-    .execute(&mut *tx)
+    .bind(order.currency.as_str())
+    .execute(&mut tx)
     .await
     .map_err(db)?;
     if let Some(outbox) = outbox {
@@ -153,32 +178,6 @@ async fn write_order_postgres_held(
     if !hold.is_zero() {
         tokio::time::sleep(hold).await;
     }
-    tx.commit().await.map_err(db)
-}
-
-/// Writes the order row and its `order.paid` event in one SQLite transaction.
-pub async fn place_order_sqlite(
-    pool: &sqlx::SqlitePool,
-    outbox: &idem_sqlite::Outbox,
-    order: &PaidOrder,
-) -> Result<(), OrderError> {
-    let db = |source| OrderError::Database {
-        order_id: order.order_id.clone(),
-        source,
-    };
-    let event = order.event()?;
-    let mut tx = pool.begin().await.map_err(db)?;
-    sqlx::query(
-        "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES (?1, ?2, ?3, ?4)",
-    )
-    .bind(&order.order_id)
-    .bind(&order.payment_id)
-    .bind(order.amount_minor)
-    .bind(&order.currency)
-    .execute(&mut *tx)
-    .await
-    .map_err(db)?;
-    outbox.enqueue(&mut tx, &event).await?;
     tx.commit().await.map_err(db)
 }
 
@@ -258,20 +257,10 @@ impl<C: Send> RecordIntent<C> for () {
     }
 }
 
-impl RecordIntent<PgConnection> for idem_postgres::PgIntents {
+impl<DB: Dialect> RecordIntent<DB::Connection> for idem_sql::Intents<DB> {
     async fn record_intent(
         &self,
-        conn: &mut PgConnection,
-        intent: &idem_core::idempotency::EffectIntent,
-    ) -> idem_core::Result<bool> {
-        idem_core::idempotency::IntentStore::record(self, conn, intent).await
-    }
-}
-
-impl RecordIntent<SqliteConnection> for idem_sqlite::SqliteIntents {
-    async fn record_intent(
-        &self,
-        conn: &mut SqliteConnection,
+        conn: &mut DB::Connection,
         intent: &idem_core::idempotency::EffectIntent,
     ) -> idem_core::Result<bool> {
         idem_core::idempotency::IntentStore::record(self, conn, intent).await
@@ -395,111 +384,81 @@ fn already_settled(paid: &Paid, existing: (String, i64, String)) -> Result<(), H
     }
 }
 
-impl<I: RecordIntent<PgConnection>> Handler<PgConnection> for Settlement<I> {
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        event: &InboundEvent,
-    ) -> Result<(), HandlerError> {
+/// The PostgreSQL `lock_timeout` of the rest of the consumer's transaction (`set_config`'s
+/// `is_local`); other databases have none.
+async fn set_lock_timeout<C: SqlConnection>(
+    conn: &mut C,
+    timeout: Option<std::time::Duration>,
+) -> Result<(), HandlerError> {
+    let Some(timeout) = timeout else {
+        return Ok(());
+    };
+    if C::Dialect::SCHEME != Scheme::Postgres {
+        return Ok(());
+    }
+    Statement::<C::Dialect>::new("SELECT set_config('lock_timeout', $1, true)")
+        .bind(format!("{}ms", timeout.as_millis().max(1)))
+        .execute(conn)
+        .await
+        .map(|_| ())
+        .map_err(db_error)
+}
+
+/// The settlement already stored for `payment_id`: (order, amount, currency).
+async fn settled<C: SqlConnection>(
+    conn: &mut C,
+    payment_id: &str,
+) -> Result<(String, i64, String), HandlerError> {
+    let row = Statement::<C::Dialect>::new(
+        "SELECT order_id, amount_minor, currency FROM settlements WHERE payment_id = $1",
+    )
+    .bind(payment_id)
+    .fetch_optional(conn)
+    .await
+    .map_err(db_error)?
+    .ok_or_else(|| db_error(sqlx::Error::RowNotFound))?;
+    let col = |c: &str| get::<C::Dialect, String>(&row, c).map_err(db_error);
+    Ok((
+        col("order_id")?,
+        get::<C::Dialect, i64>(&row, "amount_minor").map_err(db_error)?,
+        col("currency")?,
+    ))
+}
+
+impl<C: SqlConnection, I: RecordIntent<C>> Handler<C> for Settlement<I> {
+    async fn handle(&self, conn: &mut C, event: &InboundEvent) -> Result<(), HandlerError> {
         let paid = parse_paid(event)?;
-        if let Some(timeout) = self.lock_timeout {
-            // For the rest of the consumer's transaction (set_config's is_local).
-            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-                .bind(format!("{}ms", timeout.as_millis().max(1)))
-                .execute(&mut *conn)
-                .await
-                .map_err(db_error)?;
-        }
-        let inserted = sqlx::query(
+        set_lock_timeout(conn, self.lock_timeout).await?;
+        let inserted = Statement::<C::Dialect>::new(
             "INSERT INTO settlements (payment_id, order_id, amount_minor, currency, event_id) VALUES ($1, $2, $3, $4, $5) \
              ON CONFLICT (payment_id) DO NOTHING",
         )
-        .bind(&paid.payment_id)
-        .bind(&paid.order_id)
+        .bind(paid.payment_id.as_str())
+        .bind(paid.order_id.as_str())
         .bind(paid.amount.minor)
-        .bind(&paid.amount.currency)
-        .bind(event.event_id.as_uuid())
-        .execute(&mut *conn)
+        .bind(paid.amount.currency.as_str())
+        .event_id(event.event_id)
+        .execute(conn)
         .await
-        .map_err(db_error)?
-        .rows_affected();
-        sqlx::query("INSERT INTO settlement_applications (event_id, payment_id) VALUES ($1, $2)")
-            .bind(event.event_id.as_uuid())
-            .bind(&paid.payment_id)
-            .execute(&mut *conn)
-            .await
-            .map_err(db_error)?;
+        .map_err(db_error)?;
+        Statement::<C::Dialect>::new(
+            "INSERT INTO settlement_applications (event_id, payment_id) VALUES ($1, $2)",
+        )
+        .event_id(event.event_id)
+        .bind(paid.payment_id.as_str())
+        .execute(conn)
+        .await
+        .map_err(db_error)?;
         if inserted == 1 {
             if let Some((intents, intent)) = self.award(&paid, event) {
                 intents
-                    .record_intent(&mut *conn, &intent)
+                    .record_intent(conn, &intent)
                     .await
                     .map_err(intent_error)?;
             }
             return Ok(());
         }
-        let existing: (String, i64, String) = sqlx::query_as(
-            "SELECT order_id, amount_minor, currency FROM settlements WHERE payment_id = $1",
-        )
-        .bind(&paid.payment_id)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(db_error)?;
-        already_settled(&paid, existing)
-    }
-
-    fn business_key(&self, event: &InboundEvent) -> String {
-        event
-            .payload
-            .get("payment_id")
-            .and_then(|v| v.as_str())
-            .unwrap_or_default()
-            .to_owned()
-    }
-}
-
-impl<I: RecordIntent<SqliteConnection>> Handler<SqliteConnection> for Settlement<I> {
-    async fn handle(
-        &self,
-        conn: &mut SqliteConnection,
-        event: &InboundEvent,
-    ) -> Result<(), HandlerError> {
-        let paid = parse_paid(event)?;
-        let inserted = sqlx::query(
-            "INSERT INTO settlements (payment_id, order_id, amount_minor, currency, event_id) VALUES (?1, ?2, ?3, ?4, ?5) \
-             ON CONFLICT (payment_id) DO NOTHING",
-        )
-        .bind(&paid.payment_id)
-        .bind(&paid.order_id)
-        .bind(paid.amount.minor)
-        .bind(&paid.amount.currency)
-        .bind(event.event_id.to_string())
-        .execute(&mut *conn)
-        .await
-        .map_err(db_error)?
-        .rows_affected();
-        sqlx::query("INSERT INTO settlement_applications (event_id, payment_id) VALUES (?1, ?2)")
-            .bind(event.event_id.to_string())
-            .bind(&paid.payment_id)
-            .execute(&mut *conn)
-            .await
-            .map_err(db_error)?;
-        if inserted == 1 {
-            if let Some((intents, intent)) = self.award(&paid, event) {
-                intents
-                    .record_intent(&mut *conn, &intent)
-                    .await
-                    .map_err(intent_error)?;
-            }
-            return Ok(());
-        }
-        let existing: (String, i64, String) = sqlx::query_as(
-            "SELECT order_id, amount_minor, currency FROM settlements WHERE payment_id = ?1",
-        )
-        .bind(&paid.payment_id)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(db_error)?;
+        let existing = settled(conn, &paid.payment_id).await?;
         already_settled(&paid, existing)
     }
 
@@ -520,42 +479,40 @@ impl<I: RecordIntent<SqliteConnection>> Handler<SqliteConnection> for Settlement
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Audit;
 
-impl Handler<PgConnection> for Audit {
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        event: &InboundEvent,
-    ) -> Result<(), HandlerError> {
+impl<C: SqlConnection> Handler<C> for Audit {
+    async fn handle(&self, conn: &mut C, event: &InboundEvent) -> Result<(), HandlerError> {
         let paid = parse_paid(event)?;
-        sqlx::query(
+        Statement::<C::Dialect>::new(
             "INSERT INTO audit_log (event_id, payment_id, amount_minor) VALUES ($1, $2, $3)",
         )
-        .bind(event.event_id.as_uuid())
-        .bind(&paid.payment_id)
+        .event_id(event.event_id)
+        .bind(paid.payment_id.as_str())
         .bind(paid.amount.minor)
-        .execute(&mut *conn)
+        .execute(conn)
         .await
         .map_err(db_error)?;
         Ok(())
     }
 }
 
-impl Handler<SqliteConnection> for Audit {
-    async fn handle(
-        &self,
-        conn: &mut SqliteConnection,
-        event: &InboundEvent,
-    ) -> Result<(), HandlerError> {
-        let paid = parse_paid(event)?;
-        sqlx::query(
-            "INSERT INTO audit_log (event_id, payment_id, amount_minor) VALUES (?1, ?2, ?3)",
-        )
-        .bind(event.event_id.to_string())
-        .bind(&paid.payment_id)
-        .bind(paid.amount.minor)
-        .execute(&mut *conn)
-        .await
-        .map_err(db_error)?;
-        Ok(())
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_a_handler<C, H: Handler<C>>() {}
+
+    /// Code generic over the dialect (one consumer wiring for both databases) sees the
+    /// handlers: the connection of every [`Dialect`] is a [`SqlConnection`].
+    #[allow(dead_code)]
+    fn handlers_serve_code_generic_over_the_dialect<DB: Dialect>() {
+        is_a_handler::<DB::Connection, Settlement>();
+        is_a_handler::<DB::Connection, Settlement<idem_sql::Intents<DB>>>();
+        is_a_handler::<DB::Connection, Audit>();
+    }
+
+    #[test]
+    fn handlers_serve_both_databases() {
+        handlers_serve_code_generic_over_the_dialect::<sqlx::Postgres>();
+        handlers_serve_code_generic_over_the_dialect::<sqlx::Sqlite>();
     }
 }

@@ -23,15 +23,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem_core::idempotency::IdempotencyStore;
 use idem_http::{ClientScope, Idempotency, IdempotencyConfig};
+use idem_sql::{Dialect, Statement, with_pool};
 
-/// The points database.
-#[derive(Clone, Debug)]
-pub enum PointsDb {
-    /// PostgreSQL.
-    Postgres(sqlx::PgPool),
-    /// SQLite.
-    Sqlite(sqlx::SqlitePool),
-}
+/// The points database, PostgreSQL or SQLite (`PointsDb::Postgres(pool)`,
+/// `PointsDb::Sqlite(pool)`).
+pub type PointsDb = idem_sql::AnyPool;
 
 /// An award request.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -58,9 +54,6 @@ pub struct Award {
     /// Points.
     pub points: i64,
 }
-
-/// (id, client, order_id, payment_id, points) as read back.
-type AwardRow = (i64, String, String, String, i64);
 
 fn problem(status: StatusCode, detail: impl Into<String>) -> Response {
     let body = serde_json::json!({"type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "detail": detail.into()});
@@ -129,60 +122,7 @@ async fn store_award(
             "order_id and payment_id must be set and points positive",
         );
     }
-    let id: Result<i64, sqlx::Error> = match &db {
-        PointsDb::Postgres(p) => {
-            let inserted = sqlx::query_scalar(
-                "INSERT INTO points_awards (client, order_id, payment_id, points, idem_key) VALUES ($1, $2, $3, $4, $5) \
-                 ON CONFLICT (client, idem_key) DO NOTHING RETURNING id",
-            )
-            .bind(&client)
-            .bind(&req.order_id)
-            .bind(&req.payment_id)
-            .bind(req.points)
-            .bind(key.as_deref())
-            .fetch_optional(p)
-            .await;
-            match inserted {
-                Ok(Some(id)) => Ok(id),
-                Ok(None) => {
-                    sqlx::query_scalar(
-                        "SELECT id FROM points_awards WHERE client = $1 AND idem_key = $2",
-                    )
-                    .bind(&client)
-                    .bind(key.as_deref())
-                    .fetch_one(p)
-                    .await
-                }
-                Err(e) => Err(e),
-            }
-        }
-        PointsDb::Sqlite(p) => {
-            let inserted = sqlx::query_scalar(
-                "INSERT INTO points_awards (client, order_id, payment_id, points, idem_key) VALUES (?1, ?2, ?3, ?4, ?5) \
-                 ON CONFLICT (client, idem_key) DO NOTHING RETURNING id",
-            )
-            .bind(&client)
-            .bind(&req.order_id)
-            .bind(&req.payment_id)
-            .bind(req.points)
-            .bind(key.as_deref())
-            .fetch_optional(p)
-            .await;
-            match inserted {
-                Ok(Some(id)) => Ok(id),
-                Ok(None) => {
-                    sqlx::query_scalar(
-                        "SELECT id FROM points_awards WHERE client = ?1 AND idem_key = ?2",
-                    )
-                    .bind(&client)
-                    .bind(key.as_deref())
-                    .fetch_one(p)
-                    .await
-                }
-                Err(e) => Err(e),
-            }
-        }
-    };
+    let id = with_pool!(&db, p => insert_award(p, &client, &req, key.as_deref()).await);
     match id {
         Ok(award_id) => (
             StatusCode::CREATED,
@@ -205,6 +145,82 @@ async fn store_award(
     }
 }
 
+/// Stores the award, or finds the one stored under the same (client, key): its id.
+async fn insert_award<DB: Dialect>(
+    pool: &sqlx::Pool<DB>,
+    client: &str,
+    req: &AwardRequest,
+    key: Option<&str>,
+) -> Result<i64, sqlx::Error> {
+    let mut c = pool.acquire().await?;
+    let inserted = Statement::<DB>::new(
+        "INSERT INTO points_awards (client, order_id, payment_id, points, idem_key) VALUES ($1, $2, $3, $4, $5) \
+         ON CONFLICT (client, idem_key) DO NOTHING RETURNING id",
+    )
+    .bind(client)
+    .bind(req.order_id.as_str())
+    .bind(req.payment_id.as_str())
+    .bind(req.points)
+    .bind(key)
+    .fetch_optional(&mut c)
+    .await?;
+    let row = match inserted {
+        Some(row) => row,
+        None => {
+            Statement::<DB>::new("SELECT id FROM points_awards WHERE client = $1 AND idem_key = $2")
+                .bind(client)
+                .bind(key)
+                .fetch_optional(&mut c)
+                .await?
+                .ok_or(sqlx::Error::RowNotFound)?
+        }
+    };
+    idem_sql::get::<DB, i64>(&row, "id")
+}
+
+/// The awards of `payment_id` for `client` that are not reversed.
+async fn awards_of<DB: Dialect>(
+    pool: &sqlx::Pool<DB>,
+    payment_id: &str,
+    client: &str,
+) -> Result<Vec<Award>, sqlx::Error> {
+    let mut c = pool.acquire().await?;
+    let rows = Statement::<DB>::new(
+        "SELECT id, client, order_id, payment_id, points FROM points_awards a WHERE payment_id = $1 AND client = $2 \
+         AND NOT EXISTS (SELECT 1 FROM points_reversals r WHERE r.award_id = a.id) ORDER BY id",
+    )
+    .bind(payment_id)
+    .bind(client)
+    .fetch_all(&mut c)
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(Award {
+                award_id: idem_sql::get::<DB, _>(r, "id")?,
+                client: idem_sql::get::<DB, _>(r, "client")?,
+                order_id: idem_sql::get::<DB, _>(r, "order_id")?,
+                payment_id: idem_sql::get::<DB, _>(r, "payment_id")?,
+                points: idem_sql::get::<DB, _>(r, "points")?,
+            })
+        })
+        .collect()
+}
+
+/// Runs `sql` with `a`, `b` bound on `pool`; the rows it changed.
+async fn execute2<DB: Dialect>(
+    pool: &sqlx::Pool<DB>,
+    sql: &str,
+    a: &str,
+    b: &str,
+) -> Result<u64, sqlx::Error> {
+    let mut c = pool.acquire().await?;
+    Statement::<DB>::new(sql)
+        .bind(a)
+        .bind(b)
+        .execute(&mut c)
+        .await
+}
+
 async fn by_payment(
     State(db): State<PointsDb>,
     headers: HeaderMap,
@@ -214,35 +230,9 @@ async fn by_payment(
         Ok(c) => c,
         Err(r) => return *r,
     };
-    let rows: Result<Vec<AwardRow>, sqlx::Error> = match &db {
-        PointsDb::Postgres(p) => {
-            sqlx::query_as("SELECT id, client, order_id, payment_id, points FROM points_awards a WHERE payment_id = $1 AND client = $2 AND NOT EXISTS (SELECT 1 FROM points_reversals r WHERE r.award_id = a.id) ORDER BY id")
-                .bind(&payment_id)
-                .bind(&client)
-                .fetch_all(p)
-                .await
-        }
-        PointsDb::Sqlite(p) => {
-            sqlx::query_as("SELECT id, client, order_id, payment_id, points FROM points_awards a WHERE payment_id = ?1 AND client = ?2 AND NOT EXISTS (SELECT 1 FROM points_reversals r WHERE r.award_id = a.id) ORDER BY id")
-                .bind(&payment_id)
-                .bind(&client)
-                .fetch_all(p)
-                .await
-        }
-    };
+    let rows = with_pool!(&db, p => awards_of(p, &payment_id, &client).await);
     match rows {
-        Ok(rows) => Json(
-            rows.into_iter()
-                .map(|(award_id, client, order_id, payment_id, points)| Award {
-                    award_id,
-                    client,
-                    order_id,
-                    payment_id,
-                    points,
-                })
-                .collect::<Vec<_>>(),
-        )
-        .into_response(),
+        Ok(awards) => Json(awards).into_response(),
         Err(e) => {
             tracing::error!(error = %e, "reading awards");
             problem(StatusCode::SERVICE_UNAVAILABLE, "awards could not be read")
@@ -259,24 +249,13 @@ async fn reverse(
         Ok(c) => c,
         Err(r) => return *r,
     };
-    let n: Result<u64, sqlx::Error> = match &db {
-        PointsDb::Postgres(p) => sqlx::query(
-            "INSERT INTO points_reversals (award_id) SELECT id FROM points_awards WHERE payment_id = $1 AND client = $2 ON CONFLICT (award_id) DO NOTHING",
-        )
-        .bind(&payment_id)
-        .bind(&client)
-        .execute(p)
-        .await
-        .map(|r| r.rows_affected()),
-        PointsDb::Sqlite(p) => sqlx::query(
-            "INSERT INTO points_reversals (award_id) SELECT id FROM points_awards WHERE payment_id = ?1 AND client = ?2 ON CONFLICT (award_id) DO NOTHING",
-        )
-        .bind(&payment_id)
-        .bind(&client)
-        .execute(p)
-        .await
-        .map(|r| r.rows_affected()),
-    };
+    let n = with_pool!(&db, p => execute2(
+        p,
+        "INSERT INTO points_reversals (award_id) SELECT id FROM points_awards WHERE payment_id = $1 AND client = $2 ON CONFLICT (award_id) DO NOTHING",
+        &payment_id,
+        &client,
+    )
+    .await);
     match n {
         Ok(reversed) => Json(serde_json::json!({ "reversed": reversed })).into_response(),
         Err(e) => {
@@ -422,24 +401,13 @@ impl LabState {
             key,
             "LAB: two executions of one Idempotency-Key overlap"
         );
-        let stored = match &self.db {
-            PointsDb::Postgres(p) => {
-                sqlx::query("INSERT INTO points_lab_overlaps (client, idem_key) VALUES ($1, $2)")
-                    .bind(client)
-                    .bind(key)
-                    .execute(p)
-                    .await
-                    .map(|_| ())
-            }
-            PointsDb::Sqlite(p) => {
-                sqlx::query("INSERT INTO points_lab_overlaps (client, idem_key) VALUES (?1, ?2)")
-                    .bind(client)
-                    .bind(key)
-                    .execute(p)
-                    .await
-                    .map(|_| ())
-            }
-        };
+        let stored = with_pool!(&self.db, p => execute2(
+            p,
+            "INSERT INTO points_lab_overlaps (client, idem_key) VALUES ($1, $2)",
+            client,
+            key,
+        )
+        .await);
         if let Err(e) = stored {
             tracing::error!(error = %e, "storing a lab overlap");
         }

@@ -2,28 +2,30 @@
 //! ([`idem_core::retention`]).
 
 use chrono::Utc;
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use idem_core::Result;
-use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
+use idem_core::retention::{Prunable, RetentionWindow};
 
-use crate::{BASES, SqliteStore, TS_FORMAT, immediate};
+use super::{TS_FORMAT, immediate};
+use crate::RelayStore;
 
-impl RetentionStore for SqliteStore {
-    async fn prune_older(
-        &self,
-        what: Prunable,
-        window: &RetentionWindow,
-        batch: u32,
-    ) -> Result<u64> {
+pub(super) fn prune_older<'a>(
+    store: &'a RelayStore<sqlx::Sqlite>,
+    what: Prunable,
+    window: &'a RetentionWindow,
+    batch: u32,
+) -> BoxFuture<'a, Result<u64>> {
+    async move {
         let sql = match what {
-            Prunable::Inbox => include_str!("../sql/inbox_prune.sql"),
-            Prunable::DoneIntents => include_str!("../sql/intent_prune.sql"),
+            Prunable::Inbox => &store.q().inbox_prune,
+            Prunable::DoneIntents => &store.q().intent_prune,
         };
-        let sql = self.outbox.tables.render(sql, BASES);
         let cutoff = cutoff(window);
         let context = format!("pruning {}", what.describe());
-        let mut conn = self.conn(&context).await?;
+        let mut conn = store.conn(&context).await?;
         immediate(&mut conn, &context, async |c| {
-            Ok(sqlx::query(&sql)
+            Ok(sqlx::query(sql)
                 .bind(&cutoff)
                 .bind(i64::from(batch))
                 .execute(&mut *c)
@@ -32,6 +34,7 @@ impl RetentionStore for SqliteStore {
         })
         .await
     }
+    .boxed()
 }
 
 /// The timestamp `window` ago, in the columns' text format; a window beyond chrono's range is

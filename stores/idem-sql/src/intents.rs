@@ -1,0 +1,199 @@
+//! Effect intents ([`IntentStore`]), written once.
+
+use std::time::Duration;
+
+use idem_core::idempotency::{
+    ClaimedIntent, ClaimedRow, EffectIntent, IdempotencyKey, IntentOutcome, IntentStore,
+    Resolution, StuckIntent, park_undecodable,
+};
+use idem_core::{Error, Result, TableNames};
+use sqlx::Pool;
+
+use crate::Dialect;
+use crate::dialect::{Now, Stmt, get};
+use crate::queries::Handle;
+
+/// Effect intents ([`IntentStore`]) in database `DB`.
+#[derive(Debug)]
+pub struct Intents<DB: Dialect>(Handle<DB>);
+
+impl<DB: Dialect> Clone for Intents<DB> {
+    fn clone(&self) -> Self {
+        Intents(self.0.clone())
+    }
+}
+
+impl<DB: Dialect> Intents<DB> {
+    /// Intents over `pool` with the given tables (created by [`migrate`](crate::migrate())).
+    pub fn new(pool: Pool<DB>, tables: TableNames) -> Self {
+        Intents(Handle::new(pool, &tables))
+    }
+
+    /// Runs one statement on the pool and counts the rows it changed.
+    async fn changed(&self, context: &str, stmt: Stmt<'_, DB>) -> Result<u64> {
+        let mut c = self.0.conn(context).await?;
+        stmt.execute(&mut c)
+            .await
+            .map_err(|e| Error::database(context.to_owned(), e))
+    }
+}
+
+/// One intent row; a malformed key, event id or body is a corrupt row.
+fn decode_intent<DB: Dialect>(r: &DB::Row) -> Result<ClaimedIntent> {
+    let dec = |e| Error::database("decoding an effect intent", e);
+    let id: i64 = get::<DB, _>(r, "id").map_err(dec)?;
+    let corrupt = |reason: String| Error::CorruptRow { id, reason };
+    let body: String = get::<DB, _>(r, "body").map_err(dec)?;
+    Ok(ClaimedIntent {
+        id,
+        key: IdempotencyKey::new(get::<DB, String>(r, "idem_key").map_err(dec)?)
+            .map_err(|e| corrupt(e.to_string()))?,
+        intent: EffectIntent {
+            event_id: DB::get_event_id(r, "event_id").map_err(dec)??,
+            effect: get::<DB, _>(r, "effect").map_err(dec)?,
+            target: get::<DB, _>(r, "target").map_err(dec)?,
+            body: serde_json::from_str(&body).map_err(|e| corrupt(e.to_string()))?,
+            traceparent: get::<DB, _>(r, "traceparent").map_err(dec)?,
+        },
+        attempt: get::<DB, _>(r, "attempts").map_err(dec)?,
+        unrecorded_send: get::<DB, _>(r, "sending_attempt").map_err(dec)?,
+    })
+}
+
+fn decode_stuck<DB: Dialect>(r: &DB::Row) -> sqlx::Result<StuckIntent> {
+    Ok(StuckIntent {
+        id: get::<DB, _>(r, "id")?,
+        key: get::<DB, _>(r, "idem_key")?,
+        effect: get::<DB, _>(r, "effect")?,
+        status: get::<DB, _>(r, "status")?,
+        attempts: get::<DB, _>(r, "attempts")?,
+        reason: get::<DB, _>(r, "last_error")?,
+    })
+}
+
+impl<DB: Dialect> IntentStore for Intents<DB> {
+    type Conn = DB::Connection;
+
+    async fn record(&self, conn: &mut DB::Connection, intent: &EffectIntent) -> Result<bool> {
+        let key = intent.key().map_err(|e| Error::InvalidEvent {
+            field: "effect",
+            reason: e.to_string(),
+        })?;
+        let n = Stmt::<DB>::new(&self.0.queries.intent_record)
+            .bind(key.as_str())
+            .bind(intent.effect.as_str())
+            .bind(intent.target.as_str())
+            .event_id(intent.event_id)
+            .bind(intent.body.to_string())
+            .bind(intent.traceparent.as_deref())
+            .execute(conn)
+            .await
+            .map_err(|e| Error::database("recording an effect intent", e))?;
+        Ok(n == 1)
+    }
+
+    async fn claim(&self, batch: u32, lease: Duration) -> Result<Vec<ClaimedIntent>> {
+        let context = "claiming effect intents";
+        let now = Now::read();
+        let mut conn = self.0.conn(context).await?;
+        let mut w = DB::begin_write(&mut conn)
+            .await
+            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let rows = Stmt::<DB>::new(&self.0.queries.intent_claim)
+            .bind(i64::from(batch))
+            .after(now, lease)
+            .now(now)
+            .fetch_all(w.conn())
+            .await;
+        let rows = w.finish(rows, context).await?;
+        drop(conn);
+        // Only a row's id and attempt number must decode; anything else parks the row.
+        let rows = rows
+            .iter()
+            .map(|r| {
+                Ok(ClaimedRow::of(
+                    decode_intent::<DB>(r),
+                    get::<DB, _>(r, "id")?,
+                    get::<DB, _>(r, "attempts")?,
+                ))
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding claimed effect intents", e))?;
+        park_undecodable(self, rows).await
+    }
+
+    async fn mark_sending(&self, id: i64, attempt: i32, lease_left: Duration) -> Result<bool> {
+        let stmt = Stmt::<DB>::new(&self.0.queries.intent_mark_sending)
+            .bind(id)
+            .bind(attempt)
+            .after(Now::read(), lease_left);
+        Ok(self
+            .changed("marking an effect intent as sending", stmt)
+            .await?
+            == 1)
+    }
+
+    async fn finish(&self, id: i64, attempt: i32, outcome: &IntentOutcome) -> Result<bool> {
+        let c = outcome.columns();
+        let stmt = Stmt::<DB>::new(&self.0.queries.intent_finish)
+            .bind(id)
+            .bind(attempt)
+            .bind(c.status)
+            .bind(c.response_status.map(i32::from))
+            .bind(c.response_body)
+            .bind(c.error)
+            .after(Now::read(), c.backoff);
+        Ok(self.changed("recording an effect outcome", stmt).await? == 1)
+    }
+
+    async fn stuck(&self, limit: u32) -> Result<Vec<StuckIntent>> {
+        let context = "listing stuck effect intents";
+        let mut c = self.0.conn(context).await?;
+        let rows = Stmt::<DB>::new(&self.0.queries.intent_stuck)
+            .bind(i64::from(limit))
+            .fetch_all(&mut c)
+            .await
+            .map_err(|e| Error::database(context, e))?;
+        rows.iter()
+            .map(decode_stuck::<DB>)
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            .map_err(|e| Error::database("decoding stuck effect intents", e))
+    }
+
+    async fn retry_stuck(&self, ids: Option<&[i64]>) -> Result<u64> {
+        let context = "retrying effect intents";
+        let mut conn = self.0.conn(context).await?;
+        let mut w = DB::begin_write(&mut conn)
+            .await
+            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let q = &self.0.queries;
+        let n = DB::for_ids(w.conn(), &q.intent_retry, &q.intent_retry_one, ids).await;
+        w.finish(n, context).await
+    }
+
+    async fn get(&self, id: i64) -> Result<Option<(ClaimedIntent, String)>> {
+        let context = "reading an effect intent";
+        let mut c = self.0.conn(context).await?;
+        let row = Stmt::<DB>::new(&self.0.queries.intent_get)
+            .bind(id)
+            .fetch_optional(&mut c)
+            .await
+            .map_err(|e| Error::database(context, e))?;
+        match row {
+            None => Ok(None),
+            Some(r) => {
+                let status: String = get::<DB, _>(&r, "status")
+                    .map_err(|e| Error::database("decoding an effect intent", e))?;
+                Ok(Some((decode_intent::<DB>(&r)?, status)))
+            }
+        }
+    }
+
+    async fn resolve(&self, id: i64, resolution: Resolution, note: &str) -> Result<bool> {
+        let stmt = Stmt::<DB>::new(&self.0.queries.intent_resolve)
+            .bind(id)
+            .bind(resolution.status())
+            .bind(note);
+        Ok(self.changed("resolving an effect intent", stmt).await? == 1)
+    }
+}

@@ -1,0 +1,104 @@
+//! The SQL store of idem, written once over a [`Dialect`]: PostgreSQL (feature `postgres`) and
+//! SQLite (feature `sqlite`, the embedded default).
+//!
+//! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
+//! * [`migrate()`] creates or upgrades idem's tables (the SQL lives in `migrations/<dialect>/`).
+//! * [`RelayStore`] is the relay's view of the outbox ([`idem_core::OutboxStore`]), [`Inbox`]
+//!   the consumer's ([`idem_core::InboxStore`]), [`KeyStore`] the server-side Idempotency-Key
+//!   store and [`Intents`] the effect intents.
+//! * [`AnyStore`] opens whichever database a URL names and hands all of them out.
+//!
+//! The statements live in `sql/<dialect>/`, one per file, and in `sql/common/` where both
+//! dialects run the same text (sqlx-sqlite accepts `$N` placeholders). They are rendered once
+//! per [`TableNames`](idem_core::TableNames) and shared by every store over those tables.
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlite")]
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::{Event, TableNames};
+//! let store = idem_sql::AnyStore::connect("sqlite://orders.db", 4, TableNames::default()).await?;
+//! store.migrate().await?;
+//! let idem_sql::AnyStore::Sqlite(s) = &store else { unreachable!() };
+//! let mut tx = s.pool().begin().await?;
+//! let event = Event::builder("order", "10042", "order.paid")
+//!     .payload(&serde_json::json!({"order_id": "10042", "amount_minor": 1250}))
+//!     .build()?;
+//! s.outbox().enqueue(&mut tx, &event).await?;
+//! tx.commit().await?; // the event, with the caller's own rows, or nothing
+//! # Ok(()) }
+//! ```
+//!
+//! # Commit order
+//!
+//! On PostgreSQL a `BEFORE INSERT` trigger numbers each aggregate's events (`aggregate_seq`)
+//! from a counter row in `<prefix>outbox_aggregates`. The counter's row lock is held until the
+//! writing transaction commits or rolls back, so a second transaction writing the same aggregate
+//! waits, and `aggregate_seq` order is commit order. The relay publishes each aggregate in that
+//! order. A row that is not inserted because its `event_id` is already there (`ON CONFLICT
+//! (event_id) DO NOTHING`) hands its number back, so each aggregate's numbers are 1, 2, 3, …
+//! without gaps. Two transactions that enqueue events of the same aggregates in opposite orders
+//! can deadlock; PostgreSQL aborts one of them, which the caller retries.
+//! [`Outbox::enqueue_all`] sorts its events by aggregate to take the locks in one order.
+//!
+//! SQLite has one writer at a time, holding the database from its first write to its commit,
+//! so `id` order is commit order: the relay uses `id` as each aggregate's sequence.
+
+mod any;
+mod dialect;
+mod inbox;
+mod intents;
+mod keys;
+mod migrate;
+mod queries;
+mod relay_store;
+mod writer;
+
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+pub use any::{AnyPool, AnyStore, Scheme, Store};
+pub use dialect::{Decoded, Dialect, Param, SqlConnection, Statement, get, is_unique_violation};
+pub use inbox::Inbox;
+pub use intents::Intents;
+pub use keys::KeyStore;
+pub use migrate::{MigrationReport, migrate};
+pub use relay_store::RelayStore;
+pub use writer::Outbox;
+
+#[cfg(feature = "postgres")]
+pub use postgres::connect as connect_postgres;
+#[cfg(feature = "sqlite")]
+pub use sqlite::connect as connect_sqlite;
+
+/// `url` without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// `d` in whole milliseconds, saturating.
+pub(crate) fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("sqlite:///tmp/a.db"), "sqlite:///tmp/a.db");
+    }
+}

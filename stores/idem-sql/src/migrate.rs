@@ -1,0 +1,191 @@
+//! One migration runner over the dialects' primitives (the lock, the migrations table).
+
+use idem_core::{Error, Result, TableNames};
+use sqlx::Pool;
+
+use crate::Dialect;
+use crate::dialect::{Stmt, get};
+
+/// What [`migrate`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// Versions applied by this call.
+    pub applied: Vec<i64>,
+    /// Highest version now in the database.
+    pub current: i64,
+}
+
+/// Migrations of one dialect: (version, description, SQL).
+pub(crate) type Migrations = &'static [(i64, &'static str, &'static str)];
+
+/// The migrations shipped for a dialect directory (`migrations/$dir/NNNN_*.sql`).
+macro_rules! migrations {
+    ($dir:literal, $last:literal) => {
+        &[
+            (
+                1,
+                "outbox",
+                include_str!(concat!("../../migrations/", $dir, "/0001_outbox.sql")),
+            ),
+            (
+                2,
+                "inbox",
+                include_str!(concat!("../../migrations/", $dir, "/0002_inbox.sql")),
+            ),
+            (
+                3,
+                "idempotency keys",
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0003_idempotency_keys.sql"
+                )),
+            ),
+            (
+                4,
+                "effect intents",
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0004_effect_intents.sql"
+                )),
+            ),
+            (
+                5,
+                "outbox name checks",
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0005_outbox_name_checks.sql"
+                )),
+            ),
+            (
+                6,
+                "outbox timestamp checks",
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0006_outbox_timestamp_checks.sql"
+                )),
+            ),
+            (
+                7,
+                "idempotency claim tokens",
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0007_idempotency_claim_tokens.sql"
+                )),
+            ),
+            (
+                8,
+                "effect intent sending mark",
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0008_intent_sending_mark.sql"
+                )),
+            ),
+            (
+                9,
+                "dead-letter replay",
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0009_dead_letter_replay.sql"
+                )),
+            ),
+            (
+                10,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0010_outbox_seq_inserted_only.sql"
+                )),
+            ),
+        ]
+    };
+}
+pub(crate) use migrations;
+
+/// Creates or upgrades idem's tables. Safe to run concurrently (the dialect's migration lock
+/// serializes migrators: an advisory lock on PostgreSQL, `BEGIN IMMEDIATE` on SQLite) and
+/// repeatedly (applied versions are recorded in `<prefix>schema_migrations`), all in one
+/// transaction.
+pub async fn migrate<DB: Dialect>(pool: &Pool<DB>, tables: &TableNames) -> Result<MigrationReport> {
+    let mut conn = pool
+        .acquire()
+        .await
+        .map_err(|e| Error::database("connecting to migrate", e))?;
+    let mut tx = DB::begin_migration(&mut conn, tables).await?;
+    let mig = tables.qualified("schema_migrations");
+    let ddl = DB::migrations_table(&mig);
+    Stmt::<DB>::new(&ddl)
+        .execute(&mut tx)
+        .await
+        .map_err(|e| Error::database("creating the migrations table", e))?;
+    let select = format!("SELECT max(version) AS version FROM {mig}");
+    let current: Option<i64> = match Stmt::<DB>::new(&select).fetch_optional(&mut tx).await {
+        Ok(Some(row)) => get::<DB, _>(&row, "version"),
+        Ok(None) => Ok(None),
+        Err(e) => Err(e),
+    }
+    .map_err(|e| Error::database("reading the schema version", e))?;
+    let mut report = plan(current.unwrap_or(0), DB::migrations())?;
+    let insert = format!("INSERT INTO {mig} (version, description) VALUES ($1, $2)");
+    for (version, description, sql) in DB::migrations().iter().filter(|m| m.0 > report.current) {
+        let sql = tables.render(sql, DB::bases());
+        DB::execute_raw(&mut tx, &sql).await.map_err(|e| {
+            Error::database(format!("running migration {version} ({description})"), e)
+        })?;
+        Stmt::<DB>::new(&insert)
+            .bind(*version)
+            .bind(*description)
+            .execute(&mut tx)
+            .await
+            .map_err(|e| Error::database("recording the migration", e))?;
+        report.applied.push(*version);
+    }
+    report.current = report.applied.last().copied().unwrap_or(report.current);
+    tx.commit()
+        .await
+        .map_err(|e| Error::database("committing the migration", e))?;
+    Ok(report)
+}
+
+/// What to do at schema version `current`: refuse a schema newer than this build, or start
+/// the report there.
+fn plan(current: i64, shipped: Migrations) -> Result<MigrationReport> {
+    let supported = shipped.last().map_or(0, |m| m.0);
+    if current > supported {
+        return Err(Error::SchemaTooNew {
+            found: current,
+            supported,
+        });
+    }
+    Ok(MigrationReport {
+        applied: vec![],
+        current,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHIPPED: Migrations = &[(1, "a", ""), (2, "b", "")];
+
+    #[test]
+    fn a_newer_schema_is_refused_and_an_older_one_starts_where_it_is() {
+        assert!(matches!(
+            plan(3, SHIPPED),
+            Err(Error::SchemaTooNew {
+                found: 3,
+                supported: 2
+            })
+        ));
+        assert_eq!(plan(1, SHIPPED).unwrap().current, 1);
+        assert_eq!(plan(0, SHIPPED).unwrap().applied, Vec::<i64>::new());
+    }
+}

@@ -1,0 +1,344 @@
+//! PostgreSQL: the dialect's answers, and the statements whose shape is its own.
+
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use idem_core::{DeadLetter, Error, Event, EventId, InboxEntry, Result, TableNames};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use crate::dialect::sealed::{Batches, Sealed, SealedConn};
+use crate::dialect::{Decoded, Dialect, Now, Param, Q, SqlConnection, WriteTx};
+use crate::migrate::{Migrations, migrations};
+use crate::queries::{SqlSet, sql_set};
+
+mod relay;
+mod retention;
+
+/// Table bases used in the SQL files.
+const BASES: &[&str] = &[
+    "outbox_aggregates",
+    "outbox_assign_seq",
+    "outbox_archive",
+    "outbox",
+    "schema_migrations",
+    "inbox",
+    "dead_letters",
+    "idempotency_keys",
+    "effect_intents",
+];
+
+static SQL: SqlSet = sql_set!("postgres", "retry_parked.sql", "intent_retry.sql");
+
+static MIGRATIONS: Migrations =
+    migrations!("postgres", "outbox sequence numbers for inserted rows only");
+
+/// Connects a pool suited to the relay and the CLI.
+pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect(url)
+        .await
+        .map_err(|e| {
+            Error::database(
+                format!("connecting to PostgreSQL at {}", crate::redact(url)),
+                e,
+            )
+        })
+}
+
+impl Dialect for Postgres {
+    const SCHEME: crate::Scheme = crate::Scheme::Postgres;
+
+    fn is_undefined_table(e: &sqlx::Error) -> bool {
+        sqlstate(e, "42P01")
+    }
+}
+
+impl SealedConn for PgConnection {}
+impl SqlConnection for PgConnection {
+    type Dialect = Postgres;
+}
+
+/// Whether `e` carries SQLSTATE `code`.
+fn sqlstate(e: &sqlx::Error, code: &str) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == code)
+}
+
+impl Sealed for Postgres {
+    fn sql() -> &'static SqlSet {
+        &SQL
+    }
+    fn bases() -> &'static [&'static str] {
+        BASES
+    }
+    fn migrations() -> Migrations {
+        MIGRATIONS
+    }
+    fn bind<'q, T: Param<'q>>(q: Q<'q, Self>, v: T) -> Q<'q, Self> {
+        q.bind(v)
+    }
+    fn bind_event_id(q: Q<'_, Self>, id: EventId) -> Q<'_, Self> {
+        q.bind(id.as_uuid())
+    }
+    /// PostgreSQL adds `d` to its own clock in the statement: bind the milliseconds.
+    fn bind_after(q: Q<'_, Self>, _now: Now, d: Duration) -> Q<'_, Self> {
+        q.bind(crate::millis(d))
+    }
+    fn bind_now(q: Q<'_, Self>, _now: Now) -> Q<'_, Self> {
+        q
+    }
+    fn get<'r, T: Decoded<'r>>(row: &'r PgRow, col: &str) -> sqlx::Result<T> {
+        row.try_get(col)
+    }
+    fn get_event_id(row: &PgRow, col: &str) -> sqlx::Result<Result<EventId>> {
+        Ok(Ok(EventId(row.try_get::<Uuid, _>(col)?)))
+    }
+    fn get_json_text(row: &PgRow, col: &str) -> sqlx::Result<String> {
+        Ok(row.try_get::<serde_json::Value, _>(col)?.to_string())
+    }
+    fn execute<'q: 'c, 'c>(
+        q: Q<'q, Self>,
+        c: &'c mut PgConnection,
+    ) -> BoxFuture<'c, sqlx::Result<u64>> {
+        async move { q.execute(c).await.map(|r| r.rows_affected()) }.boxed()
+    }
+    fn execute_raw<'c>(c: &'c mut PgConnection, sql: &'c str) -> BoxFuture<'c, sqlx::Result<()>> {
+        sqlx::Executor::execute(c, sqlx::raw_sql(sql))
+            .map(|r| r.map(|_| ()))
+            .boxed()
+    }
+    fn fetch_all<'q: 'c, 'c>(
+        q: Q<'q, Self>,
+        c: &'c mut PgConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Vec<PgRow>>> {
+        q.fetch_all(c).boxed()
+    }
+    fn fetch_optional<'q: 'c, 'c>(
+        q: Q<'q, Self>,
+        c: &'c mut PgConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Option<PgRow>>> {
+        q.fetch_optional(c).boxed()
+    }
+    /// Each statement is atomic on its own; row locks (`FOR UPDATE SKIP LOCKED`) do the rest.
+    fn begin_write(c: &mut PgConnection) -> BoxFuture<'_, sqlx::Result<WriteTx<'_, Self>>> {
+        async move { Ok(WriteTx::Direct(c)) }.boxed()
+    }
+    fn begin_pool(pool: &PgPool) -> BoxFuture<'_, sqlx::Result<Transaction<'static, Self>>> {
+        pool.begin().boxed()
+    }
+    /// An advisory lock per schema and prefix serializes migrators.
+    fn begin_migration<'c>(
+        c: &'c mut PgConnection,
+        tables: &'c TableNames,
+    ) -> BoxFuture<'c, Result<Transaction<'c, Self>>> {
+        async move {
+            let mut tx = c
+                .begin()
+                .await
+                .map_err(|e| Error::database("starting the migration", e))?;
+            let lock_key = format!(
+                "idem_migrate:{}:{}",
+                tables.schema().unwrap_or(""),
+                tables.prefix()
+            );
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+                .bind(&lock_key)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| Error::database("taking the migration lock", e))?;
+            if let Some(schema) = tables.schema() {
+                // `schema` is a validated identifier (TableNames).
+                sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| Error::database("creating the schema", e))?;
+            }
+            Ok(tx)
+        }
+        .boxed()
+    }
+    fn migrations_table(mig: &str) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {mig} (version bigint PRIMARY KEY, description text NOT NULL, \
+             applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+    }
+    /// One statement, the ids as one array (NULL: every row).
+    fn for_ids<'c>(
+        c: &'c mut PgConnection,
+        all: &'c str,
+        _some: &'c str,
+        ids: Option<&'c [i64]>,
+    ) -> BoxFuture<'c, sqlx::Result<u64>> {
+        let ids = ids.map(<[i64]>::to_vec);
+        Self::execute(sqlx::query(all).bind(ids), c)
+    }
+    fn for_event_ids<'c>(
+        c: &'c mut PgConnection,
+        all: &'c str,
+        _some: &'c str,
+        ids: Option<&'c [EventId]>,
+    ) -> BoxFuture<'c, sqlx::Result<u64>> {
+        let ids: Option<Vec<Uuid>> = ids.map(|ids| ids.iter().map(EventId::as_uuid).collect());
+        Self::execute(sqlx::query(all).bind(ids), c)
+    }
+}
+
+impl Batches for Postgres {
+    /// One statement of arrays, sorted by aggregate so that the per-aggregate counter locks are
+    /// always taken in one order.
+    fn enqueue<'c>(
+        c: &'c mut PgConnection,
+        sql: &'c str,
+        events: &'c [Event],
+    ) -> BoxFuture<'c, sqlx::Result<()>> {
+        let mut sorted: Vec<&Event> = events.iter().collect();
+        sorted.sort_by(|a, b| {
+            (a.aggregate_type(), a.aggregate_id()).cmp(&(b.aggregate_type(), b.aggregate_id()))
+        });
+        let col = |f: fn(&Event) -> &str| sorted.iter().map(|e| f(e)).collect::<Vec<_>>();
+        let q = sqlx::query(sql)
+            .bind(sorted.iter().map(|e| e.id().as_uuid()).collect::<Vec<_>>())
+            .bind(col(Event::aggregate_type))
+            .bind(col(Event::aggregate_id))
+            .bind(col(Event::event_type))
+            .bind(col(Event::payload))
+            .bind(sorted.iter().map(|e| e.headers_json()).collect::<Vec<_>>())
+            .bind(sorted.iter().map(|e| e.topic()).collect::<Vec<_>>())
+            .bind(sorted.iter().map(|e| e.traceparent()).collect::<Vec<_>>())
+            .bind(sorted.iter().map(|e| e.occurred_at()).collect::<Vec<_>>());
+        async move { q.execute(c).await.map(|_| ()) }.boxed()
+    }
+
+    fn inbox_record<'c, 'e: 'c>(
+        c: &'c mut PgConnection,
+        sql: &'c str,
+        group: &'c str,
+        entries: &'c [InboxEntry<'e>],
+    ) -> BoxFuture<'c, Result<Vec<(i32, String)>>> {
+        let col = |f: fn(&'c InboxEntry<'e>) -> &'c str| entries.iter().map(f).collect::<Vec<_>>();
+        let q = sqlx::query(sql)
+            .bind(group)
+            .bind(
+                entries
+                    .iter()
+                    .map(|e| e.event.event_id.as_uuid())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(col(|e| &e.event.event_type))
+            .bind(col(|e| &e.event.aggregate_type))
+            .bind(col(|e| &e.event.aggregate_id))
+            .bind(col(|e| &e.event.payload_hash))
+            .bind(entries.iter().map(|e| e.copies).collect::<Vec<_>>())
+            .bind(entries.iter().map(crate::inbox::status).collect::<Vec<_>>());
+        async move {
+            let rows = q
+                .fetch_all(c)
+                .await
+                .map_err(|e| Error::database("recording events in the inbox", e))?;
+            let mut by_id = std::collections::HashMap::with_capacity(rows.len());
+            for row in &rows {
+                let dec = |e| Error::database("decoding inbox rows", e);
+                let id: Uuid = row.try_get("event_id").map_err(dec)?;
+                let count: i32 = row.try_get("delivery_count").map_err(dec)?;
+                let hash: String = row.try_get("payload_hash").map_err(dec)?;
+                by_id.insert(id, (count, hash));
+            }
+            entries
+                .iter()
+                .map(|e| {
+                    by_id
+                        .get(&e.event.event_id.as_uuid())
+                        .cloned()
+                        .ok_or_else(|| {
+                            Error::database(
+                                "recording events in the inbox",
+                                format!("no inbox row returned for {}", e.event.event_id),
+                            )
+                        })
+                })
+                .collect()
+        }
+        .boxed()
+    }
+
+    fn inbox_dead_lettered<'c>(
+        c: &'c mut PgConnection,
+        sql: &'c str,
+        group: &'c str,
+        ids: &'c [EventId],
+    ) -> BoxFuture<'c, sqlx::Result<()>> {
+        let q = sqlx::query(sql)
+            .bind(group)
+            .bind(ids.iter().map(EventId::as_uuid).collect::<Vec<_>>());
+        async move { q.execute(c).await.map(|_| ()) }.boxed()
+    }
+
+    fn dead_letter<'c>(
+        c: &'c mut PgConnection,
+        sql: &'c str,
+        group: &'c str,
+        letters: &'c [DeadLetter],
+    ) -> BoxFuture<'c, sqlx::Result<()>> {
+        let opt =
+            |f: fn(&'c DeadLetter) -> Option<&'c str>| letters.iter().map(f).collect::<Vec<_>>();
+        let q = sqlx::query(sql)
+            .bind(group)
+            .bind(letters.iter().map(|d| d.topic.as_str()).collect::<Vec<_>>())
+            .bind(letters.iter().map(|d| d.partition).collect::<Vec<_>>())
+            .bind(letters.iter().map(|d| d.offset).collect::<Vec<_>>())
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.event_id.map(|e| e.as_uuid()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(opt(|d| d.event_type.as_deref()))
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.reason.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(opt(|d| d.key.as_deref()))
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.payload.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                letters
+                    .iter()
+                    .map(|d| d.headers.to_string())
+                    .collect::<Vec<_>>(),
+            );
+        async move { q.execute(c).await.map(|_| ()) }.boxed()
+    }
+
+    fn check_usable(c: &mut PgConnection) -> BoxFuture<'_, Result<()>> {
+        async move {
+            // Any statement fails in an aborted transaction (SQLSTATE 25P02).
+            match sqlx::Executor::execute(&mut *c, "SELECT 1").await {
+                Ok(_) => Ok(()),
+                Err(e) if sqlstate(&e, "25P02") => Err(Error::database(
+                    "checking the transaction before commit: a statement of the handler failed and \
+                     the handler did not report it (it swallowed a database error), so PostgreSQL \
+                     aborted the transaction and would roll it back on COMMIT; nothing of the batch \
+                     is committed. Handlers must return database errors, or run statements that may \
+                     fail inside a savepoint of their own",
+                    e,
+                )),
+                // Anything else (a lost connection) is no handler's fault: the statements that
+                // follow, or the commit, fail with it and the batch is retried as a whole.
+                Err(_) => Ok(()),
+            }
+        }
+        .boxed()
+    }
+}

@@ -1,0 +1,246 @@
+//! The relay's statements on PostgreSQL: claims with `FOR UPDATE … SKIP LOCKED` and the
+//! database's clock, marks as arrays.
+
+use chrono::{DateTime, Utc};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use idem_core::outbox::{
+    Backlog, Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, PrunePolicy,
+    headers_from_json, sort_records,
+};
+use idem_core::{Error, EventId, Result};
+use sqlx::Postgres;
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+use uuid::Uuid;
+
+use crate::RelayStore;
+use crate::dialect::sealed::RelayOps;
+use crate::millis;
+use crate::relay_store::fenced;
+
+type PgStore = RelayStore<Postgres>;
+
+fn decode_record(row: &PgRow) -> std::result::Result<OutboxRecord, sqlx::Error> {
+    let headers_value: serde_json::Value = row.try_get("headers")?;
+    Ok(OutboxRecord {
+        id: row.try_get("id")?,
+        event_id: EventId(row.try_get::<Uuid, _>("event_id")?),
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        aggregate_seq: row.try_get("aggregate_seq")?,
+        event_type: row.try_get("event_type")?,
+        payload: row.try_get("payload")?,
+        headers: headers_from_json(headers_value),
+        topic: row.try_get("topic")?,
+        traceparent: row.try_get("traceparent")?,
+        occurred_at: timestamp(row, "occurred_at")?,
+        created_at: timestamp(row, "created_at")?,
+        attempt: row.try_get("attempts")?,
+        permanent_failures: row.try_get("permanent_failures")?,
+    })
+}
+
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01 UTC).
+const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+/// A `timestamptz` column, decoded without sqlx's chrono decoder: that one panics on values
+/// chrono cannot hold ('infinity', '-infinity', years beyond 262143), which a writer of the SQL
+/// contract could store before version 6. Such a value is an error, and the row is parked.
+fn timestamp(row: &PgRow, column: &str) -> std::result::Result<DateTime<Utc>, sqlx::Error> {
+    use sqlx::ValueRef as _;
+    use sqlx::postgres::PgValueFormat;
+    let bad = |reason: String| sqlx::Error::ColumnDecode {
+        index: column.to_owned(),
+        source: reason.into(),
+    };
+    let raw = row.try_get_raw(column)?;
+    if raw.is_null() {
+        return Err(bad("NULL".to_owned()));
+    }
+    match raw.format() {
+        PgValueFormat::Binary => {
+            let bytes = raw.as_bytes().map_err(|e| bad(e.to_string()))?;
+            let micros = i64::from_be_bytes(
+                bytes
+                    .try_into()
+                    .map_err(|_| bad(format!("{} bytes, not 8", bytes.len())))?,
+            );
+            micros
+                .checked_add(PG_EPOCH_MICROS)
+                .and_then(DateTime::from_timestamp_micros)
+                .ok_or_else(|| bad(out_of_range(micros)))
+        }
+        PgValueFormat::Text => {
+            let text = raw.as_str().map_err(|e| bad(e.to_string()))?;
+            DateTime::parse_from_str(text, "%Y-%m-%d %H:%M:%S%.f%#z")
+                .map(|d| d.with_timezone(&Utc))
+                .map_err(|e| bad(format!("{text:?}: {e}")))
+        }
+    }
+}
+
+/// Why a `timestamptz` of `micros` (since 2000-01-01) cannot be used.
+fn out_of_range(micros: i64) -> String {
+    match micros {
+        i64::MAX => "'infinity' is not a time an event can have occurred at".to_owned(),
+        i64::MIN => "'-infinity' is not a time an event can have occurred at".to_owned(),
+        _ => format!("{micros} µs from 2000-01-01 is out of the range a client can hold"),
+    }
+}
+
+impl RelayOps for Postgres {
+    fn claim_within<'a>(
+        this: &'a PgStore,
+        request: &'a ClaimRequest,
+        window: Option<i64>,
+    ) -> BoxFuture<'a, Result<Claim>> {
+        async move {
+            let claim_id = Uuid::now_v7();
+            let rows = sqlx::query(&this.q().claim)
+                .bind(i64::from(request.batch_size))
+                .bind(claim_id)
+                .bind(&request.relay_id)
+                .bind(millis(request.lease))
+                .bind(window)
+                .fetch_all(&this.pool)
+                .await
+                .map_err(|e| Error::database("claiming outbox rows", e))?;
+            let mut records = Vec::with_capacity(rows.len());
+            let mut corrupt = vec![];
+            for row in &rows {
+                match decode_record(row) {
+                    Ok(r) => records.push(r),
+                    Err(e) => {
+                        let id: i64 = row
+                            .try_get("id")
+                            .map_err(|e| Error::database("decoding a claimed row id", e))?;
+                        corrupt.push((id, format!("the row cannot be decoded: {e}")));
+                    }
+                }
+            }
+            sort_records(&mut records);
+            Ok(Claim {
+                claim_id,
+                records,
+                corrupt,
+            })
+        }
+        .boxed()
+    }
+    fn complete<'a>(
+        this: &'a PgStore,
+        claim: &'a Claim,
+        outcome: &'a Outcome,
+    ) -> BoxFuture<'a, Result<Completed>> {
+        async move {
+            let mut tx = this
+                .pool
+                .begin()
+                .await
+                .map_err(|e| Error::database("starting to mark rows", e))?;
+            let mut done = Completed::default();
+            if !outcome.published.is_empty() {
+                done.marked = sqlx::query(&this.q().mark_published)
+                    .bind(&outcome.published)
+                    .bind(claim.claim_id)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| Error::database("marking rows published", e))?
+                    .rows_affected();
+            }
+            if !outcome.failed.is_empty() {
+                let f = &outcome.failed;
+                done.released = sqlx::query(&this.q().release)
+                    .bind(f.iter().map(|x| x.id).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| x.reason.as_str()).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| millis(x.backoff)).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| x.park).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| x.attempted).collect::<Vec<_>>())
+                    .bind(claim.claim_id)
+                    .bind(f.iter().map(|x| x.permanent).collect::<Vec<_>>())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| Error::database("releasing failed rows", e))?
+                    .rows_affected();
+            }
+            tx.commit()
+                .await
+                .map_err(|e| Error::database("committing marks", e))?;
+            done.fenced = fenced(outcome, done.marked, done.released);
+            Ok(done)
+        }
+        .boxed()
+    }
+
+    fn prune<'a>(this: &'a PgStore, policy: &'a PrunePolicy) -> BoxFuture<'a, Result<u64>> {
+        async move {
+            let sql = if policy.archive {
+                &this.q().prune_archive
+            } else {
+                &this.q().prune_delete
+            };
+            let n = sqlx::query(sql)
+                .bind(policy.retention.as_secs_f64())
+                .bind(i64::from(policy.batch))
+                .execute(&this.pool)
+                .await
+                .map_err(|e| Error::database("pruning published rows", e))?
+                .rows_affected();
+            Ok(n)
+        }
+        .boxed()
+    }
+
+    fn status(this: &PgStore) -> BoxFuture<'_, Result<OutboxStatus>> {
+        async move {
+            let row = sqlx::query(&this.q().status)
+                .fetch_one(&this.pool)
+                .await
+                .map_err(|e| Error::database("counting outbox rows", e))?;
+            let get = |c: &str| {
+                row.try_get::<i64, _>(c)
+                    .map_err(|e| Error::database("decoding status", e))
+            };
+            Ok(OutboxStatus {
+                pending: get("pending")?,
+                parked: get("parked")?,
+                published: get("published")?,
+                oldest_pending_age_seconds: row
+                    .try_get("oldest_pending_age")
+                    .map_err(|e| Error::database("decoding status", e))?,
+            })
+        }
+        .boxed()
+    }
+
+    fn backlog(this: &PgStore) -> BoxFuture<'_, Result<Vec<Backlog>>> {
+        async move {
+            let rows = sqlx::query(&this.q().backlog)
+                .fetch_all(&this.pool)
+                .await
+                .map_err(|e| Error::database("counting the outbox backlog", e))?;
+            rows.iter()
+                .map(|r| {
+                    Ok(Backlog {
+                        aggregate_type: r.try_get("aggregate_type")?,
+                        pending: r.try_get("pending")?,
+                        parked: r.try_get("parked")?,
+                        oldest_pending_age_seconds: r.try_get("oldest_pending_age")?,
+                    })
+                })
+                .collect::<std::result::Result<_, sqlx::Error>>()
+                .map_err(|e| Error::database("decoding the outbox backlog", e))
+        }
+        .boxed()
+    }
+
+    fn prune_older<'a>(
+        store: &'a PgStore,
+        what: idem_core::retention::Prunable,
+        window: &'a idem_core::retention::RetentionWindow,
+        batch: u32,
+    ) -> BoxFuture<'a, Result<u64>> {
+        super::retention::prune_older(store, what, window, batch)
+    }
+}

@@ -1,0 +1,199 @@
+//! The relay's view of the outbox ([`idem_core::OutboxStore`]), written once; the claim, mark,
+//! prune and status statements whose flow differs are the dialect's (`postgres/relay.rs`,
+//! `sqlite/relay.rs`).
+
+use idem_core::outbox::{
+    Backlog, Claim, ClaimRequest, Completed, FullScanThrottle, OutboxStatus, Outcome, ParkedRow,
+    PrunePolicy,
+};
+use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
+use idem_core::{Error, EventId, OutboxStore, Result, TableNames};
+use sqlx::Pool;
+
+use crate::dialect::{Stmt, get};
+use crate::{Dialect, Outbox};
+
+/// How many of the oldest pending rows a claim looks at, per row of batch size.
+pub(crate) const CLAIM_WINDOW_FACTOR: u32 = 4;
+
+/// The window of a claim of `batch_size` rows: the oldest pending rows it looks at first.
+pub(crate) fn claim_window(batch_size: u32) -> i64 {
+    i64::from(batch_size.saturating_mul(CLAIM_WINDOW_FACTOR).max(64))
+}
+
+/// The relay's store: claims, marks, prunes and reports on the outbox in database `DB`.
+#[derive(Debug)]
+pub struct RelayStore<DB: Dialect> {
+    pub(crate) pool: Pool<DB>,
+    pub(crate) outbox: Outbox<DB>,
+    pub(crate) full_scan: FullScanThrottle,
+}
+
+impl<DB: Dialect> Clone for RelayStore<DB> {
+    fn clone(&self) -> Self {
+        RelayStore {
+            pool: self.pool.clone(),
+            outbox: self.outbox.clone(),
+            full_scan: self.full_scan.clone(),
+        }
+    }
+}
+
+impl<DB: Dialect> RelayStore<DB> {
+    /// A store over `pool` with the given tables.
+    pub fn new(pool: Pool<DB>, tables: TableNames) -> Self {
+        RelayStore {
+            pool,
+            outbox: Outbox::new(tables),
+            full_scan: FullScanThrottle::default(),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// The enqueue handle for the same tables.
+    pub fn outbox(&self) -> &Outbox<DB> {
+        &self.outbox
+    }
+
+    pub(crate) fn q(&self) -> &crate::queries::Queries {
+        &self.outbox.queries
+    }
+
+    pub(crate) async fn conn(
+        &self,
+        context: &str,
+    ) -> idem_core::Result<sqlx::pool::PoolConnection<DB>> {
+        self.pool.acquire().await.map_err(|e| {
+            idem_core::Error::database(format!("{context}: acquiring a connection"), e)
+        })
+    }
+}
+
+impl<DB: Dialect> RelayStore<DB> {
+    /// [`idem_core::OutboxStore::parked`], for both dialects: a row whose columns cannot be
+    /// read is reported as corrupt.
+    async fn parked_rows(&self, limit: u32) -> Result<Vec<ParkedRow>> {
+        let context = "listing parked rows";
+        let mut c = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| Error::database(context, e))?;
+        let rows = Stmt::<DB>::new(&self.q().parked)
+            .bind(i64::from(limit))
+            .fetch_all(&mut c)
+            .await
+            .map_err(|e| Error::database(context, e))?;
+        rows.iter().map(parked_row::<DB>).collect()
+    }
+
+    /// [`idem_core::OutboxStore::retry_parked`], for both dialects.
+    async fn retry_parked_rows(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
+        let context = "retrying parked rows";
+        let mut conn = self.conn(context).await?;
+        let mut w = DB::begin_write(&mut conn)
+            .await
+            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let q = self.q();
+        let n = DB::for_event_ids(w.conn(), &q.retry_parked, &q.retry_parked_one, event_ids).await;
+        w.finish(n, context).await
+    }
+}
+
+fn parked_row<DB: Dialect>(r: &DB::Row) -> Result<ParkedRow> {
+    let id: i64 = get::<DB, _>(r, "id").map_err(|e| Error::database("decoding parked rows", e))?;
+    let dec = |e: sqlx::Error| Error::CorruptRow {
+        id,
+        reason: e.to_string(),
+    };
+    Ok(ParkedRow {
+        id,
+        event_id: DB::get_event_id(r, "event_id").map_err(dec)??,
+        aggregate_type: get::<DB, _>(r, "aggregate_type").map_err(dec)?,
+        aggregate_id: get::<DB, _>(r, "aggregate_id").map_err(dec)?,
+        event_type: get::<DB, _>(r, "event_type").map_err(dec)?,
+        attempts: get::<DB, _>(r, "attempts").map_err(dec)?,
+        last_error: get::<DB, _>(r, "last_error").map_err(dec)?,
+    })
+}
+
+impl<DB: Dialect> OutboxStore for RelayStore<DB> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim> {
+        let window = claim_window(request.batch_size);
+        let claim = DB::claim_within(self, request, Some(window)).await?;
+        // The oldest rows may all sit behind leased or backing-off heads (one aggregate with a
+        // deep backlog): then look at every pending row, so other aggregates never starve.
+        if claim.records.is_empty() && claim.corrupt.is_empty() && self.full_scan.due() {
+            return DB::claim_within(self, request, None).await;
+        }
+        Ok(claim)
+    }
+
+    async fn complete(&self, claim: &Claim, outcome: &Outcome) -> Result<Completed> {
+        DB::complete(self, claim, outcome).await
+    }
+
+    async fn prune(&self, policy: &PrunePolicy) -> Result<u64> {
+        DB::prune(self, policy).await
+    }
+
+    async fn status(&self) -> Result<OutboxStatus> {
+        DB::status(self).await
+    }
+
+    async fn backlog(&self) -> Result<Vec<Backlog>> {
+        DB::backlog(self).await
+    }
+
+    async fn parked(&self, limit: u32) -> Result<Vec<ParkedRow>> {
+        self.parked_rows(limit).await
+    }
+
+    async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
+        self.retry_parked_rows(event_ids).await
+    }
+}
+
+/// Pruning of the inbox and of done effect intents, never inside the redelivery horizon
+/// ([`idem_core::retention`]). The outbox's per-aggregate counters are never pruned.
+impl<DB: Dialect> RetentionStore for RelayStore<DB> {
+    async fn prune_older(
+        &self,
+        what: Prunable,
+        window: &RetentionWindow,
+        batch: u32,
+    ) -> Result<u64> {
+        DB::prune_older(self, what, window, batch).await
+    }
+}
+
+/// How many marks a stale claim lost: rows neither marked nor released.
+pub(crate) fn fenced(outcome: &idem_core::outbox::Outcome, marked: u64, released: u64) -> u64 {
+    let expected = (outcome.published.len() + outcome.failed.len()) as u64;
+    expected.saturating_sub(marked + released)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_claim_looks_at_four_rows_per_row_of_batch_and_at_least_64() {
+        assert_eq!(super::claim_window(1), 64);
+        assert_eq!(super::claim_window(100), 400);
+        assert_eq!(super::claim_window(u32::MAX), i64::from(u32::MAX));
+    }
+
+    #[test]
+    fn rows_neither_marked_nor_released_were_fenced() {
+        let outcome = idem_core::outbox::Outcome {
+            published: vec![1, 2, 3],
+            failed: vec![],
+        };
+        assert_eq!(super::fenced(&outcome, 2, 0), 1);
+        assert_eq!(super::fenced(&outcome, 3, 0), 0);
+        assert_eq!(super::fenced(&outcome, 4, 0), 0);
+    }
+}
