@@ -34,14 +34,14 @@ impl Handler<SqliteConnection> for Ledger {
                 "the payload has no integer amount_minor",
             ));
         };
+        // `?` classifies a database error by its code: busy or locked is retried, a refused
+        // row (constraint, bad data) is dead-lettered with its reason.
         sqlx::query("INSERT INTO ledger (event_id, order_id, amount_minor) VALUES (?1, ?2, ?3)")
             .bind(event.event_id.to_string())
             .bind(&event.aggregate_id)
             .bind(amount)
             .execute(&mut *conn)
-            .await
-            // Might work later (a busy database): the batch is retried.
-            .map_err(HandlerError::transient)?;
+            .await?;
         Ok(())
     }
 }

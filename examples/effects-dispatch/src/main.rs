@@ -28,11 +28,11 @@ impl Handler<SqliteConnection> for Settle {
         conn: &mut SqliteConnection,
         event: &InboundEvent,
     ) -> Result<(), HandlerError> {
+        // `?` classifies a database error by its code (busy: retried; refused: dead-lettered).
         sqlx::query("INSERT INTO settlements (event_id) VALUES (?1)")
             .bind(event.event_id.to_string())
             .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::transient)?;
+            .await?;
         let body = serde_json::json!({ "order_id": event.aggregate_id, "points": 12 });
         self.intents
             .record_effect(conn, event, "points.award", &self.points_url, body)

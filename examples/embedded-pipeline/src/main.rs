@@ -41,12 +41,12 @@ impl Handler<SqliteConnection> for Settle {
         let Some(order_id) = event.payload["order_id"].as_str() else {
             return Err(HandlerError::permanent("the payload has no order_id"));
         };
+        // `?` classifies a database error by its code (busy: retried; refused: dead-lettered).
         sqlx::query("INSERT INTO settlements (order_id, event_id) VALUES (?1, ?2)")
             .bind(order_id)
             .bind(event.event_id.to_string())
             .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::transient)?;
+            .await?;
         let body = serde_json::json!({ "order_id": order_id, "points": 10 });
         self.intents
             .record_effect(conn, event, "points.award", &self.points_url, body)

@@ -92,10 +92,8 @@ impl<S: IntentStore> RecordEffect for S {
                 event.event_id
             )));
         }
-        self.record(conn, &intent).await.map_err(|e| match e {
-            idem_core::Error::InvalidEvent { .. } => HandlerError::permanent(e.to_string()),
-            other => HandlerError::transient(other),
-        })
+        // An invalid intent is permanent (dead-lettered), anything else transient (retried).
+        self.record(conn, &intent).await.map_err(HandlerError::from)
     }
 }
 

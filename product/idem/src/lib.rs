@@ -28,7 +28,16 @@ pub use idem_core::{
 
 pub mod prelude;
 
-/// The PostgreSQL stores (production).
+/// The SQL store, written once over a dialect: [`sql::AnyStore`] opens whichever database a
+/// URL names (`postgres://…`, `sqlite://…`) and hands out the relay store, the inbox, the key
+/// store, the effect intents and the outbox writer.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlite"))))]
+pub mod sql {
+    pub use idem_sql::*;
+}
+
+/// The PostgreSQL stores (production), under their PostgreSQL names (`PgStore`, …).
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idem_postgres as postgres;
