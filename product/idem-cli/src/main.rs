@@ -6,6 +6,7 @@ mod chaos;
 mod db;
 mod demo;
 mod effects_cmd;
+mod faults;
 mod lab_consumer;
 mod metrics_server;
 mod outbox_cmd;
@@ -135,7 +136,7 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    idem_core::crash::arm_from_env()?;
+    faults::arm_from_env()?;
     match cli.command {
         Command::Migrate(args) => db::migrate(&args).await,
         Command::Relay(args) => relay_cmd::run(args).await,
