@@ -61,7 +61,7 @@ const RATIOS: &[&str] = &[
 ];
 
 fn idem_bench(args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
         .arg("bench")
         .args(args)
         .args(["--db", &idem_conformance::pg::admin_url(), "--json"])

@@ -38,10 +38,10 @@ const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 pub async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
     if !crash::broken(crash::BREAK_KAFKA_TRANSACTIONS) {
         anyhow::bail!(
-            "idem kafka-txn-settlement is the chaos runner's negative control: it applies effects \
-             twice on purpose, so it runs only under `idem chaos --break kafka-transactions` (a \
-             build with the failpoints feature and IDEM_BREAK=kafka-transactions); use `idem \
-             settlement` for real work"
+            "idem-lab kafka-txn-settlement is the chaos runner's negative control: it applies \
+             effects twice on purpose, so it runs only under `idem-lab chaos --break \
+             kafka-transactions` (IDEM_BREAK=kafka-transactions); use `idem-lab settlement` for \
+             real work"
         );
     }
     let args = &all.target;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 /// Runs a small demo with `extra` arguments, checks its verdict, and returns its report.
 fn small_demo(extra: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
         .args([
             "demo",
             "--orders",

@@ -174,7 +174,7 @@ async fn run_all(args: RunArgs) -> anyhow::Result<()> {
     let mut dbs = Databases::new(&args.db);
     let mut report = Report::new(&args, broker.kind());
     // Ctrl-C or SIGTERM stops the run but still drops its databases (children die with it).
-    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
         r = phases(&args, &broker, &mut dbs, &logs, &mut progress, &mut report) => r,
         () = interrupted => Err(anyhow::anyhow!("interrupted; the bench databases are dropped")),

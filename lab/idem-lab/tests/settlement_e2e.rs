@@ -3,7 +3,6 @@
 //! suite's shared broker; each test its own topic and consumer group): a consumer crash between
 //! the database commit and the offset commit, and two consumers in one group with rebalances in
 //! the middle of a run, under both group protocols (classic and KIP-848).
-#![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::unix::process::ExitStatusExt;
@@ -15,7 +14,7 @@ use idem_conformance::kafka;
 use idem_conformance::process::{Proc, eventually, http_get, metric_sum};
 
 fn idem(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
     cmd.args(args)
         .env("RUST_LOG", "info")
         .env_remove("IDEM_CRASH_POINTS");

@@ -28,7 +28,7 @@ const VERIFY_RSS_TARGET: u64 = 100 * 1024 * 1024;
 
 pub async fn run(args: VerifyBenchArgs) -> anyhow::Result<()> {
     let mut dbs = Databases::new(&args.db);
-    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
         r = measure(&args, &mut dbs) => r,
         () = interrupted => Err(anyhow::anyhow!("interrupted; the bench database is dropped")),
