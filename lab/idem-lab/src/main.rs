@@ -67,7 +67,9 @@ enum Parsed {
 fn cli() -> clap::Command {
     Cli::command().mut_subcommand("dead-letters", |c| {
         DeadLettersCommand::augment_subcommands(c)
-            .about("List a consumer group's dead letters with their reasons (`replay`: re-apply them)")
+            .about(
+                "List a consumer group's dead letters with their reasons (`replay`: re-apply them)",
+            )
             .args_conflicts_with_subcommands(true)
             .subcommand_negates_reqs(true)
     })

@@ -1,5 +1,5 @@
-//! `idem orders`, `idem settlement` and `idem dead-letters`: the reference pipeline's services,
-//! each runnable as its own process.
+//! `idem-lab orders`, `idem-lab settlement`, `idem-lab points-api` and `idem-lab dead-letters
+//! replay`: the reference pipeline's services, each runnable as its own process.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -221,11 +221,11 @@ pub struct ReplayArgs {
     /// List what would be replayed; change nothing.
     #[arg(long)]
     dry_run: bool,
-    /// The handler the group runs: `settlement` or `audit` (as for `idem settlement`).
+    /// The handler the group runs: `settlement` or `audit` (as for `idem-lab settlement`).
     #[arg(long, default_value = "settlement", value_parser = ["settlement", "audit"])]
     handler: String,
     /// The points URL the group's settlement handler awards points at, if it does (as for
-    /// `idem settlement --points-url`): a replayed payment records its points intent too.
+    /// `idem-lab settlement --points-url`): a replayed payment records its points intent too.
     #[arg(long)]
     points_url: Option<String>,
     /// Who replays, recorded on each letter (default: $USER).

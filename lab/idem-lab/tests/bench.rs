@@ -1,4 +1,4 @@
-//! `idem bench` runs end to end in a tiny configuration (PostgreSQL, the suite's Apache Kafka
+//! `idem-lab bench` runs end to end in a tiny configuration (PostgreSQL, the suite's Apache Kafka
 //! broker, the relay and settlement as child processes) and reports every figure and ratio. Not
 //! a performance test: nothing here asserts a timing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

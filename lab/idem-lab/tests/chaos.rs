@@ -1,4 +1,4 @@
-//! `idem chaos` against PostgreSQL and Apache Kafka (brokers of the run's own, SIGKILLed and
+//! `idem-lab chaos` against PostgreSQL and Apache Kafka (brokers of the run's own, SIGKILLed and
 //! restarted): short runs with crash points fired, on one node and on three (a leader killed),
 //! must lose nothing and double nothing; and each negative control — one mechanism broken on
 //! purpose, same seed — must be reported as the violation it causes. A harness that cannot

@@ -5,21 +5,20 @@
 
 use std::process::{Command, Output};
 
+/// Runs `idem-lab` with `args`, no crash point armed.
 fn idem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_idem-lab"))
-        .args(args)
-        .env_remove("IDEM_CRASH_POINTS")
-        .output()
-        .unwrap()
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
+    cmd.args(args).env_remove("IDEM_CRASH_POINTS");
+    cmd.output().unwrap()
 }
 
+/// Standard output and standard error, as text.
 fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
+    let lossy = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (lossy(&o.stdout), lossy(&o.stderr))
 }
 
+/// A migrated SQLite database in a directory of its own.
 struct Db {
     _dir: tempfile::TempDir,
     url: String,
@@ -27,16 +26,9 @@ struct Db {
 
 fn sqlite() -> Db {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("cli.db").display());
+    let url = format!("sqlite://{}", dir.path().join("lab.db").display());
     let o = idem(&["migrate", "--db", &url]);
     assert!(o.status.success(), "{:?}", text(&o));
-    assert!(
-        text(&o)
-            .0
-            .contains("applied [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]"),
-        "{:?}",
-        text(&o)
-    );
     Db { _dir: dir, url }
 }
 

@@ -1,4 +1,4 @@
-//! `idem demo` end to end, small: SQLite files, the points API on loopback, and the in-process
+//! `idem-lab demo` end to end, small: SQLite files, the points API on loopback, and the in-process
 //! mock cluster (the default) or an Apache Kafka node the demo starts and stops itself
 //! (`--brokers kafka`); every crash point fires (in-process restarts) and the verdict is clean.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

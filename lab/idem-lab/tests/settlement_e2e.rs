@@ -1,4 +1,4 @@
-//! The reference pipeline as real OS processes — `idem orders`, `idem relay`, `idem settlement`
+//! The reference pipeline as real OS processes — `idem-lab orders`, `idem relay`, `idem-lab settlement`
 //! — against real PostgreSQL databases (an order DB and a settlement DB) and Apache Kafka (the
 //! suite's shared broker; each test its own topic and consumer group): a consumer crash between
 //! the database commit and the offset commit, and two consumers in one group with rebalances in
@@ -432,7 +432,7 @@ async fn every_paid_order_gets_one_points_award_through_the_effect_stage() {
 
 /// A static group member fenced by another with the same `group.instance.id` has a fatal
 /// librdkafka error: its client can never consume again (librdkafka#3437: a member can even
-/// fence itself after a session timeout, which wedged a chaos run). `idem settlement` then
+/// fence itself after a session timeout, which wedged a chaos run). `idem-lab settlement` then
 /// exits with the reason, for its supervisor to restart it, instead of idling forever with
 /// its partitions stuck; the member that took its place settles what is written next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -70,7 +70,7 @@ pub struct VerifyArgs {
     /// Serve Prometheus metrics here (with --watch).
     #[arg(long, requires = "watch")]
     metrics_addr: Option<SocketAddr>,
-    /// Negative control for `idem chaos`: leave the metrics of the last good run in place when
+    /// Negative control for `idem-lab chaos`: leave the metrics of the last good run in place when
     /// a run fails (the stale proof this command used to export). Never use it.
     #[arg(long, hide = true, requires = "watch")]
     lab_keep_stale_metrics: bool,

@@ -1,4 +1,4 @@
-//! `idem bench no-inbox-consumer` (hidden): the settlement service exactly as `idem settlement`
+//! `idem-lab bench no-inbox-consumer` (hidden): the settlement service exactly as `idem-lab settlement`
 //! runs it, except that the inbox records nothing and calls every event new. Only the bench
 //! uses it, to price the inbox ("consumer with dedup ÷ without"); it is not effectively-once.
 

@@ -1,4 +1,4 @@
-//! `idem chaos`: the reference pipeline as separate OS processes against PostgreSQL and Apache
+//! `idem-lab chaos`: the reference pipeline as separate OS processes against PostgreSQL and Apache
 //! Kafka (one node, or a 3-node cluster with `--kafka-nodes 3`) — two order writers, two relays, two settlement consumers in one group, an audit
 //! consumer group, the effect dispatcher and the points API — while a seeded schedule kills
 //! them (SIGKILL), pauses them (SIGSTOP/SIGCONT), restarts them with named crash points armed,

@@ -1,4 +1,4 @@
-//! `idem demo`: the reference pipeline in one process — order writer, two relays, two
+//! `idem-lab demo`: the reference pipeline in one process — order writer, two relays, two
 //! settlement consumers, the effect dispatcher and the points API — on SQLite files and
 //! librdkafka's in-process mock cluster (or PostgreSQL and real brokers), with every named crash
 //! point fired several times, the crashed component restarted in-process, duplicate deliveries
