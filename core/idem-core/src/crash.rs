@@ -1,21 +1,20 @@
-//! Named crash points for fault-injection tests.
+//! Named crash points and negative controls: the fault seam of the engines.
 //!
 //! A crash point marks a place where a crash leaves a duplicate window open, for example
 //! between a Kafka delivery report and the outbox `UPDATE` that records it. Tests and the chaos
-//! runner arm a point to prove that the window is absorbed downstream.
+//! runner arm a point to prove that the window is absorbed downstream. A negative control
+//! ([`BREAKABLE`]) switches one at-least-once mechanism off on purpose, to prove that the harness
+//! notices.
 //!
-//! The points are compiled in only with the `failpoints` cargo feature; without it
-//! [`crash_point`] is an inlined `Ok(())`. They are armed through the `IDEM_CRASH_POINTS`
-//! environment variable (read by [`arm_from_env`]) or [`arm`]:
-//!
-//! ```text
-//! IDEM_CRASH_POINTS=relay.after_publish_before_mark          # abort on the first hit
-//! IDEM_CRASH_POINTS=relay.after_publish_before_mark@3        # abort on the third hit
-//! IDEM_CRASH_POINTS=a,b@2                                    # several points
-//! ```
+//! Both are compiled in only with the `failpoints` cargo feature, which the product binary `idem`
+//! never enables; without it [`crash_point`] is an inlined `Ok(())` and [`broken`] an inlined
+//! `false`. They are armed only through functions: [`arm`] (a crash point), [`break_mechanism`]
+//! (a negative control) and [`set_crash_log`] (where an aborting point records that it fired).
+//! This crate reads no environment variable; the lab binary `idem-lab` arms faults from its
+//! environment at start (see `docs/reference/crash-points.md`).
 //!
 //! When an armed point fires in [`Action::Abort`] mode, idem writes `idem: crash point NAME
-//! fired` to standard error, appends `NAME` to the file named by `IDEM_CRASH_LOG` (synced, so
+//! fired` to standard error, appends `NAME` to the crash log set by [`set_crash_log`] (synced, so
 //! a test can prove the crash happened), and calls [`std::process::abort`].
 
 use crate::error::{Error, Result};
@@ -55,8 +54,8 @@ pub const EFFECT_BEFORE_HTTP: &str = "effect.before_http";
 pub const EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD: &str = "effect.after_http_success_before_record";
 
 /// Negative controls: mechanisms the chaos runner breaks on purpose, one at a time, to prove
-/// that it notices (a harness that cannot fail proves nothing). Named in `IDEM_BREAK`
-/// (comma-separated); honoured only by builds with the `failpoints` feature.
+/// that it notices (a harness that cannot fail proves nothing). Broken with
+/// [`break_mechanism`]; honoured only by builds with the `failpoints` feature.
 pub const BREAKABLE: &[&str] = &[
     BREAK_MARK_BEFORE_REPORT,
     BREAK_OFFSET_BEFORE_COMMIT,
@@ -85,7 +84,7 @@ pub const BREAK_ID_WATERMARK: &str = "id-watermark";
 /// The effect dispatcher sends to a remote that ignores keys without the durable sending mark, so
 /// an attempt that died after sending is sent again blindly (review §3).
 pub const BREAK_SKIP_SENDING_MARK: &str = "skip-sending-mark";
-/// Kafka transactions instead of the inbox: only the lab's `idem kafka-txn-settlement` has this
+/// Kafka transactions instead of the inbox: only the lab's `idem-lab kafka-txn-settlement` has this
 /// mechanism (read_committed, no inbox, offsets committed in a Kafka transaction after the
 /// database commit), and it refuses to run unless it is named here.
 pub const BREAK_KAFKA_TRANSACTIONS: &str = "kafka-transactions";
@@ -99,37 +98,70 @@ pub const BREAK_NEVER_PARK: &str = "never-park";
 
 /// The consumer dead-letters an event after a few transient failures of its handler (the policy
 /// before review §8), so that a lock held on the business tables for seconds loses events.
-/// The chaos runner's long-lock window (`idem settlement --lock-timeout-ms` and a lock held on
+/// The chaos runner's long-lock window (`idem-lab settlement --lock-timeout-ms` and a lock held on
 /// `settlements`) makes it visible.
 pub const BREAK_TRANSIENT_DEAD_LETTERS: &str = "transient-dead-letters";
 
 /// Transient failures of one event after which [`BREAK_TRANSIENT_DEAD_LETTERS`] dead-letters it.
 pub const BROKEN_TRANSIENT_BUDGET: u32 = 3;
 
-/// Is `mechanism` deliberately broken in this process (`IDEM_BREAK`)?
+/// Is `mechanism` deliberately broken in this process (see [`break_mechanism`])?
+#[inline(always)]
 pub fn broken(mechanism: &str) -> bool {
     #[cfg(feature = "failpoints")]
     {
-        static BROKEN: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-        BROKEN
-            .get_or_init(|| {
-                std::env::var("IDEM_BREAK")
-                    .map(|v| {
-                        v.split(',')
-                            .map(|s| s.trim().to_owned())
-                            .filter(|s| !s.is_empty())
-                            .collect()
-                    })
-                    .unwrap_or_default()
-            })
-            .iter()
-            .any(|b| b == mechanism)
+        imp::broken(mechanism)
     }
     #[cfg(not(feature = "failpoints"))]
     {
         let _ = mechanism;
         false
     }
+}
+
+/// Breaks `mechanism` (one of [`BREAKABLE`]) in this process from now on: a negative control.
+///
+/// Fails on an unknown name, or when the build has no `failpoints` feature.
+pub fn break_mechanism(mechanism: &str) -> Result<()> {
+    let index = breakable(mechanism)?;
+    #[cfg(feature = "failpoints")]
+    {
+        imp::break_mechanism(index);
+        Ok(())
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = index;
+        Err(Error::Config(
+            "negative controls are not compiled in; build with the `failpoints` feature".to_owned(),
+        ))
+    }
+}
+
+/// Restores every mechanism [`break_mechanism`] broke.
+pub fn repair_all() {
+    #[cfg(feature = "failpoints")]
+    imp::repair_all();
+}
+
+/// Where a crash point firing in [`Action::Abort`] mode appends its name (`None`: nowhere).
+pub fn set_crash_log(path: Option<std::path::PathBuf>) {
+    #[cfg(feature = "failpoints")]
+    imp::set_crash_log(path);
+    #[cfg(not(feature = "failpoints"))]
+    let _ = path;
+}
+
+fn breakable(mechanism: &str) -> Result<usize> {
+    BREAKABLE
+        .iter()
+        .position(|b| *b == mechanism)
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "unknown mechanism {mechanism:?}; known: {}",
+                BREAKABLE.join(", ")
+            ))
+        })
 }
 
 /// What an armed crash point does when it fires.
@@ -149,8 +181,9 @@ mod imp {
     use super::*;
     use std::collections::HashMap;
     use std::io::Write;
+    use std::path::PathBuf;
     use std::sync::Mutex;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
     struct Armed {
         action: Action,
@@ -165,6 +198,37 @@ mod imp {
     /// Fires per point, in [`CRASH_POINTS`] order.
     static FIRED: [AtomicU64; CRASH_POINTS.len()] =
         [const { AtomicU64::new(0) }; CRASH_POINTS.len()];
+
+    /// Bit `i` set: [`BREAKABLE`]`[i]` is broken.
+    static BROKEN: AtomicU32 = AtomicU32::new(0);
+    const _: () = assert!(BREAKABLE.len() <= 32, "BROKEN holds one bit per mechanism");
+    /// Where an aborting crash point records its name.
+    static CRASH_LOG: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+    pub fn broken(mechanism: &str) -> bool {
+        let mask = BROKEN.load(Ordering::Acquire);
+        mask != 0
+            && BREAKABLE
+                .iter()
+                .position(|b| *b == mechanism)
+                .is_some_and(|i| mask & (1 << i) != 0)
+    }
+
+    pub fn break_mechanism(index: usize) {
+        BROKEN.fetch_or(1 << index, Ordering::AcqRel);
+    }
+
+    pub fn repair_all() {
+        BROKEN.store(0, Ordering::Release);
+    }
+
+    pub fn set_crash_log(path: Option<PathBuf>) {
+        *CRASH_LOG.lock().unwrap_or_else(|p| p.into_inner()) = path;
+    }
+
+    fn crash_log() -> Option<PathBuf> {
+        CRASH_LOG.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 
     pub fn fired() -> Vec<(&'static str, u64)> {
         CRASH_POINTS
@@ -230,7 +294,7 @@ mod imp {
             Action::Error => Err(Error::CrashPoint(name)),
             Action::Abort => {
                 eprintln!("idem: crash point {name} fired");
-                if let Some(path) = std::env::var_os("IDEM_CRASH_LOG")
+                if let Some(path) = crash_log()
                     && let Ok(mut f) = std::fs::OpenOptions::new()
                         .create(true)
                         .append(true)
@@ -306,45 +370,6 @@ pub fn is_armed(name: &str) -> bool {
     }
 }
 
-/// Arms the points listed in `IDEM_CRASH_POINTS` (`name[@hit],...`) in abort mode, and checks
-/// the names in `IDEM_BREAK`.
-pub fn arm_from_env() -> Result<()> {
-    if let Ok(spec) = std::env::var("IDEM_BREAK") {
-        for name in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            if !BREAKABLE.contains(&name) {
-                return Err(Error::Config(format!(
-                    "IDEM_BREAK: unknown mechanism {name:?}; known: {}",
-                    BREAKABLE.join(", ")
-                )));
-            }
-            if !ENABLED {
-                return Err(Error::Config(
-                    "IDEM_BREAK needs a build with the `failpoints` feature".to_owned(),
-                ));
-            }
-            eprintln!("idem: NEGATIVE CONTROL: this process deliberately breaks {name}");
-        }
-    }
-    let Ok(spec) = std::env::var("IDEM_CRASH_POINTS") else {
-        return Ok(());
-    };
-    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (name, hit) = match item.split_once('@') {
-            Some((n, h)) => (
-                n,
-                h.parse::<u64>().map_err(|_| {
-                    Error::Config(format!(
-                        "IDEM_CRASH_POINTS: {item:?}: the hit after '@' must be a positive number"
-                    ))
-                })?,
-            ),
-            None => (item, 1),
-        };
-        arm(name, Action::Abort, hit)?;
-    }
-    Ok(())
-}
-
 /// Passes through crash point `name`: does nothing unless the point is armed.
 #[inline(always)]
 pub fn crash_point(name: &'static str) -> Result<()> {
@@ -372,6 +397,25 @@ mod tests {
             Err(Error::CrashPoint(RELAY_AFTER_CLAIM_BEFORE_PUBLISH))
         ));
         assert!(crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH).is_ok());
+    }
+
+    #[test]
+    fn a_broken_mechanism_stays_broken_until_repaired() {
+        assert!(!broken(BREAK_NEVER_PARK));
+        break_mechanism(BREAK_NEVER_PARK).unwrap();
+        assert!(broken(BREAK_NEVER_PARK));
+        assert!(!broken(BREAK_ID_WATERMARK), "only the named mechanism");
+        repair_all();
+        assert!(!broken(BREAK_NEVER_PARK));
+    }
+
+    #[test]
+    fn unknown_mechanisms_are_refused() {
+        let e = break_mechanism("no-such-thing").unwrap_err().to_string();
+        assert!(
+            e.contains("unknown mechanism") && e.contains(BREAK_NEVER_PARK),
+            "{e}"
+        );
     }
 
     #[test]

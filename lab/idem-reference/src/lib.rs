@@ -6,7 +6,7 @@
 //! orders (order DB) ─outbox─► relay ─► outbox.event.order ─► settlement consumer ─► settlements (settlement DB)
 //! ```
 //!
-//! The `idem orders` and `idem settlement` commands run each side as its own process.
+//! The `idem-lab orders` and `idem-lab settlement` commands run each side as its own process.
 
 pub mod money;
 pub mod points;
@@ -52,7 +52,7 @@ pub struct PaidOrder {
 }
 
 impl PaidOrder {
-    /// The deterministic order number `n` used by `idem orders` (amounts vary from 1.00 to 99.99).
+    /// The deterministic order number `n` used by `idem-lab orders` (amounts vary from 1.00 to 99.99).
     pub fn numbered(prefix: &str, n: u64) -> Self {
         PaidOrder {
             order_id: format!("{prefix}order-{n}"),
@@ -122,7 +122,7 @@ pub async fn place_order_postgres_held(
 }
 
 /// Writes the order row and `event` in one PostgreSQL transaction; with no `outbox`, the order
-/// row alone (what the service would cost without the outbox: `idem bench` compares the two).
+/// row alone (what the service would cost without the outbox: `idem-lab bench` compares the two).
 pub async fn write_order_postgres(
     pool: &sqlx::PgPool,
     outbox: Option<&idem_postgres::Outbox>,
@@ -323,7 +323,7 @@ impl Settlement {
 impl<I> Settlement<I> {
     /// On PostgreSQL, gives up on a lock held longer than `timeout` on the business tables (a
     /// transient failure, retried until the lock is released; never a dead letter). Without it
-    /// the handler waits for the lock. `idem settlement --lock-timeout-ms`.
+    /// the handler waits for the lock. `idem-lab settlement --lock-timeout-ms`.
     pub fn with_lock_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.lock_timeout = Some(timeout);
         self

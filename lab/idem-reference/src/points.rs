@@ -334,7 +334,7 @@ fn build<S: IdempotencyStore>(
         .merge(lab_routes)
 }
 
-/// Lab options of the points API (`idem points-api --award-delay`), for the test harness only.
+/// Lab options of the points API (`idem-lab points-api --award-delay`), for the test harness only.
 #[derive(Clone, Debug, Default)]
 pub struct Lab {
     /// How long a slow keyed award waits before it is stored.

@@ -1,11 +1,26 @@
-//! Database URL dispatch: PostgreSQL or SQLite.
+//! Where idem's tables are (`--db`, `--schema`, `--table-prefix`) and the URL dispatch:
+//! PostgreSQL or SQLite.
 
 use anyhow::{Context, bail};
 use idem_core::TableNames;
 use idem_postgres::PgStore;
 use idem_sqlite::SqliteStore;
 
-use crate::DbArgs;
+use clap::Args;
+
+/// Where idem's tables are.
+#[derive(Args, Debug, Clone)]
+pub struct DbArgs {
+    /// Database URL: postgres://… or sqlite://path (sqlite::memory: is not useful across processes).
+    #[arg(long, env = "IDEM_DB")]
+    pub db: String,
+    /// PostgreSQL schema of idem's tables (default: the search path).
+    #[arg(long, env = "IDEM_SCHEMA")]
+    pub schema: Option<String>,
+    /// Prefix of idem's table names.
+    #[arg(long, env = "IDEM_TABLE_PREFIX", default_value = "idem_")]
+    pub table_prefix: String,
+}
 
 /// An opened store of either kind.
 pub enum Store {
@@ -26,6 +41,7 @@ macro_rules! with_store {
     };
 }
 
+/// The table names `args` give.
 pub fn tables(args: &DbArgs) -> anyhow::Result<TableNames> {
     Ok(TableNames::new(args.schema.as_deref(), &args.table_prefix)?)
 }
@@ -34,6 +50,7 @@ fn is_postgres(url: &str) -> bool {
     url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
+/// Opens the database `args` name with a pool of at most `max_connections`.
 pub async fn open(args: &DbArgs, max_connections: u32) -> anyhow::Result<Store> {
     let tables = tables(args)?;
     if is_postgres(&args.db) {
@@ -53,6 +70,7 @@ pub async fn open(args: &DbArgs, max_connections: u32) -> anyhow::Result<Store> 
     }
 }
 
+/// `idem migrate`: creates or upgrades idem's tables and says what it did.
 pub async fn migrate(args: &DbArgs) -> anyhow::Result<()> {
     let tables = tables(args)?;
     let (applied, current) = match open(args, 2).await? {

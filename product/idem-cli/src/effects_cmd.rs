@@ -44,7 +44,7 @@ pub struct PolicyArgs {
     compensate_url: Option<String>,
     /// Shortest wait before probing after an ambiguous attempt: longer than the remote's
     /// longest processing time.
-    #[arg(long, default_value = "2s", value_parser = crate::relay_cmd::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = crate::util::parse_duration)]
     settle: Duration,
     /// `Authorization` header sent to the remote (it scopes keys per client).
     #[arg(long, env = "IDEM_EFFECT_AUTHORIZATION")]
@@ -86,7 +86,7 @@ pub enum EffectsCommand {
         #[command(flatten)]
         policy: PolicyArgs,
         /// Per-request timeout.
-        #[arg(long, default_value = "10s", value_parser = crate::relay_cmd::parse_duration)]
+        #[arg(long, default_value = "10s", value_parser = crate::util::parse_duration)]
         timeout: Duration,
         /// Serve Prometheus metrics on this address.
         #[arg(long)]
@@ -158,7 +158,7 @@ impl EffectsCommand {
 }
 
 async fn dispatch<S: IntentStore>(d: Dispatcher<S>) -> anyhow::Result<()> {
-    let shutdown = crate::relay_cmd::shutdown_signal()?;
+    let shutdown = crate::util::shutdown_signal()?;
     tokio::pin!(shutdown);
     let mut idle = Duration::from_millis(5);
     loop {

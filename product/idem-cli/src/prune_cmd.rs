@@ -40,7 +40,7 @@ fn parse_days(s: &str) -> Result<Duration, String> {
             Duration::try_from_secs_f64(n * 86_400.0)
                 .map_err(|e| format!("invalid duration {s:?}: {e}"))
         }
-        None => crate::relay_cmd::parse_duration(s),
+        None => crate::util::parse_duration(s),
     }
 }
 

@@ -12,6 +12,7 @@ use idem_relay::{Relay, RelayConfig, RelayMetrics, TopicNaming};
 
 use crate::DbArgs;
 use crate::db;
+use crate::util::{parse_duration, shutdown_signal};
 
 #[derive(Args, Debug)]
 pub struct RelayArgs {
@@ -72,26 +73,6 @@ pub struct RelayArgs {
     /// This relay's name in claimed_by (default relay-PID-RANDOM).
     #[arg(long)]
     relay_id: Option<String>,
-}
-
-/// Parses `500ms`, `30s`, `5m`, `1h`, or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 5m, 1h"))?;
-    let secs = match unit {
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("invalid duration unit in {s:?}: use ms, s, m or h")),
-    };
-    Duration::try_from_secs_f64(secs).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
 pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
@@ -180,19 +161,6 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     result?;
     eprintln!("idem relay: stopped cleanly");
     Ok(())
-}
-
-/// Installs the SIGTERM and SIGINT handlers now and returns a future that resolves on either.
-pub fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    Ok(async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: finishing in-flight work, then stopping"),
-            _ = int.recv() => tracing::info!("SIGINT: finishing in-flight work, then stopping"),
-        }
-    })
 }
 
 /// `idem_relay_producer_replacements_total`: read from the publisher at each scrape.
@@ -284,20 +252,5 @@ impl prometheus::core::Collector for TopicDurability {
         family.set_field_type(prometheus::proto::MetricType::GAUGE);
         family.set_metric(metrics);
         vec![family]
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_duration;
-    use std::time::Duration;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
-        assert!(parse_duration("5 parsecs").is_err());
-        assert!(parse_duration("-1s").is_err());
     }
 }

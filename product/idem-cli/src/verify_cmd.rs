@@ -36,6 +36,7 @@ pub fn emit<R: serde::Serialize>(
     if ok { Ok(()) } else { Err(ExitWith(1).into()) }
 }
 
+/// `idem verify`: what to check, and how to report it.
 #[derive(Args, Debug)]
 pub struct VerifyArgs {
     /// A TOML file naming the checks (see docs/operating/verify.md); instead of the reference databases.
@@ -64,12 +65,12 @@ pub struct VerifyArgs {
     json: bool,
     /// Keep verifying at this interval, exporting idem_reconciliation_gap, idem_reconciliation_up
     /// and idem_reconciliation_last_success_timestamp_seconds (Ctrl-C stops).
-    #[arg(long, value_parser = crate::relay_cmd::parse_duration)]
+    #[arg(long, value_parser = crate::util::parse_duration)]
     watch: Option<Duration>,
     /// Serve Prometheus metrics here (with --watch).
     #[arg(long, requires = "watch")]
     metrics_addr: Option<SocketAddr>,
-    /// Negative control for `idem chaos`: leave the metrics of the last good run in place when
+    /// Negative control for `idem-lab chaos`: leave the metrics of the last good run in place when
     /// a run fails (the stale proof this command used to export). Never use it.
     #[arg(long, hide = true, requires = "watch")]
     lab_keep_stale_metrics: bool,
@@ -107,6 +108,7 @@ fn print(report: &idem_verify::Report, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs `idem verify` (once, or `--watch`).
 pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
     let config = match config(&args) {
         Ok(c) => c,
@@ -140,7 +142,7 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
         let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
         eprintln!("idem verify: metrics on http://{bound}/metrics");
     }
-    let shutdown = crate::relay_cmd::shutdown_signal()?;
+    let shutdown = crate::util::shutdown_signal()?;
     tokio::pin!(shutdown);
     loop {
         match idem_verify::verify(&config, &options).await {

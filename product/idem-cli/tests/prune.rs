@@ -14,7 +14,6 @@ fn prune(url: &str, extra: &[&str]) -> Output {
     args.extend_from_slice(extra);
     Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(&args)
-        .env_remove("IDEM_CRASH_POINTS")
         .output()
         .unwrap()
 }

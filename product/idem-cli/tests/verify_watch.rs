@@ -44,8 +44,7 @@ fn watch(path: &std::path::Path, extra: &[&str]) -> Proc {
         "--metrics-addr",
         "127.0.0.1:0",
     ])
-    .args(extra)
-    .env_remove("IDEM_CRASH_POINTS");
+    .args(extra);
     Proc::spawn("verify-watch", cmd)
 }
 

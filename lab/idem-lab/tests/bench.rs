@@ -1,4 +1,4 @@
-//! `idem bench` runs end to end in a tiny configuration (PostgreSQL, the suite's Apache Kafka
+//! `idem-lab bench` runs end to end in a tiny configuration (PostgreSQL, the suite's Apache Kafka
 //! broker, the relay and settlement as child processes) and reports every figure and ratio. Not
 //! a performance test: nothing here asserts a timing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -61,7 +61,7 @@ const RATIOS: &[&str] = &[
 ];
 
 fn idem_bench(args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
         .arg("bench")
         .args(args)
         .args(["--db", &idem_conformance::pg::admin_url(), "--json"])

@@ -1,6 +1,6 @@
-//! What the lab's variants of `idem settlement` share on their command line: the bench's
-//! consumer without an inbox (`idem bench no-inbox-consumer`) and the chaos runner's Kafka
-//! transactions consumer (`idem kafka-txn-settlement`). Neither is effectively-once; both are
+//! What the lab's variants of `idem-lab settlement` share on their command line: the bench's
+//! consumer without an inbox (`idem-lab bench no-inbox-consumer`) and the chaos runner's Kafka
+//! transactions consumer (`idem-lab kafka-txn-settlement`). Neither is effectively-once; both are
 //! hidden commands.
 
 use clap::Args;

@@ -4,7 +4,6 @@
 //! (`POST /keyless/awards`) the dispatcher is aborted at its crash points and SIGKILLed, and no
 //! payment is ever awarded twice; with the sending mark broken (`IDEM_BREAK=skip-sending-mark`,
 //! the negative control) a payment is.
-#![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::unix::process::ExitStatusExt;
@@ -17,7 +16,7 @@ use idem_core::EventId;
 use idem_core::idempotency::EffectIntent;
 
 fn idem(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
     cmd.args(args)
         .env("RUST_LOG", "info")
         .env_remove("IDEM_CRASH_POINTS");

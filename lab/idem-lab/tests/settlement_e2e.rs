@@ -1,9 +1,8 @@
-//! The reference pipeline as real OS processes — `idem orders`, `idem relay`, `idem settlement`
+//! The reference pipeline as real OS processes — `idem-lab orders`, `idem relay`, `idem-lab settlement`
 //! — against real PostgreSQL databases (an order DB and a settlement DB) and Apache Kafka (the
 //! suite's shared broker; each test its own topic and consumer group): a consumer crash between
 //! the database commit and the offset commit, and two consumers in one group with rebalances in
 //! the middle of a run, under both group protocols (classic and KIP-848).
-#![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::unix::process::ExitStatusExt;
@@ -15,7 +14,7 @@ use idem_conformance::kafka;
 use idem_conformance::process::{Proc, eventually, http_get, metric_sum};
 
 fn idem(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
     cmd.args(args)
         .env("RUST_LOG", "info")
         .env_remove("IDEM_CRASH_POINTS");
@@ -433,7 +432,7 @@ async fn every_paid_order_gets_one_points_award_through_the_effect_stage() {
 
 /// A static group member fenced by another with the same `group.instance.id` has a fatal
 /// librdkafka error: its client can never consume again (librdkafka#3437: a member can even
-/// fence itself after a session timeout, which wedged a chaos run). `idem settlement` then
+/// fence itself after a session timeout, which wedged a chaos run). `idem-lab settlement` then
 /// exits with the reason, for its supervisor to restart it, instead of idling forever with
 /// its partitions stuck; the member that took its place settles what is written next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

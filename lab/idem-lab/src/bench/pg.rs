@@ -310,7 +310,7 @@ pub fn deliveries(
 
 /// The consumer's own SQL run directly, one transaction per `batch` events for `duration`:
 /// with `dedup`, the inbox insert (`PgInbox::record`) and then the settlement handler for each
-/// event — exactly the statements `idem settlement` runs; without, the handler alone.
+/// event — exactly the statements `idem-lab settlement` runs; without, the handler alone.
 /// Returns events per second.
 pub async fn consumer_sql_rate(
     pool: &PgPool,

@@ -1,4 +1,4 @@
-//! `idem chaos`: the reference pipeline as separate OS processes against PostgreSQL and Apache
+//! `idem-lab chaos`: the reference pipeline as separate OS processes against PostgreSQL and Apache
 //! Kafka (one node, or a 3-node cluster with `--kafka-nodes 3`) — two order writers, two relays, two settlement consumers in one group, an audit
 //! consumer group, the effect dispatcher and the points API — while a seeded schedule kills
 //! them (SIGKILL), pauses them (SIGSTOP/SIGCONT), restarts them with named crash points armed,
@@ -56,7 +56,7 @@ pub struct ChaosArgs {
     #[arg(long = "break", value_parser = negative_controls())]
     pub break_mechanism: Option<String>,
     /// How long the pipeline may take to settle after the faults stop.
-    #[arg(long, default_value = "180s", value_parser = crate::relay_cmd::parse_duration)]
+    #[arg(long, default_value = "180s", value_parser = idem_cli::util::parse_duration)]
     pub settle_deadline: Duration,
     /// Keep the databases and logs afterwards.
     #[arg(long)]
@@ -234,7 +234,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     let dir = tempfile::Builder::new().prefix("idem-chaos-").tempdir()?;
     // Ctrl-C or SIGTERM ends the run: dropping `drive` kills every process it started, brokers
     // included (`Proc` kills its child on drop), and the databases are still dropped.
-    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
         r = drive(&args, &dbs, dir.path(), &run) => r,
         () = interrupted => Err(anyhow::anyhow!(
@@ -248,7 +248,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
         let kept = dir.keep();
         report.logs = Some(kept.display().to_string());
     }
-    crate::verify_cmd::emit(&report, args.json, report.ok, print_report)
+    idem_cli::verify_cmd::emit(&report, args.json, report.ok, print_report)
 }
 
 #[allow(clippy::too_many_lines)]

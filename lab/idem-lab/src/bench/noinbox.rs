@@ -1,4 +1,4 @@
-//! `idem bench no-inbox-consumer` (hidden): the settlement service exactly as `idem settlement`
+//! `idem-lab bench no-inbox-consumer` (hidden): the settlement service exactly as `idem-lab settlement`
 //! runs it, except that the inbox records nothing and calls every event new. Only the bench
 //! uses it, to price the inbox ("consumer with dedup ÷ without"); it is not effectively-once.
 
@@ -96,7 +96,7 @@ impl InboxStore for NoInbox {
 
 /// Runs until SIGTERM.
 pub async fn run(args: LabConsumerArgs) -> anyhow::Result<()> {
-    let shutdown = crate::relay_cmd::shutdown_signal()?;
+    let shutdown = idem_cli::util::shutdown_signal()?;
     let pool = idem_postgres::connect(&args.db, 4).await?;
     idem_reference::ensure_schema_postgres(&pool).await?;
     let kafka = consumer_config(&args.brokers, &args.group, &args.consumer_config)?;

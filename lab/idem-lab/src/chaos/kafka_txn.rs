@@ -1,4 +1,4 @@
-//! The `kafka-transactions` negative control (`idem chaos --break kafka-transactions`): a
+//! The `kafka-transactions` negative control (`idem-lab chaos --break kafka-transactions`): a
 //! settlement consumer that trusts Kafka's exactly-once machinery instead of an inbox. It
 //! reads with `isolation.level=read_committed`, applies each batch with the reference
 //! settlement handler in one database transaction **without an inbox**, and after the database
@@ -28,7 +28,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 pub struct KafkaTxnArgs {
     #[command(flatten)]
     target: crate::lab_consumer::LabConsumerArgs,
-    /// Record one points award intent per payment, as `idem settlement --points-url` does.
+    /// Record one points award intent per payment, as `idem-lab settlement --points-url` does.
     #[arg(long)]
     points_url: Option<String>,
 }
@@ -38,10 +38,10 @@ const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 pub async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
     if !crash::broken(crash::BREAK_KAFKA_TRANSACTIONS) {
         anyhow::bail!(
-            "idem kafka-txn-settlement is the chaos runner's negative control: it applies effects \
-             twice on purpose, so it runs only under `idem chaos --break kafka-transactions` (a \
-             build with the failpoints feature and IDEM_BREAK=kafka-transactions); use `idem \
-             settlement` for real work"
+            "idem-lab kafka-txn-settlement is the chaos runner's negative control: it applies \
+             effects twice on purpose, so it runs only under `idem-lab chaos --break \
+             kafka-transactions` (IDEM_BREAK=kafka-transactions); use `idem-lab settlement` for \
+             real work"
         );
     }
     let args = &all.target;

@@ -1,8 +1,7 @@
 //! The harness's "points API slower than its key lock" (issue 13, review §4) on the real
-//! `idem points-api` process: awards wait 800 ms, the key lock is 200 ms, and concurrent requests
+//! `idem-lab points-api` process: awards wait 800 ms, the key lock is 200 ms, and concurrent requests
 //! with one key, each retried on 409, execute once — and with the layer's lock renewal broken
 //! on purpose (`IDEM_BREAK=key-lock-renewal`, the negative control) they execute side by side.
-#![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
@@ -14,7 +13,7 @@ use idem_conformance::process::Proc;
 const KEY: &str = "\"event-01936f5e-4c1a-7d55-9a51-0cc0f0d4a7e2-points.award\"";
 
 fn points_api(db: &str, broken: bool) -> (Proc, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
     cmd.args([
         "points-api",
         "--db",

@@ -1,7 +1,6 @@
 //! The `idem relay` binary as a real OS process against Apache Kafka (the suite's shared broker,
 //! a topic per test) and a real database: crashes at named points, SIGKILL in the middle of a
 //! batch, SIGTERM.
-#![cfg(feature = "failpoints")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -39,7 +38,7 @@ async fn broker() -> Broker {
 
 /// `idem relay` with a short lease, so a crashed relay's rows come back within seconds.
 fn relay(db: &str, b: &Broker, extra: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
     cmd.args([
         "relay",
         "--db",

@@ -1,4 +1,4 @@
-//! The broker a lab command (`idem demo`, `idem bench`) runs against, chosen by `--brokers`:
+//! The broker a lab command (`idem-lab demo`, `idem-lab bench`) runs against, chosen by `--brokers`:
 //! bootstrap servers given by the user, `embedded` (librdkafka's mock cluster, in this process)
 //! or `kafka` (a single-node Apache Kafka that `scripts/kafka up` starts for the run and
 //! `scripts/kafka down` stops when the run ends, also when it fails).

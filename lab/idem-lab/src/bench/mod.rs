@@ -1,9 +1,9 @@
-//! `idem bench`: what idem costs on this hardware, next to same-run baselines of the same
+//! `idem-lab bench`: what idem costs on this hardware, next to same-run baselines of the same
 //! PostgreSQL server and broker (see docs/operating/performance.md).
 //!
 //! The baselines run first — durable single-row inserts, the consumer's and the relay's own SQL
 //! called directly, bare rdkafka produce and consume — then the system: the relay and the
-//! settlement consumer run as child processes (`idem relay`, `idem settlement`) draining a
+//! settlement consumer run as child processes (`idem relay`, `idem-lab settlement`) draining a
 //! backlog, then together under closed-loop and open-loop load. Each ratio divides a system
 //! figure by the baseline that bounds it.
 
@@ -61,7 +61,7 @@ impl Names {
     }
 }
 
-/// `idem bench`.
+/// `idem-lab bench`.
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
@@ -93,7 +93,7 @@ pub struct RunArgs {
     /// Rows in the relay's backlog and events in the consumer's.
     #[arg(long, default_value_t = 100_000)]
     backlog: u64,
-    /// Consumer records per transaction (`idem settlement --batch-size`).
+    /// Consumer records per transaction (`idem-lab settlement --batch-size`).
     #[arg(long, default_value_t = 200)]
     batch_size: usize,
     /// Relay rows per claim (`idem relay --batch-size`).
@@ -112,7 +112,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 3)]
     partitions: i32,
     /// librdkafka consumer setting KEY=VALUE for the settlement consumers (repeatable), as
-    /// `idem settlement --consumer-config`.
+    /// `idem-lab settlement --consumer-config`.
     #[arg(long = "consumer-config", value_parser = idem_kafka::parse_setting)]
     consumer_config: Vec<(String, String)>,
     /// librdkafka producer setting KEY=VALUE for the relay (repeatable), as `idem relay
@@ -124,7 +124,7 @@ pub struct RunArgs {
     json: bool,
 }
 
-/// Runs `idem bench`.
+/// Runs `idem-lab bench`.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.mode {
         Some(Mode::Verify(a)) => verify::run(a).await,
@@ -174,7 +174,7 @@ async fn run_all(args: RunArgs) -> anyhow::Result<()> {
     let mut dbs = Databases::new(&args.db);
     let mut report = Report::new(&args, broker.kind());
     // Ctrl-C or SIGTERM stops the run but still drops its databases (children die with it).
-    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
         r = phases(&args, &broker, &mut dbs, &logs, &mut progress, &mut report) => r,
         () = interrupted => Err(anyhow::anyhow!("interrupted; the bench databases are dropped")),

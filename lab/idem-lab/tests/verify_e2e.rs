@@ -13,7 +13,7 @@ use serde_json::Value;
 const N: i64 = 40;
 
 fn idem(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
     cmd.args(args)
         .env("RUST_LOG", "info")
         .env_remove("IDEM_CRASH_POINTS");

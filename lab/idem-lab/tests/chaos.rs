@@ -1,4 +1,4 @@
-//! `idem chaos` against PostgreSQL and Apache Kafka (brokers of the run's own, SIGKILLed and
+//! `idem-lab chaos` against PostgreSQL and Apache Kafka (brokers of the run's own, SIGKILLed and
 //! restarted): short runs with crash points fired, on one node and on three (a leader killed),
 //! must lose nothing and double nothing; and each negative control — one mechanism broken on
 //! purpose, same seed — must be reported as the violation it causes. A harness that cannot
@@ -8,7 +8,7 @@
 use std::process::Command;
 
 fn chaos(args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
         .arg("chaos")
         .args(args)
         .arg("--json")
@@ -216,7 +216,7 @@ fn an_interrupted_run_leaves_no_process_behind() {
     use std::process::Stdio;
     use std::time::{Duration, Instant};
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
         .args(["chaos", "--seconds", "120", "--seed", "4"])
         .env("RUST_LOG", "warn")
         .env_remove("IDEM_CRASH_POINTS")

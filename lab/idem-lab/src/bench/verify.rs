@@ -1,4 +1,4 @@
-//! `idem bench verify`: time and peak memory of `idem verify` over two large tables.
+//! `idem-lab bench verify`: time and peak memory of `idem verify` over two large tables.
 
 use std::time::{Duration, Instant};
 
@@ -9,7 +9,7 @@ use super::child::Child;
 use super::kafka::TempDir;
 use super::pg::Databases;
 
-/// Options of `idem bench verify`.
+/// Options of `idem-lab bench verify`.
 #[derive(Args, Debug)]
 pub struct VerifyBenchArgs {
     /// PostgreSQL server URL (any database on it); the bench creates and drops its own.
@@ -28,7 +28,7 @@ const VERIFY_RSS_TARGET: u64 = 100 * 1024 * 1024;
 
 pub async fn run(args: VerifyBenchArgs) -> anyhow::Result<()> {
     let mut dbs = Databases::new(&args.db);
-    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
         r = measure(&args, &mut dbs) => r,
         () = interrupted => Err(anyhow::anyhow!("interrupted; the bench database is dropped")),

@@ -1,5 +1,5 @@
-//! `idem orders`, `idem settlement` and `idem dead-letters`: the reference pipeline's services,
-//! each runnable as its own process.
+//! `idem-lab orders`, `idem-lab settlement`, `idem-lab points-api` and `idem-lab dead-letters
+//! replay`: the reference pipeline's services, each runnable as its own process.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -14,8 +14,8 @@ use idem_postgres::PgInbox;
 use idem_reference::{PaidOrder, Settlement};
 use idem_sqlite::SqliteInbox;
 
-use crate::DbArgs;
-use crate::db::{self, Store};
+use idem_cli::DbArgs;
+use idem_cli::db::{self, Store};
 
 #[derive(Args, Debug)]
 pub struct OrdersArgs {
@@ -123,13 +123,13 @@ fn settlement_handler<I>(handler: Settlement<I>, args: &SettlementArgs) -> Settl
 }
 
 pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
-    let shutdown = crate::relay_cmd::shutdown_signal()?;
+    let shutdown = idem_cli::util::shutdown_signal()?;
     let store = db::open(&args.db, 4).await?;
     let tables = db::tables(&args.db)?;
     let registry = prometheus::Registry::new();
     let metrics = ConsumerMetrics::new(&registry)?;
     if let Some(addr) = args.metrics_addr {
-        let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
+        let bound = idem_cli::metrics_server::serve(addr, registry.clone()).await?;
         eprintln!("idem settlement: metrics on http://{bound}/metrics");
     }
     let kafka = consumer_config(&args.brokers, &args.group, &args.consumer_config)?;
@@ -202,48 +202,11 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `idem dead-letters` (the list) and `idem dead-letters replay`; `main.rs` sets
-/// `args_conflicts_with_subcommands` and `subcommand_negates_reqs` on the command.
+/// `idem-lab dead-letters replay`: re-apply dead letters through the reference handler, each in
+/// one transaction with its inbox row (applied once, whatever races it); a failing one is kept
+/// with the new reason. `main.rs` adds it under the product's `dead-letters`.
 #[derive(Args, Debug)]
-pub struct DeadLettersArgs {
-    #[command(subcommand)]
-    command: Option<DeadLettersCommand>,
-    #[command(flatten)]
-    list: ListDeadLettersArgs,
-}
-
-#[derive(clap::Subcommand, Debug)]
-enum DeadLettersCommand {
-    /// Re-apply dead letters through the reference handler, each in one transaction with its
-    /// inbox row (applied once, whatever races it); a failing one is kept with the new reason.
-    Replay(ReplayArgs),
-}
-
-/// [`DbArgs`] spelled out with `--db` optional, so that `replay` alone parses.
-#[derive(Args, Debug)]
-struct ListDeadLettersArgs {
-    /// Database URL: postgres://… or sqlite://path.
-    #[arg(long, env = "IDEM_DB")]
-    db: Option<String>,
-    /// PostgreSQL schema of idem's tables (default: the search path).
-    #[arg(long, env = "IDEM_SCHEMA")]
-    schema: Option<String>,
-    /// Prefix of idem's table names.
-    #[arg(long, env = "IDEM_TABLE_PREFIX", default_value = "idem_")]
-    table_prefix: String,
-    /// Consumer group.
-    #[arg(long, default_value = "settlement")]
-    group: String,
-    /// At most this many.
-    #[arg(long, default_value_t = 100)]
-    limit: u32,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Args, Debug)]
-struct ReplayArgs {
+pub struct ReplayArgs {
     #[command(flatten)]
     db: DbArgs,
     /// Consumer group whose dead letters (and inbox) to use.
@@ -258,11 +221,11 @@ struct ReplayArgs {
     /// List what would be replayed; change nothing.
     #[arg(long)]
     dry_run: bool,
-    /// The handler the group runs: `settlement` or `audit` (as for `idem settlement`).
+    /// The handler the group runs: `settlement` or `audit` (as for `idem-lab settlement`).
     #[arg(long, default_value = "settlement", value_parser = ["settlement", "audit"])]
     handler: String,
     /// The points URL the group's settlement handler awards points at, if it does (as for
-    /// `idem settlement --points-url`): a replayed payment records its points intent too.
+    /// `idem-lab settlement --points-url`): a replayed payment records its points intent too.
     #[arg(long)]
     points_url: Option<String>,
     /// Who replays, recorded on each letter (default: $USER).
@@ -273,68 +236,8 @@ struct ReplayArgs {
     json: bool,
 }
 
-pub async fn dead_letters(args: DeadLettersArgs) -> anyhow::Result<()> {
-    match args.command {
-        Some(DeadLettersCommand::Replay(r)) => replay_dead_letters(r).await,
-        None => list_dead_letters(args.list).await,
-    }
-}
-
-const MIGRATE_HINT: &str =
-    "reading the dead letters (a database below idem's schema version 9 needs `idem migrate`)";
-
-async fn list_dead_letters(args: ListDeadLettersArgs) -> anyhow::Result<()> {
-    let Some(url) = args.db.clone() else {
-        anyhow::bail!("idem dead-letters needs --db URL (or IDEM_DB)");
-    };
-    let dbargs = DbArgs {
-        db: url,
-        schema: args.schema.clone(),
-        table_prefix: args.table_prefix.clone(),
-    };
-    let store = db::open(&dbargs, 1).await?;
-    let tables = db::tables(&dbargs)?;
-    let rows = match store {
-        Store::Postgres(s) => {
-            PgInbox::new(s.pool().clone(), tables)
-                .dead_letters(&args.group, args.limit)
-                .await
-        }
-        Store::Sqlite(s) => {
-            SqliteInbox::new(s.pool().clone(), tables)
-                .dead_letters(&args.group, args.limit)
-                .await
-        }
-    }
-    .context(MIGRATE_HINT)?;
-    if args.json {
-        println!("{}", serde_json::to_string(&rows)?);
-    } else if rows.is_empty() {
-        println!("no dead letters for group {}", args.group);
-    } else {
-        for r in rows {
-            let replayed = match (&r.replay_outcome, &r.replayed_at) {
-                (Some(o), Some(at)) => format!(
-                    "  replay: {o} at {at} by {}",
-                    r.replayed_by.as_deref().unwrap_or("-")
-                ),
-                _ => String::new(),
-            };
-            println!(
-                "#{} {}/{}@{}  event {}  reason: {}{replayed}",
-                r.id,
-                r.topic,
-                r.partition,
-                r.offset,
-                r.event_id.as_deref().unwrap_or("-"),
-                r.reason
-            );
-        }
-    }
-    Ok(())
-}
-
-async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
+/// Runs `idem-lab dead-letters replay`.
+pub async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 2).await?;
     let tables = db::tables(&args.db)?;
     let request = ReplayRequest {
@@ -359,7 +262,7 @@ async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
             replay_with(&inbox, intents, &args, &request).await
         }
     }
-    .context(MIGRATE_HINT)?;
+    .context(idem_cli::dead_letters_cmd::MIGRATE_HINT)?;
     report_replay(&args, &done)
 }
 
@@ -472,13 +375,13 @@ pub struct PointsApiArgs {
     listen: SocketAddr,
     /// How long an in-flight Idempotency-Key claim is exclusive without renewal (the layer
     /// renews it every third of this while an award runs).
-    #[arg(long, env = "IDEM_POINTS_KEY_LOCK", default_value = "30s", value_parser = crate::relay_cmd::parse_duration)]
+    #[arg(long, env = "IDEM_POINTS_KEY_LOCK", default_value = "30s", value_parser = idem_cli::util::parse_duration)]
     key_lock: Duration,
     /// Lab only: every keyed award waits this long before it is stored (a points API slower
     /// than its key lock), and `GET /lab/award-executions` counts executions of one key that
     /// overlap (stored in `points_lab_overlaps`).
     /// (`IDEM_LAB_AWARD_DELAY`: how the chaos runner opens a slow window.)
-    #[arg(long, env = "IDEM_LAB_AWARD_DELAY", value_parser = crate::relay_cmd::parse_duration)]
+    #[arg(long, env = "IDEM_LAB_AWARD_DELAY", value_parser = idem_cli::util::parse_duration)]
     award_delay: Option<Duration>,
     /// Lab only, with `--award-delay`: only one key in this many is slow (by a hash of the key),
     /// so the API keeps up while its slow awards are retried (`IDEM_LAB_SLOW_ONE_IN`).
@@ -525,7 +428,7 @@ pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
          key-store round trip (use 100ms or more; the default is 30s)",
         args.key_lock
     );
-    let shutdown = crate::relay_cmd::shutdown_signal()?;
+    let shutdown = idem_cli::util::shutdown_signal()?;
     let store = db::open(&args.db, 8).await?;
     let tables = db::tables(&args.db)?;
     let app = match &store {

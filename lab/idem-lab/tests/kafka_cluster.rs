@@ -18,7 +18,7 @@ use idem_core::{Event, OutboxStore};
 use idem_kafka::{admin, inspect};
 
 fn relay(db: &str, brokers: &str, prefix: &str) -> Proc {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
     cmd.args([
         "relay",
         "--db",

@@ -1,4 +1,4 @@
-//! The system under test as real processes: `idem relay`, `idem settlement`, `idem verify`,
+//! The system under test as real processes: `idem relay`, `idem-lab settlement`, `idem verify`,
 //! started from this same binary, so peak memory is the real process's (`VmHWM`).
 
 use std::path::{Path, PathBuf};

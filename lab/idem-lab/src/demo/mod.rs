@@ -1,4 +1,4 @@
-//! `idem demo`: the reference pipeline in one process — order writer, two relays, two
+//! `idem-lab demo`: the reference pipeline in one process — order writer, two relays, two
 //! settlement consumers, the effect dispatcher and the points API — on SQLite files and
 //! librdkafka's in-process mock cluster (or PostgreSQL and real brokers), with every named crash
 //! point fired several times, the crashed component restarted in-process, duplicate deliveries
@@ -61,7 +61,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 2)]
     pub consumers: usize,
     /// Give up (a liveness failure) if the pipeline has not settled by then.
-    #[arg(long, default_value = "10m", value_parser = crate::relay_cmd::parse_duration)]
+    #[arg(long, default_value = "10m", value_parser = idem_cli::util::parse_duration)]
     pub deadline: Duration,
     /// Keep the databases afterwards.
     #[arg(long)]
@@ -203,7 +203,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     );
     // Ctrl-C or SIGTERM ends the demo early: the databases are still dropped and a Kafka node
     // it started is stopped (when `broker` is dropped).
-    let interrupted = crate::relay_cmd::shutdown_signal()?;
+    let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
         r = drive(&args, &dbs, &broker, &tables, &topic, &prefix, started) => r,
         () = interrupted => Err(anyhow::anyhow!("interrupted; the demo's databases are dropped")),
@@ -212,7 +212,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let cleanup = dbs.cleanup(args.keep).await;
     let report = result?;
     cleanup?;
-    crate::verify_cmd::emit(&report, args.json, report.ok, print_report)
+    idem_cli::verify_cmd::emit(&report, args.json, report.ok, print_report)
 }
 
 #[allow(clippy::too_many_lines)]

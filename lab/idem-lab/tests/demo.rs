@@ -1,4 +1,4 @@
-//! `idem demo` end to end, small: SQLite files, the points API on loopback, and the in-process
+//! `idem-lab demo` end to end, small: SQLite files, the points API on loopback, and the in-process
 //! mock cluster (the default) or an Apache Kafka node the demo starts and stops itself
 //! (`--brokers kafka`); every crash point fires (in-process restarts) and the verdict is clean.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 /// Runs a small demo with `extra` arguments, checks its verdict, and returns its report.
 fn small_demo(extra: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
         .args([
             "demo",
             "--orders",

@@ -1,0 +1,118 @@
+//! `idem-lab`: the lab that proves idem's guarantees. The demo, chaos runs and benchmarks, the
+//! reference services they run (orders, settlement, points API), `dead-letters replay`, and
+//! every operator command of `idem`, in one binary with crash points and negative controls
+//! compiled in and armed from the environment (`IDEM_CRASH_POINTS`, `IDEM_BREAK`,
+//! `IDEM_CRASH_LOG`; see docs/reference/crash-points.md). Never deploy it: ship `idem`.
+
+mod bench;
+mod broker;
+mod chaos;
+mod demo;
+mod faults;
+mod lab_consumer;
+mod reference_cmd;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+
+/// The idem lab: demo, chaos, bench and the reference services, with faults compiled in.
+#[derive(Parser, Debug)]
+#[command(name = "idem-lab", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the whole reference pipeline in one process — SQLite, an in-process broker, the
+    /// points API — with every crash point fired and duplicates injected, then verify it.
+    Demo(demo::DemoArgs),
+    /// Run the reference pipeline as OS processes against PostgreSQL and Apache Kafka while
+    /// killing, pausing and crashing them (and the brokers) on a seeded schedule; then check
+    /// nothing was lost or doubled.
+    Chaos(chaos::ChaosArgs),
+    /// The chaos runner's `kafka-transactions` negative control: a settlement consumer with
+    /// Kafka transactions and no inbox (it applies effects twice; never use it).
+    #[command(hide = true)]
+    KafkaTxnSettlement(chaos::kafka_txn::KafkaTxnArgs),
+    /// Reference order service: write paid orders with their order.paid events.
+    Orders(reference_cmd::OrdersArgs),
+    /// Reference settlement service: consume order.paid events into one settlement per payment.
+    Settlement(reference_cmd::SettlementArgs),
+    /// Reference points API: awards points per request, behind the Idempotency-Key layer.
+    PointsApi(reference_cmd::PointsApiArgs),
+    /// Measure what idem costs on this hardware against same-run baselines (`bench verify`: memory of `idem verify`).
+    Bench(bench::BenchArgs),
+    /// The operator commands of `idem`.
+    #[command(flatten)]
+    Product(idem_cli::Command),
+}
+
+/// What the lab adds under the product's `dead-letters`.
+#[derive(Subcommand, Debug)]
+enum DeadLettersCommand {
+    /// Re-apply dead letters through the reference handler, each in one transaction with its
+    /// inbox row (applied once, whatever races it); a failing one is kept with the new reason.
+    Replay(reference_cmd::ReplayArgs),
+}
+
+/// A parsed command line: a lab or operator command, or `dead-letters replay`.
+enum Parsed {
+    Cli(Cli),
+    Replay(reference_cmd::ReplayArgs),
+}
+
+/// The command line: [`Cli`], with `replay` added under `dead-letters` (the product lists dead
+/// letters; replaying them needs the reference handlers, which only the lab has).
+fn cli() -> clap::Command {
+    Cli::command().mut_subcommand("dead-letters", |c| {
+        DeadLettersCommand::augment_subcommands(c)
+            .about(
+                "List a consumer group's dead letters with their reasons (`replay`: re-apply them)",
+            )
+            .args_conflicts_with_subcommands(true)
+            .subcommand_negates_reqs(true)
+    })
+}
+
+fn parse() -> Result<Parsed, clap::Error> {
+    let matches = cli().try_get_matches()?;
+    if let Some(("dead-letters", dl)) = matches.subcommand()
+        && dl.subcommand_name().is_some()
+    {
+        let DeadLettersCommand::Replay(args) = DeadLettersCommand::from_arg_matches(dl)?;
+        return Ok(Parsed::Replay(args));
+    }
+    Ok(Parsed::Cli(Cli::from_arg_matches(&matches)?))
+}
+
+fn main() -> std::process::ExitCode {
+    let parsed = parse().unwrap_or_else(|e| e.exit());
+    idem_cli::main_with("idem-lab", run(parsed))
+}
+
+async fn run(parsed: Parsed) -> anyhow::Result<()> {
+    faults::arm_from_env()?;
+    let command = match parsed {
+        Parsed::Replay(args) => return reference_cmd::replay_dead_letters(args).await,
+        Parsed::Cli(cli) => cli.command,
+    };
+    match command {
+        Command::Orders(args) => reference_cmd::orders(args).await,
+        Command::Settlement(args) => reference_cmd::settlement(args).await,
+        Command::PointsApi(args) => reference_cmd::points_api(args).await,
+        Command::Demo(args) => demo::run(args).await,
+        Command::Chaos(args) => chaos::run(args).await,
+        Command::KafkaTxnSettlement(args) => chaos::kafka_txn::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
+        Command::Product(command) => idem_cli::run(command).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_command_line_is_consistent() {
+        super::cli().debug_assert();
+    }
+}
