@@ -45,7 +45,7 @@ pub const DEFAULT_CONSUMER_SETTINGS: &[(&str, &str)] = &[
     // arrives, so this only paces an idle consumer (at most 20 fetches a second per broker);
     // brokers that hold an empty fetch for the whole wait (Tansu 0.6, librdkafka's mock
     // cluster) add up to this much latency to every event: librdkafka's 500 ms made the
-    // commit → settlement p99 about 550 ms there (`idem bench`, docs/operating/performance.md). 20 ms
+    // commit → settlement p99 about 550 ms there (`idem-lab bench`, docs/operating/performance.md). 20 ms
     // was faster still, but Tansu 0.6 then lost the rebalance after a member died (the
     // settlement crash test failed 4 runs of 6; 50 ms passed 6 of 6).
     ("fetch.wait.max.ms", "50"),
@@ -274,7 +274,7 @@ impl KafkaSource {
     /// event per reconnect attempt, and recovers from it on its own: such errors are logged and
     /// the wait goes on. Handing each one to the runtime's retry backoff (up to 5 s) made a
     /// consumer spend minutes working through a burst of stale errors after a broker restart
-    /// while its partitions sat idle (found by `idem chaos`). A fatal error ends the wait:
+    /// while its partitions sat idle (found by `idem-lab chaos`). A fatal error ends the wait:
     /// the client can never fetch again ([`Error::BrokerFatal`]).
     async fn next_record(&self) -> Result<BorrowedMessage<'_>> {
         loop {

@@ -112,7 +112,7 @@ pub struct DeadLetter {
 /// A dead letter read back, for `idem dead-letters` and tests.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct StoredDeadLetter {
-    /// Its id in the dead-letter table (`idem dead-letters replay --id`).
+    /// Its id in the dead-letter table (`idem-lab dead-letters replay --id`, or `idem_consumer::replay`).
     pub id: i64,
     /// Consumer group.
     pub consumer_group: String,

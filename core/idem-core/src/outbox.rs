@@ -87,13 +87,41 @@ pub struct Failure {
     pub reason: String,
     /// Wait this long before the row may be claimed again.
     pub backoff: Duration,
-    /// Park the row (stop retrying until a person retries it).
-    pub park: bool,
-    /// The failure is permanent (counts towards parking).
-    pub permanent: bool,
-    /// False when the row was never handed to the broker (for example because an earlier event
-    /// of its aggregate failed); its attempt is then not counted.
-    pub attempted: bool,
+    /// What the store does with the row.
+    pub disposition: Disposition,
+}
+
+/// What the store does with a claimed row that was not published: one state instead of three
+/// flags (parked rows are always permanent failures, permanent failures were always attempts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Disposition {
+    /// Never handed to the broker (for example because an earlier event of its aggregate
+    /// failed before it): released at once, its attempt not counted.
+    NotSent,
+    /// Failed for now, or held behind an earlier row of its aggregate: released after the
+    /// backoff.
+    Retry,
+    /// Failed permanently: released after the backoff, and counted towards parking.
+    Permanent,
+    /// Parked: not claimed again until a person retries it (`idem outbox retry`).
+    Park,
+}
+
+impl Disposition {
+    /// The row is parked.
+    pub fn parks(self) -> bool {
+        self == Disposition::Park
+    }
+
+    /// The failure is permanent (it counts towards parking).
+    pub fn is_permanent(self) -> bool {
+        matches!(self, Disposition::Permanent | Disposition::Park)
+    }
+
+    /// The row was handed to the broker, so the attempt counts.
+    pub fn attempted(self) -> bool {
+        self != Disposition::NotSent
+    }
 }
 
 /// The outcome of publishing one claim.

@@ -1,4 +1,5 @@
-//! Replaying dead letters through the handler (`idem dead-letters replay`).
+//! Replaying dead letters through the handler: call [`replay`] with your own handler
+//! (`idem-lab dead-letters replay` does it for the reference handlers).
 //!
 //! A dead letter keeps the record as it arrived: key, value and headers. [`replay`] decodes it
 //! again with the consumer's own decoder and, **in one transaction**, makes the event's inbox row

@@ -1,5 +1,5 @@
 //! Engine tests against a real SQLite inbox with a scripted source. The Kafka path and
-//! PostgreSQL are covered in `product/idem-cli/tests`.
+//! PostgreSQL are covered in `tests/e2e` and `lab/idem-lab/tests`.
 
 use std::sync::{Arc, Mutex};
 

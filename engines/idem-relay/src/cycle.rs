@@ -173,7 +173,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         if let Some(max) = mark.published.iter().max() {
             self.watermark.fetch_max(*max, Ordering::Relaxed);
         }
-        report.parked = mark.failed.iter().filter(|f| f.park).count() as u64;
+        report.parked = mark.failed.iter().filter(|f| f.disposition.parks()).count() as u64;
         report.retried = released.saturating_sub(report.parked);
         report.fenced = fenced;
         if fenced > 0 {

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use idem_core::outbox::{Failure, OutboxRecord, Outcome};
+use idem_core::outbox::{Disposition, Failure, OutboxRecord, Outcome};
 use idem_core::publish::{FailureKind, PublishError};
 
 /// The reason stored for a row that was acknowledged after an earlier row of its aggregate
@@ -102,9 +102,18 @@ pub(crate) fn corrupt(id: i64, reason: &str) -> Failure {
         id,
         reason: reason.to_owned(),
         backoff: Duration::ZERO,
-        park: true,
-        permanent: true,
-        attempted: true,
+        disposition: Disposition::Park,
+    }
+}
+
+/// What the store does with a row that failed with `kind`, given the decision `next`. Only a
+/// permanent failure parks.
+fn disposition(kind: FailureKind, next: Next) -> Disposition {
+    match (kind, next) {
+        (FailureKind::Permanent, Next::Park) => Disposition::Park,
+        (FailureKind::Permanent, Next::Retry) => Disposition::Permanent,
+        (FailureKind::NotSent, _) => Disposition::NotSent,
+        (_, _) => Disposition::Retry,
     }
 }
 
@@ -116,24 +125,20 @@ pub(crate) fn failure(r: &OutboxRecord, outcome: &RowOutcome, backoff: Backoff) 
             id: r.id,
             reason: HELD_BEHIND.to_owned(),
             backoff: Duration::ZERO,
-            park: false,
-            permanent: false,
-            attempted: true,
+            disposition: Disposition::Retry,
         }),
         RowOutcome::Failed { error, next } => {
-            // A message never handed to the broker is not an attempt.
-            let attempted = error.kind != FailureKind::NotSent;
+            let disposition = disposition(error.kind, *next);
             Some(Failure {
                 id: r.id,
                 reason: error.reason.clone(),
-                backoff: if attempted {
+                // A message never handed to the broker is not an attempt: no backoff.
+                backoff: if disposition.attempted() {
                     backoff.after(r.attempt)
                 } else {
                     Duration::ZERO
                 },
-                park: *next == Next::Park,
-                permanent: error.kind == FailureKind::Permanent,
-                attempted,
+                disposition,
             })
         }
     }
@@ -252,17 +257,25 @@ mod tests {
         assert_eq!(m.published, [3]);
         assert_eq!(m.failed[0], corrupt(9, "bad row"));
         assert_eq!(
-            (m.failed[1].id, m.failed[1].attempted, m.failed[1].backoff),
+            (
+                m.failed[1].id,
+                m.failed[1].disposition.attempted(),
+                m.failed[1].backoff
+            ),
             (1, true, Duration::from_secs(3))
         );
         assert_eq!(
-            (m.failed[2].id, m.failed[2].attempted, m.failed[2].backoff),
+            (
+                m.failed[2].id,
+                m.failed[2].disposition.attempted(),
+                m.failed[2].backoff
+            ),
             (2, false, Duration::ZERO)
         );
         let held = failure(&rows[1], &RowOutcome::HeldBehind, backoff).unwrap();
         assert_eq!(
-            (held.reason.as_str(), held.permanent, held.park),
-            (HELD_BEHIND, false, false)
+            (held.reason.as_str(), held.disposition),
+            (HELD_BEHIND, Disposition::Retry)
         );
     }
 

@@ -1,5 +1,5 @@
 //! Engine tests against a real SQLite outbox and a scripted publisher. The guarantees against a
-//! real broker are tested in `product/idem-cli/tests` (mock cluster and Apache Kafka).
+//! real broker are tested in `tests/e2e` (mock cluster) and `lab/idem-lab/tests` (Apache Kafka).
 
 use std::collections::HashMap;
 use std::sync::Mutex;

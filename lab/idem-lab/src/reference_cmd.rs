@@ -10,9 +10,8 @@ use idem_consumer::replay::{ReplayRequest, ReplayResult, Replayed, replay};
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::InboxStore;
 use idem_kafka::{KafkaSource, consumer_config};
-use idem_postgres::PgInbox;
 use idem_reference::{PaidOrder, Settlement};
-use idem_sqlite::SqliteInbox;
+use idem_sql::Dialect;
 
 use idem_cli::DbArgs;
 use idem_cli::db::{self, Store};
@@ -46,10 +45,7 @@ pub async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 2).await?;
     let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
     let mut next = tokio::time::Instant::now();
-    match &store {
-        Store::Postgres(s) => idem_reference::ensure_schema_postgres(s.pool()).await?,
-        Store::Sqlite(s) => idem_reference::ensure_schema_sqlite(s.pool()).await?,
-    }
+    ensure_reference_schema(&store).await?;
     for n in args.start..args.start + args.count {
         let order = PaidOrder::numbered(&args.prefix, n);
         match &store {
@@ -60,11 +56,11 @@ pub async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
                     }
                     _ => Duration::ZERO,
                 };
-                idem_reference::place_order_postgres_held(s.pool(), s.outbox(), &order, hold)
+                idem_reference::place_order_postgres_held(s.pool(), &s.outbox(), &order, hold)
                     .await?
             }
             Store::Sqlite(s) => {
-                idem_reference::place_order_sqlite(s.pool(), s.outbox(), &order).await?
+                idem_reference::place_order_sqlite(s.pool(), &s.outbox(), &order).await?
             }
         }
         if let Some(i) = interval {
@@ -125,7 +121,6 @@ fn settlement_handler<I>(handler: Settlement<I>, args: &SettlementArgs) -> Settl
 pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     let shutdown = idem_cli::util::shutdown_signal()?;
     let store = db::open(&args.db, 4).await?;
-    let tables = db::tables(&args.db)?;
     let registry = prometheus::Registry::new();
     let metrics = ConsumerMetrics::new(&registry)?;
     if let Some(addr) = args.metrics_addr {
@@ -141,64 +136,61 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
         args.group,
         args.topics.join(", ")
     );
+    if args.lock_timeout_ms.is_some() && matches!(store, Store::Sqlite(_)) {
+        anyhow::bail!("--lock-timeout-ms is for PostgreSQL (SQLite has no lock_timeout)");
+    }
+    ensure_reference_schema(&store)
+        .await
+        .context("creating the settlements table")?;
+    idem_sql::with_store!(store, s => consume(&s, &args, source, config, metrics, shutdown).await)?;
+    eprintln!("idem settlement: stopped cleanly");
+    Ok(())
+}
+
+/// The reference tables (orders, settlements, points): their DDL differs per dialect.
+async fn ensure_reference_schema(store: &Store) -> Result<(), sqlx::Error> {
     match store {
-        Store::Postgres(s) => {
-            idem_reference::ensure_schema_postgres(s.pool())
-                .await
-                .context("creating the settlements table")?;
-            let inbox = PgInbox::new(s.pool().clone(), tables.clone());
-            match args.points_url.clone() {
-                _ if args.handler == "audit" => {
-                    Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
-                        .run(shutdown)
-                        .await?;
-                }
-                Some(url) => {
-                    let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
-                    let handler =
-                        settlement_handler(Settlement::with_points(intents, url.clone()), &args);
-                    Consumer::new(inbox, handler, source, config, metrics)
-                        .run(shutdown)
-                        .await?;
-                }
-                None => {
-                    let handler = settlement_handler(Settlement::new(), &args);
-                    Consumer::new(inbox, handler, source, config, metrics)
-                        .run(shutdown)
-                        .await?;
-                }
-            }
+        Store::Postgres(s) => idem_reference::ensure_schema_postgres(s.pool()).await,
+        Store::Sqlite(s) => idem_reference::ensure_schema_sqlite(s.pool()).await,
+    }
+}
+
+/// Runs the consumer with the handler `args` name, written once over the dialect: the audit
+/// log, or settlements (recording a points intent per payment with `--points-url`).
+async fn consume<DB: Dialect>(
+    s: &idem_sql::Store<DB>,
+    args: &SettlementArgs,
+    source: KafkaSource,
+    config: ConsumerConfig,
+    metrics: ConsumerMetrics,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()>
+where
+    idem_sql::Inbox<DB>: InboxStore<Conn = DB::Connection>,
+    idem_reference::Audit: idem_consumer::Handler<DB::Connection>,
+    Settlement: idem_consumer::Handler<DB::Connection>,
+    Settlement<idem_sql::Intents<DB>>: idem_consumer::Handler<DB::Connection>,
+{
+    let inbox = s.inbox();
+    match args.points_url.clone() {
+        _ if args.handler == "audit" => {
+            Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
+                .run(shutdown)
+                .await?;
         }
-        Store::Sqlite(_) if args.lock_timeout_ms.is_some() => {
-            anyhow::bail!("--lock-timeout-ms is for PostgreSQL (SQLite has no lock_timeout)");
+        Some(url) => {
+            let handler = settlement_handler(Settlement::with_points(s.intents(), url), args);
+            Consumer::new(inbox, handler, source, config, metrics)
+                .run(shutdown)
+                .await?;
         }
-        Store::Sqlite(s) => {
-            idem_reference::ensure_schema_sqlite(s.pool())
-                .await
-                .context("creating the settlements table")?;
-            let inbox = SqliteInbox::new(s.pool().clone(), tables.clone());
-            match args.points_url {
-                _ if args.handler == "audit" => {
-                    Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
-                        .run(shutdown)
-                        .await?;
-                }
-                Some(url) => {
-                    let intents = idem_sqlite::SqliteIntents::new(s.pool().clone(), tables);
-                    let handler = Settlement::with_points(intents, url);
-                    Consumer::new(inbox, handler, source, config, metrics)
-                        .run(shutdown)
-                        .await?;
-                }
-                None => {
-                    Consumer::new(inbox, Settlement::new(), source, config, metrics)
-                        .run(shutdown)
-                        .await?;
-                }
-            }
+        None => {
+            let handler = settlement_handler(Settlement::new(), args);
+            Consumer::new(inbox, handler, source, config, metrics)
+                .run(shutdown)
+                .await?;
         }
     }
-    eprintln!("idem settlement: stopped cleanly");
     Ok(())
 }
 
@@ -239,7 +231,6 @@ pub struct ReplayArgs {
 /// Runs `idem-lab dead-letters replay`.
 pub async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 2).await?;
-    let tables = db::tables(&args.db)?;
     let request = ReplayRequest {
         group: args.group.clone(),
         only: args.id,
@@ -250,18 +241,7 @@ pub async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
             .or_else(|| std::env::var("USER").ok())
             .unwrap_or_else(|| "idem dead-letters replay".to_owned()),
     };
-    let done = match store {
-        Store::Postgres(s) => {
-            let inbox = PgInbox::new(s.pool().clone(), tables.clone());
-            let intents = idem_postgres::PgIntents::new(s.pool().clone(), tables);
-            replay_with(&inbox, intents, &args, &request).await
-        }
-        Store::Sqlite(s) => {
-            let inbox = SqliteInbox::new(s.pool().clone(), tables.clone());
-            let intents = idem_sqlite::SqliteIntents::new(s.pool().clone(), tables);
-            replay_with(&inbox, intents, &args, &request).await
-        }
-    }
+    let done = idem_sql::with_store!(store, s => replay_with(&s.inbox(), s.intents(), &args, &request).await)
     .context(idem_cli::dead_letters_cmd::MIGRATE_HINT)?;
     report_replay(&args, &done)
 }
@@ -430,31 +410,13 @@ pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
     );
     let shutdown = idem_cli::util::shutdown_signal()?;
     let store = db::open(&args.db, 8).await?;
-    let tables = db::tables(&args.db)?;
-    let app = match &store {
-        Store::Postgres(s) => {
-            idem_postgres::migrate(s.pool(), &tables).await?;
-            idem_reference::ensure_schema_postgres(s.pool()).await?;
-            let keys = idem_postgres::PgKeyStore::new(s.pool().clone(), tables);
-            idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));
-            points_router(
-                idem_reference::points::PointsDb::Postgres(s.pool().clone()),
-                keys,
-                &args,
-            )
-        }
-        Store::Sqlite(s) => {
-            idem_sqlite::migrate(s.pool(), &tables).await?;
-            idem_reference::ensure_schema_sqlite(s.pool()).await?;
-            let keys = idem_sqlite::SqliteKeyStore::new(s.pool().clone(), tables);
-            idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));
-            points_router(
-                idem_reference::points::PointsDb::Sqlite(s.pool().clone()),
-                keys,
-                &args,
-            )
-        }
-    };
+    idem_sql::with_store!(&store, s => s.migrate().await)?;
+    ensure_reference_schema(&store).await?;
+    let app = idem_sql::with_store!(&store, s => {
+        let keys = s.keys();
+        idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));
+        points_router(store.pool(), keys, &args)
+    });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;

@@ -3,8 +3,7 @@
 
 use anyhow::{Context, bail};
 use idem_core::TableNames;
-use idem_postgres::PgStore;
-use idem_sqlite::SqliteStore;
+use idem_sql::Scheme;
 
 use clap::Args;
 
@@ -22,75 +21,44 @@ pub struct DbArgs {
     pub table_prefix: String,
 }
 
-/// An opened store of either kind.
-pub enum Store {
-    /// PostgreSQL.
-    Postgres(PgStore),
-    /// SQLite.
-    Sqlite(SqliteStore),
-}
-
-/// Runs `$body` with `$s` bound to the concrete store.
-#[macro_export]
-macro_rules! with_store {
-    ($store:expr, $s:ident => $body:expr) => {
-        match $store {
-            $crate::db::Store::Postgres($s) => $body,
-            $crate::db::Store::Sqlite($s) => $body,
-        }
-    };
-}
+/// An opened store of either kind, chosen by the URL's scheme ([`idem_sql::AnyStore`]).
+/// `idem_sql::with_store!(store, s => …)` runs code written once over the dialect.
+pub use idem_sql::AnyStore as Store;
 
 /// The table names `args` give.
 pub fn tables(args: &DbArgs) -> anyhow::Result<TableNames> {
     Ok(TableNames::new(args.schema.as_deref(), &args.table_prefix)?)
 }
 
-fn is_postgres(url: &str) -> bool {
-    url.starts_with("postgres://") || url.starts_with("postgresql://")
-}
-
 /// Opens the database `args` name with a pool of at most `max_connections`.
 pub async fn open(args: &DbArgs, max_connections: u32) -> anyhow::Result<Store> {
     let tables = tables(args)?;
-    if is_postgres(&args.db) {
-        let pool = idem_postgres::connect(&args.db, max_connections).await?;
-        Ok(Store::Postgres(PgStore::new(pool, tables)))
-    } else if args.db.starts_with("sqlite:") {
-        if tables.schema().is_some() {
-            bail!("--schema is for PostgreSQL; SQLite has no schemas");
-        }
-        let pool = idem_sqlite::connect(&args.db).await?;
-        Ok(Store::Sqlite(SqliteStore::new(pool, tables)))
-    } else {
-        bail!(
-            "unsupported database URL {:?}: use postgres://… or sqlite://path",
-            idem_postgres::redact(&args.db)
-        )
+    if tables.schema().is_some() && Scheme::of(&args.db)? == Scheme::Sqlite {
+        bail!("--schema is for PostgreSQL; SQLite has no schemas");
     }
+    Ok(Store::connect(&args.db, max_connections, tables).await?)
 }
 
 /// `idem migrate`: creates or upgrades idem's tables and says what it did.
 pub async fn migrate(args: &DbArgs) -> anyhow::Result<()> {
-    let tables = tables(args)?;
-    let (applied, current) = match open(args, 2).await? {
-        Store::Postgres(s) => {
-            let r = idem_postgres::migrate(s.pool(), &tables)
-                .await
-                .context("migrating PostgreSQL")?;
-            (r.applied, r.current)
-        }
-        Store::Sqlite(s) => {
-            let r = idem_sqlite::migrate(s.pool(), &tables)
-                .await
-                .context("migrating SQLite")?;
-            (r.applied, r.current)
-        }
-    };
-    if applied.is_empty() {
-        println!("idem migrate: schema is up to date (version {current})");
+    let store = open(args, 2).await?;
+    let r = idem_sql::with_store!(&store, s => s.migrate().await)
+        .with_context(|| format!("migrating {}", store_kind(&store)))?;
+    if r.applied.is_empty() {
+        println!("idem migrate: schema is up to date (version {})", r.current);
     } else {
-        println!("idem migrate: applied {applied:?}; schema is at version {current}");
+        println!(
+            "idem migrate: applied {:?}; schema is at version {}",
+            r.applied, r.current
+        );
     }
     Ok(())
+}
+
+/// The database's name, for messages.
+fn store_kind(store: &Store) -> &'static str {
+    match store.pool().scheme() {
+        Scheme::Postgres => "PostgreSQL",
+        Scheme::Sqlite => "SQLite",
+    }
 }

@@ -4,11 +4,9 @@
 use anyhow::Context;
 use clap::Args;
 use idem_core::InboxStore;
-use idem_postgres::PgInbox;
-use idem_sqlite::SqliteInbox;
 
 use crate::DbArgs;
-use crate::db::{self, Store};
+use crate::db;
 
 /// `idem dead-letters`: [`DbArgs`] spelled out with `--db` optional, so that `idem-lab
 /// dead-letters replay` (a subcommand the lab adds) parses without it.
@@ -49,20 +47,9 @@ pub async fn run(args: DeadLettersArgs) -> anyhow::Result<()> {
         table_prefix: args.table_prefix.clone(),
     };
     let store = db::open(&dbargs, 1).await?;
-    let tables = db::tables(&dbargs)?;
-    let rows = match store {
-        Store::Postgres(s) => {
-            PgInbox::new(s.pool().clone(), tables)
-                .dead_letters(&args.group, args.limit)
-                .await
-        }
-        Store::Sqlite(s) => {
-            SqliteInbox::new(s.pool().clone(), tables)
-                .dead_letters(&args.group, args.limit)
-                .await
-        }
-    }
-    .context(MIGRATE_HINT)?;
+    let rows =
+        idem_sql::with_store!(store, s => s.inbox().dead_letters(&args.group, args.limit).await)
+            .context(MIGRATE_HINT)?;
     if args.json {
         println!("{}", serde_json::to_string(&rows)?);
     } else if rows.is_empty() {

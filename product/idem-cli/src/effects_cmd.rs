@@ -14,7 +14,7 @@ use idem_effects::{
 };
 
 use crate::DbArgs;
-use crate::db::{self, Store};
+use crate::db;
 
 /// How the remote of one effect is treated (remotes that do not store Idempotency-Key).
 #[derive(Args, Debug, Clone)]
@@ -157,27 +157,6 @@ impl EffectsCommand {
     }
 }
 
-async fn dispatch<S: IntentStore>(d: Dispatcher<S>) -> anyhow::Result<()> {
-    let shutdown = crate::util::shutdown_signal()?;
-    tokio::pin!(shutdown);
-    let mut idle = Duration::from_millis(5);
-    loop {
-        let sent = d.run_once().await?;
-        let wait = if sent > 0 {
-            idle = Duration::from_millis(5);
-            Duration::ZERO
-        } else {
-            idle = (idle * 2).min(Duration::from_millis(200));
-            idle
-        };
-        tokio::select! {
-            biased;
-            () = &mut shutdown => return Ok(()),
-            () = tokio::time::sleep(wait) => {}
-        }
-    }
-}
-
 fn dispatcher<S: IntentStore>(
     store: S,
     policy: &PolicyArgs,
@@ -215,7 +194,8 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
                 eprintln!("idem effects: metrics on http://{bound}/metrics");
             }
             eprintln!("idem effects: dispatching");
-            dispatch(d).await?;
+            // Claims while there is work; idle waits from 5 ms doubling to 200 ms.
+            d.run(crate::util::shutdown_signal()?).await?;
             eprintln!("idem effects: stopped cleanly");
         }
         EffectsCommand::Stuck { json, .. } => {
@@ -277,17 +257,5 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
 pub async fn run(cmd: EffectsCommand) -> anyhow::Result<()> {
     let args = cmd.db().clone();
     let store = db::open(&args, 2).await?;
-    let tables = db::tables(&args)?;
-    match store {
-        Store::Postgres(s) => {
-            run_on(idem_postgres::PgIntents::new(s.pool().clone(), tables), cmd).await
-        }
-        Store::Sqlite(s) => {
-            run_on(
-                idem_sqlite::SqliteIntents::new(s.pool().clone(), tables),
-                cmd,
-            )
-            .await
-        }
-    }
+    idem_sql::with_store!(store, s => run_on(s.intents(), cmd).await)
 }

@@ -5,7 +5,7 @@ use clap::Subcommand;
 use idem_core::{Event, EventId, OutboxStore};
 
 use crate::DbArgs;
-use crate::db::{self, Store};
+use crate::db;
 
 #[derive(Subcommand, Debug)]
 pub enum OutboxCommand {
@@ -71,7 +71,7 @@ pub async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
     match cmd {
         OutboxCommand::Status { db, json } => {
             let store = db::open(&db, 1).await?;
-            let s = crate::with_store!(&store, s => s.status().await)?;
+            let s = idem_sql::with_store!(&store, s => s.relay().status().await)?;
             if json {
                 println!("{}", serde_json::to_string(&s)?);
             } else {
@@ -86,7 +86,7 @@ pub async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
         }
         OutboxCommand::Parked { db, limit, json } => {
             let store = db::open(&db, 1).await?;
-            let rows = crate::with_store!(&store, s => s.parked(limit).await)?;
+            let rows = idem_sql::with_store!(&store, s => s.relay().parked(limit).await)?;
             if json {
                 println!("{}", serde_json::to_string(&rows)?);
             } else if rows.is_empty() {
@@ -108,7 +108,7 @@ pub async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
         OutboxCommand::Retry { db, event_ids, all } => {
             let store = db::open(&db, 1).await?;
             let ids = (!all).then_some(event_ids.as_slice());
-            let n = crate::with_store!(&store, s => s.retry_parked(ids).await)?;
+            let n = idem_sql::with_store!(&store, s => s.relay().retry_parked(ids).await)?;
             println!("returned {n} parked row(s) to pending");
         }
         OutboxCommand::Enqueue {
@@ -136,18 +136,12 @@ pub async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
                 }
                 events.push(b.build()?);
             }
-            match db::open(&db, 1).await? {
-                Store::Postgres(s) => {
-                    let mut tx = s.pool().begin().await?;
-                    s.outbox().enqueue_all(&mut tx, &events).await?;
-                    tx.commit().await?;
-                }
-                Store::Sqlite(s) => {
-                    let mut tx = s.pool().begin().await?;
-                    s.outbox().enqueue_all(&mut tx, &events).await?;
-                    tx.commit().await?;
-                }
-            }
+            let store = db::open(&db, 1).await?;
+            idem_sql::with_store!(store, s => {
+                let mut tx = s.pool().begin().await?;
+                s.outbox().enqueue_all(&mut tx, &events).await?;
+                tx.commit().await?;
+            });
             for e in &events {
                 println!("{}", e.id());
             }

@@ -83,8 +83,10 @@ pub async fn run(args: PruneArgs) -> anyhow::Result<()> {
     let batch = args.batch;
     for (what, window) in [(Prunable::Inbox, inbox), (Prunable::DoneIntents, intents)] {
         let Some(w) = window else { continue };
-        let n =
-            crate::with_store!(&store, s => drain(batch, || s.prune_older(what, &w, batch)).await)?;
+        let n = idem_sql::with_store!(&store, s => {
+            let relay = s.relay();
+            drain(batch, || relay.prune_older(what, &w, batch)).await
+        })?;
         println!("pruned {n} {}", what.describe());
     }
     Ok(())

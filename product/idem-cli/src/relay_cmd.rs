@@ -80,7 +80,7 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     let shutdown = shutdown_signal()?;
     let store = db::open(&args.db, 4).await?;
     // Fail early, with a clear message, when the tables are missing.
-    crate::with_store!(&store, s => s.status().await.map(|_| ()))
+    idem_sql::with_store!(&store, s => s.relay().status().await.map(|_| ()))
         .context("reading the outbox (did you run `idem migrate`?)")?;
 
     let (_embedded, brokers) = if args.brokers == EMBEDDED {
@@ -148,10 +148,10 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     eprintln!(
         "idem relay {}: publishing {} to {brokers}",
         config.relay_id,
-        idem_postgres::redact(&args.db.db)
+        idem_sql::redact(&args.db.db)
     );
-    let result = crate::with_store!(store, s => {
-        let relay = Relay::new(s, publisher.clone(), config, metrics);
+    let result = idem_sql::with_store!(store, s => {
+        let relay = Relay::new(s.relay(), publisher.clone(), config, metrics);
         relay.run(shutdown).await
     });
     // Every batch was completed (marked or released) before run() returned.

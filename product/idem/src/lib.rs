@@ -21,8 +21,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_core::{
-    BoxError, Claim, ClaimRequest, Completed, Error, Event, EventBuilder, EventId, Failure,
-    FailureKind, InboundEvent, Message, OutboxRecord, OutboxStatus, OutboxStore, Outcome,
+    BoxError, Claim, ClaimRequest, Completed, Disposition, Error, Event, EventBuilder, EventId,
+    Failure, FailureKind, InboundEvent, Message, OutboxRecord, OutboxStatus, OutboxStore, Outcome,
     ParkedRow, PrunePolicy, PublishError, Publisher, Result, TableNames, crash, event, trace,
 };
 

@@ -170,9 +170,7 @@ async fn a_claim_never_takes_rows_another_claim_just_leased_after_a_retry() {
                     id: first.records[0].id,
                     reason: "message too large".into(),
                     backoff: std::time::Duration::ZERO,
-                    park: true,
-                    permanent: true,
-                    attempted: true,
+                    disposition: idem_core::outbox::Disposition::Park,
                 }],
             },
         )

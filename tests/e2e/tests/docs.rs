@@ -53,7 +53,7 @@ fn identifiers() -> BTreeSet<String> {
     names
 }
 
-/// The cells of every table column headed `test`.
+/// The cells of every table column headed `test` or `checked by`.
 fn test_cells(markdown: &str) -> Vec<String> {
     let mut cells = vec![];
     let mut column = None;
@@ -74,7 +74,7 @@ fn test_cells(markdown: &str) -> Vec<String> {
             continue;
         }
         match column {
-            None => column = Some(row.iter().position(|c| *c == "test")),
+            None => column = Some(row.iter().position(|c| *c == "test" || *c == "checked by")),
             Some(Some(i)) => cells.extend(row.get(i).map(|c| (*c).to_owned())),
             Some(None) => {}
         }
@@ -148,6 +148,26 @@ fn every_test_the_duplicate_windows_table_names_exists() {
     assert!(
         missing.is_empty(),
         "docs/concepts/duplicate-windows.md names tests that do not exist: {missing:?}"
+    );
+}
+
+#[test]
+fn every_test_the_architecture_invariants_name_exists() {
+    let doc = read("ARCHITECTURE.md");
+    let fns = identifiers();
+    let named: Vec<String> = test_cells(&doc).iter().flat_map(|c| names_in(c)).collect();
+    assert!(
+        named.len() >= 2,
+        "found only {} test names in ARCHITECTURE.md",
+        named.len()
+    );
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|n| !fns.iter().any(|f| matches(n, f)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names tests that do not exist: {missing:?}"
     );
 }
 

@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use idem_core::outbox::{Claim, ClaimRequest, Failure, Outcome, PrunePolicy};
+use idem_core::outbox::{Claim, ClaimRequest, Disposition, Failure, Outcome, PrunePolicy};
 use idem_core::{
     DeadLetter, Dedup, Event, EventId, InboundEvent, InboxEntry, InboxStore, OutboxStore,
     TableNames,
@@ -416,17 +416,13 @@ pub async fn failed_rows_back_off_and_park<B: Backend>(b: &B) {
                 id: claim.records[0].id,
                 reason: "broker unreachable".into(),
                 backoff: Duration::from_secs(3600),
-                park: false,
-                permanent: false,
-                attempted: true,
+                disposition: Disposition::Retry,
             },
             Failure {
                 id: claim.records[1].id,
                 reason: "message too large".into(),
                 backoff: Duration::ZERO,
-                park: true,
-                permanent: true,
-                attempted: true,
+                disposition: Disposition::Park,
             },
         ],
     };
@@ -488,9 +484,11 @@ pub async fn backlog_counts_pending_and_parked_rows_per_aggregate_type<B: Backen
         id,
         reason: "scripted".into(),
         backoff: Duration::ZERO,
-        park,
-        permanent: park,
-        attempted: true,
+        disposition: if park {
+            Disposition::Park
+        } else {
+            Disposition::Retry
+        },
     };
     let outcome = Outcome {
         published: vec![order_ids[0], customer_ids[0]],
@@ -1175,9 +1173,7 @@ pub async fn a_backing_off_aggregate_does_not_slow_the_others<B: Backend>(b: &B)
             id: head.records[0].id,
             reason: "partition unavailable".into(),
             backoff: Duration::from_secs(3600),
-            park: false,
-            permanent: false,
-            attempted: true,
+            disposition: Disposition::Retry,
         }],
     };
     b.store().complete(&head, &outcome).await.unwrap();

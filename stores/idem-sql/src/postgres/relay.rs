@@ -155,10 +155,18 @@ impl RelayOps for Postgres {
                     .bind(f.iter().map(|x| x.id).collect::<Vec<_>>())
                     .bind(f.iter().map(|x| x.reason.as_str()).collect::<Vec<_>>())
                     .bind(f.iter().map(|x| millis(x.backoff)).collect::<Vec<_>>())
-                    .bind(f.iter().map(|x| x.park).collect::<Vec<_>>())
-                    .bind(f.iter().map(|x| x.attempted).collect::<Vec<_>>())
+                    .bind(f.iter().map(|x| x.disposition.parks()).collect::<Vec<_>>())
+                    .bind(
+                        f.iter()
+                            .map(|x| x.disposition.attempted())
+                            .collect::<Vec<_>>(),
+                    )
                     .bind(claim.claim_id)
-                    .bind(f.iter().map(|x| x.permanent).collect::<Vec<_>>())
+                    .bind(
+                        f.iter()
+                            .map(|x| x.disposition.is_permanent())
+                            .collect::<Vec<_>>(),
+                    )
                     .execute(&mut *tx)
                     .await
                     .map_err(|e| Error::database("releasing failed rows", e))?

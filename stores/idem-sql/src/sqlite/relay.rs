@@ -133,10 +133,10 @@ impl RelayOps for Sqlite {
                         .bind(f.id)
                         .bind(&f.reason)
                         .bind(now.saturating_add(millis(f.backoff)))
-                        .bind(f.park)
-                        .bind(f.attempted)
+                        .bind(f.disposition.parks())
+                        .bind(f.disposition.attempted())
                         .bind(&claim_id)
-                        .bind(f.permanent)
+                        .bind(f.disposition.is_permanent())
                         .execute(&mut *c)
                         .await?
                         .rows_affected();
