@@ -198,25 +198,31 @@ pub fn open_loop_rates(sustained: f64) -> [(u32, f64); 3] {
     LOADS.map(|pct| (pct, sustained * f64::from(pct) / 100.0))
 }
 
+/// A small run's arguments, for unit tests.
+#[cfg(test)]
+pub fn sample_args() -> RunArgs {
+    RunArgs {
+        db: "postgres://h/db".to_owned(),
+        brokers: "embedded".to_owned(),
+        backlog: 2_000,
+        batch_size: 200,
+        relay_batch_size: 500,
+        message_size: 256,
+        seconds: 1.0,
+        connections: 4,
+        partitions: 3,
+        consumer_config: vec![("fetch.wait.max.ms".to_owned(), "5".to_owned())],
+        producer_config: vec![("linger.ms".to_owned(), "1".to_owned())],
+        json: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn args() -> RunArgs {
-        RunArgs {
-            db: "postgres://h/db".to_owned(),
-            brokers: "embedded".to_owned(),
-            backlog: 2_000,
-            batch_size: 200,
-            relay_batch_size: 500,
-            message_size: 256,
-            seconds: 1.0,
-            connections: 4,
-            partitions: 3,
-            consumer_config: vec![("fetch.wait.max.ms".to_owned(), "5".to_owned())],
-            producer_config: vec![("linger.ms".to_owned(), "1".to_owned())],
-            json: false,
-        }
+        sample_args()
     }
 
     #[test]
