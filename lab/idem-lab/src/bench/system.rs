@@ -107,13 +107,8 @@ async fn drains(
         &names.topic,
         &names.group,
     );
-    let settled = Watch {
-        pool: &dbs.settle,
-        what: "settlements",
-        label: "events settled",
-    };
     let (settlement, elapsed) =
-        drain(c, logs, "settlement", &settlement_args, &settled, &mut []).await?;
+        settle_drain(c, logs, "settlement", &settlement_args, &dbs.settle).await?;
     c.report
         .peak("consumer_peak_rss_mib", settlement.peak_rss());
     settlement.stop().await?;
@@ -140,13 +135,8 @@ async fn no_inbox_drain(
         &names.topic,
         &names.group_no_inbox,
     );
-    let settled = Watch {
-        pool: &dbs.noinbox,
-        what: "settlements",
-        label: "events settled",
-    };
     let (bare, elapsed) =
-        drain(c, logs, "no-inbox-consumer", &bare_args, &settled, &mut []).await?;
+        settle_drain(c, logs, "no-inbox-consumer", &bare_args, &dbs.noinbox).await?;
     bare.stop().await?;
     let v = pg::stamped_rate(&dbs.noinbox, "settlements", "settled_at", "true", elapsed).await?;
     c.report.figure("consumer_no_inbox_drain_per_s", v);
@@ -203,6 +193,23 @@ async fn duplicates(
     .await?;
     c.report.figure("duplicates_drain_per_s", v);
     Ok((relay, settlement))
+}
+
+/// Starts consumer `name` (`idem ARGS`) and waits until `pool` holds a settlement per event
+/// of the backlog.
+async fn settle_drain(
+    c: &Ctx<'_>,
+    logs: &TempDir,
+    name: &str,
+    args: &[String],
+    pool: &PgPool,
+) -> anyhow::Result<(Child, Duration)> {
+    let settled = Watch {
+        pool,
+        what: "settlements",
+        label: "events settled",
+    };
+    drain(c, logs, name, args, &settled, &mut []).await
 }
 
 /// Starts child `name` (`idem ARGS`) and waits until `watch` reaches the backlog; returns the
