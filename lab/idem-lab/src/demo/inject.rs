@@ -1,5 +1,5 @@
 //! The demo's driving loop: it arms crash points, writes orders, republishes published events
-//! and forges conflicting copies as [`plan`](super::plan) decides, until the pipeline settles
+//! and forges conflicting copies as [`plan`] decides, until the pipeline settles
 //! or the deadline passes.
 
 use std::time::{Duration, Instant};
