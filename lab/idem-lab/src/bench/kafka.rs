@@ -1,10 +1,14 @@
 //! The raw rdkafka produce and consume baselines, and how many partitions a topic needs on the
 //! broker under test.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use chrono::{DateTime, Utc};
+use idem_core::outbox::OutboxRecord;
+use idem_core::{EventId, wire};
 
 use crate::broker::Broker;
 use rdkafka::Message as _;
@@ -51,22 +55,31 @@ impl Drop for TempDir {
     }
 }
 
-/// The headers the relay puts on an `order.paid` record (same names, same sizes).
-pub fn relay_like_headers(n: u64) -> Vec<(String, String)> {
-    let id = uuid::Uuid::now_v7().to_string();
-    vec![
-        ("ce_specversion".into(), "1.0".into()),
-        ("ce_id".into(), id),
-        ("ce_type".into(), "order.paid".into()),
-        ("ce_source".into(), "/idem/order".into()),
-        ("ce_time".into(), "2026-01-01T00:00:00.000000Z".into()),
-        ("ce_subject".into(), format!("b-order-{n}")),
-        ("content-type".into(), "application/json".into()),
-        ("idem_aggregate_type".into(), "order".into()),
-        ("idem_aggregate_id".into(), format!("b-order-{n}")),
-        ("idem_aggregate_seq".into(), "1".into()),
-        ("idem_attempt".into(), "1".into()),
-    ]
+/// When every relay-like record's event happened: 2026-01-01T00:00:00Z.
+const OCCURRED_AT: i64 = 1_767_225_600;
+
+/// The key and headers the relay puts on `order.paid` record `n` (same names, same sizes:
+/// [`wire::encode`] of a first attempt, the value left out).
+pub fn relay_like(n: u64, occurred_at: DateTime<Utc>) -> (String, Vec<(String, String)>) {
+    let order = format!("b-order-{n}");
+    let record = OutboxRecord {
+        id: i64::try_from(n).unwrap_or(i64::MAX),
+        event_id: EventId::new(),
+        aggregate_type: idem_reference::ORDER.to_owned(),
+        aggregate_id: order,
+        aggregate_seq: 1,
+        event_type: idem_reference::ORDER_PAID.to_owned(),
+        payload: String::new(),
+        headers: BTreeMap::new(),
+        topic: None,
+        traceparent: None,
+        occurred_at,
+        created_at: occurred_at,
+        attempt: 1,
+        permanent_failures: 0,
+    };
+    let w = wire::encode(&record, "", None);
+    (w.key, w.headers)
 }
 
 /// Produces `count` records of `payload` with relay-like keys and headers to `topic` through
@@ -87,12 +100,12 @@ pub async fn produce_rate(
         .send(warm_up, Duration::from_secs(30))
         .await
         .map_err(|(e, _)| anyhow::anyhow!("warming the producer up: {e}"))?;
+    let occurred_at = DateTime::from_timestamp(OCCURRED_AT, 0).context("a fixed time")?;
     let start = Instant::now();
     let mut pending = futures::stream::FuturesUnordered::new();
     let mut done = 0u64;
     for n in 1..=count {
-        let key = format!("b-order-{n}");
-        let header_values = relay_like_headers(n);
+        let (key, header_values) = relay_like(n, occurred_at);
         let mut headers = OwnedHeaders::new_with_capacity(header_values.len());
         for (k, v) in &header_values {
             headers = headers.insert(Header {
@@ -195,4 +208,39 @@ pub async fn consume_rate(
     let elapsed = first.map_or(Duration::ZERO, |f| f.elapsed());
     tracing::debug!(bytes, "raw consume done");
     Ok(seen.saturating_sub(1).max(1) as f64 / elapsed.as_secs_f64().max(1e-9))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relay_like_records_carry_the_relays_headers_in_its_order() {
+        let at = DateTime::from_timestamp(OCCURRED_AT, 0).unwrap();
+        let (key, headers) = relay_like(7, at);
+        assert_eq!(key, "b-order-7");
+        let names: Vec<&str> = headers.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                wire::CE_SPECVERSION,
+                wire::CE_ID,
+                wire::CE_TYPE,
+                wire::CE_SOURCE,
+                wire::CE_TIME,
+                wire::CE_SUBJECT,
+                wire::CONTENT_TYPE,
+                wire::IDEM_AGGREGATE_TYPE,
+                wire::IDEM_AGGREGATE_ID,
+                wire::IDEM_AGGREGATE_SEQ,
+                wire::IDEM_ATTEMPT,
+            ]
+        );
+        let h = |name| wire::first_header(&headers, name);
+        assert_eq!(h(wire::CE_TIME), Some("2026-01-01T00:00:00.000000Z"));
+        assert_eq!(h(wire::CE_SOURCE), Some("/idem/order"));
+        assert_eq!(h(wire::CE_TYPE), Some("order.paid"));
+        assert_eq!(h(wire::IDEM_AGGREGATE_ID), Some("b-order-7"));
+        assert_eq!(h(wire::CE_ID).map(str::len), Some(36));
+    }
 }

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use idem_core::outbox::{ClaimRequest, Outcome};
+use idem_core::wire;
 use idem_core::{Delivery, InboundEvent, InboxEntry, InboxStore, OutboxStore, TableNames};
 use idem_postgres::{PgInbox, PgStore};
 use idem_reference::Settlement;
@@ -291,19 +292,19 @@ pub fn deliveries(
                 payload: Some(event.payload().as_bytes().to_vec()),
                 timestamp: None,
                 headers: vec![
-                    ("ce_id".to_owned(), event.id().to_string()),
-                    ("ce_type".to_owned(), event.event_type().to_owned()),
+                    (wire::CE_ID.to_owned(), event.id().to_string()),
+                    (wire::CE_TYPE.to_owned(), event.event_type().to_owned()),
                     (
-                        "idem_aggregate_type".to_owned(),
+                        wire::IDEM_AGGREGATE_TYPE.to_owned(),
                         event.aggregate_type().to_owned(),
                     ),
                     (
-                        "idem_aggregate_id".to_owned(),
+                        wire::IDEM_AGGREGATE_ID.to_owned(),
                         event.aggregate_id().to_owned(),
                     ),
                 ],
             };
-            idem_consumer::decode(&d).map_err(|e| anyhow::anyhow!(e))
+            wire::decode(&d).map_err(|e| anyhow::anyhow!(e))
         })
         .collect()
 }

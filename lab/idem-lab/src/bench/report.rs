@@ -289,10 +289,16 @@ impl Report {
             .replace("{r}", &self.r.to_string())
     }
 
-    /// Computes the ratios.
+    /// Notes the load at the end and computes the ratios.
     pub fn finish(&mut self) {
         self.environment
             .insert("load_average_at_end".into(), json!(load_average()));
+        self.ratios = self.ratios();
+    }
+
+    /// Each of [`RATIOS`] from the figures: `None` where a figure is missing or a divisor is
+    /// not positive.
+    fn ratios(&self) -> Vec<(&'static str, String, Option<f64>, Target)> {
         let div = |a: Option<f64>, b: Option<f64>| match (a, b) {
             (Some(a), Some(b)) if b > 0.0 => Some(a / b),
             _ => None,
@@ -335,11 +341,11 @@ impl Report {
                 self.get("consumer_drain_per_s"),
             ),
         ];
-        self.ratios = RATIOS
+        RATIOS
             .iter()
             .zip(values)
             .map(|((k, label, t), v)| (*k, self.label(label), v, *t))
-            .collect();
+            .collect()
     }
 
     /// The report as JSON: config, environment, figures, ratios (value, target, met).
@@ -468,4 +474,52 @@ fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ratio(r: &Report, key: &str) -> Option<f64> {
+        r.ratios()
+            .into_iter()
+            .find(|(k, ..)| *k == key)
+            .and_then(|(_, _, v, _)| v)
+    }
+
+    #[test]
+    fn ratios_divide_each_figure_by_the_baseline_that_bounds_it() {
+        let mut r = Report::new(&super::super::plan::sample_args(), "embedded");
+        for (k, v) in [
+            ("consumer_drain_per_s", 800.0),
+            ("consumer_sql_per_s", 1000.0),
+            ("relay_drain_per_s", 450.0),
+            ("relay_sql_per_s", 600.0),
+            ("kafka_produce_per_s", 500.0),
+            ("consumer_no_inbox_drain_per_s", 0.0),
+            ("latency_50pct_p99_ms", 12.5),
+        ] {
+            r.figure(k, v);
+        }
+        assert_eq!(ratio(&r, "consumer_drain_vs_sql"), Some(0.8));
+        // The relay is bounded by the slower of its SQL and the raw produce.
+        assert_eq!(ratio(&r, "relay_drain_vs_limit"), Some(0.9));
+        assert_eq!(ratio(&r, "latency_p99_at_50pct_ms"), Some(12.5));
+        // A zero divisor and a missing figure give no ratio.
+        assert_eq!(ratio(&r, "dedup_vs_no_dedup"), None);
+        assert_eq!(ratio(&r, "outbox_tx_1conn"), None);
+        let labels: Vec<String> = r.ratios().into_iter().map(|(_, l, ..)| l).collect();
+        assert_eq!(labels.len(), RATIOS.len());
+        assert!(labels.contains(&"consumer drain / its SQL at batch 200".to_owned()));
+        assert!(labels.contains(&"business tx with outbox / without, 4 connections".to_owned()));
+    }
+
+    #[test]
+    fn targets_are_met_on_their_side_of_the_bound() {
+        assert!(Target::AtLeast(0.8).met(0.8));
+        assert!(!Target::AtLeast(0.8).met(0.79));
+        assert!(Target::AtMost(50.0).met(50.0));
+        assert!(!Target::AtMost(50.0).met(50.1));
+        assert!(Target::Info.met(0.0));
+    }
 }

@@ -5,8 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use idem_core::TableNames;
+use idem_sql::{AnyPool, Scheme};
 
 /// One database role of the reference pipeline.
+///
+/// Transitional: `chaos/` still matches on `Pool::Pg`; everything else (the demo) takes the
+/// [`AnyPool`] of [`Pool::any`]. This enum goes when `chaos/` switches to [`AnyPool`]
+/// (`Pool::Pg` → `AnyPool::Postgres`, `Pool::Lite` → `AnyPool::Sqlite`).
 #[derive(Clone, Debug)]
 pub enum Pool {
     Pg(sqlx::PgPool),
@@ -14,18 +19,17 @@ pub enum Pool {
 }
 
 impl Pool {
-    pub async fn scalar(&self, sql: &str) -> anyhow::Result<i64> {
-        Ok(match self {
-            Pool::Pg(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await?,
-            Pool::Lite(p) => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await?,
-        })
+    /// The same pool as an [`AnyPool`] (a cheap clone).
+    pub fn any(&self) -> AnyPool {
+        match self {
+            Pool::Pg(p) => AnyPool::Postgres(p.clone()),
+            Pool::Lite(p) => AnyPool::Sqlite(p.clone()),
+        }
     }
 
-    pub async fn exec(&self, sql: &str) -> anyhow::Result<u64> {
-        Ok(match self {
-            Pool::Pg(p) => sqlx::query(sql).execute(p).await?.rows_affected(),
-            Pool::Lite(p) => sqlx::query(sql).execute(p).await?.rows_affected(),
-        })
+    /// [`AnyPool::scalar`].
+    pub async fn scalar(&self, sql: &str) -> anyhow::Result<i64> {
+        Ok(self.any().scalar(sql).await?)
     }
 }
 
@@ -42,6 +46,9 @@ pub struct Databases {
     _dir: Option<tempfile::TempDir>,
     pub location: String,
 }
+
+/// The three database roles, in the order of [`Databases::urls`].
+const ROLES: [&str; 3] = ["orders", "settlement", "points"];
 
 fn pg_url_with_db(server: &str, db: &str) -> anyhow::Result<String> {
     // postgres://user@host:port/dbname?params → swap dbname.
@@ -69,72 +76,80 @@ impl Databases {
         run: &str,
         tables: &TableNames,
     ) -> anyhow::Result<Self> {
-        let dbs = match pg {
-            Some(server) => {
-                if !(server.starts_with("postgres://") || server.starts_with("postgresql://")) {
-                    bail!("--db must be a postgres:// URL (the SQLite default needs no --db)");
-                }
-                let admin = idem_postgres::connect(server, 1).await?;
-                let mut names = vec![];
-                let mut urls = vec![];
-                for role in ["orders", "settlement", "points"] {
-                    let name = format!("idem_demo_{run}_{role}");
-                    sqlx::query(&format!("CREATE DATABASE \"{name}\""))
-                        .execute(&admin)
-                        .await
-                        .with_context(|| format!("creating database {name}"))?;
-                    urls.push(pg_url_with_db(server, &name)?);
-                    names.push(name);
-                }
-                admin.close().await;
-                let mut pools = vec![];
-                for url in &urls {
-                    let pool = idem_postgres::connect(url, 8).await?;
-                    idem_postgres::migrate(&pool, tables).await?;
-                    idem_reference::ensure_schema_postgres(&pool).await?;
-                    pools.push(Pool::Pg(pool));
-                }
-                Databases::assemble(
-                    pools,
-                    urls,
-                    format!("PostgreSQL databases idem_demo_{run}_*"),
-                    Some((server.to_owned(), names)),
-                    None,
-                )?
+        match pg {
+            Some(server) => Self::create_postgres(server, run, tables).await,
+            None => Self::create_sqlite(dir, run, tables).await,
+        }
+    }
+
+    /// Three new databases on the PostgreSQL server `server`, migrated.
+    async fn create_postgres(server: &str, run: &str, tables: &TableNames) -> anyhow::Result<Self> {
+        if Scheme::of(server).ok() != Some(Scheme::Postgres) {
+            bail!("--db must be a postgres:// URL (the SQLite default needs no --db)");
+        }
+        let admin = idem_postgres::connect(server, 1).await?;
+        let mut names = vec![];
+        let mut urls = vec![];
+        for role in ROLES {
+            let name = format!("idem_demo_{run}_{role}");
+            sqlx::query(&format!("CREATE DATABASE \"{name}\""))
+                .execute(&admin)
+                .await
+                .with_context(|| format!("creating database {name}"))?;
+            urls.push(pg_url_with_db(server, &name)?);
+            names.push(name);
+        }
+        admin.close().await;
+        let mut pools = vec![];
+        for url in &urls {
+            let pool = idem_postgres::connect(url, 8).await?;
+            idem_postgres::migrate(&pool, tables).await?;
+            idem_reference::ensure_schema_postgres(&pool).await?;
+            pools.push(Pool::Pg(pool));
+        }
+        Databases::assemble(
+            pools,
+            urls,
+            format!("PostgreSQL databases idem_demo_{run}_*"),
+            Some((server.to_owned(), names)),
+            None,
+        )
+    }
+
+    /// Three SQLite files under `dir` (or a temporary directory), migrated.
+    async fn create_sqlite(
+        dir: Option<PathBuf>,
+        run: &str,
+        tables: &TableNames,
+    ) -> anyhow::Result<Self> {
+        let (path, temp) = match dir {
+            Some(d) => {
+                std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+                (d, None)
             }
             None => {
-                let (path, temp) = match dir {
-                    Some(d) => {
-                        std::fs::create_dir_all(&d)
-                            .with_context(|| format!("creating {}", d.display()))?;
-                        (d, None)
-                    }
-                    None => {
-                        let t = tempfile::Builder::new().prefix("idem-demo-").tempdir()?;
-                        (t.path().to_owned(), Some(t))
-                    }
-                };
-                let mut pools = vec![];
-                let mut urls = vec![];
-                for role in ["orders", "settlement", "points"] {
-                    let file = path.join(format!("{role}-{run}.db"));
-                    let url = format!("sqlite://{}", file.display());
-                    let pool = idem_sqlite::connect(&url).await?;
-                    idem_sqlite::migrate(&pool, tables).await?;
-                    idem_reference::ensure_schema_sqlite(&pool).await?;
-                    pools.push(Pool::Lite(pool));
-                    urls.push(url);
-                }
-                Databases::assemble(
-                    pools,
-                    urls,
-                    format!("SQLite files in {}", path.display()),
-                    None,
-                    temp,
-                )?
+                let t = tempfile::Builder::new().prefix("idem-demo-").tempdir()?;
+                (t.path().to_owned(), Some(t))
             }
         };
-        Ok(dbs)
+        let mut pools = vec![];
+        let mut urls = vec![];
+        for role in ROLES {
+            let file = path.join(format!("{role}-{run}.db"));
+            let url = format!("sqlite://{}", file.display());
+            let pool = idem_sqlite::connect(&url).await?;
+            idem_sqlite::migrate(&pool, tables).await?;
+            idem_reference::ensure_schema_sqlite(&pool).await?;
+            pools.push(Pool::Lite(pool));
+            urls.push(url);
+        }
+        Databases::assemble(
+            pools,
+            urls,
+            format!("SQLite files in {}", path.display()),
+            None,
+            temp,
+        )
     }
 
     /// The orders, settlement and points pools and URLs, in that order.
@@ -162,10 +177,7 @@ impl Databases {
     /// Drops the PostgreSQL databases (SQLite files go with their temporary directory).
     pub async fn cleanup(self, keep: bool) -> anyhow::Result<()> {
         for p in [&self.orders, &self.settlement, &self.points] {
-            match p {
-                Pool::Pg(p) => p.close().await,
-                Pool::Lite(p) => p.close().await,
-            }
+            p.any().close().await;
         }
         if keep {
             if let Some(dir) = self._dir {

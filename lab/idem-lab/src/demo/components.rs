@@ -1,0 +1,192 @@
+//! The pipeline's components, each spawned under [`supervise`]: the points API, the relays,
+//! the settlement consumers and the effect dispatcher. Each is wired once, generic over the
+//! database ([`with_store!`]).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
+use idem_core::TableNames;
+use idem_effects::{Dispatcher, DispatcherConfig, EffectMetrics};
+use idem_kafka::{KafkaPublisher, KafkaSource};
+use idem_reference::Settlement;
+use idem_relay::{Relay, RelayConfig, RelayMetrics, TopicNaming};
+use idem_sql::{AnyPool, AnyStore, with_store};
+use tokio::task::JoinHandle;
+
+use super::supervise::{Ctl, supervise};
+
+/// The spawned components, by name, in the order they stop.
+#[derive(Default)]
+pub struct Tasks(Vec<(&'static str, JoinHandle<anyhow::Result<()>>)>);
+
+impl Tasks {
+    fn push(&mut self, name: &'static str, task: JoinHandle<anyhow::Result<()>>) {
+        self.0.push((name, task));
+    }
+
+    /// Waits for each component to stop (they were told to), 30 s at most each.
+    pub async fn join(self) -> anyhow::Result<()> {
+        for (name, task) in self.0 {
+            match tokio::time::timeout(Duration::from_secs(30), task).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => return Err(e.context(format!("{name} stopped with an error"))),
+                Ok(Err(e)) => bail!("{name} panicked: {e}"),
+                Err(_) => bail!("{name} did not stop within 30 s"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves the points API on a loopback port until `ctl` stops; returns its awards URL.
+pub async fn points_api(
+    tasks: &mut Tasks,
+    ctl: &Ctl,
+    points: &AnyPool,
+    tables: &TableNames,
+) -> anyhow::Result<String> {
+    let store = AnyStore::open(points.clone(), tables.clone());
+    let config = idem_http::IdempotencyConfig::default();
+    let app =
+        with_store!(&store, s => idem_reference::points::router(points.clone(), s.keys(), config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let target = format!("http://{}/awards", listener.local_addr()?);
+    let api_stop = ctl.shutdown();
+    tasks.push(
+        "points-api",
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(api_stop)
+                .await
+                .context("the points API")
+        }),
+    );
+    Ok(target)
+}
+
+/// The relays' configuration: short message timeout and lease so that a crashed relay's rows
+/// come back soon.
+fn relay_config(i: usize, prefix: &str) -> RelayConfig {
+    RelayConfig {
+        relay_id: format!("demo-relay-{i}"),
+        batch_size: 100,
+        lease: Duration::from_millis(2500),
+        topics: TopicNaming {
+            prefix: prefix.to_owned(),
+            overrides: BTreeMap::new(),
+        },
+        prune: None,
+        ..RelayConfig::default()
+    }
+}
+
+/// Starts `count` relays over the orders database, publishing through `publisher`.
+pub fn relays(
+    tasks: &mut Tasks,
+    ctl: &Ctl,
+    count: usize,
+    orders: &AnyStore,
+    publisher: &Arc<KafkaPublisher>,
+    prefix: &str,
+    metrics: &RelayMetrics,
+) {
+    for i in 0..count {
+        let (ctl2, orders) = (ctl.clone(), orders.clone());
+        let (publisher, metrics) = (publisher.clone(), metrics.clone());
+        let config = relay_config(i, prefix);
+        let task = supervise(ctl.clone(), "relay", move || {
+            let (orders, publisher) = (orders.clone(), publisher.clone());
+            let (config, metrics) = (config.clone(), metrics.clone());
+            let shutdown = ctl2.shutdown();
+            async move {
+                with_store!(orders, s => {
+                    Relay::new(s.relay(), publisher, config, metrics)
+                        .run(shutdown)
+                        .await
+                })
+            }
+        });
+        tasks.push("relay", tokio::spawn(task));
+    }
+}
+
+/// Starts `count` settlement consumers, one group; each restart is a new group member.
+///
+/// The Kafka group (in `kafka`) is unique to the run (a shared broker may hold other runs'
+/// groups); the inbox's group is "settlement", as `idem verify`'s reference configuration
+/// expects, in databases that are this run's alone.
+#[allow(clippy::too_many_arguments)]
+pub fn consumers(
+    tasks: &mut Tasks,
+    ctl: &Ctl,
+    count: usize,
+    settlement: &AnyStore,
+    kafka: &rdkafka::ClientConfig,
+    topic: &str,
+    target: &str,
+    metrics: &ConsumerMetrics,
+) {
+    for _ in 0..count {
+        let (ctl2, metrics, kafka) = (ctl.clone(), metrics.clone(), kafka.clone());
+        let (settle, target, topic) = (settlement.clone(), target.to_owned(), topic.to_owned());
+        let task = supervise(ctl.clone(), "settlement", move || {
+            let (settle, target, metrics) = (settle.clone(), target.clone(), metrics.clone());
+            let source = KafkaSource::new(&kafka, std::slice::from_ref(&topic));
+            let shutdown = ctl2.shutdown();
+            async move {
+                let source = source?;
+                let mut config = ConsumerConfig::new("settlement");
+                config.batch_size = 100;
+                with_store!(settle, s => {
+                    let handler = Settlement::with_points(s.intents(), target);
+                    Consumer::new(s.inbox(), handler, source, config, metrics)
+                        .run(shutdown)
+                        .await
+                })
+            }
+        });
+        tasks.push("settlement", tokio::spawn(task));
+    }
+}
+
+/// The dispatcher's configuration: a probe and a request fit in the lease (2 × timeout +
+/// margin); idle waits from 2 to 50 ms.
+fn dispatcher_config() -> DispatcherConfig {
+    DispatcherConfig {
+        batch: 50,
+        lease: Duration::from_secs(3),
+        timeout: Duration::from_secs(1),
+        backoff: Duration::from_millis(50),
+        backoff_max: Duration::from_secs(1),
+        authorization: Some("Bearer settlement".to_owned()),
+        concurrency: 16,
+        idle_min: Duration::from_millis(2),
+        idle_max: Duration::from_millis(50),
+        ..DispatcherConfig::default()
+    }
+}
+
+/// Starts the effect dispatcher over the settlement database's intents. Its metrics outlive
+/// each restart.
+pub fn dispatcher(tasks: &mut Tasks, ctl: &Ctl, settlement: &AnyStore, metrics: &EffectMetrics) {
+    let (ctl2, metrics, settle) = (ctl.clone(), metrics.clone(), settlement.clone());
+    let config = dispatcher_config();
+    let task = supervise(ctl.clone(), "dispatcher", move || {
+        let (settle, config, metrics) = (settle.clone(), config.clone(), metrics.clone());
+        let shutdown = ctl2.shutdown();
+        async move {
+            with_store!(settle, s => {
+                Dispatcher::builder(s.intents())
+                    .config(config)
+                    .shared_metrics(metrics)
+                    .build()?
+                    .run(shutdown)
+                    .await
+            })
+        }
+    });
+    tasks.push("dispatcher", tokio::spawn(task));
+}

@@ -1,0 +1,107 @@
+//! The demo's components share one stop signal; each runs under [`supervise`], which restarts
+//! it in-process when a crash point "kills" it, and counts the restarts.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::Context;
+use idem_core::Error;
+use tokio::sync::watch;
+
+/// The components that restart, as counted in the report.
+pub const COMPONENTS: [&str; 3] = ["relay", "settlement", "dispatcher"];
+
+/// Shared stop signal and restart counters.
+#[derive(Clone)]
+pub struct Ctl {
+    stop: watch::Receiver<bool>,
+    restarts: Arc<BTreeMap<&'static str, AtomicU64>>,
+}
+
+/// Stops every component of the [`Ctl`] it came with.
+pub struct Stop(watch::Sender<bool>);
+
+impl Stop {
+    /// Tells every component to stop.
+    pub fn stop(&self) {
+        let _ = self.0.send(true);
+    }
+}
+
+impl Ctl {
+    /// A running control and its stop switch; restarts are counted per [`COMPONENTS`].
+    pub fn new() -> (Ctl, Stop) {
+        let (tx, stop) = watch::channel(false);
+        let restarts = COMPONENTS.iter().map(|c| (*c, AtomicU64::new(0))).collect();
+        let ctl = Ctl {
+            stop,
+            restarts: Arc::new(restarts),
+        };
+        (ctl, Stop(tx))
+    }
+
+    /// Completes when the components are told to stop.
+    pub fn shutdown(&self) -> impl Future<Output = ()> + Send + use<> {
+        let mut rx = self.stop.clone();
+        async move {
+            let _ = rx.wait_for(|v| *v).await;
+        }
+    }
+
+    fn stopped(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    fn restarted(&self, component: &'static str) {
+        if let Some(c) = self.restarts.get(component) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Restarts so far, all components together.
+    pub fn total_restarts(&self) -> u64 {
+        self.restarts
+            .values()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Restarts so far per component.
+    pub fn restarts(&self) -> BTreeMap<String, u64> {
+        self.restarts
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+/// Runs `attempt` until it ends without a crash point; a crash point "kills" the component
+/// (its state is dropped, nothing is cleaned up) and a new instance starts.
+pub async fn supervise<F, Fut>(
+    ctl: Ctl,
+    component: &'static str,
+    mut attempt: F,
+) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = idem_core::Result<()>>,
+{
+    loop {
+        match attempt().await {
+            Ok(()) => return Ok(()),
+            Err(Error::CrashPoint(point)) => {
+                tracing::info!(
+                    component,
+                    point,
+                    "crash point fired; restarting the component"
+                );
+                ctl.restarted(component);
+                if ctl.stopped() {
+                    return Ok(());
+                }
+            }
+            Err(e) => return Err(e).with_context(|| format!("{component} failed")),
+        }
+    }
+}
