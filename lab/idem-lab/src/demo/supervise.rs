@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use anyhow::Context;
 use idem_core::Error;
 use tokio::sync::watch;
 
@@ -76,8 +75,12 @@ impl Ctl {
     }
 }
 
-/// Runs `attempt` until it ends without a crash point; a crash point "kills" the component
-/// (its state is dropped, nothing is cleaned up) and a new instance starts.
+/// Runs `attempt` until it ends without an error; a crash point "kills" the component (its
+/// state is dropped, nothing is cleaned up) and a new instance starts. Any other error (a
+/// database busy past its timeout on a loaded machine, a broker hiccup) ends a real process,
+/// which its supervisor restarts: here it is logged and the component restarts after a short
+/// pause, as a new process would, instead of the demo waiting out its deadline with a stage
+/// silently gone.
 pub async fn supervise<F, Fut>(
     ctl: Ctl,
     component: &'static str,
@@ -101,7 +104,15 @@ where
                     return Ok(());
                 }
             }
-            Err(e) => return Err(e).with_context(|| format!("{component} failed")),
+            Err(e) => {
+                tracing::warn!(component, error = %e, "component failed; restarting it, as a supervisor would");
+                eprintln!("idem demo: {component} failed ({e}); restarting it");
+                ctl.restarted(component);
+                if ctl.stopped() {
+                    return Ok(());
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
         }
     }
 }
