@@ -9,7 +9,7 @@ use anyhow::bail;
 
 use super::kafka::BrokerFault;
 use super::procs::{Proc, Rng, Role};
-use super::schedule::{self, FaultKind, Plan, Schedule, Slot};
+use super::schedule::{self, FaultKind, Plan, Revival, Schedule, Slot};
 use super::topology::Topology;
 use super::windows::Windows;
 use super::{crash_counts, hostile};
@@ -125,7 +125,7 @@ async fn hostile_round(
         .or_default() += round.refused as u64;
     out.hostile_accepted.extend(round.accepted);
     out.hostile_violations.extend(round.violations);
-    t.next_hostile = now + rng.between(Duration::from_secs(20), Duration::from_secs(40));
+    t.next_hostile = now + schedule::hostile_interval(rng);
     Ok(())
 }
 
@@ -278,18 +278,14 @@ fn supervise(procs: &mut [Proc], rng: &mut Rng) {
             p.paused_until = None;
         }
         if !p.running() {
-            match p.restart_at {
-                Some(t) if now >= t => {
+            match schedule::revival(p.restart_at, now, rng) {
+                Revival::Start => {
                     if let Err(e) = p.start(&[]) {
                         tracing::error!(error = %e, process = %p.name, "restart failed");
                     }
                 }
-                Some(_) => {}
-                None => {
-                    p.restart_at = Some(
-                        now + rng.between(Duration::from_millis(200), Duration::from_millis(800)),
-                    );
-                }
+                Revival::Wait => {}
+                Revival::Plan(after) => p.restart_at = Some(now + after),
             }
         }
     }

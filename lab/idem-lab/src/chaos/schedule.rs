@@ -326,6 +326,31 @@ pub fn signal(kind: FaultKind, slots: &[Slot], rng: &mut Rng) -> Plan {
     }
 }
 
+/// What supervision does with a process that is not running.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Revival {
+    /// Its restart is due: start it.
+    Start,
+    /// Its restart is planned for later.
+    Wait,
+    /// It died by itself (an armed crash point): restart it after this long, without the point.
+    Plan(Duration),
+}
+
+/// The revival of a process that is not running, whose restart was planned for `restart_at`.
+pub fn revival(restart_at: Option<Instant>, now: Instant, rng: &mut Rng) -> Revival {
+    match restart_at {
+        Some(t) if now >= t => Revival::Start,
+        Some(_) => Revival::Wait,
+        None => Revival::Plan(rng.between(Duration::from_millis(200), Duration::from_millis(800))),
+    }
+}
+
+/// When the next round of hostile rows comes: in 20 to 40 s.
+pub fn hostile_interval(rng: &mut Rng) -> Duration {
+    rng.between(Duration::from_secs(20), Duration::from_secs(40))
+}
+
 /// The role of the processes that reach `point`.
 pub fn role_of_point(point: &str) -> Role {
     if point.starts_with("relay.") {
@@ -542,6 +567,21 @@ mod tests {
             panic!("one node up");
         };
         assert_eq!(fault, BrokerFault::Kill(1));
+    }
+
+    #[test]
+    fn a_process_that_died_by_itself_is_restarted_shortly_and_a_planned_restart_waits() {
+        let mut rng = Rng::new(6);
+        let now = Instant::now();
+        let Revival::Plan(after) = revival(None, now, &mut rng) else {
+            panic!("no restart was planned");
+        };
+        assert!((Duration::from_millis(200)..=Duration::from_millis(800)).contains(&after));
+        assert_eq!(revival(Some(now), now, &mut rng), Revival::Start);
+        let later = now + Duration::from_secs(1);
+        assert_eq!(revival(Some(later), now, &mut rng), Revival::Wait);
+        let next = hostile_interval(&mut rng);
+        assert!((Duration::from_secs(20)..=Duration::from_secs(40)).contains(&next));
     }
 
     #[test]
