@@ -140,9 +140,14 @@ fn parse_nodes(s: &str) -> Result<usize, String> {
     }
 }
 
-/// Per crash point, how often it fired, from the log the armed processes write.
+/// Per crash point, how often it fired, from the log the armed processes write (none yet when
+/// it cannot be read).
 fn crash_counts(log: &Path) -> BTreeMap<String, u64> {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
+    fired(&std::fs::read_to_string(log).unwrap_or_default())
+}
+
+/// Per crash point, how often the crash log `text` (one fired point a line) says it fired.
+fn fired(text: &str) -> BTreeMap<String, u64> {
     let mut out: BTreeMap<String, u64> =
         CRASH_POINTS.iter().map(|p| ((*p).to_owned(), 0)).collect();
     for line in text.lines() {
@@ -312,4 +317,19 @@ fn processes(
         procs.push(topology::spawn(spec, dir, &env)?);
     }
     Ok(procs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fired;
+    use idem_core::crash::CRASH_POINTS;
+
+    #[test]
+    fn the_crash_log_counts_every_point_and_ignores_other_lines() {
+        let text = format!("{p}\n  {p}  \nnot a point\n", p = CRASH_POINTS[0]);
+        let counts = fired(&text);
+        assert_eq!(counts.len(), CRASH_POINTS.len());
+        assert_eq!(counts[CRASH_POINTS[0]], 2);
+        assert_eq!(counts.values().sum::<u64>(), 2);
+    }
 }
