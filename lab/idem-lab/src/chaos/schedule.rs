@@ -455,29 +455,28 @@ mod tests {
 
     #[test]
     fn the_first_broker_fault_comes_when_due_whatever_the_dice() {
-        assert_eq!(choose_kind(0, 1, false, true, true), FaultKind::Broker);
-        // Not yet due: the dice (and the unfired crash points) decide.
-        assert_eq!(choose_kind(0, 1, false, false, true), FaultKind::CrashPoint);
-        assert_eq!(choose_kind(45, 2, false, false, true), FaultKind::Sigkill);
-        assert_eq!(choose_kind(70, 2, true, false, true), FaultKind::Sigstop);
-        assert_eq!(choose_kind(85, 2, true, true, false), FaultKind::Broker);
-        assert_eq!(
-            choose_kind(85, 2, true, false, false),
-            FaultKind::SigtermRestart
-        );
-        assert_eq!(
-            choose_kind(95, 2, true, true, false),
-            FaultKind::SigtermRestart
-        );
-        // Crash points every other tick while some never fired.
-        assert_eq!(
-            choose_kind(95, 3, false, false, false),
-            FaultKind::CrashPoint
-        );
-        assert_eq!(
-            choose_kind(95, 3, true, false, false),
-            FaultKind::SigtermRestart
-        );
+        use FaultKind::*;
+        // (roll, tick, all fired, broker due, no broker fault yet) → kind
+        let table = [
+            ((0, 1, false, true, true), Broker),
+            // Not yet due: the dice (and the unfired crash points) decide.
+            ((0, 1, false, false, true), CrashPoint),
+            ((45, 2, false, false, true), Sigkill),
+            ((70, 2, true, false, true), Sigstop),
+            ((85, 2, true, true, false), Broker),
+            ((85, 2, true, false, false), SigtermRestart),
+            ((95, 2, true, true, false), SigtermRestart),
+            // Crash points every other tick while some never fired.
+            ((95, 3, false, false, false), CrashPoint),
+            ((95, 3, true, false, false), SigtermRestart),
+        ];
+        for ((roll, tick, all_fired, due, first), kind) in table {
+            assert_eq!(
+                choose_kind(roll, tick, all_fired, due, first),
+                kind,
+                "roll {roll} tick {tick}"
+            );
+        }
     }
 
     #[test]
