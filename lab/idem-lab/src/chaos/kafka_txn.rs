@@ -108,7 +108,7 @@ async fn consume<H: Handler<sqlx::PgConnection>>(
         }
         let mut tx = pool.begin().await?;
         for d in &batch {
-            let Ok(event) = idem_consumer::decode(d) else {
+            let Ok(event) = idem_core::wire::decode(d) else {
                 continue;
             };
             // Permanent failures (a foreign writer's hostile rows) are skipped, as the decode

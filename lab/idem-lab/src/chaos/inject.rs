@@ -1,0 +1,292 @@
+//! The injection phase: for `--seconds`, supervise the processes, open and close the windows,
+//! write hostile rows, scrape metrics, and carry out the faults the seeded [`Schedule`] plans.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+
+use super::kafka::BrokerFault;
+use super::procs::{Proc, Rng, Role};
+use super::schedule::{self, FaultKind, Plan, Revival, Schedule, Slot};
+use super::topology::Topology;
+use super::windows::Windows;
+use super::{crash_counts, hostile};
+use crate::demo::world::Databases;
+
+/// The counters scraped from the processes' metrics.
+pub const COUNTERS: [&str; 3] = [
+    "idem_duplicate_delivery_total",
+    "idem_duplicate_skip_total",
+    "idem_outbox_republish_total",
+];
+
+/// What the injection phase leaves for settling and the report.
+pub struct Injected {
+    /// Faults by kind.
+    pub faults: BTreeMap<String, u64>,
+    /// The hostile rows the outbox stored.
+    pub hostile_accepted: Vec<hostile::Accepted>,
+    /// Hostile rows the contract treated otherwise than it should.
+    pub hostile_violations: Vec<String>,
+    /// The windows, still to be closed.
+    pub windows: Windows,
+}
+
+/// The run's processes and where they report.
+pub struct World<'a> {
+    /// The supervised processes, brokers first.
+    pub procs: &'a mut [Proc],
+    /// The databases.
+    pub dbs: &'a Databases,
+    /// The topology (brokers, topic).
+    pub topology: &'a Topology,
+    /// Kafka nodes.
+    pub nodes: usize,
+    /// Where armed crash points log that they fired.
+    pub crash_log: &'a Path,
+}
+
+/// Timers of the injection loop.
+struct Timers {
+    started: Instant,
+    next_hostile: Instant,
+    hostile_round: u64,
+    last_scrape: Instant,
+    last_progress: Instant,
+}
+
+/// Injects faults until `seconds` have passed.
+pub async fn inject(
+    w: &mut World<'_>,
+    seconds: u64,
+    mechanism: Option<&str>,
+    rng: &mut Rng,
+) -> anyhow::Result<Injected> {
+    let started = Instant::now();
+    let mut schedule = Schedule::new(started, mechanism, rng);
+    let end = started + Duration::from_secs(seconds);
+    let mut t = Timers {
+        started,
+        next_hostile: started + Duration::from_secs(5),
+        hostile_round: 0,
+        last_scrape: started,
+        last_progress: started,
+    };
+    let mut out = Injected {
+        faults: BTreeMap::new(),
+        hostile_accepted: vec![],
+        hostile_violations: vec![],
+        windows: Windows::new(started),
+    };
+    while Instant::now() < end {
+        supervise(w.procs, rng);
+        let now = Instant::now();
+        out.windows
+            .tick(now, end, w.procs, &w.dbs.settlement, &mut out.faults)
+            .await?;
+        if now >= t.next_hostile {
+            hostile_round(w.dbs, &mut t, &mut out, now, rng).await?;
+        }
+        if now >= t.last_scrape + Duration::from_secs(1) {
+            for p in w.procs.iter_mut().filter(|p| p.role != Role::Broker) {
+                p.scrape(&COUNTERS);
+            }
+            t.last_scrape = now;
+        }
+        if schedule.due(now) && !fault(w, &mut schedule, &mut out.faults, now, rng).await? {
+            // Nothing could be done: plan again at once.
+            continue;
+        }
+        if now >= t.last_progress + Duration::from_secs(5) {
+            progress(w, &t, &out.faults).await;
+            t.last_progress = now;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(out)
+}
+
+/// A foreign writer's round of hostile rows; the next comes in 20 to 40 s.
+async fn hostile_round(
+    dbs: &Databases,
+    t: &mut Timers,
+    out: &mut Injected,
+    now: Instant,
+    rng: &mut Rng,
+) -> anyhow::Result<()> {
+    t.hostile_round += 1;
+    let round = hostile::insert_round(&dbs.orders, t.hostile_round).await?;
+    *out.faults.entry("hostile_rows".to_owned()).or_default() +=
+        (round.accepted.len() + round.refused) as u64;
+    *out.faults
+        .entry("hostile_rows_refused".to_owned())
+        .or_default() += round.refused as u64;
+    out.hostile_accepted.extend(round.accepted);
+    out.hostile_violations.extend(round.violations);
+    t.next_hostile = now + schedule::hostile_interval(rng);
+    Ok(())
+}
+
+/// Plans the fault due and carries it out; `false` when nothing could be done (the schedule
+/// says when to try again).
+async fn fault(
+    w: &mut World<'_>,
+    schedule: &mut Schedule,
+    faults: &mut BTreeMap<String, u64>,
+    now: Instant,
+    rng: &mut Rng,
+) -> anyhow::Result<bool> {
+    let unfired = schedule.unfired(&crash_counts(w.crash_log));
+    let kind = schedule.kind(now, &unfired, faults, rng);
+    let plan = match kind {
+        FaultKind::CrashPoint => schedule.crash_point(&unfired, faults, &slots(w.procs, now), rng),
+        FaultKind::Broker => {
+            let partitions = if w.nodes > 1 {
+                Some(partitions(&w.topology.brokers, &w.topology.topic).await?)
+            } else {
+                None
+            };
+            let all_up = w
+                .procs
+                .iter_mut()
+                .filter(|p| p.role == Role::Broker)
+                .all(|p| p.running() && p.paused_until.is_none());
+            let first = schedule::first_broker_fault(faults);
+            schedule::broker(w.nodes, partitions.as_deref(), all_up, first, rng)
+        }
+        signal => schedule::signal(signal, &slots(w.procs, now), rng),
+    };
+    if let Plan::Retry { after } = plan {
+        schedule.retry(now, after);
+        return Ok(false);
+    }
+    let counted = apply(w.procs, &plan, kind, now)?;
+    *faults.entry(counted).or_default() += 1;
+    schedule.done(now, matches!(plan, Plan::Broker { .. }), rng);
+    Ok(true)
+}
+
+/// Carries a plan out; returns the name the report counts it under.
+fn apply(procs: &mut [Proc], plan: &Plan, kind: FaultKind, now: Instant) -> anyhow::Result<String> {
+    match *plan {
+        Plan::Arm { proc, point, hit } => {
+            let p = &mut procs[proc];
+            p.kill9();
+            p.start(&[("IDEM_CRASH_POINTS", format!("{point}@{hit}"))])?;
+            // Left alone for a while, so that the point has work to reach it.
+            p.armed_until = Some(now + Duration::from_secs(8));
+            Ok(schedule::armed_key(point))
+        }
+        Plan::Broker { fault, down } => {
+            let (BrokerFault::Kill(id)
+            | BrokerFault::LeaderKill(id)
+            | BrokerFault::FollowerPause(id)
+            | BrokerFault::Pause(id)) = fault;
+            let Some(node) = procs.iter_mut().find(|p| p.name == format!("kafka-{id}")) else {
+                bail!("the cluster reported broker {id}, which this run did not start");
+            };
+            match fault {
+                BrokerFault::Kill(_) | BrokerFault::LeaderKill(_) => {
+                    node.kill9();
+                    node.restart_at = Some(now + down);
+                }
+                BrokerFault::FollowerPause(_) | BrokerFault::Pause(_) => {
+                    node.signal(19);
+                    node.paused_until = Some(now + down);
+                }
+            }
+            Ok(fault.kind().to_owned())
+        }
+        Plan::Kill { proc, down } => {
+            procs[proc].kill9();
+            procs[proc].restart_at = Some(now + down);
+            Ok(kind.name().to_owned())
+        }
+        Plan::Pause { proc, down } => {
+            procs[proc].signal(19);
+            procs[proc].paused_until = Some(now + down);
+            Ok(kind.name().to_owned())
+        }
+        Plan::Restart { proc } => {
+            procs[proc].stop(Duration::from_secs(10));
+            procs[proc].restart_at = Some(now + Duration::from_millis(200));
+            Ok(kind.name().to_owned())
+        }
+        Plan::Retry { .. } => bail!("a retry is no fault to carry out"),
+    }
+}
+
+/// The processes as the schedule sees them at `now`.
+fn slots(procs: &mut [Proc], now: Instant) -> Vec<Slot> {
+    procs
+        .iter_mut()
+        .map(|p| Slot {
+            role: p.role,
+            running: p.running(),
+            paused: p.paused_until.is_some(),
+            armed: p.armed(now),
+        })
+        .collect()
+}
+
+/// The partitions of the run's topic (none when the cluster cannot say in time).
+async fn partitions(
+    brokers: &str,
+    topic: &str,
+) -> anyhow::Result<Vec<idem_kafka::admin::PartitionInfo>> {
+    let (b, t) = (brokers.to_owned(), topic.to_owned());
+    Ok(tokio::task::spawn_blocking(move || {
+        idem_kafka::admin::partitions(
+            &idem_kafka::admin::connection(&b),
+            &t,
+            Duration::from_secs(2),
+        )
+    })
+    .await?
+    .unwrap_or_default())
+}
+
+/// The progress line, every five seconds.
+async fn progress(w: &World<'_>, t: &Timers, faults: &BTreeMap<String, u64>) {
+    let fired: u64 = crash_counts(w.crash_log).values().sum();
+    eprintln!(
+        "idem chaos: {:>4} s  orders {}  settled {}  awarded {}  faults {}  crash points fired {fired}",
+        t.started.elapsed().as_secs(),
+        count(&w.dbs.orders, "SELECT count(*) FROM orders").await,
+        count(&w.dbs.settlement, "SELECT count(*) FROM settlements").await,
+        count(&w.dbs.points, "SELECT count(*) FROM points_awards").await,
+        faults.values().sum::<u64>(),
+    );
+}
+
+/// A count for the progress line (-1 when the database cannot say).
+async fn count(pool: &crate::demo::world::Pool, sql: &str) -> i64 {
+    pool.scalar(sql).await.unwrap_or(-1)
+}
+
+/// Resumes paused processes and restarts dead ones when their time comes. A process that
+/// died by itself (an armed crash point) is restarted shortly, without the crash point.
+fn supervise(procs: &mut [Proc], rng: &mut Rng) {
+    let now = Instant::now();
+    for p in procs.iter_mut() {
+        if let Some(t) = p.paused_until
+            && now >= t
+        {
+            p.signal(18);
+            p.paused_until = None;
+        }
+        if !p.running() {
+            match schedule::revival(p.restart_at, now, rng) {
+                Revival::Start => {
+                    if let Err(e) = p.start(&[]) {
+                        tracing::error!(error = %e, process = %p.name, "restart failed");
+                    }
+                }
+                Revival::Wait => {}
+                Revival::Plan(after) => p.restart_at = Some(now + after),
+            }
+        }
+    }
+}

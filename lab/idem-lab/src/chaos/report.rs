@@ -1,0 +1,189 @@
+//! The report of a chaos run: the exact numbers, collected before everything is stopped, the
+//! verdict drawn from them, and the report printed for a person.
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::inject::Injected;
+use super::procs::{Proc, Role};
+use super::settle::{Pipeline, Settled};
+use super::verdict::{self, Numbers};
+use super::{ChaosArgs, ChaosReport, crash_counts, topic, windows};
+
+/// The numbers only the topic and the processes can give, read while they still run.
+struct Exact {
+    inbox_duplicate_deliveries: i64,
+    topic_duplicates: i64,
+    unconsumed: std::collections::BTreeMap<String, u64>,
+    hostile_rows: std::collections::BTreeMap<String, String>,
+    hostile_violations: Vec<String>,
+    panics: Vec<String>,
+    overlapping_executions: i64,
+    duplicate_deliveries: u64,
+    duplicate_skips: u64,
+    republishes: u64,
+}
+
+/// Collects the exact numbers, stops every process, and draws the verdict.
+pub async fn report(
+    args: &ChaosArgs,
+    pipe: &Pipeline<'_>,
+    procs: &mut [Proc],
+    crash_log: &Path,
+    injected: Injected,
+    settled: Settled,
+) -> anyhow::Result<ChaosReport> {
+    let exact = exact(pipe, procs, injected.hostile_violations).await?;
+    for p in procs.iter_mut().filter(|p| p.role != Role::Broker) {
+        p.stop(Duration::from_secs(10));
+    }
+    for p in procs.iter_mut().filter(|p| p.role == Role::Broker) {
+        p.stop(Duration::from_secs(10));
+    }
+    let crash_points_fired = crash_counts(crash_log);
+    let verify = settled.verify;
+    let numbers = Numbers {
+        live: settled.live,
+        settle_deadline: args.settle_deadline,
+        seconds: args.seconds,
+        overlapping_executions: exact.overlapping_executions,
+        hostile_violations: exact.hostile_violations,
+        panics: exact.panics,
+        unconsumed: exact.unconsumed,
+        verify_clean: verify.clean,
+        verify_lost: verify.lost(),
+        duplicate_effects: verify.duplicate_effects(),
+        other_violations: verdict::other_violations(&verify),
+        crash_points_fired,
+        duplicate_deliveries: exact.duplicate_deliveries,
+        inbox_duplicate_deliveries: exact.inbox_duplicate_deliveries,
+    };
+    let failures: Vec<String> = verdict::verdict(&numbers)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    Ok(ChaosReport {
+        ok: failures.is_empty(),
+        failures,
+        seed: args.seed,
+        seconds: args.seconds,
+        kafka_nodes: args.kafka_nodes,
+        negative_control: args.break_mechanism.clone(),
+        orders: pipe
+            .dbs
+            .orders
+            .scalar("SELECT count(*) FROM orders")
+            .await?,
+        faults: injected.faults,
+        crash_points_fired: numbers.crash_points_fired.clone(),
+        duplicate_deliveries: exact.duplicate_deliveries,
+        duplicate_skips: exact.duplicate_skips,
+        republishes: exact.republishes,
+        inbox_duplicate_deliveries: exact.inbox_duplicate_deliveries,
+        topic_duplicates: exact.topic_duplicates,
+        settle_seconds: settled.seconds,
+        lost: numbers.lost(),
+        unconsumed: numbers.unconsumed,
+        duplicate_effects: verify.duplicate_effects(),
+        hostile_rows: exact.hostile_rows,
+        panics: numbers.panics,
+        overlapping_executions: exact.overlapping_executions,
+        logs: None,
+        verify,
+    })
+}
+
+/// The exact numbers, before stopping everything; `hostile_violations` (from the injection)
+/// gain the stored hostile rows left uncontained.
+async fn exact(
+    pipe: &Pipeline<'_>,
+    procs: &[Proc],
+    mut hostile_violations: Vec<String>,
+) -> anyhow::Result<Exact> {
+    let dbs = pipe.dbs;
+    let inbox_duplicate_deliveries = dbs
+        .settlement
+        .scalar("SELECT COALESCE(sum(delivery_count - 1), 0)::bigint FROM idem_inbox")
+        .await?;
+    let records = topic::read(pipe.brokers, pipe.topic).await?;
+    let (topic_duplicates, unconsumed) = match &records {
+        Ok(records) => (
+            topic::duplicates(records),
+            topic::unconsumed(pipe.brokers, pipe.topic, records, dbs).await?,
+        ),
+        Err(_) => (-1, std::collections::BTreeMap::new()),
+    };
+    let fates = super::hostile::fates(&dbs.orders, &dbs.settlement, pipe.hostile).await?;
+    let (hostile_rows, uncontained) = verdict::hostile_rows(&fates);
+    hostile_violations.extend(uncontained);
+    let panics: Vec<String> = procs.iter().flat_map(Proc::panics).collect();
+    let overlapping_executions = windows::overlapping_executions(&dbs.points).await?;
+    let sum = |name: &str| -> u64 { procs.iter().map(|p| p.total(name)).sum::<f64>() as u64 };
+    Ok(Exact {
+        inbox_duplicate_deliveries,
+        topic_duplicates,
+        unconsumed,
+        hostile_rows,
+        hostile_violations,
+        panics,
+        overlapping_executions,
+        duplicate_deliveries: sum("idem_duplicate_delivery_total"),
+        duplicate_skips: sum("idem_duplicate_skip_total"),
+        republishes: sum("idem_outbox_republish_total"),
+    })
+}
+
+/// Prints the report for a person.
+pub fn print(r: &ChaosReport) {
+    println!();
+    println!(
+        "idem chaos (seed {}, {} s{}): {}",
+        r.seed,
+        r.seconds,
+        r.negative_control
+            .as_deref()
+            .map(|b| format!(", negative control {b}"))
+            .unwrap_or_default(),
+        if r.ok { "OK" } else { "FAILED" }
+    );
+    println!("  orders                         {}", r.orders);
+    for (k, v) in &r.faults {
+        println!("  fault {k:<40} {v}");
+    }
+    for (k, v) in &r.crash_points_fired {
+        println!("  crash point fired {k:<45} {v}");
+    }
+    println!(
+        "  duplicate deliveries (metrics) {}",
+        r.duplicate_deliveries
+    );
+    println!("  duplicate skips (metrics)      {}", r.duplicate_skips);
+    println!("  republishes (metrics)          {}", r.republishes);
+    println!(
+        "  duplicates in the inboxes      {}",
+        r.inbox_duplicate_deliveries
+    );
+    println!("  duplicate copies in the topic  {}", r.topic_duplicates);
+    println!("  settled after                  {:.1} s", r.settle_seconds);
+    for (c, n) in &r.unconsumed {
+        println!("  not yet consumed ({c:<11})     {n}");
+    }
+    println!("  lost effects                   {}", r.lost);
+    println!("  duplicate effects              {}", r.duplicate_effects);
+    println!(
+        "  overlapping key executions     {}",
+        r.overlapping_executions
+    );
+    let contained = r.hostile_rows.len();
+    println!("  hostile rows stored, contained {contained} (see --json for each one's fate)");
+    if !r.verify.clean {
+        println!();
+        print!("{}", r.verify.table());
+    }
+    for f in &r.failures {
+        println!("  FAILED: {f}");
+    }
+    if let Some(l) = &r.logs {
+        println!("  logs: {l}");
+    }
+}

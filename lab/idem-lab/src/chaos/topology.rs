@@ -1,0 +1,332 @@
+//! The run's topology: which processes the pipeline is made of and their command lines (pure,
+//! [`specs`]), then spawning them as supervised children and starting them in order: the
+//! brokers, the topic, everything else.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use super::kafka;
+use super::procs::{Proc, Role};
+use super::windows;
+
+/// What the processes of a run connect to.
+#[derive(Clone, Debug)]
+pub struct Topology {
+    /// The orders database (writers, relays).
+    pub orders_url: String,
+    /// The settlement database (consumers, dispatcher).
+    pub settle_url: String,
+    /// The points database (points API).
+    pub points_url: String,
+    /// The points API's port.
+    pub api_port: u16,
+    /// The brokers' bootstrap address.
+    pub brokers: String,
+    /// The relays' topic prefix.
+    pub prefix: String,
+    /// The topic the consumers read.
+    pub topic: String,
+    /// Orders per second, per writer.
+    pub rate: f64,
+    /// The `kafka-transactions` negative control: settlement consumers without an inbox.
+    pub kafka_transactions: bool,
+}
+
+/// One process to supervise: `{n}` in its arguments becomes its incarnation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Spec {
+    /// Its role.
+    pub role: Role,
+    /// Its name (and its log's).
+    pub name: String,
+    /// The `idem-lab` arguments.
+    pub argv: Vec<String>,
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| (*x).to_owned()).collect()
+}
+
+/// The pipeline's processes, brokers aside, in the order the schedule indexes them: the points
+/// API, two order writers, two relays, two settlement consumers, the audit consumer, the effect
+/// dispatcher.
+pub fn specs(t: &Topology) -> Vec<Spec> {
+    let spec = |role, name: String, argv| Spec { role, name, argv };
+    let listen = format!("127.0.0.1:{}", t.api_port);
+    let mut out = vec![spec(
+        Role::Api,
+        "points-api".to_owned(),
+        strings(&["points-api", "--db", &t.points_url, "--listen", &listen]),
+    )];
+    for i in 0..2 {
+        out.push(spec(Role::Writer, format!("writer-{i}"), writer(t, i)));
+    }
+    for i in 0..2 {
+        out.push(spec(Role::Relay, format!("relay-{i}"), relay(t)));
+    }
+    for i in 0..2 {
+        let member = format!("settlement-{i}");
+        let argv = consumer(t, "settlement", "settlement", &member);
+        out.push(spec(Role::Settlement, member, argv));
+    }
+    out.push(spec(
+        Role::Audit,
+        "audit".to_owned(),
+        consumer(t, "audit", "audit", "audit-0"),
+    ));
+    out.push(spec(
+        Role::Dispatcher,
+        "dispatcher".to_owned(),
+        dispatcher(t),
+    ));
+    out
+}
+
+fn writer(t: &Topology, i: usize) -> Vec<String> {
+    let mut argv = strings(&[
+        "orders",
+        "--db",
+        &t.orders_url,
+        "--count",
+        "100000000",
+        "--rate",
+        &t.rate.to_string(),
+        "--prefix",
+        &format!("w{i}-{{n}}-"),
+    ]);
+    if i == 1 {
+        // Slow transactions: rows committed after rows with higher ids.
+        argv.extend(strings(&["--slow-every", "5", "--slow-ms", "400"]));
+    }
+    argv
+}
+
+fn relay(t: &Topology) -> Vec<String> {
+    strings(&[
+        "relay",
+        "--db",
+        &t.orders_url,
+        "--brokers",
+        &t.brokers,
+        "--topic-prefix",
+        &t.prefix,
+        // A claim plus one publish (2 × 2 s) must fit: claims under load take seconds.
+        "--lease",
+        "8s",
+        "--producer-config",
+        "message.timeout.ms=2000",
+        "--batch-size",
+        "100",
+        "--no-prune",
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ])
+}
+
+/// A consumer of `group` with `handler`. Static group membership: a restarted consumer takes
+/// its predecessor's place (and partitions) in the group at once, instead of waiting for a dead
+/// member to expire. The kafka-transactions control replaces the settlement group's consumers
+/// (not the audit group's) with one that has no inbox and commits offsets in Kafka transactions.
+fn consumer(t: &Topology, group: &str, handler: &str, member: &str) -> Vec<String> {
+    let settlement = handler == "settlement";
+    let mut v = strings(&[
+        "--db",
+        &t.settle_url,
+        "--brokers",
+        &t.brokers,
+        "--group",
+        group,
+        "--topic",
+        &t.topic,
+    ]);
+    if t.kafka_transactions && settlement {
+        v.insert(0, "kafka-txn-settlement".to_owned());
+    } else {
+        v.insert(0, "settlement".to_owned());
+        v.extend(strings(&[
+            "--handler",
+            handler,
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ]));
+        if settlement {
+            // The long-lock window: a locked settlements table fails handlers fast.
+            v.extend(strings(&["--lock-timeout-ms", windows::LOCK_TIMEOUT_MS]));
+        }
+    }
+    v.extend(strings(&[
+        "--batch-size",
+        "50",
+        "--consumer-config",
+        "session.timeout.ms=10000",
+        "--consumer-config",
+        "max.poll.interval.ms=10000",
+        "--consumer-config",
+        "heartbeat.interval.ms=1000",
+        "--consumer-config",
+        &format!("group.instance.id={member}"),
+    ]));
+    if settlement {
+        let target = format!("http://127.0.0.1:{}/awards", t.api_port);
+        v.extend(strings(&["--points-url", &target]));
+    }
+    v
+}
+
+fn dispatcher(t: &Topology) -> Vec<String> {
+    strings(&[
+        "effects",
+        "dispatch",
+        "--db",
+        &t.settle_url,
+        "--authorization",
+        "Bearer settlement",
+        "--timeout",
+        "2s",
+        // Spare capacity: in a slow window a slow award holds its claim until the timeout,
+        // and its retry must not queue behind a backlog (windows.rs).
+        "--concurrency",
+        "64",
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ])
+}
+
+/// A free loopback port.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// This binary with `args` and `env`, and none of the lab's fault variables inherited.
+fn idem_cmd(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(std::env::current_exe().context("locating the idem binary")?);
+    cmd.args(args)
+        .env("RUST_LOG", "warn,idem=info")
+        .env_remove("IDEM_CRASH_POINTS")
+        .env_remove("IDEM_LAB_AWARD_DELAY")
+        .env_remove("IDEM_POINTS_KEY_LOCK")
+        .env_remove("IDEM_LAB_SLOW_ONE_IN");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Ok(cmd)
+}
+
+/// A supervised process of `spec`, every incarnation with `env`.
+pub fn spawn(spec: Spec, dir: &Path, env: &[(&'static str, String)]) -> anyhow::Result<Proc> {
+    // Fail now on an unusable binary path rather than inside the closure.
+    idem_cmd(&[], &[])?;
+    let env = env.to_vec();
+    let Spec { role, name, argv } = spec;
+    Ok(Proc::new(
+        role,
+        name,
+        dir,
+        Box::new(move |n| {
+            let argv: Vec<String> = argv
+                .iter()
+                .map(|a| a.replace("{n}", &n.to_string()))
+                .collect();
+            let refs: Vec<&str> = argv.iter().map(String::as_str).collect();
+            idem_cmd(&refs, &env).unwrap_or_else(|_| Command::new("false"))
+        }),
+    ))
+}
+
+/// Starts the brokers, waits for them, creates the topic (replicated as production topics
+/// should be: min(3, nodes) copies), then starts everything else.
+pub async fn start(
+    procs: &mut [Proc],
+    t: &Topology,
+    nodes: usize,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    for p in procs.iter_mut().filter(|p| p.role == Role::Broker) {
+        p.start(&[])?;
+    }
+    kafka::wait_ready(&t.brokers, nodes, Duration::from_secs(120))
+        .await
+        .with_context(|| format!("starting Kafka (see {})", dir.display()))?;
+    let replication = i32::try_from(nodes.min(3))?;
+    idem_kafka::ensure_topics(&t.brokers, std::slice::from_ref(&t.topic), 4, replication)
+        .await
+        .context("creating the topic")?;
+    for p in procs.iter_mut().filter(|p| p.role != Role::Broker) {
+        p.start(&[])?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topology(kafka_transactions: bool) -> Topology {
+        Topology {
+            orders_url: "postgres://o".to_owned(),
+            settle_url: "postgres://s".to_owned(),
+            points_url: "postgres://p".to_owned(),
+            api_port: 4000,
+            brokers: "127.0.0.1:9092".to_owned(),
+            prefix: "chaos-r.".to_owned(),
+            topic: "chaos-r.order".to_owned(),
+            rate: 25.0,
+            kafka_transactions,
+        }
+    }
+
+    #[test]
+    fn the_pipeline_is_nine_processes_in_the_schedules_order() {
+        let names: Vec<String> = specs(&topology(false))
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "points-api",
+                "writer-0",
+                "writer-1",
+                "relay-0",
+                "relay-1",
+                "settlement-0",
+                "settlement-1",
+                "audit",
+                "dispatcher"
+            ]
+        );
+    }
+
+    #[test]
+    fn kafka_transactions_replace_the_settlement_consumers_only() {
+        let specs = specs(&topology(true));
+        let command = |name: &str| {
+            let s = specs
+                .iter()
+                .find(|s| s.name == name)
+                .expect("in the topology");
+            s.argv[0].clone()
+        };
+        assert_eq!(command("settlement-0"), "kafka-txn-settlement");
+        assert_eq!(command("settlement-1"), "kafka-txn-settlement");
+        assert_eq!(command("audit"), "settlement");
+    }
+
+    #[test]
+    fn settlement_consumers_award_points_and_keep_their_place_in_the_group() {
+        let specs = specs(&topology(false));
+        let s = &specs[5].argv;
+        assert!(
+            s.windows(2)
+                .any(|w| w == ["--points-url", "http://127.0.0.1:4000/awards"])
+        );
+        assert!(s.contains(&"group.instance.id=settlement-0".to_owned()));
+        assert!(!specs[7].argv.contains(&"--points-url".to_owned()));
+        // Writers name orders by incarnation.
+        assert!(specs[1].argv.contains(&"w0-{n}-".to_owned()));
+    }
+}
