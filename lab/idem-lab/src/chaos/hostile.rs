@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::demo::world::Pool;
+use idem_sql::AnyPool;
 
 /// What the contract should do with a row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,8 +117,8 @@ pub struct Round {
 }
 
 /// Inserts one round of the catalogue into the orders database (PostgreSQL).
-pub async fn insert_round(orders: &Pool, round: u64) -> anyhow::Result<Round> {
-    let Pool::Pg(pool) = orders else {
+pub async fn insert_round(orders: &AnyPool, round: u64) -> anyhow::Result<Round> {
+    let AnyPool::Postgres(pool) = orders else {
         anyhow::bail!("hostile rows are written with PostgreSQL's SQL");
     };
     let mut out = Round::default();
@@ -199,11 +199,11 @@ fn describe_groups(f: &Fate) -> String {
 
 /// Reads where each accepted row ended.
 pub async fn fates(
-    orders: &Pool,
-    settlement: &Pool,
+    orders: &AnyPool,
+    settlement: &AnyPool,
     accepted: &[Accepted],
 ) -> anyhow::Result<Vec<(Accepted, Fate)>> {
-    let (Pool::Pg(orders), Pool::Pg(settlement)) = (orders, settlement) else {
+    let (AnyPool::Postgres(orders), AnyPool::Postgres(settlement)) = (orders, settlement) else {
         anyhow::bail!("hostile rows are accounted with PostgreSQL's SQL");
     };
     let mut out = Vec::with_capacity(accepted.len());

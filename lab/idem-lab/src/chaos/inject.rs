@@ -262,7 +262,7 @@ async fn progress(w: &World<'_>, t: &Timers, faults: &BTreeMap<String, u64>) {
 }
 
 /// A count for the progress line (-1 when the database cannot say).
-async fn count(pool: &crate::demo::world::Pool, sql: &str) -> i64 {
+async fn count(pool: &idem_sql::AnyPool, sql: &str) -> i64 {
     pool.scalar(sql).await.unwrap_or(-1)
 }
 

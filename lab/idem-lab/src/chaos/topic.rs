@@ -7,7 +7,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use idem_kafka::inspect::Record;
 
-use crate::demo::world::{Databases, Pool};
+use crate::demo::world::Databases;
+use idem_sql::AnyPool;
 
 /// Copies in the topic beyond the first per event id (`ce_id`).
 pub fn duplicates(records: &[Record]) -> i64 {
@@ -77,7 +78,7 @@ async fn unconsumed_missing(
     topic: &str,
     group: &str,
     records: &[Record],
-    db: &Pool,
+    db: &AnyPool,
     table: &str,
 ) -> anyhow::Result<Vec<String>> {
     let committed: std::collections::HashMap<i32, i64> = {
@@ -116,7 +117,7 @@ fn not_read_past(
 /// The payment ids of `payments` without a row in `table` (one of the reference pipeline's
 /// tables, never input), sorted and without repeats.
 async fn missing_in(
-    db: &Pool,
+    db: &AnyPool,
     table: &str,
     mut payments: Vec<String>,
 ) -> anyhow::Result<Vec<String>> {
@@ -125,7 +126,7 @@ async fn missing_in(
     if payments.is_empty() {
         return Ok(payments);
     }
-    let Pool::Pg(pool) = db else {
+    let AnyPool::Postgres(pool) = db else {
         bail!("chaos runs on PostgreSQL only");
     };
     let sql = format!(

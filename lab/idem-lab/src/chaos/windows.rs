@@ -19,7 +19,7 @@
 use std::time::{Duration, Instant};
 
 use super::procs::{Proc, Role};
-use crate::demo::world::Pool;
+use idem_sql::AnyPool;
 
 /// How long a slow award takes in a slow window.
 pub const AWARD_DELAY: &str = "10s";
@@ -61,7 +61,7 @@ impl Windows {
         now: Instant,
         end: Instant,
         procs: &mut [Proc],
-        settlement: &Pool,
+        settlement: &AnyPool,
         faults: &mut std::collections::BTreeMap<String, u64>,
     ) -> anyhow::Result<()> {
         if let Some(until) = self.slow_until
@@ -92,7 +92,7 @@ impl Windows {
             task.await??;
         }
         if self.lock.is_none() && now >= self.next_lock && now + LOCK_HOLD < end {
-            let Pool::Pg(pool) = settlement.clone() else {
+            let AnyPool::Postgres(pool) = settlement.clone() else {
                 anyhow::bail!("the long-lock window needs the PostgreSQL settlement database");
             };
             self.lock = Some(tokio::spawn(hold_lock(pool, LOCK_HOLD)));
@@ -138,8 +138,8 @@ async fn hold_lock(pool: sqlx::PgPool, hold: Duration) -> anyhow::Result<()> {
 }
 
 /// Executions of one Idempotency-Key that overlapped in the points API (slow windows only).
-pub async fn overlapping_executions(points: &Pool) -> anyhow::Result<i64> {
-    points
+pub async fn overlapping_executions(points: &AnyPool) -> anyhow::Result<i64> {
+    Ok(points
         .scalar("SELECT count(*) FROM points_lab_overlaps")
-        .await
+        .await?)
 }

@@ -179,9 +179,9 @@ async fn drive(
     let (ctl, stop) = Ctl::new();
     let metrics = Metrics::new()?;
     let mut tasks = Tasks::default();
-    let orders = AnyStore::open(dbs.orders.any(), tables.clone());
-    let settlement = AnyStore::open(dbs.settlement.any(), tables.clone());
-    let target = components::points_api(&mut tasks, &ctl, &dbs.points.any(), tables).await?;
+    let orders = AnyStore::open(dbs.orders.clone(), tables.clone());
+    let settlement = AnyStore::open(dbs.settlement.clone(), tables.clone());
+    let target = components::points_api(&mut tasks, &ctl, &dbs.points.clone(), tables).await?;
     // Relays: short message timeout so that a crashed relay's rows come back soon.
     let producer = idem_kafka::producer_config(
         &broker.bootstrap(),
@@ -218,7 +218,7 @@ async fn drive(
         republish: args.republish,
         conflicts: args.conflicts,
     };
-    let mut injector = Injector::new(targets, orders, dbs.settlement.any(), &publisher, topic);
+    let mut injector = Injector::new(targets, orders, dbs.settlement.clone(), &publisher, topic);
     injector
         .until_settled(&ctl, &stop, started, args.deadline)
         .await?;

@@ -7,37 +7,11 @@ use anyhow::{Context, bail};
 use idem_core::TableNames;
 use idem_sql::{AnyPool, Scheme};
 
-/// One database role of the reference pipeline.
-///
-/// Transitional: `chaos/` still matches on `Pool::Pg`; everything else (the demo) takes the
-/// [`AnyPool`] of [`Pool::any`]. This enum goes when `chaos/` switches to [`AnyPool`]
-/// (`Pool::Pg` → `AnyPool::Postgres`, `Pool::Lite` → `AnyPool::Sqlite`).
-#[derive(Clone, Debug)]
-pub enum Pool {
-    Pg(sqlx::PgPool),
-    Lite(sqlx::SqlitePool),
-}
-
-impl Pool {
-    /// The same pool as an [`AnyPool`] (a cheap clone).
-    pub fn any(&self) -> AnyPool {
-        match self {
-            Pool::Pg(p) => AnyPool::Postgres(p.clone()),
-            Pool::Lite(p) => AnyPool::Sqlite(p.clone()),
-        }
-    }
-
-    /// [`AnyPool::scalar`].
-    pub async fn scalar(&self, sql: &str) -> anyhow::Result<i64> {
-        Ok(self.any().scalar(sql).await?)
-    }
-}
-
 /// The three databases.
 pub struct Databases {
-    pub orders: Pool,
-    pub settlement: Pool,
-    pub points: Pool,
+    pub orders: AnyPool,
+    pub settlement: AnyPool,
+    pub points: AnyPool,
     /// URLs, for `idem verify`.
     pub urls: [String; 3],
     /// PostgreSQL: the server to drop the databases from, and their names.
@@ -105,7 +79,7 @@ impl Databases {
             let pool = idem_postgres::connect(url, 8).await?;
             idem_postgres::migrate(&pool, tables).await?;
             idem_reference::ensure_schema_postgres(&pool).await?;
-            pools.push(Pool::Pg(pool));
+            pools.push(AnyPool::Postgres(pool));
         }
         Databases::assemble(
             pools,
@@ -140,7 +114,7 @@ impl Databases {
             let pool = idem_sqlite::connect(&url).await?;
             idem_sqlite::migrate(&pool, tables).await?;
             idem_reference::ensure_schema_sqlite(&pool).await?;
-            pools.push(Pool::Lite(pool));
+            pools.push(AnyPool::Sqlite(pool));
             urls.push(url);
         }
         Databases::assemble(
@@ -154,13 +128,13 @@ impl Databases {
 
     /// The orders, settlement and points pools and URLs, in that order.
     fn assemble(
-        pools: Vec<Pool>,
+        pools: Vec<AnyPool>,
         urls: Vec<String>,
         location: String,
         drop_on_exit: Option<(String, Vec<String>)>,
         dir: Option<tempfile::TempDir>,
     ) -> anyhow::Result<Self> {
-        let [orders, settlement, points]: [Pool; 3] = pools
+        let [orders, settlement, points]: [AnyPool; 3] = pools
             .try_into()
             .map_err(|_| anyhow::anyhow!("three pools"))?;
         Ok(Databases {
@@ -177,7 +151,7 @@ impl Databases {
     /// Drops the PostgreSQL databases (SQLite files go with their temporary directory).
     pub async fn cleanup(self, keep: bool) -> anyhow::Result<()> {
         for p in [&self.orders, &self.settlement, &self.points] {
-            p.any().close().await;
+            p.close().await;
         }
         if keep {
             if let Some(dir) = self._dir {
