@@ -83,6 +83,7 @@ fn at_risk(relay: &Proc, topic: &str) -> Option<f64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::too_many_lines)] // one scripted scenario, read top to bottom
 async fn a_killed_leader_and_a_paused_follower_lose_nothing_acknowledged() {
     let mut cluster = KafkaCluster::start(3);
     let brokers = cluster.brokers().to_owned();

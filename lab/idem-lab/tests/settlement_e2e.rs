@@ -215,6 +215,7 @@ async fn two_consumers_with_rebalances_settle_every_event_once_kip848_protocol()
 /// No step waits on how fast anything runs: the first orders are all settled by A before B
 /// joins, the rest are written only after the rebalance (at a bounded rate), and A is killed
 /// while that writer is still running, so the kill always lands mid-run.
+#[allow(clippy::too_many_lines)] // one scripted scenario, read top to bottom
 async fn rebalances_settle_every_event_once(protocol: &[&str]) {
     const FIRST: i64 = 600;
     const SECOND: i64 = 2400;
@@ -328,6 +329,7 @@ async fn rebalances_settle_every_event_once(protocol: &[&str]) {
 /// with the dispatcher aborted between an award and recording it. Every paid order gets exactly
 /// one award in the points API's own database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::too_many_lines)] // one scripted scenario, read top to bottom
 async fn every_paid_order_gets_one_points_award_through_the_effect_stage() {
     const N: i64 = 200;
     let ((orders, settle), k) = (databases().await, broker(2).await);

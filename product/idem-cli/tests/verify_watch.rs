@@ -9,6 +9,7 @@ use std::time::Duration;
 use idem_conformance::backend::{Backend, Pg};
 use idem_conformance::process::{Proc, eventually, http_get, metric_value};
 
+#[allow(clippy::too_many_lines)] // one scripted scenario, read top to bottom
 fn config(db: &str) -> String {
     format!(
         "[[check]]\nname = \"facts\"\nevent_type = \"fact.made\"\n\

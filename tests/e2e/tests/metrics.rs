@@ -75,6 +75,7 @@ fn scrape(registry: &Registry) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::too_many_lines)] // one scripted scenario, read top to bottom
 async fn the_exported_counters_equal_the_scripted_numbers() {
     let pg = Pg::new().await;
     idem_reference::ensure_schema_postgres(pg.pool())
