@@ -116,3 +116,45 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    /// A dispatcher whose store is busy past its timeout once: before, `supervise` returned the
+    /// error and the stage was gone until the demo's deadline; now it restarts and finishes.
+    #[tokio::test]
+    async fn a_component_that_fails_with_an_error_is_restarted_and_runs_on() {
+        let (ctl, _stop) = Ctl::new();
+        let calls = AtomicU32::new(0);
+        let result = supervise(ctl.clone(), "dispatcher", || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    Err(Error::Config("database is locked".to_owned()))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .await;
+        assert!(result.is_ok(), "{result:?}");
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "ran again after the error");
+        assert_eq!(ctl.restarts()["dispatcher"], 1);
+    }
+
+    #[tokio::test]
+    async fn a_stopped_run_does_not_restart_a_failed_component() {
+        let (ctl, stop) = Ctl::new();
+        stop.stop();
+        let calls = AtomicU32::new(0);
+        let result = supervise(ctl, "relay", || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Err(Error::Config("broker gone".to_owned())) }
+        })
+        .await;
+        assert!(result.is_ok());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+}
