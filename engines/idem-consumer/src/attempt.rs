@@ -5,13 +5,12 @@
 use std::collections::HashMap;
 
 use idem_core::crash::{self, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER};
-use idem_core::{Dedup, Error, EventId, InboxStore, Source};
-use tracing::Instrument;
+use idem_core::{Dedup, Error, EventId, InboundEvent, InboxStore, Source};
 
 use crate::Consumer;
 use crate::batch::{Batch, Unique, apply_order};
 use crate::dead_letter::letters;
-use crate::handler::{Handler, HandlerError, handle_span};
+use crate::handler::{BatchError, Handler, HandlerError, Outcome};
 
 /// Why an attempt rolled back.
 #[derive(Debug)]
@@ -19,6 +18,10 @@ pub(crate) enum Attempt {
     /// The handler refused this event permanently, outside isolation: dead-letter it and retry
     /// the batch with a savepoint per event.
     Poison(EventId, String),
+    /// The database refused the handler's set-based statements for the batch (permanently, and
+    /// without naming an event), or the handler broke its contract: retry the batch at once with
+    /// a savepoint per event, which dead-letters exactly the events refused one by one.
+    Refused(String),
     /// Might work later; charged to the event when one is named.
     Transient(Option<EventId>, Error),
     /// A crash point fired in error mode: the run ends.
@@ -113,11 +116,15 @@ where
         let apply = apply_order(&cx.batch.uniques, &results, cx.poison, |e| {
             self.handler.business_key(e)
         });
-        let mut refused: Vec<(EventId, String)> = vec![];
-        for u in apply {
-            if let Some(reason) = self.handle_one(tx, u, cx.isolate).await? {
-                refused.push((u.event.event_id, reason));
+        let (apply, mut refused) = validated(&self.handler, apply);
+        if cx.isolate {
+            for u in apply {
+                if let Some(reason) = self.handle_one(tx, u).await? {
+                    refused.push((u.event.event_id, reason));
+                }
             }
+        } else {
+            refused.extend(self.handle_all(tx, &apply).await?);
         }
         if !cx.isolate
             && let Err(e) = self.inbox.check_usable(&mut *tx).await
@@ -140,52 +147,142 @@ where
         Ok(Attempted { results, refused })
     }
 
-    /// Runs the handler for one new event. `Ok(Some(reason))`: refused permanently under
-    /// isolation (its savepoint rolled back); the caller dead-letters it.
-    async fn handle_one(
+    /// Runs the handler once for the whole batch (`apply`: new, valid, in apply order): the
+    /// events it refused, or why the attempt rolls back.
+    async fn handle_all(
         &self,
         tx: &mut I::Tx,
-        u: &Unique<'_>,
-        isolate: bool,
-    ) -> Result<Option<String>, Attempt> {
-        let span = handle_span(u.event);
-        if isolate {
-            self.inbox.savepoint(&mut *tx).await.map_err(db)?;
+        apply: &[&Unique<'_>],
+    ) -> Result<Vec<(EventId, String)>, Attempt> {
+        if apply.is_empty() {
+            return Ok(vec![]);
         }
-        match self
+        let events: Vec<&InboundEvent> = apply.iter().map(|u| u.event).collect();
+        let outcomes = self
             .handler
-            .handle(&mut *tx, u.event)
-            .instrument(span)
+            .handle_batch(&mut *tx, &events)
             .await
-        {
-            Ok(()) if isolate => {
+            .map_err(batch_failure)?;
+        refusals(&events, outcomes)
+    }
+
+    /// Runs the handler for one new event in a savepoint of its own. `Ok(Some(reason))`:
+    /// refused permanently (its savepoint rolled back); the caller dead-letters it.
+    async fn handle_one(&self, tx: &mut I::Tx, u: &Unique<'_>) -> Result<Option<String>, Attempt> {
+        let id = u.event.event_id;
+        self.inbox.savepoint(&mut *tx).await.map_err(db)?;
+        let outcome = self
+            .handler
+            .handle_batch(&mut *tx, &[u.event])
+            .await
+            .map_err(|e| match e {
+                BatchError::Event { error, .. } | BatchError::Batch(error) => error,
+            })
+            .and_then(|outcomes| single(id, outcomes));
+        match outcome {
+            Ok(Outcome::Applied) => {
                 // Reported success, but did it leave the transaction usable?
                 if let Err(e) = self.inbox.check_usable(&mut *tx).await {
                     self.inbox
                         .rollback_to_savepoint(&mut *tx)
                         .await
                         .map_err(db)?;
-                    return Err(Attempt::Transient(Some(u.event.event_id), e));
+                    return Err(Attempt::Transient(Some(id), e));
                 }
                 self.inbox.release_savepoint(&mut *tx).await.map_err(db)?;
                 Ok(None)
             }
-            Ok(()) => Ok(None),
-            Err(HandlerError::Permanent(reason)) if isolate => {
+            Ok(Outcome::Refused(reason)) | Err(HandlerError::Permanent(reason)) => {
                 self.inbox
                     .rollback_to_savepoint(&mut *tx)
                     .await
                     .map_err(db)?;
                 Ok(Some(reason))
             }
-            Err(HandlerError::Permanent(reason)) => Err(Attempt::Poison(u.event.event_id, reason)),
-            // Without savepoints the failure may be an earlier handler's doing (one that
-            // swallowed an error and left the transaction aborted): it is charged to the
-            // event only when the events are isolated.
             Err(HandlerError::Transient(e)) => Err(Attempt::Transient(
-                isolate.then_some(u.event.event_id),
+                Some(id),
                 Error::database("running the handler", e),
             )),
         }
     }
+}
+
+/// Splits `apply` into the events [`Handler::validate`] accepts (in order) and those it
+/// refuses, with the reasons.
+fn validated<'b, 'a, C, H: Handler<C>>(
+    handler: &H,
+    apply: Vec<&'b Unique<'a>>,
+) -> (Vec<&'b Unique<'a>>, Vec<(EventId, String)>) {
+    let mut refused = vec![];
+    let valid = apply
+        .into_iter()
+        .filter(|u| match handler.validate(u.event) {
+            Ok(()) => true,
+            Err(reason) => {
+                refused.push((u.event.event_id, reason));
+                false
+            }
+        })
+        .collect();
+    (valid, refused)
+}
+
+/// What a failed [`Handler::handle_batch`] of a whole batch means for the attempt.
+fn batch_failure(e: BatchError) -> Attempt {
+    match e {
+        BatchError::Event {
+            event,
+            error: HandlerError::Permanent(reason),
+        } => Attempt::Poison(event, reason),
+        // Without savepoints the failure may be an earlier event's doing (a handler that
+        // swallowed an error and left the transaction aborted): it is charged to an event
+        // only when the events are isolated.
+        BatchError::Event {
+            error: HandlerError::Transient(e),
+            ..
+        }
+        | BatchError::Batch(HandlerError::Transient(e)) => {
+            Attempt::Transient(None, Error::database("running the handler", e))
+        }
+        BatchError::Batch(HandlerError::Permanent(reason)) => Attempt::Refused(reason),
+    }
+}
+
+/// The events of a batch the handler refused, from its outcomes (one per event, in order).
+/// Any other number of outcomes breaks the handler's contract: the batch is retried one event
+/// at a time.
+fn refusals(
+    events: &[&InboundEvent],
+    outcomes: Vec<Outcome>,
+) -> Result<Vec<(EventId, String)>, Attempt> {
+    if outcomes.len() != events.len() {
+        return Err(Attempt::Refused(outcome_count(events.len(), outcomes.len())));
+    }
+    Ok(events
+        .iter()
+        .zip(outcomes)
+        .filter_map(|(e, o)| match o {
+            Outcome::Applied => None,
+            Outcome::Refused(reason) => Some((e.event_id, reason)),
+        })
+        .collect())
+}
+
+/// The one outcome of a batch of one event; any other number is a transient failure charged
+/// to it (the handler breaks its contract: nothing is dead-lettered on its word).
+fn single(id: EventId, outcomes: Vec<Outcome>) -> Result<Outcome, HandlerError> {
+    let n = outcomes.len();
+    match <[Outcome; 1]>::try_from(outcomes) {
+        Ok([outcome]) => Ok(outcome),
+        Err(_) => Err(HandlerError::transient(format!(
+            "event {id}: {}",
+            outcome_count(1, n)
+        ))),
+    }
+}
+
+fn outcome_count(events: usize, outcomes: usize) -> String {
+    format!(
+        "the handler returned {outcomes} outcomes for a batch of {events} events (handle_batch must return one per event)"
+    )
 }

@@ -3,6 +3,7 @@
 //! event counts as once the batch committed. Pure.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, SystemTime};
 
 use idem_core::wire::DecodeError;
 use idem_core::{DeadLetter, Dedup, Delivery, EventId, InboundEvent, InboxEntry};
@@ -186,6 +187,106 @@ impl Counts {
     }
 }
 
+impl std::ops::AddAssign for Counts {
+    fn add_assign(&mut self, c: Counts) {
+        self.processed += c.processed;
+        self.dead_lettered += c.dead_lettered;
+        self.conflicts += c.conflicts;
+        self.duplicate_deliveries += c.duplicate_deliveries;
+        self.duplicate_skips += c.duplicate_skips;
+    }
+}
+
+/// What a committed batch counts under one set of label values: the metrics are raised once
+/// per group with `inc_by`, not once per event.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Group<'a> {
+    /// The topic.
+    pub(crate) topic: &'a str,
+    /// The event type read from the record (empty when absent).
+    pub(crate) event_type: &'a str,
+    /// The aggregate type read from the record (empty when absent).
+    pub(crate) aggregate_type: &'a str,
+    /// The sum of its events' counts.
+    pub(crate) counts: Counts,
+    /// For each applied event with a record timestamp, the time from it to the commit.
+    pub(crate) waited: Vec<Duration>,
+}
+
+/// A committed batch, counted: the sum, and the same per label group, in first-seen order.
+#[derive(Debug, Default)]
+pub(crate) struct Tally<'a> {
+    /// Everything the batch counts as.
+    pub(crate) total: Counts,
+    /// Per (topic, event type, aggregate type).
+    pub(crate) groups: Vec<Group<'a>>,
+}
+
+impl<'a> Tally<'a> {
+    fn add(&mut self, key: (&'a str, &'a str, &'a str), c: Counts, waited: Option<Duration>) {
+        self.total += c;
+        let i = match self
+            .groups
+            .iter()
+            .position(|g| (g.topic, g.event_type, g.aggregate_type) == key)
+        {
+            Some(i) => i,
+            None => {
+                self.groups.push(Group {
+                    topic: key.0,
+                    event_type: key.1,
+                    aggregate_type: key.2,
+                    ..Group::default()
+                });
+                self.groups.len() - 1
+            }
+        };
+        let g = &mut self.groups[i];
+        g.counts += c;
+        if c.processed > 0
+            && let Some(w) = waited
+        {
+            g.waited.push(w);
+        }
+    }
+}
+
+impl<'a> Batch<'a> {
+    /// What the batch counts as once committed at `committed_at`, with the inbox's `results`
+    /// (one per distinct event) and the events refused (`poison`).
+    pub(crate) fn tally<'b>(
+        &'b self,
+        results: &[Dedup],
+        poison: &HashMap<EventId, String>,
+        committed_at: SystemTime,
+    ) -> Tally<'b> {
+        let mut t = Tally::default();
+        let key = |e: &'b InboundEvent| {
+            (
+                e.topic.as_str(),
+                e.event_type.as_str(),
+                e.aggregate_type.as_str(),
+            )
+        };
+        for (u, dedup) in self.uniques.iter().zip(results) {
+            let poisoned = poison.contains_key(&u.event.event_id);
+            let waited = u
+                .delivery
+                .timestamp
+                .map(|published| committed_at.duration_since(published).unwrap_or_default());
+            t.add(key(u.event), Counts::of(u.copies, dedup, poisoned), waited);
+        }
+        for (ev, _) in &self.in_batch_conflicts {
+            t.add(key(ev), Counts::IN_BATCH_CONFLICT, None);
+        }
+        for d in &self.undecodable {
+            let event_type = d.event_type.as_deref().unwrap_or_default();
+            t.add((d.topic.as_str(), event_type, ""), Counts::UNDECODABLE, None);
+        }
+        t
+    }
+}
+
 /// A record of topic `t`, partition 0, key `k`, with `ce_id` `id` and `ce_type` `order.paid`,
 /// for unit tests.
 #[cfg(test)]
@@ -266,6 +367,45 @@ mod tests {
         assert_eq!(offsets(&HashMap::new()), [1, 0, 2]);
         let poison = HashMap::from([(b.uniques[1].event.event_id, "no".to_owned())]);
         assert_eq!(offsets(&poison), [0, 2]);
+    }
+
+    #[test]
+    fn a_batch_is_counted_once_per_label_group() {
+        let mut records = vec![
+            record(0, A, "{}"),
+            record(1, A, "{}"),
+            record(2, B, "{}"),
+            record(3, "0190a3d2-0000-7000-8000-000000000003", "{}"),
+            record(4, "nope", "{}"),
+        ];
+        records[3].headers[1].1 = "order.refunded".into();
+        let published = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
+        for r in &mut records {
+            r.timestamp = Some(published);
+        }
+        let decoded: Vec<_> = records.iter().map(idem_core::wire::decode).collect();
+        let b = Batch::new(&records, &decoded);
+        let results = [Dedup::New, Dedup::Duplicate, Dedup::New];
+        let at = published + Duration::from_secs(2);
+        let t = b.tally(&results, &HashMap::new(), at);
+        let summary: Vec<(&str, u64, u64, usize)> = t
+            .groups
+            .iter()
+            .map(|g| {
+                let c = g.counts;
+                (g.event_type, c.processed, c.duplicate_skips, g.waited.len())
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [("order.paid", 1, 2, 1), ("order.refunded", 1, 0, 1)],
+            "A new with a copy, B a duplicate, C another type"
+        );
+        assert_eq!(t.groups[0].waited, [Duration::from_secs(2)]);
+        assert_eq!(
+            (t.total.processed, t.total.dead_lettered, t.total.duplicate_deliveries),
+            (2, 1, 2)
+        );
     }
 
     #[test]

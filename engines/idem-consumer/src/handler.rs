@@ -4,6 +4,7 @@
 use std::future::Future;
 
 use idem_core::{BoxError, InboundEvent};
+use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Why a handler did not apply an event.
@@ -116,6 +117,55 @@ impl From<idem_core::Error> for HandlerError {
     }
 }
 
+/// What a handler did with one event of a batch ([`Handler::handle_batch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Applied: the handler's writes for it commit with the batch.
+    Applied,
+    /// Refused for good, **with nothing written for it** (decided before writing, as a payload
+    /// check or a business rule read from the database): the event is dead-lettered with this
+    /// reason in the batch's transaction, and the rest of the batch commits without a retry.
+    Refused(String),
+}
+
+/// Why [`Handler::handle_batch`] applied nothing: the batch's transaction is rolled back.
+///
+/// `?` converts a [`HandlerError`], a [`sqlx::Error`] and an [`idem_core::Error`] (by the
+/// rules of [`HandlerError`]'s conversions) into [`BatchError::Batch`].
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    /// Handling this one event failed. Permanent: the event is dead-lettered and the batch
+    /// retried without it, each event in a savepoint of its own (the transaction may have been
+    /// left aborted). Transient: the batch backs off and is retried one event at a time, so
+    /// the failure is charged to the event that causes it.
+    #[error("event {event}: {error}")]
+    Event {
+        /// The event.
+        event: idem_core::EventId,
+        /// What went wrong.
+        #[source]
+        error: HandlerError,
+    },
+    /// The batch as a whole failed: a set-based statement the database refused (permanent),
+    /// or a transient failure. Permanent: the batch is retried at once one event at a time,
+    /// each in a savepoint, so exactly the events the database refuses are dead-lettered and
+    /// the rest applied. Transient: the batch backs off and is retried one event at a time.
+    #[error(transparent)]
+    Batch(#[from] HandlerError),
+}
+
+impl From<sqlx::Error> for BatchError {
+    fn from(e: sqlx::Error) -> Self {
+        BatchError::Batch(e.into())
+    }
+}
+
+impl From<idem_core::Error> for BatchError {
+    fn from(e: idem_core::Error) -> Self {
+        BatchError::Batch(e.into())
+    }
+}
+
 /// Applies events to the business tables, inside the consumer's transaction.
 ///
 /// `C` is the store's connection type (`sqlx::PgConnection`, `sqlx::SqliteConnection`): the
@@ -132,6 +182,12 @@ impl From<idem_core::Error> for HandlerError {
 /// batch is retried one event at a time, the handler that left the transaction aborted is
 /// found, its event retried as a transient failure, and nothing of the batch is acknowledged
 /// meanwhile.
+///
+/// **Per event or per batch.** Implement [`Handler::handle`]; the runtime calls
+/// [`Handler::handle_batch`] once per batch with the new events, and its default calls
+/// `handle` for each. Override `handle_batch` to apply a batch with a few set-based
+/// statements instead of a few per event (see the reference settlement handler).
+/// [`Handler::validate`] refuses malformed events before any SQL runs.
 pub trait Handler<C>: Send + Sync + 'static {
     /// Applies one new event.
     fn handle(
@@ -146,13 +202,57 @@ pub trait Handler<C>: Send + Sync + 'static {
     fn business_key(&self, event: &InboundEvent) -> String {
         event.aggregate_id.clone()
     }
+
+    /// Checks one new event before the handler writes anything: `Err(reason)` refuses it for
+    /// good (a malformed payload, an event type this handler does not apply), and it is
+    /// dead-lettered with the reason in the batch's transaction while the rest of the batch is
+    /// applied, with no rollback and no retry. Pure: no I/O. Default: every event is accepted.
+    fn validate(&self, event: &InboundEvent) -> std::result::Result<(), String> {
+        let _ = event;
+        Ok(())
+    }
+
+    /// Applies the new events of one batch, in this order (sorted by [`Handler::business_key`];
+    /// each one passed [`Handler::validate`]), in the consumer's transaction: one [`Outcome`]
+    /// per event, in the same order. A batch of one event is how the runtime isolates events
+    /// (in a savepoint each) after a [`BatchError`].
+    ///
+    /// Default: [`Handler::handle`] for each event in turn, in the event's span
+    /// ([`event_span`]); a failure stops the batch as [`BatchError::Event`].
+    fn handle_batch(
+        &self,
+        conn: &mut C,
+        events: &[&InboundEvent],
+    ) -> impl Future<Output = std::result::Result<Vec<Outcome>, BatchError>> + Send
+    where
+        C: Send,
+    {
+        async move {
+            let mut outcomes = Vec::with_capacity(events.len());
+            for event in events {
+                self.handle(&mut *conn, event)
+                    .instrument(event_span(event))
+                    .await
+                    .map_err(|error| BatchError::Event {
+                        event: event.event_id,
+                        error,
+                    })?;
+                outcomes.push(Outcome::Applied);
+            }
+            Ok(outcomes)
+        }
+    }
 }
 
 /// The span the handler runs in for one event: `idem.handle`, a consumer span whose parent is
 /// the remote context of the event's `traceparent` (captured at enqueue, carried in the Kafka
 /// header), so an OpenTelemetry exporter links the handler to the trace that produced the
 /// event. Without a `tracing-opentelemetry` layer the parent is simply not recorded.
-pub(crate) fn handle_span(event: &InboundEvent) -> tracing::Span {
+///
+/// The default [`Handler::handle_batch`] runs each [`Handler::handle`] in it. A handler that
+/// overrides `handle_batch` enters it around what it does for one event in particular, such
+/// as computing [`effect_traceparent`] for an effect it records.
+pub fn event_span(event: &InboundEvent) -> tracing::Span {
     let span = tracing::info_span!(
         "idem.handle",
         otel.kind = "consumer",
@@ -172,7 +272,8 @@ pub(crate) fn handle_span(event: &InboundEvent) -> tracing::Span {
 }
 
 /// The `traceparent` an effect recorded by a handler should carry (see the effect stage): the
-/// context of the consumer span the handler runs in, when an OpenTelemetry layer is installed,
+/// context of the consumer span the handler runs in ([`event_span`]), when an OpenTelemetry
+/// layer is installed,
 /// so the outbound HTTP call is a child of it; otherwise the event's own `traceparent`. Either
 /// way the trace id is the one captured at enqueue.
 pub fn effect_traceparent(event: &InboundEvent) -> Option<String> {

@@ -20,7 +20,7 @@ use crate::batch::{Batch, Counts, Unique, last_offsets};
 use crate::retry::{Retries, Step};
 
 pub use config::ConsumerConfig;
-pub use handler::{Handler, HandlerError, effect_traceparent};
+pub use handler::{BatchError, Handler, HandlerError, Outcome, effect_traceparent, event_span};
 pub use idem_core::wire::{DecodeError, decode};
 pub use metrics::{ConsumerMetrics, MAX_LABEL_PAIRS, OTHER, total};
 
@@ -357,6 +357,9 @@ where
                 attempt::Attempt::Unusable(e) => {
                     tracing::warn!(error = %e, "a handler left the transaction aborted; retrying the batch one event at a time to find it");
                 }
+                attempt::Attempt::Refused(reason) => {
+                    tracing::warn!(%reason, "the database refused the batch; retrying it one event at a time");
+                }
                 attempt::Attempt::Poison(id, reason) => {
                     tracing::warn!(event_id = %id, %reason, "dead-lettering an event the handler refused");
                 }
@@ -384,43 +387,26 @@ where
         }
     }
 
-    /// Counts the committed batch, now that rolled-back attempts changed nothing.
+    /// Counts the committed batch, now that rolled-back attempts changed nothing: each metric
+    /// once per label group of the batch.
     fn account(
         &self,
         batch: &Batch<'_>,
         results: &[idem_core::Dedup],
         retries: &Retries,
     ) -> BatchReport {
+        let tally = batch.tally(results, &retries.poison, std::time::SystemTime::now());
+        for g in &tally.groups {
+            let labels =
+                self.metrics
+                    .labels(g.topic, &self.config.group, g.event_type, g.aggregate_type);
+            self.metrics.count(&labels, g.counts, &g.waited);
+        }
         let mut report = BatchReport {
             retries: retries.retries,
             ..BatchReport::default()
         };
-        let committed_at = std::time::SystemTime::now();
-        for (u, dedup) in batch.uniques.iter().zip(results) {
-            let poisoned = retries.poison.contains_key(&u.event.event_id);
-            let counts = Counts::of(u.copies, dedup, poisoned);
-            let waited = u
-                .delivery
-                .timestamp
-                .map(|published| committed_at.duration_since(published).unwrap_or_default());
-            self.metrics.count(&self.labels(u.event), counts, waited);
-            report.add(counts);
-        }
-        for (ev, _) in &batch.in_batch_conflicts {
-            self.metrics
-                .count(&self.labels(ev), Counts::IN_BATCH_CONFLICT, None);
-            report.add(Counts::IN_BATCH_CONFLICT);
-        }
-        for d in &batch.undecodable {
-            let l = self.metrics.labels(
-                &d.topic,
-                &self.config.group,
-                d.event_type.as_deref().unwrap_or_default(),
-                "",
-            );
-            self.metrics.count(&l, Counts::UNDECODABLE, None);
-            report.add(Counts::UNDECODABLE);
-        }
+        report.add(tally.total);
         report
     }
 

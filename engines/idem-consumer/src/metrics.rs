@@ -158,10 +158,10 @@ impl ConsumerMetrics {
         Ok(())
     }
 
-    /// Adds what one event (or record) of a committed batch counts as under `labels`; `waited`:
-    /// from the record's timestamp to the commit, observed for an applied event. Only series
-    /// with something to add are touched.
-    pub(crate) fn count(&self, labels: &[String; 4], c: Counts, waited: Option<Duration>) {
+    /// Adds what the events (or records) of a committed batch under `labels` count as, once
+    /// per series; `waited`: from each applied event's record timestamp to the commit. Only
+    /// series with something to add are touched.
+    pub(crate) fn count(&self, labels: &[String; 4], c: Counts, waited: &[Duration]) {
         for (v, n) in [
             (&self.processed, c.processed),
             (&self.dead_lettered, c.dead_lettered),
@@ -173,12 +173,11 @@ impl ConsumerMetrics {
                 v.with_label_values(labels).inc_by(n);
             }
         }
-        if c.processed > 0
-            && let Some(waited) = waited
-        {
-            self.publish_to_processed
-                .with_label_values(labels)
-                .observe(waited.as_secs_f64());
+        if !waited.is_empty() {
+            let h = self.publish_to_processed.with_label_values(labels);
+            for w in waited {
+                h.observe(w.as_secs_f64());
+            }
         }
     }
 

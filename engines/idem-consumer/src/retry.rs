@@ -79,7 +79,7 @@ impl Retries {
     pub(crate) fn after(&mut self, failure: Attempt) -> Step {
         match failure {
             Attempt::Fatal(e) => Step::Fatal(e),
-            Attempt::Unusable(_) => {
+            Attempt::Unusable(_) | Attempt::Refused(_) => {
                 self.retries += 1;
                 self.isolate = true;
                 Step::Again
@@ -164,6 +164,11 @@ mod tests {
             Step::Again
         ));
         assert_eq!(r.retries, 1);
+        assert!(matches!(
+            r.after(Attempt::Refused("a CHECK refused the batch".into())),
+            Step::Again
+        ));
+        assert_eq!((r.retries, r.isolate), (2, true));
         assert!(matches!(
             r.after(Attempt::Fatal(Error::Config("crash".into()))),
             Step::Fatal(_)
