@@ -416,6 +416,25 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
         intent: &EffectIntent,
     ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
 
+    /// Records `intents` in the transaction `conn` belongs to, as [`IntentStore::record`] does
+    /// each: one result per intent, in order, false when its key already exists (or appears
+    /// earlier in `intents`). A store may do it in one statement; the default records them one
+    /// by one. An intent whose key is invalid fails the whole call, recording nothing it can
+    /// roll back.
+    fn record_all(
+        &self,
+        conn: &mut Self::Conn,
+        intents: &[EffectIntent],
+    ) -> impl std::future::Future<Output = crate::Result<Vec<bool>>> + Send {
+        async move {
+            let mut recorded = Vec::with_capacity(intents.len());
+            for intent in intents {
+                recorded.push(self.record(&mut *conn, intent).await?);
+            }
+            Ok(recorded)
+        }
+    }
+
     /// Leases up to `batch` due intents for `lease`, raising their attempt numbers.
     fn claim(
         &self,

@@ -1,5 +1,6 @@
 //! Effect intents ([`IntentStore`]), written once.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use idem_core::idempotency::{
@@ -9,8 +10,8 @@ use idem_core::idempotency::{
 use idem_core::{Error, Result, TableNames};
 use sqlx::Pool;
 
-use crate::Dialect;
 use crate::dialect::{Now, Stmt, get};
+use crate::{Array, Dialect};
 use crate::queries::Handle;
 
 /// Effect intents ([`IntentStore`]) in database `DB`.
@@ -60,6 +61,48 @@ fn decode_intent<DB: Dialect>(r: &DB::Row) -> Result<ClaimedIntent> {
     })
 }
 
+/// The columns of a batch of intents, one [`Array`] each; a key that cannot be derived makes
+/// the batch invalid.
+struct IntentColumns {
+    keys: Vec<String>,
+    effects: Array<String>,
+    targets: Array<String>,
+    event_ids: Array<uuid::Uuid>,
+    bodies: Array<String>,
+    traceparents: Array<Option<String>>,
+}
+
+impl IntentColumns {
+    fn of(intents: &[EffectIntent]) -> Result<Self> {
+        let keys = intents
+            .iter()
+            .map(|i| i.key().map(|k| k.as_str().to_owned()))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::InvalidEvent {
+                field: "effect",
+                reason: e.to_string(),
+            })?;
+        let ids: Vec<idem_core::EventId> = intents.iter().map(|i| i.event_id).collect();
+        Ok(IntentColumns {
+            keys,
+            effects: intents.iter().map(|i| i.effect.clone()).collect(),
+            targets: intents.iter().map(|i| i.target.clone()).collect(),
+            event_ids: Array::event_ids(&ids),
+            bodies: intents.iter().map(|i| i.body.to_string()).collect(),
+            traceparents: intents.iter().map(|i| i.traceparent.clone()).collect(),
+        })
+    }
+}
+
+/// For each key in order, whether this position inserted it: the first occurrence of a key the
+/// statement returned.
+fn first_inserted(keys: &[String], inserted: &HashSet<String>) -> Vec<bool> {
+    let mut seen: HashSet<&str> = HashSet::with_capacity(keys.len());
+    keys.iter()
+        .map(|k| seen.insert(k.as_str()) && inserted.contains(k))
+        .collect()
+}
+
 fn decode_stuck<DB: Dialect>(r: &DB::Row) -> sqlx::Result<StuckIntent> {
     Ok(StuckIntent {
         id: get::<DB, _>(r, "id")?,
@@ -90,6 +133,33 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
             .await
             .map_err(|e| Error::database("recording an effect intent", e))?;
         Ok(n == 1)
+    }
+
+    async fn record_all(
+        &self,
+        conn: &mut DB::Connection,
+        intents: &[EffectIntent],
+    ) -> Result<Vec<bool>> {
+        if intents.is_empty() {
+            return Ok(vec![]);
+        }
+        let cols = IntentColumns::of(intents)?;
+        let rows = Stmt::<DB>::new(&self.0.queries.intent_record_all)
+            .bind(Array::new(cols.keys.clone()))
+            .bind(cols.effects)
+            .bind(cols.targets)
+            .bind(cols.event_ids)
+            .bind(cols.bodies)
+            .bind(cols.traceparents)
+            .fetch_all(conn)
+            .await
+            .map_err(|e| Error::database("recording effect intents", e))?;
+        let inserted = rows
+            .iter()
+            .map(|r| get::<DB, String>(r, "idem_key"))
+            .collect::<sqlx::Result<HashSet<String>>>()
+            .map_err(|e| Error::database("decoding recorded effect intents", e))?;
+        Ok(first_inserted(&cols.keys, &inserted))
     }
 
     async fn claim(&self, batch: u32, lease: Duration) -> Result<Vec<ClaimedIntent>> {

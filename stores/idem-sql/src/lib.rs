@@ -44,6 +44,7 @@
 //! so `id` order is commit order: the relay uses `id` as each aggregate's sequence.
 
 mod any;
+mod array;
 mod dialect;
 mod inbox;
 mod intents;
@@ -59,6 +60,7 @@ mod postgres;
 mod sqlite;
 
 pub use any::{AnyPool, AnyStore, Scheme, Store};
+pub use array::{Array, Element};
 pub use dialect::{Decoded, Dialect, Param, SqlConnection, Statement, get, is_unique_violation};
 pub use inbox::Inbox;
 pub use intents::Intents;

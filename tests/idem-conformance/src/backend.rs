@@ -51,6 +51,10 @@ pub trait OpenTx: Send + 'static {
         &mut self,
         intent: &EffectIntent,
     ) -> impl Future<Output = idem_core::Result<bool>> + Send;
+    fn record_intents(
+        &mut self,
+        intents: &[EffectIntent],
+    ) -> impl Future<Output = idem_core::Result<Vec<bool>>> + Send;
     fn commit(self) -> impl Future<Output = ()> + Send;
     fn rollback(self) -> impl Future<Output = ()> + Send;
 }
@@ -106,6 +110,9 @@ impl OpenTx for PgTx {
     }
     async fn record_intent(&mut self, intent: &EffectIntent) -> idem_core::Result<bool> {
         self.intents.record(&mut self.tx, intent).await
+    }
+    async fn record_intents(&mut self, intents: &[EffectIntent]) -> idem_core::Result<Vec<bool>> {
+        self.intents.record_all(&mut self.tx, intents).await
     }
     async fn commit(self) {
         self.tx.commit().await.unwrap();
@@ -245,6 +252,9 @@ impl OpenTx for LiteTx {
     }
     async fn record_intent(&mut self, intent: &EffectIntent) -> idem_core::Result<bool> {
         self.intents.record(&mut self.tx, intent).await
+    }
+    async fn record_intents(&mut self, intents: &[EffectIntent]) -> idem_core::Result<Vec<bool>> {
+        self.intents.record_all(&mut self.tx, intents).await
     }
     async fn commit(self) {
         self.tx.commit().await.unwrap();

@@ -45,6 +45,7 @@ macro_rules! conformance_tests {
             a_renewed_claim_is_not_taken_over,
             concurrent_claims_of_one_key_let_exactly_one_execute,
             intents_commit_with_the_handler_and_keep_their_key,
+            intents_recorded_as_a_batch_are_recorded_as_one_by_one,
             intent_outcomes_are_fenced_by_the_attempt,
             parked_intents_are_listed_and_retried_with_the_same_key,
             unknown_intents_are_read_and_resolved_by_a_decision,

@@ -1023,6 +1023,44 @@ pub async fn intents_commit_with_the_handler_and_keep_their_key<B: Backend>(b: &
     );
 }
 
+pub async fn intents_recorded_as_a_batch_are_recorded_as_one_by_one<B: Backend>(b: &B) {
+    let (a, c, d) = (
+        intent(EventId::new()),
+        intent(EventId::new()),
+        intent(EventId::new()),
+    );
+    let b2 = EffectIntent {
+        traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+        body: serde_json::json!({"payment_id": "pay-\"2\"", "points": 3}),
+        ..intent(EventId::new())
+    };
+    let mut tx = b.begin().await;
+    assert!(tx.record_intents(&[]).await.unwrap().is_empty());
+    assert!(tx.record_intent(&d).await.unwrap());
+    assert_eq!(
+        tx.record_intents(&[c.clone(), b2.clone(), c.clone(), a.clone(), d.clone()])
+            .await
+            .unwrap(),
+        [true, true, false, true, false],
+        "a key earlier in the batch or already recorded is skipped"
+    );
+    assert!(!tx.record_intent(&a).await.unwrap(), "one-by-one sees it");
+    tx.commit().await;
+    let mut tx = b.begin().await;
+    let e = intent(EventId::new());
+    assert_eq!(tx.record_intents(&[e]).await.unwrap(), [true]);
+    tx.rollback().await;
+    let mut claimed = b.intents().claim(10, MINUTE).await.unwrap();
+    claimed.sort_by_key(|c| c.id);
+    let got: Vec<&EffectIntent> = claimed.iter().map(|c| &c.intent).collect();
+    let mut want = vec![&d, &c, &b2, &a];
+    want.sort_by_key(|i| i.key().unwrap().as_str().to_owned());
+    let mut got_sorted = got.clone();
+    got_sorted.sort_by_key(|i| i.key().unwrap().as_str().to_owned());
+    assert_eq!(got_sorted, want, "every column kept; the rolled-back batch is gone");
+    assert_eq!(got[0], &d, "recorded first");
+}
+
 pub async fn intent_outcomes_are_fenced_by_the_attempt<B: Backend>(b: &B) {
     let i = intent(EventId::new());
     let mut tx = b.begin().await;
