@@ -10,10 +10,11 @@
 
 pub mod money;
 pub mod points;
+mod settle;
 
-use idem_consumer::{Handler, HandlerError};
+use idem_consumer::{BatchError, Handler, HandlerError, Outcome};
 use idem_core::{Event, InboundEvent};
-use idem_sql::{Dialect, Scheme, SqlConnection, Statement, get};
+use idem_sql::{Dialect, Scheme, SqlConnection, Statement};
 
 /// The event type the settlement service applies.
 pub const ORDER_PAID: &str = "order.paid";
@@ -189,26 +190,25 @@ struct Paid {
     amount: money::Amount,
 }
 
-fn parse_paid(event: &InboundEvent) -> Result<Paid, HandlerError> {
+/// What an `order.paid` event says, or why it cannot be applied (checked before any SQL).
+fn parse_paid(event: &InboundEvent) -> Result<Paid, String> {
     if event.event_type != ORDER_PAID {
-        return Err(HandlerError::permanent(format!(
+        return Err(format!(
             "unexpected event type {:?}; the settlement service applies {ORDER_PAID}",
             event.event_type
-        )));
+        ));
     }
     let text = |field: &str| match event.payload.get(field) {
         Some(serde_json::Value::String(s)) if !s.is_empty() && s.len() <= 200 => Ok(s.clone()),
-        Some(other) => Err(HandlerError::permanent(format!(
+        Some(other) => Err(format!(
             "{field} must be a non-empty string of at most 200 bytes, got {other}"
-        ))),
-        None => Err(HandlerError::permanent(format!(
-            "the payload has no {field}"
-        ))),
+        )),
+        None => Err(format!("the payload has no {field}")),
     };
     Ok(Paid {
         order_id: text("order_id")?,
         payment_id: text("payment_id")?,
-        amount: money::parse_amount(&event.payload).map_err(HandlerError::Permanent)?,
+        amount: money::parse_amount(&event.payload)?,
     })
 }
 
@@ -245,9 +245,24 @@ pub trait RecordIntent<C>: Send + Sync + 'static {
         conn: &mut C,
         intent: &idem_core::idempotency::EffectIntent,
     ) -> impl std::future::Future<Output = idem_core::Result<bool>> + Send;
+
+    /// Records `intents` through `conn` (one statement where the store has one).
+    fn record_intents(
+        &self,
+        conn: &mut C,
+        intents: &[idem_core::idempotency::EffectIntent],
+    ) -> impl std::future::Future<Output = idem_core::Result<()>> + Send;
 }
 
 impl<C: Send> RecordIntent<C> for () {
+    async fn record_intents(
+        &self,
+        _conn: &mut C,
+        _intents: &[idem_core::idempotency::EffectIntent],
+    ) -> idem_core::Result<()> {
+        Ok(())
+    }
+
     async fn record_intent(
         &self,
         _conn: &mut C,
@@ -264,6 +279,16 @@ impl<DB: Dialect> RecordIntent<DB::Connection> for idem_sql::Intents<DB> {
         intent: &idem_core::idempotency::EffectIntent,
     ) -> idem_core::Result<bool> {
         idem_core::idempotency::IntentStore::record(self, conn, intent).await
+    }
+
+    async fn record_intents(
+        &self,
+        conn: &mut DB::Connection,
+        intents: &[idem_core::idempotency::EffectIntent],
+    ) -> idem_core::Result<()> {
+        idem_core::idempotency::IntentStore::record_all(self, conn, intents)
+            .await
+            .map(|_| ())
     }
 }
 
@@ -361,27 +386,21 @@ fn intent_error(e: idem_core::Error) -> HandlerError {
     }
 }
 
-fn already_settled(paid: &Paid, existing: (String, i64, String)) -> Result<(), HandlerError> {
-    if existing
-        == (
-            paid.order_id.clone(),
-            paid.amount.minor,
-            paid.amount.currency.clone(),
-        )
-    {
-        Ok(())
-    } else {
-        Err(HandlerError::permanent(format!(
-            "payment {} is already settled for order {} with {} {}; this event says order {} with {} {}",
-            paid.payment_id,
-            existing.0,
-            money::format_minor(existing.1),
-            existing.2,
-            paid.order_id,
-            money::format_minor(paid.amount.minor),
-            paid.amount.currency
-        )))
+/// Whether `paid` is the settlement `existing` (order, amount, currency) already stored for its
+/// payment: the same fact under another event id converges; anything else is refused.
+fn already_settled(paid: &Paid, existing: &(String, i64, String)) -> Result<(), String> {
+    let (order, minor, currency) = existing;
+    if (order, *minor, currency) == (&paid.order_id, paid.amount.minor, &paid.amount.currency) {
+        return Ok(());
     }
+    Err(format!(
+        "payment {} is already settled for order {order} with {} {currency}; this event says order {} with {} {}",
+        paid.payment_id,
+        money::format_minor(*minor),
+        paid.order_id,
+        money::format_minor(paid.amount.minor),
+        paid.amount.currency
+    ))
 }
 
 /// The PostgreSQL `lock_timeout` of the rest of the consumer's transaction (`set_config`'s
@@ -404,62 +423,18 @@ async fn set_lock_timeout<C: SqlConnection>(
         .map_err(db_error)
 }
 
-/// The settlement already stored for `payment_id`: (order, amount, currency).
-async fn settled<C: SqlConnection>(
-    conn: &mut C,
-    payment_id: &str,
-) -> Result<(String, i64, String), HandlerError> {
-    let row = Statement::<C::Dialect>::new(
-        "SELECT order_id, amount_minor, currency FROM settlements WHERE payment_id = $1",
-    )
-    .bind(payment_id)
-    .fetch_optional(conn)
-    .await
-    .map_err(db_error)?
-    .ok_or_else(|| db_error(sqlx::Error::RowNotFound))?;
-    let col = |c: &str| get::<C::Dialect, String>(&row, c).map_err(db_error);
-    Ok((
-        col("order_id")?,
-        get::<C::Dialect, i64>(&row, "amount_minor").map_err(db_error)?,
-        col("currency")?,
-    ))
-}
-
 impl<C: SqlConnection, I: RecordIntent<C>> Handler<C> for Settlement<I> {
+    /// One event: the batch of one (so the replay, the isolating retry and a batch apply the
+    /// same statements).
     async fn handle(&self, conn: &mut C, event: &InboundEvent) -> Result<(), HandlerError> {
-        let paid = parse_paid(event)?;
-        set_lock_timeout(conn, self.lock_timeout).await?;
-        let inserted = Statement::<C::Dialect>::new(
-            "INSERT INTO settlements (payment_id, order_id, amount_minor, currency, event_id) VALUES ($1, $2, $3, $4, $5) \
-             ON CONFLICT (payment_id) DO NOTHING",
-        )
-        .bind(paid.payment_id.as_str())
-        .bind(paid.order_id.as_str())
-        .bind(paid.amount.minor)
-        .bind(paid.amount.currency.as_str())
-        .event_id(event.event_id)
-        .execute(conn)
-        .await
-        .map_err(db_error)?;
-        Statement::<C::Dialect>::new(
-            "INSERT INTO settlement_applications (event_id, payment_id) VALUES ($1, $2)",
-        )
-        .event_id(event.event_id)
-        .bind(paid.payment_id.as_str())
-        .execute(conn)
-        .await
-        .map_err(db_error)?;
-        if inserted == 1 {
-            if let Some((intents, intent)) = self.award(&paid, event) {
-                intents
-                    .record_intent(conn, &intent)
-                    .await
-                    .map_err(intent_error)?;
-            }
-            return Ok(());
+        match self.settle_batch(conn, &[event]).await {
+            Ok(outcomes) => match outcomes.into_iter().next() {
+                Some(Outcome::Applied) => Ok(()),
+                Some(Outcome::Refused(reason)) => Err(HandlerError::Permanent(reason)),
+                None => Err(HandlerError::transient("the settlement batch returned no outcome")),
+            },
+            Err(BatchError::Event { error, .. } | BatchError::Batch(error)) => Err(error),
         }
-        let existing = settled(conn, &paid.payment_id).await?;
-        already_settled(&paid, existing)
     }
 
     fn business_key(&self, event: &InboundEvent) -> String {
@@ -469,6 +444,20 @@ impl<C: SqlConnection, I: RecordIntent<C>> Handler<C> for Settlement<I> {
             .and_then(|v| v.as_str())
             .unwrap_or_default()
             .to_owned()
+    }
+
+    fn validate(&self, event: &InboundEvent) -> Result<(), String> {
+        parse_paid(event).map(|_| ())
+    }
+
+    /// The batch in a few set-based statements (the `settle` module): a settlement per payment,
+    /// an application row per applied event, a points intent per settlement inserted.
+    async fn handle_batch(
+        &self,
+        conn: &mut C,
+        events: &[&InboundEvent],
+    ) -> Result<Vec<Outcome>, BatchError> {
+        self.settle_batch(conn, events).await
     }
 }
 
@@ -481,7 +470,7 @@ pub struct Audit;
 
 impl<C: SqlConnection> Handler<C> for Audit {
     async fn handle(&self, conn: &mut C, event: &InboundEvent) -> Result<(), HandlerError> {
-        let paid = parse_paid(event)?;
+        let paid = parse_paid(event).map_err(HandlerError::Permanent)?;
         Statement::<C::Dialect>::new(
             "INSERT INTO audit_log (event_id, payment_id, amount_minor) VALUES ($1, $2, $3)",
         )
@@ -492,6 +481,10 @@ impl<C: SqlConnection> Handler<C> for Audit {
         .await
         .map_err(db_error)?;
         Ok(())
+    }
+
+    fn validate(&self, event: &InboundEvent) -> Result<(), String> {
+        parse_paid(event).map(|_| ())
     }
 }
 
