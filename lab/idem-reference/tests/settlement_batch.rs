@@ -221,3 +221,48 @@ async fn sqlite_a_database_refusal_dead_letters_exactly_the_poison_event() {
     )
     .await;
 }
+
+/// PostgreSQL `text` cannot hold NUL, which a payload's JSON string can: only the database
+/// refuses it (SQLSTATE 22021), so the batch falls back to one event at a time and exactly that
+/// event is dead-lettered.
+#[tokio::test]
+async fn postgres_a_nul_in_a_payment_id_is_refused_by_the_database_only() {
+    let b = Pg::new().await;
+    b.exec(idem_reference::POSTGRES_SCHEMA).await.unwrap();
+    let mut c = consumer(&b).await;
+    let (a, d0) = paid(0, &order(30));
+    let nul = EventId::new();
+    let payload = r#"{"order_id":"o-nul","payment_id":"pay-\u0000","amount":"1.00","currency":"EUR"}"#;
+    let d1 = delivery(1, nul, "order.paid", "o-nul", payload);
+    let (z, d2) = paid(2, &order(31));
+    let r = c.process(&[d0, d1, d2]).await.unwrap();
+    assert_eq!((r.processed, r.dead_lettered, r.retries), (2, 1, 1), "{r:?}");
+    let letters = reasons(&b).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].0.as_deref(), Some(nul.to_string().as_str()));
+    for applied in [a, z] {
+        let sql = format!("SELECT count(*) FROM settlement_applications WHERE event_id = '{applied}'");
+        assert_eq!(count(&b, &sql).await, 1);
+    }
+}
+
+/// Two instances apply batches holding the same payments under other event ids, delivered in
+/// opposite orders, at the same time: the events are applied sorted by payment (the lock
+/// order), so neither deadlocks (no retry), and each payment is settled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_two_instances_on_the_same_payments_take_locks_in_one_order() {
+    let b = Pg::new().await;
+    b.exec(idem_reference::POSTGRES_SCHEMA).await.unwrap();
+    let (mut one, mut two) = (consumer(&b).await, consumer(&b).await);
+    let forward: Vec<Delivery> = (0..100).map(|n| paid(n, &order(100 + n as u64)).1).collect();
+    let backward: Vec<Delivery> = (0..100)
+        .rev()
+        .map(|n| paid(99 - n, &order(100 + n as u64)).1)
+        .collect();
+    let (r1, r2) = tokio::join!(one.process(&forward), two.process(&backward));
+    let (r1, r2) = (r1.unwrap(), r2.unwrap());
+    assert_eq!((r1.processed, r1.retries, r2.processed, r2.retries), (100, 0, 100, 0));
+    assert_eq!(count(&b, "SELECT count(*) FROM settlements").await, 100);
+    assert_eq!(count(&b, "SELECT count(*) FROM settlement_applications").await, 200);
+    assert_eq!(count(&b, "SELECT count(*) FROM idem_effect_intents").await, 100);
+}
