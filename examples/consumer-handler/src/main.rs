@@ -22,18 +22,29 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// with the inbox row or not at all.
 struct Ledger;
 
+/// The amount an event carries, or why it can never be applied.
+fn amount(event: &InboundEvent) -> Result<i64, String> {
+    event.payload["amount_minor"]
+        .as_i64()
+        .ok_or_else(|| "the payload has no integer amount_minor".to_owned())
+}
+
 impl Handler<SqliteConnection> for Ledger {
+    /// Checked before any SQL: a refused event is dead-lettered with the reason and the rest of
+    /// the batch applied, with no rollback.
+    fn validate(&self, event: &InboundEvent) -> Result<(), String> {
+        amount(event).map(|_| ())
+    }
+
+    /// One event (the default `handle_batch` calls it for each new event of a batch; override
+    /// `handle_batch` to write a batch with set-based statements instead).
     async fn handle(
         &self,
         conn: &mut SqliteConnection,
         event: &InboundEvent,
     ) -> Result<(), HandlerError> {
-        let Some(amount) = event.payload["amount_minor"].as_i64() else {
-            // Can never work: the event is dead-lettered with this reason.
-            return Err(HandlerError::permanent(
-                "the payload has no integer amount_minor",
-            ));
-        };
+        // Can never work: the event is dead-lettered with this reason.
+        let amount = amount(event).map_err(HandlerError::Permanent)?;
         // `?` classifies a database error by its code: busy or locked is retried, a refused
         // row (constraint, bad data) is dead-lettered with its reason.
         sqlx::query("INSERT INTO ledger (event_id, order_id, amount_minor) VALUES (?1, ?2, ?3)")
