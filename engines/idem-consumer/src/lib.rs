@@ -16,7 +16,7 @@ use idem_core::crash::{self, CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT};
 use idem_core::{Delivery, Error, EventId, InboundEvent, InboxEntry, InboxStore, Result, Source};
 
 use crate::attempt::AttemptCx;
-use crate::batch::{Batch, Counts, Unique, last_offsets};
+use crate::batch::{Batch, Unique, last_offsets};
 use crate::retry::{Retries, Step};
 
 pub use config::ConsumerConfig;
@@ -402,12 +402,16 @@ where
                     .labels(g.topic, &self.config.group, g.event_type, g.aggregate_type);
             self.metrics.count(&labels, g.counts, &g.waited);
         }
-        let mut report = BatchReport {
+        let c = tally.total;
+        BatchReport {
+            records: 0,
+            processed: c.processed,
+            duplicate_deliveries: c.duplicate_deliveries,
+            duplicate_skips: c.duplicate_skips,
+            conflicts: c.conflicts,
+            dead_lettered: c.dead_lettered,
             retries: retries.retries,
-            ..BatchReport::default()
-        };
-        report.add(tally.total);
-        report
+        }
     }
 
     /// Under the `select-then-insert` negative control: the inbox rows, written after the
@@ -473,16 +477,6 @@ where
             () = stop => false,
             () = tokio::time::sleep(wait) => true,
         }
-    }
-}
-
-impl BatchReport {
-    fn add(&mut self, c: Counts) {
-        self.processed += c.processed;
-        self.dead_lettered += c.dead_lettered;
-        self.conflicts += c.conflicts;
-        self.duplicate_deliveries += c.duplicate_deliveries;
-        self.duplicate_skips += c.duplicate_skips;
     }
 }
 

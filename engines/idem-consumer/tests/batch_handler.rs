@@ -8,23 +8,14 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+
 use idem_conformance::backend::{Backend, Lite};
+use idem_conformance::records::{NoSource, delivery};
 use idem_consumer::{
     BatchError, Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError, Outcome,
 };
-use idem_core::{Delivery, EventId, InboundEvent, InboxStore, Result, Source};
+use idem_core::{Delivery, EventId, InboundEvent, InboxStore};
 use sqlx::SqliteConnection;
-
-struct NoSource;
-
-impl Source for NoSource {
-    async fn next_batch(&mut self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
-        std::future::pending().await
-    }
-    async fn commit(&mut self, _done: &[(String, i32, i64)]) -> Result<()> {
-        Ok(())
-    }
-}
 
 /// How the scripted batch handler misbehaves.
 #[derive(Clone, Copy, Default, PartialEq, Eq)]
@@ -113,20 +104,8 @@ impl Handler<SqliteConnection> for SetHandler {
 }
 
 fn record(offset: i64, id: EventId, payload: &str) -> Delivery {
-    Delivery {
-        topic: "t".into(),
-        partition: 0,
-        offset,
-        key: Some("k".into()),
-        payload: Some(payload.as_bytes().to_vec()),
-        headers: vec![
-            ("ce_id".into(), id.to_string()),
-            ("ce_type".into(), "order.paid".into()),
-            ("idem_aggregate_type".into(), "order".into()),
-            ("idem_aggregate_id".into(), format!("o-{offset}")),
-        ],
-        timestamp: None,
-    }
+    let aggregate = format!("o-{offset}");
+    delivery("t", offset, id, "order.paid", &aggregate, payload)
 }
 
 type Under = Consumer<idem_sqlite::SqliteInbox, SetHandler, NoSource>;

@@ -12,25 +12,14 @@ use std::time::Duration;
 
 use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_conformance::process::eventually;
+use idem_conformance::records::NoSource;
 use idem_consumer::replay::{ReplayRequest, ReplayResult, replay};
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError};
 use idem_core::crash::{BREAK_TRANSIENT_DEAD_LETTERS, BROKEN_TRANSIENT_BUDGET};
-use idem_core::{Delivery, EventId, InboundEvent, InboxStore, Result, Source};
+use idem_core::{Delivery, EventId, InboundEvent, InboxStore};
 use tokio::sync::Semaphore;
 
 const GROUP: &str = "settlement";
-
-/// A source that is never read: the tests hand batches to `Consumer::process`.
-struct NoSource;
-
-impl Source for NoSource {
-    async fn next_batch(&mut self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
-        std::future::pending().await
-    }
-    async fn commit(&mut self, _done: &[(String, i32, i64)]) -> Result<()> {
-        Ok(())
-    }
-}
 
 /// Writes one `replay_effects` row per call that succeeds (no unique key: a second application
 /// shows as a second row). Refuses every event while `refuse` is set, fails transiently while

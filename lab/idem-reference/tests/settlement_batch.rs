@@ -8,39 +8,15 @@
 use std::time::Duration;
 
 use idem_conformance::backend::{Backend, Lite, Pg};
+use idem_conformance::records::{self, NoSource};
 use idem_consumer::{BatchReport, Consumer, ConsumerConfig, ConsumerMetrics, Handler};
-use idem_core::{Delivery, EventId, InboxStore, Source};
+use idem_core::{Delivery, EventId, InboxStore};
 use idem_reference::{PaidOrder, Settlement};
 
 const TARGET: &str = "http://127.0.0.1:8088/awards";
 
-/// A source the tests hand batches to through [`Consumer::process`].
-struct Handed;
-
-impl Source for Handed {
-    async fn next_batch(&mut self, _max: usize, _linger: Duration) -> idem_core::Result<Vec<Delivery>> {
-        std::future::pending().await
-    }
-    async fn commit(&mut self, _done: &[(String, i32, i64)]) -> idem_core::Result<()> {
-        Ok(())
-    }
-}
-
 fn delivery(offset: i64, id: EventId, event_type: &str, key: &str, payload: &str) -> Delivery {
-    Delivery {
-        topic: "outbox.event.order".into(),
-        partition: 0,
-        offset,
-        key: Some(key.into()),
-        payload: Some(payload.as_bytes().to_vec()),
-        headers: vec![
-            ("ce_id".into(), id.to_string()),
-            ("ce_type".into(), event_type.into()),
-            ("idem_aggregate_type".into(), "order".into()),
-            ("idem_aggregate_id".into(), key.into()),
-        ],
-        timestamp: None,
-    }
+    records::delivery("outbox.event.order", offset, id, event_type, key, payload)
 }
 
 /// The `order.paid` record of `order` under a fresh event id.
@@ -56,7 +32,7 @@ fn order(n: u64) -> PaidOrder {
 
 async fn consumer<B: Backend>(
     b: &B,
-) -> Consumer<B::Inbox, Settlement<B::Intents>, Handed>
+) -> Consumer<B::Inbox, Settlement<B::Intents>, NoSource>
 where
     Settlement<B::Intents>: Handler<<B::Inbox as InboxStore>::Conn>,
 {
@@ -64,7 +40,7 @@ where
     config.retry_backoff = Duration::ZERO;
     let metrics = ConsumerMetrics::unregistered().unwrap();
     let handler = Settlement::with_points(b.intents(), TARGET);
-    Consumer::new(b.inbox(), handler, Handed, config, metrics)
+    Consumer::new(b.inbox(), handler, NoSource, config, metrics)
 }
 
 async fn count<B: Backend>(b: &B, sql: &str) -> i64 {

@@ -1,12 +1,13 @@
 //! Test support for idem, not shipped: backend-agnostic store scenarios that run once per
 //! database ([`scenarios`]), throwaway PostgreSQL databases ([`pg`]) and Apache Kafka brokers
-//! ([`kafka`]).
+//! ([`kafka`]), records to hand a consumer ([`records`]).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 pub mod backend;
 pub mod kafka;
 pub mod pg;
 pub mod process;
+pub mod records;
 pub mod retention;
 pub mod scenarios;
 
