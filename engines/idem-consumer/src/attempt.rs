@@ -256,7 +256,10 @@ fn refusals(
     outcomes: Vec<Outcome>,
 ) -> Result<Vec<(EventId, String)>, Attempt> {
     if outcomes.len() != events.len() {
-        return Err(Attempt::Refused(outcome_count(events.len(), outcomes.len())));
+        return Err(Attempt::Refused(outcome_count(
+            events.len(),
+            outcomes.len(),
+        )));
     }
     Ok(events
         .iter()

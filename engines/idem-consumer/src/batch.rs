@@ -281,7 +281,11 @@ impl<'a> Batch<'a> {
         }
         for d in &self.undecodable {
             let event_type = d.event_type.as_deref().unwrap_or_default();
-            t.add((d.topic.as_str(), event_type, ""), Counts::UNDECODABLE, None);
+            t.add(
+                (d.topic.as_str(), event_type, ""),
+                Counts::UNDECODABLE,
+                None,
+            );
         }
         t
     }
@@ -403,7 +407,11 @@ mod tests {
         );
         assert_eq!(t.groups[0].waited, [Duration::from_secs(2)]);
         assert_eq!(
-            (t.total.processed, t.total.dead_lettered, t.total.duplicate_deliveries),
+            (
+                t.total.processed,
+                t.total.dead_lettered,
+                t.total.duplicate_deliveries
+            ),
             (2, 1, 2)
         );
     }

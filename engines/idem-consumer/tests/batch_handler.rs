@@ -8,7 +8,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-
 use idem_conformance::backend::{Backend, Lite};
 use idem_conformance::records::{NoSource, delivery};
 use idem_consumer::{
@@ -77,7 +76,9 @@ impl Handler<SqliteConnection> for SetHandler {
                 if events.len() > 1 {
                     Err(HandlerError::permanent("a CHECK refused the statement"))?
                 }
-                return Ok(vec![Outcome::Refused("the database refuses this one".into())]);
+                return Ok(vec![Outcome::Refused(
+                    "the database refuses this one".into(),
+                )]);
             }
             _ => {}
         }
@@ -162,7 +163,11 @@ async fn refusals_by_validate_and_by_outcome_cost_one_call_and_no_rollback() {
         10,
     );
     let r = c.process(&records).await.unwrap();
-    assert_eq!((r.processed, r.dead_lettered, r.retries), (5, 5, 0), "{r:?}");
+    assert_eq!(
+        (r.processed, r.dead_lettered, r.retries),
+        (5, 5, 0),
+        "{r:?}"
+    );
     assert_eq!(
         *h.batches.lock().unwrap(),
         [9],
@@ -192,7 +197,11 @@ async fn a_batch_the_database_refuses_is_isolated_and_only_its_poison_dead_lette
         6,
     );
     let r = c.process(&records).await.unwrap();
-    assert_eq!((r.processed, r.dead_lettered, r.retries), (4, 2, 1), "{r:?}");
+    assert_eq!(
+        (r.processed, r.dead_lettered, r.retries),
+        (4, 2, 1),
+        "{r:?}"
+    );
     assert_eq!(
         *h.batches.lock().unwrap(),
         [6, 1, 1, 1, 1, 1, 1],
@@ -214,7 +223,11 @@ async fn a_wrong_outcome_count_is_isolated_and_dead_letters_nothing() {
     let (b, h, mut c) = setup(Mode::WrongCountOnce).await;
     let (_, records) = batch(|_| "{}", 3);
     let r = c.process(&records).await.unwrap();
-    assert_eq!((r.processed, r.dead_lettered, r.retries), (3, 0, 1), "{r:?}");
+    assert_eq!(
+        (r.processed, r.dead_lettered, r.retries),
+        (3, 0, 1),
+        "{r:?}"
+    );
     assert_eq!(*h.batches.lock().unwrap(), [3, 1, 1, 1]);
     assert_eq!(
         b.scalar("SELECT count(*) FROM effects").await,
@@ -228,10 +241,18 @@ async fn a_transient_batch_failure_is_retried_and_applied_once() {
     let (b, h, mut c) = setup(Mode::TransientOnce).await;
     let (_, records) = batch(|_| "{}", 3);
     let r = c.process(&records).await.unwrap();
-    assert_eq!((r.processed, r.dead_lettered, r.retries), (3, 0, 1), "{r:?}");
+    assert_eq!(
+        (r.processed, r.dead_lettered, r.retries),
+        (3, 0, 1),
+        "{r:?}"
+    );
     assert_eq!(*h.batches.lock().unwrap(), [3, 1, 1, 1]);
     assert_eq!(b.scalar("SELECT count(*) FROM effects").await, 3);
     let again = c.process(&records).await.unwrap();
     assert_eq!((again.processed, again.duplicate_skips), (0, 3));
-    assert_eq!(h.batches.lock().unwrap().len(), 4, "duplicates reach no handler");
+    assert_eq!(
+        h.batches.lock().unwrap().len(),
+        4,
+        "duplicates reach no handler"
+    );
 }

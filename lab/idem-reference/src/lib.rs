@@ -431,7 +431,9 @@ impl<C: SqlConnection, I: RecordIntent<C>> Handler<C> for Settlement<I> {
             Ok(outcomes) => match outcomes.into_iter().next() {
                 Some(Outcome::Applied) => Ok(()),
                 Some(Outcome::Refused(reason)) => Err(HandlerError::Permanent(reason)),
-                None => Err(HandlerError::transient("the settlement batch returned no outcome")),
+                None => Err(HandlerError::transient(
+                    "the settlement batch returned no outcome",
+                )),
             },
             Err(BatchError::Event { error, .. } | BatchError::Batch(error)) => Err(error),
         }

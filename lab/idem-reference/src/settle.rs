@@ -112,7 +112,12 @@ async fn settle<C: SqlConnection>(
     let rows = Statement::<C::Dialect>::new(sql::<C>(SETTLE.0, SETTLE.1))
         .bind(col(|p| p.payment_id.clone()))
         .bind(col(|p| p.order_id.clone()))
-        .bind(items.iter().map(|i| i.paid.amount.minor).collect::<Array<_>>())
+        .bind(
+            items
+                .iter()
+                .map(|i| i.paid.amount.minor)
+                .collect::<Array<_>>(),
+        )
         .bind(col(|p| p.amount.currency.clone()))
         .bind(Array::event_ids(&ids))
         .fetch_all(conn)
@@ -340,8 +345,14 @@ mod tests {
         let v = verdicts(&items, &flags, &stored).unwrap();
         assert_eq!(v[0], Verdict::Inserted);
         assert_eq!(v[1], Verdict::Converged, "the same fact twice in one batch");
-        assert!(matches!(&v[2], Verdict::Conflict(r) if r.contains("order o-1")), "{v:?}");
-        assert!(matches!(&v[3], Verdict::Conflict(r) if r.contains("2.50")), "{v:?}");
+        assert!(
+            matches!(&v[2], Verdict::Conflict(r) if r.contains("order o-1")),
+            "{v:?}"
+        );
+        assert!(
+            matches!(&v[3], Verdict::Conflict(r) if r.contains("2.50")),
+            "{v:?}"
+        );
         assert_eq!(v[4], Verdict::Inserted);
         let missing = [item(&e, "p-4", "o-4", 100)];
         assert_eq!(verdicts(&missing, &[false], &stored), None);

@@ -30,9 +30,7 @@ fn order(n: u64) -> PaidOrder {
     PaidOrder::numbered("batch-", n)
 }
 
-async fn consumer<B: Backend>(
-    b: &B,
-) -> Consumer<B::Inbox, Settlement<B::Intents>, NoSource>
+async fn consumer<B: Backend>(b: &B) -> Consumer<B::Inbox, Settlement<B::Intents>, NoSource>
 where
     Settlement<B::Intents>: Handler<<B::Inbox as InboxStore>::Conn>,
 {
@@ -50,7 +48,10 @@ async fn count<B: Backend>(b: &B, sql: &str) -> i64 {
 async fn reasons<B: Backend>(b: &B) -> Vec<(Option<String>, String)> {
     let mut letters = b.inbox().dead_letters("settlement", 100).await.unwrap();
     letters.sort_by_key(|l| l.offset);
-    letters.into_iter().map(|l| (l.event_id, l.reason)).collect()
+    letters
+        .into_iter()
+        .map(|l| (l.event_id, l.reason))
+        .collect()
 }
 
 /// Rust-decidable refusals in one batch: no rollback, no isolating retry.
@@ -66,7 +67,13 @@ where
 
     let (good, d1) = paid(1, &order(1));
     let malformed_id = EventId::new();
-    let malformed = delivery(2, malformed_id, "order.paid", "o-x", r#"{"order_id":"o-x"}"#);
+    let malformed = delivery(
+        2,
+        malformed_id,
+        "order.paid",
+        "o-x",
+        r#"{"order_id":"o-x"}"#,
+    );
     let other_type_id = EventId::new();
     let other_type = delivery(3, other_type_id, "order.refunded", "o-y", r#"{"x":1}"#);
     let mut changed = order(2);
@@ -104,15 +111,17 @@ where
             .map(|(_, r)| r.as_str())
             .unwrap_or_else(|| panic!("no dead letter for {id}: {letters:?}"))
     };
-    assert!(reason_of(malformed_id).contains("no payment_id"), "{letters:?}");
+    assert!(
+        reason_of(malformed_id).contains("no payment_id"),
+        "{letters:?}"
+    );
     assert!(reason_of(other_type_id).contains("unexpected event type"));
     assert!(reason_of(conflicting).contains("already settled"));
     assert!(reason_of(twice_conflict).contains("already settled"));
     assert_eq!(letters.len(), 4);
     for applied in [settled_before, good, twice_a, twice_b] {
-        let sql = format!(
-            "SELECT count(*) FROM settlement_applications WHERE event_id = '{applied}'"
-        );
+        let sql =
+            format!("SELECT count(*) FROM settlement_applications WHERE event_id = '{applied}'");
         assert_eq!(count(b, &sql).await, 1, "{applied}");
     }
     // Redelivered, the whole batch is skipped: nothing applied twice, nothing new dead-lettered.
@@ -157,9 +166,8 @@ where
         "{letters:?}"
     );
     for applied in [a, z, z_again] {
-        let sql = format!(
-            "SELECT count(*) FROM settlement_applications WHERE event_id = '{applied}'"
-        );
+        let sql =
+            format!("SELECT count(*) FROM settlement_applications WHERE event_id = '{applied}'");
         assert_eq!(count(b, &sql).await, 1, "{applied}");
     }
     assert_eq!(count(b, "SELECT count(*) FROM settlements").await, 3);
@@ -208,16 +216,22 @@ async fn postgres_a_nul_in_a_payment_id_is_refused_by_the_database_only() {
     let mut c = consumer(&b).await;
     let (a, d0) = paid(0, &order(30));
     let nul = EventId::new();
-    let payload = r#"{"order_id":"o-nul","payment_id":"pay-\u0000","amount":"1.00","currency":"EUR"}"#;
+    let payload =
+        r#"{"order_id":"o-nul","payment_id":"pay-\u0000","amount":"1.00","currency":"EUR"}"#;
     let d1 = delivery(1, nul, "order.paid", "o-nul", payload);
     let (z, d2) = paid(2, &order(31));
     let r = c.process(&[d0, d1, d2]).await.unwrap();
-    assert_eq!((r.processed, r.dead_lettered, r.retries), (2, 1, 1), "{r:?}");
+    assert_eq!(
+        (r.processed, r.dead_lettered, r.retries),
+        (2, 1, 1),
+        "{r:?}"
+    );
     let letters = reasons(&b).await;
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!(letters[0].0.as_deref(), Some(nul.to_string().as_str()));
     for applied in [a, z] {
-        let sql = format!("SELECT count(*) FROM settlement_applications WHERE event_id = '{applied}'");
+        let sql =
+            format!("SELECT count(*) FROM settlement_applications WHERE event_id = '{applied}'");
         assert_eq!(count(&b, &sql).await, 1);
     }
 }
@@ -230,15 +244,26 @@ async fn postgres_two_instances_on_the_same_payments_take_locks_in_one_order() {
     let b = Pg::new().await;
     b.exec(idem_reference::POSTGRES_SCHEMA).await.unwrap();
     let (mut one, mut two) = (consumer(&b).await, consumer(&b).await);
-    let forward: Vec<Delivery> = (0..100).map(|n| paid(n, &order(100 + n as u64)).1).collect();
+    let forward: Vec<Delivery> = (0..100)
+        .map(|n| paid(n, &order(100 + n as u64)).1)
+        .collect();
     let backward: Vec<Delivery> = (0..100)
         .rev()
         .map(|n| paid(99 - n, &order(100 + n as u64)).1)
         .collect();
     let (r1, r2) = tokio::join!(one.process(&forward), two.process(&backward));
     let (r1, r2) = (r1.unwrap(), r2.unwrap());
-    assert_eq!((r1.processed, r1.retries, r2.processed, r2.retries), (100, 0, 100, 0));
+    assert_eq!(
+        (r1.processed, r1.retries, r2.processed, r2.retries),
+        (100, 0, 100, 0)
+    );
     assert_eq!(count(&b, "SELECT count(*) FROM settlements").await, 100);
-    assert_eq!(count(&b, "SELECT count(*) FROM settlement_applications").await, 200);
-    assert_eq!(count(&b, "SELECT count(*) FROM idem_effect_intents").await, 100);
+    assert_eq!(
+        count(&b, "SELECT count(*) FROM settlement_applications").await,
+        200
+    );
+    assert_eq!(
+        count(&b, "SELECT count(*) FROM idem_effect_intents").await,
+        100
+    );
 }

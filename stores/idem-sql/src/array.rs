@@ -67,7 +67,8 @@ impl Element for String {
 
 impl Element for Option<String> {
     fn json(&self) -> serde_json::Value {
-        self.clone().map_or(serde_json::Value::Null, serde_json::Value::String)
+        self.clone()
+            .map_or(serde_json::Value::Null, serde_json::Value::String)
     }
 }
 

@@ -11,8 +11,8 @@ use idem_core::{Error, Result, TableNames};
 use sqlx::Pool;
 
 use crate::dialect::{Now, Stmt, get};
-use crate::{Array, Dialect};
 use crate::queries::Handle;
+use crate::{Array, Dialect};
 
 /// Effect intents ([`IntentStore`]) in database `DB`.
 #[derive(Debug)]

@@ -1057,7 +1057,10 @@ pub async fn intents_recorded_as_a_batch_are_recorded_as_one_by_one<B: Backend>(
     want.sort_by_key(|i| i.key().unwrap().as_str().to_owned());
     let mut got_sorted = got.clone();
     got_sorted.sort_by_key(|i| i.key().unwrap().as_str().to_owned());
-    assert_eq!(got_sorted, want, "every column kept; the rolled-back batch is gone");
+    assert_eq!(
+        got_sorted, want,
+        "every column kept; the rolled-back batch is gone"
+    );
     assert_eq!(got[0], &d, "recorded first");
 }
 
