@@ -39,6 +39,7 @@
 pub mod classify;
 mod dispatcher;
 mod metrics;
+pub mod pipeline;
 pub mod remote;
 mod status;
 
@@ -48,6 +49,7 @@ pub use classify::{
 };
 pub use dispatcher::{CompensateError, Dispatcher, DispatcherBuilder, DispatcherConfig};
 pub use metrics::EffectMetrics;
+pub use pipeline::claim_size;
 pub use remote::{
     AppliedWhen, Compensation, CompensationError, EffectPolicy, HttpCompensation, HttpStatusProbe,
     Probe, StatusProbe, TemplateError,

@@ -689,7 +689,8 @@ async fn a_keyless_intent_taken_over_while_its_request_is_in_flight_is_not_resen
     assert_eq!(w.status_of(id).await, "unknown");
 }
 
-/// An intent store whose `finish` fails for one intent: a store error in one send of a batch.
+/// An intent store whose `finish_all` fails for a batch holding one intent: a store error in
+/// the recording of a batch.
 #[derive(Clone)]
 struct FailFinish {
     inner: idem_sqlite::SqliteIntents,
@@ -711,16 +712,14 @@ impl IntentStore for FailFinish {
     async fn mark_sending(&self, id: i64, attempt: i32, left: Duration) -> idem_core::Result<bool> {
         self.inner.mark_sending(id, attempt, left).await
     }
-    async fn finish(
+    async fn finish_all(
         &self,
-        id: i64,
-        attempt: i32,
-        outcome: &idem_core::idempotency::IntentOutcome,
-    ) -> idem_core::Result<bool> {
-        if id == self.fail {
+        finished: &[idem_core::idempotency::FinishedAttempt],
+    ) -> idem_core::Result<Vec<i64>> {
+        if finished.iter().any(|f| f.id == self.fail) {
             return Err(idem_core::Error::Config("the database went away".into()));
         }
-        self.inner.finish(id, attempt, outcome).await
+        self.inner.finish_all(finished).await
     }
     async fn stuck(
         &self,
