@@ -18,7 +18,7 @@ use crate::classify::{
     next_wait, parse_retry_after, predecessor_outcome, probe_verdict,
 };
 use crate::metrics::EffectMetrics;
-use crate::pipeline::{Buffered, OutcomeBuffer, claim_size};
+use crate::pipeline::{Buffered, OutcomeBuffer, claim_size, may_claim};
 use crate::remote::{CompensationError, EffectPolicy, Policies};
 use crate::status::{IntentStatus, UnknownStatus};
 
@@ -305,6 +305,7 @@ impl<S: IntentStore> Dispatcher<S> {
         if !p.stopping
             && p.claiming.is_none()
             && now >= p.next_claim
+            && may_claim(p.buffer.len(), self.config.outcome_batch)
             && let Some(size) = claim_size(
                 p.in_flight.len(),
                 self.config.concurrency,
@@ -323,7 +324,7 @@ impl<S: IntentStore> Dispatcher<S> {
     }
 
     /// Sends the intents of a claim, and sets when to claim next.
-    fn claimed<'d>(&'d self, p: &mut Pipeline<'d>, r: Result<(Vec<ClaimedIntent>, Instant)>) {
+    fn claimed<'d>(&'d self, p: &mut Pipeline<'d>, r: Result<Claimed>) {
         match r {
             Ok((claimed, lease_end)) => {
                 let (min, max) = (self.config.idle_min, self.config.idle_max);
@@ -369,7 +370,7 @@ impl<S: IntentStore> Dispatcher<S> {
     }
 
     /// Leases up to `size` intents; the lease end by this clock.
-    async fn claim(&self, size: u32) -> Result<(Vec<ClaimedIntent>, Instant)> {
+    async fn claim(&self, size: u32) -> Result<Claimed> {
         // The lease runs from before the claim by this clock: never later than the store's.
         let lease_end = Instant::now() + self.config.lease;
         let claimed = self.store.claim(size, self.config.lease).await?;
@@ -452,11 +453,7 @@ impl<S: IntentStore> Dispatcher<S> {
     }
 
     /// One attempt of one claimed intent, with the intent (for [`Self::ended`]).
-    fn attempt_owned(
-        &self,
-        c: ClaimedIntent,
-        lease_end: Instant,
-    ) -> BoxFuture<'_, (ClaimedIntent, Result<Option<Verdict>>)> {
+    fn attempt_owned(&self, c: ClaimedIntent, lease_end: Instant) -> BoxFuture<'_, Attempted> {
         Box::pin(async move {
             let r = self.attempt(&c, lease_end).await;
             (c, r)
@@ -649,11 +646,17 @@ impl<S: IntentStore> Dispatcher<S> {
     }
 }
 
+/// A claim's intents and the end of their lease by this clock.
+type Claimed = (Vec<ClaimedIntent>, Instant);
+
+/// An ended attempt: the intent and its verdict (`None`: nothing was sent).
+type Attempted = (ClaimedIntent, Result<Option<Verdict>>);
+
 /// The state of [`Dispatcher::run`]'s loop: the claim, requests and write in progress, and the
 /// outcomes waiting to be written.
 struct Pipeline<'d> {
-    claiming: Option<BoxFuture<'d, Result<(Vec<ClaimedIntent>, Instant)>>>,
-    in_flight: FuturesUnordered<BoxFuture<'d, (ClaimedIntent, Result<Option<Verdict>>)>>,
+    claiming: Option<BoxFuture<'d, Result<Claimed>>>,
+    in_flight: FuturesUnordered<BoxFuture<'d, Attempted>>,
     writing: Option<BoxFuture<'d, Result<()>>>,
     buffer: OutcomeBuffer,
     /// The first error; set together with `stopping`.

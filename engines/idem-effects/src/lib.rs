@@ -49,7 +49,7 @@ pub use classify::{
 };
 pub use dispatcher::{CompensateError, Dispatcher, DispatcherBuilder, DispatcherConfig};
 pub use metrics::EffectMetrics;
-pub use pipeline::claim_size;
+pub use pipeline::{claim_size, may_claim};
 pub use remote::{
     AppliedWhen, Compensation, CompensationError, EffectPolicy, HttpCompensation, HttpStatusProbe,
     Probe, StatusProbe, TemplateError,

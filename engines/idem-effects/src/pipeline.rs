@@ -24,6 +24,13 @@ pub fn claim_size(in_flight: usize, concurrency: usize, batch: u32) -> Option<u3
     Some(u32::try_from(free).unwrap_or(u32::MAX).min(batch.max(1)))
 }
 
+/// Whether a claim may start with `buffered` outcomes not yet written: not while a full batch
+/// waits (the write in progress is slow), so that a stalled database does not let unrecorded
+/// outcomes pile up while their leases run out.
+pub fn may_claim(buffered: usize, outcome_batch: usize) -> bool {
+    buffered < outcome_batch.max(1)
+}
+
 /// A finished attempt waiting to be recorded, with the labels its metrics use (effect, host).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Buffered {
@@ -45,6 +52,11 @@ impl OutcomeBuffer {
     pub(crate) fn push(&mut self, entry: Buffered, now: Instant) {
         self.since.get_or_insert(now);
         self.entries.push(entry);
+    }
+
+    /// How many outcomes wait.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
     }
 
     /// Whether nothing waits.
@@ -105,6 +117,15 @@ mod tests {
     }
 
     #[test]
+    fn claims_stop_while_a_full_batch_of_outcomes_waits() {
+        assert!(may_claim(0, 64));
+        assert!(may_claim(63, 64));
+        assert!(!may_claim(64, 64), "the write in progress is slow");
+        assert!(may_claim(0, 0));
+        assert!(!may_claim(1, 0));
+    }
+
+    #[test]
     fn the_buffer_is_due_when_full_or_after_the_delay_of_its_oldest_outcome() {
         let t0 = Instant::now();
         let delay = Duration::from_millis(5);
@@ -112,6 +133,7 @@ mod tests {
         assert_eq!(b.deadline(3, delay), None);
         b.push(entry(1), t0);
         b.push(entry(2), t0 + Duration::from_millis(4));
+        assert_eq!(b.len(), 2);
         assert_eq!(b.deadline(3, delay), Some(t0 + delay), "from the oldest");
         b.push(entry(3), t0 + Duration::from_millis(4));
         assert_eq!(b.deadline(3, delay), Some(t0), "full: at once");
