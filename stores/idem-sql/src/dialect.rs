@@ -359,6 +359,13 @@ pub(crate) mod sealed {
         ) -> BoxFuture<'a, Result<u64>>
         where
             Self: super::Dialect;
+        /// [`idem_core::retention::RetentionStore::prune_aggregate_counters`].
+        fn prune_counters(
+            store: &crate::RelayStore<Self>,
+            batch: u32,
+        ) -> BoxFuture<'_, Result<u64>>
+        where
+            Self: super::Dialect;
     }
 
     /// Seals [`SqlConnection`](super::SqlConnection).
