@@ -15,9 +15,11 @@ use axum::response::Response;
 use idem_conformance::backend::{Backend, Lite, OpenTx, Pg};
 use idem_conformance::process::eventually;
 use idem_core::EventId;
-use idem_core::idempotency::{EffectIntent, FinishedAttempt, IntentStore};
+use idem_core::idempotency::{EffectIntent, IntentStore};
 use idem_effects::{Dispatcher, DispatcherConfig, EffectMetrics};
 use idem_reference::points::{PointsDb, router};
+
+mod support;
 
 /// What the remote has seen, and the one payment it holds until released.
 #[derive(Clone)]
@@ -341,65 +343,6 @@ async fn shutdown_records_every_buffered_outcome_on_sqlite() {
     shutdown_records_the_buffered_outcomes(Lite::new().await).await;
 }
 
-/// An intent store whose `finish_all` first lets another dispatcher take over intent `victim`
-/// (its lease runs out and it is claimed again): the batch then holds one stale attempt.
-#[derive(Clone)]
-struct TakeOver<S: IntentStore> {
-    inner: S,
-    expire: Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>,
-    victim: i64,
-}
-
-impl<S: IntentStore> IntentStore for TakeOver<S> {
-    type Conn = S::Conn;
-    async fn record(&self, c: &mut Self::Conn, i: &EffectIntent) -> idem_core::Result<bool> {
-        self.inner.record(c, i).await
-    }
-    async fn claim(
-        &self,
-        batch: u32,
-        lease: Duration,
-    ) -> idem_core::Result<Vec<idem_core::idempotency::ClaimedIntent>> {
-        self.inner.claim(batch, lease).await
-    }
-    async fn mark_sending(&self, id: i64, attempt: i32, left: Duration) -> idem_core::Result<bool> {
-        self.inner.mark_sending(id, attempt, left).await
-    }
-    async fn finish_all(&self, finished: &[FinishedAttempt]) -> idem_core::Result<Vec<i64>> {
-        (self.expire)().await;
-        let taken = self.inner.claim(10, Duration::from_secs(60)).await?;
-        assert_eq!(
-            taken.iter().map(|c| (c.id, c.attempt)).collect::<Vec<_>>(),
-            vec![(self.victim, 2)],
-            "only the victim's lease ran out"
-        );
-        self.inner.finish_all(finished).await
-    }
-    async fn stuck(
-        &self,
-        limit: u32,
-    ) -> idem_core::Result<Vec<idem_core::idempotency::StuckIntent>> {
-        self.inner.stuck(limit).await
-    }
-    async fn retry_stuck(&self, ids: Option<&[i64]>) -> idem_core::Result<u64> {
-        self.inner.retry_stuck(ids).await
-    }
-    async fn get(
-        &self,
-        id: i64,
-    ) -> idem_core::Result<Option<(idem_core::idempotency::ClaimedIntent, String)>> {
-        self.inner.get(id).await
-    }
-    async fn resolve(
-        &self,
-        id: i64,
-        r: idem_core::idempotency::Resolution,
-        note: &str,
-    ) -> idem_core::Result<bool> {
-        self.inner.resolve(id, r, note).await
-    }
-}
-
 /// A batch holding the outcome of an attempt whose claim expired and was taken again: that
 /// outcome changes nothing (the new attempt keeps the intent), the others are recorded, and the
 /// fenced one is counted in `idem_effect_fenced_total`.
@@ -414,20 +357,28 @@ async fn an_outcome_of_a_taken_over_attempt_is_fenced_and_counted() {
     let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", w.client.path().display()))
         .await
         .unwrap();
-    let expire = Arc::new(move || {
-        let pool = pool.clone();
-        Box::pin(async move {
-            sqlx::query("UPDATE idem_effect_intents SET claimed_until = 0 WHERE id = ?1")
-                .bind(victim)
-                .execute(&pool)
-                .await
-                .unwrap();
-        }) as futures::future::BoxFuture<'static, ()>
-    });
-    let store = TakeOver {
+    // Before the batch is written, the victim's lease runs out and another dispatcher claims
+    // it: the batch then holds one stale attempt.
+    let other = w.client.intents();
+    let store = support::HookedFinish {
         inner: w.client.intents(),
-        expire,
-        victim,
+        hook: Arc::new(move |_| {
+            let (pool, other) = (pool.clone(), other.clone());
+            Box::pin(async move {
+                sqlx::query("UPDATE idem_effect_intents SET claimed_until = 0 WHERE id = ?1")
+                    .bind(victim)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+                let taken = other.claim(10, Duration::from_secs(60)).await?;
+                assert_eq!(
+                    taken.iter().map(|c| (c.id, c.attempt)).collect::<Vec<_>>(),
+                    vec![(victim, 2)],
+                    "only the victim's lease ran out"
+                );
+                Ok(())
+            })
+        }),
     };
     let d = w.dispatcher_over(store, config(|c| c));
     assert_eq!(d.run_once().await.unwrap(), 3);

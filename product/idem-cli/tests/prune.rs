@@ -11,12 +11,27 @@ const OLD: &str = "0190b6a4-0000-7000-8000-000000000001";
 const YOUNG: &str = "0190b6a4-0000-7000-8000-000000000002";
 
 fn prune(url: &str, extra: &[&str]) -> Output {
-    let mut args = vec!["prune", "--db", url, "--redelivery-horizon", "7d"];
+    let mut args = vec!["--redelivery-horizon", "7d"];
     args.extend_from_slice(extra);
+    prune_without_horizon(url, &args)
+}
+
+fn prune_without_horizon(url: &str, extra: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(&args)
+        .args(["prune", "--db", url])
+        .args(extra)
         .output()
         .unwrap()
+}
+
+/// The standard output of a run that must have succeeded.
+fn succeeded(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 async fn check<B: Backend>(b: &B, url: &str) {
@@ -54,12 +69,7 @@ async fn check<B: Backend>(b: &B, url: &str) {
         url,
         &["--inbox-older-than", "8d", "--intents-older-than", "7d"],
     );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = succeeded(&out);
     assert!(text.contains("pruned 1 inbox rows"), "{text}");
     assert!(text.contains("pruned 0 done effect intents"), "{text}");
     assert_eq!(
@@ -102,24 +112,12 @@ async fn check_counters<B: Backend>(b: &B, url: &str, expected: u64) {
     ))
     .await
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["prune", "--db", url, "--outbox-counters"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = succeeded(&prune_without_horizon(url, &["--outbox-counters"]));
     assert!(
         text.contains(&format!("pruned {expected} outbox aggregate counters")),
         "{text}"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["prune", "--db", url, "--inbox-older-than", "8d"])
-        .output()
-        .unwrap();
+    let out = prune_without_horizon(url, &["--inbox-older-than", "8d"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "a window without a horizon ran");
     assert!(
