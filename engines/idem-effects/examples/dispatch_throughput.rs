@@ -9,7 +9,8 @@
 //!
 //! Arguments: intents per run (default 20000), concurrency (default 8), runs (default 3). It
 //! creates the database `idem_effects_bench`, drops it at the end, and prints intents/s and WAL
-//! syncs per intent per run (`pg_stat_wal`, the whole server's: run it on a quiet server).
+//! syncs per intent per run (`pg_stat_wal`, the whole server's: run it on a quiet server) and the
+//! dispatcher's transactions per intent (`pg_stat_database`, this database's only).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::{Duration, Instant};
@@ -66,8 +67,9 @@ async fn fill(pool: &PgPool, n: u64, target: &str) {
         .unwrap();
 }
 
-/// Drains `n` intents: intents/s, and WAL syncs per intent (other sessions' included).
-async fn drain(pool: &PgPool, n: u64, concurrency: usize) -> (f64, f64) {
+/// Drains `n` intents: intents/s, WAL syncs per intent (the server's, other sessions'
+/// included) and transactions per intent (this database's, the dispatcher's only).
+async fn drain(pool: &PgPool, n: u64, concurrency: usize) -> (f64, f64, f64) {
     let intents = idem_postgres::PgIntents::new(pool.clone(), TableNames::default());
     let config = DispatcherConfig {
         concurrency,
@@ -78,12 +80,15 @@ async fn drain(pool: &PgPool, n: u64, concurrency: usize) -> (f64, f64) {
     let d = Dispatcher::new(intents, config, EffectMetrics::unregistered().unwrap()).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let syncs_before = wal_syncs(pool).await;
+    let commits_before = commits(pool).await;
+    let polls = std::sync::atomic::AtomicI64::new(0);
     let started = Instant::now();
     let run = d.run(async {
         let _ = stopped.await;
     });
     let watch = async {
         loop {
+            polls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let done: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM idem_effect_intents WHERE status = 'done'",
             )
@@ -102,8 +107,24 @@ async fn drain(pool: &PgPool, n: u64, concurrency: usize) -> (f64, f64) {
     let elapsed = started.elapsed().as_secs_f64();
     #[allow(clippy::cast_precision_loss)]
     let syncs = (wal_syncs(pool).await - syncs_before) as f64 / n as f64;
+    // The watcher's own transactions (and the two reads of the counter) are not the dispatcher's.
+    let own = polls.load(std::sync::atomic::Ordering::Relaxed) + 2;
     #[allow(clippy::cast_precision_loss)]
-    (n as f64 / elapsed, syncs)
+    let commits = (commits(pool).await - commits_before - own) as f64 / n as f64;
+    #[allow(clippy::cast_precision_loss)]
+    (n as f64 / elapsed, syncs, commits)
+}
+
+/// Transactions committed in this database so far (`pg_stat_database.xact_commit`; the
+/// statistics are flushed with a delay of up to a second, hence the pause before reading).
+async fn commits(pool: &PgPool) -> i64 {
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// WAL syncs of the whole server so far (`pg_stat_wal`): every durable commit costs one, unless
@@ -137,10 +158,10 @@ async fn main() {
     let target = fake_remote().await;
     for run in 1..=runs {
         fill(&pool, n, &target).await;
-        let (rate, syncs) = drain(&pool, n, usize::try_from(concurrency).unwrap()).await;
+        let (rate, syncs, commits) = drain(&pool, n, usize::try_from(concurrency).unwrap()).await;
         println!(
             "run {run}: {n} intents, concurrency {concurrency}: {rate:.0} intents/s, \
-             {syncs:.3} WAL syncs per intent"
+             {commits:.3} transactions and {syncs:.3} WAL syncs (server-wide) per intent"
         );
     }
     pool.close().await;
