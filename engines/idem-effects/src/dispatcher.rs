@@ -258,7 +258,8 @@ impl<S: IntentStore> Dispatcher<S> {
     }
 
     /// Dispatches until `shutdown` completes. Claims whenever half of the `concurrency` slots
-    /// are free (a slow request holds its slot, never the others), again at once after a
+    /// are free, counting those a claim in progress will fill (claims may overlap; a slow
+    /// request holds its slot, never the others), again at once after a
     /// claim that found intents, otherwise after an idle wait that doubles from
     /// [`DispatcherConfig::idle_min`] to [`DispatcherConfig::idle_max`]. Outcomes are recorded
     /// in batches ([`DispatcherConfig::outcome_batch`], [`DispatcherConfig::outcome_delay`]).
@@ -288,8 +289,8 @@ impl<S: IntentStore> Dispatcher<S> {
                     Ok(None) => {}
                     Err(e) => p.fail(e),
                 },
-                r = slot(&mut p.claiming) => {
-                    p.claiming = None;
+                Some((size, r)) = p.claiming.next() => {
+                    p.reserved = p.reserved.saturating_sub(size);
                     self.claimed(&mut p, r);
                 }
                 () = at(flush_at) => {}
@@ -302,17 +303,19 @@ impl<S: IntentStore> Dispatcher<S> {
     /// outcomes are due (at once when stopping).
     fn start_work<'d>(&'d self, p: &mut Pipeline<'d>) {
         let now = Instant::now();
+        // The slots that claims in progress may fill count as taken: claims may overlap, but
+        // together they never take more than the free slots.
+        let taken = p.in_flight.len() + p.reserved;
         if !p.stopping
-            && p.claiming.is_none()
             && now >= p.next_claim
             && may_claim(p.buffer.len(), self.config.outcome_batch)
-            && let Some(size) = claim_size(
-                p.in_flight.len(),
-                self.config.concurrency,
-                self.config.batch,
-            )
+            && let Some(size) = claim_size(taken, self.config.concurrency, self.config.batch)
         {
-            p.claiming = Some(Box::pin(self.claim(size)));
+            let slots = usize::try_from(size).unwrap_or(usize::MAX);
+            p.reserved += slots;
+            let claim = self.claim(size);
+            p.claiming
+                .push(Box::pin(async move { (slots, claim.await) }));
         }
         let due = p
             .buffer
@@ -655,7 +658,10 @@ type Attempted = (ClaimedIntent, Result<Option<Verdict>>);
 /// The state of [`Dispatcher::run`]'s loop: the claim, requests and write in progress, and the
 /// outcomes waiting to be written.
 struct Pipeline<'d> {
-    claiming: Option<BoxFuture<'d, Result<Claimed>>>,
+    /// Claims in progress, each with the slots it may fill.
+    claiming: FuturesUnordered<BoxFuture<'d, (usize, Result<Claimed>)>>,
+    /// The slots the claims in progress may fill.
+    reserved: usize,
     in_flight: FuturesUnordered<BoxFuture<'d, Attempted>>,
     writing: Option<BoxFuture<'d, Result<()>>>,
     buffer: OutcomeBuffer,
@@ -670,7 +676,8 @@ struct Pipeline<'d> {
 impl Pipeline<'_> {
     fn new(idle: Duration) -> Self {
         Pipeline {
-            claiming: None,
+            claiming: FuturesUnordered::new(),
+            reserved: 0,
             in_flight: FuturesUnordered::new(),
             writing: None,
             buffer: OutcomeBuffer::default(),
@@ -691,7 +698,7 @@ impl Pipeline<'_> {
     /// Stopping, and nothing left in flight or unrecorded.
     fn done(&self) -> bool {
         self.stopping
-            && self.claiming.is_none()
+            && self.claiming.is_empty()
             && self.in_flight.is_empty()
             && self.writing.is_none()
             && self.buffer.is_empty()
@@ -708,8 +715,7 @@ impl Pipeline<'_> {
 
     /// When the next claim may start (`None`: none is waiting on time).
     fn claim_at(&self) -> Option<Instant> {
-        (!self.stopping && self.claiming.is_none() && self.next_claim > Instant::now())
-            .then_some(self.next_claim)
+        (!self.stopping && self.next_claim > Instant::now()).then_some(self.next_claim)
     }
 }
 
