@@ -386,6 +386,17 @@ pub enum IntentOutcome {
     },
 }
 
+/// How one attempt of one intent ended, for [`IntentStore::finish_all`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FinishedAttempt {
+    /// Row id.
+    pub id: i64,
+    /// The attempt number the claim gave it (the fencing token).
+    pub attempt: i32,
+    /// How it ended.
+    pub outcome: IntentOutcome,
+}
+
 /// A parked or unknown intent, for `idem effects parked`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct StuckIntent {
@@ -458,12 +469,31 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
     /// dispatcher whose lease was taken over changes nothing (returns false). The sending mark
     /// of this attempt is cleared, and any mark when the intent leaves `pending`; a `Retry` of
     /// an attempt that sent nothing keeps an earlier attempt's mark.
+    ///
+    /// One attempt through [`finish_all`](Self::finish_all).
     fn finish(
         &self,
         id: i64,
         attempt: i32,
         outcome: &IntentOutcome,
-    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send {
+        let one = [FinishedAttempt {
+            id,
+            attempt,
+            outcome: outcome.clone(),
+        }];
+        async move { Ok(!self.finish_all(&one).await?.is_empty()) }
+    }
+
+    /// Records how each of `finished` ended, in one write (one statement on PostgreSQL, one
+    /// `BEGIN IMMEDIATE` transaction on SQLite), with [`finish`](Self::finish)'s fencing and
+    /// sending-mark rules for each. Returns the ids whose outcome was recorded; an attempt whose
+    /// id is missing was fenced (its lease was taken over, or the intent left `pending`) and
+    /// changed nothing. All or nothing: an error records none of them.
+    fn finish_all(
+        &self,
+        finished: &[FinishedAttempt],
+    ) -> impl std::future::Future<Output = crate::Result<Vec<i64>>> + Send;
 
     /// Lists parked and unknown intents.
     fn stuck(

@@ -18,6 +18,10 @@
 //! parked (`idem outbox parked`): watch the held count per aggregate and bound it, since a
 //! hostile or broken producer can send numbers far ahead.
 //!
+//! `idem prune --outbox-counters` restarts an idle aggregate's numbers at 1 (its counter row is
+//! deleted): an `InOrder` kept for that aggregate would skip its new events as copies. Do not
+//! prune the counters of aggregates whose `InOrder` state you keep (docs/operating/retention.md).
+//!
 //! SQLite outboxes stamp the row id instead, which increases within an aggregate but skips
 //! numbers: there a gap cannot be told apart, so rely on the inbox for duplicates and make
 //! handlers tolerate reordering (compare a version kept in the business row).

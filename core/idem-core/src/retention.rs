@@ -9,11 +9,14 @@
 //! than the horizon is refused, by construction: a store prunes only with a [`RetentionWindow`],
 //! and one exists only if it is at least the horizon.
 //!
-//! The outbox's per-aggregate counters (`<prefix>outbox_aggregates` on PostgreSQL) are not
-//! pruned at all: the row holds the last `aggregate_seq` handed out, and deleting it restarts
-//! the aggregate at 1, which a consumer keeping the last applied number per aggregate would
-//! take for copies of events it applied ([`crate::ordering`]) and skip. One row per aggregate
-//! ever written is the price of numbers that never repeat.
+//! The outbox's per-aggregate counters (`<prefix>outbox_aggregates` on PostgreSQL) are pruned
+//! only when asked ([`RetentionStore::prune_aggregate_counters`]): the row holds the last
+//! `aggregate_seq` handed out, and deleting it restarts the aggregate at 1 with its next event.
+//! The relay's order is safe (only aggregates with no pending or parked row lose their counter,
+//! so the restarted numbers are above every pending row of theirs), but a consumer that keeps
+//! the last applied number per aggregate ([`crate::ordering`]) would take the restarted
+//! aggregate's events for copies of events it applied and skip them. Prune the counters only
+//! where no consumer keeps such state, or together with it.
 
 use std::future::Future;
 use std::time::Duration;
@@ -50,6 +53,14 @@ pub trait RetentionStore {
         window: &RetentionWindow,
         batch: u32,
     ) -> impl Future<Output = Result<u64>> + Send;
+
+    /// Deletes up to `batch` per-aggregate counter rows of the outbox (PostgreSQL's
+    /// `<prefix>outbox_aggregates`) whose aggregate has no pending or parked outbox row; returns
+    /// how many. The aggregate's next event is numbered 1 again (see the module's note on
+    /// consumers that keep sequence numbers). A counter a writer holds is skipped, and one whose
+    /// aggregate got a pending row after the candidates were chosen stays. SQLite keeps no
+    /// counters (its `aggregate_seq` is the row id): 0.
+    fn prune_aggregate_counters(&self, batch: u32) -> impl Future<Output = Result<u64>> + Send;
 }
 
 /// Why a retention window was refused.

@@ -5,8 +5,12 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
 use idem_core::Result;
-use idem_core::idempotency::{ClaimedIntent, IntentOutcome, IntentStore, Resolution};
+use idem_core::idempotency::{
+    ClaimedIntent, FinishedAttempt, IntentOutcome, IntentStore, Resolution,
+};
 use prometheus::Registry;
 
 use crate::classify::{
@@ -14,6 +18,7 @@ use crate::classify::{
     next_wait, parse_retry_after, predecessor_outcome, probe_verdict,
 };
 use crate::metrics::EffectMetrics;
+use crate::pipeline::{Buffered, OutcomeBuffer, claim_size, may_claim};
 use crate::remote::{CompensationError, EffectPolicy, Policies};
 use crate::status::{IntentStatus, UnknownStatus};
 
@@ -32,8 +37,9 @@ pub struct DispatcherConfig {
     pub backoff_max: Duration,
     /// `Authorization` header sent with every request (the remote scopes keys per client).
     pub authorization: Option<String>,
-    /// Requests of one claimed batch in flight at once. A claim takes at most this many
-    /// intents (and at most `batch`), so that every request of a claim starts right after it.
+    /// Requests in flight at once. A claim takes at most the free slots (and at most `batch`),
+    /// so that every request of a claim starts right after it; [`Dispatcher::run`] claims again
+    /// as soon as half the slots are free, whatever the other requests are doing.
     pub concurrency: usize,
     /// Lease that must be left, on top of `timeout`, when a request starts (clock drift, the
     /// sending mark's round trip): an intent with less is not sent by this claim.
@@ -46,6 +52,12 @@ pub struct DispatcherConfig {
     pub idle_min: Duration,
     /// [`Dispatcher::run`]: the longest wait between empty claims.
     pub idle_max: Duration,
+    /// [`Dispatcher::run`]: outcomes recorded in one write once this many wait.
+    pub outcome_batch: usize,
+    /// [`Dispatcher::run`]: the longest an outcome waits for others before it is written. A
+    /// kill loses at most the outcomes waiting; their intents are sent again, with the same key,
+    /// after the lease.
+    pub outcome_delay: Duration,
 }
 
 impl Default for DispatcherConfig {
@@ -62,6 +74,8 @@ impl Default for DispatcherConfig {
             busy_attempts: 20,
             idle_min: Duration::from_millis(5),
             idle_max: Duration::from_millis(200),
+            outcome_batch: 64,
+            outcome_delay: Duration::from_millis(5),
         }
     }
 }
@@ -243,48 +257,155 @@ impl<S: IntentStore> Dispatcher<S> {
         &self.metrics
     }
 
-    /// Dispatches until `shutdown` completes: claims, sends and records ([`Self::run_once`])
-    /// again at once after a claim that found intents, otherwise after an idle wait that
-    /// doubles from [`DispatcherConfig::idle_min`] to [`DispatcherConfig::idle_max`]. A claim
-    /// in progress is finished (its requests recorded) before `shutdown` is looked at.
+    /// Dispatches until `shutdown` completes. Claims whenever half of the `concurrency` slots
+    /// are free, counting those a claim in progress will fill (claims may overlap; a slow
+    /// request holds its slot, never the others), again at once after a
+    /// claim that found intents, otherwise after an idle wait that doubles from
+    /// [`DispatcherConfig::idle_min`] to [`DispatcherConfig::idle_max`]. Outcomes are recorded
+    /// in batches ([`DispatcherConfig::outcome_batch`], [`DispatcherConfig::outcome_delay`]).
+    /// On shutdown nothing more is claimed, the requests in flight end (each within `timeout`)
+    /// and every outcome is recorded before `run` returns. A store error or a failed send stops
+    /// the claims the same way, and is returned once everything in flight is recorded.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
-        let (min, max) = (self.config.idle_min, self.config.idle_max);
-        let mut idle = min;
+        let mut p = Pipeline::new(self.config.idle_min);
         loop {
-            let claimed = self.run_once().await?;
-            let (wait, next_idle) = next_wait(claimed, idle, min, max);
-            idle = next_idle;
+            self.start_work(&mut p);
+            if p.done() {
+                return p.error.map_or(Ok(()), Err);
+            }
+            let (flush_at, claim_at) = (p.flush_at(&self.config), p.claim_at());
             tokio::select! {
                 biased;
-                () = &mut shutdown => return Ok(()),
-                () = tokio::time::sleep(wait) => {}
+                () = &mut shutdown, if !p.stopping => p.stopping = true,
+                r = slot(&mut p.writing) => {
+                    p.writing = None;
+                    if let Err(e) = r {
+                        p.fail(e);
+                    }
+                }
+                Some((c, r)) = p.in_flight.next() => match self.ended(c, r) {
+                    Ok(Some(b)) => p.buffer.push(b, Instant::now()),
+                    Ok(None) => {}
+                    Err(e) => p.fail(e),
+                },
+                Some((size, r)) = p.claiming.next() => {
+                    p.reserved = p.reserved.saturating_sub(size);
+                    self.claimed(&mut p, r);
+                }
+                () = at(flush_at) => {}
+                () = at(claim_at) => {}
             }
         }
     }
 
+    /// Starts a claim when one is due and slots are free, and a write when the buffered
+    /// outcomes are due (at once when stopping).
+    fn start_work<'d>(&'d self, p: &mut Pipeline<'d>) {
+        let now = Instant::now();
+        // The slots that claims in progress may fill count as taken: claims may overlap, but
+        // together they never take more than the free slots.
+        let taken = p.in_flight.len() + p.reserved;
+        if !p.stopping
+            && now >= p.next_claim
+            && may_claim(p.buffer.len(), self.config.outcome_batch)
+            && let Some(size) = claim_size(taken, self.config.concurrency, self.config.batch)
+        {
+            let slots = usize::try_from(size).unwrap_or(usize::MAX);
+            p.reserved += slots;
+            let claim = self.claim(size);
+            p.claiming
+                .push(Box::pin(async move { (slots, claim.await) }));
+        }
+        let due = p
+            .buffer
+            .deadline(self.config.outcome_batch, self.config.outcome_delay)
+            .is_some_and(|d| p.stopping || d <= now);
+        if p.writing.is_none() && due {
+            p.writing = Some(Box::pin(self.write(p.buffer.take())));
+        }
+    }
+
+    /// Sends the intents of a claim, and sets when to claim next.
+    fn claimed<'d>(&'d self, p: &mut Pipeline<'d>, r: Result<Claimed>) {
+        match r {
+            Ok((claimed, lease_end)) => {
+                let (min, max) = (self.config.idle_min, self.config.idle_max);
+                let (wait, idle) = next_wait(claimed.len(), p.idle, min, max);
+                p.idle = idle;
+                p.next_claim = Instant::now() + wait;
+                for c in claimed {
+                    p.in_flight.push(Box::pin(self.attempt_owned(c, lease_end)));
+                }
+            }
+            Err(e) => p.fail(e),
+        }
+    }
+
     /// Claims due intents (at most `concurrency`, so that every request starts right after the
-    /// claim), sends each once, records the outcomes; returns how many were claimed. An error in
-    /// one send is returned after the others have ended and been recorded: a request in flight
-    /// is never dropped unrecorded.
+    /// claim), sends each once, records their outcomes in one write; returns how many were
+    /// claimed. An error in one send is returned after the others have ended and been
+    /// recorded: a request in flight is never dropped unrecorded.
     pub async fn run_once(&self) -> Result<usize> {
         let concurrency = self.config.concurrency.max(1);
-        let size = u32::try_from(concurrency)
-            .unwrap_or(u32::MAX)
-            .min(self.config.batch);
+        let size = claim_size(0, concurrency, self.config.batch).unwrap_or(1);
+        let (claimed, lease_end) = self.claim(size).await?;
+        let n = claimed.len();
+        // Each intent is independent (its own key); several are in flight at once.
+        let sends = claimed
+            .into_iter()
+            .map(|c| self.attempt_owned(c, lease_end));
+        let mut sends = futures::stream::iter(sends).buffer_unordered(concurrency);
+        let (mut first_error, mut ended) = (None, Vec::with_capacity(n));
+        while let Some((c, r)) = sends.next().await {
+            match self.ended(c, r) {
+                Ok(Some(b)) => ended.push(b),
+                Ok(None) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Err(e) = self.write(ended).await {
+            first_error.get_or_insert(e);
+        }
+        first_error.map_or(Ok(n), Err)
+    }
+
+    /// Leases up to `size` intents; the lease end by this clock.
+    async fn claim(&self, size: u32) -> Result<Claimed> {
         // The lease runs from before the claim by this clock: never later than the store's.
         let lease_end = Instant::now() + self.config.lease;
         let claimed = self.store.claim(size, self.config.lease).await?;
-        // Each intent is independent (its own key); several are in flight at once.
-        let sends: Vec<_> = claimed.iter().map(|c| self.send(c, lease_end)).collect();
-        let mut sends = futures::stream::iter(sends).buffer_unordered(concurrency);
-        let mut first_error = None;
-        while let Some(r) = sends.next().await {
-            if let Err(e) = r {
-                first_error.get_or_insert(e);
+        Ok((claimed, lease_end))
+    }
+
+    /// Records `batch` in one write; counts and logs the attempts fenced by a takeover.
+    async fn write(&self, batch: Vec<Buffered>) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let (finished, labels): (Vec<FinishedAttempt>, Vec<[String; 2]>) =
+            batch.into_iter().map(|b| (b.finished, b.labels)).unzip();
+        let recorded = self.store.finish_all(&finished).await?;
+        if recorded.len() == finished.len() {
+            return Ok(());
+        }
+        let recorded: std::collections::HashSet<i64> = recorded.into_iter().collect();
+        for (f, [effect, target]) in finished.iter().zip(&labels) {
+            if !recorded.contains(&f.id) {
+                self.metrics
+                    .fenced
+                    .with_label_values(&[effect.as_str(), target.as_str()])
+                    .inc();
+                tracing::warn!(
+                    intent = f.id,
+                    attempt = f.attempt,
+                    "the intent's lease was taken over; outcome not recorded"
+                );
             }
         }
-        first_error.map_or(Ok(claimed.len()), Err)
+        Ok(())
     }
 
     /// Runs the compensation of unknown or parked intent `id`, then settles it: sent again with
@@ -334,25 +455,33 @@ impl<S: IntentStore> Dispatcher<S> {
         Ok(note)
     }
 
-    /// One attempt of one claimed intent, and its recorded outcome.
-    async fn send(&self, c: &ClaimedIntent, lease_end: Instant) -> Result<()> {
-        let Some(verdict) = self.attempt(c, lease_end).await? else {
+    /// One attempt of one claimed intent, with the intent (for [`Self::ended`]).
+    fn attempt_owned(&self, c: ClaimedIntent, lease_end: Instant) -> BoxFuture<'_, Attempted> {
+        Box::pin(async move {
+            let r = self.attempt(&c, lease_end).await;
+            (c, r)
+        })
+    }
+
+    /// The outcome to record for an ended attempt (`None`: nothing was sent).
+    fn ended(&self, c: ClaimedIntent, r: Result<Option<Verdict>>) -> Result<Option<Buffered>> {
+        let Some(verdict) = r? else {
             tracing::warn!(
                 intent = c.id,
                 attempt = c.attempt,
                 "not sent: the lease was lost or too short to mark the intent as sending"
             );
-            return Ok(());
+            return Ok(None);
         };
-        let outcome = IntentOutcome::from(verdict);
-        if !self.store.finish(c.id, c.attempt, &outcome).await? {
-            tracing::warn!(
-                intent = c.id,
-                attempt = c.attempt,
-                "the intent's lease was taken over; outcome not recorded"
-            );
-        }
-        Ok(())
+        let labels = [c.intent.effect, host(&c.intent.target)];
+        Ok(Some(Buffered {
+            finished: FinishedAttempt {
+                id: c.id,
+                attempt: c.attempt,
+                outcome: IntentOutcome::from(verdict),
+            },
+            labels,
+        }))
     }
 
     /// The verdict of one attempt, or `None` when nothing was sent and nothing is to be
@@ -517,5 +646,91 @@ impl<S: IntentStore> Dispatcher<S> {
             Verdict::Unknown { .. } => m.unknown.with_label_values(&labels).inc(),
         }
         verdict
+    }
+}
+
+/// A claim's intents and the end of their lease by this clock.
+type Claimed = (Vec<ClaimedIntent>, Instant);
+
+/// An ended attempt: the intent and its verdict (`None`: nothing was sent).
+type Attempted = (ClaimedIntent, Result<Option<Verdict>>);
+
+/// The state of [`Dispatcher::run`]'s loop: the claim, requests and write in progress, and the
+/// outcomes waiting to be written.
+struct Pipeline<'d> {
+    /// Claims in progress, each with the slots it may fill.
+    claiming: FuturesUnordered<BoxFuture<'d, (usize, Result<Claimed>)>>,
+    /// The slots the claims in progress may fill.
+    reserved: usize,
+    in_flight: FuturesUnordered<BoxFuture<'d, Attempted>>,
+    writing: Option<BoxFuture<'d, Result<()>>>,
+    buffer: OutcomeBuffer,
+    /// The first error; set together with `stopping`.
+    error: Option<idem_core::Error>,
+    /// No more claims: shutdown, or an error.
+    stopping: bool,
+    next_claim: Instant,
+    idle: Duration,
+}
+
+impl Pipeline<'_> {
+    fn new(idle: Duration) -> Self {
+        Pipeline {
+            claiming: FuturesUnordered::new(),
+            reserved: 0,
+            in_flight: FuturesUnordered::new(),
+            writing: None,
+            buffer: OutcomeBuffer::default(),
+            error: None,
+            stopping: false,
+            next_claim: Instant::now(),
+            idle,
+        }
+    }
+
+    /// Keeps the first error and stops claiming.
+    fn fail(&mut self, e: idem_core::Error) {
+        tracing::error!(error = %e, "effect dispatcher: stopping after an error");
+        self.error.get_or_insert(e);
+        self.stopping = true;
+    }
+
+    /// Stopping, and nothing left in flight or unrecorded.
+    fn done(&self) -> bool {
+        self.stopping
+            && self.claiming.is_empty()
+            && self.in_flight.is_empty()
+            && self.writing.is_none()
+            && self.buffer.is_empty()
+    }
+
+    /// When the buffered outcomes are due, unless a write is running.
+    fn flush_at(&self, config: &DispatcherConfig) -> Option<Instant> {
+        if self.writing.is_some() {
+            return None;
+        }
+        self.buffer
+            .deadline(config.outcome_batch, config.outcome_delay)
+    }
+
+    /// When the next claim may start (`None`: none is waiting on time).
+    fn claim_at(&self) -> Option<Instant> {
+        (!self.stopping && self.next_claim > Instant::now()).then_some(self.next_claim)
+    }
+}
+
+/// The output of the future in `slot`; never ready when there is none.
+async fn slot<T>(slot: &mut Option<BoxFuture<'_, T>>) -> T {
+    match slot {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Ready at `t`; never when `None`.
+async fn at(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+        None => std::future::pending().await,
     }
 }

@@ -26,19 +26,27 @@
 //! one, to the *unknown* state instead of a re-send; a [`Compensation`] settles unknown intents.
 //! The [`remote`] module documents the window that remains.
 //!
-//! A claim takes at most `concurrency` intents, and no probe or request starts unless its
-//! intent's lease ends after `now + timeout + lease_margin` ([`lease_allows_send`]).
+//! A claim takes at most the free ones of `concurrency` slots, and no probe or request starts
+//! unless its intent's lease ends after `now + timeout + lease_margin` ([`lease_allows_send`]).
+//! [`Dispatcher::run`] claims again as soon as half of the slots are free (one slow remote holds
+//! one slot, not the next claim) and records outcomes in batches
+//! ([`IntentStore::finish_all`](idem_core::idempotency::IntentStore::finish_all), fenced per
+//! attempt), after [`DispatcherConfig::outcome_delay`] or [`DispatcherConfig::outcome_batch`]
+//! outcomes and on shutdown: a kill loses at most the buffered outcomes, whose intents are sent
+//! again after the lease with the same key ([`pipeline`]).
 //!
 //! # Layout
 //!
 //! [`classify`](mod@classify) holds the pure decisions (an answer → a [`Verdict`], waits, lease checks),
-//! `dispatcher.rs` the I/O around them ([`Dispatcher`], [`Dispatcher::run`]),
+//! `dispatcher.rs` the I/O around them ([`Dispatcher`], [`Dispatcher::run`]), [`pipeline`] the
+//! decisions of `run`'s loop (when to claim, when to write),
 //! [`remote`] the remotes that ignore keys, [`EffectMetrics`] the metrics and
 //! [`IntentStatus`] an intent's stored state.
 
 pub mod classify;
 mod dispatcher;
 mod metrics;
+pub mod pipeline;
 pub mod remote;
 mod status;
 
@@ -48,6 +56,7 @@ pub use classify::{
 };
 pub use dispatcher::{CompensateError, Dispatcher, DispatcherBuilder, DispatcherConfig};
 pub use metrics::EffectMetrics;
+pub use pipeline::{claim_size, may_claim};
 pub use remote::{
     AppliedWhen, Compensation, CompensationError, EffectPolicy, HttpCompensation, HttpStatusProbe,
     Probe, StatusProbe, TemplateError,

@@ -25,6 +25,10 @@ pub struct EffectMetrics {
     /// `idem_effect_lease_skip_total`: claimed intents not sent because too little of their
     /// lease was left for the request (sent by a later claim).
     pub lease_skips: IntCounterVec,
+    /// `idem_effect_fenced_total`: outcomes not recorded because the attempt was fenced (its
+    /// lease expired and the intent was claimed again, or it left `pending`): the outcome
+    /// changed nothing.
+    pub fenced: IntCounterVec,
 }
 
 fn config_error(e: prometheus::Error) -> idem_core::Error {
@@ -90,10 +94,14 @@ impl EffectMetrics {
                 "idem_effect_lease_skip_total",
                 "Claimed intents not sent because too little of their lease was left for the request.",
             )?,
+            fenced: v(
+                "idem_effect_fenced_total",
+                "Outcomes not recorded because the attempt was fenced (its lease was taken over).",
+            )?,
         })
     }
 
-    fn all(&self) -> [&IntCounterVec; 9] {
+    fn all(&self) -> [&IntCounterVec; 10] {
         [
             &self.attempts,
             &self.successes,
@@ -104,6 +112,7 @@ impl EffectMetrics {
             &self.probes,
             &self.compensations,
             &self.lease_skips,
+            &self.fenced,
         ]
     }
 }

@@ -18,6 +18,8 @@ use idem_effects::{
 };
 use idem_reference::points::{PointsDb, router};
 
+mod support;
+
 /// What the fault middleware does to the next request.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -689,61 +691,22 @@ async fn a_keyless_intent_taken_over_while_its_request_is_in_flight_is_not_resen
     assert_eq!(w.status_of(id).await, "unknown");
 }
 
-/// An intent store whose `finish` fails for one intent: a store error in one send of a batch.
-#[derive(Clone)]
-struct FailFinish {
+/// An intent store whose `finish_all` fails for a batch holding intent `fail`: a store error in
+/// the recording of a batch.
+fn fail_finish(
     inner: idem_sqlite::SqliteIntents,
     fail: i64,
-}
-
-impl IntentStore for FailFinish {
-    type Conn = sqlx::SqliteConnection;
-    async fn record(&self, c: &mut Self::Conn, i: &EffectIntent) -> idem_core::Result<bool> {
-        self.inner.record(c, i).await
-    }
-    async fn claim(
-        &self,
-        batch: u32,
-        lease: Duration,
-    ) -> idem_core::Result<Vec<idem_core::idempotency::ClaimedIntent>> {
-        self.inner.claim(batch, lease).await
-    }
-    async fn mark_sending(&self, id: i64, attempt: i32, left: Duration) -> idem_core::Result<bool> {
-        self.inner.mark_sending(id, attempt, left).await
-    }
-    async fn finish(
-        &self,
-        id: i64,
-        attempt: i32,
-        outcome: &idem_core::idempotency::IntentOutcome,
-    ) -> idem_core::Result<bool> {
-        if id == self.fail {
-            return Err(idem_core::Error::Config("the database went away".into()));
-        }
-        self.inner.finish(id, attempt, outcome).await
-    }
-    async fn stuck(
-        &self,
-        limit: u32,
-    ) -> idem_core::Result<Vec<idem_core::idempotency::StuckIntent>> {
-        self.inner.stuck(limit).await
-    }
-    async fn retry_stuck(&self, ids: Option<&[i64]>) -> idem_core::Result<u64> {
-        self.inner.retry_stuck(ids).await
-    }
-    async fn get(
-        &self,
-        id: i64,
-    ) -> idem_core::Result<Option<(idem_core::idempotency::ClaimedIntent, String)>> {
-        self.inner.get(id).await
-    }
-    async fn resolve(
-        &self,
-        id: i64,
-        r: idem_core::idempotency::Resolution,
-        note: &str,
-    ) -> idem_core::Result<bool> {
-        self.inner.resolve(id, r, note).await
+) -> support::HookedFinish<idem_sqlite::SqliteIntents> {
+    support::HookedFinish {
+        inner,
+        hook: Arc::new(move |finished| {
+            Box::pin(async move {
+                if finished.iter().any(|f| f.id == fail) {
+                    return Err(idem_core::Error::Config("the database went away".into()));
+                }
+                Ok(())
+            })
+        }),
     }
 }
 
@@ -768,10 +731,7 @@ async fn a_failed_send_does_not_drop_another_keyless_request_unrecorded() {
         ("pay-held".to_owned(), Fault::ApplyThenHold),
         ("pay-failing".to_owned(), Fault::AfterApplied),
     ]);
-    let broken = w.dispatcher_over(FailFinish {
-        inner: w.client_db.intents(),
-        fail: failing,
-    });
+    let broken = w.dispatcher_over(fail_finish(w.client_db.intents(), failing));
     assert!(broken.run_once().await.is_err(), "the store error surfaces");
     assert_eq!(
         w.awards_of("pay-held").await,

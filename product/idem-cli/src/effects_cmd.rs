@@ -49,9 +49,9 @@ pub struct PolicyArgs {
     /// `Authorization` header sent to the remote (it scopes keys per client).
     #[arg(long, env = "IDEM_EFFECT_AUTHORIZATION")]
     authorization: Option<String>,
-    /// Requests in flight at once; a claim takes this many intents (at least 50 per claim
-    /// otherwise). A slow request holds its claim until the timeout, so a remote that is
-    /// sometimes slow needs more.
+    /// Requests in flight at once. A claim takes at most the free slots, and the dispatcher
+    /// claims again as soon as half of them are free: a slow request holds only its own slot
+    /// (until the timeout), never the others.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
     concurrency: u16,
 }

@@ -1,5 +1,6 @@
 //! `idem prune`: retention of the consumer's inbox and of done effect intents, refused inside
-//! the redelivery horizon (docs/operating/retention.md).
+//! the redelivery horizon, and of the outbox's per-aggregate counters when asked
+//! (docs/operating/retention.md).
 
 use std::time::Duration;
 
@@ -15,8 +16,9 @@ pub struct PruneArgs {
     db: DbArgs,
     /// How long after processing a copy of an event can still be delivered: the topic's
     /// retention.ms plus its segment.ms, longer if outbox rows can wait parked (e.g. 8d, 192h).
+    /// Required with --inbox-older-than and --intents-older-than.
     #[arg(long, value_parser = parse_days)]
-    redelivery_horizon: Duration,
+    redelivery_horizon: Option<Duration>,
     /// Delete processed inbox rows (every consumer group) processed and last delivered longer
     /// ago than this; refused below the horizon. Dead-lettered rows stay.
     #[arg(long, value_parser = parse_days)]
@@ -25,6 +27,11 @@ pub struct PruneArgs {
     /// Pending, parked and unknown intents stay.
     #[arg(long, value_parser = parse_days)]
     intents_older_than: Option<Duration>,
+    /// Delete the outbox's per-aggregate counters (PostgreSQL) of aggregates with no pending
+    /// or parked row. Their next event is numbered 1 again: only where no consumer keeps the
+    /// last `idem_aggregate_seq` applied per aggregate (docs/operating/retention.md).
+    #[arg(long)]
+    outbox_counters: bool,
     /// Rows deleted per statement.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     batch: u32,
@@ -48,8 +55,10 @@ fn parse_days(s: &str) -> Result<Duration, String> {
 fn windows(
     args: &PruneArgs,
 ) -> Result<(Option<RetentionWindow>, Option<RetentionWindow>), RetentionError> {
+    // No horizon given: zero, which a window refuses with a message naming the horizon.
+    let horizon = args.redelivery_horizon.unwrap_or(Duration::ZERO);
     let window = |what, w: Option<Duration>| {
-        w.map(|w| RetentionWindow::new(what, w, args.redelivery_horizon))
+        w.map(|w| RetentionWindow::new(what, w, horizon))
             .transpose()
     };
     Ok((
@@ -76,8 +85,10 @@ where
 
 pub async fn run(args: PruneArgs) -> anyhow::Result<()> {
     let (inbox, intents) = windows(&args)?;
-    if inbox.is_none() && intents.is_none() {
-        anyhow::bail!("name what to prune: --inbox-older-than and/or --intents-older-than");
+    if inbox.is_none() && intents.is_none() && !args.outbox_counters {
+        anyhow::bail!(
+            "name what to prune: --inbox-older-than, --intents-older-than and/or --outbox-counters"
+        );
     }
     let store = db::open(&args.db, 1).await?;
     let batch = args.batch;
@@ -88,6 +99,13 @@ pub async fn run(args: PruneArgs) -> anyhow::Result<()> {
             drain(batch, || relay.prune_older(what, &w, batch)).await
         })?;
         println!("pruned {n} {}", what.describe());
+    }
+    if args.outbox_counters {
+        let n = idem_sql::with_store!(&store, s => {
+            let relay = s.relay();
+            drain(batch, || relay.prune_aggregate_counters(batch)).await
+        })?;
+        println!("pruned {n} outbox aggregate counters");
     }
     Ok(())
 }

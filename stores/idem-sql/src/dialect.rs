@@ -300,6 +300,15 @@ pub(crate) mod sealed {
         ) -> BoxFuture<'c, sqlx::Result<()>>;
         /// Fails when the handler's transaction can no longer commit.
         fn check_usable(c: &mut Self::Connection) -> BoxFuture<'_, Result<()>>;
+        /// Records the outcomes of `finished` (not empty) with `sql` (`intent_finish`): one
+        /// statement of arrays, or one statement per attempt inside the caller's transaction.
+        /// The ids recorded; the others were fenced.
+        fn intent_finish<'c>(
+            c: &'c mut Self::Connection,
+            sql: &'c str,
+            now: Now,
+            finished: &'c [idem_core::idempotency::FinishedAttempt],
+        ) -> BoxFuture<'c, sqlx::Result<Vec<i64>>>;
     }
 
     /// The relay's statements whose flow is the dialect's own (claim and mark in
@@ -348,6 +357,13 @@ pub(crate) mod sealed {
             window: &'a idem_core::retention::RetentionWindow,
             batch: u32,
         ) -> BoxFuture<'a, Result<u64>>
+        where
+            Self: super::Dialect;
+        /// [`idem_core::retention::RetentionStore::prune_aggregate_counters`].
+        fn prune_counters(
+            store: &crate::RelayStore<Self>,
+            batch: u32,
+        ) -> BoxFuture<'_, Result<u64>>
         where
             Self: super::Dialect;
     }

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use idem_core::idempotency::{
-    ClaimedIntent, ClaimedRow, EffectIntent, IdempotencyKey, IntentOutcome, IntentStore,
+    ClaimedIntent, ClaimedRow, EffectIntent, FinishedAttempt, IdempotencyKey, IntentStore,
     Resolution, StuckIntent, park_undecodable,
 };
 use idem_core::{Error, Result, TableNames};
@@ -203,17 +203,18 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
             == 1)
     }
 
-    async fn finish(&self, id: i64, attempt: i32, outcome: &IntentOutcome) -> Result<bool> {
-        let c = outcome.columns();
-        let stmt = Stmt::<DB>::new(&self.0.queries.intent_finish)
-            .bind(id)
-            .bind(attempt)
-            .bind(c.status)
-            .bind(c.response_status.map(i32::from))
-            .bind(c.response_body)
-            .bind(c.error)
-            .after(Now::read(), c.backoff);
-        Ok(self.changed("recording an effect outcome", stmt).await? == 1)
+    async fn finish_all(&self, finished: &[FinishedAttempt]) -> Result<Vec<i64>> {
+        if finished.is_empty() {
+            return Ok(Vec::new());
+        }
+        let context = "recording effect outcomes";
+        let mut conn = self.0.conn(context).await?;
+        let mut w = DB::begin_write(&mut conn)
+            .await
+            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let sql = &self.0.queries.intent_finish;
+        let recorded = DB::intent_finish(w.conn(), sql, Now::read(), finished).await;
+        w.finish(recorded, context).await
     }
 
     async fn stuck(&self, limit: u32) -> Result<Vec<StuckIntent>> {

@@ -159,7 +159,7 @@ impl<DB: Dialect> OutboxStore for RelayStore<DB> {
 }
 
 /// Pruning of the inbox and of done effect intents, never inside the redelivery horizon
-/// ([`idem_core::retention`]). The outbox's per-aggregate counters are never pruned.
+/// ([`idem_core::retention`]), and, when asked, of the outbox's per-aggregate counters.
 impl<DB: Dialect> RetentionStore for RelayStore<DB> {
     async fn prune_older(
         &self,
@@ -168,6 +168,10 @@ impl<DB: Dialect> RetentionStore for RelayStore<DB> {
         batch: u32,
     ) -> Result<u64> {
         DB::prune_older(self, what, window, batch).await
+    }
+
+    async fn prune_aggregate_counters(&self, batch: u32) -> Result<u64> {
+        DB::prune_counters(self, batch).await
     }
 }
 

@@ -48,6 +48,7 @@ macro_rules! conformance_tests {
             intents_commit_with_the_handler_and_keep_their_key,
             intents_recorded_as_a_batch_are_recorded_as_one_by_one,
             intent_outcomes_are_fenced_by_the_attempt,
+            a_batch_of_outcomes_is_fenced_per_attempt,
             parked_intents_are_listed_and_retried_with_the_same_key,
             unknown_intents_are_read_and_resolved_by_a_decision,
             a_backing_off_aggregate_does_not_slow_the_others,

@@ -1105,6 +1105,67 @@ pub async fn intent_outcomes_are_fenced_by_the_attempt<B: Backend>(b: &B) {
     );
 }
 
+/// A batch of outcomes is recorded in one write, each fenced by its own attempt: the outcome of
+/// an attempt whose claim expired and was taken again changes nothing, the others are recorded.
+pub async fn a_batch_of_outcomes_is_fenced_per_attempt<B: Backend>(b: &B) {
+    use idem_core::idempotency::FinishedAttempt;
+    let mut tx = b.begin().await;
+    for _ in 0..3 {
+        tx.record_intent(&intent(EventId::new())).await.unwrap();
+    }
+    tx.commit().await;
+    let store = b.intents();
+    let stale = store.claim(1, Duration::ZERO).await.unwrap().remove(0);
+    tokio::time::sleep(Duration::from_millis(5)).await; // past the zero-length lease
+    let mut claimed = store.claim(10, MINUTE).await.unwrap();
+    claimed.sort_by_key(|c| c.id);
+    assert_eq!(claimed.len(), 3, "the expired one and the two others");
+    let retaken = claimed.iter().find(|c| c.id == stale.id).unwrap();
+    assert_eq!(retaken.attempt, 2);
+    let done = |id, attempt| FinishedAttempt {
+        id,
+        attempt,
+        outcome: IntentOutcome::Done {
+            status: 201,
+            body: format!("{{\"id\":{id}}}"),
+        },
+    };
+    let mut batch: Vec<FinishedAttempt> = claimed
+        .iter()
+        .filter(|c| c.id != stale.id)
+        .map(|c| done(c.id, c.attempt))
+        .collect();
+    batch.push(done(stale.id, stale.attempt));
+    let mut recorded = store.finish_all(&batch).await.unwrap();
+    recorded.sort_unstable();
+    let others: Vec<i64> = claimed
+        .iter()
+        .map(|c| c.id)
+        .filter(|id| *id != stale.id)
+        .collect();
+    assert_eq!(
+        recorded, others,
+        "the stale attempt is fenced, the others recorded"
+    );
+    let (_, status) = store.get(stale.id).await.unwrap().unwrap();
+    assert_eq!(status, "pending", "the fenced outcome changed nothing");
+    assert!(store.finish_all(&[]).await.unwrap().is_empty());
+    assert_eq!(
+        store.finish_all(&batch).await.unwrap(),
+        vec![stale.id; 0],
+        "a batch recorded once is not recorded again"
+    );
+    let again = store
+        .finish_all(&[done(retaken.id, retaken.attempt)])
+        .await
+        .unwrap();
+    assert_eq!(again, vec![stale.id], "the live attempt records");
+    for c in &claimed {
+        let (_, status) = store.get(c.id).await.unwrap().unwrap();
+        assert_eq!(status, "done", "{}", c.id);
+    }
+}
+
 pub async fn parked_intents_are_listed_and_retried_with_the_same_key<B: Backend>(b: &B) {
     let i = intent(EventId::new());
     let mut tx = b.begin().await;

@@ -1,9 +1,16 @@
--- Ends attempt $2 of intent $1: $3 new status, $4 response status, $5 response body, $6 error,
--- $7 ms until the next attempt. Fenced by the attempt number. Clears this attempt's sending
--- mark, and any mark once the intent leaves 'pending'; a retry of an attempt that sent nothing
--- keeps an earlier attempt's mark.
-UPDATE {effect_intents}
-SET status = $3, response_status = $4, response_body = $5, last_error = $6,
-    sending_attempt = CASE WHEN $3 <> 'pending' OR sending_attempt = $2 THEN NULL ELSE sending_attempt END,
-    next_attempt_at = now() + $7 * interval '1 millisecond', claimed_until = NULL, updated_at = now()
-WHERE id = $1 AND attempts = $2 AND status = 'pending'
+-- Ends a batch of attempts, one row per element of the arrays: intent id, attempt number, new
+-- status, response status, response body, error, ms until the next attempt. Fenced by the
+-- attempt number: an attempt whose claim expired and was taken again changes nothing, and its
+-- id is not returned. Clears the attempt's sending mark, and any mark once the intent leaves
+-- 'pending'; a retry of an attempt that sent nothing keeps an earlier attempt's mark.
+UPDATE {effect_intents} i
+SET status = f.status, response_status = f.response_status, response_body = f.response_body,
+    last_error = f.error,
+    sending_attempt = CASE WHEN f.status <> 'pending' OR i.sending_attempt = f.attempt
+                           THEN NULL ELSE i.sending_attempt END,
+    next_attempt_at = now() + f.backoff_ms * interval '1 millisecond', claimed_until = NULL,
+    updated_at = now()
+FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::text[], $6::text[], $7::bigint[])
+     AS f(id, attempt, status, response_status, response_body, error, backoff_ms)
+WHERE i.id = f.id AND i.attempts = f.attempt AND i.status = 'pending'
+RETURNING i.id

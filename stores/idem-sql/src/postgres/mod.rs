@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use idem_core::idempotency::FinishedAttempt;
 use idem_core::{DeadLetter, Error, Event, EventId, InboxEntry, Result, TableNames};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Connection, Postgres, Row, Transaction};
@@ -190,6 +191,33 @@ impl Sealed for Postgres {
 }
 
 impl Batches for Postgres {
+    /// One `UPDATE … FROM unnest(…)` for the whole batch.
+    fn intent_finish<'c>(
+        c: &'c mut PgConnection,
+        sql: &'c str,
+        _now: Now,
+        finished: &'c [FinishedAttempt],
+    ) -> BoxFuture<'c, sqlx::Result<Vec<i64>>> {
+        let cols: Vec<_> = finished.iter().map(|f| f.outcome.columns()).collect();
+        let q = sqlx::query_scalar::<_, i64>(sql)
+            .bind(finished.iter().map(|f| f.id).collect::<Vec<_>>())
+            .bind(finished.iter().map(|f| f.attempt).collect::<Vec<_>>())
+            .bind(cols.iter().map(|c| c.status).collect::<Vec<_>>())
+            .bind(
+                cols.iter()
+                    .map(|c| c.response_status.map(i32::from))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(cols.iter().map(|c| c.response_body).collect::<Vec<_>>())
+            .bind(cols.iter().map(|c| c.error).collect::<Vec<_>>())
+            .bind(
+                cols.iter()
+                    .map(|c| crate::millis(c.backoff))
+                    .collect::<Vec<_>>(),
+            );
+        q.fetch_all(c).boxed()
+    }
+
     /// One statement of arrays, sorted by aggregate so that the per-aggregate counter locks are
     /// always taken in one order.
     fn enqueue<'c>(

@@ -251,4 +251,8 @@ impl RelayOps for Postgres {
     ) -> BoxFuture<'a, Result<u64>> {
         super::retention::prune_older(store, what, window, batch)
     }
+
+    fn prune_counters(store: &PgStore, batch: u32) -> BoxFuture<'_, Result<u64>> {
+        super::retention::prune_counters(store, batch).boxed()
+    }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use idem_core::idempotency::FinishedAttempt;
 use idem_core::{DeadLetter, Error, Event, EventId, InboxEntry, Result, TableNames};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
@@ -247,6 +248,37 @@ where
 }
 
 impl Batches for Sqlite {
+    /// One statement per attempt, in the caller's `BEGIN IMMEDIATE`.
+    fn intent_finish<'c>(
+        c: &'c mut SqliteConnection,
+        sql: &'c str,
+        now: Now,
+        finished: &'c [FinishedAttempt],
+    ) -> BoxFuture<'c, sqlx::Result<Vec<i64>>> {
+        async move {
+            let mut recorded = Vec::with_capacity(finished.len());
+            for f in finished {
+                let col = f.outcome.columns();
+                let n = sqlx::query(sql)
+                    .bind(f.id)
+                    .bind(f.attempt)
+                    .bind(col.status)
+                    .bind(col.response_status.map(i32::from))
+                    .bind(col.response_body)
+                    .bind(col.error)
+                    .bind(now.after(col.backoff))
+                    .execute(&mut *c)
+                    .await?
+                    .rows_affected();
+                if n == 1 {
+                    recorded.push(f.id);
+                }
+            }
+            Ok(recorded)
+        }
+        .boxed()
+    }
+
     /// One statement per event, in slice order.
     fn enqueue<'c>(
         c: &'c mut SqliteConnection,

@@ -248,4 +248,9 @@ impl RelayOps for Sqlite {
     ) -> BoxFuture<'a, Result<u64>> {
         super::retention::prune_older(store, what, window, batch)
     }
+
+    /// SQLite keeps no per-aggregate counters: nothing to prune.
+    fn prune_counters(_store: &SqliteStore, _batch: u32) -> BoxFuture<'_, Result<u64>> {
+        async { Ok(0) }.boxed()
+    }
 }
