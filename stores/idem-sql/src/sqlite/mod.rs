@@ -35,7 +35,8 @@ static SQL: SqlSet = sql_set!("sqlite", "retry_parked_one.sql", "intent_retry_on
 
 static MIGRATIONS: Migrations = migrations!(
     "sqlite",
-    "outbox sequence numbers for inserted rows only (PostgreSQL; none here)"
+    "outbox sequence numbers for inserted rows only (PostgreSQL; none here)",
+    "outbox leases as HOT updates (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).
