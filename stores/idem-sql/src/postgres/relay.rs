@@ -144,7 +144,7 @@ impl PgStore {
 }
 
 /// The claimed rows decoded; a row that cannot be decoded is returned as corrupt (to be parked).
-fn decode_claimed(rows: &[PgRow]) -> Result<(Vec<OutboxRecord>, Vec<(i64, String)>)> {
+fn decode_claimed(claim_id: Uuid, rows: &[PgRow]) -> Result<Claim> {
     let mut records = Vec::with_capacity(rows.len());
     let mut corrupt = vec![];
     for row in rows {
@@ -159,7 +159,11 @@ fn decode_claimed(rows: &[PgRow]) -> Result<(Vec<OutboxRecord>, Vec<(i64, String
         }
     }
     sort_records(&mut records);
-    Ok((records, corrupt))
+    Ok(Claim {
+        claim_id,
+        records,
+        corrupt,
+    })
 }
 
 impl RelayOps for Postgres {
@@ -193,12 +197,7 @@ impl RelayOps for Postgres {
                 }
                 Err(e) => return Err(Error::database("claiming outbox rows", e)),
             };
-            let (records, corrupt) = decode_claimed(&rows)?;
-            Ok(Claim {
-                claim_id,
-                records,
-                corrupt,
-            })
+            decode_claimed(claim_id, &rows)
         }
         .boxed()
     }
