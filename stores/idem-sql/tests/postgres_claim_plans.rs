@@ -106,6 +106,16 @@ async fn drain(pg: &Pg) -> (u64, u32) {
     (published, failed)
 }
 
+/// Drains the backlog and checks that every row ended published.
+async fn drains_completely(pg: &Pg) {
+    let (published, _) = drain(pg).await;
+    assert_eq!(published, ROWS as u64);
+    let left = pg
+        .scalar("SELECT count(*) FROM idem_outbox WHERE status <> 'published'")
+        .await;
+    assert_eq!(left, 0);
+}
+
 #[tokio::test]
 async fn a_republished_backlog_drains_after_the_relay_idled_on_stale_statistics() {
     let pg = Pg::new().await;
@@ -118,13 +128,7 @@ async fn a_republished_backlog_drains_after_the_relay_idled_on_stale_statistics(
     pg.exec("UPDATE idem_outbox SET status = 'pending', published_at = NULL")
         .await
         .unwrap();
-    let (published, _) = drain(&pg).await;
-    assert_eq!(published, ROWS as u64);
-    assert_eq!(
-        pg.scalar("SELECT count(*) FROM idem_outbox WHERE status <> 'published'")
-            .await,
-        0
-    );
+    drains_completely(&pg).await;
 }
 
 #[tokio::test]
@@ -137,13 +141,7 @@ async fn a_mass_retry_of_parked_rows_drains() {
     stale_statistics_and_an_idle_relay(&pg).await;
     // `idem outbox retry` with no event ids: every parked row.
     assert_eq!(pg.store().retry_parked(None).await.unwrap(), ROWS as u64);
-    let (published, _) = drain(&pg).await;
-    assert_eq!(published, ROWS as u64);
-    assert_eq!(
-        pg.scalar("SELECT count(*) FROM idem_outbox WHERE status <> 'published'")
-            .await,
-        0
-    );
+    drains_completely(&pg).await;
 }
 
 /// Version 11: no index depends on `claim_id` and the pages keep room, so a lease rewrites no

@@ -30,7 +30,15 @@ const BASES: &[&str] = &[
     "effect_intents",
 ];
 
-static SQL: SqlSet = sql_set!("postgres", "retry_parked.sql", "intent_retry.sql");
+/// `mark_published` and `release` are the same statement, complete.sql: one statement marks and
+/// releases.
+static SQL: SqlSet = sql_set!(
+    "postgres",
+    "complete.sql",
+    "complete.sql",
+    "retry_parked.sql",
+    "intent_retry.sql"
+);
 
 static MIGRATIONS: Migrations = migrations!(
     "postgres",

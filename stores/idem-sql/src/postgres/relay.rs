@@ -91,8 +91,6 @@ fn out_of_range(micros: i64) -> String {
 
 /// Sets the claim's timeout and planner settings for its transaction (claim_guard.sql).
 const CLAIM_GUARD: &str = include_str!("../../sql/postgres/claim_guard.sql");
-/// Marks published and releases failed rows of a claim in one statement (complete.sql).
-const COMPLETE: &str = include_str!("../../sql/postgres/complete.sql");
 /// Refreshes the outbox's statistics (analyze_outbox.sql).
 const ANALYZE_OUTBOX: &str = include_str!("../../sql/postgres/analyze_outbox.sql");
 
@@ -209,7 +207,8 @@ impl RelayOps for Postgres {
     ) -> BoxFuture<'a, Result<Completed>> {
         async move {
             let f = &outcome.failed;
-            let row = sqlx::query(&this.pg_sql(COMPLETE))
+            // complete.sql: marks published and releases failed rows in one statement.
+            let row = sqlx::query(&this.q().mark_published)
                 .bind(&outcome.published)
                 .bind(claim.claim_id)
                 .bind(f.iter().map(|x| x.id).collect::<Vec<_>>())

@@ -31,7 +31,13 @@ const BASES: &[&str] = &[
     "effect_intents",
 ];
 
-static SQL: SqlSet = sql_set!("sqlite", "retry_parked_one.sql", "intent_retry_one.sql");
+static SQL: SqlSet = sql_set!(
+    "sqlite",
+    "mark_published.sql",
+    "release.sql",
+    "retry_parked_one.sql",
+    "intent_retry_one.sql"
+);
 
 static MIGRATIONS: Migrations = migrations!(
     "sqlite",
