@@ -46,6 +46,12 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     /// * a relay paused past its lease: another relay takes the rows over; the paused relay's
     ///   mark is fenced by the claim id and changes nothing (`idem_outbox_lease_lost_total`).
     pub async fn run_once(&self) -> Result<BatchReport> {
+        let (started, claim) = self.claim_batch().await?;
+        self.process(started, claim).await
+    }
+
+    /// Claims the next batch; returns when the claim started (its lease began later) with it.
+    pub(crate) async fn claim_batch(&self) -> Result<(Instant, Claim)> {
         let started = Instant::now();
         let claim = self
             .store
@@ -55,6 +61,12 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 lease: self.config.lease,
             })
             .await?;
+        Ok((started, claim))
+    }
+
+    /// Publishes a claimed batch, awaits every delivery report and marks the rows: the part of
+    /// [`Relay::run_once`] after the claim. `started` is when the claim started.
+    pub(crate) async fn process(&self, started: Instant, claim: Claim) -> Result<BatchReport> {
         let mut report = BatchReport {
             claimed: claim.records.len() + claim.corrupt.len(),
             ..BatchReport::default()

@@ -9,7 +9,7 @@ use std::future::Future;
 use std::sync::atomic::AtomicI64;
 use std::time::{Duration, Instant};
 
-use idem_core::outbox::PrunePolicy;
+use idem_core::outbox::{Claim, PrunePolicy};
 use idem_core::publish::Publisher;
 use idem_core::{Error, OutboxStore, Result};
 
@@ -262,8 +262,12 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         tokio::pin!(shutdown);
         let mut idle = self.config.idle_poll_min;
         let mut error_backoff = Duration::from_millis(200);
+        // A batch claimed while the previous one was produced, not yet published.
+        let mut held: Option<(Instant, Claim)> = None;
         loop {
-            let wait = match self.run_once().await {
+            let (result, next) = self.cycle(held.take()).await;
+            held = next;
+            let wait = match result {
                 Ok(r) if r.claimed > 0 => {
                     idle = self.config.idle_poll_min;
                     error_backoff = Duration::from_millis(200);
@@ -287,12 +291,53 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                     w
                 }
             };
+            if held.is_some() {
+                // Its lease is running: publish it now. Shutdown waits for it (an in-flight
+                // batch is always finished).
+                continue;
+            }
             tokio::select! {
                 biased;
                 () = &mut shutdown => return Ok(()),
                 () = tokio::time::sleep(wait) => {}
             }
         }
+    }
+
+    /// One turn of the loop: processes `held` (or a batch claimed now) and, when that batch was
+    /// full, claims the next one on another connection while it is produced (at most two
+    /// batches in flight). Returns the report and the next batch, if one was claimed.
+    ///
+    /// Per-aggregate order holds across the two: a claim never takes a row of an aggregate that
+    /// has a leased row, and the first batch's rows stay leased until they are marked, released
+    /// (a failed row stays pending, so a later row of its aggregate is not a head) or their
+    /// lease expires. Every delivery report of a batch is awaited before it is marked.
+    async fn cycle(
+        &self,
+        held: Option<(Instant, Claim)>,
+    ) -> (Result<BatchReport>, Option<(Instant, Claim)>) {
+        let (started, claim) = match held {
+            Some(h) => h,
+            None => match self.claim_batch().await {
+                Ok(c) => c,
+                Err(e) => return (Err(e), None),
+            },
+        };
+        let size = claim.records.len() + claim.corrupt.len();
+        if size < self.config.batch_size as usize {
+            return (self.process(started, claim).await, None);
+        }
+        let (report, next) = tokio::join!(self.process(started, claim), self.claim_batch());
+        let next = match next {
+            Ok((_, c)) if c.records.is_empty() && c.corrupt.is_empty() => None,
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::warn!(error = %e, "claiming the next batch failed; claiming again");
+                self.metrics.errors.inc();
+                None
+            }
+        };
+        (report, next)
     }
 }
 

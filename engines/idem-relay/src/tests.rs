@@ -497,3 +497,114 @@ async fn a_built_relay_registers_its_metrics_only_when_given_a_registry() {
         "a second relay's metrics clash in the same registry"
     );
 }
+
+/// Batch N+1 is claimed while batch N is produced: N's aggregates are leased, so N+1 holds none
+/// of their later rows; when a row of N fails it stays pending (here backing off for an hour), so
+/// its aggregate's later rows are still not heads when the next batch is claimed.
+#[tokio::test]
+async fn a_failed_batch_does_not_let_the_pipelined_next_publish_a_later_row_of_its_aggregates() {
+    let f = fixture().await;
+    let a = f.enqueue("a", 3).await;
+    let b = f.enqueue("b", 3).await;
+    f.enqueue("c", 3).await;
+    f.publisher.fail(a[0].id(), FailureKind::Transient);
+    let relay = f.relay(RelayConfig {
+        batch_size: 2,
+        retry_backoff: Duration::from_secs(3600),
+        ..fast()
+    });
+    let (first, next) = relay.cycle(None).await;
+    let first = first.unwrap();
+    assert_eq!((first.claimed, first.published, first.retried), (2, 1, 1));
+    let (_, held) = next.as_ref().expect("a full batch claims the next one");
+    let aggregates: Vec<&str> = held
+        .records
+        .iter()
+        .map(|r| r.aggregate_id.as_str())
+        .collect();
+    assert!(
+        !aggregates.contains(&"a"),
+        "a's rows wait behind a[0]: {aggregates:?}"
+    );
+    assert!(
+        !held.records.iter().any(|r| r.event_id == b[2].id()),
+        "b's rows come in order: {aggregates:?}"
+    );
+    let (second, _) = relay.cycle(next).await;
+    assert_eq!(second.unwrap().claimed, 2);
+    // Until a[0] is delivered, no later row of a is sent.
+    loop {
+        let (r, held) = relay.cycle(None).await;
+        let drained = r.unwrap().claimed == 0 && held.is_none();
+        if drained {
+            break;
+        }
+        if let Some(held) = held {
+            relay.cycle(Some(held)).await.0.unwrap();
+        }
+    }
+    let sent = f.publisher.sent_ids();
+    assert!(
+        !sent.contains(&a[1].id().to_string()),
+        "a[1] sent before a[0]: {sent:?}"
+    );
+    f.publisher.heal();
+    f.expire_leases().await;
+    while relay.run_once().await.unwrap().claimed > 0 {}
+    let sent_a: Vec<String> = f
+        .publisher
+        .sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|m| m.key == "a")
+        .map(|m| header(m, "ce_id"))
+        .collect();
+    let a_ids: Vec<String> = a.iter().map(|e| e.id().to_string()).collect();
+    assert_eq!(sent_a, a_ids);
+    assert_eq!(relay.store().status().await.unwrap().pending, 0);
+}
+
+/// Two relays, each claiming its next batch while it produces the current one, drain
+/// interleaved aggregates: every aggregate's events reach the broker once each, in order.
+#[tokio::test]
+async fn pipelined_batches_of_two_relays_keep_each_aggregate_in_order() {
+    let f = fixture().await;
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for round in 0..6 {
+        for agg in 0..12 {
+            let key = format!("agg-{agg}");
+            let e = f.enqueue(&key, 1 + (agg + round) % 2).await;
+            expected
+                .entry(key)
+                .or_default()
+                .extend(e.iter().map(|e| e.id().to_string()));
+        }
+    }
+    let config = |id: &str| RelayConfig {
+        relay_id: id.into(),
+        batch_size: 7,
+        prune: None,
+        ..fast()
+    };
+    let (one, two) = (f.relay(config("one")), f.relay(config("two")));
+    let drained = || async {
+        // Polls the outbox, as an operator would; the relays stop once it is empty.
+        while f.store.status().await.unwrap().pending > 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    let (r1, r2) = tokio::join!(one.run(drained()), two.run(drained()));
+    r1.unwrap();
+    r2.unwrap();
+    let sent = f.publisher.sent.lock().unwrap().clone();
+    for (key, ids) in &expected {
+        let got: Vec<String> = sent
+            .iter()
+            .filter(|m| &m.key == key)
+            .map(|m| header(m, "ce_id"))
+            .collect();
+        assert_eq!(&got, ids, "{key}: once each, in order");
+    }
+    assert_eq!(sent.len(), expected.values().map(Vec::len).sum::<usize>());
+}

@@ -315,6 +315,13 @@ pub(crate) mod sealed {
     /// `FOR UPDATE SKIP LOCKED` with arrays, or in `BEGIN IMMEDIATE` one row at a time; ages
     /// from the database's clock, or parsed from text).
     pub trait RelayOps: Database + Sized {
+        /// Whether [`RelayOps::claim_within`] looks at a bounded window of heads (then an empty
+        /// claim is retried over every pending row, at most once a second).
+        const WINDOWED_CLAIM: bool;
+        /// Refreshes the planner's statistics of the outbox after a mass change (best effort).
+        fn refresh_statistics(store: &crate::RelayStore<Self>) -> BoxFuture<'_, ()>
+        where
+            Self: super::Dialect;
         /// One claim over the oldest `window` pending rows (None: every pending row).
         fn claim_within<'a>(
             store: &'a crate::RelayStore<Self>,

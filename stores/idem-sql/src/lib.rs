@@ -66,7 +66,7 @@ pub use inbox::Inbox;
 pub use intents::Intents;
 pub use keys::KeyStore;
 pub use migrate::{MigrationReport, migrate};
-pub use relay_store::RelayStore;
+pub use relay_store::{DEFAULT_CLAIM_TIMEOUT, RelayStore};
 pub use writer::Outbox;
 
 #[cfg(feature = "postgres")]

@@ -20,7 +20,7 @@ pub(crate) type Migrations = &'static [(i64, &'static str, &'static str)];
 
 /// The migrations shipped for a dialect directory (`migrations/$dir/NNNN_*.sql`).
 macro_rules! migrations {
-    ($dir:literal, $last:literal) => {
+    ($dir:literal, $tenth:literal, $last:literal) => {
         &[
             (
                 1,
@@ -97,11 +97,20 @@ macro_rules! migrations {
             ),
             (
                 10,
-                $last,
+                $tenth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0010_outbox_seq_inserted_only.sql"
+                )),
+            ),
+            (
+                11,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0011_outbox_hot_lease.sql"
                 )),
             ),
         ]

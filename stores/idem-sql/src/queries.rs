@@ -77,15 +77,17 @@ statements!(
 );
 
 /// The statements of dialect directory `$dir` (`sql/$dir/*.sql`; identical text in
-/// `sql/common/`), with `$one_parked`/`$one_intent` the per-id forms where the dialect has no
-/// arrays (the set form otherwise).
+/// `sql/common/`), with `$mark`/`$release` the files that mark rows published and release failed
+/// ones (one file for both where the dialect does both in one statement), and
+/// `$one_parked`/`$one_intent` the per-id forms where the dialect has no arrays (the set form
+/// otherwise).
 macro_rules! sql_set {
-    ($dir:literal, $retry_parked_one:literal, $intent_retry_one:literal) => {
+    ($dir:literal, $mark:literal, $release:literal, $retry_parked_one:literal, $intent_retry_one:literal) => {
         $crate::queries::SqlSet {
             enqueue: include_str!(concat!("../../sql/", $dir, "/enqueue.sql")),
             claim: include_str!(concat!("../../sql/", $dir, "/claim.sql")),
-            mark_published: include_str!(concat!("../../sql/", $dir, "/mark_published.sql")),
-            release: include_str!(concat!("../../sql/", $dir, "/release.sql")),
+            mark_published: include_str!(concat!("../../sql/", $dir, "/", $mark)),
+            release: include_str!(concat!("../../sql/", $dir, "/", $release)),
             prune_delete: include_str!(concat!("../../sql/", $dir, "/prune_delete.sql")),
             prune_archive: include_str!(concat!("../../sql/", $dir, "/prune_archive.sql")),
             status: include_str!(concat!("../../sql/", $dir, "/status.sql")),

@@ -9,6 +9,7 @@ use idem_core::outbox::{
 use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
 use idem_core::{Error, EventId, OutboxStore, Result, TableNames};
 use sqlx::Pool;
+use std::time::Duration;
 
 use crate::dialect::{Stmt, get};
 use crate::{Dialect, Outbox};
@@ -27,7 +28,15 @@ pub struct RelayStore<DB: Dialect> {
     pub(crate) pool: Pool<DB>,
     pub(crate) outbox: Outbox<DB>,
     pub(crate) full_scan: FullScanThrottle,
+    pub(crate) claim_timeout: Duration,
 }
+
+/// How long a claim may run before the database cancels it ([`RelayStore::with_claim_timeout`]).
+pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How many parked rows returned to pending at once make the store refresh the outbox's
+/// statistics (a plan built while they were parked could walk them all once per claim).
+const MASS_RETRY: u64 = 1_000;
 
 impl<DB: Dialect> Clone for RelayStore<DB> {
     fn clone(&self) -> Self {
@@ -35,6 +44,7 @@ impl<DB: Dialect> Clone for RelayStore<DB> {
             pool: self.pool.clone(),
             outbox: self.outbox.clone(),
             full_scan: self.full_scan.clone(),
+            claim_timeout: self.claim_timeout,
         }
     }
 }
@@ -46,7 +56,19 @@ impl<DB: Dialect> RelayStore<DB> {
             pool,
             outbox: Outbox::new(tables),
             full_scan: FullScanThrottle::default(),
+            claim_timeout: DEFAULT_CLAIM_TIMEOUT,
         }
+    }
+
+    /// Bounds every claim to `timeout` (PostgreSQL's `statement_timeout`, set for the claim's
+    /// transaction only; default [`DEFAULT_CLAIM_TIMEOUT`], zero: unbounded). A claim cancelled
+    /// this way is an error the relay logs and retries, and the store refreshes the outbox's
+    /// statistics first, so a plan built on stale statistics cannot stall the relay silently.
+    /// SQLite's claim is not bounded.
+    #[must_use]
+    pub fn with_claim_timeout(mut self, timeout: Duration) -> Self {
+        self.claim_timeout = timeout;
+        self
     }
 
     /// The pool.
@@ -100,7 +122,12 @@ impl<DB: Dialect> RelayStore<DB> {
             .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
         let q = self.q();
         let n = DB::for_event_ids(w.conn(), &q.retry_parked, &q.retry_parked_one, event_ids).await;
-        w.finish(n, context).await
+        let n = w.finish(n, context).await?;
+        drop(conn);
+        if n >= MASS_RETRY {
+            DB::refresh_statistics(self).await;
+        }
+        Ok(n)
     }
 }
 
@@ -127,7 +154,11 @@ impl<DB: Dialect> OutboxStore for RelayStore<DB> {
         let claim = DB::claim_within(self, request, Some(window)).await?;
         // The oldest rows may all sit behind leased or backing-off heads (one aggregate with a
         // deep backlog): then look at every pending row, so other aggregates never starve.
-        if claim.records.is_empty() && claim.corrupt.is_empty() && self.full_scan.due() {
+        if DB::WINDOWED_CLAIM
+            && claim.records.is_empty()
+            && claim.corrupt.is_empty()
+            && self.full_scan.due()
+        {
             return DB::claim_within(self, request, None).await;
         }
         Ok(claim)

@@ -1,7 +1,8 @@
 -- Leases up to ?1 rows to claim ?2 (relay ?3) until ?4 (Unix ms); ?5 is now (Unix ms);
 -- ?6 bounds how many claimable heads, oldest first, are looked at (-1: all).
--- Runs inside BEGIN IMMEDIATE, so no other writer interleaves. Same shape as the PostgreSQL
--- claim: lock-free heads, then a prefix of each head's aggregate. The window is made of
+-- Runs inside BEGIN IMMEDIATE, so no other writer interleaves. The same rules as the PostgreSQL
+-- claim: heads, then a prefix of each head's aggregate (PostgreSQL walks lazily and needs no
+-- window: it skips the heads other relays lock as it goes). The window is made of
 -- claimable heads, not of the oldest pending rows, so that one aggregate's backlog behind a
 -- backing-off head never hides the others (see the PostgreSQL claim).
 WITH window_rows AS (

@@ -31,15 +31,32 @@ const BASES: &[&str] = &[
     "effect_intents",
 ];
 
-static SQL: SqlSet = sql_set!("postgres", "retry_parked.sql", "intent_retry.sql");
+/// `mark_published` and `release` are the same statement, complete.sql: one statement marks and
+/// releases.
+static SQL: SqlSet = sql_set!(
+    "postgres",
+    "complete.sql",
+    "complete.sql",
+    "retry_parked.sql",
+    "intent_retry.sql"
+);
 
-static MIGRATIONS: Migrations =
-    migrations!("postgres", "outbox sequence numbers for inserted rows only");
+static MIGRATIONS: Migrations = migrations!(
+    "postgres",
+    "outbox sequence numbers for inserted rows only",
+    "outbox leases as HOT updates"
+);
 
 /// Connects a pool suited to the relay and the CLI.
+///
+/// Connections are not pinged before each use (`test_before_acquire(false)`): the ping is one
+/// more round trip per transaction, and a connection the server closed fails its next statement
+/// instead, an error every caller already handles (the relay logs and retries it; sqlx then drops
+/// the connection).
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
     PgPoolOptions::new()
         .max_connections(max_connections)
+        .test_before_acquire(false)
         .connect(url)
         .await
         .map_err(|e| {

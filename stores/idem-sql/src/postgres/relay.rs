@@ -89,96 +89,164 @@ fn out_of_range(micros: i64) -> String {
     }
 }
 
+/// Sets the claim's timeout and planner settings for its transaction (claim_guard.sql).
+const CLAIM_GUARD: &str = include_str!("../../sql/postgres/claim_guard.sql");
+/// Refreshes the outbox's statistics (analyze_outbox.sql).
+const ANALYZE_OUTBOX: &str = include_str!("../../sql/postgres/analyze_outbox.sql");
+
+/// SQLSTATE 57014: the statement was cancelled (here: by the claim's `statement_timeout`).
+fn cancelled(e: &sqlx::Error) -> bool {
+    super::sqlstate(e, "57014")
+}
+
+impl PgStore {
+    /// `sql` for this store's tables (statements only PostgreSQL has; rendering is a few string
+    /// replacements, negligible beside the round trip).
+    fn pg_sql(&self, sql: &str) -> String {
+        use crate::dialect::sealed::Sealed as _;
+        self.outbox.tables.render(sql, Postgres::bases())
+    }
+
+    /// Refreshes the outbox's statistics, best effort: a failure (e.g. the relay's role does
+    /// not own the table) is logged, never returned.
+    pub(crate) async fn analyze_outbox(&self, why: &str) {
+        if let Err(e) = sqlx::query(&self.pg_sql(ANALYZE_OUTBOX))
+            .execute(&self.pool)
+            .await
+        {
+            tracing::warn!(error = %e, why, "could not refresh the outbox's statistics (ANALYZE)");
+        }
+    }
+
+    /// The claim statement in its guarded transaction; the rows as returned.
+    async fn claim_rows(&self, request: &ClaimRequest, claim_id: Uuid) -> sqlx::Result<Vec<PgRow>> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(CLAIM_GUARD)
+            .bind(
+                millis(self.claim_timeout)
+                    .min(i64::from(i32::MAX))
+                    .to_string(),
+            )
+            .execute(&mut *tx)
+            .await?;
+        let rows = sqlx::query(&self.q().claim)
+            .bind(i64::from(request.batch_size))
+            .bind(claim_id)
+            .bind(&request.relay_id)
+            .bind(millis(request.lease))
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(rows)
+    }
+}
+
+/// The claimed rows decoded; a row that cannot be decoded is returned as corrupt (to be parked).
+fn decode_claimed(claim_id: Uuid, rows: &[PgRow]) -> Result<Claim> {
+    let mut records = Vec::with_capacity(rows.len());
+    let mut corrupt = vec![];
+    for row in rows {
+        match decode_record(row) {
+            Ok(r) => records.push(r),
+            Err(e) => {
+                let id: i64 = row
+                    .try_get("id")
+                    .map_err(|e| Error::database("decoding a claimed row id", e))?;
+                corrupt.push((id, format!("the row cannot be decoded: {e}")));
+            }
+        }
+    }
+    sort_records(&mut records);
+    Ok(Claim {
+        claim_id,
+        records,
+        corrupt,
+    })
+}
+
 impl RelayOps for Postgres {
+    /// PostgreSQL's claim walks every pending row lazily and skips locked heads itself, so the
+    /// window is not used.
+    const WINDOWED_CLAIM: bool = false;
+
     fn claim_within<'a>(
         this: &'a PgStore,
         request: &'a ClaimRequest,
-        window: Option<i64>,
+        _window: Option<i64>,
     ) -> BoxFuture<'a, Result<Claim>> {
         async move {
             let claim_id = Uuid::now_v7();
-            let rows = sqlx::query(&this.q().claim)
-                .bind(i64::from(request.batch_size))
-                .bind(claim_id)
-                .bind(&request.relay_id)
-                .bind(millis(request.lease))
-                .bind(window)
-                .fetch_all(&this.pool)
-                .await
-                .map_err(|e| Error::database("claiming outbox rows", e))?;
-            let mut records = Vec::with_capacity(rows.len());
-            let mut corrupt = vec![];
-            for row in &rows {
-                match decode_record(row) {
-                    Ok(r) => records.push(r),
-                    Err(e) => {
-                        let id: i64 = row
-                            .try_get("id")
-                            .map_err(|e| Error::database("decoding a claimed row id", e))?;
-                        corrupt.push((id, format!("the row cannot be decoded: {e}")));
-                    }
+            let rows = match this.claim_rows(request, claim_id).await {
+                Ok(rows) => rows,
+                Err(e) if cancelled(&e) => {
+                    // A plan this slow is built on statistics that no longer describe the
+                    // outbox: refresh them so that the next claim is planned anew.
+                    this.analyze_outbox("a claim ran past its statement timeout").await;
+                    return Err(Error::database(
+                        format!(
+                            "claiming outbox rows: the claim ran past its timeout of {} ms and was \
+                             cancelled; the outbox's statistics were refreshed and the next claim \
+                             is planned anew (raise the timeout with RelayStore::with_claim_timeout \
+                             if claims are legitimately this slow)",
+                            millis(this.claim_timeout)
+                        ),
+                        e,
+                    ));
                 }
-            }
-            sort_records(&mut records);
-            Ok(Claim {
-                claim_id,
-                records,
-                corrupt,
-            })
+                Err(e) => return Err(Error::database("claiming outbox rows", e)),
+            };
+            decode_claimed(claim_id, &rows)
         }
         .boxed()
     }
+
     fn complete<'a>(
         this: &'a PgStore,
         claim: &'a Claim,
         outcome: &'a Outcome,
     ) -> BoxFuture<'a, Result<Completed>> {
         async move {
-            let mut tx = this
-                .pool
-                .begin()
+            let f = &outcome.failed;
+            // complete.sql: marks published and releases failed rows in one statement.
+            let row = sqlx::query(&this.q().mark_published)
+                .bind(&outcome.published)
+                .bind(claim.claim_id)
+                .bind(f.iter().map(|x| x.id).collect::<Vec<_>>())
+                .bind(f.iter().map(|x| x.reason.as_str()).collect::<Vec<_>>())
+                .bind(f.iter().map(|x| millis(x.backoff)).collect::<Vec<_>>())
+                .bind(f.iter().map(|x| x.disposition.parks()).collect::<Vec<_>>())
+                .bind(
+                    f.iter()
+                        .map(|x| x.disposition.attempted())
+                        .collect::<Vec<_>>(),
+                )
+                .bind(
+                    f.iter()
+                        .map(|x| x.disposition.is_permanent())
+                        .collect::<Vec<_>>(),
+                )
+                .fetch_one(&this.pool)
                 .await
-                .map_err(|e| Error::database("starting to mark rows", e))?;
-            let mut done = Completed::default();
-            if !outcome.published.is_empty() {
-                done.marked = sqlx::query(&this.q().mark_published)
-                    .bind(&outcome.published)
-                    .bind(claim.claim_id)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| Error::database("marking rows published", e))?
-                    .rows_affected();
-            }
-            if !outcome.failed.is_empty() {
-                let f = &outcome.failed;
-                done.released = sqlx::query(&this.q().release)
-                    .bind(f.iter().map(|x| x.id).collect::<Vec<_>>())
-                    .bind(f.iter().map(|x| x.reason.as_str()).collect::<Vec<_>>())
-                    .bind(f.iter().map(|x| millis(x.backoff)).collect::<Vec<_>>())
-                    .bind(f.iter().map(|x| x.disposition.parks()).collect::<Vec<_>>())
-                    .bind(
-                        f.iter()
-                            .map(|x| x.disposition.attempted())
-                            .collect::<Vec<_>>(),
-                    )
-                    .bind(claim.claim_id)
-                    .bind(
-                        f.iter()
-                            .map(|x| x.disposition.is_permanent())
-                            .collect::<Vec<_>>(),
-                    )
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| Error::database("releasing failed rows", e))?
-                    .rows_affected();
-            }
-            tx.commit()
-                .await
-                .map_err(|e| Error::database("committing marks", e))?;
+                .map_err(|e| Error::database("marking claimed rows", e))?;
+            let count = |c: &str| {
+                row.try_get::<i64, _>(c)
+                    .map(|n| u64::try_from(n).unwrap_or(0))
+                    .map_err(|e| Error::database("decoding the marked rows' counts", e))
+            };
+            let mut done = Completed {
+                marked: count("marked")?,
+                released: count("released")?,
+                ..Completed::default()
+            };
             done.fenced = fenced(outcome, done.marked, done.released);
             Ok(done)
         }
         .boxed()
+    }
+
+    fn refresh_statistics(this: &PgStore) -> BoxFuture<'_, ()> {
+        this.analyze_outbox("many parked rows were returned to pending")
+            .boxed()
     }
 
     fn prune<'a>(this: &'a PgStore, policy: &'a PrunePolicy) -> BoxFuture<'a, Result<u64>> {

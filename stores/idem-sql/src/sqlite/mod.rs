@@ -32,11 +32,18 @@ const BASES: &[&str] = &[
     "effect_intents",
 ];
 
-static SQL: SqlSet = sql_set!("sqlite", "retry_parked_one.sql", "intent_retry_one.sql");
+static SQL: SqlSet = sql_set!(
+    "sqlite",
+    "mark_published.sql",
+    "release.sql",
+    "retry_parked_one.sql",
+    "intent_retry_one.sql"
+);
 
 static MIGRATIONS: Migrations = migrations!(
     "sqlite",
-    "outbox sequence numbers for inserted rows only (PostgreSQL; none here)"
+    "outbox sequence numbers for inserted rows only (PostgreSQL; none here)",
+    "outbox leases as HOT updates (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).

@@ -64,6 +64,14 @@ fn decode_record(row: &SqliteRow) -> Result<OutboxRecord> {
 }
 
 impl RelayOps for Sqlite {
+    const WINDOWED_CLAIM: bool = true;
+
+    fn refresh_statistics(_store: &SqliteStore) -> BoxFuture<'_, ()> {
+        // SQLite's claim runs in `BEGIN IMMEDIATE` over the same indexes; its planner does not
+        // depend on statistics gathered by ANALYZE unless sqlite_stat1 exists.
+        futures::future::ready(()).boxed()
+    }
+
     fn claim_within<'a>(
         this: &'a SqliteStore,
         request: &'a ClaimRequest,

@@ -1,0 +1,11 @@
+-- Bounds the claim that follows in the same transaction, whatever the statistics say (after a
+-- mass re-pend they can claim that no row is pending): it is cancelled after $1 milliseconds
+-- (an error the relay logs and retries, not a silent stall); it is planned for each execution
+-- rather than from a plan cached while the outbox was empty; a sort may not replace the walk of
+-- `pending_idx` in id order or of `pending_aggregate_idx` in aggregate order (with stale
+-- statistics it would sort every pending row, once per claim); and no JIT compiles it (the
+-- sort penalty would otherwise look like a costly plan worth compiling).
+SELECT set_config('statement_timeout', $1, true),
+       set_config('plan_cache_mode', 'force_custom_plan', true),
+       set_config('enable_sort', 'off', true),
+       set_config('jit', 'off', true)
