@@ -1,6 +1,7 @@
 //! The system under load: the relay and the settlement consumer as child processes draining a
 //! backlog (new events, then the same events again as duplicates), then together under
-//! closed-loop and open-loop load.
+//! closed-loop and open-loop load; each drain and the sustained run bracketed by their
+//! ceilings ([`baselines`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,7 +14,8 @@ use super::child::Child;
 use super::kafka::TempDir;
 use super::pg::{self, OrderWrite};
 use super::plan::{self, Phase, drain_timeout};
-use super::{Ctx, Names, Progress, Ticker, latency};
+use super::spread::Stall;
+use super::{Ctx, Names, Progress, Ticker, baselines, ceilings, latency};
 
 /// The system's databases: URL and pool of each.
 pub struct SystemDbs {
@@ -35,50 +37,133 @@ struct Watch<'a> {
     label: &'a str,
 }
 
-/// The system phases, in [`PHASES`](plan::PHASES) order.
+/// The relay and the consumer left running for the sustained and latency phases.
+#[derive(Default)]
+struct Running {
+    relay: Option<Child>,
+    settlement: Option<Child>,
+}
+
+impl Running {
+    /// Stops whichever runs.
+    async fn stop(self) -> anyhow::Result<()> {
+        if let Some(s) = self.settlement {
+            s.stop().await?;
+        }
+        if let Some(r) = self.relay {
+            r.stop().await?;
+        }
+        Ok(())
+    }
+}
+
+/// The system phases and the ceilings that bracket them, in [`PHASES`](plan::PHASES) order. A
+/// phase that fails or passes its deadline is reported; the ones that need it are skipped, the
+/// others run.
 pub async fn run(
     c: &mut Ctx<'_>,
     dbs: &SystemDbs,
     names: &Names,
     logs: &TempDir,
 ) -> anyhow::Result<()> {
-    c.phase(Phase::Backlog);
-    pg::fill_backlog(&dbs.orders, "b-", c.args.backlog, c.pad).await?;
-    let (mut relay, mut settlement) = drains(c, dbs, names, logs).await?;
-    c.phase(Phase::Sustained);
-    let (sustained, writers) = sustained(c, dbs).await?;
-    c.report.figure("e2e_writers_per_s", writers);
-    c.report.figure("e2e_sustained_per_s", sustained);
-    let expected = pg::count(&dbs.orders, "orders").await?;
-    let left = Watch {
-        pool: &dbs.settle,
-        what: "settlements",
-        label: "settled (draining what the writers left)",
-    };
-    let timeout = drain_timeout(c.args);
-    wait_for(
-        c.progress,
-        &left,
-        expected,
-        &mut [&mut settlement, &mut relay],
-        timeout,
-    )
-    .await?;
-    latency(c, dbs, &mut relay, &mut settlement, sustained).await?;
-    settlement.stop().await?;
-    relay.stop().await?;
-    Ok(())
+    let (backlog, pad) = (c.args.backlog, c.pad);
+    c.guarded(Phase::Backlog, async |_| {
+        pg::fill_backlog(&dbs.orders, "b-", backlog, pad).await
+    })
+    .await;
+    drains(c, dbs, names, logs).await?;
+    let mut running = Running::default();
+    duplicates(c, dbs, names, logs, &mut running).await?;
+    c.guarded(Phase::WritersBefore, async |c| {
+        baselines::writers(c, "b").await
+    })
+    .await;
+    let rate = c
+        .guarded(Phase::Sustained, async |c| {
+            sustained(c, dbs, names, logs, &mut running).await
+        })
+        .await;
+    c.guarded(Phase::WritersAfter, async |c| {
+        baselines::writers(c, "a").await
+    })
+    .await;
+    // Without a sustained rate the latency phase is skipped (it needs the sustained run).
+    let sustained = rate.unwrap_or(f64::NAN);
+    c.guarded(Phase::Latency, async |c| {
+        latency(c, dbs, &mut running, sustained).await
+    })
+    .await;
+    running.stop().await
 }
 
-/// The drains: the relay, the consumer, the consumer without its inbox, the republished
-/// backlog and its duplicates. Returns the relay and the consumer, still running.
+/// The relay's and the consumer's drains of the backlog, each bracketed by its ceilings, and
+/// the consumer without its inbox.
 async fn drains(
     c: &mut Ctx<'_>,
     dbs: &SystemDbs,
     names: &Names,
     logs: &TempDir,
-) -> anyhow::Result<(Child, Child)> {
-    c.phase(Phase::RelayDrain);
+) -> anyhow::Result<()> {
+    c.guarded(Phase::RelayCeilingBefore, async |c| {
+        baselines::relay(c, "b").await
+    })
+    .await;
+    let drained = c
+        .guarded(Phase::RelayDrain, async |c| {
+            relay_drain(c, dbs, names, logs).await
+        })
+        .await;
+    clean_up_after(drained.is_none(), &dbs.orders_url).await?;
+    c.guarded(Phase::RelayCeilingAfter, async |c| {
+        baselines::relay(c, "a").await
+    })
+    .await;
+    c.guarded(Phase::Consume, async |c| baselines::raw_consume(c).await)
+        .await;
+    c.guarded(Phase::ConsumerCeilingBefore, async |c| {
+        baselines::consumer(c, "b").await
+    })
+    .await;
+    let drained = c
+        .guarded(Phase::ConsumerDrain, async |c| {
+            consumer_drain(c, dbs, names, logs).await
+        })
+        .await;
+    clean_up_after(drained.is_none(), &dbs.settle_url).await?;
+    c.guarded(Phase::ConsumerCeilingAfter, async |c| {
+        baselines::consumer(c, "a").await
+    })
+    .await;
+    let drained = c
+        .guarded(Phase::NoInboxDrain, async |c| {
+            no_inbox_drain(c, dbs, names, logs).await
+        })
+        .await;
+    clean_up_after(drained.is_none(), &dbs.noinbox_url).await
+}
+
+/// After a phase that did not end well (`failed`): ends the sessions its killed children left
+/// on database `url` (a backend runs its statement to the end after its client is gone).
+async fn clean_up_after(failed: bool, url: &str) -> anyhow::Result<()> {
+    if failed {
+        let n = ceilings::terminate_others(url).await?;
+        if n > 0 {
+            tracing::warn!(
+                sessions = n,
+                "ended the sessions a stopped child left behind"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The relay drains the backlog: its rate from the rows' publication stamps, its peak RSS.
+async fn relay_drain(
+    c: &mut Ctx<'_>,
+    dbs: &SystemDbs,
+    names: &Names,
+    logs: &TempDir,
+) -> anyhow::Result<()> {
     let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &names.topic_prefix);
     let published = Watch {
         pool: &dbs.orders,
@@ -97,26 +182,43 @@ async fn drains(
     )
     .await?;
     c.report.figure("relay_drain_per_s", v);
+    Ok(())
+}
 
-    c.phase(Phase::ConsumerDrain);
-    let settlement_args = plan::consumer_args(
+/// The settlement consumer drains the topic: its rate from the settlements' stamps, its peak
+/// RSS.
+async fn consumer_drain(
+    c: &mut Ctx<'_>,
+    dbs: &SystemDbs,
+    names: &Names,
+    logs: &TempDir,
+) -> anyhow::Result<()> {
+    let (settlement, elapsed) = settle_drain(
+        c,
+        logs,
+        "settlement",
+        &settlement_args(c, dbs, names),
+        &dbs.settle,
+    )
+    .await?;
+    c.report
+        .peak("consumer_peak_rss_mib", settlement.peak_rss());
+    settlement.stop().await?;
+    let v = pg::stamped_rate(&dbs.settle, "settlements", "settled_at", "true", elapsed).await?;
+    c.report.figure("consumer_drain_per_s", v);
+    Ok(())
+}
+
+/// `idem-lab settlement` on the settlement database, in the run's group.
+fn settlement_args(c: &Ctx<'_>, dbs: &SystemDbs, names: &Names) -> Vec<String> {
+    plan::consumer_args(
         c.args,
         &["settlement"],
         &dbs.settle_url,
         &c.brokers,
         &names.topic,
         &names.group,
-    );
-    let (settlement, elapsed) =
-        settle_drain(c, logs, "settlement", &settlement_args, &dbs.settle).await?;
-    c.report
-        .peak("consumer_peak_rss_mib", settlement.peak_rss());
-    settlement.stop().await?;
-    let v = pg::stamped_rate(&dbs.settle, "settlements", "settled_at", "true", elapsed).await?;
-    c.report.figure("consumer_drain_per_s", v);
-
-    no_inbox_drain(c, dbs, names, logs).await?;
-    duplicates(c, dbs, names, logs, &relay_args, &settlement_args).await
+    )
 }
 
 /// The same consumer with the inbox insert left out: what the inbox costs.
@@ -126,7 +228,6 @@ async fn no_inbox_drain(
     names: &Names,
     logs: &TempDir,
 ) -> anyhow::Result<()> {
-    c.phase(Phase::NoInboxDrain);
     let bare_args = plan::consumer_args(
         c.args,
         &["bench", "no-inbox-consumer"],
@@ -140,21 +241,41 @@ async fn no_inbox_drain(
     bare.stop().await?;
     let v = pg::stamped_rate(&dbs.noinbox, "settlements", "settled_at", "true", elapsed).await?;
     c.report.figure("consumer_no_inbox_drain_per_s", v);
-    dbs.noinbox.close().await;
     Ok(())
 }
 
 /// Every event published a second time, and the consumer's drain of the duplicates; the relay
-/// and the consumer keep running.
+/// and the consumer are left in `running`.
 async fn duplicates(
     c: &mut Ctx<'_>,
     dbs: &SystemDbs,
     names: &Names,
     logs: &TempDir,
-    relay_args: &[String],
-    settlement_args: &[String],
-) -> anyhow::Result<(Child, Child)> {
-    c.phase(Phase::Republish);
+    running: &mut Running,
+) -> anyhow::Result<()> {
+    running.relay = c
+        .guarded(Phase::Republish, async |c| {
+            republish(c, dbs, names, logs).await
+        })
+        .await;
+    clean_up_after(running.relay.is_none(), &dbs.orders_url).await?;
+    let relay = &mut running.relay;
+    running.settlement = c
+        .guarded(Phase::Duplicates, async |c| {
+            duplicates_drain(c, dbs, names, logs, relay).await
+        })
+        .await;
+    clean_up_after(running.settlement.is_none(), &dbs.settle_url).await
+}
+
+/// Every outbox row made pending again and a new relay draining it; returns the relay, still
+/// running.
+async fn republish(
+    c: &mut Ctx<'_>,
+    dbs: &SystemDbs,
+    names: &Names,
+    logs: &TempDir,
+) -> anyhow::Result<Child> {
     sqlx::query("UPDATE idem_outbox SET status = 'pending', published_at = NULL")
         .execute(&dbs.orders)
         .await?;
@@ -163,9 +284,29 @@ async fn duplicates(
         what: PUBLISHED,
         label: "rows republished",
     };
-    let (mut relay, _) = drain(c, logs, "relay-2", relay_args, &republished, &mut []).await?;
+    // A hostile session (the suite's): every row locked until this phase ends.
+    let mut hostile = None;
+    if c.args.lock_outbox_during_republish {
+        let mut tx = dbs.orders.begin().await?;
+        sqlx::query("SELECT id FROM idem_outbox FOR UPDATE")
+            .execute(&mut *tx)
+            .await?;
+        hostile = Some(tx);
+    }
+    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &names.topic_prefix);
+    let (relay, _) = drain(c, logs, "relay-2", &relay_args, &republished, &mut []).await?;
+    drop(hostile);
+    Ok(relay)
+}
 
-    c.phase(Phase::Duplicates);
+/// The consumer's drain of the republished duplicates; returns it, still running.
+async fn duplicates_drain(
+    c: &mut Ctx<'_>,
+    dbs: &SystemDbs,
+    names: &Names,
+    logs: &TempDir,
+    relay: &mut Option<Child>,
+) -> anyhow::Result<Child> {
     // The group is ours (a UUID), never input.
     let dups = format!("consumer_group = '{}' AND delivery_count >= 2", names.group);
     let what = format!("idem_inbox WHERE {dups}");
@@ -174,15 +315,10 @@ async fn duplicates(
         what: &what,
         label: "duplicates skipped",
     };
-    let (settlement, elapsed) = drain(
-        c,
-        logs,
-        "settlement-2",
-        settlement_args,
-        &skipped,
-        &mut [&mut relay],
-    )
-    .await?;
+    let mut others: Vec<&mut Child> = relay.iter_mut().collect();
+    let args = settlement_args(c, dbs, names);
+    let (settlement, elapsed) =
+        drain(c, logs, "settlement-2", &args, &skipped, &mut others).await?;
     let v = pg::stamped_rate(
         &dbs.settle,
         "idem_inbox",
@@ -192,7 +328,55 @@ async fn duplicates(
     )
     .await?;
     c.report.figure("duplicates_drain_per_s", v);
-    Ok((relay, settlement))
+    Ok(settlement)
+}
+
+/// Starts a relay and a settlement consumer where `running` has none (a phase before did not
+/// leave them running).
+fn ensure_running(
+    c: &Ctx<'_>,
+    dbs: &SystemDbs,
+    names: &Names,
+    logs: &TempDir,
+    running: &mut Running,
+) -> anyhow::Result<()> {
+    if running.relay.is_none() {
+        let args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &names.topic_prefix);
+        running.relay = Some(Child::spawn("relay-3", &args, &logs.0)?);
+    }
+    if running.settlement.is_none() {
+        let args = settlement_args(c, dbs, names);
+        running.settlement = Some(Child::spawn("settlement-3", &args, &logs.0)?);
+    }
+    Ok(())
+}
+
+/// The sustained run, then the wait for what its writers left: returns the sustained rate.
+async fn sustained(
+    c: &mut Ctx<'_>,
+    dbs: &SystemDbs,
+    names: &Names,
+    logs: &TempDir,
+    running: &mut Running,
+) -> anyhow::Result<f64> {
+    ensure_running(c, dbs, names, logs, running)?;
+    let (sustained, writers) = sustained_rates(c, dbs).await?;
+    c.report.figure("e2e_writers_per_s", writers);
+    c.report.figure("e2e_sustained_per_s", sustained);
+    let expected = pg::count(&dbs.orders, "orders").await?;
+    let left = Watch {
+        pool: &dbs.settle,
+        what: "settlements",
+        label: "settled (draining what the writers left)",
+    };
+    let mut children: Vec<&mut Child> = running
+        .relay
+        .iter_mut()
+        .chain(running.settlement.iter_mut())
+        .collect();
+    let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
+    wait_for(c.progress, &left, expected, &mut children, timeout, stall).await?;
+    Ok(sustained)
 }
 
 /// Starts consumer `name` (`idem ARGS`) and waits until `pool` holds a settlement per event
@@ -226,20 +410,31 @@ async fn drain(
     let mut child = Child::spawn(name, args, &logs.0)?;
     let mut watched: Vec<&mut Child> = vec![&mut child];
     watched.extend(others.iter_mut().map(|c| &mut **c));
-    let timeout = drain_timeout(c.args);
-    wait_for(c.progress, watch, c.args.backlog, &mut watched, timeout).await?;
+    let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
+    wait_for(
+        c.progress,
+        watch,
+        c.args.backlog,
+        &mut watched,
+        timeout,
+        stall,
+    )
+    .await?;
     Ok((child, started.elapsed()))
 }
 
-/// Polls `watch` until it reaches `target`, failing if a child exits or the time runs out.
+/// Polls `watch` until it reaches `target`, failing if a child exits, the count stands still
+/// for `stall` or the time runs out.
 async fn wait_for(
     progress: &Progress,
     watch: &Watch<'_>,
     target: u64,
     children: &mut [&mut Child],
     timeout: Duration,
+    stall: Duration,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
+    let mut still = Stall::new(stall, Instant::now());
     let mut tick = Ticker::new();
     let label = watch.label;
     loop {
@@ -250,10 +445,15 @@ async fn wait_for(
         for c in children.iter_mut() {
             c.check_alive()?;
         }
-        if Instant::now() > deadline {
+        let stuck = still.observe(n, Instant::now());
+        if stuck.is_some() || Instant::now() > deadline {
             let logs: Vec<String> = children.iter().map(|c| c.log_tail()).collect();
+            let why = stuck.map_or_else(
+                || format!("{timeout:?} passed"),
+                |s| format!("no progress for {:.0} s", s.as_secs_f64()),
+            );
             bail!(
-                "{label}: {n} of {target} after {timeout:?}; logs:\n{}",
+                "{label}: {n} of {target}, {why}; logs:\n{}",
                 logs.join("\n---\n")
             );
         }
@@ -264,7 +464,7 @@ async fn wait_for(
 
 /// Writers as fast as they can for `--seconds` while the relay and consumer run: settlements
 /// per second over the run after a warm-up fifth, and orders written per second.
-async fn sustained(c: &Ctx<'_>, dbs: &SystemDbs) -> anyhow::Result<(f64, f64)> {
+async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs) -> anyhow::Result<(f64, f64)> {
     let (secs, pad, progress) = (c.secs, c.pad, &*c.progress);
     let (pool, how) = (dbs.orders.clone(), OrderWrite::Outbox(c.outbox.clone()));
     let written = Arc::new(AtomicU64::new(0));
@@ -300,18 +500,21 @@ async fn sustained(c: &Ctx<'_>, dbs: &SystemDbs) -> anyhow::Result<(f64, f64)> {
 async fn latency(
     c: &mut Ctx<'_>,
     dbs: &SystemDbs,
-    relay: &mut Child,
-    settlement: &mut Child,
+    running: &mut Running,
     sustained: f64,
 ) -> anyhow::Result<()> {
-    c.phase(Phase::Latency);
     for (pct, rate) in plan::open_loop_rates(sustained) {
         c.progress.note(&format!(
             "{pct} %: {rate:.0} orders/s for {:.0} s",
             c.args.seconds
         ));
-        relay.check_alive()?;
-        settlement.check_alive()?;
+        for child in running
+            .relay
+            .iter_mut()
+            .chain(running.settlement.iter_mut())
+        {
+            child.check_alive()?;
+        }
         let prefix = format!("l{pct}-");
         let run = latency::open_loop(
             &dbs.orders,
