@@ -181,7 +181,7 @@ fn a_stuck_phase_is_reported_and_the_run_goes_on() {
         &brokers,
         &[
             "--stall-seconds",
-            "3",
+            "10",
             "--ceiling-runs",
             "1",
             "--lock-outbox-during-republish",

@@ -149,6 +149,7 @@ pub async fn consumer(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
             (parts, "ceiling_consumer_partitions_per_s"),
         ] {
             let prefix = format!("k{tag}{run}x{conns}-");
+            ceilings::reset_consumer_tables(c.scratch_url).await?;
             let v =
                 ceilings::consumer_rate(c.scratch_url, conns, c.args.batch_size, c.secs, &prefix)
                     .await?;

@@ -26,6 +26,8 @@ const HAS_APPLICATIONS: &str = include_str!("sql/has_applications.sql");
 const RELAY_CLAIM_MARK: &str = include_str!("sql/relay_claim_mark.sql");
 const ROUND_TRIP: &str = include_str!("sql/round_trip.sql");
 const TERMINATE_OTHERS: &str = include_str!("sql/terminate_others.sql");
+const TRUNCATE_CONSUMER: &str = include_str!("sql/truncate_consumer.sql");
+const TRUNCATE_APPLICATIONS: &str = include_str!("sql/truncate_applications.sql");
 
 /// The `application_name` of the bench's own sessions (the children's are never this).
 pub const APPLICATION: &str = "idem-bench";
@@ -132,6 +134,22 @@ async fn consumer_tx(
             .context("ceiling: application rows")?;
     }
     tx.commit().await?;
+    Ok(())
+}
+
+/// Empties the tables the consumer's ceiling writes on the database of `url`.
+pub async fn reset_consumer_tables(url: &str) -> anyhow::Result<()> {
+    let mut conn = connect(url).await?;
+    sqlx::query(TRUNCATE_CONSUMER).execute(&mut conn).await?;
+    let with_applications: bool = sqlx::query_scalar(HAS_APPLICATIONS)
+        .fetch_one(&mut conn)
+        .await?;
+    if with_applications {
+        sqlx::query(TRUNCATE_APPLICATIONS)
+            .execute(&mut conn)
+            .await?;
+    }
+    conn.close().await?;
     Ok(())
 }
 
