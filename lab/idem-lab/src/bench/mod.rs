@@ -167,13 +167,7 @@ impl Progress {
     }
 
     fn skipped(&mut self, title: &str, why: &str) {
-        self.step += 1;
-        eprintln!(
-            "idem bench [{}/{}] {:>6.1}s  skipped: {title} ({why})",
-            self.step,
-            self.total,
-            self.started.elapsed().as_secs_f64()
-        );
+        self.phase(&format!("skipped: {title} ({why})"));
     }
 
     fn note(&self, what: &str) {
@@ -326,8 +320,10 @@ async fn phases(
         settle,
         noinbox_url,
         noinbox,
+        names: &names,
+        logs,
     };
-    system::run(&mut c, &system, &names, logs).await
+    system::run(&mut c, &system).await
 }
 
 /// Runs something at most once a second.

@@ -77,6 +77,23 @@ pub const PHASES: [Phase; 20] = [
     Phase::Latency,
 ];
 
+/// The relay drain between the runs of its ceilings.
+pub const RELAY: [Phase; 3] = [
+    Phase::RelayCeilingBefore,
+    Phase::RelayDrain,
+    Phase::RelayCeilingAfter,
+];
+
+/// The consumer drain between the runs of its ceilings.
+pub const CONSUMER: [Phase; 3] = [
+    Phase::ConsumerCeilingBefore,
+    Phase::ConsumerDrain,
+    Phase::ConsumerCeilingAfter,
+];
+
+/// The sustained run between the runs of its ceiling, the writers alone.
+pub const WRITERS: [Phase; 3] = [Phase::WritersBefore, Phase::Sustained, Phase::WritersAfter];
+
 impl Phase {
     /// The phase's key in the report's `phases`.
     pub fn key(self) -> &'static str {
@@ -358,19 +375,7 @@ mod tests {
     #[test]
     fn each_ceiling_brackets_the_phase_it_bounds() {
         let at = |p: Phase| PHASES.iter().position(|q| *q == p).unwrap();
-        for (before, phase, after) in [
-            (
-                Phase::RelayCeilingBefore,
-                Phase::RelayDrain,
-                Phase::RelayCeilingAfter,
-            ),
-            (
-                Phase::ConsumerCeilingBefore,
-                Phase::ConsumerDrain,
-                Phase::ConsumerCeilingAfter,
-            ),
-            (Phase::WritersBefore, Phase::Sustained, Phase::WritersAfter),
-        ] {
+        for [before, phase, after] in [RELAY, CONSUMER, WRITERS] {
             assert_eq!(at(before) + 1, at(phase), "{phase:?}");
             assert_eq!(at(phase) + 1, at(after), "{phase:?}");
         }

@@ -17,14 +17,17 @@ use super::plan::{self, Phase, drain_timeout};
 use super::spread::Stall;
 use super::{Ctx, Names, Progress, Ticker, baselines, ceilings, latency};
 
-/// The system's databases: URL and pool of each.
-pub struct SystemDbs {
+/// The system's databases (URL and pool of each), the run's topics and groups, and where its
+/// children log.
+pub struct SystemDbs<'a> {
     pub orders_url: String,
     pub orders: PgPool,
     pub settle_url: String,
     pub settle: PgPool,
     pub noinbox_url: String,
     pub noinbox: PgPool,
+    pub names: &'a Names,
+    pub logs: &'a TempDir,
 }
 
 /// Outbox rows published, as the relay drains count them.
@@ -60,33 +63,17 @@ impl Running {
 /// The system phases and the ceilings that bracket them, in [`PHASES`](plan::PHASES) order. A
 /// phase that fails or passes its deadline is reported; the ones that need it are skipped, the
 /// others run.
-pub async fn run(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<()> {
+pub async fn run(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     let (backlog, pad) = (c.args.backlog, c.pad);
     c.guarded(Phase::Backlog, async |_| {
         pg::fill_backlog(&dbs.orders, "b-", backlog, pad).await
     })
     .await;
-    drains(c, dbs, names, logs).await?;
+    drains(c, dbs).await?;
     let mut running = Running::default();
-    duplicates(c, dbs, names, logs, &mut running).await?;
-    c.guarded(Phase::WritersBefore, async |c| {
-        baselines::writers(c, "b").await
-    })
-    .await;
-    let rate = c
-        .guarded(Phase::Sustained, async |c| {
-            sustained(c, dbs, names, logs, &mut running).await
-        })
-        .await;
-    c.guarded(Phase::WritersAfter, async |c| {
-        baselines::writers(c, "a").await
-    })
-    .await;
+    duplicates(c, dbs, &mut running).await?;
+    let run = async |c: &mut Ctx<'_>| sustained(c, dbs, &mut running).await;
+    let rate = bracketed(c, plan::WRITERS, baselines::writers, run, &dbs.orders_url).await?;
     // Without a sustained rate the latency phase is skipped (it needs the sustained run).
     let sustained = rate.unwrap_or(f64::NAN);
     c.guarded(Phase::Latency, async |c| {
@@ -98,48 +85,40 @@ pub async fn run(
 
 /// The relay's and the consumer's drains of the backlog, each bracketed by its ceilings, and
 /// the consumer without its inbox.
-async fn drains(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<()> {
-    c.guarded(Phase::RelayCeilingBefore, async |c| {
-        baselines::relay(c, "b").await
-    })
-    .await;
-    let drained = c
-        .guarded(Phase::RelayDrain, async |c| {
-            relay_drain(c, dbs, names, logs).await
-        })
-        .await;
-    clean_up_after(drained.is_none(), &dbs.orders_url).await?;
-    c.guarded(Phase::RelayCeilingAfter, async |c| {
-        baselines::relay(c, "a").await
-    })
-    .await;
+async fn drains(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
+    let drain = async |c: &mut Ctx<'_>| relay_drain(c, dbs).await;
+    bracketed(c, plan::RELAY, baselines::relay, drain, &dbs.orders_url).await?;
     c.guarded(Phase::Consume, async |c| baselines::raw_consume(c).await)
         .await;
-    c.guarded(Phase::ConsumerCeilingBefore, async |c| {
-        baselines::consumer(c, "b").await
-    })
-    .await;
+    let drain = async |c: &mut Ctx<'_>| consumer_drain(c, dbs).await;
+    bracketed(
+        c,
+        plan::CONSUMER,
+        baselines::consumer,
+        drain,
+        &dbs.settle_url,
+    )
+    .await?;
     let drained = c
-        .guarded(Phase::ConsumerDrain, async |c| {
-            consumer_drain(c, dbs, names, logs).await
-        })
-        .await;
-    clean_up_after(drained.is_none(), &dbs.settle_url).await?;
-    c.guarded(Phase::ConsumerCeilingAfter, async |c| {
-        baselines::consumer(c, "a").await
-    })
-    .await;
-    let drained = c
-        .guarded(Phase::NoInboxDrain, async |c| {
-            no_inbox_drain(c, dbs, names, logs).await
-        })
+        .guarded(Phase::NoInboxDrain, async |c| no_inbox_drain(c, dbs).await)
         .await;
     clean_up_after(drained.is_none(), &dbs.noinbox_url).await
+}
+
+/// Runs the system phase `phase` (`drain`) between two runs of its `ceiling` (`before`,
+/// `after`), and cleans up the database of `url` after it if it did not end well.
+async fn bracketed<'a, T>(
+    c: &mut Ctx<'a>,
+    [before, phase, after]: [Phase; 3],
+    ceiling: impl AsyncFn(&mut Ctx<'a>, &str) -> anyhow::Result<()>,
+    drain: impl AsyncFnOnce(&mut Ctx<'a>) -> anyhow::Result<T>,
+    url: &str,
+) -> anyhow::Result<Option<T>> {
+    c.guarded(before, async |c| ceiling(c, "b").await).await;
+    let value = c.guarded(phase, drain).await;
+    clean_up_after(value.is_none(), url).await?;
+    c.guarded(after, async |c| ceiling(c, "a").await).await;
+    Ok(value)
 }
 
 /// After a phase that did not end well (`failed`): ends the sessions its killed children left
@@ -158,19 +137,14 @@ async fn clean_up_after(failed: bool, url: &str) -> anyhow::Result<()> {
 }
 
 /// The relay drains the backlog: its rate from the rows' publication stamps, its peak RSS.
-async fn relay_drain(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<()> {
-    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &names.topic_prefix);
+async fn relay_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
+    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
     let published = Watch {
         pool: &dbs.orders,
         what: PUBLISHED,
         label: "rows published",
     };
-    let (relay, elapsed) = drain(c, logs, "relay", &relay_args, &published, &mut []).await?;
+    let (relay, elapsed) = drain(c, dbs.logs, "relay", &relay_args, &published, &mut []).await?;
     c.report.peak("relay_peak_rss_mib", relay.peak_rss());
     relay.stop().await?;
     let v = pg::stamped_rate(
@@ -187,17 +161,12 @@ async fn relay_drain(
 
 /// The settlement consumer drains the topic: its rate from the settlements' stamps, its peak
 /// RSS.
-async fn consumer_drain(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<()> {
+async fn consumer_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     let (settlement, elapsed) = settle_drain(
         c,
-        logs,
+        dbs.logs,
         "settlement",
-        &settlement_args(c, dbs, names),
+        &settlement_args(c, dbs),
         &dbs.settle,
     )
     .await?;
@@ -210,34 +179,29 @@ async fn consumer_drain(
 }
 
 /// `idem-lab settlement` on the settlement database, in the run's group.
-fn settlement_args(c: &Ctx<'_>, dbs: &SystemDbs, names: &Names) -> Vec<String> {
+fn settlement_args(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> Vec<String> {
     plan::consumer_args(
         c.args,
         &["settlement"],
         &dbs.settle_url,
         &c.brokers,
-        &names.topic,
-        &names.group,
+        &dbs.names.topic,
+        &dbs.names.group,
     )
 }
 
 /// The same consumer with the inbox insert left out: what the inbox costs.
-async fn no_inbox_drain(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<()> {
+async fn no_inbox_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     let bare_args = plan::consumer_args(
         c.args,
         &["bench", "no-inbox-consumer"],
         &dbs.noinbox_url,
         &c.brokers,
-        &names.topic,
-        &names.group_no_inbox,
+        &dbs.names.topic,
+        &dbs.names.group_no_inbox,
     );
     let (bare, elapsed) =
-        settle_drain(c, logs, "no-inbox-consumer", &bare_args, &dbs.noinbox).await?;
+        settle_drain(c, dbs.logs, "no-inbox-consumer", &bare_args, &dbs.noinbox).await?;
     bare.stop().await?;
     let v = pg::stamped_rate(&dbs.noinbox, "settlements", "settled_at", "true", elapsed).await?;
     c.report.figure("consumer_no_inbox_drain_per_s", v);
@@ -248,21 +212,17 @@ async fn no_inbox_drain(
 /// and the consumer are left in `running`.
 async fn duplicates(
     c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
+    dbs: &SystemDbs<'_>,
     running: &mut Running,
 ) -> anyhow::Result<()> {
     running.relay = c
-        .guarded(Phase::Republish, async |c| {
-            republish(c, dbs, names, logs).await
-        })
+        .guarded(Phase::Republish, async |c| republish(c, dbs).await)
         .await;
     clean_up_after(running.relay.is_none(), &dbs.orders_url).await?;
     let relay = &mut running.relay;
     running.settlement = c
         .guarded(Phase::Duplicates, async |c| {
-            duplicates_drain(c, dbs, names, logs, relay).await
+            duplicates_drain(c, dbs, relay).await
         })
         .await;
     clean_up_after(running.settlement.is_none(), &dbs.settle_url).await
@@ -270,12 +230,7 @@ async fn duplicates(
 
 /// Every outbox row made pending again and a new relay draining it; returns the relay, still
 /// running.
-async fn republish(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<Child> {
+async fn republish(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<Child> {
     sqlx::query("UPDATE idem_outbox SET status = 'pending', published_at = NULL")
         .execute(&dbs.orders)
         .await?;
@@ -293,8 +248,8 @@ async fn republish(
             .await?;
         hostile = Some(tx);
     }
-    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &names.topic_prefix);
-    let (relay, _) = drain(c, logs, "relay-2", &relay_args, &republished, &mut []).await?;
+    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
+    let (relay, _) = drain(c, dbs.logs, "relay-2", &relay_args, &republished, &mut []).await?;
     drop(hostile);
     Ok(relay)
 }
@@ -302,13 +257,14 @@ async fn republish(
 /// The consumer's drain of the republished duplicates; returns it, still running.
 async fn duplicates_drain(
     c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
+    dbs: &SystemDbs<'_>,
     relay: &mut Option<Child>,
 ) -> anyhow::Result<Child> {
     // The group is ours (a UUID), never input.
-    let dups = format!("consumer_group = '{}' AND delivery_count >= 2", names.group);
+    let dups = format!(
+        "consumer_group = '{}' AND delivery_count >= 2",
+        dbs.names.group
+    );
     let what = format!("idem_inbox WHERE {dups}");
     let skipped = Watch {
         pool: &dbs.settle,
@@ -316,9 +272,9 @@ async fn duplicates_drain(
         label: "duplicates skipped",
     };
     let mut others: Vec<&mut Child> = relay.iter_mut().collect();
-    let args = settlement_args(c, dbs, names);
+    let args = settlement_args(c, dbs);
     let (settlement, elapsed) =
-        drain(c, logs, "settlement-2", &args, &skipped, &mut others).await?;
+        drain(c, dbs.logs, "settlement-2", &args, &skipped, &mut others).await?;
     let v = pg::stamped_rate(
         &dbs.settle,
         "idem_inbox",
@@ -333,20 +289,14 @@ async fn duplicates_drain(
 
 /// Starts a relay and a settlement consumer where `running` has none (a phase before did not
 /// leave them running).
-fn ensure_running(
-    c: &Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-    running: &mut Running,
-) -> anyhow::Result<()> {
+fn ensure_running(c: &Ctx<'_>, dbs: &SystemDbs<'_>, running: &mut Running) -> anyhow::Result<()> {
     if running.relay.is_none() {
-        let args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &names.topic_prefix);
-        running.relay = Some(Child::spawn("relay-3", &args, &logs.0)?);
+        let args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
+        running.relay = Some(Child::spawn("relay-3", &args, &dbs.logs.0)?);
     }
     if running.settlement.is_none() {
-        let args = settlement_args(c, dbs, names);
-        running.settlement = Some(Child::spawn("settlement-3", &args, &logs.0)?);
+        let args = settlement_args(c, dbs);
+        running.settlement = Some(Child::spawn("settlement-3", &args, &dbs.logs.0)?);
     }
     Ok(())
 }
@@ -354,12 +304,10 @@ fn ensure_running(
 /// The sustained run, then the wait for what its writers left: returns the sustained rate.
 async fn sustained(
     c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
+    dbs: &SystemDbs<'_>,
     running: &mut Running,
 ) -> anyhow::Result<f64> {
-    ensure_running(c, dbs, names, logs, running)?;
+    ensure_running(c, dbs, running)?;
     let (sustained, writers) = sustained_rates(c, dbs).await?;
     c.report.figure("e2e_writers_per_s", writers);
     c.report.figure("e2e_sustained_per_s", sustained);
@@ -464,7 +412,7 @@ async fn wait_for(
 
 /// Writers as fast as they can for `--seconds` while the relay and consumer run: settlements
 /// per second over the run after a warm-up fifth, and orders written per second.
-async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs) -> anyhow::Result<(f64, f64)> {
+async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<(f64, f64)> {
     let (secs, pad, progress) = (c.secs, c.pad, &*c.progress);
     let (pool, how) = (dbs.orders.clone(), OrderWrite::Outbox(c.outbox.clone()));
     let written = Arc::new(AtomicU64::new(0));
@@ -499,7 +447,7 @@ async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs) -> anyhow::Result<(f64, f
 /// Commit → settlement latency under open-loop arrivals at each load of the sustained rate.
 async fn latency(
     c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
+    dbs: &SystemDbs<'_>,
     running: &mut Running,
     sustained: f64,
 ) -> anyhow::Result<()> {
