@@ -8,11 +8,13 @@ use std::process::Command;
 use serde_json::Value;
 
 const FIGURES: &[&str] = &[
+    "round_trip_us",
     "pg_insert_1conn_per_s",
     "pg_insert_nconn_per_s",
-    "consumer_sql_per_s",
-    "consumer_sql_no_inbox_per_s",
-    "relay_sql_per_s",
+    "ceiling_relay_per_s",
+    "ceiling_consumer_1conn_per_s",
+    "ceiling_consumer_partitions_per_s",
+    "ceiling_writers_per_s",
     "kafka_produce_per_s",
     "kafka_consume_per_s",
     "business_tx_1conn_per_s",
@@ -46,9 +48,23 @@ const LATENCY: &[&str] = &[
     "consumer_stage_p99_ms",
 ];
 
+/// Sampled on each side of the phase they bound: their spread is reported.
+const SAMPLED: &[&str] = &[
+    "round_trip_us",
+    "ceiling_relay_per_s",
+    "kafka_produce_per_s",
+    "ceiling_consumer_1conn_per_s",
+    "ceiling_consumer_partitions_per_s",
+    "ceiling_writers_per_s",
+    "business_tx_nconn_per_s",
+    "business_tx_outbox_nconn_per_s",
+];
+
 const RATIOS: &[&str] = &[
-    "consumer_drain_vs_sql",
-    "relay_drain_vs_limit",
+    "consumer_drain_vs_ceiling",
+    "consumer_drain_vs_ceiling_partitions",
+    "relay_drain_vs_ceiling",
+    "sustained_vs_writers_alone",
     "outbox_tx_1conn",
     "outbox_tx_nconn",
     "dedup_vs_no_dedup",
@@ -77,12 +93,11 @@ fn idem_bench(args: &[&str]) -> Value {
         .unwrap_or_else(|e| panic!("not JSON ({e}):\n{}", String::from_utf8_lossy(&out.stdout)))
 }
 
-#[test]
-fn a_tiny_bench_run_reports_every_figure_and_ratio() {
-    let brokers = idem_conformance::kafka::shared();
-    let report = idem_bench(&[
+/// A tiny run's arguments on the suite's broker, then `extra`.
+fn tiny(brokers: &str, extra: &[&str]) -> Vec<String> {
+    let args: Vec<String> = [
         "--brokers",
-        &brokers,
+        brokers,
         "--backlog",
         "300",
         "--batch-size",
@@ -93,7 +108,19 @@ fn a_tiny_bench_run_reports_every_figure_and_ratio() {
         "0.5",
         "--connections",
         "2",
-    ]);
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| (*s).to_owned())
+    .collect();
+    args
+}
+
+#[test]
+fn a_tiny_bench_run_reports_every_figure_and_ratio() {
+    let brokers = idem_conformance::kafka::shared();
+    let args = tiny(&brokers, &[]);
+    let report = idem_bench(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let figures = &report["figures"];
     let mut expected: Vec<String> = FIGURES.iter().map(|s| (*s).to_owned()).collect();
     for pct in [25, 50, 80] {
@@ -107,15 +134,74 @@ fn a_tiny_bench_run_reports_every_figure_and_ratio() {
     }
     assert!(figures["relay_drain_per_s"].as_f64().unwrap() > 0.0);
     assert!(figures["relay_peak_rss_mib"].as_f64().unwrap() > 1.0);
+    // Two runs of each ceiling on each side of its phase (the default).
+    for key in SAMPLED {
+        let s = &report["spread"][key];
+        let samples = s["samples"].as_array().map_or(0, Vec::len);
+        assert!(samples >= 2, "spread of {key}: {s}");
+        let (min, median, max) = (s["min"].as_f64(), s["median"].as_f64(), s["max"].as_f64());
+        assert!(min <= median && median <= max, "spread of {key}: {s}");
+        assert_eq!(
+            figures[key].as_f64(),
+            median,
+            "{key}: the figure is the median"
+        );
+    }
+    assert_eq!(
+        report["spread"]["ceiling_relay_per_s"]["samples"]
+            .as_array()
+            .map(Vec::len),
+        Some(4)
+    );
+    let phases = report["phases"].as_object().unwrap();
+    assert_eq!(phases.len(), 20, "{phases:#?}");
+    for (phase, p) in phases {
+        assert_eq!(p["status"], "done", "phase {phase}: {p}");
+    }
     for key in RATIOS {
         let r = &report["ratios"][key];
         assert!(r["value"].is_number(), "ratio {key}: {r}");
+        assert!(r["bound"].is_string(), "ratio {key}: {r}");
         assert!(r["target"].is_string(), "ratio {key}: {r}");
         assert!(r["met"].is_boolean(), "ratio {key}: {r}");
     }
     assert!(report["targets_met"].is_boolean());
     assert_eq!(report["config"]["backlog"], 300);
     assert_eq!(report["environment"]["broker"], "external", "{report:#}");
+}
+
+/// A hostile session locks every outbox row while the relay republishes: that phase makes no
+/// progress, is reported failed with its reason, the duplicates that need it are skipped, and
+/// the run still measures the rest and exits with its report (at main it waited out the drain
+/// timeout and then failed the whole run).
+#[test]
+fn a_stuck_phase_is_reported_and_the_run_goes_on() {
+    let brokers = idem_conformance::kafka::shared();
+    let args = tiny(
+        &brokers,
+        &[
+            "--stall-seconds",
+            "10",
+            "--ceiling-runs",
+            "1",
+            "--lock-outbox-during-republish",
+        ],
+    );
+    let report = idem_bench(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let phases = &report["phases"];
+    assert_eq!(phases["republish"]["status"], "failed", "{phases:#}");
+    let why = phases["republish"]["reason"].as_str().unwrap();
+    assert!(why.contains("no progress"), "{why}");
+    assert_eq!(phases["duplicates"]["status"], "skipped", "{phases:#}");
+    for later in ["writers_before", "sustained", "writers_after", "latency"] {
+        assert_eq!(phases[later]["status"], "done", "{later}: {phases:#}");
+    }
+    let figures = &report["figures"];
+    assert!(figures["duplicates_drain_per_s"].is_null(), "{figures:#}");
+    assert!(figures["e2e_sustained_per_s"].is_number(), "{figures:#}");
+    assert!(report["ratios"]["duplicates_vs_drain"]["value"].is_null());
+    assert_eq!(report["ratios"]["duplicates_vs_drain"]["met"], false);
+    assert_eq!(report["targets_met"], false);
 }
 
 #[test]

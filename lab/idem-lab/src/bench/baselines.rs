@@ -1,41 +1,48 @@
-//! The baselines, measured first on the same server and broker: durable single-row inserts,
-//! business transactions (alone, with the outbox, with a plain second row), the consumer's and
-//! the relay's own SQL called directly, and bare rdkafka produce and consume.
+//! The measurements of the hardware, on the scratch database and the raw topic: durable
+//! single-row inserts and business transactions (alone, with the outbox, with a plain second
+//! row) first, then the ceilings that bracket each system phase ([`relay`], [`consumer`],
+//! [`writers`]), each bracket with the round trip of one statement.
 
-use sqlx::PgPool;
+use std::time::Duration;
 
+use super::ceilings;
 use super::kafka;
 use super::pg::{self, OrderWrite};
-use super::plan::{Phase, drain_timeout};
+use super::plan::{self, Phase, drain_timeout};
 use super::{Ctx, Ticker};
 
-/// Every baseline, in [`PHASES`](super::plan::PHASES) order, on the `scratch` database and
-/// the `raw_topic`.
-pub async fn run(c: &mut Ctx<'_>, scratch: &PgPool, raw_topic: &str) -> anyhow::Result<()> {
-    inserts(c, scratch).await?;
-    business(c, scratch).await?;
-    consumer_sql(c, scratch).await?;
-    relay_sql(c, scratch).await?;
-    raw_kafka(c, raw_topic).await
+/// The first phases: durable inserts and business transactions. A phase that fails is
+/// reported and the run goes on.
+pub async fn run(c: &mut Ctx<'_>) {
+    c.guarded(Phase::Inserts1, async |c| {
+        inserts(c, 1, "pg_insert_1conn_per_s").await
+    })
+    .await;
+    let n = c.n;
+    c.guarded(Phase::InsertsN, async |c| {
+        inserts(c, n, "pg_insert_nconn_per_s").await
+    })
+    .await;
+    c.guarded(Phase::Business1, async |c| business(c, 1, "1conn").await)
+        .await;
+    c.guarded(Phase::BusinessN, async |c| business(c, n, "nconn").await)
+        .await;
 }
 
-async fn inserts(c: &mut Ctx<'_>, scratch: &PgPool) -> anyhow::Result<()> {
-    c.phase(Phase::Inserts1);
-    let v = pg::insert_rate(scratch, 1, c.secs, c.args.message_size).await?;
-    c.report.figure("pg_insert_1conn_per_s", v);
-    c.phase(Phase::InsertsN);
-    let v = pg::insert_rate(scratch, c.n, c.secs, c.args.message_size).await?;
-    c.report.figure("pg_insert_nconn_per_s", v);
+async fn inserts(c: &mut Ctx<'_>, conns: u32, key: &str) -> anyhow::Result<()> {
+    let v = pg::insert_rate(c.scratch, conns, c.secs, c.args.message_size).await?;
+    c.report.figure(key, v);
     Ok(())
 }
 
-async fn business(c: &mut Ctx<'_>, scratch: &PgPool) -> anyhow::Result<()> {
-    sqlx::query(pg::PLAIN_TABLE).execute(scratch).await?;
-    for (phase, conns, suffix) in [
-        (Phase::Business1, 1, "1conn"),
-        (Phase::BusinessN, c.n, "nconn"),
-    ] {
-        c.phase(phase);
+/// Business transactions alone, with the outbox and with a plain second row on `conns`
+/// connections, alternating for `--ceiling-runs` rounds (each kind `--seconds` in all), so
+/// a swing of the flush cost hits the three alike.
+async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<()> {
+    sqlx::query(pg::PLAIN_TABLE).execute(c.scratch).await?;
+    let rounds = plan::ceiling_runs(c.args);
+    let secs = c.secs / rounds;
+    for round in 0..rounds {
         for (how, key) in [
             (OrderWrite::Alone, format!("business_tx_{suffix}_per_s")),
             (
@@ -47,58 +54,63 @@ async fn business(c: &mut Ctx<'_>, scratch: &PgPool) -> anyhow::Result<()> {
                 format!("business_tx_plain_{suffix}_per_s"),
             ),
         ] {
-            let prefix = format!("{key}-");
-            let v = business_rate(scratch, how, conns, c, &prefix).await?;
-            c.report.figure(&key, v);
+            let prefix = format!("{key}-{round}-");
+            let v = business_rate(c, how, conns, secs, &prefix).await?;
+            c.report.sample(&key, v);
         }
     }
     Ok(())
 }
 
-/// Business transactions per second on `conns` connections, writing their event as `how` says.
+/// Business transactions per second on `conns` connections for `secs`, writing their event as
+/// `how` says, on the scratch database.
 async fn business_rate(
-    pool: &PgPool,
+    c: &Ctx<'_>,
     how: OrderWrite,
     conns: u32,
-    c: &Ctx<'_>,
+    secs: Duration,
     prefix: &str,
 ) -> anyhow::Result<f64> {
-    let (pool, prefix, pad) = (pool.clone(), prefix.to_owned(), c.pad);
-    pg::closed_loop(conns, c.secs, move |i| {
+    let (pool, prefix, pad) = (c.scratch.clone(), prefix.to_owned(), c.pad);
+    pg::closed_loop(conns, secs, move |i| {
         let (pool, how, prefix) = (pool.clone(), how.clone(), prefix.clone());
         async move { pg::place_order(&pool, &how, &prefix, i, pad).await }
     })
     .await
 }
 
-async fn consumer_sql(c: &mut Ctx<'_>, scratch: &PgPool) -> anyhow::Result<()> {
-    c.phase(Phase::ConsumerSql);
-    let (batch, secs, pad) = (c.args.batch_size, c.secs, c.pad);
-    let v = pg::consumer_sql_rate(scratch, batch, secs, pad, true, "s1-").await?;
-    c.report.figure("consumer_sql_per_s", v);
-    let v = pg::consumer_sql_rate(scratch, batch, secs, pad, false, "s2-").await?;
-    c.report.figure("consumer_sql_no_inbox_per_s", v);
+/// One sample of the round trip of `SELECT 1` (at most a second of them).
+async fn round_trip(c: &mut Ctx<'_>) -> anyhow::Result<()> {
+    let secs = c.secs.min(Duration::from_secs(1));
+    let us = ceilings::round_trip_us(c.scratch_url, secs).await?;
+    c.report.sample("round_trip_us", us);
     Ok(())
 }
 
-async fn relay_sql(c: &mut Ctx<'_>, scratch: &PgPool) -> anyhow::Result<()> {
-    c.phase(Phase::RelaySql);
-    sqlx::query("TRUNCATE idem_outbox, idem_outbox_aggregates")
-        .execute(scratch)
+/// The relay's ceilings, `tag` naming the side: for each run a fresh backlog of the same shape
+/// on the scratch database drained by the lean claim-and-mark, and a raw produce of as many
+/// relay-like records.
+pub async fn relay(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
+    round_trip(c).await?;
+    for run in 0..plan::ceiling_runs(c.args) {
+        sqlx::query("TRUNCATE idem_outbox")
+            .execute(c.scratch)
+            .await?;
+        let prefix = format!("r{tag}{run}-");
+        pg::fill_backlog(c.scratch, &prefix, c.args.backlog, c.pad).await?;
+        let mut tick = Ticker::new();
+        let progress = &*c.progress;
+        let (_, v) = ceilings::relay_rate(c.scratch_url, c.args.relay_batch_size, |rows| {
+            tick.every_second(|| progress.note(&format!("claimed and marked {rows} rows")));
+        })
         .await?;
-    pg::fill_backlog(scratch, "r-", c.args.backlog, c.pad).await?;
-    let mut tick = Ticker::new();
-    let progress = &*c.progress;
-    let v = pg::relay_sql_rate(scratch, c.args.relay_batch_size, |rows| {
-        tick.every_second(|| progress.note(&format!("claimed and marked {rows} rows")));
-    })
-    .await?;
-    c.report.figure("relay_sql_per_s", v);
+        c.report.sample("ceiling_relay_per_s", v);
+        raw_produce(c).await?;
+    }
     Ok(())
 }
 
-async fn raw_kafka(c: &mut Ctx<'_>, raw_topic: &str) -> anyhow::Result<()> {
-    c.phase(Phase::Produce);
+async fn raw_produce(c: &mut Ctx<'_>) -> anyhow::Result<()> {
     let payload = pg::order_event("b-", 1, c.pad)?
         .1
         .payload()
@@ -106,19 +118,57 @@ async fn raw_kafka(c: &mut Ctx<'_>, raw_topic: &str) -> anyhow::Result<()> {
         .to_vec();
     let mut tick = Ticker::new();
     let (progress, backlog) = (&*c.progress, c.args.backlog);
-    let v = kafka::produce_rate(&c.brokers, raw_topic, backlog, &payload, |done| {
+    let v = kafka::produce_rate(&c.brokers, c.raw_topic, backlog, &payload, |done| {
         tick.every_second(|| progress.note(&format!("{done} records acknowledged")));
     })
     .await?;
-    c.report.figure("kafka_produce_per_s", v);
+    c.report.sample("kafka_produce_per_s", v);
+    Ok(())
+}
 
-    c.phase(Phase::Consume);
+/// Raw consume of `--backlog` of the raw topic's records by a new group.
+pub async fn raw_consume(c: &mut Ctx<'_>) -> anyhow::Result<()> {
     let mut tick = Ticker::new();
     let (progress, timeout) = (&*c.progress, drain_timeout(c.args));
-    let v = kafka::consume_rate(&c.brokers, raw_topic, backlog, timeout, |done| {
+    let v = kafka::consume_rate(&c.brokers, c.raw_topic, c.args.backlog, timeout, |done| {
         tick.every_second(|| progress.note(&format!("{done} records consumed")));
     })
     .await?;
     c.report.figure("kafka_consume_per_s", v);
+    Ok(())
+}
+
+/// The consumer's ceilings, `tag` naming the side: the set-based batch on one connection and
+/// on one connection per partition, `--ceiling-runs` times each, alternating.
+pub async fn consumer(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
+    round_trip(c).await?;
+    let parts = plan::partitions(c.args);
+    for run in 0..plan::ceiling_runs(c.args) {
+        for (conns, key) in [
+            (1, "ceiling_consumer_1conn_per_s"),
+            (parts, "ceiling_consumer_partitions_per_s"),
+        ] {
+            let prefix = format!("k{tag}{run}x{conns}-");
+            ceilings::reset_consumer_tables(c.scratch_url).await?;
+            let v =
+                ceilings::consumer_rate(c.scratch_url, conns, c.args.batch_size, c.secs, &prefix)
+                    .await?;
+            c.report.sample(key, v);
+        }
+    }
+    Ok(())
+}
+
+/// Writers alone, `tag` naming the side: the sustained run's writers (business transaction
+/// with the outbox, `--connections`) on the scratch database, where no relay or consumer
+/// reads, `--ceiling-runs` times.
+pub async fn writers(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
+    round_trip(c).await?;
+    for run in 0..plan::ceiling_runs(c.args) {
+        let prefix = format!("w{tag}{run}-");
+        let how = OrderWrite::Outbox(c.outbox.clone());
+        let v = business_rate(c, how, c.n, c.secs, &prefix).await?;
+        c.report.sample("ceiling_writers_per_s", v);
+    }
     Ok(())
 }

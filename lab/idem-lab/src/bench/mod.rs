@@ -1,13 +1,15 @@
-//! `idem-lab bench`: what idem costs on this hardware, next to same-run baselines of the same
-//! PostgreSQL server and broker (see docs/operating/performance.md).
+//! `idem-lab bench`: what idem does on this hardware, next to what the hardware does for the
+//! same work in the same run (see docs/operating/performance.md).
 //!
-//! The baselines run first — durable single-row inserts, the consumer's and the relay's own SQL
-//! called directly, bare rdkafka produce and consume — then the system: the relay and the
-//! settlement consumer run as child processes (`idem relay`, `idem-lab settlement`) draining a
-//! backlog, then together under closed-loop and open-loop load. Each ratio divides a system
-//! figure by the baseline that bounds it.
+//! The system runs as child processes (`idem relay`, `idem-lab settlement`) draining a backlog,
+//! then together under closed-loop and open-loop load. Each system phase is bracketed by its
+//! ceiling, the leanest SQL (or raw rdkafka) for the same work, run just before and just after
+//! it ([`ceilings`]); a ratio divides the system figure by the median of its ceiling's samples,
+//! and the report keeps their spread. Every phase has a deadline: a stuck phase is reported
+//! with its reason and the run goes on.
 
 mod baselines;
+mod ceilings;
 mod child;
 mod kafka;
 mod latency;
@@ -15,6 +17,7 @@ mod noinbox;
 mod pg;
 mod plan;
 mod report;
+mod spread;
 mod system;
 mod verify;
 
@@ -28,6 +31,7 @@ use kafka::TempDir;
 use pg::Databases;
 use plan::{PHASES, Phase};
 use report::Report;
+use spread::{Outcome, within};
 
 /// The default PostgreSQL server.
 pub const DEFAULT_DB: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -119,6 +123,17 @@ pub struct RunArgs {
     /// --producer-config`.
     #[arg(long = "producer-config", value_parser = idem_kafka::parse_setting)]
     producer_config: Vec<(String, String)>,
+    /// Runs of each ceiling just before and just after the system phase it bounds (the report
+    /// gives min, median and max of the samples; ratios use the median).
+    #[arg(long, default_value_t = 2)]
+    ceiling_runs: u32,
+    /// Seconds a drain may make no progress before it is reported stuck and the run goes on.
+    #[arg(long, default_value_t = 60.0)]
+    stall_seconds: f64,
+    /// (test) Holds a lock on every outbox row while the relay republishes, so that phase
+    /// makes no progress: proves a stuck phase is reported and the run goes on.
+    #[arg(long, hide = true)]
+    lock_outbox_during_republish: bool,
     /// Print the report as JSON on stdout (progress stays on stderr).
     #[arg(long)]
     json: bool,
@@ -151,6 +166,10 @@ impl Progress {
         );
     }
 
+    fn skipped(&mut self, title: &str, why: &str) {
+        self.phase(&format!("skipped: {title} ({why})"));
+    }
+
     fn note(&self, what: &str) {
         eprintln!(
             "idem bench          {:>6.1}s    {what}",
@@ -169,10 +188,12 @@ async fn run_all(args: RunArgs) -> anyhow::Result<()> {
         started: Instant::now(),
     };
     progress.phase(&Phase::Setup.title(&args));
+    let setup = Instant::now();
     let broker = Broker::start(&args.brokers).await?;
     let logs = TempDir::new("logs")?;
     let mut dbs = Databases::new(&args.db);
     let mut report = Report::new(&args, broker.kind());
+    report.outcome(Phase::Setup, &Outcome::Done, setup.elapsed());
     // Ctrl-C or SIGTERM stops the run but still drops its databases (children die with it).
     let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
@@ -208,12 +229,43 @@ pub struct Ctx<'a> {
     brokers: String,
     /// The orders' outbox.
     outbox: &'a idem_postgres::Outbox,
+    /// The ceilings' database (same schema as the system's, nothing else running on it).
+    scratch: &'a sqlx::PgPool,
+    /// Its URL.
+    scratch_url: &'a str,
+    /// The raw produce and consume baselines' topic.
+    raw_topic: &'a str,
 }
 
 impl Ctx<'_> {
-    /// Shows that `phase` starts.
-    fn phase(&mut self, phase: Phase) {
+    /// Runs `phase` within its deadline unless a phase it needs did not end well, and records
+    /// how it ended: its value when it ended well.
+    async fn guarded<T>(
+        &mut self,
+        phase: Phase,
+        f: impl AsyncFnOnce(&mut Self) -> anyhow::Result<T>,
+    ) -> Option<T> {
+        if let Some(missing) = phase.needs().iter().find(|p| !self.report.ended_well(**p)) {
+            let why = format!("needs {}, which did not end well", missing.key());
+            self.progress.skipped(&phase.title(self.args), &why);
+            self.report
+                .outcome(phase, &Outcome::Skipped(why), Duration::ZERO);
+            return None;
+        }
         self.progress.phase(&phase.title(self.args));
+        let started = Instant::now();
+        let limit = phase.deadline(self.args);
+        let ended = within(limit, f(self)).await;
+        let (outcome, value) = match ended {
+            Ok(v) => (Outcome::Done, Some(v)),
+            Err(o) => (o, None),
+        };
+        if let Some(why) = outcome.reason() {
+            self.progress
+                .note(&format!("{} {}: {why}", phase.key(), outcome.status()));
+        }
+        self.report.outcome(phase, &outcome, started.elapsed());
+        value
     }
 }
 
@@ -238,7 +290,7 @@ async fn phases(
     broker.create_topic(&names.topic, partitions).await?;
     broker.create_topic(&names.raw_topic, partitions).await?;
     let n = plan::connections(args);
-    let (_, scratch) = dbs.create("scratch", n + 4).await?;
+    let (scratch_url, scratch) = dbs.create("scratch", n + 4).await?;
     let (orders_url, orders) = dbs.create("orders", n + 4).await?;
     let (settle_url, settle) = dbs.create("settle", 4).await?;
     let (noinbox_url, noinbox) = dbs.create("noinbox", 4).await?;
@@ -256,8 +308,11 @@ async fn phases(
         pad: pg::padding(args.message_size),
         brokers: broker.bootstrap(),
         outbox: &outbox,
+        scratch: &scratch,
+        scratch_url: &scratch_url,
+        raw_topic: &names.raw_topic,
     };
-    baselines::run(&mut c, &scratch, &names.raw_topic).await?;
+    baselines::run(&mut c).await;
     let system = system::SystemDbs {
         orders_url,
         orders,
@@ -265,8 +320,10 @@ async fn phases(
         settle,
         noinbox_url,
         noinbox,
+        names: &names,
+        logs,
     };
-    system::run(&mut c, &system, &names, logs).await
+    system::run(&mut c, &system).await
 }
 
 /// Runs something at most once a second.

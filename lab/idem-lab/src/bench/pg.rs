@@ -1,17 +1,14 @@
-//! The bench's own PostgreSQL databases, the backlog, and the SQL baselines.
+//! The bench's own PostgreSQL databases, the backlog, the business transactions and the
+//! closed-loop driver.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use idem_core::outbox::{ClaimRequest, Outcome};
-use idem_core::wire;
-use idem_core::{Delivery, InboundEvent, InboxEntry, InboxStore, OutboxStore, TableNames};
-use idem_postgres::{PgInbox, PgStore};
-use idem_reference::Settlement;
+use idem_core::TableNames;
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgConnection};
+use sqlx::{Connection, PgConnection};
 
 /// `url` with its database replaced by `name` (query string kept).
 pub fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
@@ -66,10 +63,9 @@ impl Databases {
             .with_context(|| format!("creating database {name}"))?;
         self.created.push(name.clone());
         let url = with_database(&self.server, &name)?;
-        // Filling a backlog is slow on purpose: no slow-statement warnings in the progress.
-        let options = url
-            .parse::<sqlx::postgres::PgConnectOptions>()?
-            .disable_statement_logging();
+        // Filling a backlog is slow on purpose: no slow-statement warnings in the progress. The
+        // bench's application name spares its sessions when a stuck child's are ended.
+        let options = super::ceilings::options(&url)?;
         let pool = PgPoolOptions::new()
             .max_connections(connections)
             .connect_with(options)
@@ -271,122 +267,6 @@ pub async fn insert_rate(
         }
     })
     .await
-}
-
-/// Records as the relay sends them, for the consumer-side baselines: `count` paid orders from
-/// `first`, decoded by the consumer's own decoder.
-pub fn deliveries(
-    prefix: &str,
-    first: u64,
-    count: usize,
-    pad: usize,
-) -> anyhow::Result<Vec<InboundEvent>> {
-    (0..count as u64)
-        .map(|i| {
-            let (order, event) = order_event(prefix, first + i, pad)?;
-            let d = Delivery {
-                topic: "outbox.event.order".to_owned(),
-                partition: 0,
-                offset: i64::try_from(first + i)?,
-                key: Some(order.order_id.clone()),
-                payload: Some(event.payload().as_bytes().to_vec()),
-                timestamp: None,
-                headers: vec![
-                    (wire::CE_ID.to_owned(), event.id().to_string()),
-                    (wire::CE_TYPE.to_owned(), event.event_type().to_owned()),
-                    (
-                        wire::IDEM_AGGREGATE_TYPE.to_owned(),
-                        event.aggregate_type().to_owned(),
-                    ),
-                    (
-                        wire::IDEM_AGGREGATE_ID.to_owned(),
-                        event.aggregate_id().to_owned(),
-                    ),
-                ],
-            };
-            wire::decode(&d).map_err(|e| anyhow::anyhow!(e))
-        })
-        .collect()
-}
-
-/// The consumer's own SQL run directly, one transaction per `batch` events for `duration`:
-/// with `dedup`, the inbox insert (`PgInbox::record`) and then the settlement handler for each
-/// event — exactly the statements `idem-lab settlement` runs; without, the handler alone.
-/// Returns events per second.
-pub async fn consumer_sql_rate(
-    pool: &PgPool,
-    batch: usize,
-    duration: Duration,
-    pad: usize,
-    dedup: bool,
-    prefix: &str,
-) -> anyhow::Result<f64> {
-    use idem_consumer::Handler;
-    let inbox = PgInbox::new(pool.clone(), TableNames::default());
-    let handler = Settlement::new();
-    let start = Instant::now();
-    let mut sql_time = Duration::ZERO;
-    let mut done = 0u64;
-    while start.elapsed() < duration {
-        let events = deliveries(prefix, done + 1, batch, pad)?;
-        let mut sorted: Vec<&InboundEvent> = events.iter().collect();
-        sorted.sort_by_key(|e| Handler::<PgConnection>::business_key(&handler, e));
-        let t0 = Instant::now();
-        let mut tx = pool.begin().await?;
-        if dedup {
-            let entries: Vec<InboxEntry<'_>> = events
-                .iter()
-                .map(|e| InboxEntry {
-                    event: e,
-                    copies: 1,
-                    dead_lettered: false,
-                })
-                .collect();
-            inbox.record(&mut tx, "bench-sql", &entries).await?;
-        }
-        for e in sorted {
-            handler
-                .handle(&mut *tx, e)
-                .await
-                .map_err(|e| anyhow::anyhow!("settlement handler: {e:?}"))?;
-        }
-        tx.commit().await?;
-        // Building the events is the bench's work, not the SQL's: only the SQL is timed.
-        sql_time += t0.elapsed();
-        done += batch as u64;
-    }
-    Ok(done as f64 / sql_time.as_secs_f64().max(1e-9))
-}
-
-/// The relay's claim-and-mark SQL run directly (`PgStore::claim`, then `complete` marking every
-/// row published) at `batch` rows per claim until the outbox is empty. Returns rows per second.
-pub async fn relay_sql_rate(
-    pool: &PgPool,
-    batch: u32,
-    mut progress: impl FnMut(u64),
-) -> anyhow::Result<f64> {
-    let store = PgStore::new(pool.clone(), TableNames::default());
-    let request = ClaimRequest {
-        relay_id: "bench-sql".to_owned(),
-        batch_size: batch,
-        lease: Duration::from_secs(60),
-    };
-    let start = Instant::now();
-    let mut rows = 0u64;
-    loop {
-        let claim = store.claim(&request).await?;
-        if claim.records.is_empty() {
-            break;
-        }
-        let outcome = Outcome {
-            published: claim.records.iter().map(|r| r.id).collect(),
-            ..Outcome::default()
-        };
-        store.complete(&claim, &outcome).await?;
-        rows += claim.records.len() as u64;
-        progress(rows);
-    }
-    Ok(rows as f64 / start.elapsed().as_secs_f64().max(1e-9))
 }
 
 /// Steady-state rate of rows stamped in `column` of `table` (`now()` of each writing

@@ -6,7 +6,8 @@ use std::time::Duration;
 use super::RunArgs;
 use super::report::LOADS;
 
-/// One step of a run, in the order [`PHASES`] runs them.
+/// One step of a run, in the order [`PHASES`] runs them. A ceiling runs just before and just
+/// after the system phase it bounds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
     /// Starting the broker and creating the databases.
@@ -19,88 +20,188 @@ pub enum Phase {
     Business1,
     /// The same on `--connections`.
     BusinessN,
-    /// The consumer's SQL called directly.
-    ConsumerSql,
-    /// The relay's claim-and-mark SQL called directly.
-    RelaySql,
-    /// Raw rdkafka produce.
-    Produce,
-    /// Raw rdkafka consume.
-    Consume,
     /// Writing the backlog of paid orders.
     Backlog,
+    /// The relay's ceilings (lean claim-and-mark, raw produce), before its drain.
+    RelayCeilingBefore,
     /// The relay drains the backlog.
     RelayDrain,
+    /// The relay's ceilings again, after its drain.
+    RelayCeilingAfter,
+    /// Raw rdkafka consume.
+    Consume,
+    /// The consumer's ceilings (set-based batch on one connection and on one per partition),
+    /// before its drain.
+    ConsumerCeilingBefore,
     /// The settlement consumer drains the topic.
     ConsumerDrain,
+    /// The consumer's ceilings again, after its drain.
+    ConsumerCeilingAfter,
     /// The same consumer without its inbox.
     NoInboxDrain,
     /// Every event published a second time.
     Republish,
     /// The consumer drains the duplicates.
     Duplicates,
+    /// Writers alone (no events flowing), before the sustained run.
+    WritersBefore,
     /// Writers as fast as they can, relay and consumer running.
     Sustained,
+    /// Writers alone again, after it.
+    WritersAfter,
     /// Open-loop latency runs.
     Latency,
 }
 
 /// Every phase, in order.
-pub const PHASES: [Phase; 17] = [
+pub const PHASES: [Phase; 20] = [
     Phase::Setup,
     Phase::Inserts1,
     Phase::InsertsN,
     Phase::Business1,
     Phase::BusinessN,
-    Phase::ConsumerSql,
-    Phase::RelaySql,
-    Phase::Produce,
-    Phase::Consume,
     Phase::Backlog,
+    Phase::RelayCeilingBefore,
     Phase::RelayDrain,
+    Phase::RelayCeilingAfter,
+    Phase::Consume,
+    Phase::ConsumerCeilingBefore,
     Phase::ConsumerDrain,
+    Phase::ConsumerCeilingAfter,
     Phase::NoInboxDrain,
     Phase::Republish,
     Phase::Duplicates,
+    Phase::WritersBefore,
     Phase::Sustained,
+    Phase::WritersAfter,
     Phase::Latency,
 ];
 
+/// The relay drain between the runs of its ceilings.
+pub const RELAY: [Phase; 3] = [
+    Phase::RelayCeilingBefore,
+    Phase::RelayDrain,
+    Phase::RelayCeilingAfter,
+];
+
+/// The consumer drain between the runs of its ceilings.
+pub const CONSUMER: [Phase; 3] = [
+    Phase::ConsumerCeilingBefore,
+    Phase::ConsumerDrain,
+    Phase::ConsumerCeilingAfter,
+];
+
+/// The sustained run between the runs of its ceiling, the writers alone.
+pub const WRITERS: [Phase; 3] = [Phase::WritersBefore, Phase::Sustained, Phase::WritersAfter];
+
 impl Phase {
+    /// The phase's key in the report's `phases`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Phase::Setup => "setup",
+            Phase::Inserts1 => "inserts_1conn",
+            Phase::InsertsN => "inserts_nconn",
+            Phase::Business1 => "business_1conn",
+            Phase::BusinessN => "business_nconn",
+            Phase::Backlog => "backlog",
+            Phase::RelayCeilingBefore => "relay_ceiling_before",
+            Phase::RelayDrain => "relay_drain",
+            Phase::RelayCeilingAfter => "relay_ceiling_after",
+            Phase::Consume => "raw_consume",
+            Phase::ConsumerCeilingBefore => "consumer_ceiling_before",
+            Phase::ConsumerDrain => "consumer_drain",
+            Phase::ConsumerCeilingAfter => "consumer_ceiling_after",
+            Phase::NoInboxDrain => "no_inbox_drain",
+            Phase::Republish => "republish",
+            Phase::Duplicates => "duplicates",
+            Phase::WritersBefore => "writers_before",
+            Phase::Sustained => "sustained",
+            Phase::WritersAfter => "writers_after",
+            Phase::Latency => "latency",
+        }
+    }
+
+    /// The phases that must have ended well for this one to run: a drain needs what it
+    /// drains, the duplicates need the inbox and the republished topic, the latency runs need
+    /// the sustained rate.
+    pub fn needs(self) -> &'static [Phase] {
+        match self {
+            Phase::RelayDrain => &[Phase::Backlog],
+            Phase::ConsumerDrain | Phase::NoInboxDrain | Phase::Republish => &[Phase::RelayDrain],
+            Phase::Duplicates => &[Phase::ConsumerDrain, Phase::Republish],
+            Phase::Sustained => &[Phase::ConsumerDrain],
+            Phase::Latency => &[Phase::Sustained],
+            _ => &[],
+        }
+    }
+
+    /// How long the phase may run before it is stopped and reported as timed out: a timed
+    /// phase its runs plus two minutes, a drain [`drain_timeout`] (each ceiling run refills
+    /// and drains a backlog).
+    pub fn deadline(self, args: &RunArgs) -> Duration {
+        let secs = Duration::from_secs_f64(args.seconds.max(0.0));
+        let runs = ceiling_runs(args);
+        let margin = Duration::from_secs(120);
+        match self {
+            Phase::Setup | Phase::Inserts1 | Phase::InsertsN => secs + margin,
+            Phase::Business1 | Phase::BusinessN => secs * 3 + margin,
+            Phase::ConsumerCeilingBefore | Phase::ConsumerCeilingAfter => secs * 2 * runs + margin,
+            Phase::WritersBefore | Phase::WritersAfter => secs * runs + margin,
+            Phase::RelayCeilingBefore | Phase::RelayCeilingAfter => drain_timeout(args) * runs,
+            Phase::Sustained => secs + drain_timeout(args),
+            Phase::Latency => (secs + Duration::from_secs(40)) * 3 + margin,
+            Phase::Backlog
+            | Phase::RelayDrain
+            | Phase::Consume
+            | Phase::ConsumerDrain
+            | Phase::NoInboxDrain
+            | Phase::Republish
+            | Phase::Duplicates => drain_timeout(args),
+        }
+    }
+
     /// The progress line's title for a run with `args`.
     pub fn title(self, args: &RunArgs) -> String {
         let n = connections(args);
         let business = |conns: u32| {
             format!(
-                "business transactions: alone, with the outbox insert, with a plain second row; {conns} connection(s)"
+                "business transactions: alone, with the outbox insert, with a plain second row, alternating; {conns} connection(s)"
+            )
+        };
+        let relay_ceiling = |when: &str| {
+            format!(
+                "ceiling {when} the relay drain: lean claim-and-mark of {} rows in batches of {}, raw produce, SELECT 1",
+                args.backlog, args.relay_batch_size
+            )
+        };
+        let consumer_ceiling = |when: &str| {
+            format!(
+                "ceiling {when} the consumer drain: set-based inbox + settlement, batches of {}, 1 and {} connection(s), SELECT 1",
+                args.batch_size,
+                partitions(args)
+            )
+        };
+        let writers = |when: &str| {
+            format!(
+                "ceiling {when} the sustained run: {n} writers alone (no events flowing), SELECT 1"
             )
         };
         match self {
             Phase::Setup => "starting the broker and creating the databases".to_owned(),
-            Phase::Inserts1 => "baseline: durable single-row inserts, 1 connection".to_owned(),
-            Phase::InsertsN => {
-                format!("baseline: durable single-row inserts, {n} connections")
-            }
+            Phase::Inserts1 => "durable single-row inserts, 1 connection".to_owned(),
+            Phase::InsertsN => format!("durable single-row inserts, {n} connections"),
             Phase::Business1 => business(1),
             Phase::BusinessN => business(n),
-            Phase::ConsumerSql => format!(
-                "baseline: the consumer's SQL directly (inbox insert + settlement), batches of {}",
-                args.batch_size
-            ),
-            Phase::RelaySql => format!(
-                "baseline: the relay's claim-and-mark SQL directly, {} rows, batches of {}",
-                args.backlog, args.relay_batch_size
-            ),
-            Phase::Produce => format!(
-                "baseline: raw rdkafka produce of {} records of {} bytes",
-                args.backlog, args.message_size
-            ),
-            Phase::Consume => "baseline: raw rdkafka consume of the same records".to_owned(),
             Phase::Backlog => format!("writing a backlog of {} paid orders", args.backlog),
+            Phase::RelayCeilingBefore => relay_ceiling("before"),
             Phase::RelayDrain => "relay drain (idem relay as a child process)".to_owned(),
+            Phase::RelayCeilingAfter => relay_ceiling("after"),
+            Phase::Consume => "raw rdkafka consume of the relay's records".to_owned(),
+            Phase::ConsumerCeilingBefore => consumer_ceiling("before"),
             Phase::ConsumerDrain => {
-                "consumer drain (idem settlement as a child process)".to_owned()
+                "consumer drain (idem-lab settlement as a child process)".to_owned()
             }
+            Phase::ConsumerCeilingAfter => consumer_ceiling("after"),
             Phase::NoInboxDrain => {
                 "consumer drain without the inbox (same consumer, inbox insert left out)".to_owned()
             }
@@ -108,15 +209,32 @@ impl Phase {
                 "republishing the whole backlog (every event a second time)".to_owned()
             }
             Phase::Duplicates => "consumer drain of 100 % redelivered duplicates".to_owned(),
+            Phase::WritersBefore => writers("before"),
             Phase::Sustained => format!(
                 "sustained end to end: {n} writers as fast as they can, relay and consumer running"
             ),
+            Phase::WritersAfter => writers("after"),
             Phase::Latency => {
                 "commit → settlement latency, open-loop arrivals at 25, 50 and 80 % of the sustained rate"
                     .to_owned()
             }
         }
     }
+}
+
+/// Runs of each ceiling on each side of the phase it bounds (at least one).
+pub fn ceiling_runs(args: &RunArgs) -> u32 {
+    args.ceiling_runs.max(1)
+}
+
+/// Partitions of the run's topics, the consumer ceiling's second connection count.
+pub fn partitions(args: &RunArgs) -> u32 {
+    u32::try_from(args.partitions).unwrap_or(1).max(1)
+}
+
+/// How long a drain's count may stand still before the drain is called stuck.
+pub fn stall_limit(args: &RunArgs) -> Duration {
+    Duration::from_secs_f64(args.stall_seconds.max(0.1))
 }
 
 /// Connections of the many-connection phases (at least one).
@@ -213,6 +331,9 @@ pub fn sample_args() -> RunArgs {
         partitions: 3,
         consumer_config: vec![("fetch.wait.max.ms".to_owned(), "5".to_owned())],
         producer_config: vec![("linger.ms".to_owned(), "1".to_owned())],
+        ceiling_runs: 2,
+        stall_seconds: 60.0,
+        lock_outbox_during_republish: false,
         json: false,
     }
 }
@@ -226,23 +347,62 @@ mod tests {
     }
 
     #[test]
-    fn the_plan_has_seventeen_distinct_phases_with_their_titles() {
+    fn the_plan_has_twenty_distinct_phases_with_their_titles_and_keys() {
         let a = args();
         let titles: Vec<String> = PHASES.iter().map(|p| p.title(&a)).collect();
-        assert_eq!(titles.len(), 17);
-        for (i, t) in titles.iter().enumerate() {
+        let keys: Vec<&str> = PHASES.iter().map(|p| p.key()).collect();
+        for (i, (t, k)) in titles.iter().zip(&keys).enumerate() {
             assert!(!titles[..i].contains(t), "{t} twice");
+            assert!(!keys[..i].contains(k), "{k} twice");
         }
         assert_eq!(
             Phase::InsertsN.title(&a),
-            "baseline: durable single-row inserts, 4 connections"
+            "durable single-row inserts, 4 connections"
         );
         assert!(Phase::Business1.title(&a).ends_with("; 1 connection(s)"));
         assert!(Phase::BusinessN.title(&a).ends_with("; 4 connection(s)"));
         assert_eq!(
-            Phase::RelaySql.title(&a),
-            "baseline: the relay's claim-and-mark SQL directly, 2000 rows, batches of 500"
+            Phase::RelayCeilingAfter.title(&a),
+            "ceiling after the relay drain: lean claim-and-mark of 2000 rows in batches of 500, raw produce, SELECT 1"
         );
+        assert!(
+            Phase::ConsumerCeilingBefore
+                .title(&a)
+                .contains("1 and 3 connection(s)")
+        );
+    }
+
+    #[test]
+    fn each_ceiling_brackets_the_phase_it_bounds() {
+        let at = |p: Phase| PHASES.iter().position(|q| *q == p).unwrap();
+        for [before, phase, after] in [RELAY, CONSUMER, WRITERS] {
+            assert_eq!(at(before) + 1, at(phase), "{phase:?}");
+            assert_eq!(at(phase) + 1, at(after), "{phase:?}");
+        }
+        // A phase only needs phases that run before it.
+        for p in PHASES {
+            for n in p.needs() {
+                assert!(at(*n) < at(p), "{p:?} needs {n:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_phase_has_a_finite_deadline_longer_than_its_work() {
+        let a = args();
+        for p in PHASES {
+            let d = p.deadline(&a);
+            assert!(d >= Duration::from_secs(60), "{p:?}: {d:?}");
+            assert!(d <= Duration::from_secs(3_600), "{p:?}: {d:?}");
+        }
+        assert_eq!(Phase::RelayDrain.deadline(&a), drain_timeout(&a));
+        assert_eq!(stall_limit(&a), Duration::from_secs(60));
+        let one = RunArgs {
+            ceiling_runs: 0,
+            partitions: 0,
+            ..args()
+        };
+        assert_eq!((ceiling_runs(&one), partitions(&one)), (1, 1));
     }
 
     #[test]

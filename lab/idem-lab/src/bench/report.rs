@@ -1,15 +1,27 @@
-//! Figures, ratios against the same run's baselines, and their table and JSON forms.
+//! Figures, the spread of the sampled ones, how each phase ended, ratios against the same run's
+//! ceilings, and their table and JSON forms.
 
 use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
+use std::time::Duration;
+
 use super::RunArgs;
 use super::latency::LatencyRun;
+use super::plan::Phase;
+use super::spread::{Outcome, Spread};
 
-/// Every figure of a full run: key, label, unit. `{n}`, `{b}` and `{r}` stand for the
-/// connections, the consumer batch size and the relay batch size.
+/// Every figure of a full run: key, label, unit. `{n}`, `{b}`, `{r}` and `{p}` stand for the
+/// connections, the consumer batch size, the relay batch size and the partitions. The
+/// ceilings (keys starting `ceiling_`, `kafka_produce`, `round_trip`) and the business
+/// transactions are sampled: the figure is their median, `spread` has min, median and max.
 pub const FIGURES: &[(&str, &str, &str)] = &[
+    (
+        "round_trip_us",
+        "round trip of one statement (SELECT 1, 1 connection)",
+        "µs",
+    ),
     (
         "pg_insert_1conn_per_s",
         "PostgreSQL durable single-row insert, 1 connection",
@@ -20,27 +32,6 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
         "PostgreSQL durable single-row insert, {n} connections",
         "rows/s",
     ),
-    (
-        "consumer_sql_per_s",
-        "consumer SQL directly: inbox insert + settlement, batch {b}",
-        "events/s",
-    ),
-    (
-        "consumer_sql_no_inbox_per_s",
-        "consumer SQL directly: settlement only, batch {b}",
-        "events/s",
-    ),
-    (
-        "relay_sql_per_s",
-        "relay claim-and-mark SQL directly, batch {r}",
-        "rows/s",
-    ),
-    (
-        "kafka_produce_per_s",
-        "raw rdkafka produce (idempotent, acks=all)",
-        "records/s",
-    ),
-    ("kafka_consume_per_s", "raw rdkafka consume", "records/s"),
     (
         "business_tx_1conn_per_s",
         "business transaction, 1 connection",
@@ -72,14 +63,35 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
         "tx/s",
     ),
     (
+        "ceiling_relay_per_s",
+        "ceiling: lean claim-and-mark, batch {r}, 1 connection",
+        "rows/s",
+    ),
+    (
+        "kafka_produce_per_s",
+        "ceiling: raw rdkafka produce (idempotent, acks=all)",
+        "records/s",
+    ),
+    (
         "relay_drain_per_s",
         "relay drain of the backlog (idem relay)",
         "rows/s",
     ),
     ("relay_peak_rss_mib", "relay peak RSS while draining", "MiB"),
+    ("kafka_consume_per_s", "raw rdkafka consume", "records/s"),
+    (
+        "ceiling_consumer_1conn_per_s",
+        "ceiling: set-based inbox + settlement, batch {b}, 1 connection",
+        "events/s",
+    ),
+    (
+        "ceiling_consumer_partitions_per_s",
+        "ceiling: the same on {p} connections (one per partition)",
+        "events/s",
+    ),
     (
         "consumer_drain_per_s",
-        "consumer drain of the backlog (idem settlement)",
+        "consumer drain of the backlog (idem-lab settlement)",
         "events/s",
     ),
     (
@@ -96,6 +108,11 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
         "duplicates_drain_per_s",
         "consumer drain of 100 % redelivered duplicates",
         "events/s",
+    ),
+    (
+        "ceiling_writers_per_s",
+        "ceiling: {n} writers alone (business tx + outbox, no events flowing)",
+        "orders/s",
     ),
     (
         "e2e_writers_per_s",
@@ -138,74 +155,125 @@ impl Target {
     }
 }
 
-/// The ratios: key, label, target.
-const RATIOS: &[(&str, &str, Target)] = &[
-    (
-        "consumer_drain_vs_sql",
-        "consumer drain / its SQL at batch {b}",
-        Target::AtLeast(0.8),
+/// A ratio: its key, what it is, what it divides by, its target.
+struct RatioDef {
+    key: &'static str,
+    what: &'static str,
+    bound: &'static str,
+    target: Target,
+}
+
+const fn ratio(
+    key: &'static str,
+    what: &'static str,
+    bound: &'static str,
+    target: Target,
+) -> RatioDef {
+    RatioDef {
+        key,
+        what,
+        bound,
+        target,
+    }
+}
+
+/// The ratios. A bound that is a ceiling is the median of its samples.
+const RATIOS: &[RatioDef] = &[
+    ratio(
+        "consumer_drain_vs_ceiling",
+        "consumer drain / its ceiling at batch {b}, 1 connection",
+        "median of ceiling_consumer_1conn_per_s",
+        Target::AtLeast(0.5),
     ),
-    (
-        "relay_drain_vs_limit",
-        "relay drain / min(claim-and-mark SQL, raw produce)",
-        Target::AtLeast(0.8),
+    ratio(
+        "consumer_drain_vs_ceiling_partitions",
+        "consumer drain / its ceiling at batch {b}, {p} connections (one per partition)",
+        "median of ceiling_consumer_partitions_per_s",
+        Target::Info,
     ),
-    (
-        "outbox_tx_1conn",
-        "business tx with outbox / without, 1 connection",
+    ratio(
+        "relay_drain_vs_ceiling",
+        "relay drain / min(lean claim-and-mark, raw produce) at batch {r}",
+        "min(median of ceiling_relay_per_s, median of kafka_produce_per_s)",
+        Target::AtLeast(0.5),
+    ),
+    ratio(
+        "sustained_vs_writers_alone",
+        "sustained end to end / {n} writers alone",
+        "median of ceiling_writers_per_s",
         Target::AtLeast(0.9),
     ),
-    (
+    ratio(
         "outbox_tx_nconn",
-        "business tx with outbox / without, {n} connections",
-        Target::AtLeast(0.9),
-    ),
-    (
-        "dedup_vs_no_dedup",
-        "consumer drain with inbox / without",
+        "business tx with outbox / order alone, {n} connections",
+        "median of business_tx_nconn_per_s",
         Target::AtLeast(0.75),
     ),
-    (
+    ratio(
         "latency_p99_at_50pct_ms",
         "commit → settlement p99 at 50 % load, ms",
+        "-",
         Target::AtMost(50.0),
     ),
-    (
+    ratio(
         "relay_peak_rss_mib",
-        "relay peak RSS, MiB",
+        "relay peak RSS while draining, MiB",
+        "-",
         Target::AtMost(150.0),
     ),
-    (
+    ratio(
         "consumer_peak_rss_mib",
-        "consumer peak RSS, MiB",
+        "consumer peak RSS while draining, MiB",
+        "-",
         Target::AtMost(150.0),
     ),
-    (
+    ratio(
+        "outbox_tx_1conn",
+        "business tx with outbox / order alone, 1 connection",
+        "median of business_tx_1conn_per_s",
+        Target::Info,
+    ),
+    ratio(
         "outbox_vs_plain_row_1conn",
         "business tx with outbox / with a plain second row, 1 connection",
+        "median of business_tx_plain_1conn_per_s",
         Target::Info,
     ),
-    (
+    ratio(
         "outbox_vs_plain_row_nconn",
         "business tx with outbox / with a plain second row, {n} connections",
+        "median of business_tx_plain_nconn_per_s",
         Target::Info,
     ),
-    (
+    ratio(
+        "dedup_vs_no_dedup",
+        "consumer drain with inbox / without (what the inbox costs)",
+        "consumer_no_inbox_drain_per_s",
+        Target::Info,
+    ),
+    ratio(
         "duplicates_vs_drain",
         "consumer drain of duplicates / of new events",
+        "consumer_drain_per_s",
         Target::Info,
     ),
 ];
+
+/// A computed ratio: key, what it is, its bound, value, target.
+type Ratio = (&'static str, String, &'static str, Option<f64>, Target);
 
 /// What a run measured.
 pub struct Report {
     config: Value,
     environment: serde_json::Map<String, Value>,
     figures: Vec<(String, f64)>,
-    ratios: Vec<(&'static str, String, Option<f64>, Target)>,
+    samples: Vec<(String, Vec<f64>)>,
+    phases: Vec<(Phase, Outcome, f64)>,
+    ratios: Vec<Ratio>,
     n: u32,
     b: usize,
     r: u32,
+    p: u32,
 }
 
 impl Report {
@@ -228,15 +296,20 @@ impl Report {
                 "connections": args.connections,
                 "partitions": args.partitions,
                 "brokers": args.brokers,
+                "ceiling_runs": args.ceiling_runs,
+                "stall_seconds": args.stall_seconds,
                 "consumer_config": args.consumer_config.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
                 "producer_config": args.producer_config.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
             }),
             environment,
             figures: vec![],
+            samples: vec![],
+            phases: vec![],
             ratios: vec![],
             n: args.connections,
             b: args.batch_size,
             r: args.relay_batch_size,
+            p: super::plan::partitions(args),
         }
     }
 
@@ -245,9 +318,30 @@ impl Report {
         self.environment.insert(key.into(), json!(value));
     }
 
-    /// Records a figure.
+    /// Records a figure measured once.
     pub fn figure(&mut self, key: &str, value: f64) {
         self.figures.push((key.to_owned(), value));
+    }
+
+    /// Records one sample of a sampled figure (a ceiling, a business transaction rate).
+    pub fn sample(&mut self, key: &str, value: f64) {
+        match self.samples.iter_mut().find(|(k, _)| k == key) {
+            Some((_, v)) => v.push(value),
+            None => self.samples.push((key.to_owned(), vec![value])),
+        }
+    }
+
+    /// Records how `phase` ended after `took`.
+    pub fn outcome(&mut self, phase: Phase, outcome: &Outcome, took: Duration) {
+        self.phases
+            .push((phase, outcome.clone(), took.as_secs_f64()));
+    }
+
+    /// Whether `phase` ran to its end.
+    pub fn ended_well(&self, phase: Phase) -> bool {
+        self.phases
+            .iter()
+            .any(|(p, o, _)| *p == phase && *o == Outcome::Done)
     }
 
     /// Records a peak RSS in bytes as MiB (NaN if it could not be read).
@@ -275,11 +369,20 @@ impl Report {
         }
     }
 
-    fn get(&self, key: &str) -> Option<f64> {
-        self.figures
+    /// Every figure: those measured once, and the median of each sampled one.
+    fn all_figures(&self) -> Vec<(String, f64)> {
+        let medians = self
+            .samples
             .iter()
+            .map(|(k, v)| (k.clone(), Spread::of(v).map_or(f64::NAN, |s| s.median)));
+        self.figures.iter().cloned().chain(medians).collect()
+    }
+
+    fn get(&self, key: &str) -> Option<f64> {
+        self.all_figures()
+            .into_iter()
             .find(|(k, _)| k == key)
-            .map(|(_, v)| *v)
+            .map(|(_, v)| v)
             .filter(|v| v.is_finite())
     }
 
@@ -287,6 +390,7 @@ impl Report {
         s.replace("{n}", &self.n.to_string())
             .replace("{b}", &self.b.to_string())
             .replace("{r}", &self.r.to_string())
+            .replace("{p}", &self.p.to_string())
     }
 
     /// Notes the load at the end and computes the ratios.
@@ -298,71 +402,76 @@ impl Report {
 
     /// Each of [`RATIOS`] from the figures: `None` where a figure is missing or a divisor is
     /// not positive.
-    fn ratios(&self) -> Vec<(&'static str, String, Option<f64>, Target)> {
-        let div = |a: Option<f64>, b: Option<f64>| match (a, b) {
+    fn ratios(&self) -> Vec<Ratio> {
+        let g = |k: &str| self.get(k);
+        let div = |a: &str, b: Option<f64>| match (g(a), b) {
             (Some(a), Some(b)) if b > 0.0 => Some(a / b),
             _ => None,
         };
-        let limit = match (self.get("relay_sql_per_s"), self.get("kafka_produce_per_s")) {
+        let relay_bound = match (g("ceiling_relay_per_s"), g("kafka_produce_per_s")) {
             (Some(a), Some(b)) => Some(a.min(b)),
             _ => None,
         };
+        let drain = "consumer_drain_per_s";
+        let (outbox_1, outbox_n) = (
+            "business_tx_outbox_1conn_per_s",
+            "business_tx_outbox_nconn_per_s",
+        );
         let values = [
-            div(
-                self.get("consumer_drain_per_s"),
-                self.get("consumer_sql_per_s"),
-            ),
-            div(self.get("relay_drain_per_s"), limit),
-            div(
-                self.get("business_tx_outbox_1conn_per_s"),
-                self.get("business_tx_1conn_per_s"),
-            ),
-            div(
-                self.get("business_tx_outbox_nconn_per_s"),
-                self.get("business_tx_nconn_per_s"),
-            ),
-            div(
-                self.get("consumer_drain_per_s"),
-                self.get("consumer_no_inbox_drain_per_s"),
-            ),
-            self.get("latency_50pct_p99_ms"),
-            self.get("relay_peak_rss_mib"),
-            self.get("consumer_peak_rss_mib"),
-            div(
-                self.get("business_tx_outbox_1conn_per_s"),
-                self.get("business_tx_plain_1conn_per_s"),
-            ),
-            div(
-                self.get("business_tx_outbox_nconn_per_s"),
-                self.get("business_tx_plain_nconn_per_s"),
-            ),
-            div(
-                self.get("duplicates_drain_per_s"),
-                self.get("consumer_drain_per_s"),
-            ),
+            div(drain, g("ceiling_consumer_1conn_per_s")),
+            div(drain, g("ceiling_consumer_partitions_per_s")),
+            div("relay_drain_per_s", relay_bound),
+            div("e2e_sustained_per_s", g("ceiling_writers_per_s")),
+            div(outbox_n, g("business_tx_nconn_per_s")),
+            g("latency_50pct_p99_ms"),
+            g("relay_peak_rss_mib"),
+            g("consumer_peak_rss_mib"),
+            div(outbox_1, g("business_tx_1conn_per_s")),
+            div(outbox_1, g("business_tx_plain_1conn_per_s")),
+            div(outbox_n, g("business_tx_plain_nconn_per_s")),
+            div(drain, g("consumer_no_inbox_drain_per_s")),
+            div("duplicates_drain_per_s", g(drain)),
         ];
         RATIOS
             .iter()
             .zip(values)
-            .map(|((k, label, t), v)| (*k, self.label(label), v, *t))
+            .map(|(d, v)| (d.key, self.label(d.what), d.bound, v, d.target))
             .collect()
     }
 
-    /// The report as JSON: config, environment, figures, ratios (value, target, met).
+    /// The report as JSON: config, environment, phases (how each ended), figures, the
+    /// sampled figures' spread, ratios (value, bound, target, met).
     pub fn json(&self) -> Value {
         let figures: serde_json::Map<String, Value> = self
-            .figures
+            .all_figures()
+            .into_iter()
+            .map(|(k, v)| (k, number(v)))
+            .collect();
+        let spread: serde_json::Map<String, Value> = self
+            .samples
             .iter()
-            .map(|(k, v)| (k.clone(), number(*v)))
+            .map(|(k, v)| (k.clone(), spread_json(v)))
+            .collect();
+        let phases: serde_json::Map<String, Value> = self
+            .phases
+            .iter()
+            .map(|(p, o, took)| {
+                let mut e = json!({ "status": o.status(), "seconds": number(*took) });
+                if let Some(why) = o.reason() {
+                    e["reason"] = json!(why);
+                }
+                (p.key().to_owned(), e)
+            })
             .collect();
         let ratios: serde_json::Map<String, Value> = self
             .ratios
             .iter()
-            .map(|(k, label, v, t)| {
+            .map(|(k, label, bound, v, t)| {
                 (
                     (*k).to_owned(),
                     json!({
                         "what": label,
+                        "bound": bound,
                         "value": v.map_or(Value::Null, number),
                         "target": t.text(),
                         "met": v.is_some_and(|v| t.met(v)),
@@ -373,15 +482,26 @@ impl Report {
         json!({
             "config": self.config,
             "environment": self.environment,
+            "phases": phases,
             "figures": figures,
+            "spread": spread,
             "ratios": ratios,
-            "targets_met": self.ratios.iter().all(|(_, _, v, t)| v.is_some_and(|v| t.met(v))),
+            "targets_met": self.ratios.iter().all(|(_, _, _, v, t)| v.is_some_and(|v| t.met(v))),
         })
     }
 
     /// The report as a table.
     pub fn table(&self) -> String {
         let mut out = String::new();
+        self.table_header(&mut out);
+        self.table_figures(&mut out);
+        self.table_latency(&mut out);
+        self.table_ratios(&mut out);
+        self.table_phases(&mut out);
+        out
+    }
+
+    fn table_header(&self, out: &mut String) {
         let env = |k: &str| {
             self.environment
                 .get(k)
@@ -399,12 +519,45 @@ impl Report {
         );
         let _ = writeln!(out, "config: {}", self.config);
         let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "  {:<72} {:>10} {:>10} {:>10}",
+            "figure (sampled: min, median, max)", "min", "value", "max"
+        );
+    }
+
+    fn table_figures(&self, out: &mut String) {
+        let all = self.all_figures();
         for (key, label, unit) in FIGURES {
-            if let Some((_, v)) = self.figures.iter().find(|(k, _)| k == key) {
-                let _ = writeln!(out, "  {:<66} {:>12} {unit}", self.label(label), fmt(*v));
+            let spread = self
+                .samples
+                .iter()
+                .find(|(k, _)| k == key)
+                .and_then(|(_, v)| Spread::of(v).map(|s| (s, v.len())));
+            if let Some((s, n)) = spread {
+                let label = format!("{} [{n}]", self.label(label));
+                let _ = writeln!(
+                    out,
+                    "  {label:<72} {:>10} {:>10} {:>10} {unit}",
+                    fmt(s.min),
+                    fmt(s.median),
+                    fmt(s.max)
+                );
+            } else if let Some((_, v)) = all.iter().find(|(k, _)| k == key) {
+                let _ = writeln!(
+                    out,
+                    "  {:<72} {:>10} {:>10} {:>10} {unit}",
+                    self.label(label),
+                    "",
+                    fmt(*v),
+                    ""
+                );
             }
         }
         let _ = writeln!(out);
+    }
+
+    fn table_latency(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "  commit → settlement latency, open loop   rate/s      p50      p99    p99.9      max   samples"
@@ -428,12 +581,15 @@ impl Report {
             );
         }
         let _ = writeln!(out);
+    }
+
+    fn table_ratios(&self, out: &mut String) {
         let _ = writeln!(
             out,
-            "  {:<60} {:>8}  {:<8} result",
-            "ratio", "value", "target"
+            "  {:<80} {:>8}  {:<8} result",
+            "ratio (a ceiling bound is its median)", "value", "target"
         );
-        for (_, label, v, t) in &self.ratios {
+        for (_, label, _, v, t) in &self.ratios {
             let result = match v {
                 Some(_) if matches!(t, Target::Info) => "",
                 Some(v) if t.met(*v) => "met",
@@ -442,14 +598,36 @@ impl Report {
             };
             let _ = writeln!(
                 out,
-                "  {:<60} {:>8}  {:<8} {result}",
+                "  {:<80} {:>8}  {:<8} {result}",
                 label,
                 v.map_or("-".to_owned(), |v| format!("{v:.2}")),
                 t.text()
             );
         }
-        out
     }
+
+    fn table_phases(&self, out: &mut String) {
+        for (p, o, took) in &self.phases {
+            if let Some(why) = o.reason() {
+                let _ = writeln!(
+                    out,
+                    "  phase {} {} after {took:.0} s: {why}",
+                    p.key(),
+                    o.status()
+                );
+            }
+        }
+    }
+}
+
+fn spread_json(samples: &[f64]) -> Value {
+    let s = Spread::of(samples);
+    json!({
+        "min": s.as_ref().map_or(Value::Null, |s| number(s.min)),
+        "median": s.as_ref().map_or(Value::Null, |s| number(s.median)),
+        "max": s.as_ref().map_or(Value::Null, |s| number(s.max)),
+        "samples": samples.iter().map(|v| number(*v)).collect::<Vec<_>>(),
+    })
 }
 
 fn number(v: f64) -> Value {
@@ -484,34 +662,77 @@ mod tests {
         r.ratios()
             .into_iter()
             .find(|(k, ..)| *k == key)
-            .and_then(|(_, _, v, _)| v)
+            .and_then(|(_, _, _, v, _)| v)
     }
 
     #[test]
-    fn ratios_divide_each_figure_by_the_baseline_that_bounds_it() {
+    fn ratios_divide_each_figure_by_the_median_of_the_ceiling_that_bounds_it() {
         let mut r = Report::new(&super::super::plan::sample_args(), "embedded");
         for (k, v) in [
             ("consumer_drain_per_s", 800.0),
-            ("consumer_sql_per_s", 1000.0),
             ("relay_drain_per_s", 450.0),
-            ("relay_sql_per_s", 600.0),
-            ("kafka_produce_per_s", 500.0),
             ("consumer_no_inbox_drain_per_s", 0.0),
             ("latency_50pct_p99_ms", 12.5),
+            ("e2e_sustained_per_s", 900.0),
         ] {
             r.figure(k, v);
         }
-        assert_eq!(ratio(&r, "consumer_drain_vs_sql"), Some(0.8));
-        // The relay is bounded by the slower of its SQL and the raw produce.
-        assert_eq!(ratio(&r, "relay_drain_vs_limit"), Some(0.9));
+        // The ceiling swings; the ratio takes its median, not its best or worst sample.
+        for v in [1000.0, 4000.0, 1600.0] {
+            r.sample("ceiling_consumer_1conn_per_s", v);
+        }
+        for v in [600.0, 700.0] {
+            r.sample("ceiling_relay_per_s", v);
+        }
+        r.sample("kafka_produce_per_s", 500.0);
+        r.sample("ceiling_writers_per_s", 1000.0);
+        assert_eq!(ratio(&r, "consumer_drain_vs_ceiling"), Some(0.5));
+        // The relay is bounded by the slower of its ceiling and the raw produce.
+        assert_eq!(ratio(&r, "relay_drain_vs_ceiling"), Some(0.9));
+        assert_eq!(ratio(&r, "sustained_vs_writers_alone"), Some(0.9));
         assert_eq!(ratio(&r, "latency_p99_at_50pct_ms"), Some(12.5));
         // A zero divisor and a missing figure give no ratio.
         assert_eq!(ratio(&r, "dedup_vs_no_dedup"), None);
         assert_eq!(ratio(&r, "outbox_tx_1conn"), None);
         let labels: Vec<String> = r.ratios().into_iter().map(|(_, l, ..)| l).collect();
         assert_eq!(labels.len(), RATIOS.len());
-        assert!(labels.contains(&"consumer drain / its SQL at batch 200".to_owned()));
-        assert!(labels.contains(&"business tx with outbox / without, 4 connections".to_owned()));
+        assert!(
+            labels.contains(&"consumer drain / its ceiling at batch 200, 1 connection".to_owned())
+        );
+        assert!(
+            labels.contains(&"business tx with outbox / order alone, 4 connections".to_owned())
+        );
+        let json = r.json();
+        assert_eq!(json["figures"]["ceiling_consumer_1conn_per_s"], 1600.0);
+        let s = &json["spread"]["ceiling_consumer_1conn_per_s"];
+        assert_eq!(
+            (s["min"].as_f64(), s["max"].as_f64()),
+            (Some(1000.0), Some(4000.0))
+        );
+        assert_eq!(s["samples"].as_array().map(Vec::len), Some(3));
+    }
+
+    #[test]
+    fn a_phase_that_did_not_end_well_is_reported_with_its_reason() {
+        let mut r = Report::new(&super::super::plan::sample_args(), "embedded");
+        r.outcome(Phase::RelayDrain, &Outcome::Done, Duration::from_secs(3));
+        let stuck = Outcome::Failed("rows republished: 0 of 10, no progress for 60 s".into());
+        r.outcome(Phase::Republish, &stuck, Duration::from_secs(61));
+        assert!(r.ended_well(Phase::RelayDrain));
+        assert!(!r.ended_well(Phase::Republish));
+        assert!(!r.ended_well(Phase::Duplicates));
+        r.finish();
+        let json = r.json();
+        assert_eq!(json["phases"]["relay_drain"]["status"], "done");
+        assert_eq!(json["phases"]["republish"]["status"], "failed");
+        assert!(
+            json["phases"]["republish"]["reason"]
+                .as_str()
+                .unwrap()
+                .contains("no progress")
+        );
+        assert_eq!(json["targets_met"], false);
+        assert!(r.table().contains("phase republish failed after 61 s"));
     }
 
     #[test]

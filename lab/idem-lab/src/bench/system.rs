@@ -1,6 +1,7 @@
 //! The system under load: the relay and the settlement consumer as child processes draining a
 //! backlog (new events, then the same events again as duplicates), then together under
-//! closed-loop and open-loop load.
+//! closed-loop and open-loop load; each drain and the sustained run bracketed by their
+//! ceilings ([`baselines`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,16 +14,20 @@ use super::child::Child;
 use super::kafka::TempDir;
 use super::pg::{self, OrderWrite};
 use super::plan::{self, Phase, drain_timeout};
-use super::{Ctx, Names, Progress, Ticker, latency};
+use super::spread::Stall;
+use super::{Ctx, Names, Progress, Ticker, baselines, ceilings, latency};
 
-/// The system's databases: URL and pool of each.
-pub struct SystemDbs {
+/// The system's databases (URL and pool of each), the run's topics and groups, and where its
+/// children log.
+pub struct SystemDbs<'a> {
     pub orders_url: String,
     pub orders: PgPool,
     pub settle_url: String,
     pub settle: PgPool,
     pub noinbox_url: String,
     pub noinbox: PgPool,
+    pub names: &'a Names,
+    pub logs: &'a TempDir,
 }
 
 /// Outbox rows published, as the relay drains count them.
@@ -35,57 +40,111 @@ struct Watch<'a> {
     label: &'a str,
 }
 
-/// The system phases, in [`PHASES`](plan::PHASES) order.
-pub async fn run(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<()> {
-    c.phase(Phase::Backlog);
-    pg::fill_backlog(&dbs.orders, "b-", c.args.backlog, c.pad).await?;
-    let (mut relay, mut settlement) = drains(c, dbs, names, logs).await?;
-    c.phase(Phase::Sustained);
-    let (sustained, writers) = sustained(c, dbs).await?;
-    c.report.figure("e2e_writers_per_s", writers);
-    c.report.figure("e2e_sustained_per_s", sustained);
-    let expected = pg::count(&dbs.orders, "orders").await?;
-    let left = Watch {
-        pool: &dbs.settle,
-        what: "settlements",
-        label: "settled (draining what the writers left)",
-    };
-    let timeout = drain_timeout(c.args);
-    wait_for(
-        c.progress,
-        &left,
-        expected,
-        &mut [&mut settlement, &mut relay],
-        timeout,
+/// The relay and the consumer left running for the sustained and latency phases.
+#[derive(Default)]
+struct Running {
+    relay: Option<Child>,
+    settlement: Option<Child>,
+}
+
+impl Running {
+    /// Stops whichever runs.
+    async fn stop(self) -> anyhow::Result<()> {
+        if let Some(s) = self.settlement {
+            s.stop().await?;
+        }
+        if let Some(r) = self.relay {
+            r.stop().await?;
+        }
+        Ok(())
+    }
+}
+
+/// The system phases and the ceilings that bracket them, in [`PHASES`](plan::PHASES) order. A
+/// phase that fails or passes its deadline is reported; the ones that need it are skipped, the
+/// others run.
+pub async fn run(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
+    let (backlog, pad) = (c.args.backlog, c.pad);
+    c.guarded(Phase::Backlog, async |_| {
+        pg::fill_backlog(&dbs.orders, "b-", backlog, pad).await
+    })
+    .await;
+    drains(c, dbs).await?;
+    let mut running = Running::default();
+    duplicates(c, dbs, &mut running).await?;
+    let run = async |c: &mut Ctx<'_>| sustained(c, dbs, &mut running).await;
+    let rate = bracketed(c, plan::WRITERS, baselines::writers, run, &dbs.orders_url).await?;
+    // Without a sustained rate the latency phase is skipped (it needs the sustained run).
+    let sustained = rate.unwrap_or(f64::NAN);
+    c.guarded(Phase::Latency, async |c| {
+        latency(c, dbs, &mut running, sustained).await
+    })
+    .await;
+    running.stop().await
+}
+
+/// The relay's and the consumer's drains of the backlog, each bracketed by its ceilings, and
+/// the consumer without its inbox.
+async fn drains(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
+    let drain = async |c: &mut Ctx<'_>| relay_drain(c, dbs).await;
+    bracketed(c, plan::RELAY, baselines::relay, drain, &dbs.orders_url).await?;
+    c.guarded(Phase::Consume, async |c| baselines::raw_consume(c).await)
+        .await;
+    let drain = async |c: &mut Ctx<'_>| consumer_drain(c, dbs).await;
+    bracketed(
+        c,
+        plan::CONSUMER,
+        baselines::consumer,
+        drain,
+        &dbs.settle_url,
     )
     .await?;
-    latency(c, dbs, &mut relay, &mut settlement, sustained).await?;
-    settlement.stop().await?;
-    relay.stop().await?;
+    let drained = c
+        .guarded(Phase::NoInboxDrain, async |c| no_inbox_drain(c, dbs).await)
+        .await;
+    clean_up_after(drained.is_none(), &dbs.noinbox_url).await
+}
+
+/// Runs the system phase `phase` (`drain`) between two runs of its `ceiling` (`before`,
+/// `after`), and cleans up the database of `url` after it if it did not end well.
+async fn bracketed<'a, T>(
+    c: &mut Ctx<'a>,
+    [before, phase, after]: [Phase; 3],
+    ceiling: impl AsyncFn(&mut Ctx<'a>, &str) -> anyhow::Result<()>,
+    drain: impl AsyncFnOnce(&mut Ctx<'a>) -> anyhow::Result<T>,
+    url: &str,
+) -> anyhow::Result<Option<T>> {
+    c.guarded(before, async |c| ceiling(c, "b").await).await;
+    let value = c.guarded(phase, drain).await;
+    clean_up_after(value.is_none(), url).await?;
+    c.guarded(after, async |c| ceiling(c, "a").await).await;
+    Ok(value)
+}
+
+/// After a phase that did not end well (`failed`): ends the sessions its killed children left
+/// on database `url` (a backend runs its statement to the end after its client is gone).
+async fn clean_up_after(failed: bool, url: &str) -> anyhow::Result<()> {
+    if failed {
+        let n = ceilings::terminate_others(url).await?;
+        if n > 0 {
+            tracing::warn!(
+                sessions = n,
+                "ended the sessions a stopped child left behind"
+            );
+        }
+    }
     Ok(())
 }
 
-/// The drains: the relay, the consumer, the consumer without its inbox, the republished
-/// backlog and its duplicates. Returns the relay and the consumer, still running.
-async fn drains(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<(Child, Child)> {
-    c.phase(Phase::RelayDrain);
-    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &names.topic_prefix);
+/// The relay drains the backlog: its rate from the rows' publication stamps, its peak RSS.
+async fn relay_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
+    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
     let published = Watch {
         pool: &dbs.orders,
         what: PUBLISHED,
         label: "rows published",
     };
-    let (relay, elapsed) = drain(c, logs, "relay", &relay_args, &published, &mut []).await?;
+    let (relay, elapsed) = drain(c, dbs.logs, "relay", &relay_args, &published, &mut []).await?;
     c.report.peak("relay_peak_rss_mib", relay.peak_rss());
     relay.stop().await?;
     let v = pg::stamped_rate(
@@ -97,64 +156,81 @@ async fn drains(
     )
     .await?;
     c.report.figure("relay_drain_per_s", v);
+    Ok(())
+}
 
-    c.phase(Phase::ConsumerDrain);
-    let settlement_args = plan::consumer_args(
-        c.args,
-        &["settlement"],
-        &dbs.settle_url,
-        &c.brokers,
-        &names.topic,
-        &names.group,
-    );
-    let (settlement, elapsed) =
-        settle_drain(c, logs, "settlement", &settlement_args, &dbs.settle).await?;
+/// The settlement consumer drains the topic: its rate from the settlements' stamps, its peak
+/// RSS.
+async fn consumer_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
+    let (settlement, elapsed) = settle_drain(
+        c,
+        dbs.logs,
+        "settlement",
+        &settlement_args(c, dbs),
+        &dbs.settle,
+    )
+    .await?;
     c.report
         .peak("consumer_peak_rss_mib", settlement.peak_rss());
     settlement.stop().await?;
     let v = pg::stamped_rate(&dbs.settle, "settlements", "settled_at", "true", elapsed).await?;
     c.report.figure("consumer_drain_per_s", v);
+    Ok(())
+}
 
-    no_inbox_drain(c, dbs, names, logs).await?;
-    duplicates(c, dbs, names, logs, &relay_args, &settlement_args).await
+/// `idem-lab settlement` on the settlement database, in the run's group.
+fn settlement_args(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> Vec<String> {
+    plan::consumer_args(
+        c.args,
+        &["settlement"],
+        &dbs.settle_url,
+        &c.brokers,
+        &dbs.names.topic,
+        &dbs.names.group,
+    )
 }
 
 /// The same consumer with the inbox insert left out: what the inbox costs.
-async fn no_inbox_drain(
-    c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-) -> anyhow::Result<()> {
-    c.phase(Phase::NoInboxDrain);
+async fn no_inbox_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     let bare_args = plan::consumer_args(
         c.args,
         &["bench", "no-inbox-consumer"],
         &dbs.noinbox_url,
         &c.brokers,
-        &names.topic,
-        &names.group_no_inbox,
+        &dbs.names.topic,
+        &dbs.names.group_no_inbox,
     );
     let (bare, elapsed) =
-        settle_drain(c, logs, "no-inbox-consumer", &bare_args, &dbs.noinbox).await?;
+        settle_drain(c, dbs.logs, "no-inbox-consumer", &bare_args, &dbs.noinbox).await?;
     bare.stop().await?;
     let v = pg::stamped_rate(&dbs.noinbox, "settlements", "settled_at", "true", elapsed).await?;
     c.report.figure("consumer_no_inbox_drain_per_s", v);
-    dbs.noinbox.close().await;
     Ok(())
 }
 
 /// Every event published a second time, and the consumer's drain of the duplicates; the relay
-/// and the consumer keep running.
+/// and the consumer are left in `running`.
 async fn duplicates(
     c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    names: &Names,
-    logs: &TempDir,
-    relay_args: &[String],
-    settlement_args: &[String],
-) -> anyhow::Result<(Child, Child)> {
-    c.phase(Phase::Republish);
+    dbs: &SystemDbs<'_>,
+    running: &mut Running,
+) -> anyhow::Result<()> {
+    running.relay = c
+        .guarded(Phase::Republish, async |c| republish(c, dbs).await)
+        .await;
+    clean_up_after(running.relay.is_none(), &dbs.orders_url).await?;
+    let relay = &mut running.relay;
+    running.settlement = c
+        .guarded(Phase::Duplicates, async |c| {
+            duplicates_drain(c, dbs, relay).await
+        })
+        .await;
+    clean_up_after(running.settlement.is_none(), &dbs.settle_url).await
+}
+
+/// Every outbox row made pending again and a new relay draining it; returns the relay, still
+/// running.
+async fn republish(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<Child> {
     sqlx::query("UPDATE idem_outbox SET status = 'pending', published_at = NULL")
         .execute(&dbs.orders)
         .await?;
@@ -163,26 +239,42 @@ async fn duplicates(
         what: PUBLISHED,
         label: "rows republished",
     };
-    let (mut relay, _) = drain(c, logs, "relay-2", relay_args, &republished, &mut []).await?;
+    // A hostile session (the suite's): every row locked until this phase ends.
+    let mut hostile = None;
+    if c.args.lock_outbox_during_republish {
+        let mut tx = dbs.orders.begin().await?;
+        sqlx::query("SELECT id FROM idem_outbox FOR UPDATE")
+            .execute(&mut *tx)
+            .await?;
+        hostile = Some(tx);
+    }
+    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
+    let (relay, _) = drain(c, dbs.logs, "relay-2", &relay_args, &republished, &mut []).await?;
+    drop(hostile);
+    Ok(relay)
+}
 
-    c.phase(Phase::Duplicates);
+/// The consumer's drain of the republished duplicates; returns it, still running.
+async fn duplicates_drain(
+    c: &mut Ctx<'_>,
+    dbs: &SystemDbs<'_>,
+    relay: &mut Option<Child>,
+) -> anyhow::Result<Child> {
     // The group is ours (a UUID), never input.
-    let dups = format!("consumer_group = '{}' AND delivery_count >= 2", names.group);
+    let dups = format!(
+        "consumer_group = '{}' AND delivery_count >= 2",
+        dbs.names.group
+    );
     let what = format!("idem_inbox WHERE {dups}");
     let skipped = Watch {
         pool: &dbs.settle,
         what: &what,
         label: "duplicates skipped",
     };
-    let (settlement, elapsed) = drain(
-        c,
-        logs,
-        "settlement-2",
-        settlement_args,
-        &skipped,
-        &mut [&mut relay],
-    )
-    .await?;
+    let mut others: Vec<&mut Child> = relay.iter_mut().collect();
+    let args = settlement_args(c, dbs);
+    let (settlement, elapsed) =
+        drain(c, dbs.logs, "settlement-2", &args, &skipped, &mut others).await?;
     let v = pg::stamped_rate(
         &dbs.settle,
         "idem_inbox",
@@ -192,7 +284,47 @@ async fn duplicates(
     )
     .await?;
     c.report.figure("duplicates_drain_per_s", v);
-    Ok((relay, settlement))
+    Ok(settlement)
+}
+
+/// Starts a relay and a settlement consumer where `running` has none (a phase before did not
+/// leave them running).
+fn ensure_running(c: &Ctx<'_>, dbs: &SystemDbs<'_>, running: &mut Running) -> anyhow::Result<()> {
+    if running.relay.is_none() {
+        let args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
+        running.relay = Some(Child::spawn("relay-3", &args, &dbs.logs.0)?);
+    }
+    if running.settlement.is_none() {
+        let args = settlement_args(c, dbs);
+        running.settlement = Some(Child::spawn("settlement-3", &args, &dbs.logs.0)?);
+    }
+    Ok(())
+}
+
+/// The sustained run, then the wait for what its writers left: returns the sustained rate.
+async fn sustained(
+    c: &mut Ctx<'_>,
+    dbs: &SystemDbs<'_>,
+    running: &mut Running,
+) -> anyhow::Result<f64> {
+    ensure_running(c, dbs, running)?;
+    let (sustained, writers) = sustained_rates(c, dbs).await?;
+    c.report.figure("e2e_writers_per_s", writers);
+    c.report.figure("e2e_sustained_per_s", sustained);
+    let expected = pg::count(&dbs.orders, "orders").await?;
+    let left = Watch {
+        pool: &dbs.settle,
+        what: "settlements",
+        label: "settled (draining what the writers left)",
+    };
+    let mut children: Vec<&mut Child> = running
+        .relay
+        .iter_mut()
+        .chain(running.settlement.iter_mut())
+        .collect();
+    let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
+    wait_for(c.progress, &left, expected, &mut children, timeout, stall).await?;
+    Ok(sustained)
 }
 
 /// Starts consumer `name` (`idem ARGS`) and waits until `pool` holds a settlement per event
@@ -226,20 +358,31 @@ async fn drain(
     let mut child = Child::spawn(name, args, &logs.0)?;
     let mut watched: Vec<&mut Child> = vec![&mut child];
     watched.extend(others.iter_mut().map(|c| &mut **c));
-    let timeout = drain_timeout(c.args);
-    wait_for(c.progress, watch, c.args.backlog, &mut watched, timeout).await?;
+    let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
+    wait_for(
+        c.progress,
+        watch,
+        c.args.backlog,
+        &mut watched,
+        timeout,
+        stall,
+    )
+    .await?;
     Ok((child, started.elapsed()))
 }
 
-/// Polls `watch` until it reaches `target`, failing if a child exits or the time runs out.
+/// Polls `watch` until it reaches `target`, failing if a child exits, the count stands still
+/// for `stall` or the time runs out.
 async fn wait_for(
     progress: &Progress,
     watch: &Watch<'_>,
     target: u64,
     children: &mut [&mut Child],
     timeout: Duration,
+    stall: Duration,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
+    let mut still = Stall::new(stall, Instant::now());
     let mut tick = Ticker::new();
     let label = watch.label;
     loop {
@@ -250,10 +393,15 @@ async fn wait_for(
         for c in children.iter_mut() {
             c.check_alive()?;
         }
-        if Instant::now() > deadline {
+        let stuck = still.observe(n, Instant::now());
+        if stuck.is_some() || Instant::now() > deadline {
             let logs: Vec<String> = children.iter().map(|c| c.log_tail()).collect();
+            let why = stuck.map_or_else(
+                || format!("{timeout:?} passed"),
+                |s| format!("no progress for {:.0} s", s.as_secs_f64()),
+            );
             bail!(
-                "{label}: {n} of {target} after {timeout:?}; logs:\n{}",
+                "{label}: {n} of {target}, {why}; logs:\n{}",
                 logs.join("\n---\n")
             );
         }
@@ -264,7 +412,7 @@ async fn wait_for(
 
 /// Writers as fast as they can for `--seconds` while the relay and consumer run: settlements
 /// per second over the run after a warm-up fifth, and orders written per second.
-async fn sustained(c: &Ctx<'_>, dbs: &SystemDbs) -> anyhow::Result<(f64, f64)> {
+async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<(f64, f64)> {
     let (secs, pad, progress) = (c.secs, c.pad, &*c.progress);
     let (pool, how) = (dbs.orders.clone(), OrderWrite::Outbox(c.outbox.clone()));
     let written = Arc::new(AtomicU64::new(0));
@@ -299,19 +447,22 @@ async fn sustained(c: &Ctx<'_>, dbs: &SystemDbs) -> anyhow::Result<(f64, f64)> {
 /// Commit → settlement latency under open-loop arrivals at each load of the sustained rate.
 async fn latency(
     c: &mut Ctx<'_>,
-    dbs: &SystemDbs,
-    relay: &mut Child,
-    settlement: &mut Child,
+    dbs: &SystemDbs<'_>,
+    running: &mut Running,
     sustained: f64,
 ) -> anyhow::Result<()> {
-    c.phase(Phase::Latency);
     for (pct, rate) in plan::open_loop_rates(sustained) {
         c.progress.note(&format!(
             "{pct} %: {rate:.0} orders/s for {:.0} s",
             c.args.seconds
         ));
-        relay.check_alive()?;
-        settlement.check_alive()?;
+        for child in running
+            .relay
+            .iter_mut()
+            .chain(running.settlement.iter_mut())
+        {
+            child.check_alive()?;
+        }
         let prefix = format!("l{pct}-");
         let run = latency::open_loop(
             &dbs.orders,

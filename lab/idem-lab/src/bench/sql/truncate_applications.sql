@@ -1,0 +1,2 @@
+-- The same for the application rows, when the reference schema has the table.
+TRUNCATE settlement_applications
