@@ -24,10 +24,10 @@ const GROUP: &str = "settlement";
 struct NoSource;
 
 impl Source for NoSource {
-    async fn next_batch(&mut self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
+    async fn next_batch(&self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
         std::future::pending().await
     }
-    async fn commit(&mut self, _done: &[(String, i32, i64)]) -> Result<()> {
+    async fn commit(&self, _done: &[(String, i32, i64)]) -> Result<()> {
         Ok(())
     }
 }
