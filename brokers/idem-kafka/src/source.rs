@@ -141,7 +141,8 @@ struct Revocations {
 impl Revocations {
     fn revoke(&mut self, topic: &str, partition: i32) {
         self.epoch += 1;
-        self.log.push_back((self.epoch, topic.to_owned(), partition));
+        self.log
+            .push_back((self.epoch, topic.to_owned(), partition));
         if self.log.len() > REMEMBERED_REVOCATIONS {
             self.log.pop_front();
         }
@@ -154,7 +155,10 @@ impl Revocations {
         if epoch >= self.epoch {
             return false;
         }
-        let forgotten = self.log.front().is_none_or(|(first, _, _)| *first > epoch + 1);
+        let forgotten = self
+            .log
+            .front()
+            .is_none_or(|(first, _, _)| *first > epoch + 1);
         forgotten
             || self
                 .log
@@ -219,7 +223,11 @@ impl ConsumerContext for RebalanceContext {
         }
     }
 
-    fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, _offsets: &TopicPartitionList) {
+    fn commit_callback(
+        &self,
+        result: rdkafka::error::KafkaResult<()>,
+        _offsets: &TopicPartitionList,
+    ) {
         if let Err(e) = result
             && !nothing_to_commit(&e)
         {
@@ -510,6 +518,45 @@ mod tests {
         let cfg =
             consumer_config("b:1", "g", &[("auto.offset.reset".into(), "latest".into())]).unwrap();
         assert_eq!(cfg.get("auto.offset.reset"), Some("latest"));
+    }
+
+    /// Peak memory of a draining consumer is mostly librdkafka's prefetch: each of its limits
+    /// is set, well below librdkafka's defaults (64 MiB, 100 000 records, 50 MiB per fetch).
+    #[test]
+    fn the_prefetch_is_bounded() {
+        let cfg = consumer_config("b:1", "g", &[]).unwrap();
+        let value = |k: &str| -> u64 { cfg.get(k).unwrap_or_default().parse().unwrap_or(u64::MAX) };
+        for k in PREFETCH_LIMITS {
+            assert!(cfg.get(k).is_some(), "{k} is not set");
+        }
+        assert!(value("queued.max.messages.kbytes") <= 16 * 1024);
+        assert!(value("queued.min.messages") <= 20_000);
+        assert!(value("fetch.max.bytes") <= 8 * 1024 * 1024);
+        // librdkafka accepts the combination (fetch.max.bytes ≥ message.max.bytes, and so on).
+        let created: std::result::Result<rdkafka::consumer::BaseConsumer, _> = cfg.create();
+        assert!(created.is_ok(), "{:?}", created.err());
+    }
+
+    #[test]
+    fn a_revocation_is_seen_by_the_batches_fetched_before_it_only() {
+        let mut r = Revocations::default();
+        assert!(!r.revoked_since("t", 0, 0));
+        r.revoke("t", 0);
+        assert!(r.revoked_since("t", 0, 0), "fetched before the revocation");
+        assert!(!r.revoked_since("t", 0, 1), "fetched after it");
+        assert!(!r.revoked_since("t", 1, 0), "another partition");
+        assert!(!r.revoked_since("u", 0, 0), "another topic");
+        r.revoke("t", 1);
+        assert!(r.revoked_since("t", 0, 0));
+        assert!(!r.revoked_since("t", 0, 1));
+        assert!(r.revoked_since("t", 1, 1));
+        // Past what it remembers, every partition counts as revoked: the records are dropped
+        // and fetched again, never applied after a revocation the log forgot.
+        for _ in 0..REMEMBERED_REVOCATIONS {
+            r.revoke("x", 9);
+        }
+        assert!(r.revoked_since("t", 0, 1));
+        assert!(!r.revoked_since("t", 0, r.epoch));
     }
 
     #[test]
