@@ -28,7 +28,9 @@ struct ScriptState {
     revoke_after_next: Vec<i32>,
     /// Revocations: (epoch, partition).
     revoked: Vec<(u64, i32)>,
-    epoch: u64,
+    /// Revocations so far.
+    revocations: u64,
+    /// The revocation count when the last batch was handed out.
     batch_epoch: u64,
     commits: Vec<Positions>,
     fetches: u32,
@@ -50,8 +52,8 @@ impl Script {
     }
     fn revoke(&self, partition: i32) {
         let mut s = self.state.lock().unwrap();
-        s.epoch += 1;
-        let epoch = s.epoch;
+        s.revocations += 1;
+        let epoch = s.revocations;
         s.revoked.push((epoch, partition));
     }
     fn commits(&self) -> Vec<Positions> {
@@ -75,11 +77,11 @@ impl Source for Script {
             let mut s = self.state.lock().unwrap();
             s.fetches += 1;
             let batch = (!s.batches.is_empty()).then(|| s.batches.remove(0));
-            s.batch_epoch = s.epoch;
+            s.batch_epoch = s.revocations;
             if batch.is_some() {
                 for p in std::mem::take(&mut s.revoke_after_next) {
-                    s.epoch += 1;
-                    let epoch = s.epoch;
+                    s.revocations += 1;
+                    let epoch = s.revocations;
                     s.revoked.push((epoch, p));
                 }
             }
