@@ -3,16 +3,24 @@
 //! # Delivery semantics
 //!
 //! At least once. [`consumer_config`] forces `enable.auto.commit=false` and
-//! `enable.auto.offset.store=false`: an offset is stored and committed only by
-//! [`Source::commit`], which the consumer runtime calls after its database transaction
-//! committed. A crash before that redelivers the batch. `auto.offset.reset` defaults to
-//! `earliest`, so a new group starts from the beginning rather than skipping what is there.
+//! `enable.auto.offset.store=false`: an offset is stored only by [`Source::commit`], which the
+//! consumer runtime calls after the database transaction of those records committed, and then
+//! committed **asynchronously** (`commit_consumer_state(Async)`: the next batch does not wait
+//! for the broker's answer). What was stored is committed synchronously before a partition is
+//! revoked and when the runtime stops ([`Source::close`]); dropping the source leaves the group,
+//! which revokes, so a crashed member's stored offsets are committed too. A crash before the
+//! offsets are committed redelivers the batch, which the inbox absorbs. `auto.offset.reset`
+//! defaults to `earliest`, so a new group starts from the beginning rather than skipping what
+//! is there.
 //!
 //! On a rebalance, the records of *revoked* partitions collected before the rebalance are
 //! dropped from the batch (nothing of them was processed or committed); the partitions' new
 //! owners — possibly this consumer again — start from the committed offsets. Records received
-//! after the rebalance are kept. A batch that was already being applied finishes and commits before the
-//! consumer polls again, and the revocation commits synchronously what was stored.
+//! after the rebalance are kept. The runtime asks [`Source::revoked_since`] before each attempt
+//! of a partition's records, so a batch fetched ahead is not applied after its partition was
+//! revoked; an attempt already running when the revocation arrives finishes (its offsets are
+//! then refused, as the partition is no longer assigned, and the new owner's redelivery is
+//! absorbed by the inbox).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,6 +63,18 @@ pub const DEFAULT_CONSUMER_SETTINGS: &[(&str, &str)] = &[
     // records) put a consumer draining a backlog at 98 MiB resident; a batch is a few hundred
     // records, so 16 MiB still keeps the runtime fed.
     ("queued.max.messages.kbytes", "16384"),
+    // The same prefetch counted in records (librdkafka: 100 000), a few seconds of a drain.
+    ("queued.min.messages", "20000"),
+    // One fetch response may overshoot the queue limit by this much (librdkafka: 50 MiB).
+    ("fetch.max.bytes", "8388608"),
+];
+
+/// The defaults that bound a consumer's memory (the prefetch), checked by a test like the
+/// forced settings.
+pub const PREFETCH_LIMITS: &[&str] = &[
+    "queued.max.messages.kbytes",
+    "queued.min.messages",
+    "fetch.max.bytes",
 ];
 
 /// Settings of the classic group protocol only: with `group.protocol=consumer` (KIP-848) the
@@ -104,35 +124,93 @@ pub fn consumer_config(
     Ok(cfg)
 }
 
-/// Records revoked partitions, and commits stored offsets synchronously before partitions are
-/// revoked.
+/// How many revocations [`Revocations`] remembers; a batch older than that is treated as
+/// revoked entirely (dropped, and fetched again by the partitions' owners).
+const REMEMBERED_REVOCATIONS: usize = 4096;
+
+/// The partitions revoked from this member, each with the epoch of its revocation (epochs
+/// count revoked partitions from 1).
+#[derive(Default)]
+struct Revocations {
+    /// The latest epoch.
+    epoch: u64,
+    /// The most recent revocations, oldest first.
+    log: std::collections::VecDeque<(u64, String, i32)>,
+}
+
+impl Revocations {
+    fn revoke(&mut self, topic: &str, partition: i32) {
+        self.epoch += 1;
+        self.log
+            .push_back((self.epoch, topic.to_owned(), partition));
+        if self.log.len() > REMEMBERED_REVOCATIONS {
+            self.log.pop_front();
+        }
+    }
+
+    /// Whether `partition` of `topic` was revoked after `epoch`. True also when the log no
+    /// longer reaches back to `epoch`: dropping records is safe (they are delivered again),
+    /// applying those of a revoked partition is not what the runtime promises.
+    fn revoked_since(&self, topic: &str, partition: i32, epoch: u64) -> bool {
+        if epoch >= self.epoch {
+            return false;
+        }
+        let forgotten = self
+            .log
+            .front()
+            .is_none_or(|(first, _, _)| *first > epoch + 1);
+        forgotten
+            || self
+                .log
+                .iter()
+                .rev()
+                .take_while(|(e, _, _)| *e > epoch)
+                .any(|(_, t, p)| t == topic && *p == partition)
+    }
+}
+
+/// Records revoked partitions, commits stored offsets synchronously before partitions are
+/// revoked, and logs failed asynchronous commits.
 #[derive(Default)]
 pub struct RebalanceContext {
-    revocations: AtomicU64,
-    revoked: std::sync::Mutex<Vec<(String, i32)>>,
+    revoked: std::sync::Mutex<Revocations>,
+    /// Asynchronous offset commits the broker refused or never answered.
+    commit_failures: AtomicU64,
+}
+
+impl RebalanceContext {
+    fn revocations(&self) -> std::sync::MutexGuard<'_, Revocations> {
+        self.revoked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn epoch(&self) -> u64 {
+        self.revocations().epoch
+    }
 }
 
 impl ClientContext for RebalanceContext {}
 
+/// Whether a commit error only says there was nothing stored to commit.
+fn nothing_to_commit(e: &KafkaError) -> bool {
+    matches!(
+        e,
+        KafkaError::ConsumerCommit(rdkafka::error::RDKafkaErrorCode::NoOffset)
+    )
+}
+
 impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
-            self.revoked
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend(
-                    tpl.elements()
-                        .iter()
-                        .map(|e| (e.topic().to_owned(), e.partition())),
-                );
-            self.revocations.fetch_add(1, Ordering::SeqCst);
+            {
+                let mut revoked = self.revocations();
+                for e in tpl.elements() {
+                    revoked.revoke(e.topic(), e.partition());
+                }
+            }
             tracing::info!(partitions = tpl.count(), "partitions revoked");
             // Everything stored was committed in the database first.
             if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync)
-                && !matches!(
-                    e,
-                    KafkaError::ConsumerCommit(rdkafka::error::RDKafkaErrorCode::NoOffset)
-                )
+                && !nothing_to_commit(&e)
             {
                 tracing::warn!(error = %e, "committing stored offsets before a revocation");
             }
@@ -144,12 +222,27 @@ impl ConsumerContext for RebalanceContext {
             tracing::info!(partitions = tpl.count(), "partitions assigned");
         }
     }
+
+    fn commit_callback(
+        &self,
+        result: rdkafka::error::KafkaResult<()>,
+        _offsets: &TopicPartitionList,
+    ) {
+        if let Err(e) = result
+            && !nothing_to_commit(&e)
+        {
+            self.commit_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "an offset commit failed; the next commit (or the revocation's) carries the stored offsets again");
+        }
+    }
 }
 
 /// A Kafka consumer group member feeding the consumer runtime.
 pub struct KafkaSource {
     consumer: Arc<StreamConsumer<RebalanceContext>>,
     transient_errors: Arc<AtomicU64>,
+    /// The revocation epoch the last batch is current at ([`Source::epoch`]).
+    batch_epoch: AtomicU64,
 }
 
 impl KafkaSource {
@@ -165,6 +258,7 @@ impl KafkaSource {
         Ok(KafkaSource {
             consumer: Arc::new(consumer),
             transient_errors: Arc::default(),
+            batch_epoch: AtomicU64::new(0),
         })
     }
 
@@ -248,25 +342,29 @@ impl KafkaSource {
     /// next owner — possibly this consumer again — from the committed offset, so they are
     /// delivered again rather than lost.
     fn drop_revoked(&self, batch: &mut Vec<Delivery>, seen: &mut u64) {
-        let ctx = self.consumer.context();
-        let now = ctx.revocations.load(Ordering::SeqCst);
-        if now == *seen {
+        let revoked = self.consumer.context().revocations();
+        if revoked.epoch == *seen {
             return;
         }
-        *seen = now;
-        let revoked = std::mem::take(&mut *ctx.revoked.lock().unwrap_or_else(|p| p.into_inner()));
         let before = batch.len();
-        batch.retain(|d| {
-            !revoked
-                .iter()
-                .any(|(t, p)| *t == d.topic && *p == d.partition)
-        });
+        batch.retain(|d| !revoked.revoked_since(&d.topic, d.partition, *seen));
+        *seen = revoked.epoch;
+        drop(revoked);
         if before != batch.len() {
             tracing::info!(
                 dropped = before - batch.len(),
                 "records of revoked partitions dropped from the batch"
             );
         }
+    }
+
+    /// Asynchronous offset commits that failed since this source was created (each is carried
+    /// again by the next commit, the revocation's or [`Source::close`]'s).
+    pub fn commit_failures(&self) -> u64 {
+        self.consumer
+            .context()
+            .commit_failures
+            .load(Ordering::Relaxed)
     }
 
     /// The next record. librdkafka reports transient trouble (a broker down, a connection
@@ -316,10 +414,10 @@ fn is_fatal(e: &KafkaError) -> bool {
 }
 
 impl Source for KafkaSource {
-    async fn next_batch(&mut self, max: usize, linger: Duration) -> Result<Vec<Delivery>> {
-        let mut seen = self.consumer.context().revocations.load(Ordering::SeqCst);
+    async fn next_batch(&self, max: usize, linger: Duration) -> Result<Vec<Delivery>> {
+        let mut seen = self.consumer.context().epoch();
         let first = self.next_record().await?;
-        let mut batch: Vec<Delivery> = vec![];
+        let mut batch: Vec<Delivery> = Vec::with_capacity(max.min(4096));
         self.drop_revoked(&mut batch, &mut seen);
         batch.push(to_delivery(&first));
         drop(first);
@@ -340,10 +438,14 @@ impl Source for KafkaSource {
             }
         }
         self.drop_revoked(&mut batch, &mut seen);
+        self.batch_epoch.store(seen, Ordering::SeqCst);
         Ok(batch)
     }
 
-    async fn commit(&mut self, done: &[(String, i32, i64)]) -> Result<()> {
+    /// Stores the offsets, then commits them asynchronously: the runtime goes on without
+    /// waiting for the broker. A failed commit is logged ([`KafkaSource::commit_failures`]);
+    /// the stored offsets go with the next commit.
+    async fn commit(&self, done: &[(String, i32, i64)]) -> Result<()> {
         let mut tpl = TopicPartitionList::new();
         for (topic, partition, offset) in done {
             tpl.add_partition_offset(topic, *partition, Offset::Offset(offset + 1))
@@ -352,11 +454,36 @@ impl Source for KafkaSource {
         self.consumer
             .store_offsets(&tpl)
             .map_err(|e| Error::broker("storing offsets", e))?;
+        match self.consumer.commit_consumer_state(CommitMode::Async) {
+            Err(e) if !nothing_to_commit(&e) => Err(Error::broker("committing offsets", e)),
+            _ => Ok(()),
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.batch_epoch.load(Ordering::SeqCst)
+    }
+
+    fn revoked_since(&self, topic: &str, partition: i32, epoch: u64) -> bool {
+        self.consumer
+            .context()
+            .revocations()
+            .revoked_since(topic, partition, epoch)
+    }
+
+    /// Commits the stored offsets synchronously (nothing stored is not an error).
+    async fn close(&self) -> Result<()> {
         let consumer = self.consumer.clone();
-        tokio::task::spawn_blocking(move || consumer.commit(&tpl, CommitMode::Sync))
+        tokio::task::spawn_blocking(move || consumer.commit_consumer_state(CommitMode::Sync))
             .await
-            .map_err(|e| Error::broker("committing offsets", e))?
-            .map_err(|e| Error::broker("committing offsets", e))
+            .map_err(|e| Error::broker("committing offsets at shutdown", e))?
+            .or_else(|e| {
+                if nothing_to_commit(&e) {
+                    Ok(())
+                } else {
+                    Err(Error::broker("committing offsets at shutdown", e))
+                }
+            })
     }
 
     fn lag_probe(&self) -> Option<LagProbe> {
@@ -391,6 +518,45 @@ mod tests {
         let cfg =
             consumer_config("b:1", "g", &[("auto.offset.reset".into(), "latest".into())]).unwrap();
         assert_eq!(cfg.get("auto.offset.reset"), Some("latest"));
+    }
+
+    /// Peak memory of a draining consumer is mostly librdkafka's prefetch: each of its limits
+    /// is set, well below librdkafka's defaults (64 MiB, 100 000 records, 50 MiB per fetch).
+    #[test]
+    fn the_prefetch_is_bounded() {
+        let cfg = consumer_config("b:1", "g", &[]).unwrap();
+        let value = |k: &str| -> u64 { cfg.get(k).unwrap_or_default().parse().unwrap_or(u64::MAX) };
+        for k in PREFETCH_LIMITS {
+            assert!(cfg.get(k).is_some(), "{k} is not set");
+        }
+        assert!(value("queued.max.messages.kbytes") <= 16 * 1024);
+        assert!(value("queued.min.messages") <= 20_000);
+        assert!(value("fetch.max.bytes") <= 8 * 1024 * 1024);
+        // librdkafka accepts the combination (fetch.max.bytes ≥ message.max.bytes, and so on).
+        let created: std::result::Result<rdkafka::consumer::BaseConsumer, _> = cfg.create();
+        assert!(created.is_ok(), "{:?}", created.err());
+    }
+
+    #[test]
+    fn a_revocation_is_seen_by_the_batches_fetched_before_it_only() {
+        let mut r = Revocations::default();
+        assert!(!r.revoked_since("t", 0, 0));
+        r.revoke("t", 0);
+        assert!(r.revoked_since("t", 0, 0), "fetched before the revocation");
+        assert!(!r.revoked_since("t", 0, 1), "fetched after it");
+        assert!(!r.revoked_since("t", 1, 0), "another partition");
+        assert!(!r.revoked_since("u", 0, 0), "another topic");
+        r.revoke("t", 1);
+        assert!(r.revoked_since("t", 0, 0));
+        assert!(!r.revoked_since("t", 0, 1));
+        assert!(r.revoked_since("t", 1, 1));
+        // Past what it remembers, every partition counts as revoked: the records are dropped
+        // and fetched again, never applied after a revocation the log forgot.
+        for _ in 0..REMEMBERED_REVOCATIONS {
+            r.revoke("x", 9);
+        }
+        assert!(r.revoked_since("t", 0, 1));
+        assert!(!r.revoked_since("t", 0, r.epoch));
     }
 
     #[test]

@@ -34,7 +34,7 @@ async fn a_broker_outage_is_waited_out_and_the_next_record_is_returned() {
             .all(Result::is_ok)
     );
     let config = consumer_config(&brokers, "source-test", &[]).unwrap();
-    let mut source = KafkaSource::new(&config, &["orders".to_owned()]).unwrap();
+    let source = KafkaSource::new(&config, &["orders".to_owned()]).unwrap();
     let first = tokio::time::timeout(
         Duration::from_secs(30),
         source.next_batch(10, Duration::from_millis(20)),

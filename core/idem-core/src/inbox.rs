@@ -323,19 +323,47 @@ pub trait InboxStore: Send + Sync + 'static {
 pub type LagProbe = std::sync::Arc<dyn Fn() -> Vec<(String, i64)> + Send + Sync>;
 
 /// Where records come from (a Kafka consumer group, in production).
-pub trait Source: Send {
+///
+/// The consumer runtime fetches the next batch while it applies the current one, and applies
+/// the records of different partitions concurrently, so every method takes `&self`: a fetch may
+/// be in flight while [`Source::commit`] stores a finished partition's position.
+pub trait Source: Send + Sync {
     /// The next batch: waits for a first record, then collects up to `max` records for at most
     /// `linger`. Records of a partition are in offset order. May return an empty batch (for
-    /// example when a rebalance invalidated what was collected).
+    /// example when a rebalance invalidated what was collected). The runtime never runs two of
+    /// these at once.
     fn next_batch(
-        &mut self,
+        &self,
         max: usize,
         linger: std::time::Duration,
     ) -> impl Future<Output = Result<Vec<Delivery>>> + Send;
 
-    /// Marks every record up to and including these (topic, partition, offset) as done and
-    /// commits that position. Called only after the database commit.
-    fn commit(&mut self, done: &[(String, i32, i64)]) -> impl Future<Output = Result<()>> + Send;
+    /// Marks every record up to and including these (topic, partition, offset) as done (stores
+    /// the positions) and has them committed. Called only after the database commit of those
+    /// records. A source may commit asynchronously: once this returns, the positions are
+    /// stored, and are committed at the latest by [`Source::close`] or before their partition
+    /// is revoked.
+    fn commit(&self, done: &[(String, i32, i64)]) -> impl Future<Output = Result<()>> + Send;
+
+    /// The revocation epoch the last batch returned by [`Source::next_batch`] is current at:
+    /// pass it to [`Source::revoked_since`]. Default: 0 (a source without rebalances).
+    fn epoch(&self) -> u64 {
+        0
+    }
+
+    /// Whether `partition` of `topic` was revoked from this member after `epoch`
+    /// ([`Source::epoch`]): its records fetched before must not be applied any more (their
+    /// next owner starts from the committed position). Default: never.
+    fn revoked_since(&self, topic: &str, partition: i32, epoch: u64) -> bool {
+        let _ = (topic, partition, epoch);
+        false
+    }
+
+    /// Commits what [`Source::commit`] stored and not yet committed, waiting for the answer;
+    /// called once when the runtime stops. Default: nothing to do.
+    fn close(&self) -> impl Future<Output = Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
 
     /// A probe of this member's consumer lag, if the source can measure it. Default: none.
     fn lag_probe(&self) -> Option<LagProbe> {

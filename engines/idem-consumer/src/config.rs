@@ -23,12 +23,19 @@ pub struct ConsumerConfig {
     pub retry_backoff_max: Duration,
     /// How often `idem_consumer_lag` is measured (when the source can measure it).
     pub lag_interval: Duration,
+    /// How many partitions are applied at once, each in its own transaction on its own
+    /// connection (at least 1). A fetch collects up to `batch_size` × this many records; the
+    /// records of one partition are always applied in offset order, one transaction after
+    /// another. Each partition in flight holds a database connection: keep this at or below
+    /// the pool's size.
+    pub partition_concurrency: usize,
 }
 
 impl ConsumerConfig {
     /// Defaults for `group`: batches of 200, 5 ms linger, retries from 100 ms doubling to at
     /// most 30 s (a transiently failing event is retried every 30 s until it applies; the
-    /// database unreachable for 20 attempts, about eight minutes, ends the run).
+    /// database unreachable for 20 attempts, about eight minutes, ends the run), up to 4
+    /// partitions applied at once.
     pub fn new(group: impl Into<String>) -> Self {
         ConsumerConfig {
             group: group.into(),
@@ -38,6 +45,7 @@ impl ConsumerConfig {
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(30),
             lag_interval: Duration::from_secs(5),
+            partition_concurrency: 4,
         }
     }
 }

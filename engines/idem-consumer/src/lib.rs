@@ -5,6 +5,7 @@ mod batch;
 mod config;
 mod dead_letter;
 mod handler;
+mod lanes;
 mod metrics;
 pub mod replay;
 mod retry;
@@ -196,26 +197,65 @@ where
     }
 
     /// Runs until `shutdown` resolves. A batch being applied is finished (committed, offsets
-    /// committed) first; a batch backing off after a transient failure is abandoned, uncommitted
-    /// (a new consumer gets it again from the committed offset). Returns early with an error for a crash point fired in error mode,
-    /// when a batch cannot be committed after `max_batch_retries`, or when the source reports a
-    /// fatal error ([`Error::is_fatal`]: its client can never fetch again); the consumer is
-    /// consumed, so it cannot skip that batch by running on: a new consumer resumes from the
-    /// committed offset.
-    pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<()> {
+    /// stored) first; a batch backing off after a transient failure is abandoned, uncommitted
+    /// (a new consumer gets it again from the committed offset). The next batch is fetched
+    /// while the current one is applied, and the partitions of a batch are applied
+    /// concurrently ([`ConsumerConfig::partition_concurrency`]), each partition's records in
+    /// offset order. Returns early with an error for a crash point fired in error mode, when a
+    /// batch cannot be committed after `max_batch_retries`, or when the source reports a fatal
+    /// error ([`Error::is_fatal`]: its client can never fetch again); the consumer is consumed,
+    /// so it cannot skip that batch by running on: a new consumer resumes from the committed
+    /// offset. However the run ends, the offsets stored for committed batches are committed
+    /// ([`Source::close`]) before it returns.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
         let _lag = self.spawn_lag_gauge();
+        let result = self.drive(shutdown).await;
+        if let Err(e) = self.source.close().await {
+            tracing::warn!(error = %e, "committing the stored offsets at the end of the run failed; the last batches may be delivered again and skipped");
+        }
+        result
+    }
+
+    /// The fetch/apply loop of [`Consumer::run`]: one fetch is always in flight beside the
+    /// batch being applied, and its result waits until that batch is done.
+    async fn drive<F: Future<Output = ()>>(&self, shutdown: std::pin::Pin<&mut F>) -> Result<()> {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let mut stop = Latch {
+            fut: shutdown,
+            tx,
+            fired: false,
+        };
+        let max = lanes::fetch_size(self.config.batch_size, self.config.partition_concurrency);
+        let fetch = || self.source.next_batch(max, self.config.linger);
+        let mut fetching = Box::pin(fetch());
+        let mut ready: Option<(Result<Vec<Delivery>>, u64)> = None;
         let mut backoff = Duration::from_millis(100);
         loop {
-            let batch = tokio::select! {
-                biased;
-                () = &mut shutdown => return Ok(()),
-                b = self.source.next_batch(self.config.batch_size, self.config.linger) => b,
+            let (fetched, epoch) = match ready.take() {
+                Some(f) => f,
+                None => tokio::select! {
+                    biased;
+                    () = &mut stop => return Ok(()),
+                    f = &mut fetching => (f, self.source.epoch()),
+                },
             };
-            match batch {
+            fetching.set(fetch());
+            match fetched {
                 Ok(records) if records.is_empty() => {}
-                Ok(records) => {
-                    if self.process_until(&records, &mut shutdown).await?.is_none() {
+                Ok(mut records) => {
+                    lanes::sort_by_partition(&mut records);
+                    let work = self.process_set(&records, epoch, &mut stop, &rx);
+                    tokio::pin!(work);
+                    let outcome = loop {
+                        tokio::select! {
+                            r = &mut work => break r,
+                            f = &mut fetching, if ready.is_none() => {
+                                ready = Some((f, self.source.epoch()));
+                            }
+                        }
+                    };
+                    if outcome?.is_none() {
                         return Ok(()); // stopped while a failing batch backed off
                     }
                     backoff = Duration::from_millis(100);
@@ -227,7 +267,11 @@ where
                 Err(e) if e.is_fatal() => return Err(e),
                 Err(e) => {
                     tracing::warn!(error = %e, "fetching records failed; retrying");
-                    tokio::time::sleep(backoff).await;
+                    tokio::select! {
+                        biased;
+                        () = &mut stop => return Ok(()),
+                        () = tokio::time::sleep(backoff) => {}
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
@@ -268,6 +312,11 @@ where
 
     /// Applies one batch and commits its offsets. Public for tests and embedding.
     ///
+    /// The records of each partition are applied in their own transactions (at most
+    /// `batch_size` records each, in offset order), the partitions concurrently, up to
+    /// [`ConsumerConfig::partition_concurrency`] at a time, and each partition's offsets are
+    /// committed after its transaction. The report adds up all of them.
+    ///
     /// After an error, drop this consumer: its source has read past the batch, whose offset was
     /// not committed, and only a new source resumes from the committed offset.
     ///
@@ -275,37 +324,122 @@ where
     /// only then, or with the error of a database that stayed unreachable for
     /// `max_batch_retries` attempts. [`Consumer::run`] can stop it while it backs off.
     pub async fn process(&mut self, records: &[Delivery]) -> Result<BatchReport> {
+        let mut records = records.to_vec();
+        lanes::sort_by_partition(&mut records);
+        let (_tx, rx) = tokio::sync::watch::channel(false);
         let mut never = std::future::pending::<()>();
+        let epoch = self.source.epoch();
         Ok(self
-            .process_until(records, &mut never)
+            .process_set(&records, epoch, &mut never, &rx)
             .await?
             .unwrap_or_default())
     }
 
-    /// [`Consumer::process`], but `None` when `stop` resolves while the batch backs off after a
-    /// transient failure (nothing of it committed, its offsets neither).
-    async fn process_until<St>(
-        &mut self,
+    /// Applies a fetched set (sorted by partition), lane by lane ([`lanes::lanes`]); `None`
+    /// when `stop` resolved while a lane backed off after a transient failure (nothing of that
+    /// lane's transaction committed, its offsets neither). `stop` tells the lanes through
+    /// `stopped` (the [`Latch`] of [`Consumer::run`] sends on it). Every lane started runs to
+    /// its end; after an error or a stop no further lane starts, and the first error is
+    /// returned.
+    async fn process_set<St>(
+        &self,
         records: &[Delivery],
+        epoch: u64,
         stop: &mut St,
+        stopped: &tokio::sync::watch::Receiver<bool>,
     ) -> Result<Option<BatchReport>>
     where
         St: Future<Output = ()> + Unpin,
     {
+        use futures::StreamExt;
         if records.is_empty() {
             return Ok(Some(BatchReport::default()));
         }
+        let halt = std::sync::atomic::AtomicBool::new(false);
+        // The lanes' futures are made up front (they do nothing until polled), so that no
+        // closure is part of the state held across awaits.
+        let lanes: Vec<_> = lanes::lanes(records, self.config.batch_size)
+            .into_iter()
+            .map(|lane| self.lane(lane, epoch, stopped.clone(), &halt))
+            .collect();
+        let work = futures::stream::iter(lanes)
+            .buffer_unordered(self.config.partition_concurrency.max(1))
+            .collect::<Vec<_>>();
+        tokio::pin!(work);
+        let ends = tokio::select! {
+            ends = &mut work => ends,
+            () = stop => work.await,
+        };
+        let mut report = BatchReport::default();
+        let mut halted = false;
+        for end in ends {
+            match end? {
+                LaneEnd::Done(r) => report.merge(r),
+                LaneEnd::Halted(r) => {
+                    report.merge(r);
+                    halted = true;
+                }
+            }
+        }
+        if halted {
+            return Ok(None);
+        }
+        let topics: std::collections::BTreeSet<&str> =
+            records.iter().map(|r| r.topic.as_str()).collect();
+        self.metrics.clear_stalled(&self.config.group, &topics);
+        Ok(Some(report))
+    }
+
+    /// Applies one lane's transactions in order, committing each one's offsets after its
+    /// database commit. Stops before a transaction when the run stops or another lane failed
+    /// (`halt`), and when the lane's partition was revoked after `epoch`.
+    async fn lane(
+        &self,
+        lane: lanes::Lane<'_>,
+        epoch: u64,
+        mut stopped: tokio::sync::watch::Receiver<bool>,
+        halt: &std::sync::atomic::AtomicBool,
+    ) -> Result<LaneEnd> {
+        use std::sync::atomic::Ordering;
+        let mut report = BatchReport::default();
+        for records in lane.chunks {
+            if halt.load(Ordering::SeqCst) || *stopped.borrow() {
+                return Ok(LaneEnd::Halted(report));
+            }
+            match self.transaction(records, epoch, &mut stopped).await {
+                Ok(Applied::Committed(r)) => report.merge(r),
+                Ok(Applied::Revoked) => return Ok(LaneEnd::Done(report)),
+                Ok(Applied::Stopped) => {
+                    halt.store(true, Ordering::SeqCst);
+                    return Ok(LaneEnd::Halted(report));
+                }
+                Err(e) => {
+                    halt.store(true, Ordering::SeqCst);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(LaneEnd::Done(report))
+    }
+
+    /// One transaction of one partition's `records`, then their offsets.
+    async fn transaction(
+        &self,
+        records: &[Delivery],
+        epoch: u64,
+        stopped: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<Applied> {
         if crash::broken(crash::BREAK_OFFSET_BEFORE_COMMIT) {
             // Negative control: the offsets move on before anything is applied.
             self.source.commit(&last_offsets(records)).await?;
         }
         let decoded: Vec<_> = records.iter().map(decode).collect();
         let batch = Batch::new(records, &decoded);
-        let Some((results, retries)) = self.apply(records, &batch, stop).await? else {
-            return Ok(None);
+        let (results, retries) = match self.apply(records, &batch, epoch, stopped).await? {
+            Applying::Committed(results, retries) => (results, retries),
+            Applying::Stopped => return Ok(Applied::Stopped),
+            Applying::Revoked => return Ok(Applied::Revoked),
         };
-        self.metrics
-            .clear_stalled(&self.config.group, &batch.topics);
         let mut report = self.account(&batch, &results, &retries);
         report.records = records.len();
 
@@ -321,23 +455,33 @@ where
             self.metrics.offset_commit_failures.inc();
             tracing::warn!(error = %e, "committing offsets failed; the batch may be delivered again and skipped");
         }
-        Ok(Some(report))
+        Ok(Applied::Committed(report))
     }
 
     /// Attempts the batch until an attempt commits: the inbox's verdicts and the retry state
-    /// (refused events, retries), or `None` when `stop` resolved while it backed off.
-    async fn apply<St>(
+    /// (refused events, retries); or stopped, when `stopped` said so while it backed off; or
+    /// revoked, when its partition was revoked after `epoch` (checked before every attempt:
+    /// the partition's next owner applies these records).
+    async fn apply<'b>(
         &self,
         records: &[Delivery],
-        batch: &Batch<'_>,
-        stop: &mut St,
-    ) -> Result<Option<(Vec<idem_core::Dedup>, Retries)>>
-    where
-        St: Future<Output = ()> + Unpin,
-    {
+        batch: &Batch<'b>,
+        epoch: u64,
+        stopped: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<Applying> {
         let mut retries = Retries::new(self.config.max_batch_retries, broken_transient_budget);
         let mut backoff = self.config.retry_backoff;
         loop {
+            if records
+                .first()
+                .is_some_and(|r| self.source.revoked_since(&r.topic, r.partition, epoch))
+            {
+                tracing::info!(
+                    records = records.len(),
+                    "the partition was revoked; its records are left to its next owner"
+                );
+                return Ok(Applying::Revoked);
+            }
             let cx = AttemptCx {
                 batch,
                 poison: &retries.poison,
@@ -349,7 +493,7 @@ where
                         tracing::warn!(event_id = %id, %reason, "dead-lettered an event the handler refused");
                     }
                     retries.refused(done.refused);
-                    return Ok(Some((done.results, retries)));
+                    return Ok(Applying::Committed(done.results, retries));
                 }
                 Err(failure) => failure,
             };
@@ -376,11 +520,11 @@ where
                 }
                 Step::BackOff { error, event } => {
                     tracing::warn!(error = %error, event_id = ?event, retries = retries.retries, "consumer transaction failed; retrying");
-                    if !self.back_off(&mut backoff, stop).await {
+                    if !self.back_off(&mut backoff, stopped).await {
                         tracing::info!(
                             "stopping while the batch backs off; its offset is not committed"
                         );
-                        return Ok(None);
+                        return Ok(Applying::Stopped);
                     }
                 }
             }
@@ -464,19 +608,89 @@ where
             .set_stalled(&self.config.group, &batch.topics, now.max(1));
     }
 
-    /// Sleeps `backoff` and doubles it (up to `retry_backoff_max`); false when `stop` resolved
-    /// first.
-    async fn back_off<St>(&self, backoff: &mut Duration, stop: &mut St) -> bool
-    where
-        St: Future<Output = ()> + Unpin,
-    {
+    /// Sleeps `backoff` and doubles it (up to `retry_backoff_max`); false when the run was told
+    /// to stop (`stopped`) first.
+    async fn back_off(
+        &self,
+        backoff: &mut Duration,
+        stopped: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> bool {
         let wait = *backoff;
         *backoff = (*backoff * 2).min(self.config.retry_backoff_max);
         tokio::select! {
             biased;
-            () = stop => false,
+            _ = stopped.wait_for(|s| *s) => false,
             () = tokio::time::sleep(wait) => true,
         }
+    }
+}
+
+/// How one transaction of a lane ended.
+enum Applied {
+    /// Committed, offsets stored: what it did.
+    Committed(BatchReport),
+    /// Its partition was revoked before it committed: nothing applied.
+    Revoked,
+    /// The run stopped while it backed off: nothing applied.
+    Stopped,
+}
+
+/// How the attempts of one transaction ended ([`Consumer::apply`]).
+enum Applying {
+    /// An attempt committed: the inbox's verdicts and the retry state.
+    Committed(Vec<idem_core::Dedup>, Retries),
+    /// The partition was revoked: not applied.
+    Revoked,
+    /// Stopped while backing off: not applied.
+    Stopped,
+}
+
+/// How a lane ended: all its transactions done (or left to the partition's next owner), or
+/// halted by a stop (its later transactions not applied), with what it committed.
+enum LaneEnd {
+    Done(BatchReport),
+    Halted(BatchReport),
+}
+
+/// The run's shutdown future, polled only until it resolves (a resolved future must not be
+/// polled again) and then ready for good; on resolving it tells the lanes (`tx`).
+struct Latch<'f, F> {
+    fut: std::pin::Pin<&'f mut F>,
+    tx: tokio::sync::watch::Sender<bool>,
+    fired: bool,
+}
+
+impl<F: Future<Output = ()>> Future for Latch<'_, F> {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.fired {
+            return std::task::Poll::Ready(());
+        }
+        match self.fut.as_mut().poll(cx) {
+            std::task::Poll::Ready(()) => {
+                self.fired = true;
+                let _ = self.tx.send(true);
+                std::task::Poll::Ready(())
+            }
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+}
+
+impl BatchReport {
+    /// Adds `other` (another transaction of the same fetched set).
+    fn merge(&mut self, other: BatchReport) {
+        self.records += other.records;
+        self.processed += other.processed;
+        self.duplicate_deliveries += other.duplicate_deliveries;
+        self.duplicate_skips += other.duplicate_skips;
+        self.conflicts += other.conflicts;
+        self.dead_lettered += other.dead_lettered;
+        self.retries += other.retries;
     }
 }
 

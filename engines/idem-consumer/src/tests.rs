@@ -23,7 +23,7 @@ struct ScriptedSource {
 }
 
 impl Source for ScriptedSource {
-    async fn next_batch(&mut self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
+    async fn next_batch(&self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
         if let Some(e) = self.fetch_errors.lock().unwrap().pop() {
             return Err(e);
         }
@@ -33,7 +33,7 @@ impl Source for ScriptedSource {
             None => std::future::pending().await,
         }
     }
-    async fn commit(&mut self, done: &[(String, i32, i64)]) -> Result<()> {
+    async fn commit(&self, done: &[(String, i32, i64)]) -> Result<()> {
         if *self.fail_commits.lock().unwrap() {
             return Err(Error::broker(
                 "committing offsets",

@@ -343,7 +343,7 @@ async fn the_lag_probe_counts_what_the_member_has_not_read_yet() {
     let s = setup().await;
     let msgs: Vec<Message> = (1..=10).map(|n| paid(n).1).collect();
     assert!(s.publisher.publish(&msgs).await.iter().all(Result::is_ok));
-    let mut source = KafkaSource::new(
+    let source = KafkaSource::new(
         &consumer_config(&s.brokers, "lag", &[]).unwrap(),
         &[TOPIC.to_owned()],
     )

@@ -9,10 +9,10 @@ use idem_core::{Delivery, EventId, Result, Source};
 pub struct NoSource;
 
 impl Source for NoSource {
-    async fn next_batch(&mut self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
+    async fn next_batch(&self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
         std::future::pending().await
     }
-    async fn commit(&mut self, _done: &[(String, i32, i64)]) -> Result<()> {
+    async fn commit(&self, _done: &[(String, i32, i64)]) -> Result<()> {
         Ok(())
     }
 }

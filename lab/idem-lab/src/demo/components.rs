@@ -113,6 +113,29 @@ pub fn relays(
     }
 }
 
+/// The demo consumers' Kafka settings on top of idem's defaults. A crashed member's source is
+/// dropped, which leaves the group at once (librdkafka's close sends LeaveGroup), and its
+/// restart joins as a new member. Real Kafka rebalances as soon as the remaining members have
+/// rejoined; librdkafka's mock cluster instead holds every rebalance of a group that is up for
+/// `session.timeout.ms` − 1 s (`rd_kafka_mock_cgrp_classic_rebalance`), whether or not every
+/// member has rejoined: with idem's 10 s that was 9 s of nothing consumed per crash. On the
+/// mock cluster the session is 4 s (a rebalance holds 3 s). It cannot be shorter than the
+/// mock's first join, which waits 3 s (its `group.initial.rebalance.delay.ms`): with 1.5 s no
+/// member ever got an assignment. Static membership would not help there, as the mock keeps a
+/// static member that closed until its session times out.
+pub fn consumer_settings(embedded: bool) -> Vec<(String, String)> {
+    if !embedded {
+        return vec![];
+    }
+    [
+        ("session.timeout.ms", "4000"),
+        ("heartbeat.interval.ms", "500"),
+    ]
+    .iter()
+    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+    .collect()
+}
+
 /// Starts `count` settlement consumers, one group; each restart is a new group member.
 ///
 /// The Kafka group (in `kafka`) is unique to the run (a shared broker may hold other runs'
@@ -189,4 +212,23 @@ pub fn dispatcher(tasks: &mut Tasks, ctl: &Ctl, settlement: &AnyStore, metrics: 
         }
     });
     tasks.push("dispatcher", tokio::spawn(task));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn on_the_mock_cluster_a_rebalance_holds_three_seconds_and_elsewhere_idem_defaults_hold() {
+        assert!(consumer_settings(false).is_empty());
+        let mock = consumer_settings(true);
+        let cfg = idem_kafka::consumer_config("b:1", "g", &mock).unwrap();
+        let ms = |k: &str| -> u64 { cfg.get(k).and_then(|v| v.parse().ok()).unwrap_or(0) };
+        assert_eq!(ms("session.timeout.ms"), 4000);
+        // Longer than the mock's first join (3 s), or no member is ever assigned a partition.
+        assert!(ms("session.timeout.ms") > 3000);
+        assert!(ms("heartbeat.interval.ms") * 3 <= ms("session.timeout.ms"));
+        let created: Result<rdkafka::consumer::BaseConsumer, _> = cfg.create();
+        assert!(created.is_ok(), "{:?}", created.err());
+    }
 }

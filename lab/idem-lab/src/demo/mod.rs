@@ -198,7 +198,11 @@ async fn drive(
         prefix,
         relay_metrics,
     );
-    let kafka = consumer_config(&broker.bootstrap(), &format!("{prefix}settlement"), &[])?;
+    let kafka = consumer_config(
+        &broker.bootstrap(),
+        &format!("{prefix}settlement"),
+        &components::consumer_settings(matches!(broker, Broker::Embedded(_))),
+    )?;
     let consumer_metrics = &metrics.consumer;
     components::consumers(
         &mut tasks,
