@@ -218,27 +218,10 @@ async fn a_batch_the_database_refuses_is_isolated_and_only_its_poison_dead_lette
     );
 }
 
-#[tokio::test]
-async fn a_wrong_outcome_count_is_isolated_and_dead_letters_nothing() {
-    let (b, h, mut c) = setup(Mode::WrongCountOnce).await;
-    let (_, records) = batch(|_| "{}", 3);
-    let r = c.process(&records).await.unwrap();
-    assert_eq!(
-        (r.processed, r.dead_lettered, r.retries),
-        (3, 0, 1),
-        "{r:?}"
-    );
-    assert_eq!(*h.batches.lock().unwrap(), [3, 1, 1, 1]);
-    assert_eq!(
-        b.scalar("SELECT count(*) FROM effects").await,
-        3,
-        "the first call's writes rolled back"
-    );
-}
-
-#[tokio::test]
-async fn a_transient_batch_failure_is_retried_and_applied_once() {
-    let (b, h, mut c) = setup(Mode::TransientOnce).await;
+/// Three plain events under `mode`: one failed call, then one isolated pass applies all three
+/// (the first call's writes rolled back), and a redelivery reaches no handler.
+async fn three_applied_after_one_isolated_pass(mode: Mode) {
+    let (b, h, mut c) = setup(mode).await;
     let (_, records) = batch(|_| "{}", 3);
     let r = c.process(&records).await.unwrap();
     assert_eq!(
@@ -255,4 +238,14 @@ async fn a_transient_batch_failure_is_retried_and_applied_once() {
         4,
         "duplicates reach no handler"
     );
+}
+
+#[tokio::test]
+async fn a_wrong_outcome_count_is_isolated_and_dead_letters_nothing() {
+    three_applied_after_one_isolated_pass(Mode::WrongCountOnce).await;
+}
+
+#[tokio::test]
+async fn a_transient_batch_failure_is_retried_and_applied_once() {
+    three_applied_after_one_isolated_pass(Mode::TransientOnce).await;
 }
