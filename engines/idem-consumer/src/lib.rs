@@ -684,24 +684,13 @@ impl<F: Future<Output = ()>> Future for Latch<'_, F> {
 impl BatchReport {
     /// Adds `other` (another transaction of the same fetched set).
     fn merge(&mut self, other: BatchReport) {
-        let BatchReport {
-            records,
-            processed,
-            duplicate_deliveries,
-            duplicate_skips,
-            conflicts,
-            dead_lettered,
-            retries,
-        } = other;
-        self.records += records;
-        self.retries += retries;
-        self.add(Counts {
-            processed,
-            dead_lettered,
-            conflicts,
-            duplicate_deliveries,
-            duplicate_skips,
-        });
+        self.records += other.records;
+        self.processed += other.processed;
+        self.duplicate_deliveries += other.duplicate_deliveries;
+        self.duplicate_skips += other.duplicate_skips;
+        self.conflicts += other.conflicts;
+        self.dead_lettered += other.dead_lettered;
+        self.retries += other.retries;
     }
 }
 
