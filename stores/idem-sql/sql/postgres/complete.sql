@@ -1,7 +1,11 @@
 -- Marks the rows of claim $2 in one autocommit statement: $1 are published; the rows of
 -- UNNEST($3..$8) are released for a later attempt or parked. Both are fenced by the claim id, so
 -- a relay that lost its lease changes nothing; the counts say how many rows each part changed
--- (the rest were fenced). A row listed in both is only marked published.
+-- (the rest were fenced). A row listed in both is only marked published. The statement's
+-- transaction commits without waiting for the WAL flush (`synchronous_commit = off`, local to it):
+-- a mark lost to a PostgreSQL crash leaves the rows leased until the lease ends, then they are
+-- published again and the consumer's inbox absorbs the copies, as after a relay crash before the
+-- mark. WAL is replayed in order, so a lost mark takes every later claim and mark with it.
 WITH marked AS (
     UPDATE {outbox}
     SET status = 'published', published_at = now(), claim_id = NULL, claimed_by = NULL,
@@ -22,4 +26,5 @@ released AS (
     WHERE u.id = f.id AND u.claim_id = $2 AND NOT (u.id = ANY($1))
     RETURNING u.id
 )
-SELECT (SELECT count(*) FROM marked) AS marked, (SELECT count(*) FROM released) AS released
+SELECT (SELECT count(*) FROM marked) AS marked, (SELECT count(*) FROM released) AS released,
+       set_config('synchronous_commit', 'off', true) AS synchronous_commit
