@@ -39,6 +39,10 @@ pub struct LatencyRun {
     /// Relay's mark → settlement transaction start, p50 and p99 (can be below zero: the
     /// consumer may see the record before the relay's mark begins).
     pub consumer_stage_ms: (f64, f64),
+    /// The order transaction alone (its start → its commit acknowledged, as the writer saw
+    /// it), p50 and p99: the part of the latency that is the business write itself, one durable
+    /// commit at this load, which no relay or consumer design can remove.
+    pub order_tx_ms: (f64, f64),
 }
 
 type Outstanding = Arc<Mutex<HashMap<String, Instant>>>;
@@ -72,6 +76,7 @@ pub async fn open_loop(
         stop.clone(),
     ));
 
+    let order_tx: Arc<Mutex<Vec<f64>>> = Arc::default();
     let slots = Arc::new(Semaphore::new(writers.max(1) as usize));
     let start = Instant::now();
     let interval = Duration::from_secs_f64(1.0 / rate);
@@ -89,8 +94,11 @@ pub async fn open_loop(
         lock(&outstanding).insert(payment, intended);
         let (pool, prefix) = (orders.clone(), prefix.to_owned());
         let how = super::pg::OrderWrite::Outbox(outbox.clone());
+        let order_tx = order_tx.clone();
         writes.spawn(async move {
+            let began = Instant::now();
             let r = super::pg::place_order(&pool, &how, &prefix, n, pad).await;
+            lock(&order_tx).push(began.elapsed().as_secs_f64() * 1000.0);
             drop(permit);
             r
         });
@@ -119,7 +127,9 @@ pub async fn open_loop(
     }
     let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
     let (relay_stage_ms, consumer_stage_ms) = stages(orders, settle, prefix).await?;
+    let order_tx_ms = percentiles(&mut lock(&order_tx));
     Ok(LatencyRun {
+        order_tx_ms,
         relay_stage_ms,
         consumer_stage_ms,
         target_rate: rate,

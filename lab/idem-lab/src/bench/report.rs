@@ -364,6 +364,8 @@ impl Report {
             ("relay_stage_p99_ms", run.relay_stage_ms.1),
             ("consumer_stage_p50_ms", run.consumer_stage_ms.0),
             ("consumer_stage_p99_ms", run.consumer_stage_ms.1),
+            ("order_tx_p50_ms", run.order_tx_ms.0),
+            ("order_tx_p99_ms", run.order_tx_ms.1),
         ] {
             self.figure(&format!("latency_{pct}pct_{suffix}"), value);
         }
@@ -560,7 +562,7 @@ impl Report {
     fn table_latency(&self, out: &mut String) {
         let _ = writeln!(
             out,
-            "  commit → settlement latency, open loop   rate/s      p50      p99    p99.9      max   samples"
+            "  commit → settlement latency, open loop   rate/s      p50      p99    p99.9      max   samples  order tx p99"
         );
         for pct in LOADS {
             let g = |s: &str| {
@@ -571,13 +573,14 @@ impl Report {
             };
             let _ = writeln!(
                 out,
-                "  at {pct:>2} % of sustained                  {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}",
+                "  at {pct:>2} % of sustained                  {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>13}",
                 fmt(g("rate_per_s")),
                 fmt(g("p50_ms")),
                 fmt(g("p99_ms")),
                 fmt(g("p999_ms")),
                 fmt(g("max_ms")),
                 fmt(g("samples")),
+                fmt(g("order_tx_p99_ms")),
             );
         }
         let _ = writeln!(out);

@@ -487,8 +487,8 @@ async fn latency(
         )
         .await?;
         c.progress.note(&format!(
-            "{pct} %: p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} samples); relay stage p50 {:.1} p99 {:.1} ms, consumer stage p50 {:.1} p99 {:.1} ms",
-            run.p50_ms, run.p99_ms, run.p999_ms, run.samples,
+            "{pct} %: p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} samples); order tx p50 {:.1} p99 {:.1} ms, relay stage p50 {:.1} p99 {:.1} ms, consumer stage p50 {:.1} p99 {:.1} ms",
+            run.p50_ms, run.p99_ms, run.p999_ms, run.samples, run.order_tx_ms.0, run.order_tx_ms.1,
             run.relay_stage_ms.0, run.relay_stage_ms.1, run.consumer_stage_ms.0, run.consumer_stage_ms.1
         ));
         c.report.latency(pct, &run);
