@@ -26,6 +26,7 @@ const HAS_APPLICATIONS: &str = include_str!("sql/has_applications.sql");
 const RELAY_CLAIM_MARK: &str = include_str!("sql/relay_claim_mark.sql");
 const ROUND_TRIP: &str = include_str!("sql/round_trip.sql");
 const TERMINATE_OTHERS: &str = include_str!("sql/terminate_others.sql");
+const CHECKPOINT: &str = include_str!("sql/checkpoint.sql");
 const TRUNCATE_CONSUMER: &str = include_str!("sql/truncate_consumer.sql");
 const TRUNCATE_APPLICATIONS: &str = include_str!("sql/truncate_applications.sql");
 
@@ -237,6 +238,17 @@ pub async fn terminate_others(url: &str) -> anyhow::Result<i64> {
         .await?;
     conn.close().await?;
     Ok(n)
+}
+
+/// Runs a checkpoint on the server of `url` (checkpoint.sql), best effort: a role without the
+/// right gets a warning and the measurement goes on unlevelled.
+pub async fn level(url: &str) -> anyhow::Result<()> {
+    let mut conn = connect(url).await?;
+    if let Err(e) = sqlx::raw_sql(CHECKPOINT).execute(&mut conn).await {
+        tracing::warn!(error = %e, "could not run CHECKPOINT before a measurement; its parts start unlevelled");
+    }
+    conn.close().await?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -106,7 +106,8 @@ async fn drains(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
 }
 
 /// Runs the system phase `phase` (`drain`) between two runs of its `ceiling` (`before`,
-/// `after`), and cleans up the database of `url` after it if it did not end well.
+/// `after`), each of the three after a checkpoint (`ceilings::level`), and cleans up the
+/// database of `url` after the phase if it did not end well.
 async fn bracketed<'a, T>(
     c: &mut Ctx<'a>,
     [before, phase, after]: [Phase; 3],
@@ -114,9 +115,12 @@ async fn bracketed<'a, T>(
     drain: impl AsyncFnOnce(&mut Ctx<'a>) -> anyhow::Result<T>,
     url: &str,
 ) -> anyhow::Result<Option<T>> {
+    ceilings::level(url).await?;
     c.guarded(before, async |c| ceiling(c, "b").await).await;
+    ceilings::level(url).await?;
     let value = c.guarded(phase, drain).await;
     clean_up_after(value.is_none(), url).await?;
+    ceilings::level(url).await?;
     c.guarded(after, async |c| ceiling(c, "a").await).await;
     Ok(value)
 }
