@@ -55,7 +55,7 @@ async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<(
             ),
         ] {
             let prefix = format!("{key}-{round}-");
-            let v = business_rate(c, how, conns, secs, &prefix).await?;
+            let v = business_rate(c, c.scratch, how, conns, secs, &prefix).await?;
             c.report.sample(&key, v);
         }
     }
@@ -66,12 +66,13 @@ async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<(
 /// `how` says, on the scratch database.
 async fn business_rate(
     c: &Ctx<'_>,
+    db: &sqlx::PgPool,
     how: OrderWrite,
     conns: u32,
     secs: Duration,
     prefix: &str,
 ) -> anyhow::Result<f64> {
-    let (pool, prefix, pad) = (c.scratch.clone(), prefix.to_owned(), c.pad);
+    let (pool, prefix, pad) = (db.clone(), prefix.to_owned(), c.pad);
     pg::closed_loop(conns, secs, move |i| {
         let (pool, how, prefix) = (pool.clone(), how.clone(), prefix.clone());
         async move { pg::place_order(&pool, &how, &prefix, i, pad).await }
@@ -160,14 +161,14 @@ pub async fn consumer(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
 }
 
 /// Writers alone, `tag` naming the side: the sustained run's writers (business transaction
-/// with the outbox, `--connections`) on the scratch database, where no relay or consumer
-/// reads, `--ceiling-runs` times.
+/// with the outbox, `--connections`) on a database of their own, created empty like the
+/// sustained run's, where no relay or consumer reads, `--ceiling-runs` times.
 pub async fn writers(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
     round_trip(c).await?;
     for run in 0..plan::ceiling_runs(c.args) {
         let prefix = format!("w{tag}{run}-");
         let how = OrderWrite::Outbox(c.outbox.clone());
-        let v = business_rate(c, how, c.n, c.secs, &prefix).await?;
+        let v = business_rate(c, c.writers, how, c.n, c.secs, &prefix).await?;
         c.report.sample("ceiling_writers_per_s", v);
     }
     Ok(())

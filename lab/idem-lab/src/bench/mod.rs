@@ -233,6 +233,9 @@ pub struct Ctx<'a> {
     scratch: &'a sqlx::PgPool,
     /// Its URL.
     scratch_url: &'a str,
+    /// The writers-alone ceiling's database: created empty at the start and written only by
+    /// that ceiling, so it starts as empty as the sustained run's databases.
+    writers: &'a sqlx::PgPool,
     /// The raw produce and consume baselines' topic.
     raw_topic: &'a str,
 }
@@ -294,6 +297,12 @@ async fn phases(
     let (orders_url, orders) = dbs.create("orders", n + 4).await?;
     let (settle_url, settle) = dbs.create("settle", 4).await?;
     let (noinbox_url, noinbox) = dbs.create("noinbox", 4).await?;
+    // The sustained and latency runs and the writers-alone ceiling that bounds them each get
+    // databases nothing else wrote to: late in a run the drains' databases hold the backlog
+    // twice over (published, then republished), the scratch one every ceiling's rows.
+    let (_, writers) = dbs.create("writers", n + 4).await?;
+    let (live_orders_url, live_orders) = dbs.create("live_orders", n + 4).await?;
+    let (live_settle_url, live_settle) = dbs.create("live_settle", 4).await?;
     let version: String = sqlx::query_scalar("SHOW server_version")
         .fetch_one(&scratch)
         .await?;
@@ -310,6 +319,7 @@ async fn phases(
         outbox: &outbox,
         scratch: &scratch,
         scratch_url: &scratch_url,
+        writers: &writers,
         raw_topic: &names.raw_topic,
     };
     baselines::run(&mut c).await;
@@ -320,6 +330,12 @@ async fn phases(
         settle,
         noinbox_url,
         noinbox,
+        live: system::Pipeline {
+            orders_url: live_orders_url,
+            orders: live_orders,
+            settle_url: live_settle_url,
+            settle: live_settle,
+        },
         names: &names,
         logs,
     };

@@ -26,8 +26,18 @@ pub struct SystemDbs<'a> {
     pub settle: PgPool,
     pub noinbox_url: String,
     pub noinbox: PgPool,
+    /// The sustained and latency runs' pair, created empty at the start.
+    pub live: Pipeline,
     pub names: &'a Names,
     pub logs: &'a TempDir,
+}
+
+/// An orders database and its settlement database.
+pub struct Pipeline {
+    pub orders_url: String,
+    pub orders: PgPool,
+    pub settle_url: String,
+    pub settle: PgPool,
 }
 
 /// Outbox rows published, as the relay drains count them.
@@ -70,10 +80,15 @@ pub async fn run(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     })
     .await;
     drains(c, dbs).await?;
+    let mut drained = Running::default();
+    duplicates(c, dbs, &mut drained).await?;
+    // Stopped cleanly (offsets committed, the group left): the live pair's consumer joins the
+    // same group and starts where this one ended.
+    drained.stop().await?;
     let mut running = Running::default();
-    duplicates(c, dbs, &mut running).await?;
     let run = async |c: &mut Ctx<'_>| sustained(c, dbs, &mut running).await;
-    let rate = bracketed(c, plan::WRITERS, baselines::writers, run, &dbs.orders_url).await?;
+    let url = &dbs.live.orders_url;
+    let rate = bracketed(c, plan::WRITERS, baselines::writers, run, url).await?;
     // Without a sustained rate the latency phase is skipped (it needs the sustained run).
     let sustained = rate.unwrap_or(f64::NAN);
     c.guarded(Phase::Latency, async |c| {
@@ -298,15 +313,26 @@ async fn duplicates_drain(
     Ok(settlement)
 }
 
-/// Starts a relay and a settlement consumer where `running` has none (a phase before did not
-/// leave them running).
+/// Starts a relay and a settlement consumer on the live pair where `running` has none.
 fn ensure_running(c: &Ctx<'_>, dbs: &SystemDbs<'_>, running: &mut Running) -> anyhow::Result<()> {
     if running.relay.is_none() {
-        let args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
+        let args = plan::relay_args(
+            c.args,
+            &dbs.live.orders_url,
+            &c.brokers,
+            &dbs.names.topic_prefix,
+        );
         running.relay = Some(Child::spawn("relay-3", &args, &dbs.logs.0)?);
     }
     if running.settlement.is_none() {
-        let args = settlement_args(c, dbs);
+        let args = plan::consumer_args(
+            c.args,
+            &["settlement"],
+            &dbs.live.settle_url,
+            &c.brokers,
+            &dbs.names.topic,
+            &dbs.names.group,
+        );
         running.settlement = Some(Child::spawn("settlement-3", &args, &dbs.logs.0)?);
     }
     Ok(())
@@ -319,6 +345,7 @@ async fn sustained(
     running: &mut Running,
 ) -> anyhow::Result<f64> {
     ensure_running(c, dbs, running)?;
+    warm_up(c, dbs, running).await?;
     let (sustained, writers) = sustained_rates(c, dbs).await?;
     if sustained <= 0.0 {
         // No latency run can be paced by a rate of zero.
@@ -326,9 +353,9 @@ async fn sustained(
     }
     c.report.figure("e2e_writers_per_s", writers);
     c.report.figure("e2e_sustained_per_s", sustained);
-    let expected = pg::count(&dbs.orders, "orders").await?;
+    let expected = pg::count(&dbs.live.orders, "orders").await?;
     let left = Watch {
-        pool: &dbs.settle,
+        pool: &dbs.live.settle,
         what: "settlements",
         label: "settled (draining what the writers left)",
     };
@@ -340,6 +367,25 @@ async fn sustained(
     let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
     wait_for(c.progress, &left, expected, &mut children, timeout, stall).await?;
     Ok(sustained)
+}
+
+/// One order through the live pipeline, waited for: the relay publishes and the consumer has
+/// joined its group and settles before the sustained run's clock starts.
+async fn warm_up(c: &Ctx<'_>, dbs: &SystemDbs<'_>, running: &mut Running) -> anyhow::Result<()> {
+    let how = OrderWrite::Outbox(c.outbox.clone());
+    pg::place_order(&dbs.live.orders, &how, "warm-", 1, c.pad).await?;
+    let settled = Watch {
+        pool: &dbs.live.settle,
+        what: "settlements",
+        label: "warm-up order settled",
+    };
+    let mut children: Vec<&mut Child> = running
+        .relay
+        .iter_mut()
+        .chain(running.settlement.iter_mut())
+        .collect();
+    let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
+    wait_for(c.progress, &settled, 1, &mut children, timeout, stall).await
 }
 
 /// Starts consumer `name` (`idem ARGS`) and waits until `pool` holds a settlement per event
@@ -429,7 +475,10 @@ async fn wait_for(
 /// per second over the run after a warm-up fifth, and orders written per second.
 async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<(f64, f64)> {
     let (secs, pad, progress) = (c.secs, c.pad, &*c.progress);
-    let (pool, how) = (dbs.orders.clone(), OrderWrite::Outbox(c.outbox.clone()));
+    let (pool, how) = (
+        dbs.live.orders.clone(),
+        OrderWrite::Outbox(c.outbox.clone()),
+    );
     let written = Arc::new(AtomicU64::new(0));
     let w = written.clone();
     let writers = tokio::spawn(pg::closed_loop(c.args.connections, secs, move |i| {
@@ -442,7 +491,10 @@ async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<(f6
     }));
     let start = Instant::now();
     tokio::time::sleep(secs / 5).await;
-    let (c0, t0) = (pg::count(&dbs.settle, "settlements").await?, Instant::now());
+    let (c0, t0) = (
+        pg::count(&dbs.live.settle, "settlements").await?,
+        Instant::now(),
+    );
     let mut tick = Ticker::new();
     while !writers.is_finished() {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -454,7 +506,10 @@ async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<(f6
             ))
         });
     }
-    let (c1, t1) = (pg::count(&dbs.settle, "settlements").await?, Instant::now());
+    let (c1, t1) = (
+        pg::count(&dbs.live.settle, "settlements").await?,
+        Instant::now(),
+    );
     let writer_rate = writers.await??;
     Ok((plan::rate(c1 - c0, t1.duration_since(t0)), writer_rate))
 }
@@ -480,8 +535,8 @@ async fn latency(
         }
         let prefix = format!("l{pct}-");
         let run = latency::open_loop(
-            &dbs.orders,
-            &dbs.settle,
+            &dbs.live.orders,
+            &dbs.live.settle,
             c.outbox,
             &prefix,
             c.pad,
