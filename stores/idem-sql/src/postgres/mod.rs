@@ -44,7 +44,8 @@ static SQL: SqlSet = sql_set!(
 static MIGRATIONS: Migrations = migrations!(
     "postgres",
     "outbox sequence numbers for inserted rows only",
-    "outbox leases as HOT updates"
+    "outbox leases as HOT updates",
+    "outbox writer rules checked by the trigger"
 );
 
 /// Connects a pool suited to the relay and the CLI.
