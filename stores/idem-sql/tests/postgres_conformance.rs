@@ -189,6 +189,15 @@ async fn the_writer_rules_refuse_bad_rows_at_insert_and_update_with_their_constr
         }
     }
     assert_eq!(pg.scalar("SELECT count(*) FROM idem_outbox").await, 1);
+    assert_eq!(
+        pg.scalar(
+            "SELECT count(*) FROM pg_constraint \
+             WHERE conrelid = 'idem_outbox'::regclass AND contype = 'c'"
+        )
+        .await,
+        1,
+        "only the status check is left a constraint"
+    );
     let claim = pg
         .store()
         .claim(&idem_core::outbox::ClaimRequest {

@@ -1,15 +1,15 @@
 -- idem outbox, PostgreSQL, version 12: the writer's rules are checked by the trigger.
 --
 -- The seven CHECK constraints on what a writer sets (aggregate_type, event_type, aggregate_id,
--- headers, topic, occurred_at, created_at) were most of the cost of a one-row insert: PostgreSQL
--- builds a table's CHECK expressions afresh for every statement, which took about 100 µs of the
--- 300 µs the outbox insert took on the 2-core development machine, and a business transaction
--- writes one event per statement (docs/operating/performance.md, "Writer's outbox row,
--- profiled"). The BEFORE INSERT trigger that numbers the row now checks the same rules first,
--- as plpgsql expressions compiled once per session (about 6 µs), and refuses a row with the
--- same SQLSTATE (23514, check_violation) and the same constraint name as before. A second
--- trigger checks an UPDATE that sets any of these columns; idem's own updates set none of them.
--- The status check stays a constraint: the relay's updates set status.
+-- headers, topic, occurred_at, created_at) were a quarter of a one-row outbox insert: PostgreSQL
+-- reads and plans a table's CHECK expressions again for every statement, and a business
+-- transaction writes its event in a statement of its own (minimum 131-144 µs per insert with
+-- them, 89-92 µs without, on the 2-core development machine; docs/operating/performance.md,
+-- "Writer's outbox row, profiled"). The BEFORE INSERT trigger that numbers the row now checks
+-- the same rules first, as plpgsql expressions compiled once per session (106-113 µs in all),
+-- and refuses a row with the same SQLSTATE (23514, check_violation) and the same constraint
+-- name as before. A second trigger checks an UPDATE that sets any of these columns; idem's own
+-- updates set none of them. The status check stays a constraint: the relay's updates set it.
 --
 -- A row stored before version 6 with a timestamp no client can hold is no longer re-checked
 -- when the relay leases or parks it (a NOT VALID constraint still checked every update of such
