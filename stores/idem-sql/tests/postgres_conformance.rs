@@ -32,7 +32,10 @@ async fn concurrent_migrations_apply_once() {
     let (a, b) = tokio::join!(other.migrate(), again.migrate());
     let mut applied = [a.unwrap(), b.unwrap()];
     applied.sort();
-    assert_eq!(applied, [vec![], vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]);
+    assert_eq!(
+        applied,
+        [vec![], vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    );
 }
 
 /// Timestamps PostgreSQL stores and no client library holds: refused since version 6.
