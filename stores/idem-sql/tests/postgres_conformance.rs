@@ -125,10 +125,10 @@ async fn timestamps_no_client_can_hold_are_refused_and_old_ones_parked_not_panic
     );
 }
 
-/// Switches the outbox's row trigger (the writer's rules and the numbering) off or on.
+/// Switches the trigger that checks the writer's rules off or on.
 async fn rules(pg: &Pg, how: &str) {
     sqlx::query(&format!(
-        "ALTER TABLE idem_outbox {how} TRIGGER idem_outbox_assign_seq"
+        "ALTER TABLE idem_outbox {how} TRIGGER idem_outbox_accept"
     ))
     .execute(pg.pool())
     .await
@@ -192,6 +192,16 @@ async fn the_writer_rules_refuse_bad_rows_at_insert_and_update_with_their_constr
         }
     }
     assert_eq!(pg.scalar("SELECT count(*) FROM idem_outbox").await, 1);
+    // The rules are checked before the numbering: the refused rows of aggregate a-1 took none.
+    foreign_insert("a-1", "2026-12-01 10:00:00+00")
+        .execute(pg.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        pg.scalar("SELECT aggregate_seq FROM idem_outbox WHERE aggregate_id = 'a-1'")
+            .await,
+        1
+    );
     assert_eq!(
         pg.scalar(
             "SELECT count(*) FROM pg_constraint \
@@ -210,7 +220,7 @@ async fn the_writer_rules_refuse_bad_rows_at_insert_and_update_with_their_constr
         })
         .await
         .unwrap();
-    assert_eq!(claim.records.len(), 1, "the kept row is claimed as usual");
+    assert_eq!(claim.records.len(), 2, "the good rows are claimed as usual");
 }
 
 /// Waits until `n` sessions of this database wait for a lock.

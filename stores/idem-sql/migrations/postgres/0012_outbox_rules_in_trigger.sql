@@ -5,16 +5,18 @@
 -- reads and plans a table's CHECK expressions again for every statement, and a business
 -- transaction writes its event in a statement of its own (minimum 131-144 µs per insert with
 -- them, 89-92 µs without, on the 2-core development machine; docs/operating/performance.md,
--- "Writer's outbox row, profiled"). The BEFORE INSERT trigger that numbers the row now checks
--- the same rules first, as plpgsql expressions compiled once per session (106-113 µs in all),
--- and refuses a row with the same SQLSTATE (23514, check_violation) and the same constraint
--- name as before. A second trigger checks an UPDATE that sets any of these columns; idem's own
--- updates set none of them. The status check stays a constraint: the relay's updates set it.
+-- "Writer's outbox row, profiled"). A row trigger now checks the same rules, as plpgsql
+-- expressions compiled once per session (106-117 µs in all), and refuses a row with the same
+-- SQLSTATE (23514, check_violation) and the same constraint name as before. It fires on INSERT
+-- and on an UPDATE that sets any of these columns (idem's own updates set none of them), and
+-- before the numbering trigger: PostgreSQL fires a table's BEFORE triggers in name order, and
+-- "_accept" sorts before "_assign_seq", so a refused row takes no number. The status check stays
+-- a constraint: the relay's updates set it.
 --
 -- A row stored before version 6 with a timestamp no client can hold is no longer re-checked
 -- when the relay leases or parks it (a NOT VALID constraint still checked every update of such
 -- a row, so the claim that should park it failed, again and again).
-CREATE OR REPLACE FUNCTION {outbox_assign_seq}() RETURNS trigger
+CREATE OR REPLACE FUNCTION {outbox_check_row}() RETURNS trigger
 LANGUAGE plpgsql AS $idem$
 DECLARE
     broken text;
@@ -51,33 +53,14 @@ BEGIN
                   SCHEMA = TG_TABLE_SCHEMA, TABLE = TG_TABLE_NAME, COLUMN = broken,
                   CONSTRAINT = TG_TABLE_NAME || '_' || broken || '_check';
     END IF;
-    IF TG_OP = 'UPDATE' THEN
-        RETURN NEW;
-    END IF;
-    INSERT INTO {outbox_aggregates} AS a (aggregate_type, aggregate_id, last_seq)
-    VALUES (NEW.aggregate_type, NEW.aggregate_id, 1)
-    ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = a.last_seq + 1
-    RETURNING a.last_seq INTO NEW.aggregate_seq;
-    PERFORM 1 FROM {outbox} o WHERE o.event_id = NEW.event_id FOR KEY SHARE OF o;
-    IF FOUND THEN
-        UPDATE {outbox_aggregates} SET last_seq = last_seq - 1
-        WHERE aggregate_type = NEW.aggregate_type AND aggregate_id = NEW.aggregate_id;
-        NEW.aggregate_seq := 0;
-    END IF;
     RETURN NEW;
 END
 $idem$;
 
-DO $idem$
-BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_trigger
-                   WHERE tgname = '{bare:outbox}_check_update' AND tgrelid = '{outbox}'::regclass) THEN
-        CREATE TRIGGER "{bare:outbox}_check_update"
-            BEFORE UPDATE OF aggregate_type, aggregate_id, event_type, headers, topic, occurred_at, created_at
-            ON {outbox} FOR EACH ROW EXECUTE FUNCTION {outbox_assign_seq}();
-    END IF;
-END
-$idem$;
+DROP TRIGGER IF EXISTS "{bare:outbox}_accept" ON {outbox};
+CREATE TRIGGER "{bare:outbox}_accept"
+    BEFORE INSERT OR UPDATE OF aggregate_type, aggregate_id, event_type, headers, topic, occurred_at, created_at
+    ON {outbox} FOR EACH ROW EXECUTE FUNCTION {outbox_check_row}();
 
 ALTER TABLE {outbox}
     DROP CONSTRAINT IF EXISTS "{bare:outbox}_aggregate_type_check",

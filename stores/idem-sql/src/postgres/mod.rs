@@ -22,6 +22,7 @@ mod retention;
 const BASES: &[&str] = &[
     "outbox_aggregates",
     "outbox_assign_seq",
+    "outbox_check_row",
     "outbox_archive",
     "outbox",
     "schema_migrations",
