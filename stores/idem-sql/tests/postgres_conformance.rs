@@ -127,12 +127,9 @@ async fn timestamps_no_client_can_hold_are_refused_and_old_ones_parked_not_panic
 
 /// Switches the trigger that checks the writer's rules off or on.
 async fn rules(pg: &Pg, how: &str) {
-    sqlx::query(&format!(
-        "ALTER TABLE idem_outbox {how} TRIGGER idem_outbox_accept"
-    ))
-    .execute(pg.pool())
-    .await
-    .unwrap();
+    let sql = format!("ALTER TABLE idem_outbox {how} TRIGGER idem_outbox_accept");
+    let done = pg.exec(&sql).await;
+    assert!(done.is_ok(), "{sql}: {done:?}");
 }
 
 /// Each rule of the SQL contract refuses a row that breaks it, at insert and at an update that
@@ -211,16 +208,8 @@ async fn the_writer_rules_refuse_bad_rows_at_insert_and_update_with_their_constr
         1,
         "only the status check is left a constraint"
     );
-    let claim = pg
-        .store()
-        .claim(&idem_core::outbox::ClaimRequest {
-            relay_id: "r".to_owned(),
-            batch_size: 10,
-            lease: std::time::Duration::from_secs(60),
-        })
-        .await
-        .unwrap();
-    assert_eq!(claim.records.len(), 2, "the good rows are claimed as usual");
+    let s = pg.store().status().await.unwrap();
+    assert_eq!(s.pending, 2, "the good rows are pending as usual");
 }
 
 /// Waits until `n` sessions of this database wait for a lock.
