@@ -20,7 +20,7 @@ pub(crate) type Migrations = &'static [(i64, &'static str, &'static str)];
 
 /// The migrations shipped for a dialect directory (`migrations/$dir/NNNN_*.sql`).
 macro_rules! migrations {
-    ($dir:literal, $tenth:literal, $last:literal) => {
+    ($dir:literal, $tenth:literal, $eleventh:literal, $last:literal) => {
         &[
             (
                 1,
@@ -106,11 +106,20 @@ macro_rules! migrations {
             ),
             (
                 11,
-                $last,
+                $eleventh,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0011_outbox_hot_lease.sql"
+                )),
+            ),
+            (
+                12,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0012_outbox_rules_in_trigger.sql"
                 )),
             ),
         ]

@@ -12,7 +12,7 @@ async fn tables_in_a_named_schema() {
     let billing = pg.with_tables(TableNames::new(Some("billing"), "idem_").unwrap());
     assert_eq!(
         billing.migrate().await.unwrap(),
-        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     );
     let mut tx = billing.begin().await;
     tx.enqueue(&[scenarios::event("o-1", 0)]).await.unwrap();
@@ -32,7 +32,10 @@ async fn concurrent_migrations_apply_once() {
     let (a, b) = tokio::join!(other.migrate(), again.migrate());
     let mut applied = [a.unwrap(), b.unwrap()];
     applied.sort();
-    assert_eq!(applied, [vec![], vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]);
+    assert_eq!(
+        applied,
+        [vec![], vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    );
 }
 
 /// Timestamps PostgreSQL stores and no client library holds: refused since version 6.
@@ -74,11 +77,11 @@ async fn timestamps_no_client_can_hold_are_refused_and_old_ones_parked_not_panic
         assert!(e.to_string().contains("occurred_at_check"), "{t}: {e}");
     }
 
-    // Rows stored before version 6 added the check.
-    sqlx::query("ALTER TABLE idem_outbox DROP CONSTRAINT idem_outbox_occurred_at_check")
-        .execute(pg.pool())
-        .await
-        .unwrap();
+    // Rows stored before version 6 added the rule: written with the rules off, then claimed with
+    // them in force again, as a database upgraded from version 5 holds them. (Before version 12
+    // the rule was a NOT VALID constraint, which PostgreSQL checks on every update of such a
+    // row: the claim that should park it failed instead, at every attempt.)
+    rules(&pg, "DISABLE").await;
     for (i, t) in UNDECODABLE_TIMES.iter().enumerate() {
         foreign_insert(&format!("hostile-{i}"), t)
             .execute(pg.pool())
@@ -89,6 +92,7 @@ async fn timestamps_no_client_can_hold_are_refused_and_old_ones_parked_not_panic
             .await
             .unwrap();
     }
+    rules(&pg, "ENABLE").await;
     let claim = pg
         .store()
         .claim(&idem_core::outbox::ClaimRequest {
@@ -119,6 +123,93 @@ async fn timestamps_no_client_can_hold_are_refused_and_old_ones_parked_not_panic
         "{:?}",
         claim.corrupt
     );
+}
+
+/// Switches the trigger that checks the writer's rules off or on.
+async fn rules(pg: &Pg, how: &str) {
+    let sql = format!("ALTER TABLE idem_outbox {how} TRIGGER idem_outbox_accept");
+    let done = pg.exec(&sql).await;
+    assert!(done.is_ok(), "{sql}: {done:?}");
+}
+
+/// Each rule of the SQL contract refuses a row that breaks it, at insert and at an update that
+/// sets the column, with SQLSTATE 23514 and the constraint name the rule had when it was a
+/// CHECK constraint (before version 12).
+#[tokio::test]
+async fn the_writer_rules_refuse_bad_rows_at_insert_and_update_with_their_constraint_names() {
+    let pg = Pg::new().await;
+    let cases = [
+        ("aggregate_type", "'bad type'"),
+        ("aggregate_type", "repeat('a', 201)"),
+        ("event_type", "'-leading-dash'"),
+        ("event_type", "repeat('e', 256)"),
+        ("aggregate_id", "''"),
+        ("aggregate_id", "E'tab\\there'"),
+        ("aggregate_id", "repeat('i', 513)"),
+        ("headers", "'[]'::jsonb"),
+        ("topic", "'bad topic'"),
+        ("topic", "''"),
+        ("occurred_at", "'infinity'::timestamptz"),
+        ("created_at", "'10000-01-01 00:00:00+00'::timestamptz"),
+    ];
+    foreign_insert("kept", "2026-12-01 10:00:00+00")
+        .execute(pg.pool())
+        .await
+        .unwrap();
+    for (column, value) in cases {
+        let row = [
+            ("event_id", "gen_random_uuid()"),
+            ("aggregate_type", "'order'"),
+            ("aggregate_id", "'a-1'"),
+            ("event_type", "'order.paid'"),
+            ("payload", "'{}'::jsonb"),
+            ("headers", "'{}'::jsonb"),
+            ("topic", "NULL::text"),
+            ("occurred_at", "now()"),
+            ("created_at", "now()"),
+        ];
+        let names: Vec<&str> = row.iter().map(|(c, _)| *c).collect();
+        let values: Vec<&str> = row
+            .iter()
+            .map(|(c, v)| if *c == column { value } else { *v })
+            .collect();
+        let insert = format!(
+            "INSERT INTO idem_outbox ({}) VALUES ({})",
+            names.join(", "),
+            values.join(", ")
+        );
+        let update = format!("UPDATE idem_outbox SET {column} = {value}");
+        for sql in [insert, update] {
+            let e = sqlx::query(&sql).execute(pg.pool()).await.expect_err(&sql);
+            let db = e.as_database_error().expect("a database error");
+            assert_eq!(db.code().as_deref(), Some("23514"), "{sql}: {e}");
+            let name = format!("idem_outbox_{column}_check");
+            assert_eq!(db.constraint(), Some(name.as_str()), "{sql}: {e}");
+            assert!(e.to_string().contains(&name), "{sql}: {e}");
+        }
+    }
+    assert_eq!(pg.scalar("SELECT count(*) FROM idem_outbox").await, 1);
+    // The rules are checked before the numbering: the refused rows of aggregate a-1 took none.
+    foreign_insert("a-1", "2026-12-01 10:00:00+00")
+        .execute(pg.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        pg.scalar("SELECT aggregate_seq FROM idem_outbox WHERE aggregate_id = 'a-1'")
+            .await,
+        1
+    );
+    assert_eq!(
+        pg.scalar(
+            "SELECT count(*) FROM pg_constraint \
+             WHERE conrelid = 'idem_outbox'::regclass AND contype = 'c'"
+        )
+        .await,
+        1,
+        "only the status check is left a constraint"
+    );
+    let s = pg.store().status().await.unwrap();
+    assert_eq!(s.pending, 2, "the good rows are pending as usual");
 }
 
 /// Waits until `n` sessions of this database wait for a lock.

@@ -22,6 +22,7 @@ mod retention;
 const BASES: &[&str] = &[
     "outbox_aggregates",
     "outbox_assign_seq",
+    "outbox_check_row",
     "outbox_archive",
     "outbox",
     "schema_migrations",
@@ -44,7 +45,8 @@ static SQL: SqlSet = sql_set!(
 static MIGRATIONS: Migrations = migrations!(
     "postgres",
     "outbox sequence numbers for inserted rows only",
-    "outbox leases as HOT updates"
+    "outbox leases as HOT updates",
+    "outbox writer rules checked by the trigger"
 );
 
 /// Connects a pool suited to the relay and the CLI.

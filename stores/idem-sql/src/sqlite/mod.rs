@@ -43,7 +43,8 @@ static SQL: SqlSet = sql_set!(
 static MIGRATIONS: Migrations = migrations!(
     "sqlite",
     "outbox sequence numbers for inserted rows only (PostgreSQL; none here)",
-    "outbox leases as HOT updates (PostgreSQL; none here)"
+    "outbox leases as HOT updates (PostgreSQL; none here)",
+    "outbox writer rules checked by the trigger (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).
