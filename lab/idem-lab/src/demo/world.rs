@@ -21,6 +21,11 @@ pub struct Databases {
     pub location: String,
 }
 
+/// Connections per SQLite file: one, so that the file's writers (the order writer and both
+/// relays; both consumers and the dispatcher; the points API) queue in the pool instead of
+/// sleeping in SQLite's busy handler. Each commit is still its own.
+pub const SQLITE_POOL: u32 = 1;
+
 /// The three database roles, in the order of [`Databases::urls`].
 const ROLES: [&str; 3] = ["orders", "settlement", "points"];
 
@@ -111,7 +116,7 @@ impl Databases {
         for role in ROLES {
             let file = path.join(format!("{role}-{run}.db"));
             let url = format!("sqlite://{}", file.display());
-            let pool = idem_sqlite::connect(&url).await?;
+            let pool = idem_sqlite::connect_with_pool_size(&url, SQLITE_POOL).await?;
             idem_sqlite::migrate(&pool, tables).await?;
             idem_reference::ensure_schema_sqlite(&pool).await?;
             pools.push(AnyPool::Sqlite(pool));
