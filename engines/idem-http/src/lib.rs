@@ -517,18 +517,13 @@ async fn execute<S: IdempotencyStore>(
 ) -> Response {
     let work = run_handler(next, parts, bytes, held.config.max_body);
     let (parts, body) = held.while_renewing(work).await;
-    match decide(parts, body) {
-        Decision::Release(resp) => {
-            // A retry may succeed: do not pin this failure to the key.
+    match decide(parts, body).noted(&held.stats) {
+        // A 5xx: a retry may succeed, so do not pin this failure to the key.
+        Err(resp) => {
             held.release().await;
             resp
         }
-        Decision::Store {
-            stored,
-            answer,
-            omitted,
-        } => {
-            note_omitted(&held.stats, omitted, stored.status);
+        Ok((stored, answer)) => {
             held.complete(&stored).await;
             answer
         }
@@ -610,17 +605,12 @@ async fn execute_transactional<S: TransactionalKeyStore>(
         );
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     };
-    match decide(parts, body) {
-        Decision::Release(resp) => {
+    match decide(parts, body).noted(&held.stats) {
+        Err(resp) => {
             held.store.roll_back(tx).await;
             resp
         }
-        Decision::Store {
-            stored,
-            answer,
-            omitted,
-        } => {
-            note_omitted(&held.stats, omitted, stored.status);
+        Ok((stored, answer)) => {
             let committed = held
                 .store
                 .complete_and_commit(tx, &held.scope, &held.key, &held.token, &stored)
@@ -648,6 +638,24 @@ enum Decision {
         answer: Response,
         omitted: Option<axum::Error>,
     },
+}
+
+impl Decision {
+    /// The response to store and the answer (`Err`: release the key and answer this), with an
+    /// omitted body counted and logged.
+    fn noted(self, stats: &LayerStats) -> Result<(StoredResponse, Response), Response> {
+        match self {
+            Decision::Release(resp) => Err(resp),
+            Decision::Store {
+                stored,
+                answer,
+                omitted,
+            } => {
+                note_omitted(stats, omitted, stored.status);
+                Ok((stored, answer))
+            }
+        }
+    }
 }
 
 fn decide(mut parts: axum::http::response::Parts, body: Result<Bytes, axum::Error>) -> Decision {
