@@ -519,11 +519,11 @@ async fn execute<S: IdempotencyStore>(
     let (parts, body) = held.while_renewing(work).await;
     match decide(parts, body).noted(&held.stats) {
         // A 5xx: a retry may succeed, so do not pin this failure to the key.
-        Err(resp) => {
+        Noted::Release(resp) => {
             held.release().await;
             resp
         }
-        Ok((stored, answer)) => {
+        Noted::Store(stored, answer) => {
             held.complete(&stored).await;
             answer
         }
@@ -606,11 +606,11 @@ async fn execute_transactional<S: TransactionalKeyStore>(
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     };
     match decide(parts, body).noted(&held.stats) {
-        Err(resp) => {
+        Noted::Release(resp) => {
             held.store.roll_back(tx).await;
             resp
         }
-        Ok((stored, answer)) => {
+        Noted::Store(stored, answer) => {
             let committed = held
                 .store
                 .complete_and_commit(tx, &held.scope, &held.key, &held.token, &stored)
@@ -640,19 +640,26 @@ enum Decision {
     },
 }
 
+/// A [`Decision`] once an omitted body is counted.
+enum Noted {
+    /// Release the key and answer this.
+    Release(Response),
+    /// Store the response and answer the second.
+    Store(StoredResponse, Response),
+}
+
 impl Decision {
-    /// The response to store and the answer (`Err`: release the key and answer this), with an
-    /// omitted body counted and logged.
-    fn noted(self, stats: &LayerStats) -> Result<(StoredResponse, Response), Response> {
+    /// What to do, with an omitted body counted and logged.
+    fn noted(self, stats: &LayerStats) -> Noted {
         match self {
-            Decision::Release(resp) => Err(resp),
+            Decision::Release(resp) => Noted::Release(resp),
             Decision::Store {
                 stored,
                 answer,
                 omitted,
             } => {
                 note_omitted(stats, omitted, stored.status);
-                Ok((stored, answer))
+                Noted::Store(stored, answer)
             }
         }
     }
