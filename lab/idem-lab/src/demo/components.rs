@@ -162,10 +162,6 @@ pub fn consumers(
                 let source = source?;
                 let mut config = ConsumerConfig::new("settlement");
                 config.batch_size = 100;
-                if matches!(settle.pool(), AnyPool::Sqlite(_)) {
-                    // One writer per SQLite file, and a pool of one connection.
-                    config.partition_concurrency = super::world::SQLITE_POOL as usize;
-                }
                 with_store!(settle, s => {
                     let handler = Settlement::with_points(s.intents(), target);
                     Consumer::new(s.inbox(), handler, source, config, metrics)
