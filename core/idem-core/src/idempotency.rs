@@ -317,6 +317,76 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     fn sweep(&self) -> impl std::future::Future<Output = crate::Result<u64>> + Send;
 }
 
+/// What [`TransactionalKeyStore::claim_in_transaction`] found.
+///
+/// Only [`TxClaim::New`] leaves a transaction open; the others found the key taken and rolled
+/// theirs back.
+#[derive(Debug)]
+pub enum TxClaim<T> {
+    /// The key is this request's, claimed inside the open write transaction `tx`: run the
+    /// handler's writes in it, then [`TransactionalKeyStore::complete_and_commit`]; dropping it
+    /// rolls the claim and the writes back together.
+    New {
+        /// The open transaction holding the claim.
+        tx: T,
+        /// Fences the completion.
+        token: ClaimToken,
+    },
+    /// A request with this key is executing outside a transaction (its lock is live).
+    InFlight,
+    /// The key was used with a different request (another fingerprint).
+    Mismatch,
+    /// The request completed before: replay this response.
+    Completed(StoredResponse),
+}
+
+/// A key store that can claim a key, let the handler write, and store the response in **one**
+/// database transaction, so that the handler's effect and the key's completion commit together
+/// or not at all.
+///
+/// Without it the layer commits the claim, the handler's writes and the completion separately:
+/// a server that dies between the handler's commit and the completion leaves the effect applied
+/// under an in-flight key, and a retry executes again once the lock runs out (only a business
+/// key in the handler absorbs that). In one transaction a crash anywhere rolls everything back
+/// and a retry executes once; a failed commit is a failed request.
+///
+/// While the transaction is open the claim is invisible to other requests: a concurrent request
+/// with the same key waits on the database (PostgreSQL: on the key's row; SQLite: on the write
+/// lock, up to its busy timeout) and then replays the committed response, or claims the key if
+/// the first request rolled back. The handler therefore holds a database transaction (on SQLite
+/// the database's write lock) for as long as it runs: keep it short.
+pub trait TransactionalKeyStore: IdempotencyStore {
+    /// An open write transaction on the key store's database.
+    type Transaction: Send + 'static;
+
+    /// Opens a write transaction and claims `key` for `scope` in it (as
+    /// [`IdempotencyStore::claim`], the claim visible to others only when it commits).
+    fn claim_in_transaction(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        fingerprint: &str,
+        lock: std::time::Duration,
+        retention: std::time::Duration,
+    ) -> impl std::future::Future<Output = crate::Result<TxClaim<Self::Transaction>>> + Send;
+
+    /// Stores `response` for the claim `token` holds in `tx` and commits `tx`. Returns false,
+    /// having rolled `tx` back, when the claim is not held; an error when the commit failed (the
+    /// transaction's writes did not happen, or, when the connection broke during the commit, may
+    /// have: a retry then replays or executes, never both).
+    fn complete_and_commit(
+        &self,
+        tx: Self::Transaction,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: &ClaimToken,
+        response: &StoredResponse,
+    ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
+
+    /// Rolls `tx` back: the claim and the handler's writes are gone, and a retry executes again.
+    fn roll_back(&self, tx: Self::Transaction) -> impl std::future::Future<Output = ()> + Send;
+}
+
 /// An external effect a handler asks for, recorded in its own transaction (the "one more
 /// outbox"): a dispatcher delivers it later, always with the same key.
 #[derive(Clone, Debug, PartialEq)]

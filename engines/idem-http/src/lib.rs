@@ -69,6 +69,7 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use idem_core::idempotency::{
     ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, KeyError, StoredResponse,
+    TransactionalKeyStore, TxClaim,
 };
 use sha2::{Digest, Sha256};
 
@@ -160,6 +161,13 @@ pub enum IdempotencyRejection {
     Mismatch,
     /// The key store failed (503).
     Store(idem_core::Error),
+    /// Under [`Idempotency::transactional_layer`]: the request's commit failed; its writes and
+    /// the key were rolled back or, when the connection broke during the commit, may have
+    /// committed: a retry with the same key replays or executes, never both (503).
+    NotCommitted(idem_core::Error),
+    /// Under [`Idempotency::transactional_layer`]: the claim was not held when the response was
+    /// stored (never expected: the open transaction holds it); everything was rolled back (503).
+    ClaimNotHeld,
 }
 
 impl IdempotencyRejection {
@@ -194,6 +202,11 @@ impl IdempotencyRejection {
             IdempotencyRejection::Store(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "Try again", "the idempotency key store is unavailable".to_owned())
             }
+            IdempotencyRejection::NotCommitted(_) | IdempotencyRejection::ClaimNotHeld => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Try again",
+                "the request's writes were not committed; retry with the same Idempotency-Key".to_owned(),
+            ),
         }
     }
 }
@@ -204,33 +217,47 @@ impl IntoResponse for IdempotencyRejection {
             IdempotencyRejection::Store(e) => {
                 tracing::error!(error = %e, "idempotency key store failed");
             }
+            IdempotencyRejection::NotCommitted(e) => {
+                tracing::error!(error = %e, "an idempotent request's transaction did not commit");
+            }
+            IdempotencyRejection::ClaimNotHeld => tracing::error!(
+                "the idempotency key's claim was not held when its response was stored; the request's transaction was rolled back"
+            ),
             IdempotencyRejection::NoScope => tracing::error!(
                 "a request with an Idempotency-Key reached the layer without a ClientScope: add an authentication layer that inserts idem_http::ClientScope (or opt in to ScopeSource::ClientScopeOrCredential)"
             ),
             _ => {}
         }
         let (status, title, detail) = self.parts();
-        let body = serde_json::json!({
-            "type": "about:blank",
-            "title": title,
-            "status": status.as_u16(),
-            "detail": detail,
-        });
-        let mut resp = (
-            status,
-            [(header::CONTENT_TYPE, "application/problem+json")],
-            body.to_string(),
-        )
-            .into_response();
+        let mut resp = problem(status, title, &detail);
         if matches!(
             self,
-            IdempotencyRejection::InFlight | IdempotencyRejection::Store(_)
+            IdempotencyRejection::InFlight
+                | IdempotencyRejection::Store(_)
+                | IdempotencyRejection::NotCommitted(_)
+                | IdempotencyRejection::ClaimNotHeld
         ) {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         resp
     }
+}
+
+/// An `application/problem+json` response.
+fn problem(status: StatusCode, title: &str, detail: &str) -> Response {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 /// The boxed middleware function the layer runs.
@@ -271,6 +298,25 @@ impl<S: IdempotencyStore> Idempotency<S> {
     /// inside the authentication layer that sets [`ClientScope`].
     pub fn layer(self) -> IdempotencyLayer<S> {
         from_fn_with_state(self, |state, req, next| Box::pin(handle(state, req, next)))
+    }
+}
+
+impl<S: TransactionalKeyStore> Idempotency<S> {
+    /// The axum layer in which the key's claim, the handler's writes and the stored response
+    /// are **one** database transaction of the key store: the handler extracts the
+    /// [`KeyTransaction`] and writes in it, and the layer commits it with the response, so an
+    /// effect is never committed without its key's completion, nor the completion without the
+    /// effect (see [`TransactionalKeyStore`] for what concurrent requests then do). Use it when
+    /// the handler's writes are in the key store's database; apply it like [`Idempotency::layer`].
+    ///
+    /// The claim is never in flight for others to see, so nothing is renewed: the database's
+    /// lock is the claim. A 5xx rolls the writes and the claim back; a commit that fails is
+    /// answered 503 ([`IdempotencyRejection::NotCommitted`]); a panicking handler is answered
+    /// 500 with everything rolled back.
+    pub fn transactional_layer(self) -> IdempotencyLayer<S> {
+        from_fn_with_state(self, |state, req, next| {
+            Box::pin(handle_transactional(state, req, next))
+        })
     }
 }
 
@@ -351,11 +397,20 @@ struct Held<S> {
     lost: std::sync::atomic::AtomicBool,
 }
 
-async fn run<S: IdempotencyStore>(
-    state: Idempotency<S>,
+/// What the layer reads from a request before it claims the key.
+struct Prepared {
+    key: IdempotencyKey,
+    scope: String,
+    parts: axum::http::request::Parts,
+    bytes: Bytes,
+    fingerprint: String,
+}
+
+/// The key, its scope, the buffered body and the fingerprint of `req`.
+async fn prepare(
+    config: &IdempotencyConfig,
     req: Request,
-    next: Next,
-) -> Result<Response, IdempotencyRejection> {
+) -> Result<Prepared, IdempotencyRejection> {
     let values: Vec<&[u8]> = req
         .headers()
         .get_all(IDEMPOTENCY_KEY)
@@ -366,10 +421,10 @@ async fn run<S: IdempotencyStore>(
     let scope = scope(
         req.extensions().get::<ClientScope>(),
         req.headers().get(header::AUTHORIZATION),
-        state.config.scope,
+        config.scope,
     )?;
     let (parts, body) = req.into_parts();
-    let bytes: Bytes = axum::body::to_bytes(body, state.config.max_body)
+    let bytes: Bytes = axum::body::to_bytes(body, config.max_body)
         .await
         .map_err(|_| IdempotencyRejection::TooLarge)?;
     let uri = parts
@@ -378,11 +433,26 @@ async fn run<S: IdempotencyStore>(
         .map(|p| p.as_str())
         .unwrap_or("/")
         .to_owned();
-    let print = fingerprint(parts.method.as_str(), &uri, &bytes);
+    let fingerprint = fingerprint(parts.method.as_str(), &uri, &bytes);
+    Ok(Prepared {
+        key,
+        scope,
+        parts,
+        bytes,
+        fingerprint,
+    })
+}
+
+async fn run<S: IdempotencyStore>(
+    state: Idempotency<S>,
+    req: Request,
+    next: Next,
+) -> Result<Response, IdempotencyRejection> {
+    let p = prepare(&state.config, req).await?;
     let c = &state.config;
     let token = match state
         .store
-        .claim(&scope, &key, &print, c.lock, c.retention)
+        .claim(&p.scope, &p.key, &p.fingerprint, c.lock, c.retention)
         .await
         .map_err(IdempotencyRejection::Store)?
     {
@@ -393,8 +463,8 @@ async fn run<S: IdempotencyStore>(
     };
     let held = Arc::new(Held {
         store: state.store.clone(),
-        scope,
-        key,
+        scope: p.scope,
+        key: p.key,
         token,
         config: state.config.clone(),
         stats: state.stats(),
@@ -403,7 +473,7 @@ async fn run<S: IdempotencyStore>(
     // From here the request runs in its own task: a client that disconnects (a timeout) must
     // not cancel the handler between its effect and the key's completion, which would leave
     // the key in flight until the lock expires and let a retry execute again.
-    let task = tokio::spawn(execute(Arc::clone(&held), next, parts, bytes));
+    let task = tokio::spawn(execute(Arc::clone(&held), next, p.parts, p.bytes));
     match task.await {
         Ok(resp) => Ok(resp),
         Err(e) => {
@@ -416,39 +486,143 @@ async fn run<S: IdempotencyStore>(
     }
 }
 
+/// Runs the handler on the buffered request; its response head and buffered body.
+async fn run_handler(
+    next: Next,
+    parts: axum::http::request::Parts,
+    bytes: Bytes,
+    max_body: usize,
+) -> (axum::http::response::Parts, Result<Bytes, axum::Error>) {
+    let resp = next
+        .run(Request::from_parts(parts, Body::from(bytes)))
+        .await;
+    let (parts, body) = resp.into_parts();
+    let body = axum::body::to_bytes(body, max_body).await;
+    (parts, body)
+}
+
+/// Counts and logs a response stored without its body.
+fn note_omitted(stats: &LayerStats, omitted: Option<axum::Error>, status: u16) {
+    if let Some(e) = omitted {
+        LayerStats::count(&stats.bodies_omitted);
+        tracing::error!(error = %e, status, "the response body could not be stored; the status is stored and replayed with an empty body");
+    }
+}
+
 async fn execute<S: IdempotencyStore>(
     held: Arc<Held<S>>,
     next: Next,
     parts: axum::http::request::Parts,
     bytes: Bytes,
 ) -> Response {
-    let max_body = held.config.max_body;
-    let work = async move {
-        let resp = next
-            .run(Request::from_parts(parts, Body::from(bytes)))
-            .await;
-        let (parts, body) = resp.into_parts();
-        let body = axum::body::to_bytes(body, max_body).await;
-        (parts, body)
-    };
+    let work = run_handler(next, parts, bytes, held.config.max_body);
     let (parts, body) = held.while_renewing(work).await;
-    match decide(parts, body) {
-        Decision::Release(resp) => {
-            // A retry may succeed: do not pin this failure to the key.
+    match decide(parts, body).noted(&held.stats) {
+        // A 5xx: a retry may succeed, so do not pin this failure to the key.
+        Noted::Release(resp) => {
             held.release().await;
             resp
         }
-        Decision::Store {
-            stored,
-            answer,
-            omitted,
-        } => {
-            if let Some(e) = omitted {
-                LayerStats::count(&held.stats.bodies_omitted);
-                tracing::error!(error = %e, status = stored.status, "the response body could not be stored; the status is stored and replayed with an empty body");
-            }
+        Noted::Store(stored, answer) => {
             held.complete(&stored).await;
             answer
+        }
+    }
+}
+
+async fn handle_transactional<S: TransactionalKeyStore>(
+    State(state): State<Idempotency<S>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match run_transactional(state, req, next).await {
+        Ok(resp) => resp,
+        Err(rejection) => rejection.into_response(),
+    }
+}
+
+/// A claim held in an open transaction ([`Idempotency::transactional_layer`]).
+struct TxHeld<S> {
+    store: S,
+    scope: String,
+    key: IdempotencyKey,
+    token: ClaimToken,
+    max_body: usize,
+    stats: Arc<LayerStats>,
+}
+
+async fn run_transactional<S: TransactionalKeyStore>(
+    state: Idempotency<S>,
+    req: Request,
+    next: Next,
+) -> Result<Response, IdempotencyRejection> {
+    let mut p = prepare(&state.config, req).await?;
+    let c = &state.config;
+    let (tx, token) = match state
+        .store
+        .claim_in_transaction(&p.scope, &p.key, &p.fingerprint, c.lock, c.retention)
+        .await
+        .map_err(IdempotencyRejection::Store)?
+    {
+        TxClaim::New { tx, token } => (tx, token),
+        TxClaim::InFlight => return Err(IdempotencyRejection::InFlight),
+        TxClaim::Mismatch => return Err(IdempotencyRejection::Mismatch),
+        TxClaim::Completed(stored) => return Ok(replay(stored)),
+    };
+    let slot = KeyTransaction::new(tx);
+    p.parts.extensions.insert(slot.clone());
+    let held = TxHeld {
+        store: state.store.clone(),
+        scope: p.scope,
+        key: p.key,
+        token,
+        max_body: c.max_body,
+        stats: state.stats(),
+    };
+    // Its own task, as in `run`: a client that disconnects does not cancel the commit. A panic
+    // drops the task and every handle of the transaction with it: it rolls back.
+    match tokio::spawn(execute_transactional(held, slot, next, p.parts, p.bytes)).await {
+        Ok(resp) => Ok(resp),
+        Err(e) => {
+            tracing::error!(error = %e, "the handler panicked; its transaction and the key's claim were rolled back");
+            Ok(StatusCode::INTERNAL_SERVER_ERROR.into_response())
+        }
+    }
+}
+
+async fn execute_transactional<S: TransactionalKeyStore>(
+    held: TxHeld<S>,
+    slot: KeyTransaction<S::Transaction>,
+    next: Next,
+    parts: axum::http::request::Parts,
+    bytes: Bytes,
+) -> Response {
+    let (parts, body) = run_handler(next, parts, bytes, held.max_body).await;
+    let Some(tx) = slot.take() else {
+        // The handler dropped the transaction: the claim and its writes are rolled back.
+        tracing::error!(
+            "the handler did not put the idempotency layer's transaction back; nothing was committed"
+        );
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    match decide(parts, body).noted(&held.stats) {
+        Noted::Release(resp) => {
+            held.store.roll_back(tx).await;
+            resp
+        }
+        Noted::Store(stored, answer) => {
+            let committed = held
+                .store
+                .complete_and_commit(tx, &held.scope, &held.key, &held.token, &stored)
+                .await;
+            match committed {
+                Ok(true) => answer,
+                Ok(false) => {
+                    LayerStats::count(&held.stats.claims_lost);
+                    IdempotencyRejection::ClaimNotHeld.into_response()
+                }
+                Err(e) => IdempotencyRejection::NotCommitted(e).into_response(),
+            }
         }
     }
 }
@@ -464,6 +638,31 @@ enum Decision {
         answer: Response,
         omitted: Option<axum::Error>,
     },
+}
+
+/// A [`Decision`] once an omitted body is counted.
+enum Noted {
+    /// Release the key and answer this.
+    Release(Response),
+    /// Store the response and answer the second.
+    Store(StoredResponse, Response),
+}
+
+impl Decision {
+    /// What to do, with an omitted body counted and logged.
+    fn noted(self, stats: &LayerStats) -> Noted {
+        match self {
+            Decision::Release(resp) => Noted::Release(resp),
+            Decision::Store {
+                stored,
+                answer,
+                omitted,
+            } => {
+                note_omitted(stats, omitted, stored.status);
+                Noted::Store(stored, answer)
+            }
+        }
+    }
 }
 
 fn decide(mut parts: axum::http::response::Parts, body: Result<Bytes, axum::Error>) -> Decision {
@@ -585,6 +784,92 @@ impl<S: IdempotencyStore> Held<S> {
                 tracing::warn!(error = %e, "releasing an idempotency key after a server error")
             }
         }
+    }
+}
+
+/// The open database transaction of a request under [`Idempotency::transactional_layer`]: the
+/// key's claim is in it, the handler's writes go in it, and the layer stores the response in it
+/// and commits, so the effect and the key's completion are one commit.
+///
+/// Extract it in the handler, [`take`](KeyTransaction::take) the transaction, write in it and
+/// [`put it back`](KeyTransaction::put_back) before answering:
+///
+/// ```no_run
+/// use idem_http::KeyTransaction;
+/// # async fn award(tx: KeyTransaction<sqlx::Transaction<'static, sqlx::Sqlite>>) -> axum::http::StatusCode {
+/// let Some(mut t) = tx.take() else { return axum::http::StatusCode::INTERNAL_SERVER_ERROR };
+/// let written = sqlx::query("INSERT INTO awards (points) VALUES (1)").execute(&mut *t).await;
+/// tx.put_back(t);
+/// if written.is_ok() { axum::http::StatusCode::CREATED } else { axum::http::StatusCode::SERVICE_UNAVAILABLE }
+/// # }
+/// ```
+///
+/// A 5xx answer rolls the writes back with the claim (a retry executes again), any other answer
+/// commits them with the stored response; a failed commit is answered 503 and a retry replays
+/// or executes, never both. A transaction not put back was dropped, and with it the claim and
+/// the writes: the layer answers 500 and stores nothing. A handler routed without the
+/// transactional layer finds no transaction: the extractor refuses the request (500) before it
+/// runs.
+pub struct KeyTransaction<T>(Arc<std::sync::Mutex<Option<T>>>);
+
+impl<T> Clone for KeyTransaction<T> {
+    fn clone(&self) -> Self {
+        KeyTransaction(Arc::clone(&self.0))
+    }
+}
+
+impl<T> std::fmt::Debug for KeyTransaction<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyTransaction(..)")
+    }
+}
+
+impl<T: Send + 'static> KeyTransaction<T> {
+    fn new(tx: T) -> Self {
+        KeyTransaction(Arc::new(std::sync::Mutex::new(Some(tx))))
+    }
+
+    /// Takes the transaction for the handler's writes; `None` when it is taken already.
+    pub fn take(&self) -> Option<T> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Gives the transaction back, for the layer to store the response in it and commit.
+    pub fn put_back(&self, tx: T) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+    }
+}
+
+/// Why a handler could not get its [`KeyTransaction`]: the route is not behind
+/// [`Idempotency::transactional_layer`] (a server configuration error, answered 500).
+#[derive(Debug)]
+pub struct NoKeyTransaction;
+
+impl IntoResponse for NoKeyTransaction {
+    fn into_response(self) -> Response {
+        tracing::error!(
+            "a handler asked for a KeyTransaction on a route without Idempotency::transactional_layer"
+        );
+        problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "No transaction",
+            "the route expects the idempotency layer's transaction but is not behind the transactional layer; nothing was executed",
+        )
+    }
+}
+
+impl<T: Send + 'static, St: Send + Sync> axum::extract::FromRequestParts<St> for KeyTransaction<T> {
+    type Rejection = NoKeyTransaction;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &St,
+    ) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<KeyTransaction<T>>()
+            .cloned()
+            .ok_or(NoKeyTransaction)
     }
 }
 

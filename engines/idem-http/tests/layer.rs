@@ -514,3 +514,206 @@ on_both_stores! {
     a_lost_claim_changes_nothing_and_is_counted_on_sqlite, a_lost_claim_changes_nothing_and_is_counted_on_postgres => a_request_that_lost_its_claim_changes_nothing_and_is_counted;
     an_oversized_success_is_replayed_on_sqlite, an_oversized_success_is_replayed_on_postgres => an_oversized_success_is_replayed_not_executed_again;
 }
+
+// ---- the transactional layer: claim, handler's writes and response in one transaction ------
+
+use idem_http::KeyTransaction;
+
+#[derive(Clone, Default)]
+struct TxApp {
+    /// The first execution panics after its write (a fault between the award and the key's
+    /// completion).
+    panic_first: Arc<std::sync::atomic::AtomicBool>,
+    /// The first execution answers 503 after its write.
+    fail_first: Arc<std::sync::atomic::AtomicBool>,
+    /// Set: every execution signals here after its write and never answers (a server killed
+    /// between the award and the completion).
+    hold: Option<Arc<std::sync::Mutex<std::sync::mpsc::Sender<()>>>>,
+}
+
+/// A transactional award handler over database `$db`: writes one `tx_awards` row in the layer's
+/// transaction, then does what the [`TxApp`] says.
+macro_rules! tx_award {
+    ($name:ident, $db:ty) => {
+        async fn $name(
+            tx: KeyTransaction<sqlx::Transaction<'static, $db>>,
+            State(app): State<TxApp>,
+            body: String,
+        ) -> (StatusCode, String) {
+            let mut t = tx.take().unwrap();
+            sqlx::query("INSERT INTO tx_awards (body) VALUES ($1)")
+                .bind(body.clone())
+                .execute(&mut *t)
+                .await
+                .unwrap();
+            if app.panic_first.swap(false, Ordering::SeqCst) {
+                panic!("the server fails between the award and the key's completion");
+            }
+            tx.put_back(t);
+            if let Some(hold) = &app.hold {
+                hold.lock().unwrap().send(()).unwrap();
+                std::future::pending::<()>().await;
+            }
+            if app.fail_first.swap(false, Ordering::SeqCst) {
+                return (StatusCode::SERVICE_UNAVAILABLE, "try later".to_owned());
+            }
+            (StatusCode::CREATED, format!(r#"{{"awarded":{body}}}"#))
+        }
+    };
+}
+tx_award!(tx_award_sqlite, sqlx::Sqlite);
+tx_award!(tx_award_postgres, sqlx::Postgres);
+
+fn tx_router<S: idem_core::idempotency::TransactionalKeyStore, H, T>(
+    keys: S,
+    handler: H,
+    app: TxApp,
+) -> Router
+where
+    H: axum::handler::Handler<T, TxApp>,
+    T: 'static,
+{
+    Router::new()
+        .route("/awards", post(handler))
+        .route_layer(Idempotency::new(keys, IdempotencyConfig::default()).transactional_layer())
+        .route_layer(axum::middleware::from_fn(authenticate))
+        .with_state(app)
+}
+
+async fn tx_awards<B: Backend>(b: &B) -> i64 {
+    b.scalar("SELECT count(*) FROM tx_awards").await
+}
+
+async fn with_tx_table<B: Backend>(b: B) -> B {
+    b.exec("CREATE TABLE tx_awards (body text NOT NULL)")
+        .await
+        .unwrap();
+    b
+}
+
+/// The write commits with the stored response: one row, and the retry is a replay.
+async fn writes_commit_with_the_key<B: Backend>(b: &B, router: &Router) {
+    let first = call(router, req("a", &["\"t1\""], r#"{"points":5}"#)).await;
+    assert_eq!((first.0, first.1.as_deref()), (StatusCode::CREATED, None));
+    let again = call(router, req("a", &["\"t1\""], r#"{"points":5}"#)).await;
+    assert_eq!(again.0, StatusCode::CREATED);
+    assert_eq!(again.1.as_deref(), Some("true"));
+    assert_eq!(again.2, first.2);
+    assert_eq!(tx_awards(b).await, 1);
+    let other = call(router, req("a", &["\"t1\""], r#"{"points":6}"#)).await;
+    assert_eq!(other.0, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(tx_awards(b).await, 1);
+}
+
+/// A panic after the write (before the key's completion) rolls both back: nothing is awarded,
+/// the key is free, and the retry awards once. With the plain layer the write had committed
+/// and the retry awarded again.
+async fn a_panic_between_write_and_completion_rolls_both_back<B: Backend>(b: &B, router: &Router) {
+    let first = call(router, req("a", &["\"t2\""], r#"{"points":7}"#)).await;
+    assert_eq!(first.0, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        tx_awards(b).await,
+        0,
+        "the award rolled back with the claim"
+    );
+    let retry = call(router, req("a", &["\"t2\""], r#"{"points":7}"#)).await;
+    assert_eq!((retry.0, retry.1.as_deref()), (StatusCode::CREATED, None));
+    let replay = call(router, req("a", &["\"t2\""], r#"{"points":7}"#)).await;
+    assert_eq!(replay.1.as_deref(), Some("true"));
+    assert_eq!(tx_awards(b).await, 1);
+}
+
+/// A 5xx rolls the write back with the claim; the retry executes.
+async fn a_server_error_rolls_the_write_back<B: Backend>(b: &B, router: &Router) {
+    let first = call(router, req("a", &["\"t3\""], r#"{"points":8}"#)).await;
+    assert_eq!(first.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(tx_awards(b).await, 0);
+    let retry = call(router, req("a", &["\"t3\""], r#"{"points":8}"#)).await;
+    assert_eq!(retry.0, StatusCode::CREATED);
+    assert_eq!(tx_awards(b).await, 1);
+}
+
+#[tokio::test]
+async fn a_transactional_handler_s_writes_commit_with_its_key_on_sqlite() {
+    let lite = with_tx_table(Lite::new().await).await;
+    let router = tx_router(lite.keys(), tx_award_sqlite, TxApp::default());
+    writes_commit_with_the_key(&lite, &router).await;
+}
+
+#[tokio::test]
+async fn a_transactional_handler_s_writes_commit_with_its_key_on_postgres() {
+    let pg = with_tx_table(Pg::new().await).await;
+    let router = tx_router(pg.keys(), tx_award_postgres, TxApp::default());
+    writes_commit_with_the_key(&pg, &router).await;
+}
+
+#[tokio::test]
+async fn a_fault_between_the_award_and_the_key_s_completion_awards_once_on_sqlite() {
+    let lite = with_tx_table(Lite::new().await).await;
+    let app = TxApp::default();
+    app.panic_first.store(true, Ordering::SeqCst);
+    let router = tx_router(lite.keys(), tx_award_sqlite, app);
+    a_panic_between_write_and_completion_rolls_both_back(&lite, &router).await;
+}
+
+#[tokio::test]
+async fn a_fault_between_the_award_and_the_key_s_completion_awards_once_on_postgres() {
+    let pg = with_tx_table(Pg::new().await).await;
+    let app = TxApp::default();
+    app.panic_first.store(true, Ordering::SeqCst);
+    let router = tx_router(pg.keys(), tx_award_postgres, app);
+    a_panic_between_write_and_completion_rolls_both_back(&pg, &router).await;
+}
+
+#[tokio::test]
+async fn a_server_error_rolls_the_transactional_write_back_on_sqlite() {
+    let lite = with_tx_table(Lite::new().await).await;
+    let app = TxApp::default();
+    app.fail_first.store(true, Ordering::SeqCst);
+    let router = tx_router(lite.keys(), tx_award_sqlite, app);
+    a_server_error_rolls_the_write_back(&lite, &router).await;
+}
+
+#[tokio::test]
+async fn a_server_error_rolls_the_transactional_write_back_on_postgres() {
+    let pg = with_tx_table(Pg::new().await).await;
+    let app = TxApp::default();
+    app.fail_first.store(true, Ordering::SeqCst);
+    let router = tx_router(pg.keys(), tx_award_postgres, app);
+    a_server_error_rolls_the_write_back(&pg, &router).await;
+}
+
+/// The server is killed (its runtime dropped) after the award is written, before the key's
+/// completion: on the same file afterwards there is no award and the key is free, and the
+/// retry awards once.
+#[test]
+fn a_server_killed_between_the_award_and_the_completion_leaves_neither_on_sqlite() {
+    let main = tokio::runtime::Runtime::new().unwrap();
+    let lite = main.block_on(async { with_tx_table(Lite::new().await).await });
+    let url = format!("sqlite://{}", lite.path().display());
+    let tables = lite.tables().clone();
+    let (held, written) = std::sync::mpsc::channel();
+    let server = tokio::runtime::Runtime::new().unwrap();
+    let keys = server.block_on(async {
+        let pool = idem_sqlite::connect(&url).await.unwrap();
+        idem_sqlite::SqliteKeyStore::new(pool, tables.clone())
+    });
+    let app = TxApp {
+        hold: Some(Arc::new(std::sync::Mutex::new(held))),
+        ..TxApp::default()
+    };
+    let router = tx_router(keys, tx_award_sqlite, app);
+    server.spawn(async move { call(&router, req("a", &["\"t4\""], r#"{"points":9}"#)).await });
+    written.recv().unwrap();
+    // The kill: every task of the server is dropped where it stands.
+    server.shutdown_background();
+    main.block_on(async {
+        assert_eq!(tx_awards(&lite).await, 0, "the award died with the server");
+        let pool = idem_sqlite::connect(&url).await.unwrap();
+        let keys = idem_sqlite::SqliteKeyStore::new(pool, tables);
+        let router = tx_router(keys, tx_award_sqlite, TxApp::default());
+        let retry = call(&router, req("a", &["\"t4\""], r#"{"points":9}"#)).await;
+        assert_eq!((retry.0, retry.1.as_deref()), (StatusCode::CREATED, None));
+        assert_eq!(tx_awards(&lite).await, 1);
+    });
+}

@@ -21,9 +21,10 @@ use axum::middleware::{Next, from_fn, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use idem_core::TableNames;
 use idem_core::idempotency::IdempotencyStore;
-use idem_http::{ClientScope, Idempotency, IdempotencyConfig};
-use idem_sql::{Dialect, Statement, with_pool};
+use idem_http::{ClientScope, Idempotency, IdempotencyConfig, KeyTransaction};
+use idem_sql::{Dialect, KeyStore, Statement, with_pool};
 
 /// The points database, PostgreSQL or SQLite (`PointsDb::Postgres(pool)`,
 /// `PointsDb::Sqlite(pool)`).
@@ -85,15 +86,22 @@ fn require_client(headers: &HeaderMap) -> Result<String, Box<Response>> {
 /// award and the layer storing the response, a retry that takes the key over after the lock
 /// expires finds the award and answers with it instead of awarding twice.
 async fn award(state: State<PointsDb>, headers: HeaderMap, req: Json<AwardRequest>) -> Response {
+    match key_of(&headers) {
+        Ok(key) => store_award(state, headers, req, Some(key)).await,
+        Err(r) => *r,
+    }
+}
+
+/// The request's Idempotency-Key, or the answer refusing it.
+fn key_of(headers: &HeaderMap) -> Result<String, Box<Response>> {
     let values: Vec<&[u8]> = headers
         .get_all(idem_http::IDEMPOTENCY_KEY)
         .iter()
         .map(|v| v.as_bytes())
         .collect();
-    match idem_core::idempotency::IdempotencyKey::from_header_values(&values) {
-        Ok(key) => store_award(state, headers, req, Some(key.as_str().to_owned())).await,
-        Err(e) => problem(StatusCode::BAD_REQUEST, e.to_string()),
-    }
+    idem_core::idempotency::IdempotencyKey::from_header_values(&values)
+        .map(|key| key.as_str().to_owned())
+        .map_err(|e| Box::new(problem(StatusCode::BAD_REQUEST, e.to_string())))
 }
 
 /// `POST /keyless/awards`: the same award, ignoring any key (the stand-in for a remote without
@@ -106,23 +114,66 @@ async fn award_keyless(
     store_award(state, headers, req, None).await
 }
 
+/// The client of a valid award request, or the answer refusing it.
+fn checked(headers: &HeaderMap, req: &AwardRequest) -> Result<String, Box<Response>> {
+    let client = require_client(headers)?;
+    if req.points <= 0 || req.order_id.is_empty() || req.payment_id.is_empty() {
+        return Err(Box::new(problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "order_id and payment_id must be set and points positive",
+        )));
+    }
+    Ok(client)
+}
+
 async fn store_award(
     State(db): State<PointsDb>,
     headers: HeaderMap,
     Json(req): Json<AwardRequest>,
     key: Option<String>,
 ) -> Response {
-    let client = match require_client(&headers) {
+    let client = match checked(&headers, &req) {
         Ok(c) => c,
         Err(r) => return *r,
     };
-    if req.points <= 0 || req.order_id.is_empty() || req.payment_id.is_empty() {
-        return problem(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "order_id and payment_id must be set and points positive",
-        );
-    }
-    let id = with_pool!(&db, p => insert_award(p, &client, &req, key.as_deref()).await);
+    let id = with_pool!(&db, p => insert_award_pooled(p, &client, &req, key.as_deref()).await);
+    awarded(id, client, req)
+}
+
+/// `POST /awards` under [`transactional_router`]: the award is written in the transaction of
+/// the key's claim, which the Idempotency-Key layer commits with the stored response.
+///
+/// Boxed: axum proves the handler's future `Send` for every lifetime, which fails for the
+/// transaction's guard unless the future is boxed here, where its lifetimes are known.
+#[allow(clippy::type_complexity)]
+fn award_in_transaction<DB: Dialect>(
+    tx: KeyTransaction<sqlx::Transaction<'static, DB>>,
+    headers: HeaderMap,
+    Json(req): Json<AwardRequest>,
+) -> std::pin::Pin<Box<dyn Future<Output = Response> + Send>> {
+    Box::pin(async move {
+        let key = match key_of(&headers) {
+            Ok(k) => k,
+            Err(r) => return *r,
+        };
+        let client = match checked(&headers, &req) {
+            Ok(c) => c,
+            Err(r) => return *r,
+        };
+        let Some(mut t) = tx.take() else {
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the request's transaction is gone",
+            );
+        };
+        let id = insert_award::<DB>(&mut t, &client, &req, Some(&key)).await;
+        tx.put_back(t);
+        awarded(id, client, req)
+    })
+}
+
+/// The answer to a stored (or found) award, or to a failure to store it.
+fn awarded(id: Result<i64, sqlx::Error>, client: String, req: AwardRequest) -> Response {
     match id {
         Ok(award_id) => (
             StatusCode::CREATED,
@@ -145,15 +196,29 @@ async fn store_award(
     }
 }
 
-/// Stores the award, or finds the one stored under the same (client, key): its id.
-async fn insert_award<DB: Dialect>(
+/// [`insert_award`] on a connection of `pool`.
+async fn insert_award_pooled<DB: Dialect>(
     pool: &sqlx::Pool<DB>,
     client: &str,
     req: &AwardRequest,
     key: Option<&str>,
 ) -> Result<i64, sqlx::Error> {
     let mut c = pool.acquire().await?;
-    let inserted = Statement::<DB>::new(
+    insert_award::<DB>(&mut c, client, req, key).await
+}
+
+/// Stores the award, or finds the one stored under the same (client, key): its id.
+///
+/// Boxed: a future generic over the dialect, awaited in an axum handler generic over it, must
+/// be `Send` for every lifetime of its borrows, which the compiler proves only for a boxed one.
+fn insert_award<'a, DB: Dialect>(
+    c: &'a mut DB::Connection,
+    client: &'a str,
+    req: &'a AwardRequest,
+    key: Option<&'a str>,
+) -> std::pin::Pin<Box<dyn Future<Output = Result<i64, sqlx::Error>> + Send + 'a>> {
+    Box::pin(async move {
+        let inserted = Statement::<DB>::new(
         "INSERT INTO points_awards (client, order_id, payment_id, points, idem_key) VALUES ($1, $2, $3, $4, $5) \
          ON CONFLICT (client, idem_key) DO NOTHING RETURNING id",
     )
@@ -162,20 +227,21 @@ async fn insert_award<DB: Dialect>(
     .bind(req.payment_id.as_str())
     .bind(req.points)
     .bind(key)
-    .fetch_optional(&mut c)
+    .fetch_optional(&mut *c)
     .await?;
-    let row = match inserted {
-        Some(row) => row,
-        None => {
-            Statement::<DB>::new("SELECT id FROM points_awards WHERE client = $1 AND idem_key = $2")
-                .bind(client)
-                .bind(key)
-                .fetch_optional(&mut c)
-                .await?
-                .ok_or(sqlx::Error::RowNotFound)?
-        }
-    };
-    idem_sql::get::<DB, i64>(&row, "id")
+        let row = match inserted {
+            Some(row) => row,
+            None => Statement::<DB>::new(
+                "SELECT id FROM points_awards WHERE client = $1 AND idem_key = $2",
+            )
+            .bind(client)
+            .bind(key)
+            .fetch_optional(c)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)?,
+        };
+        idem_sql::get::<DB, i64>(&row, "id")
+    })
 }
 
 /// The awards of `payment_id` for `client` that are not reversed.
@@ -290,6 +356,33 @@ pub fn router<S: IdempotencyStore>(db: PointsDb, keys: S, config: IdempotencyCon
     build(db, keys, config, None)
 }
 
+/// [`router`] with `POST /awards` written in the transaction of its key's claim
+/// ([`Idempotency::transactional_layer`] over the key store in `db`'s `tables`): the award and
+/// its key's completion commit together (one commit per award), so a crash between them cannot
+/// leave an award under an in-flight key.
+pub fn transactional_router(
+    db: PointsDb,
+    tables: &TableNames,
+    config: IdempotencyConfig,
+) -> Router {
+    // Each dialect named: axum proves a handler `Send` only for a concrete database.
+    let awards: Router<PointsDb> = match &db {
+        PointsDb::Postgres(p) => {
+            let keys = KeyStore::new(p.clone(), tables.clone());
+            Router::new()
+                .route("/awards", post(award_in_transaction::<sqlx::Postgres>))
+                .route_layer(Idempotency::new(keys, config).transactional_layer())
+        }
+        PointsDb::Sqlite(p) => {
+            let keys = KeyStore::new(p.clone(), tables.clone());
+            Router::new()
+                .route("/awards", post(award_in_transaction::<sqlx::Sqlite>))
+                .route_layer(Idempotency::new(keys, config).transactional_layer())
+        }
+    };
+    finish(awards, db, Router::new())
+}
+
 /// [`router`] with the lab options of the test harness: every keyed award waits
 /// [`Lab::award_delay`] inside the Idempotency-Key layer before it is stored (a points API slower
 /// than its key lock), and the lab counts executions of one key that overlap in time —
@@ -324,8 +417,17 @@ fn build<S: IdempotencyStore>(
         }
         None => (awards, Router::new()),
     };
+    finish(
+        awards.route_layer(Idempotency::new(keys, config).layer()),
+        db,
+        lab_routes,
+    )
+}
+
+/// The keyed awards (behind their Idempotency-Key layer) behind authentication, with the other
+/// routes.
+fn finish(awards: Router<PointsDb>, db: PointsDb, lab_routes: Router) -> Router {
     awards
-        .route_layer(Idempotency::new(keys, config).layer())
         .route_layer(from_fn(authenticate))
         .route("/keyless/awards", post(award_keyless))
         .route("/awards/by-payment/{payment_id}", get(by_payment))

@@ -9,7 +9,7 @@ use std::time::Duration;
 use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_core::idempotency::IdempotencyStore;
 use idem_http::IdempotencyConfig;
-use idem_reference::points::{Award, Lab, PointsDb, lab_router, router};
+use idem_reference::points::{Award, Lab, PointsDb, lab_router, router, transactional_router};
 use tower::ServiceExt;
 
 async fn send(
@@ -79,6 +79,41 @@ async fn one_award_per_key_replayed_to_retries_and_visible_to_the_probe() {
         lite.keys(),
         IdempotencyConfig::default(),
     );
+    one_award_per_key(&app).await;
+}
+
+/// The transactional router (the award and its key's completion in one transaction, as the
+/// demo serves it) keeps every promise of the plain one.
+#[tokio::test]
+async fn the_transactional_router_awards_once_per_key_on_sqlite() {
+    let lite = Lite::new().await;
+    let pool = points_db(&lite).await;
+    let app = transactional_router(
+        PointsDb::Sqlite(pool),
+        lite.tables(),
+        IdempotencyConfig::default(),
+    );
+    one_award_per_key(&app).await;
+}
+
+#[tokio::test]
+async fn the_transactional_router_awards_once_per_key_on_postgres() {
+    let pg = Pg::new().await;
+    idem_reference::ensure_schema_postgres(pg.pool())
+        .await
+        .unwrap();
+    let app = transactional_router(
+        PointsDb::Postgres(pg.pool().clone()),
+        pg.tables(),
+        IdempotencyConfig::default(),
+    );
+    one_award_per_key(&app).await;
+}
+
+/// One award per key, replayed to retries, refused without a key or with another request,
+/// and visible to the probe of its client only.
+async fn one_award_per_key(app: &axum::Router) {
+    let app = app.clone();
     let body = r#"{"order_id":"order-1","payment_id":"pay-1","points":12}"#;
     let key = "\"event-01936f5e-4c1a-7d55-9a51-0cc0f0d4a7e2-points.award\"";
     let first = send(&app, "settlement", Some(key), body).await;

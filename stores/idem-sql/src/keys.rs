@@ -3,10 +3,11 @@
 use std::time::Duration;
 
 use idem_core::idempotency::{
-    ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, StoredResponse,
+    ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, StoredResponse, TransactionalKeyStore,
+    TxClaim,
 };
 use idem_core::{Error, Result, TableNames};
-use sqlx::Pool;
+use sqlx::{Pool, Transaction};
 
 use crate::Dialect;
 use crate::dialect::{Now, Stmt, get};
@@ -28,19 +29,42 @@ impl<DB: Dialect> KeyStore<DB> {
         KeyStore(Handle::new(pool, &tables))
     }
 
-    /// The key as stored, for a claim that found it taken.
-    async fn existing(
+    /// Claims the key on `c` (one statement); true when this caller holds the claim.
+    async fn claim_on(
         &self,
+        c: &mut DB::Connection,
+        (scope, key, fingerprint): (&str, &IdempotencyKey, &str),
+        (lock, retention): (Duration, Duration),
+        token: &ClaimToken,
+    ) -> Result<bool> {
+        let now = Now::read();
+        Stmt::<DB>::new(&self.0.queries.key_claim)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(fingerprint)
+            .after(now, lock)
+            .after(now, retention)
+            .bind(token.as_str())
+            .now(now)
+            .fetch_optional(c)
+            .await
+            .map(|row| row.is_some())
+            .map_err(|e| Error::database("claiming an idempotency key", e))
+    }
+
+    /// The key as stored, read on `c`, for a claim that found it taken.
+    async fn existing_on(
+        &self,
+        c: &mut DB::Connection,
         scope: &str,
         key: &IdempotencyKey,
         fingerprint: &str,
     ) -> Result<KeyClaim> {
         let context = "reading an idempotency key";
-        let mut c = self.0.conn(context).await?;
         let row = Stmt::<DB>::new(&self.0.queries.key_get)
             .bind(scope)
             .bind(key.as_str())
-            .fetch_optional(&mut c)
+            .fetch_optional(c)
             .await
             .map_err(|e| Error::database(context, e))?;
         let Some(row) = row else {
@@ -62,6 +86,28 @@ impl<DB: Dialect> KeyStore<DB> {
             fingerprint,
             Some((code, &headers, body)),
         ))
+    }
+
+    /// Stores `response` on `c` for the claim `token` holds; false when it is not held.
+    async fn complete_on(
+        &self,
+        c: &mut DB::Connection,
+        (scope, key): (&str, &IdempotencyKey),
+        token: &ClaimToken,
+        response: &StoredResponse,
+    ) -> Result<bool> {
+        let headers = serde_json::to_string(&response.headers).unwrap_or_else(|_| "[]".to_owned());
+        Stmt::<DB>::new(&self.0.queries.key_complete)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(i32::from(response.status))
+            .bind(headers)
+            .bind(response.body.as_slice())
+            .bind(token.as_str())
+            .execute(c)
+            .await
+            .map(|n| n == 1)
+            .map_err(|e| Error::database("storing an idempotent response", e))
     }
 }
 
@@ -94,26 +140,16 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
         lock: Duration,
         retention: Duration,
     ) -> Result<KeyClaim> {
-        let context = "claiming an idempotency key";
-        let now = Now::read();
         let token = ClaimToken::random();
-        let mut c = self.0.conn(context).await?;
-        let claimed = Stmt::<DB>::new(&self.0.queries.key_claim)
-            .bind(scope)
-            .bind(key.as_str())
-            .bind(fingerprint)
-            .after(now, lock)
-            .after(now, retention)
-            .bind(token.as_str())
-            .now(now)
-            .fetch_optional(&mut c)
-            .await
-            .map_err(|e| Error::database(context, e))?;
-        drop(c);
-        if claimed.is_some() {
+        let mut c = self.0.conn("claiming an idempotency key").await?;
+        let ids = (scope, key, fingerprint);
+        if self
+            .claim_on(&mut c, ids, (lock, retention), &token)
+            .await?
+        {
             return Ok(KeyClaim::New(token));
         }
-        self.existing(scope, key, fingerprint).await
+        self.existing_on(&mut c, scope, key, fingerprint).await
     }
 
     async fn renew(
@@ -143,20 +179,9 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
         token: &ClaimToken,
         response: &StoredResponse,
     ) -> Result<bool> {
-        let context = "storing an idempotent response";
-        let headers = serde_json::to_string(&response.headers).unwrap_or_else(|_| "[]".to_owned());
-        let mut c = self.0.conn(context).await?;
-        Stmt::<DB>::new(&self.0.queries.key_complete)
-            .bind(scope)
-            .bind(key.as_str())
-            .bind(i32::from(response.status))
-            .bind(headers)
-            .bind(response.body.as_slice())
-            .bind(token.as_str())
-            .execute(&mut c)
+        let mut c = self.0.conn("storing an idempotent response").await?;
+        self.complete_on(&mut c, (scope, key), token, response)
             .await
-            .map(|n| n == 1)
-            .map_err(|e| Error::database(context, e))
     }
 
     async fn release(&self, scope: &str, key: &IdempotencyKey, token: &ClaimToken) -> Result<bool> {
@@ -180,6 +205,70 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
             .execute(&mut c)
             .await
             .map_err(|e| Error::database(context, e))
+    }
+}
+
+impl<DB: Dialect> TransactionalKeyStore for KeyStore<DB> {
+    type Transaction = Transaction<'static, DB>;
+
+    /// `BEGIN` on PostgreSQL (a concurrent claim of the key waits on its row), `BEGIN
+    /// IMMEDIATE` on SQLite (the write lock is taken up front, so the busy timeout applies).
+    async fn claim_in_transaction(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        fingerprint: &str,
+        lock: Duration,
+        retention: Duration,
+    ) -> Result<TxClaim<Self::Transaction>> {
+        let mut tx = DB::begin_pool(&self.0.pool).await.map_err(|e| {
+            Error::database(
+                "claiming an idempotency key: starting a write transaction",
+                e,
+            )
+        })?;
+        let token = ClaimToken::random();
+        let ids = (scope, key, fingerprint);
+        if self
+            .claim_on(&mut tx, ids, (lock, retention), &token)
+            .await?
+        {
+            return Ok(TxClaim::New { tx, token });
+        }
+        let found = self.existing_on(&mut tx, scope, key, fingerprint).await;
+        let _ = tx.rollback().await;
+        Ok(match found? {
+            KeyClaim::Completed(r) => TxClaim::Completed(r),
+            KeyClaim::Mismatch => TxClaim::Mismatch,
+            KeyClaim::InFlight | KeyClaim::New(_) => TxClaim::InFlight,
+        })
+    }
+
+    async fn complete_and_commit(
+        &self,
+        mut tx: Self::Transaction,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: &ClaimToken,
+        response: &StoredResponse,
+    ) -> Result<bool> {
+        let stored = self
+            .complete_on(&mut tx, (scope, key), token, response)
+            .await;
+        if !matches!(stored, Ok(true)) {
+            let _ = tx.rollback().await;
+            return stored;
+        }
+        tx.commit()
+            .await
+            .map_err(|e| Error::database("committing an idempotent request", e))?;
+        Ok(true)
+    }
+
+    async fn roll_back(&self, tx: Self::Transaction) {
+        if let Err(e) = tx.rollback().await {
+            tracing::warn!(error = %e, "rolling back an idempotent request");
+        }
     }
 }
 

@@ -73,6 +73,8 @@ pub use writer::Outbox;
 pub use postgres::connect as connect_postgres;
 #[cfg(feature = "sqlite")]
 pub use sqlite::connect as connect_sqlite;
+#[cfg(feature = "sqlite")]
+pub use sqlite::connect_with_pool_size as connect_sqlite_with_pool_size;
 
 /// `url` without its password, for messages.
 pub fn redact(url: &str) -> String {

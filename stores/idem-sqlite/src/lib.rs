@@ -29,7 +29,10 @@
 use idem_core::{Result, TableNames};
 use sqlx::{Sqlite, SqlitePool};
 
-pub use idem_sql::{MigrationReport, connect_sqlite as connect};
+pub use idem_sql::{
+    MigrationReport, connect_sqlite as connect,
+    connect_sqlite_with_pool_size as connect_with_pool_size,
+};
 
 /// Enqueues events in the caller's transaction ([`idem_sql::Outbox`]). Cheap to clone.
 pub type Outbox = idem_sql::Outbox<Sqlite>;

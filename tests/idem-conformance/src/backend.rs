@@ -2,7 +2,7 @@
 
 use std::future::Future;
 
-use idem_core::idempotency::{EffectIntent, IdempotencyStore, IntentStore};
+use idem_core::idempotency::{EffectIntent, IntentStore, TransactionalKeyStore};
 use idem_core::{Event, InboxStore, OutboxStore, TableNames};
 use idem_postgres::{PgInbox, PgIntents, PgKeyStore, PgStore};
 use idem_sqlite::{SqliteInbox, SqliteIntents, SqliteKeyStore, SqliteStore};
@@ -15,7 +15,7 @@ pub trait Backend: Send + Sync + Sized {
     type Store: OutboxStore + Clone;
     type Tx: OpenTx;
     type Inbox: InboxStore + Clone;
-    type Keys: IdempotencyStore;
+    type Keys: TransactionalKeyStore;
     type Intents: IntentStore;
     /// Can two write transactions be open at once? (PostgreSQL yes, SQLite no.)
     const CONCURRENT_WRITERS: bool;

@@ -45,6 +45,8 @@ macro_rules! conformance_tests {
             idempotency_claims_are_fenced_by_their_token,
             a_renewed_claim_is_not_taken_over,
             concurrent_claims_of_one_key_let_exactly_one_execute,
+            a_key_claimed_in_a_transaction_commits_or_rolls_back_with_it,
+            a_claim_waits_for_the_transaction_holding_the_key,
             intents_commit_with_the_handler_and_keep_their_key,
             intents_recorded_as_a_batch_are_recorded_as_one_by_one,
             intent_outcomes_are_fenced_by_the_attempt,

@@ -769,7 +769,8 @@ pub async fn dead_letters_are_kept_once_per_record<B: Backend>(b: &B) {
 // ---- server-side idempotency keys -----------------------------------------------------------
 
 use idem_core::idempotency::{
-    ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, StoredResponse,
+    ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, StoredResponse, TransactionalKeyStore,
+    TxClaim,
 };
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -985,6 +986,137 @@ pub async fn concurrent_claims_of_one_key_let_exactly_one_execute<B: Backend>(b:
         }
     }
     assert_eq!(new, 1);
+}
+
+/// The open transaction of a claim that must be new.
+#[track_caller]
+fn new_tx<T>(c: TxClaim<T>) -> (T, ClaimToken) {
+    match c {
+        TxClaim::New { tx, token } => (tx, token),
+        TxClaim::InFlight => panic!("expected a new claim, got InFlight"),
+        TxClaim::Mismatch => panic!("expected a new claim, got Mismatch"),
+        TxClaim::Completed(r) => panic!("expected a new claim, got Completed({r:?})"),
+    }
+}
+
+/// A claim made in a transaction exists only when the transaction commits with the response:
+/// rolled back (or fenced by a wrong token) it leaves the key free; committed, it replays; a
+/// claim in flight outside a transaction is in flight for a transactional claim too.
+pub async fn a_key_claimed_in_a_transaction_commits_or_rolls_back_with_it<B: Backend>(b: &B) {
+    let keys = b.keys();
+    let k = IdempotencyKey::new("tx").unwrap();
+    let (tx, _) = new_tx(
+        keys.claim_in_transaction("c", &k, "fp", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+    );
+    keys.roll_back(tx).await;
+    let (tx, token) = new_tx(
+        keys.claim_in_transaction("c", &k, "fp", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+    );
+    let wrong = ClaimToken::random();
+    assert!(
+        !keys
+            .complete_and_commit(tx, "c", &k, &wrong, &empty(201))
+            .await
+            .unwrap(),
+        "a completion with another token is fenced and rolls back"
+    );
+    let (tx, token2) = new_tx(
+        keys.claim_in_transaction("c", &k, "fp", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+    );
+    assert_ne!(token.as_str(), token2.as_str());
+    assert!(
+        keys.complete_and_commit(tx, "c", &k, &token2, &empty(201))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        keys.claim("c", &k, "fp", MINUTE, MINUTE).await.unwrap(),
+        KeyClaim::Completed(empty(201))
+    );
+    match keys
+        .claim_in_transaction("c", &k, "fp", MINUTE, MINUTE)
+        .await
+        .unwrap()
+    {
+        TxClaim::Completed(r) => assert_eq!(r, empty(201)),
+        _ => panic!("a committed key replays"),
+    }
+    assert!(matches!(
+        keys.claim_in_transaction("c", &k, "other", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        TxClaim::Mismatch
+    ));
+    let in_flight = IdempotencyKey::new("plain").unwrap();
+    new_claim(
+        keys.claim("c", &in_flight, "fp", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+    );
+    assert!(matches!(
+        keys.claim_in_transaction("c", &in_flight, "fp", MINUTE, MINUTE)
+            .await
+            .unwrap(),
+        TxClaim::InFlight
+    ));
+}
+
+/// PostgreSQL: a second claim of a key held by an open transaction waits on the key's row,
+/// then replays the committed response (or claims the key when the first rolled back). SQLite
+/// has one writer at a time: the second transaction waits for the write lock, which the
+/// scenario above covers by running one after the other.
+pub async fn a_claim_waits_for_the_transaction_holding_the_key<B: Backend>(b: &B) {
+    if !B::CONCURRENT_WRITERS {
+        return;
+    }
+    for commit in [true, false] {
+        let keys = b.keys();
+        let k = IdempotencyKey::new(if commit { "held-c" } else { "held-r" }).unwrap();
+        let (tx, token) = new_tx(
+            keys.claim_in_transaction("c", &k, "fp", MINUTE, MINUTE)
+                .await
+                .unwrap(),
+        );
+        let waiters = b
+            .scalar("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            .await;
+        let (keys2, k2) = (keys.clone(), k.clone());
+        let second = tokio::spawn(async move {
+            keys2
+                .claim_in_transaction("c", &k2, "fp", MINUTE, MINUTE)
+                .await
+                .unwrap()
+        });
+        while b
+            .scalar("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            .await
+            <= waiters
+        {
+            tokio::task::yield_now().await;
+        }
+        assert!(!second.is_finished(), "the second claim waits on the key");
+        if commit {
+            assert!(
+                keys.complete_and_commit(tx, "c", &k, &token, &empty(201))
+                    .await
+                    .unwrap()
+            );
+            match second.await.unwrap() {
+                TxClaim::Completed(r) => assert_eq!(r, empty(201)),
+                _ => panic!("the second claim replays the committed response"),
+            }
+        } else {
+            keys.roll_back(tx).await;
+            let (tx2, _) = new_tx(second.await.unwrap());
+            keys.roll_back(tx2).await;
+        }
+    }
 }
 
 // ---- client-side effect intents -------------------------------------------------------------

@@ -48,10 +48,9 @@ pub async fn points_api(
     points: &AnyPool,
     tables: &TableNames,
 ) -> anyhow::Result<String> {
-    let store = AnyStore::open(points.clone(), tables.clone());
     let config = idem_http::IdempotencyConfig::default();
-    let app =
-        with_store!(&store, s => idem_reference::points::router(points.clone(), s.keys(), config));
+    // The award and its key's completion in one transaction: one commit per award.
+    let app = idem_reference::points::transactional_router(points.clone(), tables, config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let target = format!("http://{}/awards", listener.local_addr()?);
     let api_stop = ctl.shutdown();

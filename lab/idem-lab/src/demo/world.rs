@@ -21,6 +21,13 @@ pub struct Databases {
     pub location: String,
 }
 
+/// Connections of each SQLite file's pool, by role ([`ROLES`]): the points API's file has one, so
+/// that its award transactions (each holding the write lock from the key's claim to the commit)
+/// queue in the pool instead of sleeping in SQLite's busy handler; the others keep idem's
+/// default of four (there, with one, the order writer queued behind the relays' claims and
+/// the progress counts, and wrote fewer orders per second).
+const SQLITE_POOLS: [u32; 3] = [4, 4, 1];
+
 /// The three database roles, in the order of [`Databases::urls`].
 const ROLES: [&str; 3] = ["orders", "settlement", "points"];
 
@@ -108,10 +115,10 @@ impl Databases {
         };
         let mut pools = vec![];
         let mut urls = vec![];
-        for role in ROLES {
+        for (role, size) in ROLES.into_iter().zip(SQLITE_POOLS) {
             let file = path.join(format!("{role}-{run}.db"));
             let url = format!("sqlite://{}", file.display());
-            let pool = idem_sqlite::connect(&url).await?;
+            let pool = idem_sqlite::connect_with_pool_size(&url, size).await?;
             idem_sqlite::migrate(&pool, tables).await?;
             idem_reference::ensure_schema_sqlite(&pool).await?;
             pools.push(AnyPool::Sqlite(pool));
@@ -177,7 +184,23 @@ impl Databases {
 
 #[cfg(test)]
 mod tests {
-    use super::pg_url_with_db;
+    use super::*;
+
+    /// The points file's award transactions queue in a pool of one; the other files keep
+    /// idem's four connections.
+    #[tokio::test]
+    async fn the_points_file_has_one_connection_and_the_others_four() {
+        let dbs = Databases::create(None, None, "pools", &TableNames::default())
+            .await
+            .unwrap();
+        let size = |p: &AnyPool| match p {
+            AnyPool::Sqlite(p) => p.options().get_max_connections(),
+            AnyPool::Postgres(_) => 0,
+        };
+        let sizes = [size(&dbs.orders), size(&dbs.settlement), size(&dbs.points)];
+        dbs.cleanup(false).await.unwrap();
+        assert_eq!(sizes, [4, 4, 1]);
+    }
 
     #[test]
     fn database_names_are_swapped_into_the_server_url() {

@@ -51,8 +51,19 @@ static MIGRATIONS: Migrations = migrations!(
 pub(crate) const TS_FORMAT: &str = "%Y-%m-%dT%H:%M:%S%.3fZ";
 
 /// Opens (creating if missing) a SQLite database with the settings idem relies on: WAL
-/// journal, `synchronous=FULL` (a commit survives power loss), a 5 s busy timeout.
+/// journal, `synchronous=FULL` (a commit survives power loss), a 5 s busy timeout; a pool of 4
+/// connections.
 pub async fn connect(url: &str) -> Result<SqlitePool> {
+    connect_with_pool_size(url, 4).await
+}
+
+/// [`connect`] with a pool of `max_connections` (at least 1). SQLite has one writer at a time:
+/// writers of one process that share a pool of 1 queue in the pool, first come first served,
+/// instead of polling the write lock in SQLite's busy handler (which sleeps 1, 2, 5, 10 … ms
+/// between tries, so a waiter often wakes long after the lock was free); readers then queue
+/// too. A consumer holds a connection per partition it applies at once: keep its
+/// `partition_concurrency` at or below the pool's size.
+pub async fn connect_with_pool_size(url: &str, max_connections: u32) -> Result<SqlitePool> {
     let opts = SqliteConnectOptions::from_str(url)
         .map_err(|e| Error::Config(format!("invalid SQLite URL {url:?}: {e}")))?
         .create_if_missing(true)
@@ -60,7 +71,7 @@ pub async fn connect(url: &str) -> Result<SqlitePool> {
         .synchronous(SqliteSynchronous::Full)
         .busy_timeout(Duration::from_secs(5));
     SqlitePoolOptions::new()
-        .max_connections(4)
+        .max_connections(max_connections.max(1))
         .connect_with(opts)
         .await
         .map_err(|e| Error::database(format!("opening SQLite database {url}"), e))
