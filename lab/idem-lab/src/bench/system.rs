@@ -354,10 +354,23 @@ async fn sustained(
     c.report.figure("e2e_writers_per_s", writers);
     c.report.figure("e2e_sustained_per_s", sustained);
     let expected = pg::count(&dbs.live.orders, "orders").await?;
-    let left = Watch {
+    let label = "settled (draining what the writers left)";
+    settled_on_live(c, dbs, running, expected, label).await?;
+    Ok(sustained)
+}
+
+/// Waits until the live pair holds `target` settlements while its relay and consumer run.
+async fn settled_on_live(
+    c: &Ctx<'_>,
+    dbs: &SystemDbs<'_>,
+    running: &mut Running,
+    target: u64,
+    label: &str,
+) -> anyhow::Result<()> {
+    let settled = Watch {
         pool: &dbs.live.settle,
         what: "settlements",
-        label: "settled (draining what the writers left)",
+        label,
     };
     let mut children: Vec<&mut Child> = running
         .relay
@@ -365,8 +378,7 @@ async fn sustained(
         .chain(running.settlement.iter_mut())
         .collect();
     let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
-    wait_for(c.progress, &left, expected, &mut children, timeout, stall).await?;
-    Ok(sustained)
+    wait_for(c.progress, &settled, target, &mut children, timeout, stall).await
 }
 
 /// One order through the live pipeline, waited for: the relay publishes and the consumer has
@@ -374,18 +386,7 @@ async fn sustained(
 async fn warm_up(c: &Ctx<'_>, dbs: &SystemDbs<'_>, running: &mut Running) -> anyhow::Result<()> {
     let how = OrderWrite::Outbox(c.outbox.clone());
     pg::place_order(&dbs.live.orders, &how, "warm-", 1, c.pad).await?;
-    let settled = Watch {
-        pool: &dbs.live.settle,
-        what: "settlements",
-        label: "warm-up order settled",
-    };
-    let mut children: Vec<&mut Child> = running
-        .relay
-        .iter_mut()
-        .chain(running.settlement.iter_mut())
-        .collect();
-    let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
-    wait_for(c.progress, &settled, 1, &mut children, timeout, stall).await
+    settled_on_live(c, dbs, running, 1, "warm-up order settled").await
 }
 
 /// Starts consumer `name` (`idem ARGS`) and waits until `pool` holds a settlement per event
