@@ -52,9 +52,24 @@ pub(crate) const TS_FORMAT: &str = "%Y-%m-%dT%H:%M:%S%.3fZ";
 
 /// Opens (creating if missing) a SQLite database with the settings idem relies on: WAL
 /// journal, `synchronous=FULL` (a commit survives power loss), a 5 s busy timeout; a pool of 4
-/// connections.
+/// connections, each checked when it is released: one left inside a transaction (a future
+/// dropped half-way through sqlx's `BEGIN IMMEDIATE`) is closed, never reused with the write
+/// lock held.
 pub async fn connect(url: &str) -> Result<SqlitePool> {
     connect_with_pool_size(url, 4).await
+}
+
+/// Fails on a connection still inside a transaction (release_check.sql).
+const RELEASE_CHECK: &str = include_str!("../../sql/sqlite/release_check.sql");
+
+/// Whether a released connection may go back to the pool: not if it is still inside a
+/// transaction (the pool then closes it, which rolls the transaction back).
+fn still_usable(
+    conn: &mut SqliteConnection,
+    _: sqlx::pool::PoolConnectionMetadata,
+) -> BoxFuture<'_, sqlx::Result<bool>> {
+    let check = sqlx::Executor::execute(conn, RELEASE_CHECK);
+    Box::pin(async move { Ok(check.await.is_ok()) })
 }
 
 /// [`connect`] with a pool of `max_connections` (at least 1). SQLite has one writer at a time:
@@ -72,6 +87,7 @@ pub async fn connect_with_pool_size(url: &str, max_connections: u32) -> Result<S
         .busy_timeout(Duration::from_secs(5));
     SqlitePoolOptions::new()
         .max_connections(max_connections.max(1))
+        .after_release(still_usable)
         .connect_with(opts)
         .await
         .map_err(|e| Error::database(format!("opening SQLite database {url}"), e))
