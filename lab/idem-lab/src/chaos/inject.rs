@@ -163,9 +163,38 @@ async fn fault(
         return Ok(false);
     }
     let counted = apply(w.procs, &plan, kind, now)?;
+    timeline(w.crash_log, &counted, &plan, w.procs);
     *faults.entry(counted).or_default() += 1;
     schedule.done(now, matches!(plan, Plan::Broker { .. }), rng);
     Ok(true)
+}
+
+/// Appends the fault to `faults.log` beside the crash log: when, what, and which incarnation
+/// of which process, so that a failed run's logs say what happened when.
+fn timeline(crash_log: &Path, counted: &str, plan: &Plan, procs: &[Proc]) {
+    let target = match *plan {
+        Plan::Arm { proc, .. } | Plan::Kill { proc, .. } | Plan::Pause { proc, .. } => {
+            procs.get(proc)
+        }
+        Plan::Restart { proc } => procs.get(proc),
+        Plan::Broker { .. } | Plan::Retry { .. } => None,
+    };
+    let who = target.map_or_else(String::new, |p| {
+        format!(" {} incarnation {}", p.name, p.incarnation)
+    });
+    let line = format!(
+        "{} {counted}{who} {plan:?}\n",
+        chrono::Utc::now().format("%H:%M:%S%.3f")
+    );
+    let path = crash_log.with_file_name("faults.log");
+    let appended = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
+    if let Err(e) = appended {
+        tracing::warn!(error = %e, path = %path.display(), "cannot write the fault timeline");
+    }
 }
 
 /// Carries a plan out; returns the name the report counts it under.

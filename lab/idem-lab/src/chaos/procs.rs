@@ -76,8 +76,11 @@ impl Proc {
         let mut header = log.try_clone()?;
         let _ = writeln!(
             header,
-            "==== {} incarnation {} {:?}",
-            self.name, self.incarnation, env
+            "==== {} incarnation {} {:?} at {}",
+            self.name,
+            self.incarnation,
+            env,
+            chrono::Utc::now().format("%H:%M:%S%.3f")
         );
         cmd.stdout(log.try_clone()?)
             .stderr(log)
