@@ -106,9 +106,14 @@ pub enum ValueProblem {
     /// SQL `NULL` in a column that needs a value.
     #[error("is NULL")]
     Null,
-    /// The value does not parse as its type.
+    /// The value does not parse as its type, or is one no client can hold.
     #[error("{0}")]
     Invalid(String),
+    /// The value is not in the form the session should print: the replication session's
+    /// `DateStyle` is not `ISO`. Every row would fail the same way, so this is not the row's
+    /// fault: the relay stops instead of parking it.
+    #[error("{0} (is the replication session's DateStyle not ISO?)")]
+    NotIso(String),
 }
 
 /// A row the relay cannot decode; it parks the row by `id` with this reason.
@@ -123,6 +128,36 @@ pub struct RowError {
     pub column: &'static str,
     /// What is wrong with it.
     pub problem: ValueProblem,
+}
+
+impl RowError {
+    /// Whether the row itself is at fault, so the relay parks it; `false` when every row would
+    /// fail the same way (the session prints values in another form), so the relay stops.
+    pub fn parks(&self) -> bool {
+        !matches!(self.problem, ValueProblem::NotIso(_))
+    }
+}
+
+/// Why an inserted row did not give a record.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InsertError {
+    /// The relation is not shaped like the outbox: every row fails, the relay stops.
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    /// This row failed; see [`RowError::parks`].
+    #[error(transparent)]
+    Row(#[from] RowError),
+}
+
+/// The record for one row inserted into `relation`, the outbox table: [`OutboxColumns`]
+/// resolved for this relation each time, so that a relation the server sent again with a new
+/// shape can never be read with the old one's positions.
+pub fn decode_insert(
+    relation: &Relation,
+    values: &[Option<String>],
+) -> Result<OutboxRecord, InsertError> {
+    Ok(OutboxColumns::resolve(relation)?.decode(values)?)
 }
 
 fn show<T: std::fmt::Display>(v: &Option<T>) -> String {
@@ -254,10 +289,10 @@ impl Row<'_> {
         &self,
         index: usize,
         column: &'static str,
-        parse: fn(&str) -> Result<T, String>,
+        parse: fn(&str) -> Result<T, ValueProblem>,
     ) -> Result<T, RowError> {
         let text = self.raw(index, column)?;
-        parse(text).map_err(|reason| self.fail(column, ValueProblem::Invalid(reason)))
+        parse(text).map_err(|problem| self.fail(column, problem))
     }
 }
 
@@ -271,40 +306,45 @@ fn excerpt(text: &str) -> String {
     }
 }
 
-fn parse_i64(text: &str) -> Result<i64, String> {
+fn parse_i64(text: &str) -> Result<i64, ValueProblem> {
     text.parse()
-        .map_err(|e| format!("{} is not a bigint: {e}", excerpt(text)))
+        .map_err(|e| ValueProblem::Invalid(format!("{} is not a bigint: {e}", excerpt(text))))
 }
 
-fn parse_uuid(text: &str) -> Result<EventId, String> {
+fn parse_uuid(text: &str) -> Result<EventId, ValueProblem> {
     Uuid::parse_str(text)
         .map(EventId)
-        .map_err(|e| format!("{} is not a UUID: {e}", excerpt(text)))
+        .map_err(|e| ValueProblem::Invalid(format!("{} is not a UUID: {e}", excerpt(text))))
 }
 
-fn parse_json(text: &str) -> Result<serde_json::Value, String> {
-    serde_json::from_str(text).map_err(|e| format!("is not JSON the relay can read: {e}"))
+fn parse_json(text: &str) -> Result<serde_json::Value, ValueProblem> {
+    serde_json::from_str(text)
+        .map_err(|e| ValueProblem::Invalid(format!("is not JSON the relay can read: {e}")))
 }
 
 /// A `timestamptz` in PostgreSQL's ISO output: `YYYY-MM-DD HH:MM:SS[.ffffff]±HH[:MM[:SS]]`,
 /// the year four digits or more, ` BC` after years before 1. Every instant chrono can hold
-/// decodes to the same value the polling relay's binary decoder gives; `infinity` and
-/// `-infinity` are refused with the polling relay's words.
-pub fn parse_timestamptz(text: &str) -> Result<DateTime<Utc>, String> {
-    let bad = |why: &str| format!("{} is not a timestamptz: {why}", excerpt(text));
+/// decodes to the same value the polling relay's binary decoder gives. `infinity`,
+/// `-infinity` (with the polling relay's words) and instants chrono cannot hold are
+/// [`ValueProblem::Invalid`]; any other form is [`ValueProblem::NotIso`].
+pub fn parse_timestamptz(text: &str) -> Result<DateTime<Utc>, ValueProblem> {
+    let invalid = |why: &str| Err(ValueProblem::Invalid(why.to_owned()));
     match text {
-        "infinity" => return Err("'infinity' is not a time an event can have occurred at".into()),
-        "-infinity" => {
-            return Err("'-infinity' is not a time an event can have occurred at".into());
-        }
+        "infinity" => return invalid("'infinity' is not a time an event can have occurred at"),
+        "-infinity" => return invalid("'-infinity' is not a time an event can have occurred at"),
         _ => {}
     }
+    let bad = |why: &str| {
+        ValueProblem::NotIso(format!(
+            "{} is not an ISO timestamptz: {why}",
+            excerpt(text)
+        ))
+    };
     let (text_ad, bc) = match text.strip_suffix(" BC") {
         Some(rest) => (rest, true),
         None => (text, false),
     };
     let (date, time_zone) = text_ad.split_once(' ').ok_or_else(|| bad("no time"))?;
-    let date = parse_date(date, bc).ok_or_else(|| bad("bad date"))?;
     let split = time_zone
         .rfind(['+', '-'])
         .ok_or_else(|| bad("no UTC offset"))?;
@@ -313,10 +353,19 @@ pub fn parse_timestamptz(text: &str) -> Result<DateTime<Utc>, String> {
         .ok_or_else(|| bad("offset"))?;
     let time = parse_time(time).ok_or_else(|| bad("bad time"))?;
     let offset = parse_offset(zone).ok_or_else(|| bad("bad UTC offset"))?;
+    let out_of_range = || {
+        ValueProblem::Invalid(format!(
+            "{} is out of the range a client can hold",
+            excerpt(text)
+        ))
+    };
+    let date = parse_date(date, bc)
+        .ok_or_else(|| bad("bad date"))?
+        .ok_or_else(out_of_range)?;
     NaiveDateTime::new(date, time)
         .checked_sub_signed(offset)
         .map(|local| local.and_utc())
-        .ok_or_else(|| bad("out of the range a client can hold"))
+        .ok_or_else(out_of_range)
 }
 
 fn digits(s: &str) -> Option<u32> {
@@ -326,16 +375,27 @@ fn digits(s: &str) -> Option<u32> {
     s.parse().ok()
 }
 
-fn parse_date(date: &str, bc: bool) -> Option<NaiveDate> {
+/// `None`: not an ISO date; `Some(None)`: an ISO date chrono cannot hold.
+fn parse_date(date: &str, bc: bool) -> Option<Option<NaiveDate>> {
     let mut parts = date.split('-');
     let (y, m, d) = (parts.next()?, parts.next()?, parts.next()?);
     if parts.next().is_some() || y.len() < 4 || m.len() != 2 || d.len() != 2 {
         return None;
     }
-    let year = i32::try_from(digits(y)?).ok()?;
+    let (month, day) = (digits(m)?, digits(d)?);
+    if !(1..=12).contains(&month) || !(1..=31).contains(&day) {
+        return None;
+    }
+    let Ok(year) = i32::try_from(digits(y)?) else {
+        return Some(None);
+    };
     // 1 BC is year 0, 2 BC is year -1 (proleptic Gregorian, as chrono counts).
-    let year = if bc { 1i32.checked_sub(year)? } else { year };
-    NaiveDate::from_ymd_opt(year, digits(m)?, digits(d)?)
+    let year = if bc {
+        1i32.checked_sub(year)
+    } else {
+        Some(year)
+    };
+    Some(year.and_then(|y| NaiveDate::from_ymd_opt(y, month, day)))
 }
 
 fn parse_time(time: &str) -> Option<NaiveTime> {
@@ -479,6 +539,38 @@ mod tests {
     }
 
     #[test]
+    fn decode_insert_reads_a_relation_sent_again_with_its_new_shape() {
+        let mut d = Decoder::new();
+        d.decode(&relation_msg(7, "public", "idem_outbox", OUTBOX))
+            .unwrap();
+        let reordered: Vec<(&str, u32)> = OUTBOX.iter().rev().copied().collect();
+        d.decode(&relation_msg(7, "public", "idem_outbox", &reordered))
+            .unwrap();
+        let r = row();
+        let values: Vec<Option<&str>> = reordered
+            .iter()
+            .map(|(c, _)| r.get(c).copied().flatten())
+            .collect();
+        let Change::Insert {
+            relation: sent,
+            values,
+        } = d.decode(&insert_msg(7, &values)).unwrap()
+        else {
+            panic!("not an insert")
+        };
+        assert_eq!(decode_insert(&sent, &values), Ok(expected()));
+        let narrow: Vec<(&str, u32)> = OUTBOX.iter().skip(1).copied().collect();
+        let err = decode_insert(&relation(&narrow), &[]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                InsertError::Shape(ShapeError::MissingColumn { column: "id", .. })
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_missing_or_retyped_column_is_named() {
         for gone in ["id", "payload", "created_at", "topic"] {
             let shape: Vec<(&str, u32)> =
@@ -531,6 +623,12 @@ mod tests {
             err.to_string().contains("'infinity' is not a time"),
             "{err}"
         );
+        assert!(err.parks());
+        let mut r = row();
+        r.insert("created_at", Some("Tue Dec 01 23:51:28.586123 2026 UTC"));
+        let err = decode_with(OUTBOX, &r).unwrap_err();
+        assert!(matches!(err.problem, ValueProblem::NotIso(_)), "{err}");
+        assert!(!err.parks(), "a session setting would park every row");
         let mut r = row();
         r.insert("event_id", Some("not-a-uuid"));
         let err = decode_with(OUTBOX, &r).unwrap_err();
@@ -605,11 +703,25 @@ mod tests {
         for (text, want) in cases {
             assert_eq!(parse_timestamptz(text), Ok(want), "{text}");
         }
-        for bad in [
+        for out_of_range in [
             "infinity",
             "-infinity",
+            "294277-01-01 00:00:00+00",
+            "300000-01-01 00:00:00+00 BC",
+        ] {
+            assert!(
+                matches!(
+                    parse_timestamptz(out_of_range),
+                    Err(ValueProblem::Invalid(_))
+                ),
+                "{out_of_range:?}"
+            );
+        }
+        for bad in [
             "",
             "2026-12-01",
+            "Tue Dec 01 23:51:28.586123 2026 UTC",
+            "12/01/2026 23:51:28.586123 UTC",
             "2026-12-01 23:51:28",
             "26-12-01 23:51:28+00",
             "2026-13-01 00:00:00+00",
@@ -618,10 +730,12 @@ mod tests {
             "2026-12-01 24:00:00+00",
             "2026-12-01 23:51:28+00:00:00:00",
             "2026-12-01 23:51:28.+00",
-            "294277-01-01 00:00:00+00",
             "2026-12-01 +1:51:28+00",
         ] {
-            assert!(parse_timestamptz(bad).is_err(), "{bad:?} accepted");
+            assert!(
+                matches!(parse_timestamptz(bad), Err(ValueProblem::NotIso(_))),
+                "{bad:?}"
+            );
         }
     }
 }
