@@ -99,7 +99,8 @@ pub enum EnvelopeError {
 /// The envelope of `event`, as the `content` of `pg_logical_emit_message(true, prefix, content)`.
 ///
 /// The payload is embedded as the writer gave it (it is valid JSON, [`Event`] checked it), and
-/// `occurred_at` is written with microseconds, as PostgreSQL would store it.
+/// `occurred_at` is truncated to microseconds, the precision of a `timestamptz` (PostgreSQL
+/// rounds instead: in table mode a nanosecond part can move the stored time by 1 µs).
 pub fn encode(event: &Event) -> String {
     let mut out = String::with_capacity(256 + event.payload().len());
     out.push_str("{\"v\":");
@@ -171,13 +172,43 @@ struct Wire<'a> {
     event_type: String,
     #[serde(borrow)]
     payload: &'a RawValue,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_headers")]
     headers: BTreeMap<String, String>,
     #[serde(default)]
     topic: Option<String>,
     #[serde(default)]
     traceparent: Option<String>,
     occurred_at: String,
+}
+
+/// A JSON object of string headers in which no name appears twice ([`encode`] never writes a
+/// name twice; a plain map would keep the last copy silently).
+fn unique_headers<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<BTreeMap<String, String>, D::Error> {
+    struct Unique;
+    impl<'de> serde::de::Visitor<'de> for Unique {
+        type Value = BTreeMap<String, String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object of string headers")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((name, value)) = map.next_entry::<String, String>()? {
+                if out.contains_key(&name) {
+                    return Err(serde::de::Error::custom(format!(
+                        "header {name:?} appears twice"
+                    )));
+                }
+                out.insert(name, value);
+            }
+            Ok(out)
+        }
+    }
+    deserializer.deserialize_map(Unique)
 }
 
 /// Only the version, to tell "a newer envelope" from "not an envelope" when parsing failed.
@@ -509,6 +540,12 @@ mod tests {
             );
             assert!(ok, "{}: {got:?}", String::from_utf8_lossy(&content));
         }
+        let header_twice =
+            encode(&event()).replacen("\"headers\":{", "\"headers\":{\"n\":\"0\",", 1);
+        assert!(
+            matches!(decode(1, 2, 0, header_twice.as_bytes()), Err(EnvelopeError::Malformed(m)) if m.contains("appears twice")),
+            "{header_twice}"
+        );
         let twice = encode(&event()).replacen("\"v\":1,", "\"v\":1,\"event_type\":\"a\",", 1);
         assert!(
             matches!(decode(1, 2, 0, twice.as_bytes()), Err(EnvelopeError::Malformed(m)) if m.contains("duplicate"))
