@@ -14,6 +14,12 @@
 //! transaction with no message of the relay's (every row refused and parked, or none of ours)
 //! is confirmable as soon as everything before it is.
 //!
+//! A row or message the relay refuses instead of publishing (parked, dead-lettered) is done
+//! only once that is durable: confirming first and crashing before the park commits loses it,
+//! since the slot never sends it again. So either make the refusal durable before
+//! [`AckTracker::commit`] and leave it out of the count, or count it and report it with
+//! [`AckTracker::delivered`] when the refusal is durable.
+//!
 //! The idle rule: with no transaction open or in flight, a keepalive's `wal_end` may be
 //! confirmed ([`AckTracker::keepalive`]), so that an idle slot does not hold WAL that other
 //! tables or databases write. While a transaction is open (Begin seen, Commit not yet) or

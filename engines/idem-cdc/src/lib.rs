@@ -17,6 +17,21 @@
 //! - [`ack`]: which log position the relay may confirm to the server, so that a restart never
 //!   skips an event Kafka has not acknowledged.
 //!
+//! How the relay uses them, per replication event:
+//!
+//! ```text
+//! Begin                          → tracker.begin()
+//! XLogData(bytes)                → decoder.decode(bytes)
+//!   Insert { relation, values }  → if outbox.matches(&relation): record::decode_insert(..)
+//!                                  (Err(Row(e)) with e.parks(): park the row by e.id; else stop)
+//!   Ignored { .. }               → count it (someone altered the publication)
+//! Message { transactional: true, lsn, prefix, content } with the relay's prefix
+//!                                → kept until Commit, then envelope::decode_committed(lsn, end_lsn, ..)
+//! Commit { end_lsn, .. }         → publish the transaction's events, tracker.commit(end_lsn, n)
+//! delivery report                → tracker.delivered(txn); confirm tracker.confirmable()
+//! keepalive { wal_end }          → tracker.keepalive(wal_end); confirm tracker.confirmable()
+//! ```
+//!
 //! Delivery is at least once: a relay that stops after publishing and before confirming sends
 //! those events again after its restart, and consumers absorb the copies by `ce_id` (the inbox).
 
