@@ -600,33 +600,29 @@ pub(crate) mod tests {
 
     #[test]
     fn binary_and_unchanged_values_are_refused() {
-        let base = Enc::tag(b'I').u32(16384).u8(b'N').i16(2).text("7");
-        let binary = base.u8(b'b').i32(1).u8(0).0;
-        let err = decoder().decode(&binary).unwrap_err();
+        // A second column of kind `kind` after a text "7", with `rest` after the kind byte.
+        let second = |kind: u8, rest: &[u8]| {
+            let mut m = Enc::tag(b'I')
+                .u32(16384)
+                .u8(b'N')
+                .i16(2)
+                .text("7")
+                .u8(kind)
+                .0;
+            m.extend_from_slice(rest);
+            decoder().decode(&m).unwrap_err()
+        };
+        let err = second(b'b', &[0, 0, 0, 1, 0]);
         assert!(
             matches!(err, PgOutputError::UnsupportedValue { kind: "binary", .. }),
             "{err}"
         );
-        let toast = Enc::tag(b'I')
-            .u32(16384)
-            .u8(b'N')
-            .i16(2)
-            .text("7")
-            .u8(b'u')
-            .0;
-        let err = decoder().decode(&toast).unwrap_err();
+        let err = second(b'u', &[]);
         assert!(
             matches!(err, PgOutputError::UnsupportedValue { .. }),
             "{err}"
         );
-        let odd = Enc::tag(b'I')
-            .u32(16384)
-            .u8(b'N')
-            .i16(2)
-            .text("7")
-            .u8(b'x')
-            .0;
-        let err = decoder().decode(&odd).unwrap_err();
+        let err = second(b'x', &[]);
         assert!(
             matches!(err, PgOutputError::UnknownValueKind { byte: b'x', .. }),
             "{err}"
