@@ -23,7 +23,7 @@
 //! Begin                          → tracker.begin()
 //! XLogData(bytes)                → decoder.decode(bytes)
 //!   Insert { relation, values }  → if outbox.matches(&relation): record::decode_insert(..)
-//!                                  (Err(Row(e)) with e.parks(): park the row by e.id; else stop)
+//!                                  (Err(Row(e)): e.action() says park by e.id, skip or stop)
 //!   Ignored { .. }               → count it (someone altered the publication)
 //! Message { transactional: true, lsn, prefix, content } with the relay's prefix
 //!                                → kept until Commit, then envelope::decode_committed(lsn, end_lsn, ..)

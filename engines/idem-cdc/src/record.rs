@@ -18,7 +18,8 @@
 //! reordered columns decodes; a missing column, or one of another type than the migrations
 //! create, is a [`ShapeError`] naming it. A row the relay cannot decode is a [`RowError`]
 //! carrying the row's `id` and `event_id` when they decoded, so the relay can park that row
-//! with the reason.
+//! with the reason ([`RowError::action`]). A row inserted with a `status` other than `pending`
+//! (writers never set it) is not published, as the polling relay would never claim it.
 
 use chrono::{DateTime, NaiveDate, NaiveDateTime, NaiveTime, TimeDelta, Utc};
 use idem_core::TableNames;
@@ -114,9 +115,25 @@ pub enum ValueProblem {
     /// fault: the relay stops instead of parking it.
     #[error("{0} (is the replication session's DateStyle not ISO?)")]
     NotIso(String),
+    /// The row was inserted with a `status` other than `pending` (writers never set it): the
+    /// polling relay would not publish it either.
+    #[error("is {0:?}, not 'pending'")]
+    NotPending(String),
 }
 
-/// A row the relay cannot decode; it parks the row by `id` with this reason.
+/// What the relay does with a row that gave a [`RowError`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowAction {
+    /// Park the row by its id with the error as the reason: the row itself is at fault.
+    Park,
+    /// Publish nothing and leave the row as it is (see [`ValueProblem::NotPending`]).
+    Skip,
+    /// Stop the relay: every row would fail the same way (the session prints values in
+    /// another form), or the row's id did not decode so it cannot be parked.
+    Stop,
+}
+
+/// A row the relay cannot publish; [`RowError::action`] says what to do with it.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 #[error("outbox row {} (event {}): column {column} {problem}", show(.id), show(.event_id))]
 pub struct RowError {
@@ -131,10 +148,13 @@ pub struct RowError {
 }
 
 impl RowError {
-    /// Whether the row itself is at fault, so the relay parks it; `false` when every row would
-    /// fail the same way (the session prints values in another form), so the relay stops.
-    pub fn parks(&self) -> bool {
-        !matches!(self.problem, ValueProblem::NotIso(_))
+    /// What the relay does with this row.
+    pub fn action(&self) -> RowAction {
+        match (&self.problem, self.id) {
+            (ValueProblem::NotIso(_), _) | (_, None) => RowAction::Stop,
+            (ValueProblem::NotPending(_), Some(_)) => RowAction::Skip,
+            (ValueProblem::Null | ValueProblem::Invalid(_), Some(_)) => RowAction::Park,
+        }
     }
 }
 
@@ -145,7 +165,7 @@ pub enum InsertError {
     /// The relation is not shaped like the outbox: every row fails, the relay stops.
     #[error(transparent)]
     Shape(#[from] ShapeError),
-    /// This row failed; see [`RowError::parks`].
+    /// This row failed; see [`RowError::action`].
     #[error(transparent)]
     Row(#[from] RowError),
 }
@@ -181,6 +201,8 @@ pub struct OutboxColumns {
     traceparent: usize,
     occurred_at: usize,
     created_at: usize,
+    /// Optional: a publication's column list may leave it out.
+    status: Option<usize>,
 }
 
 impl OutboxColumns {
@@ -219,6 +241,10 @@ impl OutboxColumns {
             traceparent: find("traceparent", STRING, "text")?,
             occurred_at: find("occurred_at", &[oid::TIMESTAMPTZ], "timestamptz")?,
             created_at: find("created_at", &[oid::TIMESTAMPTZ], "timestamptz")?,
+            status: match relation.column_index("status") {
+                Some(_) => Some(find("status", STRING, "text")?),
+                None => None,
+            },
         })
     }
 
@@ -233,6 +259,11 @@ impl OutboxColumns {
         row.id = Some(id);
         let event_id = row.parse(self.event_id, "event_id", parse_uuid)?;
         row.event_id = Some(event_id);
+        if let Some(status) = self.status.and_then(|i| row.nullable(i))
+            && status != "pending"
+        {
+            return Err(row.fail("status", ValueProblem::NotPending(status)));
+        }
         let headers = row.parse(self.headers, "headers", parse_json)?;
         Ok(OutboxRecord {
             id,
@@ -623,12 +654,36 @@ mod tests {
             err.to_string().contains("'infinity' is not a time"),
             "{err}"
         );
-        assert!(err.parks());
+        assert_eq!(err.action(), RowAction::Park);
         let mut r = row();
         r.insert("created_at", Some("Tue Dec 01 23:51:28.586123 2026 UTC"));
         let err = decode_with(OUTBOX, &r).unwrap_err();
         assert!(matches!(err.problem, ValueProblem::NotIso(_)), "{err}");
-        assert!(!err.parks(), "a session setting would park every row");
+        assert_eq!(
+            err.action(),
+            RowAction::Stop,
+            "a session setting would park every row"
+        );
+        let mut r = row();
+        r.insert("status", Some("published"));
+        let err = decode_with(OUTBOX, &r).unwrap_err();
+        assert_eq!(
+            (err.column, err.action()),
+            ("status", RowAction::Skip),
+            "{err}"
+        );
+        let mut r = row();
+        r.insert("id", Some("x"));
+        assert_eq!(
+            decode_with(OUTBOX, &r).unwrap_err().action(),
+            RowAction::Stop
+        );
+        let shape: Vec<(&str, u32)> = OUTBOX
+            .iter()
+            .filter(|(c, _)| *c != "status")
+            .copied()
+            .collect();
+        assert!(decode_with(&shape, &row()).is_ok(), "status is optional");
         let mut r = row();
         r.insert("event_id", Some("not-a-uuid"));
         let err = decode_with(OUTBOX, &r).unwrap_err();
