@@ -29,10 +29,21 @@
 //! `end_lsn` of a transaction with an unacknowledged message, and never decreases.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A transaction handed to [`AckTracker::commit`]; pass it with each delivery report.
+///
+/// It names its tracker too: after a reconnection the relay starts a new tracker while the
+/// producer may still report messages of the old session, and such a late report must not
+/// count for the new session's transaction of the same number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct TxnId(u64);
+pub struct TxnId {
+    tracker: u64,
+    seq: u64,
+}
+
+/// Tells the trackers of one process apart.
+static TRACKERS: AtomicU64 = AtomicU64::new(0);
 
 /// A wrong use of the tracker: each one means the relay's bookkeeping is broken, and
 /// confirming anything after it could lose an event, so the relay stops.
@@ -55,7 +66,8 @@ pub enum AckError {
         /// The last `end_lsn` pushed or confirmed.
         previous: u64,
     },
-    /// A delivery report names a transaction that is already confirmed or was never pushed.
+    /// A delivery report names a transaction that is already confirmed, was never pushed, or
+    /// belongs to another tracker (an earlier replication session).
     #[error("a delivery report names transaction {0:?}, which is not in flight")]
     UnknownTransaction(TxnId),
     /// More delivery reports than the transaction has messages.
@@ -72,6 +84,8 @@ struct InFlight {
 /// The acknowledgement FIFO; see the [module docs](self).
 #[derive(Debug)]
 pub struct AckTracker {
+    /// This tracker's number in the process, part of every [`TxnId`] it hands out.
+    tracker: u64,
     /// Transactions not yet confirmable, in commit order; the front one has id `front_id`.
     queue: VecDeque<InFlight>,
     front_id: u64,
@@ -87,6 +101,7 @@ impl AckTracker {
     /// unknown): nothing at or before it is confirmed again.
     pub fn new(start: u64) -> Self {
         AckTracker {
+            tracker: TRACKERS.fetch_add(1, Ordering::Relaxed),
             queue: VecDeque::new(),
             front_id: 0,
             open: false,
@@ -129,8 +144,11 @@ impl AckTracker {
 
     /// Kafka acknowledged one message of `txn`.
     pub fn delivered(&mut self, txn: TxnId) -> Result<(), AckError> {
+        if txn.tracker != self.tracker {
+            return Err(AckError::UnknownTransaction(txn));
+        }
         let slot = txn
-            .0
+            .seq
             .checked_sub(self.front_id)
             .and_then(|i| usize::try_from(i).ok())
             .and_then(|i| self.queue.get_mut(i))
@@ -173,7 +191,10 @@ impl AckTracker {
 
     fn next_id(&self) -> TxnId {
         // At most u64::MAX transactions ever fit: a wrap would take centuries.
-        TxnId(self.front_id.wrapping_add(self.queue.len() as u64))
+        TxnId {
+            tracker: self.tracker,
+            seq: self.front_id.wrapping_add(self.queue.len() as u64),
+        }
     }
 
     /// Pops the fully acknowledged prefix and moves the confirmable position to its end.
@@ -274,15 +295,36 @@ mod tests {
         let c = push(&mut t, 400, 1);
         t.delivered(c).unwrap();
         assert_eq!(t.delivered(c), Err(AckError::TooManyReports(c)));
-        assert_eq!(
-            t.delivered(TxnId(99)),
-            Err(AckError::UnknownTransaction(TxnId(99)))
-        );
+        let never = TxnId {
+            tracker: b.tracker,
+            seq: 99,
+        };
+        assert_eq!(t.delivered(never), Err(AckError::UnknownTransaction(never)));
         t.delivered(b).unwrap();
         assert_eq!(t.confirmable(), 400);
         assert!(t.keepalive(500));
         t.begin().unwrap();
         assert!(matches!(t.commit(450, 0), Err(AckError::OutOfOrder { .. })));
+    }
+
+    #[test]
+    fn a_late_report_of_an_earlier_session_counts_for_nothing() {
+        let mut old = AckTracker::new(0);
+        let stale = push(&mut old, 100, 1);
+        // Reconnected: a new session, a new tracker, the same transaction again.
+        let mut new = AckTracker::new(0);
+        let again = push(&mut new, 100, 1);
+        assert_eq!(
+            new.delivered(stale),
+            Err(AckError::UnknownTransaction(stale))
+        );
+        assert_eq!(
+            new.confirmable(),
+            0,
+            "a stale report confirmed an undelivered transaction"
+        );
+        new.delivered(again).unwrap();
+        assert_eq!(new.confirmable(), 100);
     }
 
     /// Random transactions, message counts, report orders, interleaved keepalives and several
