@@ -19,6 +19,8 @@
 //! since the slot never sends it again. So either make the refusal durable before
 //! [`AckTracker::commit`] and leave it out of the count, or count it and report it with
 //! [`AckTracker::delivered`] when the refusal is durable.
+//! A message whose delivery failed is not reported: its transaction holds the position back
+//! until the relay publishes it again or restarts from the slot (which sends it again).
 //!
 //! The idle rule: with no transaction open or in flight, a keepalive's `wal_end` may be
 //! confirmed ([`AckTracker::keepalive`]), so that an idle slot does not hold WAL that other
@@ -97,8 +99,11 @@ pub struct AckTracker {
 }
 
 impl AckTracker {
-    /// A tracker for a stream that starts after `start`, the slot's confirmed position (0 when
-    /// unknown): nothing at or before it is confirmed again.
+    /// A tracker for a stream that starts after `start`: the slot's `confirmed_flush_lsn` as
+    /// read when the session started, or 0. A commit at or before it is an error
+    /// ([`AckError::OutOfOrder`]), so pass the server's value, not one remembered from an earlier
+    /// session (after a crash the server may resume from an earlier position). One tracker per
+    /// replication session.
     pub fn new(start: u64) -> Self {
         AckTracker {
             tracker: TRACKERS.fetch_add(1, Ordering::Relaxed),
