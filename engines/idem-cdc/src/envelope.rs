@@ -269,8 +269,8 @@ fn parse(content: &[u8]) -> Result<Wire<'_>, EnvelopeError> {
         Ok(wire) => Err(EnvelopeError::UnknownVersion(wire.v.to_string())),
         Err(e) => match serde_json::from_slice::<VersionOnly>(content) {
             Ok(VersionOnly { v: Some(v) }) if v != serde_json::json!(VERSION) => {
-                let mut shown = v.to_string();
-                shown.truncate(32);
+                // A short excerpt: the version may be any JSON value, of any length.
+                let shown: String = v.to_string().chars().take(32).collect();
                 Err(EnvelopeError::UnknownVersion(shown))
             }
             _ => Err(EnvelopeError::Malformed(e.to_string())),
@@ -527,6 +527,12 @@ mod tests {
             (
                 envelope(|m| {
                     m.insert("v".into(), "1".into());
+                }),
+                "version",
+            ),
+            (
+                envelope(|m| {
+                    m.insert("v".into(), "é".repeat(40).into());
                 }),
                 "version",
             ),
