@@ -29,6 +29,16 @@ pub const CRASH_POINTS: &[&str] = &[
     EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
 ];
 
+/// Crash points of the CDC relay (`idem cdc relay`), kept apart from [`CRASH_POINTS`] while
+/// the chaos runner and the demo, which fire every point of that list, run the polling relay.
+pub const CDC_CRASH_POINTS: &[&str] = &[CDC_AFTER_PUBLISH_BEFORE_CONFIRM];
+
+/// The CDC relay published a batch of whole transactions and Kafka acknowledged every message;
+/// the batch's `end_lsn` is not confirmed to the slot. Recovery: the next session streams from
+/// the slot's confirmed position, so the batch is published again (duplicates in Kafka that the
+/// consumer inbox absorbs).
+pub const CDC_AFTER_PUBLISH_BEFORE_CONFIRM: &str = "cdc.after_publish_before_confirm";
+
 /// The relay has claimed a batch but produced nothing yet. Recovery: the lease expires and
 /// another claim takes the rows again (attempt number + 1, no duplicate in Kafka).
 pub const RELAY_AFTER_CLAIM_BEFORE_PUBLISH: &str = "relay.after_claim_before_publish";
@@ -312,12 +322,14 @@ mod imp {
 fn known(name: &str) -> Result<&'static str> {
     CRASH_POINTS
         .iter()
+        .chain(CDC_CRASH_POINTS)
         .copied()
         .find(|p| *p == name)
         .ok_or_else(|| {
             Error::Config(format!(
-                "unknown crash point {name:?}; known points: {}",
-                CRASH_POINTS.join(", ")
+                "unknown crash point {name:?}; known points: {}, {}",
+                CRASH_POINTS.join(", "),
+                CDC_CRASH_POINTS.join(", ")
             ))
         })
 }

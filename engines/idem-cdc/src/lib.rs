@@ -36,6 +36,18 @@
 //! those events again after its restart, and consumers absorb the copies by `ce_id` (the inbox).
 
 pub mod ack;
+pub mod batch;
+pub mod changes;
 pub mod envelope;
+pub mod error;
+pub mod metrics;
 pub mod pgoutput;
 pub mod record;
+pub mod relay;
+pub mod session;
+pub mod slot;
+
+pub use error::CdcError;
+pub use metrics::CdcMetrics;
+pub use relay::{CdcConfig, CdcRelay, Mode};
+pub use slot::{Name, SlotState, drop_slot, slot_state};

@@ -7,6 +7,7 @@
 //! has no crash points and no negative controls: it never enables idem-core's `failpoints`
 //! feature and reads no fault from the environment.
 
+mod cdc_cmd;
 mod effects_cmd;
 mod outbox_cmd;
 mod prune_cmd;
@@ -30,6 +31,12 @@ pub enum Command {
     Migrate(DbArgs),
     /// Publish outbox rows to Kafka, at least once, in per-aggregate commit order.
     Relay(relay_cmd::RelayArgs),
+    /// The change-data-capture relay for PostgreSQL (logical replication) and its slot.
+    Cdc {
+        /// What to do.
+        #[command(subcommand)]
+        command: cdc_cmd::CdcCommand,
+    },
     /// Inspect and repair the outbox.
     Outbox {
         /// What to do with the outbox.
@@ -63,6 +70,7 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Migrate(args) => db::migrate(&args).await,
         Command::Relay(args) => relay_cmd::run(args).await,
+        Command::Cdc { command } => cdc_cmd::run(command).await,
         Command::Outbox { command } => outbox_cmd::run(command).await,
         Command::Topic { command } => topic_cmd::run(command).await,
         Command::DeadLetters(args) => dead_letters_cmd::run(args).await,

@@ -48,16 +48,8 @@ pub struct RelayArgs {
     /// CloudEvents `ce_source` (default /idem/AGGREGATE_TYPE).
     #[arg(long)]
     source: Option<String>,
-    /// librdkafka producer setting KEY=VALUE (repeatable). Settings the guarantee needs are refused.
-    #[arg(long = "producer-config", value_parser = idem_kafka::parse_setting)]
-    producer_config: Vec<(String, String)>,
-    /// Create missing topics with this many partitions (for brokers without auto-creation).
-    #[arg(long, value_parser = clap::value_parser!(i32).range(1..))]
-    create_topics: Option<i32>,
-    /// Replicas of the topics --create-topics creates (default: min(3, the cluster's brokers);
-    /// while the brokers cannot be counted, nothing is created and the batch is retried).
-    #[arg(long, requires = "create_topics", value_parser = clap::value_parser!(i32).range(1..))]
-    replication_factor: Option<i32>,
+    #[command(flatten)]
+    producer: ProducerArgs,
     /// Keep published rows this long before pruning.
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     retention: Duration,
@@ -83,33 +75,16 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     idem_sql::with_store!(&store, s => s.relay().status().await.map(|_| ()))
         .context("reading the outbox (did you run `idem migrate`?)")?;
 
-    let (_embedded, brokers) = if args.brokers == EMBEDDED {
-        let cluster = EmbeddedCluster::start(1)?;
-        let servers = cluster.bootstrap_servers();
-        eprintln!("idem relay: embedded mock cluster at {servers}");
-        (Some(cluster), servers)
-    } else {
-        (None, args.brokers.clone())
-    };
-    let producer = idem_kafka::producer_config(&brokers, &args.producer_config)?;
-    let timeout_ms: u64 = producer
-        .get("message.timeout.ms")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20_000);
+    let kafka = Kafka::connect(&args.brokers, &args.producer, "idem relay")?;
+    let (brokers, timeout_ms, publisher) =
+        (kafka.brokers, kafka.message_timeout_ms, kafka.publisher);
+    let _embedded = kafka.embedded;
     // A batch takes at most about 2 × message.timeout.ms (see KafkaPublisher::publish).
     if args.lease <= Duration::from_millis(timeout_ms.saturating_mul(2)) {
         bail!(
             "--lease {:?} must be longer than twice message.timeout.ms ({timeout_ms} ms), or a live relay could lose its lease mid-batch",
             args.lease
         );
-    }
-    let mut publisher = KafkaPublisher::new(producer)?;
-    if let Some(p) = args.create_topics {
-        publisher = publisher.with_topic_creation(p, args.replication_factor);
-    }
-    if args.brokers != EMBEDDED {
-        // The mock cluster keeps one copy of everything: only real clusters are checked.
-        publisher = publisher.with_durability_check();
     }
     let publisher = std::sync::Arc::new(publisher);
 
@@ -161,6 +136,68 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     result?;
     eprintln!("idem relay: stopped cleanly");
     Ok(())
+}
+
+/// The producer settings both relays take.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ProducerArgs {
+    /// librdkafka producer setting KEY=VALUE (repeatable). Settings the guarantee needs are refused.
+    #[arg(long = "producer-config", value_parser = idem_kafka::parse_setting)]
+    pub(crate) producer_config: Vec<(String, String)>,
+    /// Create missing topics with this many partitions (for brokers without auto-creation).
+    #[arg(long, value_parser = clap::value_parser!(i32).range(1..))]
+    pub(crate) create_topics: Option<i32>,
+    /// Replicas of the topics --create-topics creates (default: min(3, the cluster's brokers);
+    /// while the brokers cannot be counted, nothing is created and the batch is retried).
+    #[arg(long, requires = "create_topics", value_parser = clap::value_parser!(i32).range(1..))]
+    pub(crate) replication_factor: Option<i32>,
+}
+
+/// The Kafka side of a relay: the brokers (librdkafka's mock cluster for `embedded`, kept
+/// alive here) and a publisher with idem's producer settings.
+pub(crate) struct Kafka {
+    /// The mock cluster, when `embedded` was asked for.
+    pub(crate) embedded: Option<EmbeddedCluster>,
+    /// The bootstrap servers.
+    pub(crate) brokers: String,
+    /// The producer's `message.timeout.ms`.
+    pub(crate) message_timeout_ms: u64,
+    /// The publisher: topic creation when asked, the durability check on real clusters.
+    pub(crate) publisher: KafkaPublisher,
+}
+
+impl Kafka {
+    /// Connects to `brokers` with the `producer_config` overrides (the guarantee's settings are
+    /// refused); `bin` names the command in what it prints.
+    pub(crate) fn connect(brokers: &str, args: &ProducerArgs, bin: &str) -> anyhow::Result<Self> {
+        let (embedded, servers) = if brokers == EMBEDDED {
+            let cluster = EmbeddedCluster::start(1)?;
+            let servers = cluster.bootstrap_servers();
+            eprintln!("{bin}: embedded mock cluster at {servers}");
+            (Some(cluster), servers)
+        } else {
+            (None, brokers.to_owned())
+        };
+        let producer = idem_kafka::producer_config(&servers, &args.producer_config)?;
+        let message_timeout_ms: u64 = producer
+            .get("message.timeout.ms")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(20_000);
+        let mut publisher = KafkaPublisher::new(producer)?;
+        if let Some(p) = args.create_topics {
+            publisher = publisher.with_topic_creation(p, args.replication_factor);
+        }
+        if embedded.is_none() {
+            // The mock cluster keeps one copy of everything: only real clusters are checked.
+            publisher = publisher.with_durability_check();
+        }
+        Ok(Kafka {
+            embedded,
+            brokers: servers,
+            message_timeout_ms,
+            publisher,
+        })
+    }
 }
 
 /// `idem_relay_producer_replacements_total`: read from the publisher at each scrape.

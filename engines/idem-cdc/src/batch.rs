@@ -1,0 +1,253 @@
+//! The pure part of publishing: whole committed transactions grouped into one publish call,
+//! and, from the delivery reports, what to send again and what to refuse for good.
+//!
+//! Invariants (tested below): a batch holds whole transactions only, so the position it
+//! confirms (`last_end_lsn`) never splits one; a message whose report is a transient failure
+//! or "not sent" is sent again, and so is every later message of the same topic and key that
+//! was acknowledged after it (the consumer then sees `2, 1, 2`, as with the polling relay,
+//! never `2, 1` as the last word); a permanent failure is never resent but refused (parked in
+//! table mode, dead-lettered in message mode) before the batch is confirmed.
+
+use std::collections::HashMap;
+
+use idem_core::event::validate_topic;
+use idem_core::outbox::OutboxRecord;
+use idem_core::publish::{FailureKind, Message, PublishError};
+use idem_core::wire::{self, TopicNaming};
+
+/// What one decoded change of a committed transaction becomes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Item {
+    /// An event to publish.
+    Publish(OutboxRecord),
+    /// Something that cannot be published, with why.
+    Refuse(Refusal),
+}
+
+/// An event (or a row, or a message) that is not published: parked or dead-lettered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The outbox row (table mode, when its id decoded): it is parked.
+    pub row_id: Option<i64>,
+    /// The message's WAL position (message mode).
+    pub lsn: Option<u64>,
+    /// What was read, for the dead-letter record (message content or the row's values).
+    pub content: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// One committed transaction, decoded, in stream (= commit) order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Committed {
+    /// The end of its commit record: the position to confirm once it is published.
+    pub end_lsn: u64,
+    /// Its changes, in transaction order.
+    pub items: Vec<Item>,
+}
+
+/// Whole transactions, encoded for one publish call.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Batch {
+    /// The messages, in commit order.
+    pub messages: Vec<Message>,
+    /// The outbox row id of each message (table mode; `None` in message mode).
+    pub rows: Vec<Option<i64>>,
+    /// What is refused without being sent (a topic Kafka rejects, an undecodable change).
+    pub refused: Vec<Refusal>,
+    /// The `end_lsn` of its last transaction (0 when empty).
+    pub last_end_lsn: u64,
+    /// How many transactions it holds.
+    pub transactions: usize,
+}
+
+impl Batch {
+    /// Adds a whole transaction.
+    pub fn push(&mut self, txn: Committed, naming: &TopicNaming, source: Option<&str>) {
+        for item in txn.items {
+            match item {
+                Item::Publish(record) => self.push_record(record, naming, source),
+                Item::Refuse(r) => self.refused.push(r),
+            }
+        }
+        self.last_end_lsn = self.last_end_lsn.max(txn.end_lsn);
+        self.transactions += 1;
+    }
+
+    fn push_record(&mut self, record: OutboxRecord, naming: &TopicNaming, source: Option<&str>) {
+        let topic = naming.topic_for(&record);
+        match validate_topic(&topic) {
+            Ok(()) => {
+                self.messages.push(wire::encode(&record, &topic, source));
+                self.rows.push((record.id > 0).then_some(record.id));
+            }
+            Err(reason) => self.refused.push(Refusal {
+                row_id: Some(record.id),
+                lsn: None,
+                content: record.payload,
+                reason,
+            }),
+        }
+    }
+
+    /// Whether nothing was added.
+    pub fn is_empty(&self) -> bool {
+        self.transactions == 0
+    }
+}
+
+/// What the reports of one publish call leave to do.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reported {
+    /// Indices (into the batch's messages) to send again, in order.
+    pub again: Vec<usize>,
+    /// Indices refused for good, with the broker's reason.
+    pub refused: Vec<(usize, String)>,
+}
+
+/// Sorts the reports of `sent` (indices into `messages`, in the order they were handed to the
+/// publisher; `results` has one entry per sent message).
+pub fn reported(
+    messages: &[Message],
+    sent: &[usize],
+    results: &[Result<(), PublishError>],
+) -> Reported {
+    let mut out = Reported::default();
+    // The first position (in `sent`) of a transient failure or not-sent message, per key.
+    let mut first_retry: HashMap<(&str, &str), usize> = HashMap::new();
+    for (pos, &i) in sent.iter().enumerate() {
+        let Some(m) = messages.get(i) else { continue };
+        let result = results.get(pos).cloned().unwrap_or_else(|| {
+            Err(PublishError {
+                kind: FailureKind::Transient,
+                reason: "the publisher returned no delivery report".to_owned(),
+            })
+        });
+        let key = (m.topic.as_str(), m.key.as_str());
+        let retry_from = first_retry.get(&key).copied();
+        match result {
+            Err(e) if e.kind == FailureKind::Permanent => out.refused.push((i, e.reason)),
+            Err(_) => {
+                first_retry.entry(key).or_insert(pos);
+                out.again.push(i);
+            }
+            // Acknowledged after an earlier copy of its key failed: sent again after it.
+            Ok(()) if retry_from.is_some_and(|p| p < pos) => out.again.push(i),
+            Ok(()) => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(key: &str) -> Message {
+        Message {
+            topic: "t".into(),
+            key: key.into(),
+            payload: "{}".into(),
+            headers: vec![],
+        }
+    }
+
+    fn err(kind: FailureKind) -> Result<(), PublishError> {
+        Err(PublishError {
+            kind,
+            reason: format!("{kind:?}"),
+        })
+    }
+
+    #[test]
+    fn a_transient_failure_resends_it_and_every_later_acknowledged_message_of_its_key() {
+        let m = [msg("a"), msg("b"), msg("a"), msg("a"), msg("b")];
+        let r = reported(
+            &m,
+            &[0, 1, 2, 3, 4],
+            &[
+                err(FailureKind::Transient),
+                Ok(()),
+                Ok(()),
+                err(FailureKind::NotSent),
+                Ok(()),
+            ],
+        );
+        assert_eq!(r.again, vec![0, 2, 3], "key b is untouched");
+        assert!(r.refused.is_empty());
+    }
+
+    #[test]
+    fn an_acknowledged_message_before_the_failure_of_its_key_is_not_resent() {
+        let m = [msg("a"), msg("a")];
+        let r = reported(&m, &[0, 1], &[Ok(()), err(FailureKind::Transient)]);
+        assert_eq!(r.again, vec![1]);
+    }
+
+    #[test]
+    fn a_permanent_failure_is_refused_never_resent_and_a_missing_report_is_transient() {
+        let m = [msg("a"), msg("a"), msg("b")];
+        let r = reported(
+            &m,
+            &[0, 1, 2],
+            &[err(FailureKind::Permanent), err(FailureKind::NotSent)],
+        );
+        assert_eq!(r.refused, vec![(0, "Permanent".to_owned())]);
+        assert_eq!(r.again, vec![1, 2], "no report for 2: sent again");
+    }
+
+    #[test]
+    fn a_resend_reports_against_the_indices_it_sent() {
+        let m = [msg("a"), msg("b"), msg("c")];
+        let r = reported(&m, &[2, 0], &[Ok(()), err(FailureKind::Transient)]);
+        assert_eq!(r.again, vec![0]);
+    }
+
+    #[test]
+    fn a_batch_holds_whole_transactions_and_refuses_unusable_topics_without_sending() {
+        let mut b = Batch::default();
+        assert!(b.is_empty());
+        let mut bad = crate::batch::tests::record(2);
+        bad.topic = Some("no spaces allowed".into());
+        b.push(
+            Committed {
+                end_lsn: 40,
+                items: vec![Item::Publish(record(1)), Item::Publish(bad)],
+            },
+            &TopicNaming::default(),
+            None,
+        );
+        b.push(
+            Committed {
+                end_lsn: 90,
+                items: vec![],
+            },
+            &TopicNaming::default(),
+            None,
+        );
+        assert_eq!((b.transactions, b.last_end_lsn), (2, 90));
+        assert_eq!(b.messages.len(), 1);
+        assert_eq!(b.rows, vec![Some(1)]);
+        assert_eq!(b.refused.len(), 1);
+        assert_eq!(b.refused[0].row_id, Some(2));
+    }
+
+    pub(crate) fn record(id: i64) -> OutboxRecord {
+        OutboxRecord {
+            id,
+            event_id: idem_core::EventId::new(),
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1".into(),
+            aggregate_seq: id,
+            event_type: "order.paid".into(),
+            payload: "{}".into(),
+            headers: Default::default(),
+            topic: None,
+            traceparent: None,
+            occurred_at: chrono::Utc::now(),
+            created_at: chrono::Utc::now(),
+            attempt: 1,
+            permanent_failures: 0,
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! From replication events to committed transactions of outbox events ([`Assembler`]), and
+//! the few statements the relay writes back: parking a refused row, marking published rows.
+//!
+//! The assembler keeps one transaction open between `Begin` and `Commit`; every change of it
+//! becomes an [`Item`] (an event, or a refusal with its reason), so a row or message that
+//! cannot be published is set aside with the reason instead of stopping the stream or being
+//! skipped. Anything that breaks the stream's own structure (a change outside a transaction, a
+//! malformed pgoutput message) is an error: the relay stops without confirming it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use idem_core::TableNames;
+use idem_core::publish::Message;
+use sqlx::PgPool;
+
+use crate::batch::{Committed, Item, Refusal};
+use crate::error::CdcError;
+use crate::pgoutput::{Change, Decoder, Relation};
+use crate::record::{OutboxColumns, OutboxTable, RowAction, ValueProblem};
+use crate::relay::Mode;
+
+/// Assembles committed transactions from the stream.
+pub struct Assembler {
+    mode: Mode,
+    decoder: Decoder,
+    outbox: Option<OutboxTable>,
+    /// Resolved column positions per outbox relation (by oid).
+    columns: HashMap<u32, Result<OutboxColumns, String>>,
+    open: Option<Vec<Pending>>,
+}
+
+/// A change of the open transaction: decoded, or a message decoded at its commit (the
+/// envelope's position needs the commit's `end_lsn`).
+enum Pending {
+    Item(Item),
+    Message { lsn: u64, content: Vec<u8> },
+}
+
+impl Assembler {
+    /// An assembler for `mode`; `current_schema` is where an unqualified outbox table lives.
+    pub fn new(mode: Mode, current_schema: &str) -> Self {
+        let outbox = match &mode {
+            Mode::Table(t) => Some(OutboxTable::new(t, current_schema)),
+            Mode::Messages { .. } => None,
+        };
+        Assembler {
+            mode,
+            decoder: Decoder::new(),
+            outbox,
+            columns: HashMap::new(),
+            open: None,
+        }
+    }
+
+    /// Whether a transaction is open (begun, not committed).
+    pub fn is_open(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// A transaction begins.
+    pub fn begin(&mut self) -> Result<(), CdcError> {
+        if self.open.replace(Vec::new()).is_some() {
+            return Err(stream("?", "a transaction began inside another one"));
+        }
+        Ok(())
+    }
+
+    /// A pgoutput message of the open transaction (or a Relation between transactions);
+    /// `true` when it is a change the relay ignores (update, delete, truncate).
+    pub fn data(&mut self, data: &[u8], lsn: u64) -> Result<bool, CdcError> {
+        let change = self
+            .decoder
+            .decode(data)
+            .map_err(|e| stream(&show_lsn(lsn), &e.to_string()))?;
+        match change {
+            Change::Relation(r) => {
+                self.columns.remove(&r.oid);
+                Ok(false)
+            }
+            Change::Insert { relation, values } => {
+                let item = self.insert(&relation, &values, lsn)?;
+                let open = self
+                    .open
+                    .as_mut()
+                    .ok_or_else(|| stream(&show_lsn(lsn), "an insert outside a transaction"))?;
+                open.extend(item.map(Pending::Item));
+                Ok(false)
+            }
+            Change::Ignored { .. } => Ok(true),
+            Change::Skipped(_) => Ok(false),
+        }
+    }
+
+    /// An inserted row: an event when it is an outbox row that decodes, a refusal when it is
+    /// one that does not (parked by id; dead-lettered when even its id does not decode), nothing
+    /// for another table's row or a row not inserted as pending. A session that prints values in
+    /// another form than the decoder reads is an error: every row would fail the same way.
+    fn insert(
+        &mut self,
+        relation: &Arc<Relation>,
+        values: &[Option<String>],
+        lsn: u64,
+    ) -> Result<Option<Item>, CdcError> {
+        let Some(outbox) = self.outbox.as_ref() else {
+            return Ok(None);
+        };
+        if !outbox.matches(relation) {
+            return Ok(None);
+        }
+        let columns = self
+            .columns
+            .entry(relation.oid)
+            .or_insert_with(|| OutboxColumns::resolve(relation).map_err(|e| e.to_string()));
+        let refuse = |row_id, reason| {
+            Item::Refuse(Refusal {
+                row_id,
+                lsn: None,
+                content: row_text(relation, values),
+                reason,
+            })
+        };
+        let c = match columns {
+            Ok(c) => c,
+            Err(reason) => {
+                let reason = format!("the outbox table's shape is not the contract's: {reason}");
+                return Ok(Some(refuse(None, reason)));
+            }
+        };
+        let e = match c.decode(values) {
+            Ok(record) => return Ok(Some(Item::Publish(record))),
+            Err(e) => e,
+        };
+        match (e.action(), &e.problem) {
+            (RowAction::Park, _) => Ok(Some(refuse(e.id, e.to_string()))),
+            (RowAction::Skip, _) => Ok(None),
+            (RowAction::Stop, ValueProblem::NotIso(_)) => {
+                Err(stream(&show_lsn(lsn), &e.to_string()))
+            }
+            (RowAction::Stop, _) => Ok(Some(refuse(None, e.to_string()))),
+        }
+    }
+
+    /// A logical decoding message: an event in message mode when its prefix is the relay's.
+    /// A non-transactional one with the relay's prefix is returned as a transaction of its
+    /// own holding its refusal (it is written even when its transaction rolls back, so it is
+    /// never an outbox event); it confirms nothing.
+    pub fn message(
+        &mut self,
+        transactional: bool,
+        lsn: u64,
+        prefix: &str,
+        content: &[u8],
+    ) -> Option<Committed> {
+        let Mode::Messages { prefix: ours } = &self.mode else {
+            return None;
+        };
+        if prefix != ours {
+            return None;
+        }
+        let refuse = |reason: String| {
+            Item::Refuse(Refusal {
+                row_id: None,
+                lsn: Some(lsn),
+                content: String::from_utf8_lossy(content).into_owned(),
+                reason,
+            })
+        };
+        let open = match self.open.as_mut() {
+            Some(open) if transactional => open,
+            _ => {
+                let reason = "a non-transactional message with the outbox prefix: it is written \
+                              even when its transaction rolls back (use \
+                              pg_logical_emit_message(true, ...))";
+                return Some(Committed {
+                    end_lsn: 0,
+                    items: vec![refuse(reason.to_owned())],
+                });
+            }
+        };
+        open.push(Pending::Message {
+            lsn,
+            content: content.to_vec(),
+        });
+        None
+    }
+
+    /// The open transaction commits at `end_lsn` (at `committed_at`, microseconds since
+    /// 2000-01-01 as the server sends it).
+    pub fn commit(&mut self, end_lsn: u64, committed_at: i64) -> Result<Committed, CdcError> {
+        let pending = self
+            .open
+            .take()
+            .ok_or_else(|| stream(&show_lsn(end_lsn), "a commit without a transaction"))?;
+        let at = pg_time(committed_at);
+        let items = pending
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                Pending::Item(item) => item,
+                Pending::Message { lsn, content } => {
+                    let ordinal = u32::try_from(i).unwrap_or(u32::MAX);
+                    match crate::envelope::decode_committed(lsn, end_lsn, ordinal, at, &content) {
+                        Ok(record) => Item::Publish(record),
+                        Err(e) => Item::Refuse(Refusal {
+                            row_id: None,
+                            lsn: Some(lsn),
+                            content: String::from_utf8_lossy(&content).into_owned(),
+                            reason: e.to_string(),
+                        }),
+                    }
+                }
+            })
+            .collect();
+        Ok(Committed { end_lsn, items })
+    }
+}
+
+/// Microseconds since 2000-01-01 UTC (PostgreSQL's epoch) as a time; `None` out of range.
+fn pg_time(micros: i64) -> Option<chrono::DateTime<chrono::Utc>> {
+    const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+    micros
+        .checked_add(PG_EPOCH_MICROS)
+        .and_then(chrono::DateTime::from_timestamp_micros)
+}
+
+/// Parses `X/Y` as PostgreSQL prints an LSN.
+pub fn parse_lsn(text: &str) -> Option<u64> {
+    let (hi, lo) = text.split_once('/')?;
+    let hi = u64::from_str_radix(hi, 16).ok()?;
+    let lo = u64::from_str_radix(lo, 16).ok()?;
+    (hi <= 0xFFFF_FFFF && lo <= 0xFFFF_FFFF).then_some((hi << 32) | lo)
+}
+
+/// A row's values as `column=value` text, for a dead-letter record.
+fn row_text(relation: &Relation, values: &[Option<String>]) -> String {
+    let pairs: serde_json::Map<String, serde_json::Value> = relation
+        .columns
+        .iter()
+        .zip(values)
+        .map(|(c, v)| {
+            (
+                c.name.clone(),
+                v.clone()
+                    .map_or(serde_json::Value::Null, serde_json::Value::String),
+            )
+        })
+        .collect();
+    serde_json::Value::Object(pairs).to_string()
+}
+
+/// `X/Y` as PostgreSQL prints an LSN.
+pub fn show_lsn(lsn: u64) -> String {
+    format!("{:X}/{:X}", lsn >> 32, lsn & 0xFFFF_FFFF)
+}
+
+fn stream(lsn: &str, reason: &str) -> CdcError {
+    CdcError::Stream {
+        lsn: lsn.to_owned(),
+        reason: reason.to_owned(),
+    }
+}
+
+/// Parks outbox row `id` with `reason` (table mode).
+pub async fn park(
+    pool: &PgPool,
+    tables: &TableNames,
+    id: i64,
+    reason: &str,
+) -> Result<(), CdcError> {
+    let sql = tables.render(include_str!("../sql/park.sql"), &["outbox"]);
+    sqlx::query(&sql)
+        .bind(id)
+        .bind(reason)
+        .execute(pool)
+        .await
+        .map_err(|e| CdcError::db(format!("parking outbox row {id}"), e))?;
+    Ok(())
+}
+
+/// Marks outbox rows `ids` published (table mode).
+pub async fn mark_published(
+    pool: &PgPool,
+    tables: &TableNames,
+    ids: &[i64],
+) -> Result<(), CdcError> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let sql = tables.render(include_str!("../sql/mark_published.sql"), &["outbox"]);
+    sqlx::query(&sql)
+        .bind(ids)
+        .execute(pool)
+        .await
+        .map_err(|e| CdcError::db("marking published outbox rows", e))?;
+    Ok(())
+}
+
+/// The dead-letter record of a refusal: the reason and where it came from in headers, what
+/// was read as the value.
+pub fn dead_letter(topic: &str, r: &Refusal) -> Message {
+    let mut headers = vec![("idem_dead_letter_reason".to_owned(), r.reason.clone())];
+    if let Some(id) = r.row_id {
+        headers.push(("idem_outbox_id".to_owned(), id.to_string()));
+    }
+    if let Some(lsn) = r.lsn {
+        headers.push(("idem_lsn".to_owned(), show_lsn(lsn)));
+    }
+    Message {
+        topic: topic.to_owned(),
+        key: r
+            .row_id
+            .map(|id| id.to_string())
+            .or_else(|| r.lsn.map(show_lsn))
+            .unwrap_or_default(),
+        payload: r.content.clone(),
+        headers,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lsns_print_as_postgresql_prints_them() {
+        assert_eq!(show_lsn(0x016B_6C50), "0/16B6C50");
+        assert_eq!(show_lsn((0x16 << 32) | 0xB374_D848), "16/B374D848");
+        assert_eq!(parse_lsn("16/B374D848"), Some((0x16 << 32) | 0xB374_D848));
+        assert_eq!(parse_lsn("0/0"), Some(0));
+        for bad in ["", "0", "x/1", "1/1/1", "100000000/0"] {
+            assert_eq!(parse_lsn(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_dead_letter_carries_the_reason_and_the_origin() {
+        let m = dead_letter(
+            "dlq",
+            &Refusal {
+                row_id: None,
+                lsn: Some(0x10),
+                content: "x".into(),
+                reason: "bad".into(),
+            },
+        );
+        assert_eq!((m.topic.as_str(), m.key.as_str()), ("dlq", "0/10"));
+        assert_eq!(m.header("idem_dead_letter_reason"), Some("bad"));
+    }
+}

@@ -1,0 +1,60 @@
+//! Why the CDC relay stopped or refused to start.
+
+/// Errors of the CDC relay. Each message says what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CdcError {
+    /// A setting or an existing object (slot, publication) the relay cannot use.
+    #[error("{0}")]
+    Config(String),
+    /// A statement on the control-plane connection failed.
+    #[error("{context}: {source}")]
+    Database {
+        /// What the relay was doing.
+        context: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The replication session failed (connection, authentication, server error). The relay
+    /// starts a new session from the slot's confirmed position: nothing after it was confirmed.
+    #[error("replication session: {0}")]
+    Replication(#[from] pgwire_replication::PgWireError),
+    /// The slot lost WAL it needed (`max_slot_wal_keep_size`): events committed after its
+    /// confirmed position can no longer be streamed. Never skipped silently.
+    #[error(
+        "replication slot {slot} is lost (wal_status = lost, confirmed up to {confirmed:?}): \
+         PostgreSQL removed WAL it needed, so events committed after that position will never \
+         be streamed. Table mode: re-publish the rows committed since then with the polling \
+         relay (`idem relay`), then drop the slot (`idem cdc drop-slot`) and start again; \
+         message mode: those events are gone"
+    )]
+    SlotLost {
+        /// The slot.
+        slot: String,
+        /// Its last confirmed position.
+        confirmed: Option<String>,
+    },
+    /// An idem-core error (an armed crash point in error mode, in tests).
+    #[error(transparent)]
+    Core(#[from] idem_core::Error),
+    /// The stream carried something the relay cannot read (a malformed pgoutput message): the
+    /// relay stops without confirming it, so that nothing is skipped.
+    #[error("undecodable replication stream at {lsn}: {reason}")]
+    Stream {
+        /// Where.
+        lsn: String,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+impl CdcError {
+    /// A database error with its context.
+    pub fn db(context: impl Into<String>, source: sqlx::Error) -> Self {
+        CdcError::Database {
+            context: context.into(),
+            source,
+        }
+    }
+}

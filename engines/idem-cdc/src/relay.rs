@@ -1,0 +1,497 @@
+//! The CDC relay: one replication session at a time on the slot; committed transactions are
+//! decoded in commit order, grouped into batches of whole transactions, published, and the
+//! batch's last `end_lsn` is confirmed only once every message of it (and so of every earlier
+//! transaction) has a successful delivery report or was refused for good (parked or
+//! dead-lettered). A crash anywhere before the confirmation makes the next session resend from
+//! the slot's confirmed position: duplicates, which the consumer's inbox absorbs; never a gap.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::TableNames;
+use idem_core::publish::{Message, Publisher};
+use idem_core::wire::TopicNaming;
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+use crate::ack::{AckTracker, TxnId};
+use crate::batch::{Batch, Refusal, reported};
+use crate::changes::Assembler;
+use crate::error::CdcError;
+use crate::metrics::CdcMetrics;
+use crate::session::replication_config;
+use crate::slot::{self, Name, Publishes, SlotState};
+
+/// What the relay reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Inserts into the outbox table (its schema and prefix).
+    Table(TableNames),
+    /// Transactional `pg_logical_emit_message` messages with this prefix (no table).
+    Messages {
+        /// The prefix the writers emit with.
+        prefix: String,
+    },
+}
+
+/// The CDC relay's settings.
+#[derive(Clone, Debug)]
+pub struct CdcConfig {
+    /// The logical replication slot (created when missing).
+    pub slot: Name,
+    /// The publication the slot reads (created when missing).
+    pub publication: Name,
+    /// Table or message mode.
+    pub mode: Mode,
+    /// Topic names, as for the polling relay.
+    pub naming: TopicNaming,
+    /// CloudEvents `ce_source` (default `/idem/<aggregate type>`).
+    pub source: Option<String>,
+    /// Messages per publish call; a batch holds whole transactions, so it can hold more.
+    pub batch_messages: usize,
+    /// The longest a committed transaction waits for others before its batch is published.
+    pub linger: Duration,
+    /// First wait after a failed publish; doubles up to `retry_backoff_max`.
+    pub retry_backoff: Duration,
+    /// Longest wait between publish attempts.
+    pub retry_backoff_max: Duration,
+    /// Where events that cannot be published are dead-lettered (message mode, and rows whose
+    /// id cannot be read).
+    pub dead_letter_topic: String,
+    /// How often a relay waiting for the slot checks whether its reader is gone, and how often
+    /// the slot's state is read for the metrics.
+    pub poll: Duration,
+}
+
+impl CdcConfig {
+    /// Defaults for `slot` and `publication` in `mode`.
+    pub fn new(slot: Name, publication: Name, mode: Mode) -> Self {
+        CdcConfig {
+            slot,
+            publication,
+            mode,
+            naming: TopicNaming::default(),
+            source: None,
+            batch_messages: 500,
+            linger: Duration::from_millis(2),
+            retry_backoff: Duration::from_millis(200),
+            retry_backoff_max: Duration::from_secs(10),
+            dead_letter_topic: "idem.cdc.dead_letters".to_owned(),
+            poll: Duration::from_secs(1),
+        }
+    }
+}
+
+/// How a session ended without an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ended {
+    /// Shutdown was asked for.
+    Shutdown,
+}
+
+/// The CDC relay over `publisher`.
+pub struct CdcRelay<P> {
+    url: String,
+    pool: PgPool,
+    publisher: Arc<P>,
+    config: CdcConfig,
+    metrics: CdcMetrics,
+}
+
+impl<P: Publisher> CdcRelay<P> {
+    /// A relay reading the database at `url` (`pool`: an ordinary connection to the same
+    /// database, for the control plane).
+    pub fn new(
+        url: &str,
+        pool: PgPool,
+        publisher: P,
+        config: CdcConfig,
+        metrics: CdcMetrics,
+    ) -> Self {
+        CdcRelay {
+            url: url.to_owned(),
+            pool,
+            publisher: Arc::new(publisher),
+            config,
+            metrics,
+        }
+    }
+
+    /// Creates the publication and the slot when they are missing; the slot's state.
+    pub async fn prepare(&self) -> Result<SlotState, CdcError> {
+        let schema = self.schema().await?;
+        let publishes = match &self.config.mode {
+            Mode::Table(t) => Publishes::Table {
+                schema,
+                name: t.bare("outbox"),
+                qualified: t.qualified("outbox"),
+            },
+            Mode::Messages { .. } => Publishes::Nothing,
+        };
+        slot::ensure_publication(&self.pool, &self.config.publication, &publishes).await?;
+        slot::ensure_slot(&self.pool, &self.config.slot).await
+    }
+
+    /// The outbox table's schema: the configured one, else the connection's current schema.
+    async fn schema(&self) -> Result<String, CdcError> {
+        if let Mode::Table(t) = &self.config.mode
+            && let Some(s) = t.schema()
+        {
+            return Ok(s.to_owned());
+        }
+        sqlx::query_scalar("SELECT current_schema()")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| CdcError::db("reading the current schema", e))
+    }
+
+    /// Relays until `shutdown` completes. One reader per slot: while another session reads
+    /// it, this relay waits and takes over once that reader is gone. A failed session is
+    /// replaced by a new one from the slot's confirmed position; a lost slot stops the relay.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<(), CdcError> {
+        tokio::pin!(shutdown);
+        let mut backoff = self.config.retry_backoff;
+        loop {
+            if !self.wait_for_slot(&mut shutdown).await? {
+                return Ok(());
+            }
+            match self.session(&mut shutdown).await {
+                Ok(Ended::Shutdown) => return Ok(()),
+                Err(e @ (CdcError::SlotLost { .. } | CdcError::Config(_))) => return Err(e),
+                Err(e) => {
+                    self.metrics.sessions_failed.inc();
+                    tracing::warn!(error = %e, "CDC session ended; starting another from the slot's confirmed position");
+                }
+            }
+            tokio::select! {
+                () = &mut shutdown => return Ok(()),
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(self.config.retry_backoff_max);
+        }
+    }
+
+    /// Waits until no other session reads the slot; `false` when shutdown came first.
+    async fn wait_for_slot(
+        &self,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<bool, CdcError> {
+        let mut said = false;
+        loop {
+            let state = self.prepare().await?;
+            self.metrics.observe(&state);
+            if !state.active {
+                return Ok(true);
+            }
+            if !said {
+                tracing::info!(slot = %self.config.slot, pid = ?state.active_pid, "another session reads the slot; waiting to take over");
+                said = true;
+            }
+            tokio::select! {
+                () = &mut *shutdown => return Ok(false),
+                () = tokio::time::sleep(self.config.poll) => {}
+            }
+        }
+    }
+
+    /// One replication session, until shutdown or an error.
+    async fn session(
+        &self,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<Ended, CdcError> {
+        let cfg = replication_config(&self.url, &self.config.slot, &self.config.publication)?;
+        // The stream resumes after the slot's confirmed position, read before it starts.
+        let start = slot::slot_state(&self.pool, &self.config.slot)
+            .await?
+            .and_then(|s| s.confirmed_flush_lsn)
+            .as_deref()
+            .and_then(crate::changes::parse_lsn)
+            .unwrap_or(0);
+        let mut acks = Acks {
+            tracker: AckTracker::new(start),
+            batch: Vec::new(),
+        };
+        let mut client = ReplicationClient::connect(cfg).await?;
+        client.wait_started().await?;
+        tracing::info!(slot = %self.config.slot, "CDC session started");
+        let mut assembler = Assembler::new(self.config.mode.clone(), &self.schema().await?);
+        let mut batch = Batch::default();
+        let mut deadline: Option<Instant> = None;
+        let mut next_status = Instant::now() + self.config.poll;
+        loop {
+            let full = batch.messages.len() >= self.config.batch_messages.max(1);
+            if !batch.is_empty() && (full || deadline.is_some_and(|d| d <= Instant::now())) {
+                let ready = std::mem::take(&mut batch);
+                deadline = None;
+                if !self.publish(ready, &mut acks, &client, shutdown).await? {
+                    crate::session::stop(&mut client).await;
+                    return Ok(Ended::Shutdown);
+                }
+                continue;
+            }
+            tokio::select! {
+                biased;
+                () = &mut *shutdown => {
+                    crate::session::stop(&mut client).await;
+                    return Ok(Ended::Shutdown);
+                }
+                ev = client.recv() => {
+                    let Some(ev) = ev? else {
+                        return Err(CdcError::Stream {
+                            lsn: "?".to_owned(),
+                            reason: "the server ended the replication stream".to_owned(),
+                        });
+                    };
+                    self.event(ev, &mut assembler, &mut batch, &mut acks, &client)?;
+                    if !batch.is_empty() && deadline.is_none() {
+                        deadline = Some(Instant::now() + self.config.linger);
+                    }
+                }
+                () = sleep_until(deadline) => {}
+                () = tokio::time::sleep_until(next_status) => {
+                    next_status = Instant::now() + self.config.poll;
+                    self.status().await?;
+                }
+            }
+        }
+    }
+
+    /// Feeds one replication event to the assembler; a committed transaction joins the batch.
+    fn event(
+        &self,
+        ev: ReplicationEvent,
+        assembler: &mut Assembler,
+        batch: &mut Batch,
+        acks: &mut Acks,
+        client: &ReplicationClient,
+    ) -> Result<(), CdcError> {
+        tracing::trace!(event = ?ev, "replication event");
+        match ev {
+            ReplicationEvent::Begin { .. } => {
+                assembler.begin()?;
+                acks.tracker.begin().map_err(ack_error)?;
+            }
+            ReplicationEvent::XLogData {
+                data, wal_start, ..
+            } => {
+                if assembler.data(&data, wal_start.as_u64())? {
+                    self.metrics.ignored_changes.inc();
+                }
+            }
+            ReplicationEvent::Message {
+                transactional,
+                lsn,
+                prefix,
+                content,
+            } => {
+                if let Some(alone) =
+                    assembler.message(transactional, lsn.as_u64(), &prefix, &content)
+                {
+                    batch.push(alone, &self.config.naming, self.config.source.as_deref());
+                }
+            }
+            ReplicationEvent::Commit {
+                end_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                let txn = assembler.commit(end_lsn.as_u64(), commit_time_micros)?;
+                // Every item counts, refusals too: each is reported once it is published or
+                // its park or dead letter is durable.
+                let items = txn.items.len() as u64;
+                let id = acks
+                    .tracker
+                    .commit(end_lsn.as_u64(), items)
+                    .map_err(ack_error)?;
+                acks.batch.push((id, items));
+                self.metrics.transactions.inc();
+                batch.push(txn, &self.config.naming, self.config.source.as_deref());
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                // With nothing open or unacknowledged, every transaction committed before the
+                // server's sent position was streamed before this keepalive and is confirmed.
+                if acks.tracker.keepalive(wal_end.as_u64()) {
+                    client.update_applied_lsn(Lsn::from_u64(acks.tracker.confirmable()));
+                }
+            }
+            ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Publishes a batch until every message has a successful report or was refused for good,
+    /// refuses what must be, then confirms the batch's last position. `false`: shutdown came
+    /// first (nothing confirmed; the next session sends the batch again).
+    async fn publish(
+        &self,
+        mut batch: Batch,
+        acks: &mut Acks,
+        client: &ReplicationClient,
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<bool, CdcError> {
+        let mut pending: Vec<usize> = (0..batch.messages.len()).collect();
+        let mut backoff = self.config.retry_backoff;
+        while !pending.is_empty() {
+            let send: Vec<Message> = pending
+                .iter()
+                .filter_map(|&i| batch.messages.get(i).cloned())
+                .collect();
+            let results = self.publisher.publish(&send).await;
+            let r = reported(&batch.messages, &pending, &results);
+            for (i, reason) in r.refused {
+                let row_id = batch.rows.get(i).copied().flatten();
+                let content = batch
+                    .messages
+                    .get(i)
+                    .map(|m| m.payload.clone())
+                    .unwrap_or_default();
+                batch.refused.push(Refusal {
+                    row_id,
+                    lsn: None,
+                    content,
+                    reason,
+                });
+            }
+            if r.again.is_empty() {
+                break;
+            }
+            self.metrics.publish_retries.inc();
+            pending = r.again;
+            tokio::select! {
+                () = &mut *shutdown => return Ok(false),
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(self.config.retry_backoff_max);
+        }
+        idem_core::crash::crash_point(idem_core::crash::CDC_AFTER_PUBLISH_BEFORE_CONFIRM)?;
+        self.refuse(&batch.refused).await?;
+        self.mark(&batch).await;
+        let published = batch.messages.len() - batch.refused.len().min(batch.messages.len());
+        self.metrics.events.inc_by(published as u64);
+        for (id, items) in acks.batch.drain(..) {
+            for _ in 0..items {
+                acks.tracker.delivered(id).map_err(ack_error)?;
+            }
+        }
+        let confirmable = acks.tracker.confirmable();
+        client.update_applied_lsn(Lsn::from_u64(confirmable));
+        self.metrics.confirmed_lsn.set(lsn_gauge(confirmable));
+        Ok(true)
+    }
+
+    /// Parks refused rows (table mode) and dead-letters the rest, before the confirmation.
+    async fn refuse(&self, refused: &[Refusal]) -> Result<(), CdcError> {
+        let mut letters = Vec::new();
+        for r in refused {
+            match (&self.config.mode, r.row_id) {
+                (Mode::Table(t), Some(id)) => {
+                    crate::changes::park(&self.pool, t, id, &r.reason).await?;
+                    self.metrics.refused.with_label_values(&["parked"]).inc();
+                }
+                _ => letters.push(crate::changes::dead_letter(
+                    &self.config.dead_letter_topic,
+                    r,
+                )),
+            }
+        }
+        let mut backoff = self.config.retry_backoff;
+        while !letters.is_empty() {
+            let results = self.publisher.publish(&letters).await;
+            let mut left = Vec::new();
+            for (m, res) in letters
+                .into_iter()
+                .zip(results.into_iter().chain(std::iter::repeat_with(|| Ok(()))))
+            {
+                match res {
+                    Ok(()) => self
+                        .metrics
+                        .refused
+                        .with_label_values(&["dead_lettered"])
+                        .inc(),
+                    Err(e) => {
+                        tracing::warn!(reason = %e.reason, "dead-lettering a refused CDC event failed; retrying");
+                        left.push(m);
+                    }
+                }
+            }
+            letters = left;
+            if !letters.is_empty() {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(self.config.retry_backoff_max);
+            }
+        }
+        Ok(())
+    }
+
+    /// Table mode: marks the published rows (informational: the relay never reads them back).
+    async fn mark(&self, batch: &Batch) {
+        let Mode::Table(t) = &self.config.mode else {
+            return;
+        };
+        let parked: std::collections::HashSet<i64> =
+            batch.refused.iter().filter_map(|r| r.row_id).collect();
+        let ids: Vec<i64> = batch
+            .rows
+            .iter()
+            .flatten()
+            .copied()
+            .filter(|id| !parked.contains(id))
+            .collect();
+        if let Err(e) = crate::changes::mark_published(&self.pool, t, &ids).await {
+            self.metrics.mark_failures.inc();
+            tracing::warn!(error = %e, rows = ids.len(), "marking published rows failed (they stay pending in the table; nothing is resent)");
+        }
+    }
+
+    /// Reads the slot's state into the metrics; a lost slot is an error.
+    async fn status(&self) -> Result<(), CdcError> {
+        match slot::slot_state(&self.pool, &self.config.slot).await {
+            Ok(Some(state)) => {
+                self.metrics.observe(&state);
+                if state.is_lost() {
+                    return Err(CdcError::SlotLost {
+                        slot: state.slot,
+                        confirmed: state.confirmed_flush_lsn,
+                    });
+                }
+            }
+            Ok(None) => {
+                return Err(CdcError::Config(format!(
+                    "replication slot {} was dropped while the relay read it",
+                    self.config.slot
+                )));
+            }
+            Err(e) => tracing::warn!(error = %e, "reading the slot's state failed"),
+        }
+        Ok(())
+    }
+}
+
+/// The acknowledgement rule of one session, and the transactions of the batch being built or
+/// published with their item counts.
+struct Acks {
+    tracker: AckTracker,
+    batch: Vec<(TxnId, u64)>,
+}
+
+fn ack_error(e: crate::ack::AckError) -> CdcError {
+    CdcError::Stream {
+        lsn: "?".to_owned(),
+        reason: e.to_string(),
+    }
+}
+
+/// An LSN as a gauge value (saturating: a gauge is an i64).
+fn lsn_gauge(lsn: u64) -> i64 {
+    i64::try_from(lsn).unwrap_or(i64::MAX)
+}
+
+/// Ready at `t`; never when `None`.
+async fn sleep_until(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,230 @@
+//! The control plane, over an ordinary connection: the publication the slot reads, the slot
+//! itself, and the slot's state for metrics, `idem outbox status` and the loud failure of a
+//! slot whose WAL is gone.
+
+use sqlx::{PgPool, Row};
+
+use crate::error::CdcError;
+
+/// A replication slot or publication name: 1 to 63 of `[a-z0-9_]` (PostgreSQL's rule for slot
+/// names, applied to publications too so that both can be spliced into SQL unquoted-safe and
+/// double-quoted).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Name(String);
+
+impl Name {
+    /// Validates `name`.
+    pub fn new(what: &'static str, name: &str) -> Result<Self, CdcError> {
+        let ok = !name.is_empty()
+            && name.len() <= 63
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if ok {
+            Ok(Name(name.to_owned()))
+        } else {
+            Err(CdcError::Config(format!(
+                "{what} {name:?} must be 1 to 63 of [a-z0-9_]"
+            )))
+        }
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The name double-quoted for SQL text (safe: it is `[a-z0-9_]` only).
+    fn quoted(&self) -> String {
+        format!("\"{}\"", self.0)
+    }
+}
+
+impl std::fmt::Display for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What the publication must hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Publishes {
+    /// The outbox table (schema, bare name, and its quoted qualified name), inserts only.
+    Table {
+        /// The table's schema (`public` when none is configured).
+        schema: String,
+        /// The table's bare name.
+        name: String,
+        /// The quoted, qualified name spliced into `CREATE PUBLICATION`.
+        qualified: String,
+    },
+    /// No table: only `pg_logical_emit_message` messages (message mode).
+    Nothing,
+}
+
+/// Creates the publication when it is missing; checks an existing one publishes inserts and
+/// holds the outbox table (table mode).
+pub async fn ensure_publication(
+    pool: &PgPool,
+    publication: &Name,
+    publishes: &Publishes,
+) -> Result<(), CdcError> {
+    let (schema, table) = match publishes {
+        Publishes::Table { schema, name, .. } => (schema.as_str(), name.as_str()),
+        Publishes::Nothing => ("", ""),
+    };
+    let row = sqlx::query(include_str!("../sql/publication_get.sql"))
+        .bind(publication.as_str())
+        .bind(schema)
+        .bind(table)
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| CdcError::db("reading the publication", e))?;
+    let Some(row) = row else {
+        let sql = match publishes {
+            Publishes::Table { qualified, .. } => format!(
+                "CREATE PUBLICATION {} FOR TABLE {qualified} WITH (publish = 'insert')",
+                publication.quoted()
+            ),
+            Publishes::Nothing => format!("CREATE PUBLICATION {}", publication.quoted()),
+        };
+        sqlx::query(&sql)
+            .execute(pool)
+            .await
+            .map_err(|e| CdcError::db(format!("creating publication {publication}"), e))?;
+        return Ok(());
+    };
+    let pubinsert: bool = row.try_get("pubinsert").map_err(decode)?;
+    let has_table: bool = row.try_get("has_table").map_err(decode)?;
+    if !pubinsert || (matches!(publishes, Publishes::Table { .. }) && !has_table) {
+        return Err(CdcError::Config(format!(
+            "publication {publication} exists but does not publish the inserts of {schema}.{table}: \
+             drop it or name another with --publication"
+        )));
+    }
+    Ok(())
+}
+
+/// A slot as `pg_replication_slots` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SlotState {
+    /// The slot.
+    pub slot: String,
+    /// Whether a session reads it now.
+    pub active: bool,
+    /// That session's server process.
+    pub active_pid: Option<i32>,
+    /// `reserved`, `extended`, `unreserved` or `lost` (`None` before the slot reserved WAL).
+    pub wal_status: Option<String>,
+    /// The position the slot confirmed: everything before it was published and acknowledged.
+    pub confirmed_flush_lsn: Option<String>,
+    /// WAL bytes between the server's position and the confirmed one.
+    pub lag_bytes: Option<i64>,
+    /// Bytes that can still be written before the slot would lose WAL
+    /// (`max_slot_wal_keep_size`); `None` when unbounded.
+    pub safe_wal_size: Option<i64>,
+}
+
+impl SlotState {
+    /// Whether the server removed WAL the slot needs: it can never stream again, and events
+    /// committed since its confirmed position are not in any stream (a loud failure).
+    pub fn is_lost(&self) -> bool {
+        self.wal_status.as_deref() == Some("lost")
+    }
+}
+
+/// The slot's state, `None` when it does not exist.
+pub async fn slot_state(pool: &PgPool, slot: &Name) -> Result<Option<SlotState>, CdcError> {
+    let row = sqlx::query(include_str!("../sql/slot_get.sql"))
+        .bind(slot.as_str())
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| CdcError::db("reading the replication slot", e))?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let plugin: Option<String> = row.try_get("plugin").map_err(decode)?;
+    let kind: String = row.try_get("slot_type").map_err(decode)?;
+    if kind != "logical" || plugin.as_deref() != Some("pgoutput") {
+        return Err(CdcError::Config(format!(
+            "slot {slot} exists but is a {kind} slot of plugin {plugin:?}, not a logical pgoutput \
+             slot: name another with --slot"
+        )));
+    }
+    Ok(Some(SlotState {
+        slot: slot.as_str().to_owned(),
+        active: row.try_get("active").map_err(decode)?,
+        active_pid: row.try_get("active_pid").map_err(decode)?,
+        wal_status: row.try_get("wal_status").map_err(decode)?,
+        confirmed_flush_lsn: row.try_get("confirmed_flush_lsn").map_err(decode)?,
+        lag_bytes: row.try_get("lag_bytes").map_err(decode)?,
+        safe_wal_size: row.try_get("safe_wal_size").map_err(decode)?,
+    }))
+}
+
+/// Creates the slot when it is missing (every transaction committed after this is in its
+/// stream); refuses a slot that lost its WAL.
+pub async fn ensure_slot(pool: &PgPool, slot: &Name) -> Result<SlotState, CdcError> {
+    if slot_state(pool, slot).await?.is_none() {
+        let created = sqlx::query(include_str!("../sql/slot_create.sql"))
+            .bind(slot.as_str())
+            .execute(pool)
+            .await;
+        // Two relays starting at once: the other one created it.
+        if let Err(e) = created
+            && !is_duplicate_object(&e)
+        {
+            return Err(CdcError::db(format!("creating replication slot {slot}"), e));
+        }
+    }
+    let state = slot_state(pool, slot).await?.ok_or_else(|| {
+        CdcError::Config(format!(
+            "replication slot {slot} vanished right after its creation"
+        ))
+    })?;
+    if state.is_lost() {
+        return Err(CdcError::SlotLost {
+            slot: slot.as_str().to_owned(),
+            confirmed: state.confirmed_flush_lsn.clone(),
+        });
+    }
+    Ok(state)
+}
+
+/// Drops the slot (it must not be in use): its WAL is released, and whatever was committed
+/// after its confirmed position will never be streamed.
+pub async fn drop_slot(pool: &PgPool, slot: &Name) -> Result<(), CdcError> {
+    sqlx::query(include_str!("../sql/slot_drop.sql"))
+        .bind(slot.as_str())
+        .execute(pool)
+        .await
+        .map_err(|e| CdcError::db(format!("dropping replication slot {slot}"), e))?;
+    Ok(())
+}
+
+fn is_duplicate_object(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "42710")
+}
+
+fn decode(e: sqlx::Error) -> CdcError {
+    CdcError::db("decoding pg_replication_slots", e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_lowercase_digits_and_underscores_only() {
+        assert!(Name::new("slot", "idem_cdc_1").is_ok());
+        for bad in ["", "Idem", "a-b", "a\"; drop table x; --", &"a".repeat(64)] {
+            assert!(Name::new("slot", bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            Name::new("slot", "s").map(|n| n.quoted()).ok(),
+            Some("\"s\"".into())
+        );
+    }
+}

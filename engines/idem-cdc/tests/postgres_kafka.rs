@@ -1,0 +1,342 @@
+//! The CDC relay against real PostgreSQL (logical replication, wal_level = logical) and a real
+//! Kafka broker: commit order, rollbacks, a relay that stops between the publish and the
+//! confirmation. Each test uses its own database, slot and topic, and drops its slot.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use idem_cdc::{CdcConfig, CdcMetrics, CdcRelay, Mode, Name};
+use idem_conformance::backend::{Backend, OpenTx, Pg};
+use idem_conformance::kafka;
+use idem_core::Event;
+use idem_core::wire::TopicNaming;
+use idem_kafka::KafkaPublisher;
+use idem_kafka::inspect::{Record, read_all};
+
+/// Drops the test's slot at the end, even after a failed assertion: a forgotten slot pins WAL
+/// and keeps its database from being dropped.
+struct SlotGuard {
+    url: String,
+    slot: String,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let (url, slot) = (self.url.clone(), self.slot.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                // The relay's session may still be closing: wait for the slot to be free.
+                for _ in 0..100 {
+                    let r = sqlx::query(
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                         WHERE slot_name = $1 AND NOT active",
+                    )
+                    .bind(&slot)
+                    .execute(&pool)
+                    .await;
+                    let left: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+                    )
+                    .bind(&slot)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap_or(0);
+                    if r.is_ok() && left == 0 {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Fields drop in order: the slot first, then the database.
+struct World {
+    _guard: SlotGuard,
+    pg: Pg,
+    topic: String,
+    slot: String,
+    brokers: String,
+}
+
+impl World {
+    async fn new() -> Self {
+        // RUST_LOG=idem_cdc=debug shows the relay's sessions when a test fails.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let pg = Pg::new().await;
+        let slot = kafka::unique("cdc").replace('-', "_");
+        let topic = kafka::unique("cdc-orders");
+        let _guard = SlotGuard {
+            url: pg.url().to_owned(),
+            slot: slot.clone(),
+        };
+        World {
+            pg,
+            topic,
+            slot,
+            brokers: kafka::shared(),
+            _guard,
+        }
+    }
+
+    fn config(&self) -> CdcConfig {
+        let mut c = CdcConfig::new(
+            Name::new("slot", &self.slot).unwrap(),
+            Name::new("publication", &format!("{}_pub", self.slot)).unwrap(),
+            Mode::Table(self.pg.tables().clone()),
+        );
+        c.naming = TopicNaming {
+            prefix: String::new(),
+            overrides: [("order".to_owned(), self.topic.clone())].into(),
+        };
+        c.poll = Duration::from_millis(200);
+        c.retry_backoff = Duration::from_millis(50);
+        c
+    }
+
+    fn relay(&self, metrics: CdcMetrics) -> CdcRelay<KafkaPublisher> {
+        let producer = idem_kafka::producer_config(&self.brokers, &[]).unwrap();
+        let publisher = KafkaPublisher::new(producer)
+            .unwrap()
+            .with_topic_creation(1, Some(1));
+        CdcRelay::new(
+            self.pg.url(),
+            self.pg.pool().clone(),
+            publisher,
+            self.config(),
+            metrics,
+        )
+    }
+
+    /// Commits one transaction enqueueing `events`.
+    async fn commit(&self, events: &[Event]) {
+        let mut tx = self.pg.begin().await;
+        tx.enqueue(events).await.unwrap();
+        tx.commit().await;
+    }
+
+    /// The topic's records once there are at least `n` (panics after a minute, or at once
+    /// when the relay stopped with an error).
+    async fn records(&self, n: usize, relay: &mut Running) -> Vec<Record> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (brokers, topic) = (self.brokers.clone(), self.topic.clone());
+            let got = tokio::task::spawn_blocking(move || {
+                read_all(&brokers, &topic, Duration::from_secs(10)).unwrap_or_default()
+            })
+            .await
+            .unwrap();
+            if got.len() >= n {
+                return got;
+            }
+            if relay.1.is_finished() {
+                panic!("the relay stopped early: {:?}", (&mut relay.1).await);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {n} records reached {}",
+                got.len(),
+                self.topic
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+type Running = (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), idem_cdc::CdcError>>,
+);
+
+fn event(aggregate: &str, n: u32) -> Event {
+    Event::builder("order", aggregate, "order.paid")
+        .payload(&serde_json::json!({"n": n}))
+        .build()
+        .unwrap()
+}
+
+fn ids(records: &[Record]) -> Vec<String> {
+    records
+        .iter()
+        .map(|r| r.header("ce_id").unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// Runs `relay` in the background until the returned sender is dropped or sent to.
+fn spawn<P: idem_core::publish::Publisher>(relay: CdcRelay<P>) -> Running {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stopped.await;
+        };
+        relay.run(shutdown).await
+    });
+    (stop, task)
+}
+
+async fn stop(handle: Running) {
+    let (tx, task) = handle;
+    let _ = tx.send(());
+    task.await.unwrap().unwrap();
+}
+
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// T1 inserts first and commits last; T2 inserts later and commits first: the stream, and so
+/// the topic, has T2's event before T1's (commit order, without the polling relay's counter).
+#[tokio::test(flavor = "multi_thread")]
+async fn two_open_transactions_arrive_in_commit_order() {
+    let w = World::new().await;
+    let relay = w.relay(CdcMetrics::unregistered().unwrap());
+    relay.prepare().await.unwrap();
+    let (first, second) = (event("a-1", 1), event("b-1", 2));
+    let mut t1 = w.pg.begin().await;
+    t1.enqueue(std::slice::from_ref(&first)).await.unwrap();
+    let mut t2 = w.pg.begin().await;
+    t2.enqueue(std::slice::from_ref(&second)).await.unwrap();
+    t2.commit().await;
+    t1.commit().await;
+    let mut running = spawn(relay);
+    let got = w.records(2, &mut running).await;
+    assert_eq!(
+        ids(&got),
+        vec![second.id().to_string(), first.id().to_string()],
+        "the later insert committed first and comes first"
+    );
+    assert_eq!(got[1].key.as_deref(), Some("a-1"), "keyed by aggregate id");
+    stop(running).await;
+}
+
+/// A rolled-back transaction's rows never reach Kafka; the committed one after it does.
+#[tokio::test(flavor = "multi_thread")]
+async fn rolled_back_transactions_are_never_published() {
+    let w = World::new().await;
+    let relay = w.relay(CdcMetrics::unregistered().unwrap());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    let mut rolled = w.pg.begin().await;
+    rolled
+        .enqueue(&[event("r-1", 1), event("r-2", 2)])
+        .await
+        .unwrap();
+    rolled.rollback().await;
+    let kept = event("k-1", 3);
+    w.commit(std::slice::from_ref(&kept)).await;
+    // A marker committed after both: once it arrives, everything before it has.
+    let marker = event("z-1", 4);
+    w.commit(std::slice::from_ref(&marker)).await;
+    let got = w.records(2, &mut running).await;
+    assert_eq!(
+        ids(&got),
+        vec![kept.id().to_string(), marker.id().to_string()]
+    );
+    stop(running).await;
+}
+
+/// Kafka acknowledged a batch and the relay stops before confirming it (the crash point in
+/// error mode ends the session): the next session streams from the slot's confirmed position,
+/// so the batch comes again. Every event arrives at least once; the copies carry the same
+/// `ce_id`, which the consumer's inbox absorbs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_stopped_after_publishing_and_before_confirming_publishes_the_batch_again() {
+    use idem_core::crash::{self, Action, CDC_AFTER_PUBLISH_BEFORE_CONFIRM};
+    let w = World::new().await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let relay = w.relay(metrics.clone());
+    relay.prepare().await.unwrap();
+    let events: Vec<Event> = (0..5).map(|i| event(&format!("c-{i}"), i)).collect();
+    w.commit(&events).await;
+    crash::arm(CDC_AFTER_PUBLISH_BEFORE_CONFIRM, Action::Error, 1).unwrap();
+    let mut running = spawn(relay);
+    let got = w.records(10, &mut running).await;
+    crash::disarm_all();
+    assert_eq!(
+        metrics.sessions_failed.get(),
+        1,
+        "the crash point ended one session"
+    );
+    let mut distinct = ids(&got);
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 5, "every event, none missing");
+    assert_eq!(
+        got.len(),
+        10,
+        "each event twice: once before the stop, once after"
+    );
+    // The second copy was confirmed: a new session streams nothing more.
+    let confirmed = metrics.confirmed_lsn.get();
+    assert!(confirmed > 0);
+    stop(running).await;
+    let again = w.relay(CdcMetrics::unregistered().unwrap());
+    let mut running = spawn(again);
+    let marker = event("z-1", 9);
+    w.commit(std::slice::from_ref(&marker)).await;
+    let got = w.records(11, &mut running).await;
+    assert_eq!(
+        got.len(),
+        11,
+        "after the confirmation nothing is sent a third time"
+    );
+    assert_eq!(
+        got[10].header("ce_id"),
+        Some(marker.id().to_string().as_str())
+    );
+    stop(running).await;
+}
+
+/// The published rows are marked in the table (so `idem outbox status`, pruning and
+/// `idem verify` see them), and the slot's metrics show no lag once everything is confirmed.
+#[tokio::test(flavor = "multi_thread")]
+async fn published_rows_are_marked_and_the_slot_confirms_them() {
+    let w = World::new().await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let relay = w.relay(metrics.clone());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    w.commit(&[event("m-1", 1), event("m-2", 2)]).await;
+    w.records(2, &mut running).await;
+    eventually("both rows marked published", || async {
+        w.pg.scalar("SELECT count(*) FROM idem_outbox WHERE status = 'published'")
+            .await
+            == 2
+    })
+    .await;
+    let slot = Name::new("slot", &w.slot).unwrap();
+    eventually("the slot to confirm the events", || async {
+        let state = idem_cdc::slot_state(w.pg.pool(), &slot)
+            .await
+            .unwrap()
+            .unwrap();
+        let confirmed = state
+            .confirmed_flush_lsn
+            .as_deref()
+            .and_then(idem_cdc::changes::parse_lsn)
+            .unwrap_or(0);
+        let pos = u64::try_from(metrics.confirmed_lsn.get()).unwrap_or(0);
+        pos > 0 && confirmed >= pos
+    })
+    .await;
+    stop(running).await;
+}

@@ -1,0 +1,200 @@
+//! `idem cdc`: the change-data-capture relay for PostgreSQL (logical replication, pgoutput),
+//! and its slot.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand};
+use idem_cdc::{CdcConfig, CdcMetrics, CdcRelay, Mode, Name};
+use idem_core::wire::TopicNaming;
+
+use crate::db::{self, DbArgs};
+use crate::util::{parse_duration, shutdown_signal};
+
+/// What to do with the CDC relay.
+#[derive(Debug, Subcommand)]
+pub enum CdcCommand {
+    /// Publish the outbox from PostgreSQL's logical replication: inserts into the outbox table
+    /// (default) or `pg_logical_emit_message` messages (`--messages`), in commit order, at
+    /// least once; the slot confirms a transaction only once Kafka acknowledged it and every
+    /// earlier one. Needs wal_level = logical and a role with REPLICATION.
+    Relay(Box<CdcRelayArgs>),
+    /// Show the slot: whether a relay reads it, its confirmed position, the WAL it holds.
+    Status {
+        #[command(flatten)]
+        db: DbArgs,
+        /// The replication slot.
+        #[arg(long, default_value = "idem_cdc")]
+        slot: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drop the slot (no relay may be reading it): the WAL it holds is released, and what was
+    /// committed after its confirmed position will never be streamed.
+    DropSlot {
+        #[command(flatten)]
+        db: DbArgs,
+        /// The replication slot.
+        #[arg(long)]
+        slot: String,
+    },
+}
+
+/// `idem cdc relay`.
+#[derive(Debug, Args)]
+pub struct CdcRelayArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Kafka bootstrap servers (host:port,...), or `embedded` for librdkafka's mock cluster.
+    #[arg(long, env = "IDEM_BROKERS")]
+    brokers: String,
+    /// The logical replication slot (created when missing; one relay reads it at a time, the
+    /// others wait and take over).
+    #[arg(long, default_value = "idem_cdc")]
+    slot: String,
+    /// The publication the slot reads (created when missing: the outbox table's inserts, or no
+    /// table in message mode).
+    #[arg(long)]
+    publication: Option<String>,
+    /// Message mode: relay `pg_logical_emit_message(true, PREFIX, …)` messages instead of the
+    /// outbox table's rows.
+    #[arg(long, value_name = "PREFIX")]
+    messages: Option<String>,
+    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464; port 0 picks one).
+    #[arg(long, env = "IDEM_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
+    /// Messages per publish call (a batch holds whole transactions).
+    #[arg(long, default_value_t = 500)]
+    batch_size: usize,
+    /// The longest a committed transaction waits for others before its batch is published.
+    #[arg(long, default_value = "2ms", value_parser = parse_duration)]
+    linger: Duration,
+    /// Topic prefix before the aggregate type.
+    #[arg(long, default_value = idem_core::wire::DEFAULT_TOPIC_PREFIX)]
+    topic_prefix: String,
+    /// Topic for an aggregate type: AGGREGATE_TYPE=TOPIC (repeatable).
+    #[arg(long = "topic", value_parser = idem_kafka::parse_setting)]
+    topics: Vec<(String, String)>,
+    /// CloudEvents `ce_source` (default /idem/AGGREGATE_TYPE).
+    #[arg(long)]
+    source: Option<String>,
+    /// Where events that cannot be published are dead-lettered, with the reason in a header.
+    #[arg(long, default_value = "idem.cdc.dead_letters")]
+    dead_letter_topic: String,
+    #[command(flatten)]
+    producer: crate::relay_cmd::ProducerArgs,
+}
+
+/// Runs `idem cdc …`.
+pub async fn run(cmd: CdcCommand) -> anyhow::Result<()> {
+    match cmd {
+        CdcCommand::Relay(args) => relay(*args).await,
+        CdcCommand::Status { db, slot, json } => {
+            let pool = pool(&db).await?;
+            let state = idem_cdc::slot_state(&pool, &Name::new("slot", &slot)?).await?;
+            print_status(&slot, state.as_ref(), json)
+        }
+        CdcCommand::DropSlot { db, slot } => {
+            let pool = pool(&db).await?;
+            idem_cdc::drop_slot(&pool, &Name::new("slot", &slot)?).await?;
+            println!("dropped replication slot {slot}");
+            Ok(())
+        }
+    }
+}
+
+fn print_status(slot: &str, state: Option<&idem_cdc::SlotState>, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(&state)?);
+        return Ok(());
+    }
+    let Some(s) = state else {
+        println!("replication slot {slot}: none");
+        return Ok(());
+    };
+    println!(
+        "replication slot {slot}: {}, confirmed {}, holds {} bytes of WAL, wal_status {}{}",
+        if s.active {
+            "read by a relay"
+        } else {
+            "not read"
+        },
+        s.confirmed_flush_lsn.as_deref().unwrap_or("-"),
+        s.lag_bytes.unwrap_or(0),
+        s.wal_status.as_deref().unwrap_or("-"),
+        if s.is_lost() {
+            " — LOST: events committed after the confirmed position will never be streamed"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}
+
+async fn pool(db: &DbArgs) -> anyhow::Result<sqlx::PgPool> {
+    if !db.db.starts_with("postgres") {
+        anyhow::bail!("the CDC relay reads PostgreSQL only: --db must be a postgres:// URL");
+    }
+    Ok(idem_sql::connect_postgres(&db.db, 2).await?)
+}
+
+async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
+    let shutdown = shutdown_signal()?;
+    let pool = pool(&args.db).await?;
+    let tables = db::tables(&args.db)?;
+    let mode = match &args.messages {
+        Some(prefix) => Mode::Messages {
+            prefix: prefix.clone(),
+        },
+        None => Mode::Table(tables),
+    };
+    let default_publication = match mode {
+        Mode::Table(_) => "idem_outbox_pub",
+        Mode::Messages { .. } => "idem_messages_pub",
+    };
+    let mut config = CdcConfig::new(
+        Name::new("slot", &args.slot)?,
+        Name::new(
+            "publication",
+            args.publication.as_deref().unwrap_or(default_publication),
+        )?,
+        mode,
+    );
+    config.naming = TopicNaming {
+        prefix: args.topic_prefix.clone(),
+        overrides: args.topics.iter().cloned().collect::<BTreeMap<_, _>>(),
+    };
+    config.source = args.source.clone();
+    config.batch_messages = args.batch_size.max(1);
+    config.linger = args.linger;
+    config.dead_letter_topic = args.dead_letter_topic.clone();
+
+    let kafka = crate::relay_cmd::Kafka::connect(&args.brokers, &args.producer, "idem cdc relay")?;
+    let (_embedded, brokers, publisher) = (kafka.embedded, kafka.brokers, kafka.publisher);
+    let publisher = std::sync::Arc::new(publisher);
+    let registry = prometheus::Registry::new();
+    let metrics = CdcMetrics::new(&registry)?;
+    if let Some(addr) = args.metrics_addr {
+        let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
+        eprintln!("idem cdc relay: metrics on http://{bound}/metrics");
+    }
+    let relay = CdcRelay::new(&args.db.db, pool, publisher.clone(), config, metrics);
+    let state = relay
+        .prepare()
+        .await
+        .context("preparing the publication and the slot")?;
+    eprintln!(
+        "idem cdc relay: slot {} (confirmed {}) → {brokers}",
+        state.slot,
+        state.confirmed_flush_lsn.as_deref().unwrap_or("-")
+    );
+    relay.run(shutdown).await?;
+    if let Err(e) = publisher.flush(Duration::from_secs(5)) {
+        tracing::warn!(error = %e, "producer flush at shutdown");
+    }
+    eprintln!("idem cdc relay: stopped cleanly");
+    Ok(())
+}
