@@ -95,7 +95,11 @@ pub async fn inject(
             }
             t.last_scrape = now;
         }
-        if schedule.due(now) && !fault(w, &mut schedule, &mut out.faults, now, rng).await? {
+        // No other fault while the long lock is held (see `Windows::lock_open`).
+        if schedule.due(now)
+            && !out.windows.lock_open()
+            && !fault(w, &mut schedule, &mut out.faults, now, rng).await?
+        {
             // Nothing could be done: plan again at once.
             continue;
         }

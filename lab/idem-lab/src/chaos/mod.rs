@@ -9,6 +9,7 @@
 //! `--break MECHANISM` runs a negative control: one mechanism deliberately broken, which the
 //! run must report as a violation.
 
+mod diagnose;
 mod hostile;
 mod inject;
 pub mod kafka;
@@ -268,6 +269,9 @@ async fn drive(
         counters: &inject::COUNTERS,
     };
     let mut settled = settle::settle(&pipe, &mut procs, args.settle_deadline).await?;
+    if !settled.live {
+        diagnose::write(&pipe, &mut procs, dir).await;
+    }
     if !settled.verify.clean {
         settled.verify = idem_verify::verify(&config, &idem_verify::Options::default()).await?;
     }

@@ -104,12 +104,19 @@ impl Proc {
         self.child.as_ref().and_then(|c| i32::try_from(c.id()).ok())
     }
 
+    /// Sends `sig`. A `kill` that could not run is retried once and then logged: a lost
+    /// SIGCONT would leave a process stopped for the rest of the run with no trace.
     pub fn signal(&self, sig: i32) {
-        if let Some(pid) = self.pid() {
-            let _ = Command::new("kill")
+        let Some(pid) = self.pid() else { return };
+        let send = || {
+            Command::new("kill")
                 .arg(format!("-{sig}"))
                 .arg(pid.to_string())
-                .status();
+                .stderr(Stdio::null())
+                .status()
+        };
+        if let Err(e) = send().or_else(|_| send()) {
+            tracing::warn!(error = %e, process = %self.name, sig, "could not send a signal");
         }
     }
 

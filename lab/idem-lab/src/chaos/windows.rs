@@ -14,7 +14,11 @@
 //!   call fails transiently until it is released. Nothing may be dead-lettered for it.
 //!
 //! The first window of each kind opens at a fixed time, so every run of 30 s or more has one
-//! (the negative controls `key-lock-renewal` and `transient-dead-letters` need them).
+//! (the negative controls `key-lock-renewal` and `transient-dead-letters` need them). The long
+//! lock opens only once every process but the writers runs unpaused, and no other fault is
+//! injected while it is held: events must reach the handlers during it, or the negative control
+//! has nothing to dead-letter (a broker kill or a paused
+//! consumer during the window leaves the handlers idle).
 
 use std::time::{Duration, Instant};
 
@@ -91,7 +95,11 @@ impl Windows {
         {
             task.await??;
         }
-        if self.lock.is_none() && now >= self.next_lock && now + LOCK_HOLD < end {
+        if self.lock.is_none()
+            && now >= self.next_lock
+            && now + LOCK_HOLD < end
+            && pipeline_up(procs)
+        {
             let AnyPool::Postgres(pool) = settlement.clone() else {
                 anyhow::bail!("the long-lock window needs the PostgreSQL settlement database");
             };
@@ -100,6 +108,14 @@ impl Windows {
             self.next_lock = now + Duration::from_secs(30);
         }
         Ok(())
+    }
+
+    /// Whether the long lock is held: no other fault is injected meanwhile, so that events keep
+    /// reaching the settlement handlers and fail on the lock for the whole window (a broker
+    /// killed or a consumer paused during it would leave the `transient-dead-letters` negative
+    /// control nothing to dead-letter, and the run would miss it).
+    pub fn lock_open(&self) -> bool {
+        self.lock.is_some()
     }
 
     /// Ends every open window (the API back to normal speed, the lock released).
@@ -124,6 +140,15 @@ impl Windows {
         self.slow_until = None;
         Ok(())
     }
+}
+
+/// Every process but the writers runs and is not paused: events flow from the outbox to the
+/// handlers. The long-lock window waits for that before it opens.
+fn pipeline_up(procs: &mut [Proc]) -> bool {
+    procs
+        .iter_mut()
+        .filter(|p| p.role != Role::Writer)
+        .all(|p| p.running() && p.paused_until.is_none())
 }
 
 async fn hold_lock(pool: sqlx::PgPool, hold: Duration) -> anyhow::Result<()> {
