@@ -30,6 +30,8 @@ pub struct CdcMetrics {
     pub slot_lost: IntGauge,
     /// Bytes that can still be written before the slot would lose WAL (-1: unbounded).
     pub slot_safe_wal_bytes: IntGauge,
+    /// 1 while this relay waits for another session to stop reading the slot (a standby).
+    pub standby: IntGauge,
 }
 
 impl CdcMetrics {
@@ -47,6 +49,7 @@ impl CdcMetrics {
         registry.register(Box::new(m.slot_lag_bytes.clone()))?;
         registry.register(Box::new(m.slot_lost.clone()))?;
         registry.register(Box::new(m.slot_safe_wal_bytes.clone()))?;
+        registry.register(Box::new(m.standby.clone()))?;
         Ok(m)
     }
 
@@ -101,6 +104,10 @@ impl CdcMetrics {
             slot_safe_wal_bytes: g(
                 "idem_cdc_slot_safe_wal_bytes",
                 "Bytes that can be written before the slot loses WAL (-1: unbounded)",
+            )?,
+            standby: g(
+                "idem_cdc_standby",
+                "1 while this relay waits for another reader of the slot to stop",
             )?,
         })
     }

@@ -182,6 +182,7 @@ impl<P: Publisher> CdcRelay<P> {
         loop {
             let state = self.prepare().await?;
             self.metrics.observe(&state);
+            self.metrics.standby.set(i64::from(state.active));
             if !state.active {
                 return Ok(true);
             }

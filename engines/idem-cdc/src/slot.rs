@@ -162,6 +162,26 @@ pub async fn slot_state(pool: &PgPool, slot: &Name) -> Result<Option<SlotState>,
     }))
 }
 
+/// The state of every logical pgoutput slot of the connection's database (what `idem outbox
+/// status` shows next to the table's counts).
+pub async fn slots_here(pool: &PgPool) -> Result<Vec<SlotState>, CdcError> {
+    let names: Vec<String> = sqlx::query_scalar(include_str!("../sql/slots_here.sql"))
+        .fetch_all(pool)
+        .await
+        .map_err(|e| CdcError::db("listing the replication slots", e))?;
+    let mut out = Vec::with_capacity(names.len());
+    for n in names {
+        // Slot names PostgreSQL accepted are [a-z0-9_]: always a valid Name.
+        let Ok(name) = Name::new("slot", &n) else {
+            continue;
+        };
+        if let Some(state) = slot_state(pool, &name).await? {
+            out.push(state);
+        }
+    }
+    Ok(out)
+}
+
 /// Creates the slot when it is missing (every transaction committed after this is in its
 /// stream); refuses a slot that lost its WAL.
 pub async fn ensure_slot(pool: &PgPool, slot: &Name) -> Result<SlotState, CdcError> {

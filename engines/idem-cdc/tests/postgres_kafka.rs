@@ -324,6 +324,13 @@ async fn published_rows_are_marked_and_the_slot_confirms_them() {
     })
     .await;
     let slot = Name::new("slot", &w.slot).unwrap();
+    // `idem outbox status` lists the database's slots: this one, read by the relay.
+    let here = idem_cdc::slots_here(w.pg.pool()).await.unwrap();
+    assert!(
+        here.iter()
+            .any(|s| s.slot == w.slot && s.active && !s.is_lost()),
+        "{here:?}"
+    );
     eventually("the slot to confirm the events", || async {
         let state = idem_cdc::slot_state(w.pg.pool(), &slot)
             .await
@@ -339,4 +346,52 @@ async fn published_rows_are_marked_and_the_slot_confirms_them() {
     })
     .await;
     stop(running).await;
+}
+
+/// One reader per slot: a second relay waits (`idem_cdc_standby` 1) while the first reads the
+/// slot, and takes over once the first one's session is gone (its task aborted, as a crashed
+/// process's connection closes): the events committed after that reach Kafka through it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_relay_waits_for_the_slot_and_takes_over_when_the_first_dies() {
+    let w = World::new().await;
+    let first = w.relay(CdcMetrics::unregistered().unwrap());
+    first.prepare().await.unwrap();
+    let mut running = spawn(first);
+    let before = event("t-1", 1);
+    w.commit(std::slice::from_ref(&before)).await;
+    w.records(1, &mut running).await;
+    let slot = Name::new("slot", &w.slot).unwrap();
+    let reader = || async {
+        idem_cdc::slot_state(w.pg.pool(), &slot)
+            .await
+            .unwrap()
+            .and_then(|s| s.active_pid)
+    };
+    let first_pid = reader().await.expect("the first relay reads the slot");
+    let standby_metrics = CdcMetrics::unregistered().unwrap();
+    let mut standby = spawn(w.relay(standby_metrics.clone()));
+    eventually("the second relay to wait as a standby", || async {
+        standby_metrics.standby.get() == 1
+    })
+    .await;
+    assert_eq!(
+        reader().await,
+        Some(first_pid),
+        "the first relay still reads"
+    );
+    running.1.abort();
+    let after = event("t-2", 2);
+    w.commit(std::slice::from_ref(&after)).await;
+    let got = w.records(2, &mut standby).await;
+    assert_eq!(
+        got.last().and_then(|r| r.header("ce_id")),
+        Some(after.id().to_string().as_str())
+    );
+    assert_eq!(standby_metrics.standby.get(), 0);
+    let now = reader().await;
+    assert!(
+        now.is_some() && now != Some(first_pid),
+        "the second relay reads the slot: {now:?}"
+    );
+    stop(standby).await;
 }

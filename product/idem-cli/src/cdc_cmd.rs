@@ -111,12 +111,19 @@ fn print_status(slot: &str, state: Option<&idem_cdc::SlotState>, json: bool) -> 
         println!("{}", serde_json::to_string(&state)?);
         return Ok(());
     }
-    let Some(s) = state else {
-        println!("replication slot {slot}: none");
-        return Ok(());
-    };
+    match state {
+        Some(s) => print_slot(s),
+        None => println!("replication slot {slot}: none"),
+    }
+    Ok(())
+}
+
+/// One line per slot: who reads it, where it confirmed, the WAL it holds, and a loud mark
+/// when it is lost.
+pub(crate) fn print_slot(s: &idem_cdc::SlotState) {
     println!(
-        "replication slot {slot}: {}, confirmed {}, holds {} bytes of WAL, wal_status {}{}",
+        "replication slot {}: {}, confirmed {}, holds {} bytes of WAL, wal_status {}{}",
+        s.slot,
         if s.active {
             "read by a relay"
         } else {
@@ -131,7 +138,6 @@ fn print_status(slot: &str, state: Option<&idem_cdc::SlotState>, json: bool) -> 
             ""
         }
     );
-    Ok(())
 }
 
 async fn pool(db: &DbArgs) -> anyhow::Result<sqlx::PgPool> {

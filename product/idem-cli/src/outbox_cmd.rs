@@ -72,8 +72,16 @@ pub async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
         OutboxCommand::Status { db, json } => {
             let store = db::open(&db, 1).await?;
             let s = idem_sql::with_store!(&store, s => s.relay().status().await)?;
+            let slots = match store.pool() {
+                idem_sql::AnyPool::Postgres(pool) => idem_cdc::slots_here(&pool).await?,
+                _ => Vec::new(),
+            };
             if json {
-                println!("{}", serde_json::to_string(&s)?);
+                let mut v = serde_json::to_value(&s)?;
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("cdc_slots".to_owned(), serde_json::to_value(&slots)?);
+                }
+                println!("{v}");
             } else {
                 println!("pending    {}", s.pending);
                 println!("parked     {}", s.parked);
@@ -81,6 +89,9 @@ pub async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
                 match s.oldest_pending_age_seconds {
                     Some(a) => println!("oldest pending age  {a:.3}s"),
                     None => println!("oldest pending age  -"),
+                }
+                for slot in &slots {
+                    crate::cdc_cmd::print_slot(slot);
                 }
             }
         }
