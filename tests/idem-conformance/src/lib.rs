@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod kafka;
 pub mod pg;
+pub mod private_pg;
 pub mod process;
 pub mod records;
 pub mod retention;

@@ -1,0 +1,135 @@
+//! The CDC relay across a PostgreSQL crash (`pg_ctl stop -m immediate`, then a start: recovery
+//! replays the WAL, and the slot's position goes back to its last checkpoint): no committed
+//! event is lost, and the copies carry the same `ce_id`. Runs on a private server (the suite's
+//! shared one must never restart under the other tests).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use idem_cdc::{CdcConfig, CdcMetrics, CdcRelay, Mode, Name};
+use idem_conformance::kafka;
+use idem_conformance::private_pg::PrivatePg;
+use idem_core::wire::TopicNaming;
+use idem_core::{Event, TableNames};
+use idem_kafka::KafkaPublisher;
+use idem_kafka::inspect::read_all;
+
+async fn pool(url: &str) -> sqlx::PgPool {
+    // The server restarts under this pool: connections that die are replaced on the next use.
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+async fn commit(pool: &sqlx::PgPool, events: &[Event]) {
+    let outbox = idem_postgres::Outbox::new(TableNames::default());
+    // A connection of the pool may have died with the server: retry until one works.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let attempt = async {
+            let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+            outbox
+                .enqueue_all(&mut tx, events)
+                .await
+                .map_err(|e| e.to_string())?;
+            tx.commit().await.map_err(|e| e.to_string())
+        };
+        match attempt.await {
+            Ok(()) => return,
+            Err(e) => assert!(Instant::now() < deadline, "cannot commit: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn event(aggregate: &str) -> Event {
+    Event::builder("order", aggregate, "order.paid")
+        .payload(&serde_json::json!({"a": aggregate}))
+        .build()
+        .unwrap()
+}
+
+/// Events committed before the crash (published or not yet) and after it all reach Kafka.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_committed_event_is_lost_across_a_postgresql_crash() {
+    let pg = PrivatePg::start();
+    let url = pg.url();
+    let control = pool(&url).await;
+    idem_postgres::migrate(&control, &TableNames::default())
+        .await
+        .unwrap();
+    let topic = kafka::unique("cdc-restart");
+    let brokers = kafka::shared();
+    let mut config = CdcConfig::new(
+        Name::new("slot", "restart_slot").unwrap(),
+        Name::new("publication", "restart_pub").unwrap(),
+        Mode::Table(TableNames::default()),
+    );
+    config.naming = TopicNaming {
+        prefix: String::new(),
+        overrides: [("order".to_owned(), topic.clone())].into(),
+    };
+    config.poll = Duration::from_millis(200);
+    config.retry_backoff = Duration::from_millis(100);
+    config.retry_backoff_max = Duration::from_millis(500);
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let publisher = KafkaPublisher::new(idem_kafka::producer_config(&brokers, &[]).unwrap())
+        .unwrap()
+        .with_topic_creation(1, Some(1));
+    let relay = CdcRelay::new(&url, control.clone(), publisher, config, metrics.clone());
+    relay.prepare().await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run(async move {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let before: Vec<Event> = (0..5).map(|i| event(&format!("b-{i}"))).collect();
+    commit(&control, &before).await;
+    // Crash while those may still be in flight or unconfirmed.
+    pg.crash_and_restart();
+    let after: Vec<Event> = (0..5).map(|i| event(&format!("a-{i}"))).collect();
+    commit(&control, &after).await;
+
+    let want: Vec<String> = before
+        .iter()
+        .chain(&after)
+        .map(|e| e.id().to_string())
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let (b, t) = (brokers.clone(), topic.clone());
+        let got = tokio::task::spawn_blocking(move || {
+            read_all(&b, &t, Duration::from_secs(10)).unwrap_or_default()
+        })
+        .await
+        .unwrap();
+        let seen: std::collections::BTreeSet<String> = got
+            .iter()
+            .filter_map(|r| r.header("ce_id").map(str::to_owned))
+            .collect();
+        if want.iter().all(|id| seen.contains(id)) {
+            break;
+        }
+        assert!(!task.is_finished(), "the relay stopped");
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} events reached Kafka after the crash",
+            want.iter().filter(|id| seen.contains(*id)).count(),
+            want.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        metrics.sessions_failed.get() >= 1,
+        "the crash ended the relay's session (and a new one took over)"
+    );
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+}
