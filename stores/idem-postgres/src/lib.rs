@@ -2,6 +2,8 @@
 //! always had (`PgStore` is `idem_sql::RelayStore<Postgres>`, and so on).
 //!
 //! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
+//! * [`MessageOutbox`] writes events with no table, as transactional logical decoding messages
+//!   for the CDC relay's message mode (`idem cdc relay --messages`).
 //! * [`migrate`] creates or upgrades idem's tables (the SQL lives in `idem-sql/migrations/postgres/`).
 //! * [`PgStore`] is the relay's view of the outbox ([`idem_core::OutboxStore`]); its SQL lives in
 //!   `idem-sql/sql/postgres/` and `idem-sql/sql/common/`, one statement per file.
@@ -36,7 +38,7 @@
 use idem_core::{Result, TableNames};
 use sqlx::{PgPool, Postgres};
 
-pub use idem_sql::{MigrationReport, connect_postgres as connect, redact};
+pub use idem_sql::{EMIT_GRANT, MessageOutbox, MigrationReport, connect_postgres as connect, redact};
 
 /// Enqueues events in the caller's transaction ([`idem_sql::Outbox`]). Cheap to clone.
 pub type Outbox = idem_sql::Outbox<Postgres>;
