@@ -149,6 +149,11 @@ pub fn encode_checked(event: &Event) -> Result<String, EnvelopeError> {
     Ok(content)
 }
 
+/// The statement that lets a role write message-mode events once migration 13 revoked
+/// `pg_logical_emit_message` from `PUBLIC`.
+pub const EMIT_GRANT: &str =
+    "GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO <writing role>";
+
 /// The default prefix of message mode's messages.
 pub const DEFAULT_PREFIX: &str = "idem.outbox";
 

@@ -30,6 +30,9 @@ pub struct CdcMetrics {
     pub slot_lost: IntGauge,
     /// Bytes that can still be written before the slot would lose WAL (-1: unbounded).
     pub slot_safe_wal_bytes: IntGauge,
+    /// Message mode: 1 when `PUBLIC` may execute `pg_logical_emit_message`, so any role can
+    /// write events (migration 13 revokes it; a non-superuser migration cannot).
+    pub emit_open_to_public: IntGauge,
 }
 
 impl CdcMetrics {
@@ -47,6 +50,7 @@ impl CdcMetrics {
         registry.register(Box::new(m.slot_lag_bytes.clone()))?;
         registry.register(Box::new(m.slot_lost.clone()))?;
         registry.register(Box::new(m.slot_safe_wal_bytes.clone()))?;
+        registry.register(Box::new(m.emit_open_to_public.clone()))?;
         Ok(m)
     }
 
@@ -101,6 +105,10 @@ impl CdcMetrics {
             slot_safe_wal_bytes: g(
                 "idem_cdc_slot_safe_wal_bytes",
                 "Bytes that can be written before the slot loses WAL (-1: unbounded)",
+            )?,
+            emit_open_to_public: g(
+                "idem_cdc_emit_open_to_public",
+                "1 when every role may execute pg_logical_emit_message and so write message-mode events",
             )?,
         })
     }

@@ -59,9 +59,9 @@ pub struct CdcRelayArgs {
     /// table in message mode).
     #[arg(long)]
     publication: Option<String>,
-    /// Message mode: relay `pg_logical_emit_message(true, PREFIX, …)` messages instead of the
-    /// outbox table's rows.
-    #[arg(long, value_name = "PREFIX")]
+    /// Message mode: relay `pg_logical_emit_message(true, PREFIX, …)` messages (written with
+    /// `MessageOutbox`) instead of the outbox table's rows; PREFIX defaults to `idem.outbox`.
+    #[arg(long, value_name = "PREFIX", num_args = 0..=1, default_missing_value = idem_core::envelope::DEFAULT_PREFIX)]
     messages: Option<String>,
     /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464; port 0 picks one).
     #[arg(long, env = "IDEM_METRICS_ADDR")]
@@ -147,7 +147,7 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     let tables = db::tables(&args.db)?;
     let mode = match &args.messages {
         Some(prefix) => Mode::Messages {
-            prefix: prefix.clone(),
+            prefix: idem_core::envelope::Prefix::new(prefix)?.to_string(),
         },
         None => Mode::Table(tables),
     };

@@ -38,7 +38,7 @@
 use idem_core::{Result, TableNames};
 use sqlx::{PgPool, Postgres};
 
-pub use idem_sql::{EMIT_GRANT, MessageOutbox, MigrationReport, connect_postgres as connect, redact};
+pub use idem_sql::{MessageOutbox, MigrationReport, connect_postgres as connect, redact};
 
 /// Enqueues events in the caller's transaction ([`idem_sql::Outbox`]). Cheap to clone.
 pub type Outbox = idem_sql::Outbox<Postgres>;

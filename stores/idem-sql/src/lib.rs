@@ -74,7 +74,7 @@ pub use writer::Outbox;
 #[cfg(feature = "postgres")]
 pub use postgres::connect as connect_postgres;
 #[cfg(feature = "postgres")]
-pub use postgres::messages::{EMIT_GRANT, MessageOutbox};
+pub use postgres::messages::MessageOutbox;
 #[cfg(feature = "sqlite")]
 pub use sqlite::connect as connect_sqlite;
 #[cfg(feature = "sqlite")]

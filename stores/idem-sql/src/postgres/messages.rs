@@ -1,18 +1,13 @@
 //! The table-less outbox (message mode of the CDC relay): events written as transactional
 //! logical decoding messages, `pg_logical_emit_message(true, prefix, content)`, PostgreSQL only.
 
-use idem_core::envelope::{self, EnvelopeError, Prefix};
+use idem_core::envelope::{self, EMIT_GRANT, EnvelopeError, Prefix};
 use idem_core::{Error, Event, Result};
 use sqlx::PgConnection;
 
 use super::sqlstate;
 
 const EMIT_MESSAGES: &str = include_str!("../../sql/postgres/emit_messages.sql");
-
-/// The statement a role needs before it can write message-mode events (after migration 13
-/// revokes the function from `PUBLIC`).
-pub const EMIT_GRANT: &str =
-    "GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO <writing role>";
 
 /// Enqueues events as transactional logical decoding messages in the caller's transaction, for
 /// the CDC relay in message mode (`idem cdc relay --messages`). No table: nothing to migrate
