@@ -123,6 +123,39 @@ async fn message_mode_publishes_events_written_in_a_business_transaction() {
     stop(running).await;
 }
 
+/// Without a table nothing refuses an event id written again (a writer retrying after a commit
+/// whose outcome it did not learn): both copies are published with one `ce_id`, which the
+/// consumer's inbox absorbs. One id twice in one call is refused before anything is emitted.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_id_written_twice_in_message_mode_is_published_twice_with_one_ce_id() {
+    let w = World::new().await;
+    let relay = relay(&w, CdcMetrics::unregistered().unwrap());
+    relay.prepare().await.unwrap();
+    let e = event("d-1", 1);
+    commit(&w, "1", std::slice::from_ref(&e)).await;
+    commit(&w, "2", std::slice::from_ref(&e)).await;
+    let mut tx = w.pg.pool().begin().await.unwrap();
+    let twice = MessageOutbox::default()
+        .enqueue_all(&mut tx, &[e.clone(), e.clone()])
+        .await;
+    assert!(
+        matches!(
+            twice,
+            Err(idem_core::Error::InvalidEvent {
+                field: "event_id",
+                ..
+            })
+        ),
+        "{twice:?}"
+    );
+    tx.rollback().await.unwrap();
+    let mut running = spawn(relay);
+    let got = w.records(2, &mut running).await;
+    assert_eq!(ids(&got), vec![e.id().to_string(), e.id().to_string()]);
+    assert_eq!(got[0].payload, got[1].payload);
+    stop(running).await;
+}
+
 /// A rolled-back transaction's messages never reach Kafka, nor does a message under another
 /// prefix (another tool's, or a relay with another `--prefix`); the committed events around
 /// them do.

@@ -66,11 +66,22 @@ impl MessageOutbox {
     }
 }
 
-/// The envelopes of `events`, or the first refusal.
+/// The envelopes of `events`, or the first refusal. An event id twice in one call is refused
+/// (the outbox table's unique key refuses it in table mode); across calls nothing can check it,
+/// and consumers keep the first event of an id (docs/operating/cdc-relay.md).
 fn contents(events: &[Event]) -> Result<Vec<String>> {
+    let mut seen = std::collections::HashSet::with_capacity(events.len());
     events
         .iter()
-        .map(|e| envelope::encode_checked(e).map_err(refusal))
+        .map(|e| {
+            if !seen.insert(e.id()) {
+                return Err(Error::InvalidEvent {
+                    field: "event_id",
+                    reason: format!("{} appears twice in one enqueue", e.id()),
+                });
+            }
+            envelope::encode_checked(e).map_err(refusal)
+        })
         .collect()
 }
 
@@ -107,6 +118,13 @@ mod tests {
             .build()
             .unwrap();
         assert_eq!(contents(std::slice::from_ref(&ok)).unwrap().len(), 1);
+        assert!(matches!(
+            contents(&[ok.clone(), ok.clone()]),
+            Err(Error::InvalidEvent {
+                field: "event_id",
+                ..
+            })
+        ));
         assert!(matches!(
             contents(&[ok, deep]),
             Err(Error::InvalidEvent {
