@@ -377,3 +377,26 @@ async fn migration_13_by_a_role_that_may_not_revoke_warns_instead_of_failing() {
     sqlx::raw_sql(migration).execute(w.pg.pool()).await.unwrap();
     assert_eq!(relay.check_emit_privilege().await, Some(false));
 }
+
+/// A relay whose prefix no writer could use (`MessageOutbox` takes a validated `Prefix`) refuses
+/// to start instead of waiting for messages that never come.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_with_an_invalid_prefix_refuses_to_start() {
+    let w = World::new().await;
+    let mode = Mode::Messages {
+        prefix: "idem outbox".to_owned(),
+    };
+    let relay = w.relay_with(w.config_in(mode), CdcMetrics::unregistered().unwrap());
+    let refused = relay.prepare().await.unwrap_err();
+    assert!(
+        matches!(&refused, idem_cdc::CdcError::Config(m) if m.contains("message prefix")),
+        "{refused}"
+    );
+    assert!(
+        idem_cdc::slot_state(w.pg.pool(), &idem_cdc::Name::new("slot", &w.slot).unwrap())
+            .await
+            .unwrap()
+            .is_none(),
+        "no slot created"
+    );
+}
