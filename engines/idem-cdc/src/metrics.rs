@@ -1,5 +1,5 @@
-//! The CDC relay's Prometheus metrics (docs/operating/metrics.md lists them with the alert
-//! rules of deploy/prometheus).
+//! The CDC relay's Prometheus metrics (docs/operating/cdc-relay.md lists them; they have no
+//! alert rules in deploy/prometheus yet).
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 

@@ -23,6 +23,18 @@
 //! # Ok(()) }
 //! ```
 //!
+//! With the CDC relay in message mode there is no outbox table: [`MessageOutbox`] emits the
+//! events as transactional logical decoding messages, in the same transaction.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool, event: idem_core::Event) -> Result<(), Box<dyn std::error::Error>> {
+//! let outbox = idem_postgres::MessageOutbox::default(); // prefix idem.outbox
+//! let mut tx = pool.begin().await?;
+//! outbox.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?; // published by `idem cdc relay --messages` once committed
+//! # Ok(()) }
+//! ```
+//!
 //! # Commit order
 //!
 //! A `BEFORE INSERT` trigger numbers each aggregate's events (`aggregate_seq`) from a counter
