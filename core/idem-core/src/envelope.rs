@@ -41,10 +41,10 @@
 
 use std::collections::BTreeMap;
 
-use chrono::{DateTime, Datelike, SecondsFormat, Utc};
 use crate::Event;
 use crate::event::EventId;
 use crate::outbox::OutboxRecord;
+use chrono::{DateTime, Datelike, SecondsFormat, Utc};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;

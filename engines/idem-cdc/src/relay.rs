@@ -143,9 +143,11 @@ impl<P: Publisher> CdcRelay<P> {
     /// `idem_cdc_emit_open_to_public` and warns when it can. `None` when it could not be read
     /// (logged; the relay runs on). [`CdcRelay::run`] checks once at its start.
     pub async fn check_emit_privilege(&self) -> Option<bool> {
-        let open = match sqlx::query_scalar::<_, bool>(include_str!("../sql/emit_open_to_public.sql"))
-            .fetch_one(&self.pool)
-            .await
+        let open = match sqlx::query_scalar::<_, bool>(include_str!(
+            "../sql/emit_open_to_public.sql"
+        ))
+        .fetch_one(&self.pool)
+        .await
         {
             Ok(open) => open,
             Err(e) => {

@@ -110,11 +110,18 @@ async fn message_mode_publishes_events_written_in_a_business_transaction() {
     for (e, r) in [&first, &second, &third].into_iter().zip(&got) {
         let want = expected(e, r);
         assert_eq!(r.key.as_deref(), Some(want.key.as_str()));
-        assert_eq!(r.payload.as_deref(), Some(want.payload.as_str()), "payload bytes");
+        assert_eq!(
+            r.payload.as_deref(),
+            Some(want.payload.as_str()),
+            "payload bytes"
+        );
         assert_eq!(r.headers, want.headers, "headers");
     }
     assert_eq!(seq(&got[0]), seq(&got[1]), "one transaction, one position");
-    assert!(seq(&got[2]) > seq(&got[1]), "a later commit, a higher position");
+    assert!(
+        seq(&got[2]) > seq(&got[1]),
+        "a later commit, a higher position"
+    );
     assert_eq!(
         w.pg.scalar("SELECT count(*) FROM idem_outbox").await,
         0,
@@ -206,8 +213,11 @@ async fn hostile_messages_are_dead_lettered_and_the_events_after_them_flow() {
     let before = event("h-0", 0);
     commit(&w, "0", std::slice::from_ref(&before)).await;
     emit(&w, true, PREFIX, "not json").await;
-    let forged = envelope::encode(&event("h-1", 1))
-        .replacen("\"headers\":{}", "\"headers\":{\"ce_id\":\"forged\"}", 1);
+    let forged = envelope::encode(&event("h-1", 1)).replacen(
+        "\"headers\":{}",
+        "\"headers\":{\"ce_id\":\"forged\"}",
+        1,
+    );
     assert!(forged.contains("forged"), "{forged}");
     emit(&w, true, PREFIX, &forged).await;
     let loose = event("h-2", 2);
@@ -240,7 +250,10 @@ async fn hostile_messages_are_dead_lettered_and_the_events_after_them_flow() {
         "{reasons:?}"
     );
     for r in &letters {
-        assert!(r.header("idem_lsn").is_some(), "a dead letter names its position");
+        assert!(
+            r.header("idem_lsn").is_some(),
+            "a dead letter names its position"
+        );
     }
     assert_eq!(
         metrics.refused.with_label_values(&["dead_lettered"]).get(),
@@ -293,7 +306,10 @@ impl Drop for RoleGuard {
 async fn after_the_migration_only_a_granted_role_may_write_messages() {
     let w = World::new().await;
     let suffix = kafka::unique("r").replace('-', "_");
-    let (granted, denied) = (format!("idem_msg_ok_{suffix}"), format!("idem_msg_no_{suffix}"));
+    let (granted, denied) = (
+        format!("idem_msg_ok_{suffix}"),
+        format!("idem_msg_no_{suffix}"),
+    );
     let _roles = RoleGuard {
         url: w.pg.url().to_owned(),
         roles: vec![granted.clone(), denied.clone()],
@@ -360,9 +376,8 @@ async fn migration_13_by_a_role_that_may_not_revoke_warns_instead_of_failing() {
     w.pg.exec(&format!("CREATE ROLE \"{migrator}\" NOLOGIN"))
         .await
         .unwrap();
-    let migration = include_str!(
-        "../../../stores/idem-sql/migrations/postgres/0013_emit_message_revoked.sql"
-    );
+    let migration =
+        include_str!("../../../stores/idem-sql/migrations/postgres/0013_emit_message_revoked.sql");
     let mut conn = w.pg.pool().acquire().await.unwrap();
     sqlx::raw_sql(&format!("SET ROLE \"{migrator}\"; {migration}; RESET ROLE"))
         .execute(&mut *conn)

@@ -231,13 +231,19 @@ mod tests {
             messages(&["--messages", "--slot", "s"]).as_deref(),
             Some("idem.outbox")
         );
-        assert_eq!(messages(&["--messages", "billing.v1"]).as_deref(), Some("billing.v1"));
+        assert_eq!(
+            messages(&["--messages", "billing.v1"]).as_deref(),
+            Some("billing.v1")
+        );
         let tables = idem_core::TableNames::default();
         assert!(matches!(
             mode(Some("billing.v1"), tables.clone()).unwrap(),
             Mode::Messages { prefix } if prefix == "billing.v1"
         ));
-        assert!(matches!(mode(None, tables.clone()).unwrap(), Mode::Table(_)));
+        assert!(matches!(
+            mode(None, tables.clone()).unwrap(),
+            Mode::Table(_)
+        ));
         let refused = mode(Some("a b"), tables).unwrap_err().to_string();
         assert!(refused.contains("message prefix"), "{refused}");
     }

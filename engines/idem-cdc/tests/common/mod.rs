@@ -221,4 +221,3 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
-

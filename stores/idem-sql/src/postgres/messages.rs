@@ -112,7 +112,10 @@ mod tests {
 
     #[test]
     fn an_event_the_relay_would_refuse_is_refused_before_emitting() {
-        let ok = Event::builder("o", "1", "t").payload_json("{}").build().unwrap();
+        let ok = Event::builder("o", "1", "t")
+            .payload_json("{}")
+            .build()
+            .unwrap();
         let deep = Event::builder("o", "2", "t")
             .payload_json(format!("{}{}", "[".repeat(200), "]".repeat(200)))
             .build()
