@@ -313,22 +313,12 @@ pub fn decode_committed(
     let wire = parse(content)?;
     let event = rebuild(&wire)?;
     let position = |p: u64| i64::try_from(p).map_err(|_| EnvelopeError::PositionOutOfRange(p));
-    Ok(OutboxRecord {
-        id: position(lsn)?,
-        event_id: event.id(),
-        aggregate_type: event.aggregate_type().to_owned(),
-        aggregate_id: event.aggregate_id().to_owned(),
-        aggregate_seq: position(end_lsn)?,
-        event_type: event.event_type().to_owned(),
-        payload: event.payload().to_owned(),
-        headers: event.headers().clone(),
-        topic: event.topic().map(str::to_owned),
-        traceparent: event.traceparent().map(str::to_owned),
-        occurred_at: event.occurred_at(),
-        created_at: committed_at.unwrap_or_else(|| event.occurred_at()),
-        attempt: 1,
-        permanent_failures: 0,
-    })
+    Ok(OutboxRecord::of_event(
+        &event,
+        position(lsn)?,
+        position(end_lsn)?,
+        committed_at.unwrap_or_else(|| event.occurred_at()),
+    ))
 }
 
 fn parse(content: &[u8]) -> Result<Wire<'_>, EnvelopeError> {

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Running, World, event, ids, spawn, stop};
+use common::{RoleGuard, Running, World, event, spawn, stop};
 use idem_cdc::{CdcMetrics, CdcRelay, Mode};
 use idem_conformance::backend::Backend;
 use idem_conformance::kafka;
@@ -17,6 +17,13 @@ use idem_kafka::inspect::Record;
 use idem_sql::MessageOutbox;
 
 const PREFIX: &str = "idem.outbox";
+
+/// A message-mode relay, its slot created, running in the background.
+async fn started(w: &World, metrics: CdcMetrics) -> Running {
+    let relay = relay(w, metrics);
+    relay.prepare().await.unwrap();
+    spawn(relay)
+}
 
 fn relay(w: &World, metrics: CdcMetrics) -> CdcRelay<KafkaPublisher> {
     let mode = Mode::Messages {
@@ -54,22 +61,7 @@ async fn emit(w: &World, transactional: bool, prefix: &str, content: &str) {
 /// The record table mode would have claimed for `e`, at the position the relay published it.
 fn expected(e: &Event, got: &Record) -> idem_core::wire::WireRecord {
     let seq: i64 = got.header("idem_aggregate_seq").unwrap().parse().unwrap();
-    let record = OutboxRecord {
-        id: 0,
-        event_id: e.id(),
-        aggregate_type: e.aggregate_type().to_owned(),
-        aggregate_id: e.aggregate_id().to_owned(),
-        aggregate_seq: seq,
-        event_type: e.event_type().to_owned(),
-        payload: e.payload().to_owned(),
-        headers: e.headers().clone(),
-        topic: e.topic().map(str::to_owned),
-        traceparent: e.traceparent().map(str::to_owned),
-        occurred_at: e.occurred_at(),
-        created_at: e.occurred_at(),
-        attempt: 1,
-        permanent_failures: 0,
-    };
+    let record = OutboxRecord::of_event(e, 0, seq, e.occurred_at());
     idem_core::wire::encode(&record, "unused", None)
 }
 
@@ -98,15 +90,7 @@ async fn message_mode_publishes_events_written_in_a_business_transaction() {
     commit(&w, "10043", std::slice::from_ref(&third)).await;
     assert_eq!(w.pg.scalar("SELECT count(*) FROM test_orders").await, 2);
     let mut running = spawn(relay);
-    let got = w.records(3, &mut running).await;
-    assert_eq!(
-        ids(&got),
-        vec![
-            first.id().to_string(),
-            second.id().to_string(),
-            third.id().to_string()
-        ]
-    );
+    let got = w.expect(&[&first, &second, &third], &mut running).await;
     for (e, r) in [&first, &second, &third].into_iter().zip(&got) {
         let want = expected(e, r);
         assert_eq!(r.key.as_deref(), Some(want.key.as_str()));
@@ -157,8 +141,7 @@ async fn an_event_id_written_twice_in_message_mode_is_published_twice_with_one_c
     );
     tx.rollback().await.unwrap();
     let mut running = spawn(relay);
-    let got = w.records(2, &mut running).await;
-    assert_eq!(ids(&got), vec![e.id().to_string(), e.id().to_string()]);
+    let got = w.expect(&[&e, &e], &mut running).await;
     assert_eq!(got[0].payload, got[1].payload);
     stop(running).await;
 }
@@ -169,9 +152,7 @@ async fn an_event_id_written_twice_in_message_mode_is_published_twice_with_one_c
 #[tokio::test(flavor = "multi_thread")]
 async fn rolled_back_messages_and_other_prefixes_are_never_published() {
     let w = World::new().await;
-    let relay = relay(&w, CdcMetrics::unregistered().unwrap());
-    relay.prepare().await.unwrap();
-    let mut running = spawn(relay);
+    let mut running = started(&w, CdcMetrics::unregistered().unwrap()).await;
     let mut rolled = w.pg.pool().begin().await.unwrap();
     MessageOutbox::default()
         .enqueue_all(&mut rolled, &[event("r-1", 1), event("r-2", 2)])
@@ -191,11 +172,7 @@ async fn rolled_back_messages_and_other_prefixes_are_never_published() {
     emit(&w, true, "idem", &envelope::encode(&foreign)).await;
     let marker = event("z-1", 5);
     commit(&w, "2", std::slice::from_ref(&marker)).await;
-    let got = w.records(2, &mut running).await;
-    assert_eq!(
-        ids(&got),
-        vec![kept.id().to_string(), marker.id().to_string()]
-    );
+    w.expect(&[&kept, &marker], &mut running).await;
     stop(running).await;
 }
 
@@ -207,9 +184,7 @@ async fn rolled_back_messages_and_other_prefixes_are_never_published() {
 async fn hostile_messages_are_dead_lettered_and_the_events_after_them_flow() {
     let w = World::new().await;
     let metrics = CdcMetrics::unregistered().unwrap();
-    let relay = relay(&w, metrics.clone());
-    relay.prepare().await.unwrap();
-    let mut running = spawn(relay);
+    let mut running = started(&w, metrics.clone()).await;
     let before = event("h-0", 0);
     commit(&w, "0", std::slice::from_ref(&before)).await;
     emit(&w, true, PREFIX, "not json").await;
@@ -224,12 +199,8 @@ async fn hostile_messages_are_dead_lettered_and_the_events_after_them_flow() {
     emit(&w, false, PREFIX, &envelope::encode(&loose)).await;
     let after = event("h-3", 3);
     commit(&w, "3", std::slice::from_ref(&after)).await;
-    let got = w.records(2, &mut running).await;
-    assert_eq!(
-        ids(&got),
-        vec![before.id().to_string(), after.id().to_string()],
-        "only the writer's events, the hostile ones set aside"
-    );
+    // Only the writer's events: the hostile ones are set aside.
+    w.expect(&[&before, &after], &mut running).await;
     let letters = dead_letters(&w, 3, &mut running).await;
     let reasons: Vec<&str> = letters
         .iter()
@@ -265,36 +236,6 @@ async fn hostile_messages_are_dead_lettered_and_the_events_after_them_flow() {
 async fn dead_letters(w: &World, n: usize, running: &mut Running) -> Vec<Record> {
     let topic = w.dead_letters.clone();
     w.records_in(&topic, n, running).await
-}
-
-/// Deletes a test role at the end, even after a failed assertion (its grants in the test
-/// database first, or the role cannot be dropped).
-struct RoleGuard {
-    url: String,
-    roles: Vec<String>,
-}
-
-impl Drop for RoleGuard {
-    fn drop(&mut self) {
-        let (url, roles) = (self.url.clone(), self.roles.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let pool = sqlx::PgPool::connect(&url).await.unwrap();
-                for role in roles {
-                    let _ = sqlx::raw_sql(&format!(
-                        "DROP OWNED BY \"{role}\"; DROP ROLE IF EXISTS \"{role}\""
-                    ))
-                    .execute(&pool)
-                    .await;
-                }
-            });
-        })
-        .join();
-    }
 }
 
 /// After `idem migrate` (run as a superuser, the suite's case) PUBLIC may not execute

@@ -23,39 +23,74 @@ pub struct SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        let (url, slot) = (self.url.clone(), self.slot.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let pool = sqlx::PgPool::connect(&url).await.unwrap();
-                // The relay's session may still be closing: wait for the slot to be free.
-                for _ in 0..100 {
-                    let r = sqlx::query(
-                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-                         WHERE slot_name = $1 AND NOT active",
-                    )
-                    .bind(&slot)
-                    .execute(&pool)
-                    .await;
-                    let left: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
-                    )
-                    .bind(&slot)
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap_or(0);
-                    if r.is_ok() && left == 0 {
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+        let slot = self.slot.clone();
+        cleanup(&self.url, |pool| async move {
+            // The relay's session may still be closing: wait for the slot to be free.
+            for _ in 0..100 {
+                let r = sqlx::query(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                     WHERE slot_name = $1 AND NOT active",
+                )
+                .bind(&slot)
+                .execute(&pool)
+                .await;
+                let left: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+                )
+                .bind(&slot)
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0);
+                if r.is_ok() && left == 0 {
+                    return;
                 }
-            });
-        })
-        .join();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
     }
+}
+
+/// Drops test roles at the end, even after a failed assertion (their grants in the test
+/// database first, or a role cannot be dropped).
+pub struct RoleGuard {
+    pub url: String,
+    pub roles: Vec<String>,
+}
+
+impl Drop for RoleGuard {
+    fn drop(&mut self) {
+        let roles = self.roles.clone();
+        cleanup(&self.url, |pool| async move {
+            for role in roles {
+                let _ = sqlx::raw_sql(&format!(
+                    "DROP OWNED BY \"{role}\"; DROP ROLE IF EXISTS \"{role}\""
+                ))
+                .execute(&pool)
+                .await;
+            }
+        });
+    }
+}
+
+/// Runs `f` on a connection to `url` on a runtime of its own (a `Drop` may run inside the
+/// test's runtime, which cannot block), and waits for it.
+fn cleanup<F, Fut>(url: &str, f: F)
+where
+    F: FnOnce(sqlx::PgPool) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    let url = url.to_owned();
+    let _ = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let pool = sqlx::PgPool::connect(&url).await.unwrap();
+            f(pool).await;
+        });
+    })
+    .join();
 }
 
 /// Fields drop in order: the slot first, then the database.
@@ -144,6 +179,14 @@ impl World {
     /// when the relay stopped with an error).
     pub async fn records(&self, n: usize, relay: &mut Running) -> Vec<Record> {
         self.records_in(&self.topic, n, relay).await
+    }
+
+    /// The topic's first records, asserted to be `want`'s events in this order.
+    pub async fn expect(&self, want: &[&Event], relay: &mut Running) -> Vec<Record> {
+        let got = self.records(want.len(), relay).await;
+        let want: Vec<String> = want.iter().map(|e| e.id().to_string()).collect();
+        assert_eq!(ids(&got), want);
+        got
     }
 
     /// [`World::records`] of `topic`.
