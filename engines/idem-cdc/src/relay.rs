@@ -350,7 +350,9 @@ impl<P: Publisher> CdcRelay<P> {
             ReplicationEvent::KeepAlive { wal_end, .. } => {
                 // With nothing open or unacknowledged, every transaction committed before the
                 // server's sent position was streamed before this keepalive and is confirmed.
-                if acks.tracker.keepalive(wal_end.as_u64()) {
+                // Not while the batch holds anything: a non-transactional message's dead
+                // letter is in no transaction the tracker waits for.
+                if batch.is_empty() && acks.tracker.keepalive(wal_end.as_u64()) {
                     client.update_applied_lsn(Lsn::from_u64(acks.tracker.confirmable()));
                 }
             }

@@ -356,3 +356,52 @@ async fn a_relay_with_an_invalid_prefix_refuses_to_start() {
         "no slot created"
     );
 }
+
+/// A non-transactional message with the relay's prefix belongs to no transaction, so the
+/// acknowledgement rule does not hold it: the server's keepalive that follows it (sent at once
+/// when the client is behind) must not confirm past it before its dead letter is durable, or a
+/// crash in between loses the dead letter. With a long linger the dead letter waits in the
+/// batch; the slot's position may pass the message only once the dead letter is in the topic.
+/// (It failed before: the keepalive confirmed the position while the topic was empty.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_keepalive_never_confirms_past_a_message_whose_dead_letter_is_not_durable() {
+    let w = World::new().await;
+    let mode = Mode::Messages {
+        prefix: PREFIX.to_owned(),
+    };
+    let mut config = w.config_in(mode);
+    config.linger = std::time::Duration::from_secs(5);
+    let relay = w.relay_with(config, CdcMetrics::unregistered().unwrap());
+    relay.prepare().await.unwrap();
+    let running = spawn(relay);
+    let lsn: String = sqlx::query_scalar("SELECT pg_logical_emit_message(false, $1, 'x')::text")
+        .bind(PREFIX)
+        .fetch_one(w.pg.pool())
+        .await
+        .unwrap();
+    let lsn = idem_cdc::changes::parse_lsn(&lsn).unwrap();
+    let slot = idem_cdc::Name::new("slot", &w.slot).unwrap();
+    common::eventually("the slot to confirm past the message", || async {
+        idem_cdc::slot_state(w.pg.pool(), &slot)
+            .await
+            .unwrap()
+            .and_then(|s| s.confirmed_flush_lsn)
+            .as_deref()
+            .and_then(idem_cdc::changes::parse_lsn)
+            .is_some_and(|confirmed| confirmed > lsn)
+    })
+    .await;
+    let (brokers, topic) = (w.brokers.clone(), w.dead_letters.clone());
+    let letters = tokio::task::spawn_blocking(move || {
+        idem_kafka::inspect::read_all(&brokers, &topic, std::time::Duration::from_secs(10))
+            .unwrap_or_default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        letters.len(),
+        1,
+        "the position passed the message before its dead letter was in the topic"
+    );
+    stop(running).await;
+}
