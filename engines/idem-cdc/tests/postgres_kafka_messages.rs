@@ -405,3 +405,36 @@ async fn a_keepalive_never_confirms_past_a_message_whose_dead_letter_is_not_dura
     );
     stop(running).await;
 }
+
+/// A hostile message larger than Kafka accepts (2 MiB under the relay's prefix) is refused
+/// unparsed; its dead letter carries a bounded excerpt, so Kafka takes it and the events after
+/// it flow. (It failed before: the whole content went into the dead letter, Kafka refused it
+/// for good, and the relay retried it forever, publishing nothing else.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_too_large_for_kafka_is_dead_lettered_as_an_excerpt_and_later_events_flow() {
+    let w = World::new().await;
+    let mut running = started(&w, CdcMetrics::unregistered().unwrap()).await;
+    emit(&w, true, PREFIX, &"x".repeat(2 << 20)).await;
+    let after = event("big-1", 1);
+    commit(&w, "1", std::slice::from_ref(&after)).await;
+    w.expect(&[&after], &mut running).await;
+    let letters = dead_letters(&w, 1, &mut running).await;
+    let letter = &letters[0];
+    assert!(
+        letter.payload.as_deref().unwrap_or_default().len()
+            <= idem_cdc::changes::DEAD_LETTER_EXCERPT_BYTES,
+        "an excerpt"
+    );
+    assert_eq!(
+        letter.header("idem_dead_letter_content_bytes"),
+        Some((2usize << 20).to_string().as_str())
+    );
+    assert!(
+        letter
+            .header("idem_dead_letter_reason")
+            .is_some_and(|r| r.contains("limit")),
+        "{:?}",
+        letter.headers
+    );
+    stop(running).await;
+}
