@@ -300,10 +300,15 @@ pub async fn mark_published(
 /// record limit (1 MB), so that a huge hostile message or row can always be dead-lettered.
 pub const DEAD_LETTER_EXCERPT_BYTES: usize = 64 * 1024;
 
+/// The most of a refusal's reason a dead letter carries: a reason may quote the value it
+/// refuses (a header name of a megabyte).
+pub const DEAD_LETTER_REASON_BYTES: usize = 1024;
+
 /// The dead-letter record of a refusal: the reason and where it came from in headers, what
 /// was read as the value.
 pub fn dead_letter(topic: &str, r: &Refusal) -> Message {
-    let mut headers = vec![("idem_dead_letter_reason".to_owned(), r.reason.clone())];
+    let reason = excerpt(&r.reason, DEAD_LETTER_REASON_BYTES).to_owned();
+    let mut headers = vec![("idem_dead_letter_reason".to_owned(), reason)];
     if let Some(id) = r.row_id {
         headers.push(("idem_outbox_id".to_owned(), id.to_string()));
     }
@@ -361,6 +366,15 @@ mod tests {
         assert_eq!(
             wire_header(&letter, "idem_dead_letter_content_bytes"),
             Some(big.len().to_string().as_str())
+        );
+        let quoting = Refusal {
+            reason: "q".repeat(10 * DEAD_LETTER_REASON_BYTES),
+            ..refusal(String::new())
+        };
+        let letter = dead_letter("dl", &quoting);
+        assert_eq!(
+            wire_header(&letter, "idem_dead_letter_reason").map(str::len),
+            Some(DEAD_LETTER_REASON_BYTES)
         );
         assert_eq!(excerpt("aé", 2), "a");
         assert_eq!(excerpt("", 5), "");

@@ -438,3 +438,32 @@ async fn a_message_too_large_for_kafka_is_dead_lettered_as_an_excerpt_and_later_
     );
     stop(running).await;
 }
+
+/// The refusal's reason can quote what it refuses (a header name of 990 000 bytes: with the content excerpt, more than Kafka takes): the dead
+/// letter's reason header is bounded too, or Kafka would refuse the dead letter for good. (It
+/// failed before: the relay retried that dead letter forever.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refusal_quoting_a_huge_value_is_still_dead_lettered() {
+    let w = World::new().await;
+    let mut running = started(&w, CdcMetrics::unregistered().unwrap()).await;
+    let huge = envelope::encode(&event("q-1", 1)).replacen(
+        "\"headers\":{}",
+        &format!("\"headers\":{{\"{}\":\"v\"}}", "h".repeat(990_000)),
+        1,
+    );
+    emit(&w, true, PREFIX, &huge).await;
+    let after = event("q-2", 2);
+    commit(&w, "1", std::slice::from_ref(&after)).await;
+    w.expect(&[&after], &mut running).await;
+    let letters = dead_letters(&w, 1, &mut running).await;
+    let reason = letters[0]
+        .header("idem_dead_letter_reason")
+        .unwrap_or_default();
+    assert!(
+        reason.len() <= idem_cdc::changes::DEAD_LETTER_REASON_BYTES,
+        "{}",
+        reason.len()
+    );
+    assert!(reason.contains("header"), "{reason:.200}");
+    stop(running).await;
+}
