@@ -5,6 +5,7 @@
 //! Most users depend on the `idem` facade crate instead of this one.
 
 pub mod crash;
+pub mod envelope;
 pub mod error;
 pub mod event;
 pub mod idempotency;

@@ -56,6 +56,34 @@ pub struct OutboxRecord {
     pub permanent_failures: i32,
 }
 
+impl OutboxRecord {
+    /// The record of `event` as first claimed (attempt 1, no failures), at row `id` and
+    /// position `aggregate_seq`, inserted at `created_at`.
+    pub fn of_event(
+        event: &crate::Event,
+        id: i64,
+        aggregate_seq: i64,
+        created_at: DateTime<Utc>,
+    ) -> Self {
+        OutboxRecord {
+            id,
+            event_id: event.id(),
+            aggregate_type: event.aggregate_type().to_owned(),
+            aggregate_id: event.aggregate_id().to_owned(),
+            aggregate_seq,
+            event_type: event.event_type().to_owned(),
+            payload: event.payload().to_owned(),
+            headers: event.headers().clone(),
+            topic: event.topic().map(str::to_owned),
+            traceparent: event.traceparent().map(str::to_owned),
+            occurred_at: event.occurred_at(),
+            created_at,
+            attempt: 1,
+            permanent_failures: 0,
+        }
+    }
+}
+
 /// Parameters of one claim.
 #[derive(Clone, Debug)]
 pub struct ClaimRequest {

@@ -296,15 +296,31 @@ pub async fn mark_published(
     Ok(())
 }
 
+/// The most of a refusal's content a dead letter carries: 64 KiB, far below Kafka's default
+/// record limit (1 MB), so that a huge hostile message or row can always be dead-lettered.
+pub const DEAD_LETTER_EXCERPT_BYTES: usize = 64 * 1024;
+
+/// The most of a refusal's reason a dead letter carries: a reason may quote the value it
+/// refuses (a header name of a megabyte).
+pub const DEAD_LETTER_REASON_BYTES: usize = 1024;
+
 /// The dead-letter record of a refusal: the reason and where it came from in headers, what
 /// was read as the value.
 pub fn dead_letter(topic: &str, r: &Refusal) -> Message {
-    let mut headers = vec![("idem_dead_letter_reason".to_owned(), r.reason.clone())];
+    let reason = excerpt(&r.reason, DEAD_LETTER_REASON_BYTES).to_owned();
+    let mut headers = vec![("idem_dead_letter_reason".to_owned(), reason)];
     if let Some(id) = r.row_id {
         headers.push(("idem_outbox_id".to_owned(), id.to_string()));
     }
     if let Some(lsn) = r.lsn {
         headers.push(("idem_lsn".to_owned(), show_lsn(lsn)));
+    }
+    let payload = excerpt(&r.content, DEAD_LETTER_EXCERPT_BYTES);
+    if payload.len() < r.content.len() {
+        headers.push((
+            "idem_dead_letter_content_bytes".to_owned(),
+            r.content.len().to_string(),
+        ));
     }
     Message {
         topic: topic.to_owned(),
@@ -313,14 +329,60 @@ pub fn dead_letter(topic: &str, r: &Refusal) -> Message {
             .map(|id| id.to_string())
             .or_else(|| r.lsn.map(show_lsn))
             .unwrap_or_default(),
-        payload: r.content.clone(),
+        payload: payload.to_owned(),
         headers,
     }
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends at a character boundary.
+fn excerpt(s: &str, max: usize) -> &str {
+    let mut end = max.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dead_letter_carries_a_bounded_excerpt_cut_at_a_character() {
+        let refusal = |content: String| Refusal {
+            row_id: None,
+            lsn: Some(0x10),
+            content,
+            reason: "r".to_owned(),
+        };
+        let small = dead_letter("dl", &refusal("abc".to_owned()));
+        assert_eq!(small.payload, "abc");
+        assert!(wire_header(&small, "idem_dead_letter_content_bytes").is_none());
+        let big = "é".repeat(DEAD_LETTER_EXCERPT_BYTES);
+        let letter = dead_letter("dl", &refusal(big.clone()));
+        assert!(letter.payload.len() <= DEAD_LETTER_EXCERPT_BYTES);
+        assert!(letter.payload.len() >= DEAD_LETTER_EXCERPT_BYTES - 1);
+        assert!(big.starts_with(&letter.payload));
+        assert_eq!(
+            wire_header(&letter, "idem_dead_letter_content_bytes"),
+            Some(big.len().to_string().as_str())
+        );
+        let quoting = Refusal {
+            reason: "q".repeat(10 * DEAD_LETTER_REASON_BYTES),
+            ..refusal(String::new())
+        };
+        let letter = dead_letter("dl", &quoting);
+        assert_eq!(
+            wire_header(&letter, "idem_dead_letter_reason").map(str::len),
+            Some(DEAD_LETTER_REASON_BYTES)
+        );
+        assert_eq!(excerpt("aé", 2), "a");
+        assert_eq!(excerpt("", 5), "");
+    }
+
+    fn wire_header<'m>(m: &'m Message, name: &str) -> Option<&'m str> {
+        idem_core::wire::first_header(&m.headers, name)
+    }
 
     #[test]
     fn lsns_print_as_postgresql_prints_them() {

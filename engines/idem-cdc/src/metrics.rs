@@ -1,5 +1,5 @@
-//! The CDC relay's Prometheus metrics (docs/operating/metrics.md lists them with the alert
-//! rules of deploy/prometheus).
+//! The CDC relay's Prometheus metrics (docs/operating/cdc-relay.md lists them; they have no
+//! alert rules in deploy/prometheus yet).
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
@@ -32,6 +32,9 @@ pub struct CdcMetrics {
     pub slot_safe_wal_bytes: IntGauge,
     /// 1 while this relay waits for another session to stop reading the slot (a standby).
     pub standby: IntGauge,
+    /// Message mode: 1 when `PUBLIC` may execute `pg_logical_emit_message`, so any role can
+    /// write events (migration 13 revokes it; a non-superuser migration cannot).
+    pub emit_open_to_public: IntGauge,
 }
 
 impl CdcMetrics {
@@ -50,6 +53,7 @@ impl CdcMetrics {
         registry.register(Box::new(m.slot_lost.clone()))?;
         registry.register(Box::new(m.slot_safe_wal_bytes.clone()))?;
         registry.register(Box::new(m.standby.clone()))?;
+        registry.register(Box::new(m.emit_open_to_public.clone()))?;
         Ok(m)
     }
 
@@ -108,6 +112,10 @@ impl CdcMetrics {
             standby: g(
                 "idem_cdc_standby",
                 "1 while this relay waits for another reader of the slot to stop",
+            )?,
+            emit_open_to_public: g(
+                "idem_cdc_emit_open_to_public",
+                "1 when every role may execute pg_logical_emit_message and so write message-mode events",
             )?,
         })
     }

@@ -128,10 +128,45 @@ impl<P: Publisher> CdcRelay<P> {
                 name: t.bare("outbox"),
                 qualified: t.qualified("outbox"),
             },
-            Mode::Messages { .. } => Publishes::Nothing,
+            Mode::Messages { prefix } => {
+                idem_core::envelope::Prefix::new(prefix)
+                    .map_err(|e| CdcError::Config(e.to_string()))?;
+                Publishes::Nothing
+            }
         };
         slot::ensure_publication(&self.pool, &self.config.publication, &publishes).await?;
         slot::ensure_slot(&self.pool, &self.config.slot).await
+    }
+
+    /// Message mode: whether `PUBLIC` may execute `pg_logical_emit_message` (then any role
+    /// that can connect can write events the relay publishes); sets
+    /// `idem_cdc_emit_open_to_public` and warns when it can. `None` when it could not be read
+    /// (logged; the relay runs on). [`CdcRelay::run`] checks once at its start.
+    pub async fn check_emit_privilege(&self) -> Option<bool> {
+        let open = match sqlx::query_scalar::<_, bool>(include_str!(
+            "../sql/emit_open_to_public.sql"
+        ))
+        .fetch_one(&self.pool)
+        .await
+        {
+            Ok(open) => open,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading who may execute pg_logical_emit_message failed");
+                return None;
+            }
+        };
+        self.metrics.emit_open_to_public.set(i64::from(open));
+        if open {
+            tracing::warn!(
+                grant = idem_core::envelope::EMIT_GRANT,
+                "PUBLIC may execute pg_logical_emit_message: ANY role that can connect can write \
+                 outbox events this relay publishes. Run `idem migrate` as a superuser (migration \
+                 13 revokes it), or as a superuser: REVOKE EXECUTE ON FUNCTION \
+                 pg_logical_emit_message(boolean, text, text) FROM PUBLIC (and the bytea \
+                 overload), then grant it to the writing role only"
+            );
+        }
+        Some(open)
     }
 
     /// The outbox table's schema: the configured one, else the connection's current schema.
@@ -152,6 +187,9 @@ impl<P: Publisher> CdcRelay<P> {
     /// replaced by a new one from the slot's confirmed position; a lost slot stops the relay.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<(), CdcError> {
         tokio::pin!(shutdown);
+        if matches!(self.config.mode, Mode::Messages { .. }) {
+            self.check_emit_privilege().await;
+        }
         let mut backoff = self.config.retry_backoff;
         loop {
             if !self.wait_for_slot(&mut shutdown).await? {
@@ -313,7 +351,9 @@ impl<P: Publisher> CdcRelay<P> {
             ReplicationEvent::KeepAlive { wal_end, .. } => {
                 // With nothing open or unacknowledged, every transaction committed before the
                 // server's sent position was streamed before this keepalive and is confirmed.
-                if acks.tracker.keepalive(wal_end.as_u64()) {
+                // Not while the batch holds anything: a non-transactional message's dead
+                // letter is in no transaction the tracker waits for.
+                if batch.is_empty() && acks.tracker.keepalive(wal_end.as_u64()) {
                     client.update_applied_lsn(Lsn::from_u64(acks.tracker.confirmable()));
                 }
             }

@@ -59,9 +59,9 @@ pub struct CdcRelayArgs {
     /// table in message mode).
     #[arg(long)]
     publication: Option<String>,
-    /// Message mode: relay `pg_logical_emit_message(true, PREFIX, …)` messages instead of the
-    /// outbox table's rows.
-    #[arg(long, value_name = "PREFIX")]
+    /// Message mode: relay `pg_logical_emit_message(true, PREFIX, …)` messages (written with
+    /// `MessageOutbox`) instead of the outbox table's rows; PREFIX defaults to `idem.outbox`.
+    #[arg(long, value_name = "PREFIX", num_args = 0..=1, default_missing_value = idem_core::envelope::DEFAULT_PREFIX)]
     messages: Option<String>,
     /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464; port 0 picks one).
     #[arg(long, env = "IDEM_METRICS_ADDR")]
@@ -147,16 +147,20 @@ async fn pool(db: &DbArgs) -> anyhow::Result<sqlx::PgPool> {
     Ok(idem_sql::connect_postgres(&db.db, 2).await?)
 }
 
-async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
-    let shutdown = shutdown_signal()?;
-    let pool = pool(&args.db).await?;
-    let tables = db::tables(&args.db)?;
-    let mode = match &args.messages {
+/// Message mode with a valid prefix (`--messages [PREFIX]`), else table mode in `tables`.
+fn mode(messages: Option<&str>, tables: idem_core::TableNames) -> anyhow::Result<Mode> {
+    Ok(match messages {
         Some(prefix) => Mode::Messages {
-            prefix: prefix.clone(),
+            prefix: idem_core::envelope::Prefix::new(prefix)?.to_string(),
         },
         None => Mode::Table(tables),
-    };
+    })
+}
+
+async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
+    let shutdown = shutdown_signal()?;
+    let mode = mode(args.messages.as_deref(), db::tables(&args.db)?)?;
+    let pool = pool(&args.db).await?;
     let default_publication = match mode {
         Mode::Table(_) => "idem_outbox_pub",
         Mode::Messages { .. } => "idem_messages_pub",
@@ -203,4 +207,50 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     }
     eprintln!("idem cdc relay: stopped cleanly");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: CdcCommand,
+    }
+
+    fn messages(args: &[&str]) -> Option<String> {
+        let base = ["idem", "relay", "--db", "postgres://h/db", "--brokers", "b"];
+        let cli = Cli::try_parse_from(base.iter().chain(args)).unwrap();
+        match cli.command {
+            CdcCommand::Relay(a) => a.messages,
+            _ => panic!("not relay"),
+        }
+    }
+
+    #[test]
+    fn messages_defaults_to_the_writer_s_prefix_and_a_bad_prefix_is_refused() {
+        assert_eq!(messages(&[]), None);
+        assert_eq!(messages(&["--messages"]).as_deref(), Some("idem.outbox"));
+        assert_eq!(
+            messages(&["--messages", "--slot", "s"]).as_deref(),
+            Some("idem.outbox")
+        );
+        assert_eq!(
+            messages(&["--messages", "billing.v1"]).as_deref(),
+            Some("billing.v1")
+        );
+        let tables = idem_core::TableNames::default();
+        assert!(matches!(
+            mode(Some("billing.v1"), tables.clone()).unwrap(),
+            Mode::Messages { prefix } if prefix == "billing.v1"
+        ));
+        assert!(matches!(
+            mode(None, tables.clone()).unwrap(),
+            Mode::Table(_)
+        ));
+        let refused = mode(Some("a b"), tables).unwrap_err().to_string();
+        assert!(refused.contains("message prefix"), "{refused}");
+    }
 }

@@ -2,6 +2,8 @@
 //! always had (`PgStore` is `idem_sql::RelayStore<Postgres>`, and so on).
 //!
 //! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
+//! * [`MessageOutbox`] writes events with no table, as transactional logical decoding messages
+//!   for the CDC relay's message mode (`idem cdc relay --messages`).
 //! * [`migrate`] creates or upgrades idem's tables (the SQL lives in `idem-sql/migrations/postgres/`).
 //! * [`PgStore`] is the relay's view of the outbox ([`idem_core::OutboxStore`]); its SQL lives in
 //!   `idem-sql/sql/postgres/` and `idem-sql/sql/common/`, one statement per file.
@@ -21,6 +23,18 @@
 //! # Ok(()) }
 //! ```
 //!
+//! With the CDC relay in message mode there is no outbox table: [`MessageOutbox`] emits the
+//! events as transactional logical decoding messages, in the same transaction.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool, event: idem_core::Event) -> Result<(), Box<dyn std::error::Error>> {
+//! let outbox = idem_postgres::MessageOutbox::default(); // prefix idem.outbox
+//! let mut tx = pool.begin().await?;
+//! outbox.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?; // published by `idem cdc relay --messages` once committed
+//! # Ok(()) }
+//! ```
+//!
 //! # Commit order
 //!
 //! A `BEFORE INSERT` trigger numbers each aggregate's events (`aggregate_seq`) from a counter
@@ -36,7 +50,7 @@
 use idem_core::{Result, TableNames};
 use sqlx::{PgPool, Postgres};
 
-pub use idem_sql::{MigrationReport, connect_postgres as connect, redact};
+pub use idem_sql::{MessageOutbox, MigrationReport, connect_postgres as connect, redact};
 
 /// Enqueues events in the caller's transaction ([`idem_sql::Outbox`]). Cheap to clone.
 pub type Outbox = idem_sql::Outbox<Postgres>;

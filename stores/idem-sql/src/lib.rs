@@ -2,6 +2,8 @@
 //! SQLite (feature `sqlite`, the embedded default).
 //!
 //! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
+//! * `MessageOutbox` (feature `postgres`) writes events with no table, as transactional logical
+//!   decoding messages read by the CDC relay's message mode.
 //! * [`migrate()`] creates or upgrades idem's tables (the SQL lives in `migrations/<dialect>/`).
 //! * [`RelayStore`] is the relay's view of the outbox ([`idem_core::OutboxStore`]), [`Inbox`]
 //!   the consumer's ([`idem_core::InboxStore`]), [`KeyStore`] the server-side Idempotency-Key
@@ -71,6 +73,8 @@ pub use writer::Outbox;
 
 #[cfg(feature = "postgres")]
 pub use postgres::connect as connect_postgres;
+#[cfg(feature = "postgres")]
+pub use postgres::messages::MessageOutbox;
 #[cfg(feature = "sqlite")]
 pub use sqlite::connect as connect_sqlite;
 #[cfg(feature = "sqlite")]

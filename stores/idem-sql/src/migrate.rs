@@ -20,7 +20,7 @@ pub(crate) type Migrations = &'static [(i64, &'static str, &'static str)];
 
 /// The migrations shipped for a dialect directory (`migrations/$dir/NNNN_*.sql`).
 macro_rules! migrations {
-    ($dir:literal, $tenth:literal, $eleventh:literal, $last:literal) => {
+    ($dir:literal, $tenth:literal, $eleventh:literal, $twelfth:literal, $last:literal) => {
         &[
             (
                 1,
@@ -115,11 +115,20 @@ macro_rules! migrations {
             ),
             (
                 12,
-                $last,
+                $twelfth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0012_outbox_rules_in_trigger.sql"
+                )),
+            ),
+            (
+                13,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0013_emit_message_revoked.sql"
                 )),
             ),
         ]

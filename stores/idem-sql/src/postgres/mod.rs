@@ -15,6 +15,7 @@ use crate::dialect::{Decoded, Dialect, Now, Param, Q, SqlConnection, WriteTx};
 use crate::migrate::{Migrations, migrations};
 use crate::queries::{SqlSet, sql_set};
 
+pub(crate) mod messages;
 mod relay;
 mod retention;
 
@@ -46,7 +47,8 @@ static MIGRATIONS: Migrations = migrations!(
     "postgres",
     "outbox sequence numbers for inserted rows only",
     "outbox leases as HOT updates",
-    "outbox writer rules checked by the trigger"
+    "outbox writer rules checked by the trigger",
+    "pg_logical_emit_message revoked from PUBLIC"
 );
 
 /// Connects a pool suited to the relay and the CLI.

@@ -44,7 +44,8 @@ static MIGRATIONS: Migrations = migrations!(
     "sqlite",
     "outbox sequence numbers for inserted rows only (PostgreSQL; none here)",
     "outbox leases as HOT updates (PostgreSQL; none here)",
-    "outbox writer rules checked by the trigger (PostgreSQL; none here)"
+    "outbox writer rules checked by the trigger (PostgreSQL; none here)",
+    "pg_logical_emit_message revoked from PUBLIC (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).

@@ -12,9 +12,9 @@
 //!
 //! [`encode`] is the writer's side; [`decode`] is the relay's. Any role allowed to execute
 //! `pg_logical_emit_message` can write any content under any prefix, so the relay trusts
-//! nothing: [`decode`] re-applies every writer rule of [`idem_core::event`] (the rules the
+//! nothing: [`decode`] re-applies every writer rule of [`crate::event`] (the rules the
 //! outbox table's trigger enforces in table mode) by building the event again with
-//! [`idem_core::Event::builder`], and refuses an unknown version, an unknown or repeated field,
+//! [`crate::Event::builder`], and refuses an unknown version, an unknown or repeated field,
 //! and content over [`MAX_CONTENT_BYTES`] before parsing it. Each refusal is a typed
 //! [`EnvelopeError`]; the relay dead-letters that message with the reason. Only transactional
 //! messages are events: the relay checks the message's transactional flag, which is not part
@@ -28,23 +28,23 @@
 //!   commit order, so one aggregate's events are ordered by it, but it is **not dense** (it is a
 //!   byte position) and two events of one aggregate written in one transaction share it (their
 //!   stream order, which is their order in the Kafka partition, tells them apart). Consumers
-//!   of message mode get no gap detection: [`idem_core::ordering::InOrder`] expects 1, 2, 3, …
+//!   of message mode get no gap detection: [`crate::ordering::InOrder`] expects 1, 2, 3, …
 //!   (table mode on PostgreSQL) and would hold these events forever. Deduplicate by `ce_id`
 //!   (the inbox), never by "skip what is not above the last position": that drops the second
 //!   event of a transaction.
 //! - `created_at` is the transaction's commit time when the relay has it, else `occurred_at`.
 //! - `attempt` is 1 and `permanent_failures` 0, as in table mode.
 //!
-//! **Invariant**: a content [`decode`] accepts is one an [`idem_core::Event`] could have
+//! **Invariant**: a content [`decode`] accepts is one an [`crate::Event`] could have
 //! produced through [`encode`]; everything else is an error, never a panic, and parsing never
 //! recurses deeper than `serde_json`'s limit (128 levels).
 
 use std::collections::BTreeMap;
 
+use crate::Event;
+use crate::event::EventId;
+use crate::outbox::OutboxRecord;
 use chrono::{DateTime, Datelike, SecondsFormat, Utc};
-use idem_core::Event;
-use idem_core::event::EventId;
-use idem_core::outbox::OutboxRecord;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;
@@ -83,7 +83,7 @@ pub enum EnvelopeError {
     /// missing, unknown or repeated field, or a field of the wrong type.
     #[error("the message is not an idem envelope: {0}")]
     Malformed(String),
-    /// A field breaks a writer rule of [`idem_core::event`].
+    /// A field breaks a writer rule of [`crate::event`].
     #[error("the event is refused: {field} {reason}")]
     Refused {
         /// The field.
@@ -129,6 +129,74 @@ pub fn encode(event: &Event) -> String {
     field(&mut out, "occurred_at", &at);
     out.push('}');
     out
+}
+
+/// [`encode`], refusing what the relay's [`decode`] would refuse for reasons [`Event`] does not
+/// check: content over [`MAX_CONTENT_BYTES`] and a payload nested deeper than
+/// [`MAX_PAYLOAD_DEPTH`]. A writer calls this, so that such an event is refused in the business
+/// transaction instead of being dead-lettered by the relay after the commit.
+pub fn encode_checked(event: &Event) -> Result<String, EnvelopeError> {
+    if depth(event.payload()) > MAX_PAYLOAD_DEPTH {
+        return Err(refused(
+            "payload",
+            format!("nests arrays and objects deeper than {MAX_PAYLOAD_DEPTH} levels"),
+        ));
+    }
+    let content = encode(event);
+    if content.len() > MAX_CONTENT_BYTES {
+        return Err(EnvelopeError::TooLarge { len: content.len() });
+    }
+    Ok(content)
+}
+
+/// The statement that lets a role write message-mode events once migration 13 revoked
+/// `pg_logical_emit_message` from `PUBLIC`.
+pub const EMIT_GRANT: &str =
+    "GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO <writing role>";
+
+/// The default prefix of message mode's messages.
+pub const DEFAULT_PREFIX: &str = "idem.outbox";
+
+/// A validated message prefix: 1 to 64 of `[A-Za-z0-9._-]`. The writer emits under it and the
+/// relay reads only messages with it; other prefixes (other tools' messages) are ignored.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Prefix(String);
+
+impl Prefix {
+    /// The longest prefix accepted.
+    pub const MAX_LEN: usize = 64;
+
+    /// `prefix`, when it is 1 to 64 of `[A-Za-z0-9._-]`.
+    pub fn new(prefix: &str) -> crate::Result<Self> {
+        let valid = (1..=Self::MAX_LEN).contains(&prefix.len())
+            && prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if !valid {
+            return Err(crate::Error::Config(format!(
+                "message prefix {prefix:?} must be 1 to {} of [A-Za-z0-9._-]",
+                Self::MAX_LEN
+            )));
+        }
+        Ok(Prefix(prefix.to_owned()))
+    }
+
+    /// The prefix.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for Prefix {
+    fn default() -> Self {
+        Prefix(DEFAULT_PREFIX.to_owned())
+    }
+}
+
+impl std::fmt::Display for Prefix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 fn field(out: &mut String, name: &str, value: &str) {
@@ -245,22 +313,12 @@ pub fn decode_committed(
     let wire = parse(content)?;
     let event = rebuild(&wire)?;
     let position = |p: u64| i64::try_from(p).map_err(|_| EnvelopeError::PositionOutOfRange(p));
-    Ok(OutboxRecord {
-        id: position(lsn)?,
-        event_id: event.id(),
-        aggregate_type: event.aggregate_type().to_owned(),
-        aggregate_id: event.aggregate_id().to_owned(),
-        aggregate_seq: position(end_lsn)?,
-        event_type: event.event_type().to_owned(),
-        payload: event.payload().to_owned(),
-        headers: event.headers().clone(),
-        topic: event.topic().map(str::to_owned),
-        traceparent: event.traceparent().map(str::to_owned),
-        occurred_at: event.occurred_at(),
-        created_at: committed_at.unwrap_or_else(|| event.occurred_at()),
-        attempt: 1,
-        permanent_failures: 0,
-    })
+    Ok(OutboxRecord::of_event(
+        &event,
+        position(lsn)?,
+        position(end_lsn)?,
+        committed_at.unwrap_or_else(|| event.occurred_at()),
+    ))
 }
 
 fn parse(content: &[u8]) -> Result<Wire<'_>, EnvelopeError> {
@@ -278,7 +336,7 @@ fn parse(content: &[u8]) -> Result<Wire<'_>, EnvelopeError> {
     }
 }
 
-/// Builds the event again, so that every rule of [`idem_core::event`] applies, plus the
+/// Builds the event again, so that every rule of [`crate::event`] applies, plus the
 /// trigger's range for `occurred_at` (year 1 to 9999).
 fn rebuild(wire: &Wire<'_>) -> Result<Event, EnvelopeError> {
     let occurred_at = DateTime::parse_from_rfc3339(&wire.occurred_at)
@@ -308,7 +366,7 @@ fn rebuild(wire: &Wire<'_>) -> Result<Event, EnvelopeError> {
         None => builder.without_traceparent(),
     };
     builder.build().map_err(|e| match e {
-        idem_core::Error::InvalidEvent { field, reason } => refused(field, reason),
+        crate::Error::InvalidEvent { field, reason } => refused(field, reason),
         other => refused("event", other.to_string()),
     })
 }
@@ -345,8 +403,22 @@ fn refused(field: &'static str, reason: impl Into<String>) -> EnvelopeError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pgoutput::tests::Rng;
     use chrono::TimeZone;
+
+    /// xorshift64*: deterministic, no dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n.max(1)
+        }
+    }
 
     const TP: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 
@@ -611,6 +683,43 @@ mod tests {
             1,
         );
         assert!(decode(1, 2, 0, in_header.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn prefixes_are_validated() {
+        assert_eq!(Prefix::default().as_str(), "idem.outbox");
+        for ok in ["a", "idem.outbox", "A-b_c.9", &"x".repeat(64)] {
+            assert_eq!(Prefix::new(ok).unwrap().as_str(), ok);
+        }
+        for bad in ["", "a b", "é", "a;b", "a'b", &"x".repeat(65), "a\0"] {
+            assert!(Prefix::new(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_checked_encoder_refuses_what_the_relay_would() {
+        let e = event();
+        assert_eq!(encode_checked(&e).unwrap(), encode(&e));
+        let nest = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n));
+        let over = Event::builder("o", "1", "t")
+            .payload_json(nest(MAX_PAYLOAD_DEPTH + 1))
+            .build()
+            .unwrap();
+        assert!(matches!(
+            encode_checked(&over),
+            Err(EnvelopeError::Refused {
+                field: "payload",
+                ..
+            })
+        ));
+        let big = Event::builder("o", "1", "t")
+            .payload_json(format!("\"{}\"", "x".repeat(MAX_CONTENT_BYTES)))
+            .build()
+            .unwrap();
+        assert!(matches!(
+            encode_checked(&big),
+            Err(EnvelopeError::TooLarge { .. })
+        ));
     }
 
     #[test]
