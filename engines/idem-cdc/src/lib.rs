@@ -38,6 +38,7 @@
 pub mod ack;
 pub mod batch;
 pub mod changes;
+pub mod drain;
 /// The envelope of message mode, shared with the writer: [`idem_core::envelope`].
 pub use idem_core::envelope;
 pub mod error;

@@ -35,6 +35,9 @@ pub struct CdcMetrics {
     /// Message mode: 1 when `PUBLIC` may execute `pg_logical_emit_message`, so any role can
     /// write events (migration 13 revokes it; a non-superuser migration cannot).
     pub emit_open_to_public: IntGauge,
+    /// Rows published from the table at a session's start (pending before the slot existed,
+    /// retried after a park, or published earlier with a lost mark).
+    pub drained: IntCounter,
 }
 
 impl CdcMetrics {
@@ -54,6 +57,7 @@ impl CdcMetrics {
         registry.register(Box::new(m.slot_safe_wal_bytes.clone()))?;
         registry.register(Box::new(m.standby.clone()))?;
         registry.register(Box::new(m.emit_open_to_public.clone()))?;
+        registry.register(Box::new(m.drained.clone()))?;
         Ok(m)
     }
 
@@ -108,6 +112,10 @@ impl CdcMetrics {
             slot_safe_wal_bytes: g(
                 "idem_cdc_slot_safe_wal_bytes",
                 "Bytes that can be written before the slot loses WAL (-1: unbounded)",
+            )?,
+            drained: c(
+                "idem_cdc_drained_total",
+                "Rows published from the outbox table at a session's start, before streaming",
             )?,
             standby: g(
                 "idem_cdc_standby",

@@ -254,6 +254,18 @@ impl<P: Publisher> CdcRelay<P> {
         };
         let mut client = ReplicationClient::connect(cfg).await?;
         client.wait_started().await?;
+        // The slot is held by this session: what it will never stream goes out first.
+        if let Mode::Table(t) = &self.config.mode {
+            let n =
+                crate::drain::drain(&self.pool, t, self.publisher.clone(), &self.config).await?;
+            if n > 0 {
+                tracing::info!(
+                    rows = n,
+                    "published the rows pending in the table before streaming"
+                );
+                self.metrics.drained.inc_by(n);
+            }
+        }
         tracing::info!(slot = %self.config.slot, "CDC session started");
         let mut assembler = Assembler::new(self.config.mode.clone(), &self.schema().await?);
         let mut batch = Batch::default();

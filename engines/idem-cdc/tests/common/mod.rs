@@ -189,6 +189,23 @@ impl World {
         got
     }
 
+    /// Commits a marker event and waits until it reached the topic: the relay's session has
+    /// drained the table and streams. Returns how many records the topic holds then.
+    pub async fn streaming(&self, relay: &mut Running) -> usize {
+        let marker = event("marker", 0);
+        self.commit(std::slice::from_ref(&marker)).await;
+        let id = marker.id().to_string();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let got = self.records(1, relay).await;
+            if got.iter().any(|r| r.header("ce_id") == Some(id.as_str())) {
+                return got.len();
+            }
+            assert!(Instant::now() < deadline, "the marker never arrived");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// [`World::records`] of `topic`.
     pub async fn records_in(&self, topic: &str, n: usize, relay: &mut Running) -> Vec<Record> {
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -245,6 +262,16 @@ pub fn spawn<P: idem_core::publish::Publisher>(relay: CdcRelay<P>) -> Running {
         relay.run(shutdown).await
     });
     (stop, task)
+}
+
+/// A handle on no relay (for reading a topic after the relay stopped).
+pub fn spawn_idle() -> Running {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let _ = rx.await;
+        Ok(())
+    });
+    (tx, task)
 }
 
 pub async fn stop(handle: Running) {

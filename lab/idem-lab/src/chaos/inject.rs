@@ -65,7 +65,7 @@ pub async fn inject(
     rng: &mut Rng,
 ) -> anyhow::Result<Injected> {
     let started = Instant::now();
-    let mut schedule = Schedule::new(started, mechanism, rng);
+    let mut schedule = Schedule::with_points(started, mechanism, rng, w.topology.points());
     let end = started + Duration::from_secs(seconds);
     let mut t = Timers {
         started,
@@ -142,7 +142,7 @@ async fn fault(
     now: Instant,
     rng: &mut Rng,
 ) -> anyhow::Result<bool> {
-    let unfired = schedule.unfired(&crash_counts(w.crash_log));
+    let unfired = schedule.unfired(&crash_counts(w.crash_log, w.topology.points()));
     let kind = schedule.kind(now, &unfired, faults, rng);
     let plan = match kind {
         FaultKind::CrashPoint => schedule.crash_point(&unfired, faults, &slots(w.procs, now), rng),
@@ -283,7 +283,9 @@ async fn partitions(
 
 /// The progress line, every five seconds.
 async fn progress(w: &World<'_>, t: &Timers, faults: &BTreeMap<String, u64>) {
-    let fired: u64 = crash_counts(w.crash_log).values().sum();
+    let fired: u64 = crash_counts(w.crash_log, w.topology.points())
+        .values()
+        .sum();
     eprintln!(
         "idem chaos: {:>4} s  orders {}  settled {}  awarded {}  faults {}  crash points fired {fired}",
         t.started.elapsed().as_secs(),

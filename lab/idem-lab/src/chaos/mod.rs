@@ -30,7 +30,7 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::Args;
 use idem_core::TableNames;
-use idem_core::crash::{BREAK_KAFKA_TRANSACTIONS, BREAKABLE, CRASH_POINTS};
+use idem_core::crash::{BREAK_KAFKA_TRANSACTIONS, BREAKABLE};
 use serde::Serialize;
 
 use crate::demo::world::Databases;
@@ -68,6 +68,11 @@ pub struct ChaosArgs {
     /// Keep the databases and logs afterwards.
     #[arg(long)]
     pub keep: bool,
+    /// The relays are CDC relays (`idem cdc relay`) on one slot of the orders database: one
+    /// reads it, the other waits to take over; the CDC relay's crash point replaces the polling
+    /// relay's.
+    #[arg(long, conflicts_with = "break_mechanism")]
+    pub cdc: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -143,14 +148,13 @@ fn parse_nodes(s: &str) -> Result<usize, String> {
 
 /// Per crash point, how often it fired, from the log the armed processes write (none yet when
 /// it cannot be read).
-fn crash_counts(log: &Path) -> BTreeMap<String, u64> {
-    fired(&std::fs::read_to_string(log).unwrap_or_default())
+fn crash_counts(log: &Path, points: &[&str]) -> BTreeMap<String, u64> {
+    fired(&std::fs::read_to_string(log).unwrap_or_default(), points)
 }
 
 /// Per crash point, how often the crash log `text` (one fired point a line) says it fired.
-fn fired(text: &str) -> BTreeMap<String, u64> {
-    let mut out: BTreeMap<String, u64> =
-        CRASH_POINTS.iter().map(|p| ((*p).to_owned(), 0)).collect();
+fn fired(text: &str, points: &[&str]) -> BTreeMap<String, u64> {
+    let mut out: BTreeMap<String, u64> = points.iter().map(|p| ((*p).to_owned(), 0)).collect();
     for line in text.lines() {
         if let Some(n) = out.get_mut(line.trim()) {
             *n += 1;
@@ -211,6 +215,9 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
             "interrupted: every process of the run was killed and its databases are dropped"
         )),
     };
+    if args.cdc && !args.keep {
+        drop_slot(&dbs.orders, &format!("idem_chaos_{run}")).await;
+    }
     let cleanup = dbs.cleanup(args.keep).await;
     let mut report = result?;
     cleanup?;
@@ -219,6 +226,34 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
         report.logs = Some(kept.display().to_string());
     }
     idem_cli::verify_cmd::emit(&report, args.json, report.ok, report::print)
+}
+
+/// Drops the CDC relays' slot (every process is stopped by now; a killed relay's session may
+/// take a moment to end): a slot left behind would pin WAL and keep its database from being
+/// dropped.
+async fn drop_slot(orders: &idem_sql::AnyPool, slot: &str) {
+    let idem_sql::AnyPool::Postgres(pool) = orders else {
+        return;
+    };
+    let drop = "SELECT count(pg_drop_replication_slot(slot_name)) FROM pg_replication_slots \
+                WHERE slot_name = $1 AND NOT active";
+    let left = "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1";
+    for _ in 0..100 {
+        let _ = sqlx::query(drop).bind(slot).execute(pool).await;
+        let n: i64 = sqlx::query_scalar(left)
+            .bind(slot)
+            .fetch_one(pool)
+            .await
+            .unwrap_or(1);
+        if n == 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    tracing::warn!(
+        slot,
+        "the CDC slot of the run could not be dropped: drop it by hand"
+    );
 }
 
 /// One run: the processes, the faults, settling, the exact numbers and the verdict.
@@ -299,6 +334,7 @@ fn topology_of(
         prefix,
         rate: args.rate,
         kafka_transactions: args.break_mechanism.as_deref() == Some(BREAK_KAFKA_TRANSACTIONS),
+        cdc_slot: args.cdc.then(|| format!("idem_chaos_{run}")),
     }
 }
 
@@ -331,7 +367,7 @@ mod tests {
     #[test]
     fn the_crash_log_counts_every_point_and_ignores_other_lines() {
         let text = format!("{p}\n  {p}  \nnot a point\n", p = CRASH_POINTS[0]);
-        let counts = fired(&text);
+        let counts = fired(&text, CRASH_POINTS);
         assert_eq!(counts.len(), CRASH_POINTS.len());
         assert_eq!(counts[CRASH_POINTS[0]], 2);
         assert_eq!(counts.values().sum::<u64>(), 2);

@@ -40,7 +40,7 @@ pub async fn report(
     for p in procs.iter_mut().filter(|p| p.role == Role::Broker) {
         p.stop(Duration::from_secs(10));
     }
-    let crash_points_fired = crash_counts(crash_log);
+    let crash_points_fired = crash_counts(crash_log, super::schedule::run_points(args.cdc));
     let verify = settled.verify;
     let numbers = Numbers {
         live: settled.live,

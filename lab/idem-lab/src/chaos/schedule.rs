@@ -105,6 +105,8 @@ pub enum Plan {
 
 /// The schedule's state between faults.
 pub struct Schedule {
+    /// The crash points this run arms.
+    points: &'static [&'static str],
     /// Every crash point, in a seeded order: each is armed early until it has fired once.
     first_round: Vec<&'static str>,
     /// The window a negative control's broken mechanism opens, aimed at every other time.
@@ -118,9 +120,22 @@ pub struct Schedule {
 
 impl Schedule {
     /// The schedule of a run started at `started`, breaking `mechanism` if any.
+    #[cfg(test)]
     pub fn new(started: Instant, mechanism: Option<&str>, rng: &mut Rng) -> Self {
+        Self::with_points(started, mechanism, rng, CRASH_POINTS)
+    }
+
+    /// A schedule arming `points` (the crash points of the pipeline the run has:
+    /// [`run_points`]).
+    pub fn with_points(
+        started: Instant,
+        mechanism: Option<&str>,
+        rng: &mut Rng,
+        points: &'static [&'static str],
+    ) -> Self {
         Schedule {
-            first_round: first_round(rng),
+            points,
+            first_round: first_round(rng, points),
             focus: mechanism.and_then(window_of),
             tick: 0,
             next_fault: started + Duration::from_secs(2),
@@ -171,7 +186,7 @@ impl Schedule {
         slots: &[Slot],
         rng: &mut Rng,
     ) -> Plan {
-        let point = choose_point(self.focus, unfired, faults, rng);
+        let point = choose_point(self.focus, unfired, faults, self.points, rng);
         let role = role_of_point(point);
         let candidates: Vec<usize> = (0..slots.len())
             .filter(|i| slots[*i].role == role && !slots[*i].armed)
@@ -202,9 +217,24 @@ impl Schedule {
     }
 }
 
-/// Every crash point, shuffled by the seed (Fisher–Yates).
-pub fn first_round(rng: &mut Rng) -> Vec<&'static str> {
-    let mut round: Vec<&'static str> = CRASH_POINTS.to_vec();
+/// The crash points of a run's pipeline: the polling relay's and the rest, or with `cdc` the
+/// CDC relay's instead of the polling relay's.
+pub fn run_points(cdc: bool) -> &'static [&'static str] {
+    if cdc { CDC_RUN_POINTS } else { CRASH_POINTS }
+}
+
+/// [`run_points`] of a run with CDC relays.
+const CDC_RUN_POINTS: &[&str] = &[
+    c::CDC_AFTER_PUBLISH_BEFORE_CONFIRM,
+    c::CONSUMER_AFTER_DEDUP_BEFORE_HANDLER,
+    c::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT,
+    c::EFFECT_BEFORE_HTTP,
+    c::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
+];
+
+/// Every crash point of `points`, shuffled by the seed (Fisher–Yates).
+pub fn first_round(rng: &mut Rng, points: &'static [&'static str]) -> Vec<&'static str> {
+    let mut round: Vec<&'static str> = points.to_vec();
     for i in (1..round.len()).rev() {
         round.swap(i, rng.below(i as u64 + 1) as usize);
     }
@@ -246,12 +276,13 @@ fn choose_point(
     focus: Option<&'static str>,
     unfired: &[&'static str],
     faults: &BTreeMap<String, u64>,
+    points: &'static [&'static str],
     rng: &mut Rng,
 ) -> &'static str {
     match focus {
         Some(f) if unfired.is_empty() || rng.below(2) == 0 => f,
         _ => {
-            let fallback = CRASH_POINTS[rng.below(CRASH_POINTS.len() as u64) as usize];
+            let fallback = points[rng.below(points.len() as u64) as usize];
             unfired
                 .iter()
                 .copied()
@@ -353,7 +384,7 @@ pub fn hostile_interval(rng: &mut Rng) -> Duration {
 
 /// The role of the processes that reach `point`.
 pub fn role_of_point(point: &str) -> Role {
-    if point.starts_with("relay.") {
+    if point.starts_with("relay.") || point.starts_with("cdc.") {
         Role::Relay
     } else if point.starts_with("consumer.") {
         Role::Settlement
@@ -441,12 +472,15 @@ mod tests {
     fn the_same_seed_gives_the_same_schedule() {
         assert_eq!(plans(7, None, 200), plans(7, None, 200));
         assert_ne!(plans(7, None, 200), plans(8, None, 200));
-        assert_eq!(first_round(&mut Rng::new(3)), first_round(&mut Rng::new(3)));
+        assert_eq!(
+            first_round(&mut Rng::new(3), CRASH_POINTS),
+            first_round(&mut Rng::new(3), CRASH_POINTS)
+        );
     }
 
     #[test]
     fn the_first_round_is_every_crash_point_once() {
-        let mut round = first_round(&mut Rng::new(11));
+        let mut round = first_round(&mut Rng::new(11), CRASH_POINTS);
         round.sort_unstable();
         let mut all = CRASH_POINTS.to_vec();
         all.sort_unstable();
@@ -524,7 +558,7 @@ mod tests {
         let unfired = [CRASH_POINTS[0], CRASH_POINTS[1]];
         let faults = [(armed_key(CRASH_POINTS[0]), 2)].into_iter().collect();
         assert_eq!(
-            choose_point(None, &unfired, &faults, &mut rng),
+            choose_point(None, &unfired, &faults, CRASH_POINTS, &mut rng),
             CRASH_POINTS[1]
         );
     }

@@ -34,6 +34,15 @@ pub struct Topology {
     pub rate: f64,
     /// The `kafka-transactions` negative control: settlement consumers without an inbox.
     pub kafka_transactions: bool,
+    /// The slot of CDC relays (`--cdc`); `None`: polling relays.
+    pub cdc_slot: Option<String>,
+}
+
+impl Topology {
+    /// The crash points of this run's pipeline.
+    pub fn points(&self) -> &'static [&'static str] {
+        super::schedule::run_points(self.cdc_slot.is_some())
+    }
 }
 
 /// One process to supervise: `{n}` in its arguments becomes its incarnation.
@@ -106,6 +115,26 @@ fn writer(t: &Topology, i: usize) -> Vec<String> {
 }
 
 fn relay(t: &Topology) -> Vec<String> {
+    if let Some(slot) = &t.cdc_slot {
+        return strings(&[
+            "cdc",
+            "relay",
+            "--db",
+            &t.orders_url,
+            "--brokers",
+            &t.brokers,
+            "--topic-prefix",
+            &t.prefix,
+            "--slot",
+            slot,
+            "--publication",
+            slot,
+            "--producer-config",
+            "message.timeout.ms=2000",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ]);
+    }
     strings(&[
         "relay",
         "--db",
@@ -276,6 +305,7 @@ mod tests {
             topic: "chaos-r.order".to_owned(),
             rate: 25.0,
             kafka_transactions,
+            cdc_slot: None,
         }
     }
 
