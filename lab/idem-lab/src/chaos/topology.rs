@@ -114,46 +114,33 @@ fn writer(t: &Topology, i: usize) -> Vec<String> {
     argv
 }
 
+/// A relay: the polling relay, or with `--cdc` a CDC relay on the run's slot.
 fn relay(t: &Topology) -> Vec<String> {
-    if let Some(slot) = &t.cdc_slot {
-        return strings(&[
-            "cdc",
+    let mut argv = match &t.cdc_slot {
+        Some(slot) => strings(&["cdc", "relay", "--slot", slot, "--publication", slot]),
+        // A claim plus one publish (2 × 2 s) must fit: claims under load take seconds.
+        None => strings(&[
             "relay",
-            "--db",
-            &t.orders_url,
-            "--brokers",
-            &t.brokers,
-            "--topic-prefix",
-            &t.prefix,
-            "--slot",
-            slot,
-            "--publication",
-            slot,
-            "--producer-config",
-            "message.timeout.ms=2000",
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ]);
-    }
-    strings(&[
-        "relay",
+            "--lease",
+            "8s",
+            "--batch-size",
+            "100",
+            "--no-prune",
+        ]),
+    };
+    argv.extend(strings(&[
         "--db",
         &t.orders_url,
         "--brokers",
         &t.brokers,
         "--topic-prefix",
         &t.prefix,
-        // A claim plus one publish (2 × 2 s) must fit: claims under load take seconds.
-        "--lease",
-        "8s",
         "--producer-config",
         "message.timeout.ms=2000",
-        "--batch-size",
-        "100",
-        "--no-prune",
         "--metrics-addr",
         "127.0.0.1:0",
-    ])
+    ]));
+    argv
 }
 
 /// A consumer of `group` with `handler`. Static group membership: a restarted consumer takes
