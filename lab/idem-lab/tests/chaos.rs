@@ -72,6 +72,42 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
     assert_eq!(r["overlapping_executions"], 0);
 }
 
+/// The same with CDC relays (`--cdc`: `idem cdc relay` on one slot, one reading and one
+/// waiting to take over) instead of the polling ones: SIGKILLs, pauses and the CDC crash point
+/// (fired for real: the process aborts between Kafka's acknowledgement and the confirmation)
+/// lose nothing and double no effect.
+#[test]
+fn a_short_chaos_run_with_cdc_relays_loses_nothing_and_doubles_nothing() {
+    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1", "--cdc"]);
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(r["ok"], true);
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let fired = &r["crash_points_fired"];
+    assert!(
+        fired["cdc.after_publish_before_confirm"].as_u64().unwrap() >= 1,
+        "the CDC crash point never fired: {r:#}"
+    );
+    assert!(
+        fired.get("relay.after_publish_before_mark").is_none(),
+        "{r:#}"
+    );
+    let faults = r["faults"].as_object().unwrap();
+    for kind in ["sigkill", "broker_kill"] {
+        assert!(
+            faults.get(kind).and_then(|v| v.as_u64()).unwrap_or(0) > 0,
+            "no {kind}: {r:#}"
+        );
+    }
+    assert!(
+        r["inbox_duplicate_deliveries"].as_i64().unwrap() > 0,
+        "{r:#}"
+    );
+    assert_eq!(r["panics"], serde_json::json!([]));
+}
+
 /// The same on a 3-node cluster (replication 3, `min.insync.replicas=2`): the first broker fault
 /// of a run comes at 15 s and kills the leader of a partition in use.
 #[test]
