@@ -158,11 +158,13 @@ impl Assembler {
         if prefix != ours {
             return None;
         }
+        // Only an excerpt of a refused message is kept: a hostile one may be huge.
         let refuse = |reason: String| {
+            let cut = &content[..content.len().min(DEAD_LETTER_EXCERPT_BYTES)];
             Item::Refuse(Refusal {
                 row_id: None,
                 lsn: Some(lsn),
-                content: String::from_utf8_lossy(content).into_owned(),
+                content: String::from_utf8_lossy(cut).into_owned(),
                 reason,
             })
         };
@@ -178,6 +180,17 @@ impl Assembler {
                 });
             }
         };
+        // Refused at once, not held until the commit: the relay keeps a transaction's
+        // messages in memory until then, and one emitted message may be of any size.
+        let limit = crate::envelope::MAX_CONTENT_BYTES;
+        if content.len() > limit {
+            let reason = format!(
+                "the message is {} bytes, the limit is {limit}",
+                content.len()
+            );
+            open.push(Pending::Item(refuse(reason)));
+            return None;
+        }
         open.push(Pending::Message {
             lsn,
             content: content.to_vec(),
@@ -382,6 +395,26 @@ mod tests {
 
     fn wire_header<'m>(m: &'m Message, name: &str) -> Option<&'m str> {
         idem_core::wire::first_header(&m.headers, name)
+    }
+
+    #[test]
+    fn an_oversized_message_is_refused_on_arrival_and_only_an_excerpt_is_kept() {
+        let mut a = Assembler::new(
+            Mode::Messages {
+                prefix: "idem.outbox".into(),
+            },
+            "public",
+        );
+        a.begin().unwrap_or_else(|e| panic!("{e}"));
+        let huge = vec![b'x'; crate::envelope::MAX_CONTENT_BYTES + 1];
+        assert!(a.message(true, 0x10, "idem.outbox", &huge).is_none());
+        let txn = a.commit(0x20, 0).unwrap_or_else(|e| panic!("{e}"));
+        let [Item::Refuse(r)] = txn.items.as_slice() else {
+            panic!("{:?}", txn.items.len())
+        };
+        assert_eq!(r.content.len(), DEAD_LETTER_EXCERPT_BYTES);
+        assert!(r.reason.contains(&huge.len().to_string()), "{}", r.reason);
+        assert_eq!(r.lsn, Some(0x10));
     }
 
     #[test]
