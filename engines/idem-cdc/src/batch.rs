@@ -31,10 +31,26 @@ pub struct Refusal {
     pub row_id: Option<i64>,
     /// The message's WAL position (message mode).
     pub lsn: Option<u64>,
-    /// What was read, for the dead-letter record (message content or the row's values).
+    /// What was read, for the dead-letter record (message content or the row's values), or
+    /// its first bytes when it was too large to keep.
     pub content: String,
+    /// The length of what was read, in bytes (more than `content`'s when it is an excerpt).
+    pub content_bytes: usize,
     /// Why.
     pub reason: String,
+}
+
+impl Refusal {
+    /// A refusal keeping all of `content`.
+    pub fn new(row_id: Option<i64>, lsn: Option<u64>, content: String, reason: String) -> Self {
+        Refusal {
+            row_id,
+            lsn,
+            content_bytes: content.len(),
+            content,
+            reason,
+        }
+    }
 }
 
 /// One committed transaction, decoded, in stream (= commit) order.
@@ -81,12 +97,10 @@ impl Batch {
                 self.messages.push(wire::encode(&record, &topic, source));
                 self.rows.push((record.id > 0).then_some(record.id));
             }
-            Err(reason) => self.refused.push(Refusal {
-                row_id: Some(record.id),
-                lsn: None,
-                content: record.payload,
-                reason,
-            }),
+            Err(reason) => {
+                let refused = Refusal::new(Some(record.id), None, record.payload, reason);
+                self.refused.push(refused);
+            }
         }
     }
 

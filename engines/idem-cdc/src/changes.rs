@@ -113,12 +113,12 @@ impl Assembler {
             .entry(relation.oid)
             .or_insert_with(|| OutboxColumns::resolve(relation).map_err(|e| e.to_string()));
         let refuse = |row_id, reason| {
-            Item::Refuse(Refusal {
+            Item::Refuse(Refusal::new(
                 row_id,
-                lsn: None,
-                content: row_text(relation, values),
+                None,
+                row_text(relation, values),
                 reason,
-            })
+            ))
         };
         let c = match columns {
             Ok(c) => c,
@@ -165,6 +165,7 @@ impl Assembler {
                 row_id: None,
                 lsn: Some(lsn),
                 content: String::from_utf8_lossy(cut).into_owned(),
+                content_bytes: content.len(),
                 reason,
             })
         };
@@ -215,12 +216,12 @@ impl Assembler {
                     let ordinal = u32::try_from(i).unwrap_or(u32::MAX);
                     match crate::envelope::decode_committed(lsn, end_lsn, ordinal, at, &content) {
                         Ok(record) => Item::Publish(record),
-                        Err(e) => Item::Refuse(Refusal {
-                            row_id: None,
-                            lsn: Some(lsn),
-                            content: String::from_utf8_lossy(&content).into_owned(),
-                            reason: e.to_string(),
-                        }),
+                        Err(e) => Item::Refuse(Refusal::new(
+                            None,
+                            Some(lsn),
+                            String::from_utf8_lossy(&content).into_owned(),
+                            e.to_string(),
+                        )),
                     }
                 }
             })
@@ -329,10 +330,10 @@ pub fn dead_letter(topic: &str, r: &Refusal) -> Message {
         headers.push(("idem_lsn".to_owned(), show_lsn(lsn)));
     }
     let payload = excerpt(&r.content, DEAD_LETTER_EXCERPT_BYTES);
-    if payload.len() < r.content.len() {
+    if payload.len() < r.content_bytes {
         headers.push((
             "idem_dead_letter_content_bytes".to_owned(),
-            r.content.len().to_string(),
+            r.content_bytes.to_string(),
         ));
     }
     Message {
@@ -362,12 +363,7 @@ mod tests {
 
     #[test]
     fn a_dead_letter_carries_a_bounded_excerpt_cut_at_a_character() {
-        let refusal = |content: String| Refusal {
-            row_id: None,
-            lsn: Some(0x10),
-            content,
-            reason: "r".to_owned(),
-        };
+        let refusal = |content: String| Refusal::new(None, Some(0x10), content, "r".to_owned());
         let small = dead_letter("dl", &refusal("abc".to_owned()));
         assert_eq!(small.payload, "abc");
         assert!(wire_header(&small, "idem_dead_letter_content_bytes").is_none());
@@ -413,6 +409,12 @@ mod tests {
             panic!("{:?}", txn.items.len())
         };
         assert_eq!(r.content.len(), DEAD_LETTER_EXCERPT_BYTES);
+        assert_eq!(r.content_bytes, huge.len(), "the full length is kept");
+        let letter = dead_letter("dl", r);
+        assert_eq!(
+            wire_header(&letter, "idem_dead_letter_content_bytes"),
+            Some(huge.len().to_string().as_str())
+        );
         assert!(r.reason.contains(&huge.len().to_string()), "{}", r.reason);
         assert_eq!(r.lsn, Some(0x10));
     }
@@ -432,12 +434,7 @@ mod tests {
     fn a_dead_letter_carries_the_reason_and_the_origin() {
         let m = dead_letter(
             "dlq",
-            &Refusal {
-                row_id: None,
-                lsn: Some(0x10),
-                content: "x".into(),
-                reason: "bad".into(),
-            },
+            &Refusal::new(None, Some(0x10), "x".into(), "bad".into()),
         );
         assert_eq!((m.topic.as_str(), m.key.as_str()), ("dlq", "0/10"));
         assert_eq!(m.header("idem_dead_letter_reason"), Some("bad"));

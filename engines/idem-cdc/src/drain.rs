@@ -1,19 +1,29 @@
-//! Table mode: the rows the stream will never carry. A slot streams only what commits after it
-//! was created, and an `UPDATE` never (the publication is insert-only), so at the start of
-//! every session the rows pending in the table are published first, with the polling relay's
-//! claim → publish → mark cycle:
+//! Table mode: the rows the stream will never carry. A slot streams only what commits after its
+//! confirmed position, and an `UPDATE` never (the publication is insert-only), so at the start
+//! of every session the pending rows written before that position are published first, with
+//! the polling relay's claim → publish → mark cycle:
 //!
 //! - rows committed before the slot existed (a first start on an outbox that already had rows,
 //!   a switch from the polling relay): without this they would stay pending forever;
 //! - rows `idem outbox retry` returned to pending (parked, then retried);
-//! - rows published by an earlier session whose mark was lost, or not yet confirmed: published
-//!   again, and streamed again if they were committed after the slot's position — copies with
+//! - rows published by an earlier session whose mark was lost: published again, copies with
 //!   the same `ce_id`, absorbed by the consumer's inbox.
 //!
-//! Only the rows pending when the drain starts are waited for (up to the newest pending id
-//! then), so live writers cannot keep it going; each aggregate's rows go out in commit order,
-//! and the stream that follows sends nothing older than what the drain sent. A crash during
-//! the drain leaves the rest pending, and the next session drains them.
+//! Which rows: pending, and `written_lsn` (the WAL insert position a trigger stamps on every
+//! insert, schema 14) before the slot's confirmed position `C`, or NULL (older rows). A row
+//! written at or after `C` commits after `C` (its commit record follows its insert), so the slot
+//! streams it: draining it too would publish it twice, and a relay restarted after an outage
+//! would publish its whole backlog with the claim cycle instead of streaming it. A row written
+//! before `C` and committed after it is both drained and streamed (a copy). Without a known `C`
+//! every pending row is drained.
+//!
+//! Only the rows pending when the drain starts are waited for (up to the newest such id then),
+//! so live writers cannot keep it going. Each aggregate's rows go out in commit order, and the
+//! stream that follows sends nothing of an aggregate older than what the drain sent: writers of
+//! one aggregate hold its counter's row lock from their insert to their commit (the
+//! `aggregate_seq` trigger), so a row written after `C` commits after every drained row of its
+//! aggregate. A crash during the drain leaves the rest pending, and the next session drains
+//! them.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,14 +36,16 @@ use sqlx::{PgPool, Postgres};
 use crate::error::CdcError;
 use crate::relay::CdcConfig;
 
-/// Publishes every row pending now; how many were published.
+/// Publishes every row pending now and written before `confirmed` (the slot's confirmed
+/// position as PostgreSQL prints it; `None`: every pending row); how many were published.
 pub async fn drain<P: Publisher>(
     pool: &PgPool,
     tables: &TableNames,
     publisher: Arc<P>,
     config: &CdcConfig,
+    confirmed: Option<&str>,
 ) -> Result<u64, CdcError> {
-    let Some(newest) = pending_max(pool, tables).await? else {
+    let Some(newest) = pending_max(pool, tables, confirmed).await? else {
         return Ok(0);
     };
     let lease = publisher
@@ -53,7 +65,7 @@ pub async fn drain<P: Publisher>(
     let store = idem_sql::RelayStore::<Postgres>::new(pool.clone(), tables.clone());
     let relay = Relay::new(store, publisher, relay_config, metrics);
     let mut published = 0;
-    while pending_up_to(pool, tables, newest).await? > 0 {
+    while pending_up_to(pool, tables, newest, confirmed).await? > 0 {
         let report = relay.run_once().await?;
         published += report.published;
         if report.claimed == 0 {
@@ -64,19 +76,45 @@ pub async fn drain<P: Publisher>(
     Ok(published)
 }
 
-async fn pending_max(pool: &PgPool, tables: &TableNames) -> Result<Option<i64>, CdcError> {
+async fn pending_max(
+    pool: &PgPool,
+    tables: &TableNames,
+    confirmed: Option<&str>,
+) -> Result<Option<i64>, CdcError> {
     let sql = tables.render(include_str!("../sql/pending_max.sql"), &["outbox"]);
     sqlx::query_scalar(&sql)
+        .bind(confirmed)
         .fetch_one(pool)
         .await
-        .map_err(|e| CdcError::db("reading the newest pending outbox row", e))
+        .map_err(|e| drain_error("reading the newest pending outbox row", e))
 }
 
-async fn pending_up_to(pool: &PgPool, tables: &TableNames, id: i64) -> Result<i64, CdcError> {
+async fn pending_up_to(
+    pool: &PgPool,
+    tables: &TableNames,
+    id: i64,
+    confirmed: Option<&str>,
+) -> Result<i64, CdcError> {
     let sql = tables.render(include_str!("../sql/pending_up_to.sql"), &["outbox"]);
     sqlx::query_scalar(&sql)
         .bind(id)
+        .bind(confirmed)
         .fetch_one(pool)
         .await
-        .map_err(|e| CdcError::db("counting pending outbox rows", e))
+        .map_err(|e| drain_error("counting pending outbox rows", e))
+}
+
+/// A failed drain statement; an outbox without `written_lsn` needs its migration.
+fn drain_error(context: &str, e: sqlx::Error) -> CdcError {
+    let undefined_column = e
+        .as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "42703");
+    if undefined_column {
+        return CdcError::Config(format!(
+            "{context}: the outbox has no written_lsn column; run `idem migrate` \
+             (schema version 14) before starting the CDC relay ({e})"
+        ));
+    }
+    CdcError::db(context, e)
 }

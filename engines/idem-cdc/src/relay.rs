@@ -241,10 +241,14 @@ impl<P: Publisher> CdcRelay<P> {
         shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
     ) -> Result<Ended, CdcError> {
         let cfg = replication_config(&self.url, &self.config.slot, &self.config.publication)?;
-        // The stream resumes after the slot's confirmed position, read before it starts.
-        let start = slot::slot_state(&self.pool, &self.config.slot)
+        let mut client = ReplicationClient::connect(cfg).await?;
+        client.wait_started().await?;
+        // The slot is held by this session, so its confirmed position stays where the stream
+        // resumes from until this session confirms more.
+        let confirmed = slot::slot_state(&self.pool, &self.config.slot)
             .await?
-            .and_then(|s| s.confirmed_flush_lsn)
+            .and_then(|s| s.confirmed_flush_lsn);
+        let start = confirmed
             .as_deref()
             .and_then(crate::changes::parse_lsn)
             .unwrap_or(0);
@@ -252,12 +256,11 @@ impl<P: Publisher> CdcRelay<P> {
             tracker: AckTracker::new(start),
             batch: Vec::new(),
         };
-        let mut client = ReplicationClient::connect(cfg).await?;
-        client.wait_started().await?;
-        // The slot is held by this session: what it will never stream goes out first.
+        // What the stream will never carry goes out first.
         if let Mode::Table(t) = &self.config.mode {
-            let n =
-                crate::drain::drain(&self.pool, t, self.publisher.clone(), &self.config).await?;
+            let publisher = self.publisher.clone();
+            let from = confirmed.as_deref();
+            let n = crate::drain::drain(&self.pool, t, publisher, &self.config, from).await?;
             if n > 0 {
                 tracing::info!(
                     rows = n,
@@ -400,12 +403,9 @@ impl<P: Publisher> CdcRelay<P> {
                     .get(i)
                     .map(|m| m.payload.clone())
                     .unwrap_or_default();
-                batch.refused.push(Refusal {
-                    row_id,
-                    lsn: None,
-                    content,
-                    reason,
-                });
+                batch
+                    .refused
+                    .push(Refusal::new(row_id, None, content, reason));
             }
             if r.again.is_empty() {
                 break;

@@ -20,7 +20,14 @@ pub(crate) type Migrations = &'static [(i64, &'static str, &'static str)];
 
 /// The migrations shipped for a dialect directory (`migrations/$dir/NNNN_*.sql`).
 macro_rules! migrations {
-    ($dir:literal, $tenth:literal, $eleventh:literal, $twelfth:literal, $last:literal) => {
+    (
+        $dir:literal,
+        $tenth:literal,
+        $eleventh:literal,
+        $twelfth:literal,
+        $thirteenth:literal,
+        $last:literal
+    ) => {
         &[
             (
                 1,
@@ -124,11 +131,20 @@ macro_rules! migrations {
             ),
             (
                 13,
-                $last,
+                $thirteenth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0013_emit_message_revoked.sql"
+                )),
+            ),
+            (
+                14,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0014_outbox_written_lsn.sql"
                 )),
             ),
         ]

@@ -24,6 +24,7 @@ const BASES: &[&str] = &[
     "outbox_aggregates",
     "outbox_assign_seq",
     "outbox_check_row",
+    "outbox_stamp_lsn",
     "outbox_archive",
     "outbox",
     "schema_migrations",
@@ -48,7 +49,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox sequence numbers for inserted rows only",
     "outbox leases as HOT updates",
     "outbox writer rules checked by the trigger",
-    "pg_logical_emit_message revoked from PUBLIC"
+    "pg_logical_emit_message revoked from PUBLIC",
+    "outbox rows record their WAL insert position"
 );
 
 /// Connects a pool suited to the relay and the CLI.

@@ -45,7 +45,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox sequence numbers for inserted rows only (PostgreSQL; none here)",
     "outbox leases as HOT updates (PostgreSQL; none here)",
     "outbox writer rules checked by the trigger (PostgreSQL; none here)",
-    "pg_logical_emit_message revoked from PUBLIC (PostgreSQL; none here)"
+    "pg_logical_emit_message revoked from PUBLIC (PostgreSQL; none here)",
+    "outbox rows record their WAL insert position (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).
