@@ -23,7 +23,12 @@ const FIGURES: &[&str] = &[
     "business_tx_outbox_nconn_per_s",
     "business_tx_plain_1conn_per_s",
     "business_tx_plain_nconn_per_s",
+    "business_tx_message_1conn_per_s",
+    "business_tx_message_nconn_per_s",
     "relay_drain_per_s",
+    "ceiling_cdc_produce_per_s",
+    "cdc_drain_per_s",
+    "cdc_peak_rss_mib",
     "relay_peak_rss_mib",
     "consumer_drain_per_s",
     "consumer_peak_rss_mib",
@@ -58,6 +63,8 @@ const SAMPLED: &[&str] = &[
     "ceiling_writers_per_s",
     "business_tx_nconn_per_s",
     "business_tx_outbox_nconn_per_s",
+    "business_tx_message_nconn_per_s",
+    "ceiling_cdc_produce_per_s",
 ];
 
 const RATIOS: &[&str] = &[
@@ -74,6 +81,10 @@ const RATIOS: &[&str] = &[
     "outbox_vs_plain_row_1conn",
     "outbox_vs_plain_row_nconn",
     "duplicates_vs_drain",
+    "cdc_drain_vs_produce",
+    "message_tx_nconn",
+    "message_tx_1conn",
+    "cdc_peak_rss_mib",
 ];
 
 fn idem_bench(args: &[&str]) -> Value {
@@ -134,6 +145,8 @@ fn a_tiny_bench_run_reports_every_figure_and_ratio() {
     }
     assert!(figures["relay_drain_per_s"].as_f64().unwrap() > 0.0);
     assert!(figures["relay_peak_rss_mib"].as_f64().unwrap() > 1.0);
+    assert!(figures["cdc_drain_per_s"].as_f64().unwrap() > 0.0);
+    assert!(figures["cdc_peak_rss_mib"].as_f64().unwrap() > 1.0);
     // Two runs of each ceiling on each side of its phase (the default).
     for key in SAMPLED {
         let s = &report["spread"][key];
@@ -154,7 +167,7 @@ fn a_tiny_bench_run_reports_every_figure_and_ratio() {
         Some(4)
     );
     let phases = report["phases"].as_object().unwrap();
-    assert_eq!(phases.len(), 20, "{phases:#?}");
+    assert_eq!(phases.len(), 23, "{phases:#?}");
     for (phase, p) in phases {
         assert_eq!(p["status"], "done", "phase {phase}: {p}");
     }

@@ -1,6 +1,6 @@
 //! The measurements of the hardware, on the scratch database and the raw topic: durable
 //! single-row inserts and business transactions (alone, with the outbox, with a plain second
-//! row) first, then the ceilings that bracket each system phase ([`relay`], [`consumer`],
+//! row, with a logical decoding message) first, then the ceilings that bracket each system phase ([`relay`], [`consumer`],
 //! [`writers`]), each bracket with the round trip of one statement.
 
 use std::time::Duration;
@@ -35,9 +35,10 @@ async fn inserts(c: &mut Ctx<'_>, conns: u32, key: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Business transactions alone, with the outbox and with a plain second row on `conns`
-/// connections, alternating for `--ceiling-runs` rounds (each kind `--seconds` in all), so
-/// a swing of the flush cost hits the three alike.
+/// Business transactions alone, with the outbox, with a plain second row and with a logical
+/// decoding message (the CDC relay's message mode) on `conns` connections, alternating for
+/// `--ceiling-runs` rounds (each kind `--seconds` in all), so a swing of the flush cost hits
+/// the four alike.
 async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<()> {
     sqlx::query(pg::PLAIN_TABLE).execute(c.scratch).await?;
     let rounds = plan::ceiling_runs(c.args);
@@ -52,6 +53,10 @@ async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<(
             (
                 OrderWrite::PlainRow,
                 format!("business_tx_plain_{suffix}_per_s"),
+            ),
+            (
+                OrderWrite::Message(idem_sql::MessageOutbox::default()),
+                format!("business_tx_message_{suffix}_per_s"),
             ),
         ] {
             let prefix = format!("{key}-{round}-");
@@ -106,12 +111,24 @@ pub async fn relay(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
         })
         .await?;
         c.report.sample("ceiling_relay_per_s", v);
-        raw_produce(c).await?;
+        raw_produce(c, "kafka_produce_per_s").await?;
     }
     Ok(())
 }
 
-async fn raw_produce(c: &mut Ctx<'_>) -> anyhow::Result<()> {
+/// The CDC relay's ceiling, `tag` naming the side: a raw produce of as many relay-like
+/// records as its backlog, `--ceiling-runs` times (it reads the WAL, not the table: no SQL
+/// ceiling bounds it).
+pub async fn cdc(c: &mut Ctx<'_>, _tag: &str) -> anyhow::Result<()> {
+    round_trip(c).await?;
+    for _ in 0..plan::ceiling_runs(c.args) {
+        raw_produce(c, "ceiling_cdc_produce_per_s").await?;
+    }
+    Ok(())
+}
+
+/// One sample of `key`: a raw produce of `--backlog` relay-like records.
+async fn raw_produce(c: &mut Ctx<'_>, key: &str) -> anyhow::Result<()> {
     let payload = pg::order_event("b-", 1, c.pad)?
         .1
         .payload()
@@ -123,7 +140,7 @@ async fn raw_produce(c: &mut Ctx<'_>) -> anyhow::Result<()> {
         tick.every_second(|| progress.note(&format!("{done} records acknowledged")));
     })
     .await?;
-    c.report.sample("kafka_produce_per_s", v);
+    c.report.sample(key, v);
     Ok(())
 }
 

@@ -49,13 +49,23 @@ struct Names {
     group: String,
     /// The consumer without the inbox's group.
     group_no_inbox: String,
+    /// The CDC relay's `--topic-prefix`.
+    cdc_topic_prefix: String,
+    /// Its topic for orders.
+    cdc_topic: String,
+    /// Its replication slot.
+    cdc_slot: String,
 }
 
 impl Names {
     fn new() -> Self {
         let run = uuid::Uuid::new_v4().simple().to_string();
         let topic_prefix = format!("idem-bench-{run}.");
+        let cdc_topic_prefix = format!("idem-bench-{run}-cdc.");
         Names {
+            cdc_topic: format!("{cdc_topic_prefix}order"),
+            cdc_slot: format!("idem_bench_{run}"),
+            cdc_topic_prefix,
             topic: format!("{topic_prefix}order"),
             raw_topic: format!("idem-bench-{run}.raw"),
             group: format!("idem-bench-{run}"),
@@ -292,9 +302,11 @@ async fn phases(
     let names = Names::new();
     broker.create_topic(&names.topic, partitions).await?;
     broker.create_topic(&names.raw_topic, partitions).await?;
+    broker.create_topic(&names.cdc_topic, partitions).await?;
     let n = plan::connections(args);
     let (scratch_url, scratch) = dbs.create("scratch", n + 4).await?;
     let (orders_url, orders) = dbs.create("orders", n + 4).await?;
+    let (cdc_url, cdc) = dbs.create("cdc", 4).await?;
     let (settle_url, settle) = dbs.create("settle", 4).await?;
     let (noinbox_url, noinbox) = dbs.create("noinbox", 4).await?;
     // The sustained and latency runs and the writers-alone ceiling that bounds them each get
@@ -326,6 +338,8 @@ async fn phases(
     let system = system::SystemDbs {
         orders_url,
         orders,
+        cdc_url,
+        cdc,
         settle_url,
         settle,
         noinbox_url,

@@ -79,6 +79,16 @@ impl Databases {
     pub async fn drop_all(&mut self) -> anyhow::Result<()> {
         let mut admin = PgConnection::connect(&self.server).await?;
         for name in self.created.drain(..) {
+            // A database with a logical slot cannot be dropped (a CDC phase that was cut short).
+            let slots: Vec<String> = sqlx::query_scalar(
+                "SELECT slot_name::text FROM pg_replication_slots WHERE database = $1",
+            )
+            .bind(&name)
+            .fetch_all(&mut admin)
+            .await?;
+            for slot in slots {
+                drop_slot(&mut admin, &slot).await?;
+            }
             sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                 .execute(&mut admin)
                 .await?;
@@ -108,31 +118,69 @@ pub async fn fill_backlog(
     count: u64,
     pad: usize,
 ) -> anyhow::Result<()> {
-    let n = i64::try_from(count)?;
+    let mut tx = pool.begin().await?;
+    fill_range(&mut tx, prefix, 1, count, pad).await?;
+    tx.commit().await?;
+    sqlx::query("ANALYZE").execute(pool).await?;
+    Ok(())
+}
+
+/// The same backlog in transactions of `per_tx` orders each, as many writers leave it: a CDC
+/// slot streams it transaction by transaction.
+pub async fn fill_backlog_in_transactions(
+    pool: &PgPool,
+    prefix: &str,
+    count: u64,
+    per_tx: u64,
+    pad: usize,
+) -> anyhow::Result<()> {
+    let per_tx = per_tx.max(1);
+    let mut first = 1;
+    while first <= count {
+        let last = (first + per_tx - 1).min(count);
+        let mut tx = pool.begin().await?;
+        fill_range(&mut tx, prefix, first, last, pad).await?;
+        tx.commit().await?;
+        first = last + 1;
+    }
+    sqlx::query("ANALYZE").execute(pool).await?;
+    Ok(())
+}
+
+/// Orders `first..=last` and their outbox rows, in the caller's transaction.
+async fn fill_range(
+    tx: &mut PgConnection,
+    prefix: &str,
+    first: u64,
+    last: u64,
+    pad: usize,
+) -> anyhow::Result<()> {
+    let (first, last) = (i64::try_from(first)?, i64::try_from(last)?);
     let pad = i32::try_from(pad)?;
     sqlx::query(
         "INSERT INTO orders (order_id, payment_id, amount_minor, currency) \
-         SELECT $1 || 'order-' || n, $1 || 'pay-' || n, 100 + n % 9900, 'EUR' FROM generate_series(1, $2::bigint) n",
+         SELECT $1 || 'order-' || n, $1 || 'pay-' || n, 100 + n % 9900, 'EUR' FROM generate_series($2::bigint, $3::bigint) n",
     )
     .bind(prefix)
-    .bind(n)
-    .execute(pool)
+    .bind(first)
+    .bind(last)
+    .execute(&mut *tx)
     .await
     .context("writing the backlog's orders")?;
     let sql = format!(
         "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
          SELECT gen_random_uuid(), 'order', $1 || 'order-' || n, 'order.paid', {} \
-         FROM generate_series(1, $2::bigint) n ORDER BY n",
-        PAYLOAD_SQL.replace("$pad", "$3").replace("$p", "$1")
+         FROM generate_series($2::bigint, $3::bigint) n ORDER BY n",
+        PAYLOAD_SQL.replace("$pad", "$4").replace("$p", "$1")
     );
     sqlx::query(&sql)
         .bind(prefix)
-        .bind(n)
+        .bind(first)
+        .bind(last)
         .bind(pad)
-        .execute(pool)
+        .execute(&mut *tx)
         .await
         .context("writing the backlog's outbox rows")?;
-    sqlx::query("ANALYZE").execute(pool).await?;
     Ok(())
 }
 
@@ -166,6 +214,9 @@ pub enum OrderWrite {
     Alone,
     /// The order row and its event through idem's outbox (the reference service).
     Outbox(idem_postgres::Outbox),
+    /// The order row and its event as a logical decoding message (the CDC relay's message
+    /// mode, `MessageOutbox`): no outbox row.
+    Message(idem_sql::MessageOutbox),
     /// The order row and the same event JSON as a plain row of `bench_plain` (one index, no
     /// trigger, no constraint): what any second row costs, the outbox's physical floor.
     PlainRow,
@@ -192,16 +243,15 @@ pub async fn place_order(
         OrderWrite::Outbox(outbox) => {
             idem_reference::write_order_postgres(pool, Some(outbox), &order, &event).await?;
         }
+        OrderWrite::Message(outbox) => {
+            let mut tx = pool.begin().await?;
+            insert_order(&mut tx, &order).await?;
+            outbox.enqueue(&mut tx, &event).await?;
+            tx.commit().await?;
+        }
         OrderWrite::PlainRow => {
             let mut tx = pool.begin().await?;
-            let sql = "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)";
-            let q = sqlx::query(sql)
-                .bind(&order.order_id)
-                .bind(&order.payment_id);
-            q.bind(order.amount_minor)
-                .bind(&order.currency)
-                .execute(&mut *tx)
-                .await?;
+            insert_order(&mut tx, &order).await?;
             sqlx::query("INSERT INTO bench_plain (event_id, aggregate_id, payload) VALUES ($1, $2, $3::jsonb)")
                 .bind(event.id().as_uuid())
                 .bind(event.aggregate_id())
@@ -211,6 +261,23 @@ pub async fn place_order(
             tx.commit().await?;
         }
     }
+    Ok(())
+}
+
+/// The order row, as the reference order service writes it, in the caller's transaction.
+async fn insert_order(
+    tx: &mut PgConnection,
+    order: &idem_reference::PaidOrder,
+) -> anyhow::Result<()> {
+    let sql =
+        "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)";
+    sqlx::query(sql)
+        .bind(&order.order_id)
+        .bind(&order.payment_id)
+        .bind(order.amount_minor)
+        .bind(&order.currency)
+        .execute(&mut *tx)
+        .await?;
     Ok(())
 }
 
@@ -290,6 +357,41 @@ pub async fn stamped_rate(
     match span {
         Some(s) if s > 0.001 && count > first_count => Ok((count - first_count) as f64 / s),
         _ => Ok(count as f64 / fallback.as_secs_f64().max(1e-9)),
+    }
+}
+
+/// Drops logical slot `slot` if it exists, once no session reads it (a stopped relay's
+/// walsender may take a moment to end): a forgotten slot pins WAL, and a database with one
+/// cannot be dropped.
+pub async fn drop_slot(conn: &mut PgConnection, slot: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let active: Option<bool> =
+            sqlx::query_scalar("SELECT active FROM pg_replication_slots WHERE slot_name = $1")
+                .bind(slot)
+                .fetch_optional(&mut *conn)
+                .await?;
+        match active {
+            None => return Ok(()),
+            Some(false) => {
+                sqlx::query("SELECT pg_drop_replication_slot($1)")
+                    .bind(slot)
+                    .execute(&mut *conn)
+                    .await
+                    .with_context(|| format!("dropping replication slot {slot}"))?;
+                return Ok(());
+            }
+            Some(true) if Instant::now() > deadline => {
+                anyhow::bail!("replication slot {slot} is still read after 30 s; drop it by hand")
+            }
+            Some(true) => {
+                sqlx::query("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1")
+                    .bind(slot)
+                    .execute(&mut *conn)
+                    .await?;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
     }
 }
 

@@ -28,6 +28,12 @@ pub enum Phase {
     RelayDrain,
     /// The relay's ceilings again, after its drain.
     RelayCeilingAfter,
+    /// The CDC relay's ceiling (raw produce), before its drain.
+    CdcCeilingBefore,
+    /// The CDC relay streams a backlog written while it was stopped.
+    CdcDrain,
+    /// The CDC relay's ceiling again, after its drain.
+    CdcCeilingAfter,
     /// Raw rdkafka consume.
     Consume,
     /// The consumer's ceilings (set-based batch on one connection and on one per partition),
@@ -54,7 +60,7 @@ pub enum Phase {
 }
 
 /// Every phase, in order.
-pub const PHASES: [Phase; 20] = [
+pub const PHASES: [Phase; 23] = [
     Phase::Setup,
     Phase::Inserts1,
     Phase::InsertsN,
@@ -64,6 +70,9 @@ pub const PHASES: [Phase; 20] = [
     Phase::RelayCeilingBefore,
     Phase::RelayDrain,
     Phase::RelayCeilingAfter,
+    Phase::CdcCeilingBefore,
+    Phase::CdcDrain,
+    Phase::CdcCeilingAfter,
     Phase::Consume,
     Phase::ConsumerCeilingBefore,
     Phase::ConsumerDrain,
@@ -82,6 +91,13 @@ pub const RELAY: [Phase; 3] = [
     Phase::RelayCeilingBefore,
     Phase::RelayDrain,
     Phase::RelayCeilingAfter,
+];
+
+/// The CDC relay's drain between the runs of its ceiling.
+pub const CDC: [Phase; 3] = [
+    Phase::CdcCeilingBefore,
+    Phase::CdcDrain,
+    Phase::CdcCeilingAfter,
 ];
 
 /// The consumer drain between the runs of its ceilings.
@@ -107,6 +123,9 @@ impl Phase {
             Phase::RelayCeilingBefore => "relay_ceiling_before",
             Phase::RelayDrain => "relay_drain",
             Phase::RelayCeilingAfter => "relay_ceiling_after",
+            Phase::CdcCeilingBefore => "cdc_ceiling_before",
+            Phase::CdcDrain => "cdc_drain",
+            Phase::CdcCeilingAfter => "cdc_ceiling_after",
             Phase::Consume => "raw_consume",
             Phase::ConsumerCeilingBefore => "consumer_ceiling_before",
             Phase::ConsumerDrain => "consumer_drain",
@@ -144,10 +163,15 @@ impl Phase {
         let margin = Duration::from_secs(120);
         match self {
             Phase::Setup | Phase::Inserts1 | Phase::InsertsN => secs + margin,
-            Phase::Business1 | Phase::BusinessN => secs * 3 + margin,
+            Phase::Business1 | Phase::BusinessN => secs * 4 + margin,
             Phase::ConsumerCeilingBefore | Phase::ConsumerCeilingAfter => secs * 2 * runs + margin,
             Phase::WritersBefore | Phase::WritersAfter => secs * runs + margin,
-            Phase::RelayCeilingBefore | Phase::RelayCeilingAfter => drain_timeout(args) * runs,
+            Phase::RelayCeilingBefore
+            | Phase::RelayCeilingAfter
+            | Phase::CdcCeilingBefore
+            | Phase::CdcCeilingAfter => drain_timeout(args) * runs,
+            // Writing the backlog, then streaming it.
+            Phase::CdcDrain => drain_timeout(args) * 2,
             Phase::Sustained => secs + drain_timeout(args),
             Phase::Latency => (secs + Duration::from_secs(40)) * 3 + margin,
             Phase::Backlog
@@ -165,13 +189,19 @@ impl Phase {
         let n = connections(args);
         let business = |conns: u32| {
             format!(
-                "business transactions: alone, with the outbox insert, with a plain second row, alternating; {conns} connection(s)"
+                "business transactions: alone, with the outbox insert, with a plain second row, with a logical decoding message, alternating; {conns} connection(s)"
             )
         };
         let relay_ceiling = |when: &str| {
             format!(
                 "ceiling {when} the relay drain: lean claim-and-mark of {} rows in batches of {}, raw produce, SELECT 1",
                 args.backlog, args.relay_batch_size
+            )
+        };
+        let cdc_ceiling = |when: &str| {
+            format!(
+                "ceiling {when} the CDC relay drain: raw produce of {} records, SELECT 1",
+                args.backlog
             )
         };
         let consumer_ceiling = |when: &str| {
@@ -196,6 +226,12 @@ impl Phase {
             Phase::RelayCeilingBefore => relay_ceiling("before"),
             Phase::RelayDrain => "relay drain (idem relay as a child process)".to_owned(),
             Phase::RelayCeilingAfter => relay_ceiling("after"),
+            Phase::CdcCeilingBefore => cdc_ceiling("before"),
+            Phase::CdcDrain => format!(
+                "CDC relay drain: {} rows written in transactions of {} while it was stopped, streamed from its slot (idem cdc relay as a child process)",
+                args.backlog, args.relay_batch_size
+            ),
+            Phase::CdcCeilingAfter => cdc_ceiling("after"),
             Phase::Consume => "raw rdkafka consume of the relay's records".to_owned(),
             Phase::ConsumerCeilingBefore => consumer_ceiling("before"),
             Phase::ConsumerDrain => {
@@ -262,8 +298,42 @@ fn settings(flag: &str, settings: &[(String, String)]) -> Vec<String> {
 
 /// `idem relay` over the orders database `db`, publishing under `topic_prefix`.
 pub fn relay_args(args: &RunArgs, db: &str, brokers: &str, topic_prefix: &str) -> Vec<String> {
-    let mut v = args_of(&[
+    publisher_args(args, &["relay", "--no-prune"], db, brokers, topic_prefix)
+}
+
+/// `idem cdc relay` (table mode) over database `db` on `slot` (its publication `<slot>_pub`),
+/// publishing under `topic_prefix`.
+pub fn cdc_relay_args(
+    args: &RunArgs,
+    db: &str,
+    brokers: &str,
+    topic_prefix: &str,
+    slot: &str,
+) -> Vec<String> {
+    let publication = format!("{slot}_pub");
+    let command = [
+        "cdc",
         "relay",
+        "--slot",
+        slot,
+        "--publication",
+        &publication,
+    ];
+    publisher_args(args, &command, db, brokers, topic_prefix)
+}
+
+/// `command`, then a relay's common arguments: database, brokers, topic prefix, batch size and
+/// producer settings.
+fn publisher_args(
+    args: &RunArgs,
+    command: &[&str],
+    db: &str,
+    brokers: &str,
+    topic_prefix: &str,
+) -> Vec<String> {
+    let mut v = args_of(command);
+    let batch = args.relay_batch_size.to_string();
+    let common = [
         "--db",
         db,
         "--brokers",
@@ -271,9 +341,9 @@ pub fn relay_args(args: &RunArgs, db: &str, brokers: &str, topic_prefix: &str) -
         "--topic-prefix",
         topic_prefix,
         "--batch-size",
-        &args.relay_batch_size.to_string(),
-        "--no-prune",
-    ]);
+        &batch,
+    ];
+    v.extend(args_of(&common));
     v.extend(settings("--producer-config", &args.producer_config));
     v
 }
@@ -347,7 +417,7 @@ mod tests {
     }
 
     #[test]
-    fn the_plan_has_twenty_distinct_phases_with_their_titles_and_keys() {
+    fn the_plan_has_distinct_phases_with_their_titles_and_keys() {
         let a = args();
         let titles: Vec<String> = PHASES.iter().map(|p| p.title(&a)).collect();
         let keys: Vec<&str> = PHASES.iter().map(|p| p.key()).collect();
@@ -375,7 +445,7 @@ mod tests {
     #[test]
     fn each_ceiling_brackets_the_phase_it_bounds() {
         let at = |p: Phase| PHASES.iter().position(|q| *q == p).unwrap();
-        for [before, phase, after] in [RELAY, CONSUMER, WRITERS] {
+        for [before, phase, after] in [RELAY, CDC, CONSUMER, WRITERS] {
             assert_eq!(at(before) + 1, at(phase), "{phase:?}");
             assert_eq!(at(phase) + 1, at(after), "{phase:?}");
         }
@@ -412,6 +482,7 @@ mod tests {
             relay_args(&a, "postgres://o", "b:9092", "p."),
             args_of(&[
                 "relay",
+                "--no-prune",
                 "--db",
                 "postgres://o",
                 "--brokers",
@@ -420,7 +491,6 @@ mod tests {
                 "p.",
                 "--batch-size",
                 "500",
-                "--no-prune",
                 "--producer-config",
                 "linger.ms=1",
             ])

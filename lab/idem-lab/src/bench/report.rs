@@ -48,6 +48,11 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
         "tx/s",
     ),
     (
+        "business_tx_message_1conn_per_s",
+        "business transaction + logical decoding message (CDC message mode), 1 connection",
+        "tx/s",
+    ),
+    (
         "business_tx_nconn_per_s",
         "business transaction, {n} connections",
         "tx/s",
@@ -60,6 +65,11 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
     (
         "business_tx_plain_nconn_per_s",
         "business transaction + plain second row, {n} connections",
+        "tx/s",
+    ),
+    (
+        "business_tx_message_nconn_per_s",
+        "business transaction + logical decoding message (CDC message mode), {n} connections",
         "tx/s",
     ),
     (
@@ -78,6 +88,21 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
         "rows/s",
     ),
     ("relay_peak_rss_mib", "relay peak RSS while draining", "MiB"),
+    (
+        "ceiling_cdc_produce_per_s",
+        "ceiling: raw rdkafka produce, on each side of the CDC drain",
+        "records/s",
+    ),
+    (
+        "cdc_drain_per_s",
+        "CDC relay drain of a backlog from its slot (idem cdc relay)",
+        "rows/s",
+    ),
+    (
+        "cdc_peak_rss_mib",
+        "CDC relay peak RSS while draining",
+        "MiB",
+    ),
     ("kafka_consume_per_s", "raw rdkafka consume", "records/s"),
     (
         "ceiling_consumer_1conn_per_s",
@@ -198,6 +223,18 @@ const RATIOS: &[RatioDef] = &[
         Target::AtLeast(0.5),
     ),
     ratio(
+        "cdc_drain_vs_produce",
+        "CDC relay drain / raw produce",
+        "median of ceiling_cdc_produce_per_s",
+        Target::AtLeast(0.8),
+    ),
+    ratio(
+        "message_tx_nconn",
+        "business tx with a logical decoding message / order alone, {n} connections",
+        "median of business_tx_nconn_per_s",
+        Target::AtLeast(0.9),
+    ),
+    ratio(
         "sustained_vs_writers_alone",
         "sustained end to end / {n} writers alone",
         "median of ceiling_writers_per_s",
@@ -226,6 +263,18 @@ const RATIOS: &[RatioDef] = &[
         "consumer peak RSS while draining, MiB",
         "-",
         Target::AtMost(150.0),
+    ),
+    ratio(
+        "cdc_peak_rss_mib",
+        "CDC relay peak RSS while draining, MiB",
+        "-",
+        Target::AtMost(150.0),
+    ),
+    ratio(
+        "message_tx_1conn",
+        "business tx with a logical decoding message / order alone, 1 connection",
+        "median of business_tx_1conn_per_s",
+        Target::Info,
     ),
     ratio(
         "outbox_tx_1conn",
@@ -423,11 +472,21 @@ impl Report {
             div(drain, g("ceiling_consumer_1conn_per_s")),
             div(drain, g("ceiling_consumer_partitions_per_s")),
             div("relay_drain_per_s", relay_bound),
+            div("cdc_drain_per_s", g("ceiling_cdc_produce_per_s")),
+            div(
+                "business_tx_message_nconn_per_s",
+                g("business_tx_nconn_per_s"),
+            ),
             div("e2e_sustained_per_s", g("ceiling_writers_per_s")),
             div(outbox_n, g("business_tx_nconn_per_s")),
             g("latency_50pct_p99_ms"),
             g("relay_peak_rss_mib"),
             g("consumer_peak_rss_mib"),
+            g("cdc_peak_rss_mib"),
+            div(
+                "business_tx_message_1conn_per_s",
+                g("business_tx_1conn_per_s"),
+            ),
             div(outbox_1, g("business_tx_1conn_per_s")),
             div(outbox_1, g("business_tx_plain_1conn_per_s")),
             div(outbox_n, g("business_tx_plain_nconn_per_s")),
@@ -689,10 +748,15 @@ mod tests {
         }
         r.sample("kafka_produce_per_s", 500.0);
         r.sample("ceiling_writers_per_s", 1000.0);
+        r.figure("cdc_drain_per_s", 400.0);
+        for v in [450.0, 500.0, 550.0] {
+            r.sample("ceiling_cdc_produce_per_s", v);
+        }
         assert_eq!(ratio(&r, "consumer_drain_vs_ceiling"), Some(0.5));
         // The relay is bounded by the slower of its ceiling and the raw produce.
         assert_eq!(ratio(&r, "relay_drain_vs_ceiling"), Some(0.9));
         assert_eq!(ratio(&r, "sustained_vs_writers_alone"), Some(0.9));
+        assert_eq!(ratio(&r, "cdc_drain_vs_produce"), Some(0.8));
         assert_eq!(ratio(&r, "latency_p99_at_50pct_ms"), Some(12.5));
         // A zero divisor and a missing figure give no ratio.
         assert_eq!(ratio(&r, "dedup_vs_no_dedup"), None);

@@ -22,6 +22,9 @@ use super::{Ctx, Names, Progress, Ticker, baselines, ceilings, latency};
 pub struct SystemDbs<'a> {
     pub orders_url: String,
     pub orders: PgPool,
+    /// The CDC relay's orders database (its slot is the run's).
+    pub cdc_url: String,
+    pub cdc: PgPool,
     pub settle_url: String,
     pub settle: PgPool,
     pub noinbox_url: String,
@@ -103,6 +106,9 @@ pub async fn run(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
 async fn drains(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     let drain = async |c: &mut Ctx<'_>| relay_drain(c, dbs).await;
     bracketed(c, plan::RELAY, baselines::relay, drain, &dbs.orders_url).await?;
+    let drain = async |c: &mut Ctx<'_>| cdc_drain(c, dbs).await;
+    bracketed(c, plan::CDC, baselines::cdc, drain, &dbs.cdc_url).await?;
+    pg::drop_slot(&mut *dbs.cdc.acquire().await?, &dbs.names.cdc_slot).await?;
     c.guarded(Phase::Consume, async |c| baselines::raw_consume(c).await)
         .await;
     let drain = async |c: &mut Ctx<'_>| consumer_drain(c, dbs).await;
@@ -164,18 +170,78 @@ async fn relay_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()>
         label: "rows published",
     };
     let (relay, elapsed) = drain(c, dbs.logs, "relay", &relay_args, &published, &mut []).await?;
-    c.report.peak("relay_peak_rss_mib", relay.peak_rss());
+    let keys = ("relay_peak_rss_mib", "relay_drain_per_s");
+    drained(c, relay, &dbs.orders, elapsed, keys).await
+}
+
+/// A relay that drained the backlog of `pool` in `elapsed`: its peak RSS and its rate from the
+/// rows' publication stamps under `keys` (RSS, rate); then it is stopped.
+async fn drained(
+    c: &mut Ctx<'_>,
+    relay: Child,
+    pool: &PgPool,
+    elapsed: Duration,
+    (rss, rate): (&str, &str),
+) -> anyhow::Result<()> {
+    c.report.peak(rss, relay.peak_rss());
     relay.stop().await?;
-    let v = pg::stamped_rate(
-        &dbs.orders,
-        "idem_outbox",
-        "published_at",
-        "status = 'published'",
-        elapsed,
-    )
-    .await?;
-    c.report.figure("relay_drain_per_s", v);
+    let published = "status = 'published'";
+    let v = pg::stamped_rate(pool, "idem_outbox", "published_at", published, elapsed).await?;
+    c.report.figure(rate, v);
     Ok(())
+}
+
+/// The CDC relay drains a backlog from its slot: started once to create the slot (and stopped,
+/// so the slot's position is where the backlog starts), the backlog written in transactions of
+/// `--relay-batch-size` rows, then started again. Written after the slot's position, the rows
+/// are streamed, not drained from the table (docs/operating/cdc-relay.md). Its rate from the
+/// rows' publication stamps (the relay marks what it published), its peak RSS.
+async fn cdc_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
+    let wal: String = sqlx::query_scalar("SHOW wal_level")
+        .fetch_one(&dbs.cdc)
+        .await?;
+    if wal != "logical" {
+        bail!("wal_level is {wal}: the CDC relay needs wal_level = logical (and a restart)");
+    }
+    let names = dbs.names;
+    let args = plan::cdc_relay_args(
+        c.args,
+        &dbs.cdc_url,
+        &c.brokers,
+        &names.cdc_topic_prefix,
+        &names.cdc_slot,
+    );
+    let mut first = Child::spawn("cdc-relay", &args, &dbs.logs.0)?;
+    slot_held(c, &dbs.cdc, &names.cdc_slot, &mut first).await?;
+    first.stop().await?;
+    let (backlog, per_tx) = (c.args.backlog, u64::from(c.args.relay_batch_size));
+    pg::fill_backlog_in_transactions(&dbs.cdc, "c-", backlog, per_tx, c.pad).await?;
+    let published = Watch {
+        pool: &dbs.cdc,
+        what: PUBLISHED,
+        label: "rows streamed and marked",
+    };
+    let (relay, elapsed) = drain(c, dbs.logs, "cdc-relay-2", &args, &published, &mut []).await?;
+    let keys = ("cdc_peak_rss_mib", "cdc_drain_per_s");
+    drained(c, relay, &dbs.cdc, elapsed, keys).await
+}
+
+/// Waits until a session of `relay` reads `slot` (the relay created it).
+async fn slot_held(
+    c: &Ctx<'_>,
+    pool: &PgPool,
+    slot: &str,
+    relay: &mut Child,
+) -> anyhow::Result<()> {
+    // The slot is ours (a UUID), never input.
+    let what = format!("pg_replication_slots WHERE slot_name = '{slot}' AND active");
+    let held = Watch {
+        pool,
+        what: &what,
+        label: "CDC relay sessions on the slot",
+    };
+    let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));
+    wait_for(c.progress, &held, 1, &mut [relay], timeout, stall).await
 }
 
 /// The settlement consumer drains the topic: its rate from the settlements' stamps, its peak
