@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::TableNames;
-use idem_core::publish::{Message, Publisher};
+use idem_core::publish::{FailureKind, Message, Publisher};
 use idem_core::wire::TopicNaming;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use sqlx::PgPool;
@@ -121,6 +121,8 @@ impl<P: Publisher> CdcRelay<P> {
 
     /// Creates the publication and the slot when they are missing; the slot's state.
     pub async fn prepare(&self) -> Result<SlotState, CdcError> {
+        idem_core::event::validate_topic(&self.config.dead_letter_topic)
+            .map_err(|e| CdcError::Config(format!("--dead-letter-topic: {e}")))?;
         let schema = self.schema().await?;
         let publishes = match &self.config.mode {
             Mode::Table(t) => Publishes::Table {
@@ -419,7 +421,9 @@ impl<P: Publisher> CdcRelay<P> {
             backoff = (backoff * 2).min(self.config.retry_backoff_max);
         }
         idem_core::crash::crash_point(idem_core::crash::CDC_AFTER_PUBLISH_BEFORE_CONFIRM)?;
-        self.refuse(&batch.refused).await?;
+        if !self.refuse(&batch.refused, shutdown).await? {
+            return Ok(false);
+        }
         self.mark(&batch).await;
         let published = batch.messages.len() - batch.refused.len().min(batch.messages.len());
         self.metrics.events.inc_by(published as u64);
@@ -435,7 +439,12 @@ impl<P: Publisher> CdcRelay<P> {
     }
 
     /// Parks refused rows (table mode) and dead-letters the rest, before the confirmation.
-    async fn refuse(&self, refused: &[Refusal]) -> Result<(), CdcError> {
+    /// `false`: shutdown came first (nothing confirmed; the next session refuses them again).
+    async fn refuse(
+        &self,
+        refused: &[Refusal],
+        shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<bool, CdcError> {
         let mut letters = Vec::new();
         for r in refused {
             match (&self.config.mode, r.row_id) {
@@ -451,31 +460,50 @@ impl<P: Publisher> CdcRelay<P> {
         }
         let mut backoff = self.config.retry_backoff;
         while !letters.is_empty() {
-            let results = self.publisher.publish(&letters).await;
-            let mut left = Vec::new();
-            for (m, res) in letters
-                .into_iter()
-                .zip(results.into_iter().chain(std::iter::repeat_with(|| Ok(()))))
-            {
-                match res {
-                    Ok(()) => self
-                        .metrics
-                        .refused
-                        .with_label_values(&["dead_lettered"])
-                        .inc(),
-                    Err(e) => {
-                        tracing::warn!(reason = %e.reason, "dead-lettering a refused CDC event failed; retrying");
-                        left.push(m);
-                    }
+            letters = self.dead_letter(letters).await?;
+            if letters.is_empty() {
+                break;
+            }
+            tokio::select! {
+                () = &mut *shutdown => return Ok(false),
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(self.config.retry_backoff_max);
+        }
+        Ok(true)
+    }
+
+    /// Publishes dead letters; returns those to send again (a transient failure). One that the
+    /// broker refuses for good stops the relay: nothing past it is confirmed, and no other place
+    /// keeps the refused event (a dead letter is an excerpt far below Kafka's record limit, so
+    /// this is the topic: its name, its ACLs, its `max.message.bytes`).
+    async fn dead_letter(&self, letters: Vec<Message>) -> Result<Vec<Message>, CdcError> {
+        let results = self.publisher.publish(&letters).await;
+        let mut left = Vec::new();
+        let reports = results.into_iter().chain(std::iter::repeat_with(|| Ok(())));
+        for (m, res) in letters.into_iter().zip(reports) {
+            match res {
+                Ok(()) => self
+                    .metrics
+                    .refused
+                    .with_label_values(&["dead_lettered"])
+                    .inc(),
+                Err(e) if e.kind == FailureKind::Permanent => {
+                    return Err(CdcError::Config(format!(
+                        "the dead-letter topic {:?} refuses a record for good ({}): fix the topic \
+                         (its name, its ACLs, max.message.bytes) or choose another with \
+                         --dead-letter-topic, then restart; nothing after the refused event was \
+                         confirmed, so nothing is lost",
+                        self.config.dead_letter_topic, e.reason
+                    )));
+                }
+                Err(e) => {
+                    tracing::warn!(reason = %e.reason, "dead-lettering a refused CDC event failed; retrying");
+                    left.push(m);
                 }
             }
-            letters = left;
-            if !letters.is_empty() {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(self.config.retry_backoff_max);
-            }
         }
-        Ok(())
+        Ok(left)
     }
 
     /// Table mode: marks the published rows (informational: the relay never reads them back).

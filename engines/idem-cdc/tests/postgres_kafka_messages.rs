@@ -12,9 +12,12 @@ use idem_conformance::kafka;
 use idem_core::Event;
 use idem_core::envelope::{self, Prefix};
 use idem_core::outbox::OutboxRecord;
+use idem_core::publish::{FailureKind, Message, PublishError, Publisher};
 use idem_kafka::KafkaPublisher;
 use idem_kafka::inspect::Record;
 use idem_sql::MessageOutbox;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 const PREFIX: &str = "idem.outbox";
 
@@ -466,4 +469,135 @@ async fn a_refusal_quoting_a_huge_value_is_still_dead_lettered() {
     );
     assert!(reason.contains("header"), "{reason:.200}");
     stop(running).await;
+}
+
+/// A publisher that fails every dead letter (`kind`), counting the attempts, and sends the
+/// rest with Kafka.
+struct FailingDeadLetters {
+    kafka: KafkaPublisher,
+    topic: String,
+    kind: FailureKind,
+    attempts: Arc<AtomicUsize>,
+}
+
+impl Publisher for FailingDeadLetters {
+    async fn publish(&self, messages: &[Message]) -> Vec<Result<(), PublishError>> {
+        if messages.iter().any(|m| m.topic == self.topic) {
+            self.attempts.fetch_add(1, Ordering::SeqCst);
+            let refused = PublishError {
+                kind: self.kind,
+                reason: "test: the dead-letter topic fails".to_owned(),
+            };
+            return vec![Err(refused); messages.len()];
+        }
+        self.kafka.publish(messages).await
+    }
+}
+
+/// A message-mode relay whose dead letters all fail with `kind`, running, with one hostile
+/// message (at the returned position) waiting to be dead-lettered and an event after it; and
+/// the count of dead-letter attempts.
+async fn failing_dead_letters(
+    w: &World,
+    kind: FailureKind,
+) -> (Running, Event, String, Arc<AtomicUsize>) {
+    let config = w.config_in(Mode::Messages {
+        prefix: PREFIX.to_owned(),
+    });
+    let producer = idem_kafka::producer_config(&w.brokers, &[]).unwrap();
+    let publisher = FailingDeadLetters {
+        kafka: KafkaPublisher::new(producer)
+            .unwrap()
+            .with_topic_creation(1, Some(1)),
+        topic: w.dead_letters.clone(),
+        kind,
+        attempts: Arc::default(),
+    };
+    let attempts = publisher.attempts.clone();
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let relay = CdcRelay::new(w.pg.url(), w.pg.pool().clone(), publisher, config, metrics);
+    relay.prepare().await.unwrap();
+    let running = spawn(relay);
+    let hostile: String =
+        sqlx::query_scalar("SELECT pg_logical_emit_message(true, $1, 'not an envelope')::text")
+            .bind(PREFIX)
+            .fetch_one(w.pg.pool())
+            .await
+            .unwrap();
+    let after = event("dl-1", 1);
+    commit(w, "1", std::slice::from_ref(&after)).await;
+    (running, after, hostile, attempts)
+}
+
+/// A dead-letter topic that refuses a record for good stops the relay with a message naming
+/// the topic, instead of retrying forever while nothing else is published; the refused
+/// message's position is not confirmed, so a relay with a working topic dead-letters it and
+/// the event after it flows. (Before, the relay retried the dead letter forever.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_letter_topic_that_refuses_records_stops_the_relay_and_loses_nothing() {
+    let w = World::new().await;
+    let (mut running, after, ..) = failing_dead_letters(&w, FailureKind::Permanent).await;
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(60), &mut running.1)
+        .await
+        .expect("the relay kept retrying the dead letter")
+        .unwrap();
+    let err = ended.unwrap_err();
+    assert!(
+        matches!(&err, idem_cdc::CdcError::Config(m) if m.contains(&w.dead_letters)),
+        "{err}"
+    );
+    let mut running = started(&w, CdcMetrics::unregistered().unwrap()).await;
+    w.expect(&[&after], &mut running).await;
+    let letters = dead_letters(&w, 1, &mut running).await;
+    assert_eq!(letters[0].payload.as_deref(), Some("not an envelope"));
+    stop(running).await;
+}
+
+/// While a dead letter fails again and again (transient), a shutdown still stops the relay
+/// at once, and nothing at or past the message is confirmed. (Before, the retry loop ignored
+/// shutdown: the relay never stopped.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_retrying_a_dead_letter_still_stops_when_asked() {
+    let w = World::new().await;
+    let (running, _, hostile, attempts) = failing_dead_letters(&w, FailureKind::Transient).await;
+    common::eventually("the dead letter failed twice", || {
+        let n = attempts.load(Ordering::SeqCst);
+        async move { n >= 2 }
+    })
+    .await;
+    let (stop, task) = running;
+    let _ = stop.send(());
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(20), task)
+        .await
+        .expect("the relay did not stop while retrying a dead letter")
+        .unwrap();
+    ended.unwrap();
+    let past: bool = sqlx::query_scalar(
+        "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(&w.slot)
+    .bind(&hostile)
+    .fetch_one(w.pg.pool())
+    .await
+    .unwrap();
+    assert!(
+        !past,
+        "the slot confirmed past a message whose dead letter was never sent"
+    );
+}
+
+/// A dead-letter topic Kafka can never accept is refused before the relay starts.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_invalid_dead_letter_topic_is_refused_at_start() {
+    let w = World::new().await;
+    let mut config = w.config_in(Mode::Messages {
+        prefix: PREFIX.to_owned(),
+    });
+    config.dead_letter_topic = "no such topic!".to_owned();
+    let relay = w.relay_with(config, CdcMetrics::unregistered().unwrap());
+    let refused = relay.prepare().await.unwrap_err();
+    assert!(
+        matches!(&refused, idem_cdc::CdcError::Config(m) if m.contains("no such topic!")),
+        "{refused}"
+    );
 }
