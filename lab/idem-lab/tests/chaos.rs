@@ -73,12 +73,14 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
 }
 
 /// The same with CDC relays (`--cdc`: `idem cdc relay` on one slot, one reading and one
-/// waiting to take over) instead of the polling ones: SIGKILLs, pauses and the CDC crash point
-/// (fired for real: the process aborts between Kafka's acknowledgement and the confirmation)
-/// lose nothing and double no effect.
+/// waiting to take over) instead of the polling ones, on a PostgreSQL server of the run's own
+/// that is crashed (`pg_ctl stop -m immediate`) and restarted twice (`--pg-restart`): SIGKILLs,
+/// pauses, the CDC crash point (fired for real: the process aborts between Kafka's
+/// acknowledgement and the confirmation) and the server crashes lose nothing and double no
+/// effect.
 #[test]
 fn a_short_chaos_run_with_cdc_relays_loses_nothing_and_doubles_nothing() {
-    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1", "--cdc"]);
+    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1", "--cdc", "--pg-restart"]);
     assert_eq!(code, Some(0), "{r:#}\n{stderr}");
     assert_eq!(r["ok"], true);
     assert_eq!(
@@ -101,6 +103,8 @@ fn a_short_chaos_run_with_cdc_relays_loses_nothing_and_doubles_nothing() {
             "no {kind}: {r:#}"
         );
     }
+    // Counted only once the server's start time moved: it crashed and came back, twice.
+    assert_eq!(faults["postgres_restart"], 2, "{r:#}");
     assert!(
         r["inbox_duplicate_deliveries"].as_i64().unwrap() > 0,
         "{r:#}"

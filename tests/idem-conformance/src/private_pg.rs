@@ -5,6 +5,7 @@
 //! Run as root (CI), the server runs as the `postgres` user (initdb refuses root); otherwise
 //! as the current user. The binaries are Debian's (`/usr/lib/postgresql/<version>/bin`).
 
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -17,21 +18,23 @@ pub struct PrivatePg {
 }
 
 impl PrivatePg {
-    /// Creates and starts the server.
+    /// Creates and starts the server (panics when it cannot: for tests).
     pub fn start() -> Self {
-        let bin = bin_dir();
+        Self::try_start().unwrap_or_else(|e| panic!("starting a private PostgreSQL: {e}"))
+    }
+
+    /// Creates and starts the server.
+    pub fn try_start() -> io::Result<Self> {
+        let bin = bin_dir()?;
         let dir = tempfile::Builder::new()
             .prefix("idem-private-pg-")
-            .tempdir()
-            .unwrap();
+            .tempdir()?;
         let as_postgres = is_root();
         if as_postgres {
-            chown_postgres(dir.path());
+            chown_postgres(dir.path())?;
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
             .port();
         let pg = PrivatePg {
             dir,
@@ -43,19 +46,19 @@ impl PrivatePg {
         pg.run(
             "initdb",
             &["-D", &data, "-A", "trust", "-U", "postgres", "--no-sync"],
-        );
+        )?;
         let conf = format!(
             "listen_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{}'\n\
-             wal_level = logical\nmax_wal_senders = 4\nmax_replication_slots = 4\n\
+             wal_level = logical\nmax_wal_senders = 8\nmax_replication_slots = 8\n\
              fsync = on\nshared_buffers = 16MB\n",
             pg.dir.path().display()
         );
         let path = Path::new(&data).join("postgresql.conf");
-        let mut text = std::fs::read_to_string(&path).unwrap();
+        let mut text = std::fs::read_to_string(&path)?;
         text.push_str(&conf);
-        std::fs::write(&path, text).unwrap();
-        pg.ctl(&["start"]);
-        pg
+        std::fs::write(&path, text)?;
+        pg.ctl(&["start"])?;
+        Ok(pg)
     }
 
     /// `postgres://postgres@127.0.0.1:PORT/postgres`.
@@ -63,80 +66,82 @@ impl PrivatePg {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
+    /// The server's log.
+    pub fn log(&self) -> PathBuf {
+        self.dir.path().join("server.log")
+    }
+
     /// Stops the server as a crash would (`-m immediate`: no shutdown checkpoint, recovery
-    /// replays the WAL at the next start) and starts it again.
+    /// replays the WAL at the next start) and starts it again (panics when it cannot).
     pub fn crash_and_restart(&self) {
-        self.ctl(&["stop", "-m", "immediate"]);
-        self.ctl(&["start"]);
+        self.try_crash_and_restart()
+            .unwrap_or_else(|e| panic!("restarting the private PostgreSQL: {e}"));
+    }
+
+    /// [`PrivatePg::crash_and_restart`], with the failure as an error.
+    pub fn try_crash_and_restart(&self) -> io::Result<()> {
+        self.ctl(&["stop", "-m", "immediate"])?;
+        self.ctl(&["start"])
     }
 
     fn data(&self) -> String {
         self.dir.path().join("data").display().to_string()
     }
 
-    fn ctl(&self, args: &[&str]) {
+    fn ctl(&self, args: &[&str]) -> io::Result<()> {
         let data = self.data();
-        let log = self.dir.path().join("server.log").display().to_string();
+        let log = self.log().display().to_string();
         let mut all = vec!["-D", &data, "-l", &log, "-w"];
         all.extend_from_slice(args);
-        self.run("pg_ctl", &all);
+        self.run("pg_ctl", &all)
     }
 
-    fn run(&self, program: &str, args: &[&str]) {
+    fn command(&self, program: &str) -> Command {
         let exe = self.bin.join(program);
-        let out = if self.as_postgres {
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(&exe)
-                .args(args)
-                .output()
+        if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(exe);
+            c
         } else {
-            Command::new(&exe).args(args).output()
+            Command::new(exe)
         }
-        .unwrap_or_else(|e| panic!("running {}: {e}", exe.display()));
-        assert!(
-            out.status.success(),
+    }
+
+    fn run(&self, program: &str, args: &[&str]) -> io::Result<()> {
+        let out = self.command(program).args(args).output()?;
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(io::Error::other(format!(
             "{program} {args:?} failed: {}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
-        );
+        )))
     }
 }
 
 impl Drop for PrivatePg {
     fn drop(&mut self) {
         let data = self.data();
-        let exe = self.bin.join("pg_ctl");
         let args = ["-D", data.as_str(), "-m", "immediate", "-w", "stop"];
-        let _ = if self.as_postgres {
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(&exe)
-                .args(args)
-                .output()
-        } else {
-            Command::new(&exe).args(args).output()
-        };
+        let _ = self.command("pg_ctl").args(args).output();
     }
 }
 
 /// The newest installed PostgreSQL's binaries.
-fn bin_dir() -> PathBuf {
+fn bin_dir() -> io::Result<PathBuf> {
     let root = Path::new("/usr/lib/postgresql");
-    let mut versions: Vec<u32> = std::fs::read_dir(root)
-        .unwrap_or_else(|e| {
-            panic!(
-                "{}: {e} (is PostgreSQL installed? scripts/test installs it)",
-                root.display()
-            )
-        })
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect();
-    versions.sort_unstable();
-    let v = versions
-        .last()
-        .expect("a PostgreSQL version under /usr/lib/postgresql");
-    root.join(v.to_string()).join("bin")
+    let entries = std::fs::read_dir(root).map_err(|e| {
+        io::Error::other(format!(
+            "{}: {e} (is PostgreSQL installed? scripts/test installs it)",
+            root.display()
+        ))
+    })?;
+    let newest = entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .max()
+        .ok_or_else(|| io::Error::other("no PostgreSQL version under /usr/lib/postgresql"))?;
+    Ok(root.join(newest.to_string()).join("bin"))
 }
 
 fn is_root() -> bool {
@@ -147,12 +152,16 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-fn chown_postgres(dir: &Path) {
-    let ok = Command::new("chown")
+fn chown_postgres(dir: &Path) -> io::Result<()> {
+    let status = Command::new("chown")
         .args(["postgres:postgres"])
         .arg(dir)
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    assert!(ok, "chown postgres {}", dir.display());
+        .status()?;
+    if status.success() {
+        return Ok(());
+    }
+    Err(io::Error::other(format!(
+        "chown postgres {}",
+        dir.display()
+    )))
 }

@@ -14,6 +14,7 @@ use super::topology::Topology;
 use super::windows::Windows;
 use super::{crash_counts, hostile};
 use crate::demo::world::Databases;
+use idem_conformance::private_pg::PrivatePg;
 
 /// The counters scraped from the processes' metrics.
 pub const COUNTERS: [&str; 3] = [
@@ -46,6 +47,8 @@ pub struct World<'a> {
     pub nodes: usize,
     /// Where armed crash points log that they fired.
     pub crash_log: &'a Path,
+    /// The run's own PostgreSQL server (`--pg-restart`), crashed and restarted during the run.
+    pub server: Option<&'a PrivatePg>,
 }
 
 /// Timers of the injection loop.
@@ -55,6 +58,8 @@ struct Timers {
     hostile_round: u64,
     last_scrape: Instant,
     last_progress: Instant,
+    /// When the next PostgreSQL crashes are due (`--pg-restart`), soonest last.
+    pg_restarts: Vec<Instant>,
 }
 
 /// Injects faults until `seconds` have passed.
@@ -73,6 +78,10 @@ pub async fn inject(
         hostile_round: 0,
         last_scrape: started,
         last_progress: started,
+        pg_restarts: match w.server {
+            Some(_) => pg_restart_times(started, seconds),
+            None => vec![],
+        },
     };
     let mut out = Injected {
         faults: BTreeMap::new(),
@@ -96,6 +105,13 @@ pub async fn inject(
             t.last_scrape = now;
         }
         // No other fault while the long lock is held (see `Windows::lock_open`).
+        if t.pg_restarts.last().is_some_and(|d| now >= *d) && !out.windows.lock_open() {
+            t.pg_restarts.pop();
+            if let Some(server) = w.server {
+                restart_postgres(w, server, &mut out.faults).await?;
+            }
+            continue;
+        }
         if schedule.due(now)
             && !out.windows.lock_open()
             && !fault(w, &mut schedule, &mut out.faults, now, rng).await?
@@ -110,6 +126,54 @@ pub async fn inject(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(out)
+}
+
+/// When the server is crashed: at 40 % and at 70 % of the run (latest first, popped from the
+/// end).
+fn pg_restart_times(started: Instant, seconds: u64) -> Vec<Instant> {
+    let at = |pct: u64| started + Duration::from_millis(seconds * 10 * pct);
+    vec![at(70), at(40)]
+}
+
+/// Crashes the run's PostgreSQL server and starts it again, proving that it restarted (its
+/// start time moved), then waits until the runner's own pools answer again.
+async fn restart_postgres(
+    w: &mut World<'_>,
+    server: &PrivatePg,
+    faults: &mut BTreeMap<String, u64>,
+) -> anyhow::Result<()> {
+    let started_at = "SELECT (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint";
+    let before = w.dbs.orders.scalar(started_at).await?;
+    let (log, crash_log) = (server.log(), w.crash_log);
+    timeline_line(
+        crash_log,
+        "postgres_restart (pg_ctl stop -m immediate, start)",
+    );
+    tokio::task::block_in_place(|| server.try_crash_and_restart())
+        .map_err(|e| anyhow::anyhow!("{e} (server log {})", log.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let after = loop {
+        match w.dbs.orders.scalar(started_at).await {
+            Ok(t) => break t,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => bail!("PostgreSQL did not answer within 60 s of its restart: {e}"),
+        }
+    };
+    if after <= before {
+        bail!("PostgreSQL's start time did not move ({before} → {after} µs): it never restarted");
+    }
+    for pool in [&w.dbs.settlement, &w.dbs.points] {
+        while let Err(e) = pool.scalar("SELECT 1::bigint").await {
+            if Instant::now() > deadline {
+                bail!("a database did not answer within 60 s of the restart: {e}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    *faults.entry("postgres_restart".to_owned()).or_default() += 1;
+    Ok(())
 }
 
 /// A foreign writer's round of hostile rows; the next comes in 20 to 40 s.
@@ -186,10 +250,12 @@ fn timeline(crash_log: &Path, counted: &str, plan: &Plan, procs: &[Proc]) {
     let who = target.map_or_else(String::new, |p| {
         format!(" {} incarnation {}", p.name, p.incarnation)
     });
-    let line = format!(
-        "{} {counted}{who} {plan:?}\n",
-        chrono::Utc::now().format("%H:%M:%S%.3f")
-    );
+    timeline_line(crash_log, &format!("{counted}{who} {plan:?}"));
+}
+
+/// Appends `what`, stamped with the time, to `faults.log` beside the crash log.
+fn timeline_line(crash_log: &Path, what: &str) {
+    let line = format!("{} {what}\n", chrono::Utc::now().format("%H:%M:%S%.3f"));
     let path = crash_log.with_file_name("faults.log");
     let appended = std::fs::OpenOptions::new()
         .create(true)

@@ -34,6 +34,7 @@ use idem_core::crash::{BREAK_KAFKA_TRANSACTIONS, BREAKABLE};
 use serde::Serialize;
 
 use crate::demo::world::Databases;
+use idem_conformance::private_pg::PrivatePg;
 use procs::{Proc, Rng};
 use topology::Topology;
 
@@ -73,6 +74,12 @@ pub struct ChaosArgs {
     /// relay's.
     #[arg(long, conflicts_with = "break_mechanism")]
     pub cdc: bool,
+    /// Run on a PostgreSQL server of the run's own (initdb, a free loopback port, `wal_level =
+    /// logical`; `--db` is ignored) and crash it (`pg_ctl stop -m immediate`, then start) at
+    /// 40 % and at 70 % of `--seconds`: every process loses its connections and whatever the
+    /// server had not flushed.
+    #[arg(long)]
+    pub pg_restart: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -204,13 +211,17 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     }
     let run = format!("c{}{}", args.seed, std::process::id());
     let tables = TableNames::default();
-    let dbs = Databases::create(Some(&args.db), None, &run, &tables).await?;
+    let server = private_server(&args).await?;
+    let db = server
+        .as_ref()
+        .map_or_else(|| args.db.clone(), PrivatePg::url);
+    let dbs = Databases::create(Some(&db), None, &run, &tables).await?;
     let dir = tempfile::Builder::new().prefix("idem-chaos-").tempdir()?;
     // Ctrl-C or SIGTERM ends the run: dropping `drive` kills every process it started, brokers
     // included (`Proc` kills its child on drop), and the databases are still dropped.
     let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
-        r = drive(&args, &dbs, dir.path(), &run) => r,
+        r = drive(&args, &dbs, dir.path(), &run, server.as_ref()) => r,
         () = interrupted => Err(anyhow::anyhow!(
             "interrupted: every process of the run was killed and its databases are dropped"
         )),
@@ -226,6 +237,15 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
         report.logs = Some(kept.display().to_string());
     }
     idem_cli::verify_cmd::emit(&report, args.json, report.ok, report::print)
+}
+
+/// With `--pg-restart`, the run's own PostgreSQL server, started.
+async fn private_server(args: &ChaosArgs) -> anyhow::Result<Option<PrivatePg>> {
+    if !args.pg_restart {
+        return Ok(None);
+    }
+    let server = tokio::task::spawn_blocking(PrivatePg::try_start).await??;
+    Ok(Some(server))
 }
 
 /// Drops the CDC relays' slot (every process is stopped by now; a killed relay's session may
@@ -262,6 +282,7 @@ async fn drive(
     dbs: &Databases,
     dir: &Path,
     run: &str,
+    server: Option<&PrivatePg>,
 ) -> anyhow::Result<ChaosReport> {
     let mut rng = Rng::new(args.seed);
     let crash_log = dir.join("crashes.log");
@@ -289,6 +310,7 @@ async fn drive(
         topology: &topology,
         nodes: args.kafka_nodes,
         crash_log: &crash_log,
+        server,
     };
     let mechanism = args.break_mechanism.as_deref();
     let mut injected = inject::inject(&mut world, args.seconds, mechanism, &mut rng).await?;
