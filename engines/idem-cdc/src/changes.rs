@@ -292,16 +292,21 @@ pub async fn park(
     Ok(())
 }
 
-/// Marks outbox rows `ids` published (table mode).
+/// Marks outbox rows `ids` published (table mode), or deletes them (`delete`).
 pub async fn mark_published(
     pool: &PgPool,
     tables: &TableNames,
     ids: &[i64],
+    delete: bool,
 ) -> Result<(), CdcError> {
     if ids.is_empty() {
         return Ok(());
     }
-    let sql = tables.render(include_str!("../sql/mark_published.sql"), &["outbox"]);
+    let sql = match delete {
+        false => include_str!("../sql/mark_published.sql"),
+        true => include_str!("../sql/delete_published.sql"),
+    };
+    let sql = tables.render(sql, &["outbox"]);
     sqlx::query(&sql)
         .bind(ids)
         .execute(pool)

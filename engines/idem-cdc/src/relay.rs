@@ -63,6 +63,9 @@ pub struct CdcConfig {
     /// How often a relay waiting for the slot checks whether its reader is gone, and how often
     /// the slot's state is read for the metrics.
     pub poll: Duration,
+    /// Table mode: delete the published rows instead of marking them `published` (the table
+    /// keeps what is pending or parked; nothing to prune).
+    pub delete_published: bool,
 }
 
 impl CdcConfig {
@@ -80,6 +83,7 @@ impl CdcConfig {
             retry_backoff_max: Duration::from_secs(10),
             dead_letter_topic: "idem.cdc.dead_letters".to_owned(),
             poll: Duration::from_secs(1),
+            delete_published: false,
         }
     }
 }
@@ -520,7 +524,8 @@ impl<P: Publisher> CdcRelay<P> {
             .copied()
             .filter(|id| !parked.contains(id))
             .collect();
-        if let Err(e) = crate::changes::mark_published(&self.pool, t, &ids).await {
+        let delete = self.config.delete_published;
+        if let Err(e) = crate::changes::mark_published(&self.pool, t, &ids, delete).await {
             self.metrics.mark_failures.inc();
             tracing::warn!(error = %e, rows = ids.len(), "marking published rows failed (they stay pending in the table; nothing is resent)");
         }

@@ -140,6 +140,73 @@ async fn a_writer_cannot_set_written_lsn_to_hide_a_row_from_the_drain() {
     stop(running).await;
 }
 
+/// Debezium's pattern: the writer deletes its outbox row in the transaction that inserted it.
+/// The table never holds the row, the slot streams the insert, so the event is published.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_deleted_in_the_transaction_that_inserted_it_is_still_published() {
+    let w = World::new().await;
+    let relay = w.relay(CdcMetrics::unregistered().unwrap());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    let before = w.streaming(&mut running).await;
+    let gone = event("d-1", 1);
+    let outbox = idem_postgres::Outbox::new(w.pg.tables().clone());
+    let table = w.pg.tables().qualified("outbox");
+    let mut tx = w.pg.pool().begin().await.unwrap();
+    outbox.enqueue(&mut tx, &gone).await.unwrap();
+    sqlx::query(&format!("DELETE FROM {table} WHERE event_id = $1"))
+        .bind(gone.id().as_uuid())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let got = w.records(before + 1, &mut running).await;
+    assert_eq!(ids(&got[before..]), vec![gone.id().to_string()]);
+    let left: i64 =
+        sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE event_id = $1"))
+            .bind(gone.id().as_uuid())
+            .fetch_one(w.pg.pool())
+            .await
+            .unwrap();
+    assert_eq!(left, 0);
+    stop(running).await;
+}
+
+/// `--delete-published`: the relay deletes the rows it published instead of marking them, so
+/// the table keeps nothing published; a restart sends nothing again.
+#[tokio::test(flavor = "multi_thread")]
+async fn with_delete_published_the_relay_deletes_what_it_published() {
+    let w = World::new().await;
+    let mut config = w.config();
+    config.delete_published = true;
+    let relay = w.relay_with(config.clone(), CdcMetrics::unregistered().unwrap());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    let before = w.streaming(&mut running).await;
+    let events: Vec<Event> = (0..5).map(|i| event(&format!("x-{i}"), i)).collect();
+    w.commit(&events).await;
+    w.records(before + events.len(), &mut running).await;
+    let table = w.pg.tables().qualified("outbox");
+    let rows = format!("SELECT count(*) FROM {table}");
+    eventually("the published rows deleted", || {
+        let (pool, rows) = (w.pg.pool().clone(), rows.clone());
+        async move {
+            let n: i64 = sqlx::query_scalar(&rows).fetch_one(&pool).await.unwrap();
+            n == 0
+        }
+    })
+    .await;
+    stop(running).await;
+    let mut running = spawn(w.relay_with(config, CdcMetrics::unregistered().unwrap()));
+    let n = w.streaming(&mut running).await;
+    assert_eq!(
+        n,
+        before + events.len() + 1,
+        "nothing sent again, then the marker"
+    );
+    stop(running).await;
+}
+
 /// A rolled-back transaction's rows never reach Kafka; the committed one after it does.
 #[tokio::test(flavor = "multi_thread")]
 async fn rolled_back_transactions_are_never_published() {

@@ -84,6 +84,11 @@ pub struct CdcRelayArgs {
     /// Where events that cannot be published are dead-lettered, with the reason in a header.
     #[arg(long, default_value = "idem.cdc.dead_letters")]
     dead_letter_topic: String,
+    /// Table mode: delete the rows it published instead of marking them `published` (the table
+    /// keeps only pending and parked rows; `idem outbox status` and `idem verify`'s locate no
+    /// longer see published ones).
+    #[arg(long, conflicts_with = "messages")]
+    delete_published: bool,
     #[command(flatten)]
     producer: crate::relay_cmd::ProducerArgs,
 }
@@ -181,6 +186,7 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     config.batch_messages = args.batch_size.max(1);
     config.linger = args.linger;
     config.dead_letter_topic = args.dead_letter_topic.clone();
+    config.delete_published = args.delete_published;
 
     let kafka = crate::relay_cmd::Kafka::connect(&args.brokers, &args.producer, "idem cdc relay")?;
     let (_embedded, brokers, publisher) = (kafka.embedded, kafka.brokers, kafka.publisher);
