@@ -27,6 +27,7 @@ const FIGURES: &[&str] = &[
     "business_tx_message_nconn_per_s",
     "relay_drain_per_s",
     "ceiling_cdc_produce_per_s",
+    "ceiling_cdc_decode_per_s",
     "cdc_drain_per_s",
     "cdc_peak_rss_mib",
     "relay_peak_rss_mib",
@@ -65,6 +66,7 @@ const SAMPLED: &[&str] = &[
     "business_tx_outbox_nconn_per_s",
     "business_tx_message_nconn_per_s",
     "ceiling_cdc_produce_per_s",
+    "ceiling_cdc_decode_per_s",
 ];
 
 const RATIOS: &[&str] = &[
@@ -82,6 +84,7 @@ const RATIOS: &[&str] = &[
     "outbox_vs_plain_row_nconn",
     "duplicates_vs_drain",
     "cdc_drain_vs_produce",
+    "cdc_drain_vs_ceiling",
     "message_tx_nconn",
     "message_tx_1conn",
     "cdc_peak_rss_mib",

@@ -116,12 +116,25 @@ pub async fn relay(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The CDC relay's ceiling, `tag` naming the side: a raw produce of as many relay-like
-/// records as its backlog, `--ceiling-runs` times (it reads the WAL, not the table: no SQL
-/// ceiling bounds it).
-pub async fn cdc(c: &mut Ctx<'_>, _tag: &str) -> anyhow::Result<()> {
+/// The CDC relay's ceilings, `tag` naming the side, `--ceiling-runs` times: the server's
+/// pgoutput decoding of a fresh backlog of the same shape (written in transactions of
+/// `--relay-batch-size` rows after a slot was created), and a raw produce of as many relay-like
+/// records.
+pub async fn cdc(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
     round_trip(c).await?;
-    for _ in 0..plan::ceiling_runs(c.args) {
+    for run in 0..plan::ceiling_runs(c.args) {
+        sqlx::query("TRUNCATE idem_outbox")
+            .execute(c.scratch)
+            .await?;
+        let prefix = format!("d{tag}{run}-");
+        let (pool, backlog, pad) = (c.scratch, c.args.backlog, c.pad);
+        let per_tx = u64::from(c.args.relay_batch_size);
+        let slot = format!("idem_bench_decode_{}", std::process::id());
+        let fill =
+            async || pg::fill_backlog_in_transactions(pool, &prefix, backlog, per_tx, pad).await;
+        let v =
+            ceilings::decode_rate(c.scratch_url, &slot, "idem_bench_decode", backlog, fill).await?;
+        c.report.sample("ceiling_cdc_decode_per_s", v);
         raw_produce(c, "ceiling_cdc_produce_per_s").await?;
     }
     Ok(())

@@ -8,6 +8,8 @@
 //!   from the client as sqlx binds them;
 //! * relay: one autocommit statement that locks the batch's oldest pending rows (`FOR UPDATE
 //!   SKIP LOCKED`) and marks them published, until the backlog is empty;
+//! * CDC decode: a temporary pgoutput slot created before a backlog of the same shape, then
+//!   everything it holds decoded by the server and returned in one statement;
 //! * round trip: `SELECT 1` on one connection.
 //!
 //! Only the SQL is timed: building a batch's arrays is the bench's work.
@@ -25,6 +27,8 @@ const CONSUMER_APPLICATIONS: &str = include_str!("sql/consumer_applications.sql"
 const HAS_APPLICATIONS: &str = include_str!("sql/has_applications.sql");
 const RELAY_CLAIM_MARK: &str = include_str!("sql/relay_claim_mark.sql");
 const ROUND_TRIP: &str = include_str!("sql/round_trip.sql");
+const DECODE_CREATE: &str = include_str!("sql/decode_create.sql");
+const DECODE_READ: &str = include_str!("sql/decode_read.sql");
 const TERMINATE_OTHERS: &str = include_str!("sql/terminate_others.sql");
 const CHECKPOINT: &str = include_str!("sql/checkpoint.sql");
 const TRUNCATE_CONSUMER: &str = include_str!("sql/truncate_consumer.sql");
@@ -227,6 +231,46 @@ pub async fn relay_rate(
     let rate = super::plan::rate(rows, start.elapsed());
     conn.close().await?;
     Ok((rows, rate))
+}
+
+/// The CDC relay's decode ceiling: rows per second the server decodes with pgoutput. A
+/// temporary slot on a connection of its own, then `fill` writes `rows` rows, then one
+/// statement reads (and consumes) everything the slot holds; only that statement is timed.
+pub async fn decode_rate(
+    url: &str,
+    slot: &str,
+    publication: &str,
+    rows: u64,
+    fill: impl AsyncFnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    let mut conn = connect(url).await?;
+    let create =
+        format!("CREATE PUBLICATION {publication} FOR TABLE idem_outbox WITH (publish = 'insert')");
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+            .bind(publication)
+            .fetch_one(&mut conn)
+            .await?;
+    if !exists {
+        sqlx::query(&create).execute(&mut conn).await?;
+    }
+    sqlx::query(DECODE_CREATE)
+        .bind(slot)
+        .fetch_one(&mut conn)
+        .await
+        .context("ceiling: creating the decode slot")?;
+    fill().await?;
+    let start = Instant::now();
+    let _: i64 = sqlx::query_scalar(DECODE_READ)
+        .bind(slot)
+        .bind(publication)
+        .fetch_one(&mut conn)
+        .await
+        .context("ceiling: decoding the slot")?;
+    let rate = super::plan::rate(rows, start.elapsed());
+    // The temporary slot goes with the session.
+    conn.close().await?;
+    Ok(rate)
 }
 
 /// Ends every session on the database of `url` that is not the bench's own: what a stuck

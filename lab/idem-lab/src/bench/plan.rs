@@ -200,7 +200,7 @@ impl Phase {
         };
         let cdc_ceiling = |when: &str| {
             format!(
-                "ceiling {when} the CDC relay drain: raw produce of {} records, SELECT 1",
+                "ceiling {when} the CDC relay drain: pgoutput decode of {} rows, raw produce, SELECT 1",
                 args.backlog
             )
         };

@@ -94,6 +94,11 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
         "records/s",
     ),
     (
+        "ceiling_cdc_decode_per_s",
+        "ceiling: the server's pgoutput decoding of the backlog (one statement, no client)",
+        "rows/s",
+    ),
+    (
         "cdc_drain_per_s",
         "CDC relay drain of a backlog from its slot (idem cdc relay)",
         "rows/s",
@@ -227,6 +232,12 @@ const RATIOS: &[RatioDef] = &[
         "CDC relay drain / raw produce",
         "median of ceiling_cdc_produce_per_s",
         Target::AtLeast(0.8),
+    ),
+    ratio(
+        "cdc_drain_vs_ceiling",
+        "CDC relay drain / min(pgoutput decode, raw produce)",
+        "min(median of ceiling_cdc_decode_per_s, median of ceiling_cdc_produce_per_s)",
+        Target::Info,
     ),
     ratio(
         "message_tx_nconn",
@@ -463,6 +474,13 @@ impl Report {
             (Some(a), Some(b)) => Some(a.min(b)),
             _ => None,
         };
+        let cdc_bound = match (
+            g("ceiling_cdc_decode_per_s"),
+            g("ceiling_cdc_produce_per_s"),
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            _ => None,
+        };
         let drain = "consumer_drain_per_s";
         let (outbox_1, outbox_n) = (
             "business_tx_outbox_1conn_per_s",
@@ -473,6 +491,7 @@ impl Report {
             div(drain, g("ceiling_consumer_partitions_per_s")),
             div("relay_drain_per_s", relay_bound),
             div("cdc_drain_per_s", g("ceiling_cdc_produce_per_s")),
+            div("cdc_drain_per_s", cdc_bound),
             div(
                 "business_tx_message_nconn_per_s",
                 g("business_tx_nconn_per_s"),
