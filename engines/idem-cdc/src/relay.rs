@@ -261,6 +261,7 @@ impl<P: Publisher> CdcRelay<P> {
         let mut acks = Acks {
             tracker: AckTracker::new(start),
             batch: Vec::new(),
+            marking: None,
         };
         // What the stream will never carry goes out first.
         if let Mode::Table(t) = &self.config.mode {
@@ -286,6 +287,7 @@ impl<P: Publisher> CdcRelay<P> {
                 let ready = std::mem::take(&mut batch);
                 deadline = None;
                 if !self.publish(ready, &mut acks, &client, shutdown).await? {
+                    acks.marks_done().await;
                     crate::session::stop(&mut client).await;
                     return Ok(Ended::Shutdown);
                 }
@@ -294,6 +296,7 @@ impl<P: Publisher> CdcRelay<P> {
             tokio::select! {
                 biased;
                 () = &mut *shutdown => {
+                    acks.marks_done().await;
                     crate::session::stop(&mut client).await;
                     return Ok(Ended::Shutdown);
                 }
@@ -428,7 +431,7 @@ impl<P: Publisher> CdcRelay<P> {
         if !self.refuse(&batch.refused, shutdown).await? {
             return Ok(false);
         }
-        self.mark(&batch).await;
+        self.mark(&batch, acks).await;
         let published = batch.messages.len() - batch.refused.len().min(batch.messages.len());
         self.metrics.events.inc_by(published as u64);
         for (id, items) in acks.batch.drain(..) {
@@ -510,8 +513,12 @@ impl<P: Publisher> CdcRelay<P> {
         Ok(left)
     }
 
-    /// Table mode: marks the published rows (informational: the relay never reads them back).
-    async fn mark(&self, batch: &Batch) {
+    /// Table mode: marks (or deletes) the published rows, in the background while the next
+    /// batch is produced; one mark at a time, so a slow one holds the next batch's. The relay
+    /// never reads the marks back; a mark that has not committed when the relay dies leaves its
+    /// rows pending, and the next session's drain publishes them again (copies the inbox
+    /// absorbs: docs/concepts/duplicate-windows.md).
+    async fn mark(&self, batch: &Batch, acks: &mut Acks) {
         let Mode::Table(t) = &self.config.mode else {
             return;
         };
@@ -524,11 +531,18 @@ impl<P: Publisher> CdcRelay<P> {
             .copied()
             .filter(|id| !parked.contains(id))
             .collect();
-        let delete = self.config.delete_published;
-        if let Err(e) = crate::changes::mark_published(&self.pool, t, &ids, delete).await {
-            self.metrics.mark_failures.inc();
-            tracing::warn!(error = %e, rows = ids.len(), "marking published rows failed (they stay pending in the table; nothing is resent)");
+        acks.marks_done().await;
+        if ids.is_empty() {
+            return;
         }
+        let (pool, tables, metrics) = (self.pool.clone(), t.clone(), self.metrics.clone());
+        let delete = self.config.delete_published;
+        acks.marking = Some(tokio::spawn(async move {
+            if let Err(e) = crate::changes::mark_published(&pool, &tables, &ids, delete).await {
+                metrics.mark_failures.inc();
+                tracing::warn!(error = %e, rows = ids.len(), "marking published rows failed (they stay pending in the table; the next session publishes them again)");
+            }
+        }));
     }
 
     /// Reads the slot's state into the metrics; a lost slot is an error.
@@ -560,6 +574,18 @@ impl<P: Publisher> CdcRelay<P> {
 struct Acks {
     tracker: AckTracker,
     batch: Vec<(TxnId, u64)>,
+    /// Table mode: the mark of the last batch, still running (one at a time).
+    marking: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Acks {
+    /// Waits for the mark still running: a graceful stop leaves every published row marked,
+    /// so the next session drains none of them again.
+    async fn marks_done(&mut self) {
+        if let Some(m) = self.marking.take() {
+            let _ = m.await;
+        }
+    }
 }
 
 fn ack_error(e: crate::ack::AckError) -> CdcError {
