@@ -112,6 +112,24 @@ fn a_short_chaos_run_with_cdc_relays_loses_nothing_and_doubles_nothing() {
     assert_eq!(r["panics"], serde_json::json!([]));
 }
 
+/// The polling relays on a PostgreSQL server of the run's own, crashed (`pg_ctl stop -m
+/// immediate`) and restarted twice among the other faults (`--pg-restart`): the relays' leases
+/// and marks, committed without waiting for the flush, may be lost; no event is, and no effect
+/// doubles.
+#[test]
+fn a_short_chaos_run_with_postgresql_crashes_loses_nothing_and_doubles_nothing() {
+    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1", "--pg-restart"]);
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(r["ok"], true);
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
+    // Counted only once the server's start time moved.
+    assert_eq!(r["faults"]["postgres_restart"], 2, "{r:#}");
+    assert_eq!(r["panics"], serde_json::json!([]));
+}
+
 /// The same on a 3-node cluster (replication 3, `min.insync.replicas=2`): the first broker fault
 /// of a run comes at 15 s and kills the leader of a partition in use.
 #[test]
