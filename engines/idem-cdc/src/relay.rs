@@ -399,11 +399,17 @@ impl<P: Publisher> CdcRelay<P> {
         let mut pending: Vec<usize> = (0..batch.messages.len()).collect();
         let mut backoff = self.config.retry_backoff;
         while !pending.is_empty() {
-            let send: Vec<Message> = pending
-                .iter()
-                .filter_map(|&i| batch.messages.get(i).cloned())
-                .collect();
-            let results = self.publisher.publish(&send).await;
+            // The first attempt sends the batch as it is (`pending` is every index, in order);
+            // a retry copies what it sends again.
+            let results = if pending.len() == batch.messages.len() {
+                self.publisher.publish(&batch.messages).await
+            } else {
+                let send: Vec<Message> = pending
+                    .iter()
+                    .filter_map(|&i| batch.messages.get(i).cloned())
+                    .collect();
+                self.publisher.publish(&send).await
+            };
             let r = reported(&batch.messages, &pending, &results);
             for (i, reason) in r.refused {
                 let row_id = batch.rows.get(i).copied().flatten();
