@@ -271,6 +271,7 @@ impl<S: IntentStore> Dispatcher<S> {
         let mut p = Pipeline::new(self.config.idle_min);
         loop {
             self.start_work(&mut p);
+            self.observe(&p);
             if p.done() {
                 return p.error.map_or(Ok(()), Err);
             }
@@ -313,6 +314,7 @@ impl<S: IntentStore> Dispatcher<S> {
         {
             let slots = usize::try_from(size).unwrap_or(usize::MAX);
             p.reserved += slots;
+            self.metrics.claims.inc();
             let claim = self.claim(size);
             p.claiming
                 .push(Box::pin(async move { (slots, claim.await) }));
@@ -324,6 +326,14 @@ impl<S: IntentStore> Dispatcher<S> {
         if p.writing.is_none() && due {
             p.writing = Some(Box::pin(self.write(p.buffer.take())));
         }
+    }
+
+    /// The pipeline's state as gauges: what a dispatcher that stopped claiming is waiting on.
+    fn observe(&self, p: &Pipeline<'_>) {
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.metrics.in_flight.set(gauge(p.in_flight.len()));
+        self.metrics.reserved.set(gauge(p.reserved));
+        self.metrics.buffered.set(gauge(p.buffer.len()));
     }
 
     /// Sends the intents of a claim, and sets when to claim next.

@@ -1,7 +1,7 @@
 //! The dispatcher's Prometheus metrics, labelled by effect and target host (bounded).
 
 use idem_core::Result;
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// Dispatcher metrics, labelled by effect and target host (bounded).
 #[derive(Clone)]
@@ -29,6 +29,14 @@ pub struct EffectMetrics {
     /// lease expired and the intent was claimed again, or it left `pending`): the outcome
     /// changed nothing.
     pub fenced: IntCounterVec,
+    /// `idem_effect_in_flight`: requests in flight in [`crate::Dispatcher::run`].
+    pub in_flight: IntGauge,
+    /// `idem_effect_claim_slots_reserved`: request slots that claims in progress may fill.
+    pub reserved: IntGauge,
+    /// `idem_effect_outcomes_buffered`: outcomes waiting to be written.
+    pub buffered: IntGauge,
+    /// `idem_effect_claims_total`: claims of due intents issued by [`crate::Dispatcher::run`].
+    pub claims: IntCounter,
 }
 
 fn config_error(e: prometheus::Error) -> idem_core::Error {
@@ -44,12 +52,21 @@ impl EffectMetrics {
                 .register(Box::new(c.clone()))
                 .map_err(config_error)?;
         }
+        for g in [&m.in_flight, &m.reserved, &m.buffered] {
+            registry
+                .register(Box::new(g.clone()))
+                .map_err(config_error)?;
+        }
+        registry
+            .register(Box::new(m.claims.clone()))
+            .map_err(config_error)?;
         Ok(m)
     }
 
     /// Creates the metrics without registering them anywhere (a dispatcher built without a
     /// registry counts into these, and nobody scrapes them).
     pub fn unregistered() -> Result<Self> {
+        let gauge = |name: &str, help: &str| IntGauge::new(name, help).map_err(config_error);
         let v = |name: &str, help: &str| {
             IntCounterVec::new(Opts::new(name, help), &["effect", "target"]).map_err(config_error)
         };
@@ -98,6 +115,20 @@ impl EffectMetrics {
                 "idem_effect_fenced_total",
                 "Outcomes not recorded because the attempt was fenced (its lease was taken over).",
             )?,
+            in_flight: gauge("idem_effect_in_flight", "Effect requests in flight.")?,
+            reserved: gauge(
+                "idem_effect_claim_slots_reserved",
+                "Request slots that the claims in progress may fill.",
+            )?,
+            buffered: gauge(
+                "idem_effect_outcomes_buffered",
+                "Attempt outcomes waiting to be written.",
+            )?,
+            claims: IntCounter::new(
+                "idem_effect_claims_total",
+                "Claims of due effect intents issued by the dispatcher.",
+            )
+            .map_err(config_error)?,
         })
     }
 

@@ -867,3 +867,56 @@ async fn run_dispatches_until_shutdown_with_a_dispatcher_built_without_a_registr
     assert_eq!(seen.len(), 2);
     assert_eq!(seen[0], seen[1]);
 }
+
+/// `run` shows its pipeline in gauges: claims counted while it runs, and after a clean stop
+/// nothing in flight, reserved or buffered (the gauges a dispatcher that stopped claiming is
+/// diagnosed with).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_reports_its_claims_and_an_empty_pipeline_after_a_clean_stop() {
+    let w = world().await;
+    w.record(7).await;
+    let registry = prometheus::Registry::new();
+    let d = std::sync::Arc::new(
+        Dispatcher::builder(w.client_db.intents())
+            .config(w.config.clone())
+            .policy("points.award", w.policy.clone())
+            .metrics(&registry)
+            .build()
+            .unwrap(),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = d.clone();
+    let run = tokio::spawn(async move {
+        running
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while w.awards().await != 1 {
+        assert!(tokio::time::Instant::now() < deadline, "never delivered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .expect("run stops on shutdown")
+        .unwrap()
+        .unwrap();
+    let m = d.metrics();
+    assert!(m.claims.get() >= 1);
+    assert_eq!(
+        (m.in_flight.get(), m.reserved.get(), m.buffered.get()),
+        (0, 0, 0)
+    );
+    let names: Vec<String> = registry
+        .gather()
+        .iter()
+        .map(|f| f.name().to_owned())
+        .collect();
+    assert!(
+        names.iter().any(|n| n == "idem_effect_claims_total"),
+        "{names:?}"
+    );
+}

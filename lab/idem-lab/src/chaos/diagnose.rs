@@ -11,6 +11,14 @@ use super::settle::Pipeline;
 /// Queries whose rows are printed as they are (text columns only).
 const SETTLEMENT_QUERIES: &[(&str, &str)] = &[
     (
+        "pending effect intents (the first 30)",
+        "SELECT 'id=' || id || ' attempts=' || attempts || ' created=' || created_at::text \
+         || ' next_attempt=' || next_attempt_at::text \
+         || ' claimed_until=' || COALESCE(claimed_until::text, '-') \
+         || ' sending_attempt=' || COALESCE(sending_attempt::text, '-') \
+         FROM idem_effect_intents WHERE status = 'pending' ORDER BY id LIMIT 30",
+    ),
+    (
         "effect intents by status",
         "SELECT status || ' attempts=' || attempts || ' n=' || count(*) \
          || ' leased=' || count(*) FILTER (WHERE claimed_until > clock_timestamp()) \
@@ -36,6 +44,20 @@ pub async fn write(pipe: &Pipeline<'_>, procs: &mut [Proc], dir: &Path) {
     for p in procs.iter_mut() {
         let _ = writeln!(out, "{}", process_line(p));
     }
+    for p in procs.iter_mut() {
+        if let Some(metrics) = p.idem_metrics() {
+            let _ = writeln!(
+                out,
+                "== {} incarnation {} metrics\n{metrics}",
+                p.name, p.incarnation
+            );
+        }
+    }
+    for p in procs.iter_mut().filter(|p| p.name == "dispatcher") {
+        if let Some(pid) = p.pid() {
+            let _ = writeln!(out, "== {} threads\n{}", p.name, backtrace(pid).await);
+        }
+    }
     for (title, sql) in SETTLEMENT_QUERIES {
         let _ = writeln!(out, "== {title}");
         match texts(&pipe.dbs.settlement, sql).await {
@@ -50,6 +72,29 @@ pub async fn write(pipe: &Pipeline<'_>, procs: &mut [Proc], dir: &Path) {
     let path = dir.join("diagnosis.txt");
     if let Err(e) = std::fs::write(&path, out) {
         tracing::warn!(error = %e, path = %path.display(), "cannot write the diagnosis");
+    }
+}
+
+/// Every thread's stack of process `pid` (`gdb -batch`, at most 20 s), or why there is none.
+async fn backtrace(pid: i32) -> String {
+    let gdb = tokio::process::Command::new("gdb")
+        .args([
+            "-p",
+            &pid.to_string(),
+            "-batch",
+            "-ex",
+            "thread apply all bt 30",
+        ])
+        .kill_on_drop(true)
+        .output();
+    match tokio::time::timeout(std::time::Duration::from_secs(20), gdb).await {
+        Ok(Ok(o)) => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| l.starts_with('#') || l.starts_with("Thread"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Ok(Err(e)) => format!("(gdb: {e})"),
+        Err(_) => "(gdb took longer than 20 s)".to_owned(),
     }
 }
 

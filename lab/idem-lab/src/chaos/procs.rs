@@ -195,6 +195,13 @@ impl Proc {
         self.scraped.insert(self.incarnation, values);
     }
 
+    /// The `idem_*` samples of its metrics now (none when it serves none or does not answer).
+    pub fn idem_metrics(&mut self) -> Option<String> {
+        let body = http_get(self.metrics_addr()?, "/metrics")?;
+        let lines: Vec<&str> = body.lines().filter(|l| l.starts_with("idem_")).collect();
+        Some(lines.join("\n"))
+    }
+
     /// A counter summed over every incarnation's last scrape.
     pub fn total(&self, name: &str) -> f64 {
         self.scraped
