@@ -270,12 +270,17 @@ impl<S: IntentStore> Dispatcher<S> {
         tokio::pin!(shutdown);
         let mut p = Pipeline::new(self.config.idle_min);
         loop {
-            self.start_work(&mut p);
+            // One instant for the decision to claim and for the timer of the next claim: with
+            // two, a claim due between them was neither started nor waited for, and a
+            // dispatcher with nothing in flight waited forever (the chaos runs' liveness
+            // failure, issue 15).
+            let now = Instant::now();
+            self.start_work(&mut p, now);
             self.observe(&p);
             if p.done() {
                 return p.error.map_or(Ok(()), Err);
             }
-            let (flush_at, claim_at) = (p.flush_at(&self.config), p.claim_at());
+            let (flush_at, claim_at) = (p.flush_at(&self.config), p.claim_at(now));
             tokio::select! {
                 biased;
                 () = &mut shutdown, if !p.stopping => p.stopping = true,
@@ -302,8 +307,7 @@ impl<S: IntentStore> Dispatcher<S> {
 
     /// Starts a claim when one is due and slots are free, and a write when the buffered
     /// outcomes are due (at once when stopping).
-    fn start_work<'d>(&'d self, p: &mut Pipeline<'d>) {
-        let now = Instant::now();
+    fn start_work<'d>(&'d self, p: &mut Pipeline<'d>, now: Instant) {
         // The slots that claims in progress may fill count as taken: claims may overlap, but
         // together they never take more than the free slots.
         let taken = p.in_flight.len() + p.reserved;
@@ -724,9 +728,17 @@ impl Pipeline<'_> {
     }
 
     /// When the next claim may start (`None`: none is waiting on time).
-    fn claim_at(&self) -> Option<Instant> {
-        (!self.stopping && self.next_claim > Instant::now()).then_some(self.next_claim)
+    fn claim_at(&self, now: Instant) -> Option<Instant> {
+        claim_timer(self.stopping, self.next_claim, now)
     }
+}
+
+/// When to wake for the next claim, decided at `now`, the instant the claim was not started
+/// at: at `next_claim` when it is still to come then; `None` when it has come (a claim was
+/// started, or slots or the buffer held it back, and their ending wakes the loop) or when
+/// stopping.
+fn claim_timer(stopping: bool, next_claim: Instant, now: Instant) -> Option<Instant> {
+    (!stopping && next_claim > now).then_some(next_claim)
 }
 
 /// The output of the future in `slot`; never ready when there is none.
@@ -742,5 +754,37 @@ async fn at(t: Option<Instant>) {
     match t {
         Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// At one instant, a claim is either due (started, or held back by slots or the buffer,
+    /// whose ending wakes the loop) or waited for: never neither. Before, the timer read the
+    /// clock again after the decision, and a claim falling due in between was neither.
+    #[test]
+    fn a_claim_not_due_at_the_decision_is_always_waited_for() {
+        let now = Instant::now();
+        for offset_us in [0_u64, 1, 2, 50, 5_000, 200_000] {
+            let next = now + Duration::from_micros(offset_us);
+            let due = now >= next;
+            assert!(
+                due || claim_timer(false, next, now) == Some(next),
+                "{offset_us} µs"
+            );
+            assert_eq!(
+                claim_timer(true, next, now),
+                None,
+                "no claim while stopping"
+            );
+        }
+        let past = now.checked_sub(Duration::from_millis(1)).unwrap_or(now);
+        assert_eq!(
+            claim_timer(false, past, now),
+            None,
+            "due: claimed, no timer"
+        );
     }
 }
