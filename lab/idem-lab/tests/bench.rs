@@ -30,6 +30,11 @@ const FIGURES: &[&str] = &[
     "ceiling_cdc_decode_per_s",
     "cdc_drain_per_s",
     "cdc_peak_rss_mib",
+    "ceiling_cdc_produce_cpu_us_per_row",
+    "cdc_drain_cpu_us_per_row",
+    "cdc_relay_cpu_us_per_row",
+    "cdc_walsender_cpu_us_per_row",
+    "cdc_drain_cpu_bound_per_s",
     "relay_peak_rss_mib",
     "consumer_drain_per_s",
     "consumer_peak_rss_mib",
@@ -67,6 +72,7 @@ const SAMPLED: &[&str] = &[
     "business_tx_message_nconn_per_s",
     "ceiling_cdc_produce_per_s",
     "ceiling_cdc_decode_per_s",
+    "ceiling_cdc_produce_cpu_us_per_row",
 ];
 
 const RATIOS: &[&str] = &[
@@ -85,6 +91,8 @@ const RATIOS: &[&str] = &[
     "duplicates_vs_drain",
     "cdc_drain_vs_produce",
     "cdc_drain_vs_ceiling",
+    "cdc_cpu_bound_vs_produce",
+    "cdc_drain_vs_cpu_bound",
     "message_tx_nconn",
     "message_tx_1conn",
     "cdc_peak_rss_mib",
@@ -150,6 +158,9 @@ fn a_tiny_bench_run_reports_every_figure_and_ratio() {
     assert!(figures["relay_peak_rss_mib"].as_f64().unwrap() > 1.0);
     assert!(figures["cdc_drain_per_s"].as_f64().unwrap() > 0.0);
     assert!(figures["cdc_peak_rss_mib"].as_f64().unwrap() > 1.0);
+    // The relay process's own start (connections, the producer) costs CPU.
+    assert!(figures["cdc_relay_cpu_us_per_row"].as_f64().unwrap() > 0.0);
+    assert!(figures["cdc_drain_cpu_bound_per_s"].as_f64().unwrap() > 0.0);
     // Two runs of each ceiling on each side of its phase (the default).
     for key in SAMPLED {
         let s = &report["spread"][key];

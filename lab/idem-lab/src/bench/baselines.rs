@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use super::ceilings;
+use super::cpu;
 use super::kafka;
 use super::pg::{self, OrderWrite};
 use super::plan::{self, Phase, drain_timeout};
@@ -111,7 +112,7 @@ pub async fn relay(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
         })
         .await?;
         c.report.sample("ceiling_relay_per_s", v);
-        raw_produce(c, "kafka_produce_per_s").await?;
+        raw_produce(c, "kafka_produce_per_s", None).await?;
     }
     Ok(())
 }
@@ -135,13 +136,15 @@ pub async fn cdc(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
         let v =
             ceilings::decode_rate(c.scratch_url, &slot, "idem_bench_decode", backlog, fill).await?;
         c.report.sample("ceiling_cdc_decode_per_s", v);
-        raw_produce(c, "ceiling_cdc_produce_per_s").await?;
+        let cpu = Some("ceiling_cdc_produce_cpu_us_per_row");
+        raw_produce(c, "ceiling_cdc_produce_per_s", cpu).await?;
     }
     Ok(())
 }
 
-/// One sample of `key`: a raw produce of `--backlog` relay-like records.
-async fn raw_produce(c: &mut Ctx<'_>, key: &str) -> anyhow::Result<()> {
+/// One sample of `key`: a raw produce of `--backlog` relay-like records; with `cpu_key`, one
+/// of the machine's CPU time per record too (every core: the client and the broker).
+async fn raw_produce(c: &mut Ctx<'_>, key: &str, cpu_key: Option<&str>) -> anyhow::Result<()> {
     let payload = pg::order_event("b-", 1, c.pad)?
         .1
         .payload()
@@ -149,11 +152,15 @@ async fn raw_produce(c: &mut Ctx<'_>, key: &str) -> anyhow::Result<()> {
         .to_vec();
     let mut tick = Ticker::new();
     let (progress, backlog) = (&*c.progress, c.args.backlog);
+    let machine = cpu::MachineCpu::now();
     let v = kafka::produce_rate(&c.brokers, c.raw_topic, backlog, &payload, |done| {
         tick.every_second(|| progress.note(&format!("{done} records acknowledged")));
     })
     .await?;
     c.report.sample(key, v);
+    if let Some((cpu_key, busy)) = cpu_key.zip(machine.and_then(|m| m.busy_since())) {
+        c.report.sample(cpu_key, cpu::us_per_row(busy, backlog));
+    }
     Ok(())
 }
 

@@ -11,6 +11,7 @@
 mod baselines;
 mod ceilings;
 mod child;
+mod cpu;
 mod kafka;
 mod latency;
 mod noinbox;

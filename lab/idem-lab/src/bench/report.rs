@@ -108,6 +108,31 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
         "CDC relay peak RSS while draining",
         "MiB",
     ),
+    (
+        "ceiling_cdc_produce_cpu_us_per_row",
+        "ceiling: raw produce's CPU time per record, every core (client and broker)",
+        "µs",
+    ),
+    (
+        "cdc_drain_cpu_us_per_row",
+        "CDC relay drain's CPU time per row, every core (relay, walsender, broker, marks, the bench's polling)",
+        "µs",
+    ),
+    (
+        "cdc_relay_cpu_us_per_row",
+        "of which the relay process",
+        "µs",
+    ),
+    (
+        "cdc_walsender_cpu_us_per_row",
+        "of which the walsender",
+        "µs",
+    ),
+    (
+        "cdc_drain_cpu_bound_per_s",
+        "CDC relay drain's bound on this machine: its cores ÷ the drain's CPU per row",
+        "rows/s",
+    ),
     ("kafka_consume_per_s", "raw rdkafka consume", "records/s"),
     (
         "ceiling_consumer_1conn_per_s",
@@ -237,6 +262,18 @@ const RATIOS: &[RatioDef] = &[
         "cdc_drain_vs_ceiling",
         "CDC relay drain / min(pgoutput decode, raw produce)",
         "min(median of ceiling_cdc_decode_per_s, median of ceiling_cdc_produce_per_s)",
+        Target::Info,
+    ),
+    ratio(
+        "cdc_cpu_bound_vs_produce",
+        "CDC drain's CPU bound on this machine / raw produce: the most CDC drain / raw produce can be here",
+        "median of ceiling_cdc_produce_per_s",
+        Target::Info,
+    ),
+    ratio(
+        "cdc_drain_vs_cpu_bound",
+        "CDC relay drain / its CPU bound on this machine",
+        "cdc_drain_cpu_bound_per_s",
         Target::Info,
     ),
     ratio(
@@ -492,6 +529,8 @@ impl Report {
             div("relay_drain_per_s", relay_bound),
             div("cdc_drain_per_s", g("ceiling_cdc_produce_per_s")),
             div("cdc_drain_per_s", cdc_bound),
+            div("cdc_drain_cpu_bound_per_s", g("ceiling_cdc_produce_per_s")),
+            div("cdc_drain_per_s", g("cdc_drain_cpu_bound_per_s")),
             div(
                 "business_tx_message_nconn_per_s",
                 g("business_tx_nconn_per_s"),

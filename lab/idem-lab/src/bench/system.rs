@@ -15,7 +15,7 @@ use super::kafka::TempDir;
 use super::pg::{self, OrderWrite};
 use super::plan::{self, Phase, drain_timeout};
 use super::spread::Stall;
-use super::{Ctx, Names, Progress, Ticker, baselines, ceilings, latency};
+use super::{Ctx, Names, Progress, Ticker, baselines, ceilings, cpu, latency};
 
 /// The system's databases (URL and pool of each), the run's topics and groups, and where its
 /// children log.
@@ -221,9 +221,45 @@ async fn cdc_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
         what: PUBLISHED,
         label: "rows streamed and marked",
     };
+    let machine = cpu::MachineCpu::now();
     let (relay, elapsed) = drain(c, dbs.logs, "cdc-relay-2", &args, &published, &mut []).await?;
+    cdc_cpu(c, &dbs.cdc, &names.cdc_slot, &relay, machine).await?;
     let keys = ("cdc_peak_rss_mib", "cdc_drain_per_s");
     drained(c, relay, &dbs.cdc, elapsed, keys).await
+}
+
+/// The CPU time per row of a CDC drain that just ended (`relay` still running, so its
+/// walsender too): the machine's since `machine` (every core: the relay, the walsender, the
+/// broker, the marks, the bench's own polling), the relay's and the walsender's since they
+/// started; and the rate the machine's cores could reach at that cost, all busy.
+async fn cdc_cpu(
+    c: &mut Ctx<'_>,
+    pool: &PgPool,
+    slot: &str,
+    relay: &Child,
+    machine: Option<cpu::MachineCpu>,
+) -> anyhow::Result<()> {
+    let rows = c.args.backlog;
+    let walsender: Option<i32> =
+        sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(slot)
+            .fetch_optional(pool)
+            .await?
+            .flatten();
+    let walsender = walsender.and_then(|p| u32::try_from(p).ok());
+    let per_row = |d: Option<Duration>| d.map_or(f64::NAN, |d| cpu::us_per_row(d, rows));
+    let all = per_row(machine.and_then(|m| m.busy_since()));
+    c.report.figure("cdc_drain_cpu_us_per_row", all);
+    c.report.figure(
+        "cdc_drain_cpu_bound_per_s",
+        cpu::bound_per_s(cpu::cores(), all),
+    );
+    let relay_cpu = per_row(relay.pid().and_then(cpu::process_cpu));
+    c.report.figure("cdc_relay_cpu_us_per_row", relay_cpu);
+    let walsender_cpu = per_row(walsender.and_then(cpu::process_cpu));
+    c.report
+        .figure("cdc_walsender_cpu_us_per_row", walsender_cpu);
+    Ok(())
 }
 
 /// Waits until a session of `relay` reads `slot` (the relay created it).
