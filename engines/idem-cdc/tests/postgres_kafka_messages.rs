@@ -609,3 +609,67 @@ async fn an_invalid_dead_letter_topic_is_refused_at_start() {
         "{refused}"
     );
 }
+
+/// `enqueue_with` joins the events to the caller's own write in one statement: the row and the
+/// events commit together and are published; a write that fails (a unique violation) fails the
+/// statement with the write's SQLSTATE and emits nothing; a write naming a placeholder it does
+/// not bind is refused before anything is sent (the transaction is still usable).
+#[tokio::test(flavor = "multi_thread")]
+async fn enqueue_with_writes_the_row_and_the_events_in_one_statement_or_neither() {
+    let w = World::new().await;
+    let mut running = started(&w, CdcMetrics::unregistered().unwrap()).await;
+    let insert = "INSERT INTO test_orders (id, amount_minor) VALUES ($1, $2)";
+    let outbox = MessageOutbox::default();
+    let (a, b) = (event("w-1", 1), event("w-1", 2));
+    let mut tx = w.pg.pool().begin().await.unwrap();
+    let write = sqlx::query(insert).bind("500").bind(1250_i64);
+    outbox
+        .enqueue_with(&mut tx, write, &[a.clone(), b.clone()])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        w.pg.scalar("SELECT count(*) FROM test_orders WHERE id = '500'")
+            .await,
+        1
+    );
+
+    let lost = event("w-2", 3);
+    let mut tx = w.pg.pool().begin().await.unwrap();
+    let again = sqlx::query(insert).bind("500").bind(1_i64);
+    let err = outbox
+        .enqueue_with(&mut tx, again, std::slice::from_ref(&lost))
+        .await
+        .unwrap_err();
+    let code = match &err {
+        idem_core::Error::Database { source, .. } => source
+            .downcast_ref::<sqlx::Error>()
+            .and_then(|e| e.as_database_error())
+            .and_then(|d| d.code())
+            .map(|c| c.into_owned()),
+        _ => None,
+    };
+    assert_eq!(code.as_deref(), Some("23505"), "{err}");
+    tx.rollback().await.unwrap();
+
+    let mut tx = w.pg.pool().begin().await.unwrap();
+    let short = sqlx::query(insert).bind("501");
+    let refused = outbox
+        .enqueue_with(&mut tx, short, std::slice::from_ref(&lost))
+        .await;
+    assert!(
+        matches!(&refused, Err(idem_core::Error::Config(m)) if m.contains("$2")),
+        "{refused:?}"
+    );
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(one, 1, "nothing was sent: the transaction is not aborted");
+    tx.rollback().await.unwrap();
+
+    let marker = event("w-3", 4);
+    commit(&w, "502", std::slice::from_ref(&marker)).await;
+    w.expect(&[&a, &b, &marker], &mut running).await;
+    stop(running).await;
+}

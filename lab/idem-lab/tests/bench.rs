@@ -25,6 +25,8 @@ const FIGURES: &[&str] = &[
     "business_tx_plain_nconn_per_s",
     "business_tx_message_1conn_per_s",
     "business_tx_message_nconn_per_s",
+    "business_tx_message_separate_1conn_per_s",
+    "business_tx_message_separate_nconn_per_s",
     "relay_drain_per_s",
     "ceiling_cdc_produce_per_s",
     "ceiling_cdc_decode_per_s",
@@ -70,6 +72,7 @@ const SAMPLED: &[&str] = &[
     "business_tx_nconn_per_s",
     "business_tx_outbox_nconn_per_s",
     "business_tx_message_nconn_per_s",
+    "business_tx_message_separate_nconn_per_s",
     "ceiling_cdc_produce_per_s",
     "ceiling_cdc_decode_per_s",
     "ceiling_cdc_produce_cpu_us_per_row",
@@ -95,6 +98,7 @@ const RATIOS: &[&str] = &[
     "cdc_drain_vs_cpu_bound",
     "message_tx_nconn",
     "message_tx_1conn",
+    "message_separate_tx_nconn",
     "cdc_peak_rss_mib",
 ];
 

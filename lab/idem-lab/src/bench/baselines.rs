@@ -37,9 +37,9 @@ async fn inserts(c: &mut Ctx<'_>, conns: u32, key: &str) -> anyhow::Result<()> {
 }
 
 /// Business transactions alone, with the outbox, with a plain second row and with a logical
-/// decoding message (the CDC relay's message mode) on `conns` connections, alternating for
-/// `--ceiling-runs` rounds (each kind `--seconds` in all), so a swing of the flush cost hits
-/// the four alike.
+/// decoding message (the CDC relay's message mode; in the order's statement, and in one of its
+/// own) on `conns` connections, alternating for `--ceiling-runs` rounds (each kind `--seconds`
+/// in all), so a swing of the flush cost hits the five alike.
 async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<()> {
     sqlx::query(pg::PLAIN_TABLE).execute(c.scratch).await?;
     let rounds = plan::ceiling_runs(c.args);
@@ -58,6 +58,10 @@ async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<(
             (
                 OrderWrite::Message(idem_sql::MessageOutbox::default()),
                 format!("business_tx_message_{suffix}_per_s"),
+            ),
+            (
+                OrderWrite::MessageSeparate(idem_sql::MessageOutbox::default()),
+                format!("business_tx_message_separate_{suffix}_per_s"),
             ),
         ] {
             let prefix = format!("{key}-{round}-");

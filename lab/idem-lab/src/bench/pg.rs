@@ -215,8 +215,12 @@ pub enum OrderWrite {
     /// The order row and its event through idem's outbox (the reference service).
     Outbox(idem_postgres::Outbox),
     /// The order row and its event as a logical decoding message (the CDC relay's message
-    /// mode, `MessageOutbox`): no outbox row.
+    /// mode), written in one statement with `MessageOutbox::enqueue_with`: no outbox row, no
+    /// second round trip.
     Message(idem_sql::MessageOutbox),
+    /// The same with the message in a statement of its own after the order's
+    /// (`MessageOutbox::enqueue`): what the second round trip costs.
+    MessageSeparate(idem_sql::MessageOutbox),
     /// The order row and the same event JSON as a plain row of `bench_plain` (one index, no
     /// trigger, no constraint): what any second row costs, the outbox's physical floor.
     PlainRow,
@@ -245,6 +249,18 @@ pub async fn place_order(
         }
         OrderWrite::Message(outbox) => {
             let mut tx = pool.begin().await?;
+            let write = sqlx::query(INSERT_ORDER)
+                .bind(&order.order_id)
+                .bind(&order.payment_id)
+                .bind(order.amount_minor)
+                .bind(&order.currency);
+            outbox
+                .enqueue_with(&mut tx, write, std::slice::from_ref(&event))
+                .await?;
+            tx.commit().await?;
+        }
+        OrderWrite::MessageSeparate(outbox) => {
+            let mut tx = pool.begin().await?;
             insert_order(&mut tx, &order).await?;
             outbox.enqueue(&mut tx, &event).await?;
             tx.commit().await?;
@@ -264,14 +280,16 @@ pub async fn place_order(
     Ok(())
 }
 
+/// The reference order service's order row.
+const INSERT_ORDER: &str =
+    "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)";
+
 /// The order row, as the reference order service writes it, in the caller's transaction.
 async fn insert_order(
     tx: &mut PgConnection,
     order: &idem_reference::PaidOrder,
 ) -> anyhow::Result<()> {
-    let sql =
-        "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)";
-    sqlx::query(sql)
+    sqlx::query(INSERT_ORDER)
         .bind(&order.order_id)
         .bind(&order.payment_id)
         .bind(order.amount_minor)
