@@ -99,7 +99,7 @@ impl Assembler {
     fn insert(
         &mut self,
         relation: &Arc<Relation>,
-        values: &[Option<String>],
+        values: &[Option<&str>],
         lsn: u64,
     ) -> Result<Option<Item>, CdcError> {
         let Some(outbox) = self.outbox.as_ref() else {
@@ -247,7 +247,7 @@ pub fn parse_lsn(text: &str) -> Option<u64> {
 }
 
 /// A row's values as `column=value` text, for a dead-letter record.
-fn row_text(relation: &Relation, values: &[Option<String>]) -> String {
+fn row_text(relation: &Relation, values: &[Option<&str>]) -> String {
     let pairs: serde_json::Map<String, serde_json::Value> = relation
         .columns
         .iter()
@@ -255,8 +255,9 @@ fn row_text(relation: &Relation, values: &[Option<String>]) -> String {
         .map(|(c, v)| {
             (
                 c.name.clone(),
-                v.clone()
-                    .map_or(serde_json::Value::Null, serde_json::Value::String),
+                v.map_or(serde_json::Value::Null, |v| {
+                    serde_json::Value::String(v.to_owned())
+                }),
             )
         })
         .collect();

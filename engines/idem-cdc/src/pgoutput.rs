@@ -77,7 +77,7 @@ pub enum SkippedKind {
 
 /// One decoded pgoutput message.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Change {
+pub enum Change<'m> {
     /// A Relation message, now in the cache.
     Relation(Arc<Relation>),
     /// A new row of `relation`: one text value per column, `None` for SQL `NULL`.
@@ -85,7 +85,7 @@ pub enum Change {
         /// The table the row was inserted into.
         relation: Arc<Relation>,
         /// The row's values in the relation's column order.
-        values: Vec<Option<String>>,
+        values: Vec<Option<&'m str>>,
     },
     /// An update, delete or truncate. `relation` is the relation it names (for a truncate, the
     /// first of the relations it names), `None` when the cache does not know it.
@@ -336,7 +336,7 @@ impl Decoder {
     }
 
     /// Decodes one raw pgoutput message (the `XLogData` payload).
-    pub fn decode(&mut self, message: &[u8]) -> Result<Change, PgOutputError> {
+    pub fn decode<'m>(&mut self, message: &'m [u8]) -> Result<Change<'m>, PgOutputError> {
         let (&byte, body) = message.split_first().ok_or(PgOutputError::Empty)?;
         let mut r = Reader {
             tag: char::from(byte),
@@ -370,7 +370,7 @@ impl Decoder {
             .ok_or(PgOutputError::UnknownRelation { tag: r.tag, oid })
     }
 
-    fn read_insert(&self, r: &mut Reader<'_>) -> Result<Change, PgOutputError> {
+    fn read_insert<'m>(&self, r: &mut Reader<'m>) -> Result<Change<'m>, PgOutputError> {
         let oid = r.u32("relation oid")?;
         let relation = self.known(r, oid)?;
         let marker = r.u8("new tuple marker")?;
@@ -382,7 +382,11 @@ impl Decoder {
     }
 
     /// An update or delete: only the relation is read; the tuples that follow are not decoded.
-    fn ignored(&self, r: &mut Reader<'_>, kind: IgnoredKind) -> Result<Change, PgOutputError> {
+    fn ignored<'m>(
+        &self,
+        r: &mut Reader<'m>,
+        kind: IgnoredKind,
+    ) -> Result<Change<'m>, PgOutputError> {
         let oid = r.u32("relation oid")?;
         r.buf = &[];
         Ok(Change::Ignored {
@@ -391,7 +395,7 @@ impl Decoder {
         })
     }
 
-    fn read_truncate(&self, r: &mut Reader<'_>) -> Result<Change, PgOutputError> {
+    fn read_truncate<'m>(&self, r: &mut Reader<'m>) -> Result<Change<'m>, PgOutputError> {
         let n = i64::from(r.i32("relation count")?);
         let n = r.count(n, "relation count")?;
         r.u8("options")?;
@@ -435,10 +439,10 @@ fn read_relation(r: &mut Reader<'_>) -> Result<Relation, PgOutputError> {
     })
 }
 
-fn read_text_tuple(
-    r: &mut Reader<'_>,
+fn read_text_tuple<'m>(
+    r: &mut Reader<'m>,
     relation: &Relation,
-) -> Result<Vec<Option<String>>, PgOutputError> {
+) -> Result<Vec<Option<&'m str>>, PgOutputError> {
     let n = i64::from(r.i16("tuple column count")?);
     let n = r.count(n, "tuple column count")?;
     let qualified = || format!("{}.{}", relation.namespace, relation.name);
@@ -467,11 +471,11 @@ fn read_text_tuple(
     Ok(values)
 }
 
-fn read_text_value(r: &mut Reader<'_>) -> Result<String, PgOutputError> {
+fn read_text_value<'m>(r: &mut Reader<'m>) -> Result<&'m str, PgOutputError> {
     let len = i64::from(r.i32("value length")?);
     let len = r.count(len, "value length")?;
     let bytes = r.take(len, "value")?;
-    Ok(r.utf8(bytes, "value")?.to_owned())
+    r.utf8(bytes, "value")
 }
 
 #[cfg(test)]
@@ -559,12 +563,13 @@ pub(crate) mod tests {
         assert_eq!(rel.columns[1].name, "body");
         assert_eq!(rel.columns[1].type_oid, 25);
         assert_eq!(rel.column_index("body"), Some(1));
-        let change = d.decode(&insert_msg(16384, &[Some("7"), None])).unwrap();
+        let msg = insert_msg(16384, &[Some("7"), None]);
+        let change = d.decode(&msg).unwrap();
         let Change::Insert { relation, values } = change else {
             panic!("not an insert")
         };
         assert_eq!(relation.oid, 16384);
-        assert_eq!(values, vec![Some("7".to_owned()), None]);
+        assert_eq!(values, vec![Some("7"), None]);
     }
 
     #[test]
@@ -586,7 +591,8 @@ pub(crate) mod tests {
             ),
             "{err}"
         );
-        let ok = d.decode(&insert_msg(16384, &[Some("7"), None, Some("1")]));
+        let msg = insert_msg(16384, &[Some("7"), None, Some("1")]);
+        let ok = d.decode(&msg);
         assert!(matches!(ok, Ok(Change::Insert { .. })), "{ok:?}");
     }
 

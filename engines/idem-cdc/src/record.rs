@@ -175,7 +175,7 @@ pub enum InsertError {
 /// shape can never be read with the old one's positions.
 pub fn decode_insert(
     relation: &Relation,
-    values: &[Option<String>],
+    values: &[Option<&str>],
 ) -> Result<OutboxRecord, InsertError> {
     Ok(OutboxColumns::resolve(relation)?.decode(values)?)
 }
@@ -249,7 +249,7 @@ impl OutboxColumns {
     }
 
     /// The record for one inserted row (`values` in the relation's column order).
-    pub fn decode(&self, values: &[Option<String>]) -> Result<OutboxRecord, RowError> {
+    pub fn decode(&self, values: &[Option<&str>]) -> Result<OutboxRecord, RowError> {
         let mut row = Row {
             values,
             id: None,
@@ -286,7 +286,7 @@ impl OutboxColumns {
 
 /// One row's values, and what of its identity decoded so far (for the errors).
 struct Row<'a> {
-    values: &'a [Option<String>],
+    values: &'a [Option<&'a str>],
     id: Option<i64>,
     event_id: Option<EventId>,
 }
@@ -313,7 +313,7 @@ impl Row<'_> {
     }
 
     fn nullable(&self, index: usize) -> Option<String> {
-        self.values.get(index).cloned().flatten()
+        self.values.get(index).copied().flatten().map(str::to_owned)
     }
 
     fn parse<T>(
@@ -531,7 +531,8 @@ mod tests {
             .iter()
             .map(|(c, _)| row.get(c).copied().flatten())
             .collect();
-        let Change::Insert { relation, values } = d.decode(&insert_msg(7, &values)).unwrap() else {
+        let msg = insert_msg(7, &values);
+        let Change::Insert { relation, values } = d.decode(&msg).unwrap() else {
             panic!("not an insert")
         };
         OutboxColumns::resolve(&relation).unwrap().decode(&values)
@@ -648,10 +649,11 @@ mod tests {
             .iter()
             .map(|(c, _)| r.get(c).copied().flatten())
             .collect();
+        let msg = insert_msg(7, &values);
         let Change::Insert {
             relation: sent,
             values,
-        } = d.decode(&insert_msg(7, &values)).unwrap()
+        } = d.decode(&msg).unwrap()
         else {
             panic!("not an insert")
         };
