@@ -95,6 +95,7 @@ const RATIOS: &[&str] = &[
     "cdc_drain_vs_produce",
     "cdc_drain_vs_ceiling",
     "cdc_cpu_bound_vs_produce",
+    "cdc_floor_vs_produce",
     "cdc_drain_vs_cpu_bound",
     "message_tx_nconn",
     "message_tx_1conn",

@@ -281,6 +281,12 @@ const RATIOS: &[RatioDef] = &[
         Target::Info,
     ),
     ratio(
+        "cdc_floor_vs_produce",
+        "a CDC relay costing nothing on this machine / raw produce: cores ÷ (raw produce's CPU per record + the server's decode per row), the most any CDC drain / raw produce can be here",
+        "median of ceiling_cdc_produce_per_s",
+        Target::Info,
+    ),
+    ratio(
         "cdc_drain_vs_cpu_bound",
         "CDC relay drain / its CPU bound on this machine",
         "cdc_drain_cpu_bound_per_s",
@@ -515,6 +521,16 @@ impl Report {
         self.ratios = self.ratios();
     }
 
+    /// The rate of a CDC relay that costs nothing beyond raw produce, with every core busy:
+    /// each row still costs raw produce's CPU per record (client and broker) and the server's
+    /// decoding (one core at `ceiling_cdc_decode_per_s` rows a second).
+    fn cdc_floor(&self) -> Option<f64> {
+        let cores = self.environment.get("cores")?.as_f64()?;
+        let produce_us = self.get("ceiling_cdc_produce_cpu_us_per_row")?;
+        let decode_us = 1e6 / self.get("ceiling_cdc_decode_per_s")?;
+        (produce_us + decode_us > 0.0).then(|| cores * 1e6 / (produce_us + decode_us))
+    }
+
     /// Each of [`RATIOS`] from the figures: `None` where a figure is missing or a divisor is
     /// not positive.
     fn ratios(&self) -> Vec<Ratio> {
@@ -546,6 +562,9 @@ impl Report {
             div("cdc_drain_per_s", g("ceiling_cdc_produce_per_s")),
             div("cdc_drain_per_s", cdc_bound),
             div("cdc_drain_cpu_bound_per_s", g("ceiling_cdc_produce_per_s")),
+            self.cdc_floor()
+                .zip(g("ceiling_cdc_produce_per_s"))
+                .map(|(floor, produce)| floor / produce),
             div("cdc_drain_per_s", g("cdc_drain_cpu_bound_per_s")),
             div(
                 "business_tx_message_nconn_per_s",
@@ -855,6 +874,23 @@ mod tests {
             (Some(1000.0), Some(4000.0))
         );
         assert_eq!(s["samples"].as_array().map(Vec::len), Some(3));
+    }
+
+    #[test]
+    fn the_cdc_floor_adds_raw_produces_cpu_and_the_servers_decoding_per_row() {
+        let mut r = Report::new(&super::super::plan::sample_args(), "embedded");
+        r.environment.insert("cores".into(), json!(2));
+        assert_eq!(ratio(&r, "cdc_floor_vs_produce"), None, "no figures yet");
+        r.sample("ceiling_cdc_produce_per_s", 200_000.0);
+        // 6 µs a record on every core, 4 µs a row of decoding: 10 µs, two cores: 200k rows/s.
+        r.sample("ceiling_cdc_produce_cpu_us_per_row", 6.0);
+        r.sample("ceiling_cdc_decode_per_s", 250_000.0);
+        assert_eq!(r.cdc_floor(), Some(200_000.0));
+        assert_eq!(ratio(&r, "cdc_floor_vs_produce"), Some(1.0));
+        r.figure("cdc_drain_per_s", 50_000.0);
+        r.figure("cdc_drain_cpu_bound_per_s", 62_500.0);
+        assert_eq!(ratio(&r, "cdc_drain_vs_cpu_bound"), Some(0.8));
+        assert_eq!(ratio(&r, "cdc_cpu_bound_vs_produce"), Some(0.3125));
     }
 
     #[test]
