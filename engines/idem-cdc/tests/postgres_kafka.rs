@@ -106,37 +106,54 @@ async fn a_backlog_written_while_the_relay_was_stopped_is_streamed_once_not_drai
     stop(running).await;
 }
 
-/// `written_lsn` is the trigger's, not the writer's: a row written before the slot existed
-/// with a made-up position past every slot's is still drained (trusted, it would never be
-/// published: the slot does not stream it and the drain would skip it).
+/// `written_lsn` is the trigger's, not the writer's: rows written before the slot existed with a
+/// made-up position past every slot's, one by its INSERT and one by a later UPDATE (schema 15),
+/// are still drained (trusted, they would never be published: the slot does not stream them
+/// and the drain would skip them).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_writer_cannot_set_written_lsn_to_hide_a_row_from_the_drain() {
     let w = World::new().await;
     let outbox = w.pg.tables().qualified("outbox");
-    let hidden = event("h-1", 1);
-    sqlx::query(&format!(
-        "INSERT INTO {outbox} (event_id, aggregate_type, aggregate_id, event_type, payload, written_lsn) \
-         VALUES ($1, 'order', 'h-1', 'order.paid', '{{}}', 'FFFFFFFF/FFFFFFFF')"
+    let (inserted, updated) = (event("h-1", 1), event("h-2", 2));
+    for (e, aggregate) in [(&inserted, "h-1"), (&updated, "h-2")] {
+        sqlx::query(&format!(
+            "INSERT INTO {outbox} (event_id, aggregate_type, aggregate_id, event_type, payload, written_lsn) \
+             VALUES ($1, 'order', $2, 'order.paid', '{{}}', 'FFFFFFFF/FFFFFFFF')"
+        ))
+        .bind(e.id().as_uuid())
+        .bind(aggregate)
+        .execute(w.pg.pool())
+        .await
+        .unwrap();
+    }
+    let moved = sqlx::query(&format!(
+        "UPDATE {outbox} SET written_lsn = 'FFFFFFFF/FFFFFFFF' WHERE aggregate_id = 'h-2'"
     ))
-    .bind(hidden.id().as_uuid())
     .execute(w.pg.pool())
     .await
     .unwrap();
-    let stamped: String = sqlx::query_scalar(&format!("SELECT written_lsn::text FROM {outbox}"))
-        .fetch_one(w.pg.pool())
-        .await
-        .unwrap();
-    assert_ne!(
-        stamped, "FFFFFFFF/FFFFFFFF",
-        "the trigger stamps the position"
-    );
+    assert_eq!(moved.rows_affected(), 1, "the UPDATE ran");
+    let stamped: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT written_lsn::text FROM {outbox} ORDER BY id"
+    ))
+    .fetch_all(w.pg.pool())
+    .await
+    .unwrap();
+    assert_eq!(stamped.len(), 2);
+    for lsn in &stamped {
+        assert_ne!(lsn, "FFFFFFFF/FFFFFFFF", "the trigger keeps the position");
+    }
     let metrics = CdcMetrics::unregistered().unwrap();
     let relay = w.relay(metrics.clone());
     relay.prepare().await.unwrap();
     let mut running = spawn(relay);
-    let got = w.records(1, &mut running).await;
-    assert_eq!(ids(&got[..1]), vec![hidden.id().to_string()]);
-    assert_eq!(metrics.drained.get(), 1);
+    let got = w.records(2, &mut running).await;
+    let mut got_ids = ids(&got[..2]);
+    got_ids.sort();
+    let mut want = vec![inserted.id().to_string(), updated.id().to_string()];
+    want.sort();
+    assert_eq!(got_ids, want);
+    assert_eq!(metrics.drained.get(), 2);
     stop(running).await;
 }
 

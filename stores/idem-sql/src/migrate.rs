@@ -26,6 +26,7 @@ macro_rules! migrations {
         $eleventh:literal,
         $twelfth:literal,
         $thirteenth:literal,
+        $fourteenth:literal,
         $last:literal
     ) => {
         &[
@@ -140,11 +141,20 @@ macro_rules! migrations {
             ),
             (
                 14,
-                $last,
+                $fourteenth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0014_outbox_written_lsn.sql"
+                )),
+            ),
+            (
+                15,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0015_outbox_written_lsn_kept.sql"
                 )),
             ),
         ]

@@ -50,7 +50,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox leases as HOT updates",
     "outbox writer rules checked by the trigger",
     "pg_logical_emit_message revoked from PUBLIC",
-    "outbox rows record their WAL insert position"
+    "outbox rows record their WAL insert position",
+    "outbox rows keep their WAL insert position on update"
 );
 
 /// Connects a pool suited to the relay and the CLI.

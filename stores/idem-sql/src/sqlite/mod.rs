@@ -46,7 +46,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox leases as HOT updates (PostgreSQL; none here)",
     "outbox writer rules checked by the trigger (PostgreSQL; none here)",
     "pg_logical_emit_message revoked from PUBLIC (PostgreSQL; none here)",
-    "outbox rows record their WAL insert position (PostgreSQL; none here)"
+    "outbox rows record their WAL insert position (PostgreSQL; none here)",
+    "outbox rows keep their WAL insert position on update (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).
