@@ -24,8 +24,10 @@
 //!
 //! - `id` is the message's LSN: unique, and the same every time the slot sends the message
 //!   again.
-//! - `aggregate_seq` is the Commit `end_lsn` of the message's transaction. It increases with
-//!   commit order, so one aggregate's events are ordered by it, but it is **not dense** (it is a
+//! - `aggregate_seq` is the position of the message's transaction's commit record (the
+//!   `final_lsn` the stream's Begin carries, so that a transaction can be published before its
+//!   Commit message arrives; before that change it was the Commit's `end_lsn`, which every later
+//!   transaction's commit position still exceeds). It increases with commit order, so one aggregate's events are ordered by it, but it is **not dense** (it is a
 //!   byte position) and two events of one aggregate written in one transaction share it (their
 //!   stream order, which is their order in the Kafka partition, tells them apart). Consumers
 //!   of message mode get no gap detection: [`crate::ordering::InOrder`] expects 1, 2, 3, …
@@ -286,7 +288,8 @@ struct VersionOnly {
 }
 
 /// The record for the message at `lsn` (its `lsn` field), the `ordinal`-th event of the
-/// transaction that committed with `end_lsn`; `created_at` is `occurred_at`. See
+/// transaction whose commit record is at `end_lsn` (the relay passes Begin's `final_lsn`);
+/// `created_at` is `occurred_at`. See
 /// [`decode_committed`] when the commit time is known.
 pub fn decode(
     lsn: u64,

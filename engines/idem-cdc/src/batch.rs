@@ -1,8 +1,10 @@
 //! The pure part of publishing: whole committed transactions grouped into one publish call,
 //! and, from the delivery reports, what to send again and what to refuse for good.
 //!
-//! Invariants (tested below): a batch holds whole transactions only, so the position it
-//! confirms (`last_end_lsn`) never splits one; a message whose report is a transient failure
+//! Invariants (tested below): a batch holds whole transactions, then at most a part of the
+//! transaction still open (one larger than a batch, [`Batch::push_part`]), and the position
+//! it confirms (`last_end_lsn`, the relay's tracker) is that of its last whole one, never
+//! inside the open one; a message whose report is a transient failure
 //! or "not sent" is sent again, and so is every later message of the same topic and key that
 //! was acknowledged after it (the consumer then sees `2, 1, 2`, as with the polling relay,
 //! never `2, 1` as the last word); a permanent failure is never resent but refused (parked in
@@ -88,6 +90,18 @@ impl Batch {
         }
         self.last_end_lsn = self.last_end_lsn.max(txn.end_lsn);
         self.transactions += 1;
+    }
+
+    /// Adds the changes of a transaction still open (a part of one larger than a batch): its
+    /// events follow the batch's whole transactions; the batch confirms none of it (the
+    /// transaction is confirmed once its Commit arrived and all its parts are published).
+    pub fn push_part(&mut self, items: Vec<Item>, naming: &TopicNaming, source: Option<&str>) {
+        for item in items {
+            match item {
+                Item::Publish(record) => self.push_record(record, naming, source),
+                Item::Refuse(r) => self.refused.push(r),
+            }
+        }
     }
 
     fn push_record(&mut self, record: OutboxRecord, naming: &TopicNaming, source: Option<&str>) {

@@ -27,11 +27,31 @@ pub struct Assembler {
     outbox: Option<OutboxTable>,
     /// Resolved column positions per outbox relation (by oid).
     columns: HashMap<u32, Result<OutboxColumns, String>>,
-    open: Option<Vec<Pending>>,
+    open: Option<Open>,
 }
 
-/// A change of the open transaction: decoded, or a message decoded at its commit (the
-/// envelope's position needs the commit's `end_lsn`).
+/// The transaction between its Begin and its Commit: what the server said of its commit in
+/// Begin (every transaction the stream carries has committed), and its changes not yet taken.
+struct Open {
+    /// The position of its commit record (Begin's `final_lsn`): message mode's
+    /// `aggregate_seq`.
+    commit_lsn: u64,
+    /// Its commit time.
+    committed_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Its changes not yet taken ([`Assembler::take_part`], [`Assembler::commit`]).
+    pending: Vec<Pending>,
+    /// Messages of it seen so far (a message's ordinal in its transaction).
+    seen: u32,
+    /// Bytes of payload and message content in `pending`.
+    bytes: usize,
+}
+
+/// Held changes of one open transaction past which the relay publishes what it holds of it
+/// ([`Assembler::part_due`]), whatever the batch size: 16 MiB.
+pub const PART_BYTES: usize = 16 * 1024 * 1024;
+
+/// A change of the open transaction: decoded, or a message still to decode (as the relay
+/// takes it).
 enum Pending {
     Item(Item),
     Message { lsn: u64, content: Vec<u8> },
@@ -58,12 +78,37 @@ impl Assembler {
         self.open.is_some()
     }
 
-    /// A transaction begins.
-    pub fn begin(&mut self) -> Result<(), CdcError> {
-        if self.open.replace(Vec::new()).is_some() {
+    /// A transaction begins; its commit record is at `commit_lsn`, written at `committed_at`
+    /// (microseconds since 2000-01-01 as the server sends it).
+    pub fn begin(&mut self, commit_lsn: u64, committed_at: i64) -> Result<(), CdcError> {
+        let open = Open {
+            commit_lsn,
+            committed_at: pg_time(committed_at),
+            pending: Vec::new(),
+            seen: 0,
+            bytes: 0,
+        };
+        if self.open.replace(open).is_some() {
             return Err(stream("?", "a transaction began inside another one"));
         }
         Ok(())
+    }
+
+    /// Whether the open transaction holds `batch` changes or [`PART_BYTES`] of payload and
+    /// content, so that what the relay holds of it is to be published now
+    /// ([`Assembler::take_part`]).
+    pub fn part_due(&self, batch: usize) -> bool {
+        self.open
+            .as_ref()
+            .is_some_and(|o| o.pending.len() >= batch.max(1) || o.bytes >= PART_BYTES)
+    }
+
+    /// The changes of the open transaction so far, taken out so that a transaction of any
+    /// size needs no more memory than one part of it: the stream carries committed
+    /// transactions only, so they may be published before their Commit arrives (confirmed,
+    /// as ever, only after it). Empty when no transaction is open.
+    pub fn take_part(&mut self) -> Vec<Item> {
+        self.open.as_mut().map_or_else(Vec::new, Open::take)
     }
 
     /// A pgoutput message of the open transaction (or a Relation between transactions);
@@ -84,7 +129,10 @@ impl Assembler {
                     .open
                     .as_mut()
                     .ok_or_else(|| stream(&show_lsn(lsn), "an insert outside a transaction"))?;
-                open.extend(item.map(Pending::Item));
+                if let Some(item) = item {
+                    open.bytes += item_bytes(&item);
+                    open.pending.push(Pending::Item(item));
+                }
                 Ok(false)
             }
             Change::Ignored { .. } => Ok(true),
@@ -189,44 +237,68 @@ impl Assembler {
                 "the message is {} bytes, the limit is {limit}",
                 content.len()
             );
-            open.push(Pending::Item(refuse(reason)));
+            open.pending.push(Pending::Item(refuse(reason)));
             return None;
         }
-        open.push(Pending::Message {
+        open.bytes += content.len();
+        open.pending.push(Pending::Message {
             lsn,
             content: content.to_vec(),
         });
         None
     }
 
-    /// The open transaction commits at `end_lsn` (at `committed_at`, microseconds since
-    /// 2000-01-01 as the server sends it).
-    pub fn commit(&mut self, end_lsn: u64, committed_at: i64) -> Result<Committed, CdcError> {
-        let pending = self
+    /// The open transaction's Commit arrived: its changes not taken yet; `end_lsn` is the
+    /// position to confirm once they (and the parts taken before) are published.
+    pub fn commit(&mut self, end_lsn: u64) -> Result<Committed, CdcError> {
+        let mut open = self
             .open
             .take()
             .ok_or_else(|| stream(&show_lsn(end_lsn), "a commit without a transaction"))?;
-        let at = pg_time(committed_at);
-        let items = pending
+        Ok(Committed {
+            end_lsn,
+            items: open.take(),
+        })
+    }
+}
+
+impl Open {
+    /// Its pending changes as items, messages decoded at the commit's position.
+    fn take(&mut self) -> Vec<Item> {
+        self.bytes = 0;
+        let pending = std::mem::take(&mut self.pending);
+        pending
             .into_iter()
-            .enumerate()
-            .map(|(i, p)| match p {
+            .map(|p| match p {
                 Pending::Item(item) => item,
                 Pending::Message { lsn, content } => {
-                    let ordinal = u32::try_from(i).unwrap_or(u32::MAX);
-                    match crate::envelope::decode_committed(lsn, end_lsn, ordinal, at, &content) {
-                        Ok(record) => Item::Publish(record),
-                        Err(e) => Item::Refuse(Refusal::new(
-                            None,
-                            Some(lsn),
-                            String::from_utf8_lossy(&content).into_owned(),
-                            e.to_string(),
-                        )),
-                    }
+                    let ordinal = self.seen;
+                    self.seen = self.seen.saturating_add(1);
+                    self.message(lsn, ordinal, &content)
                 }
             })
-            .collect();
-        Ok(Committed { end_lsn, items })
+            .collect()
+    }
+
+    fn message(&self, lsn: u64, ordinal: u32, content: &[u8]) -> Item {
+        let (seq, at) = (self.commit_lsn, self.committed_at);
+        match crate::envelope::decode_committed(lsn, seq, ordinal, at, content) {
+            Ok(record) => Item::Publish(record),
+            Err(e) => Item::Refuse(Refusal::new(
+                None,
+                Some(lsn),
+                String::from_utf8_lossy(content).into_owned(),
+                e.to_string(),
+            )),
+        }
+    }
+}
+
+/// What an item holds that may be large: its payload, or what a refusal keeps.
+fn item_bytes(item: &Item) -> usize {
+    match item {
+        Item::Publish(r) => r.payload.len(),
+        Item::Refuse(r) => r.content.len(),
     }
 }
 
@@ -407,10 +479,10 @@ mod tests {
             },
             "public",
         );
-        a.begin().unwrap_or_else(|e| panic!("{e}"));
+        a.begin(0x18, 0).unwrap_or_else(|e| panic!("{e}"));
         let huge = vec![b'x'; crate::envelope::MAX_CONTENT_BYTES + 1];
         assert!(a.message(true, 0x10, "idem.outbox", &huge).is_none());
-        let txn = a.commit(0x20, 0).unwrap_or_else(|e| panic!("{e}"));
+        let txn = a.commit(0x20).unwrap_or_else(|e| panic!("{e}"));
         let [Item::Refuse(r)] = txn.items.as_slice() else {
             panic!("{:?}", txn.items.len())
         };
@@ -423,6 +495,62 @@ mod tests {
         );
         assert!(r.reason.contains(&huge.len().to_string()), "{}", r.reason);
         assert_eq!(r.lsn, Some(0x10));
+    }
+
+    #[test]
+    fn a_transaction_taken_in_parts_gives_every_event_its_commit_position() {
+        let mut a = Assembler::new(
+            Mode::Messages {
+                prefix: "idem.outbox".into(),
+            },
+            "public",
+        );
+        assert!(!a.part_due(1), "no transaction open");
+        assert!(a.take_part().is_empty());
+        a.begin(0x500, 0).unwrap_or_else(|e| panic!("{e}"));
+        let content = |n: u32| {
+            let e = idem_core::Event::builder("order", "o-1", "order.paid")
+                .payload_json(format!("{{\"n\":{n}}}"))
+                .build()
+                .unwrap_or_else(|e| panic!("{e}"));
+            crate::envelope::encode(&e)
+        };
+        for (lsn, n) in [(0x100, 1), (0x200, 2)] {
+            assert!(
+                a.message(true, lsn, "idem.outbox", content(n).as_bytes())
+                    .is_none()
+            );
+        }
+        assert!(a.part_due(2) && !a.part_due(3));
+        let part = a.take_part();
+        assert!(!a.part_due(1), "taken");
+        assert!(
+            a.message(true, 0x300, "idem.outbox", content(3).as_bytes())
+                .is_none()
+        );
+        let txn = a.commit(0x600).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(txn.end_lsn, 0x600);
+        let records: Vec<(i64, i64)> = part
+            .iter()
+            .chain(&txn.items)
+            .map(|i| match i {
+                Item::Publish(r) => (r.id, r.aggregate_seq),
+                Item::Refuse(r) => panic!("{}", r.reason),
+            })
+            .collect();
+        assert_eq!(
+            records,
+            vec![(0x100, 0x500), (0x200, 0x500), (0x300, 0x500)]
+        );
+        // Past PART_BYTES of content a part is due whatever the count.
+        a.begin(0x900, 0).unwrap_or_else(|e| panic!("{e}"));
+        let big = vec![b'x'; crate::envelope::MAX_CONTENT_BYTES];
+        let mut n = 0;
+        while !a.part_due(usize::MAX) {
+            assert!(a.message(true, 0x1000 + n, "idem.outbox", &big).is_none());
+            n += 1;
+        }
+        assert_eq!(n as usize, PART_BYTES.div_ceil(big.len()));
     }
 
     #[test]

@@ -20,14 +20,15 @@
 //! How the relay uses them, per replication event:
 //!
 //! ```text
-//! Begin                          → tracker.begin()
+//! Begin { final_lsn, .. }        → tracker.begin(); the commit's position for message mode
 //! XLogData(bytes)                → decoder.decode(bytes)
 //!   Insert { relation, values }  → if outbox.matches(&relation): record::decode_insert(..)
 //!                                  (Err(Row(e)): e.action() says park by e.id, skip or stop)
 //!   Ignored { .. }               → count it (someone altered the publication)
 //! Message { transactional: true, lsn, prefix, content } with the relay's prefix
-//!                                → kept until Commit, then envelope::decode_committed(lsn, end_lsn, ..)
-//! Commit { end_lsn, .. }         → publish the transaction's events, tracker.commit(end_lsn, n)
+//!                                → held, then envelope::decode_committed(lsn, final_lsn, ..)
+//! a batch of the open one held   → publish that part now (confirms nothing of it)
+//! Commit { end_lsn, .. }         → publish the rest of it, tracker.commit(end_lsn, n)
 //! delivery report                → tracker.delivered(txn); confirm tracker.confirmable()
 //! keepalive { wal_end }          → tracker.keepalive(wal_end); confirm tracker.confirmable()
 //! ```

@@ -38,6 +38,8 @@ pub struct CdcMetrics {
     /// Rows published from the table at a session's start (pending before the slot existed,
     /// retried after a park, or published earlier with a lost mark).
     pub drained: IntCounter,
+    /// Parts of transactions larger than a batch published before their Commit arrived.
+    pub parts: IntCounter,
 }
 
 impl CdcMetrics {
@@ -58,6 +60,7 @@ impl CdcMetrics {
         registry.register(Box::new(m.standby.clone()))?;
         registry.register(Box::new(m.emit_open_to_public.clone()))?;
         registry.register(Box::new(m.drained.clone()))?;
+        registry.register(Box::new(m.parts.clone()))?;
         Ok(m)
     }
 
@@ -116,6 +119,10 @@ impl CdcMetrics {
             drained: c(
                 "idem_cdc_drained_total",
                 "Rows published from the outbox table at a session's start, before streaming",
+            )?,
+            parts: c(
+                "idem_cdc_transaction_parts_total",
+                "Parts of transactions larger than --batch-size published before their commit arrived (each transaction is still confirmed whole)",
             )?,
             standby: g(
                 "idem_cdc_standby",

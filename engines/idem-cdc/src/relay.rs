@@ -308,6 +308,22 @@ impl<P: Publisher> CdcRelay<P> {
                         });
                     };
                     self.event(ev, &mut assembler, &mut batch, &mut acks, &client)?;
+                    if assembler.part_due(self.config.batch_messages) {
+                        // A transaction larger than a batch: what came of it so far goes out
+                        // now (after the batch before it), so no transaction, however large, is
+                        // held in memory. Nothing of it is confirmed before its Commit.
+                        self.metrics.parts.inc();
+                        let part = assembler.take_part();
+                        batch.push_part(part, &self.config.naming, self.config.source.as_deref());
+                        let ready = std::mem::take(&mut batch);
+                        deadline = None;
+                        if !self.publish(ready, &mut acks, &client, shutdown).await? {
+                            acks.marks_done().await;
+                            crate::session::stop(&mut client).await;
+                            return Ok(Ended::Shutdown);
+                        }
+                        continue;
+                    }
                     if !batch.is_empty() && deadline.is_none() {
                         deadline = Some(Instant::now() + self.config.linger);
                     }
@@ -332,8 +348,12 @@ impl<P: Publisher> CdcRelay<P> {
     ) -> Result<(), CdcError> {
         tracing::trace!(event = ?ev, "replication event");
         match ev {
-            ReplicationEvent::Begin { .. } => {
-                assembler.begin()?;
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                assembler.begin(final_lsn.as_u64(), commit_time_micros)?;
                 acks.tracker.begin().map_err(ack_error)?;
             }
             ReplicationEvent::XLogData {
@@ -355,12 +375,8 @@ impl<P: Publisher> CdcRelay<P> {
                     batch.push(alone, &self.config.naming, self.config.source.as_deref());
                 }
             }
-            ReplicationEvent::Commit {
-                end_lsn,
-                commit_time_micros,
-                ..
-            } => {
-                let txn = assembler.commit(end_lsn.as_u64(), commit_time_micros)?;
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                let txn = assembler.commit(end_lsn.as_u64())?;
                 // Every item counts, refusals too: each is reported once it is published or
                 // its park or dead letter is durable.
                 let items = txn.items.len() as u64;

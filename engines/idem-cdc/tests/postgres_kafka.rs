@@ -388,3 +388,82 @@ async fn a_second_relay_waits_for_the_slot_and_takes_over_when_the_first_dies() 
     );
     stop(standby).await;
 }
+
+/// A transaction larger than a batch is published in parts as it streams in, so the relay never
+/// holds a whole large transaction; none of it is confirmed before its Commit and its last
+/// part. The relay is stopped after its second part (the crash point ends that session after
+/// the first part was published and confirmed what it could): the next session streams the
+/// whole transaction again, so the first part's publication confirmed nothing of it. Every
+/// event arrives at least once, the first two parts' twice, each aggregate in commit order,
+/// and the confirmation lands only after the rest.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_larger_than_a_batch_goes_out_in_parts_and_is_confirmed_whole() {
+    use idem_core::crash::{self, Action, CDC_AFTER_PUBLISH_BEFORE_CONFIRM};
+    let w = World::new().await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let mut config = w.config();
+    config.batch_messages = 10;
+    let relay = w.relay_with(config, metrics.clone());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    let before = w.streaming(&mut running).await;
+    let confirmed_before = metrics.confirmed_lsn.get();
+    let big: Vec<Event> = (0..35).map(|i| event(&format!("p-{}", i % 3), i)).collect();
+    crash::arm(CDC_AFTER_PUBLISH_BEFORE_CONFIRM, Action::Error, 2).unwrap();
+    w.commit(&big).await;
+    let got = w.records(before + big.len() + 20, &mut running).await;
+    crash::disarm_all();
+    assert_eq!(
+        metrics.sessions_failed.get(),
+        1,
+        "the crash point fired once"
+    );
+    assert!(
+        metrics.parts.get() >= 4,
+        "35 rows in batches of 10: parts, {}",
+        metrics.parts.get()
+    );
+    let copies = |e: &Event| {
+        let id = e.id().to_string();
+        got.iter()
+            .filter(|r| r.header("ce_id") == Some(id.as_str()))
+            .count()
+    };
+    // The first two parts are the first 20 rows inserted (the writer sorts by aggregate): sent
+    // by the failed session and again by the next one.
+    let first_part: Vec<String> = ids(&got[before..before + 20]);
+    for (i, e) in big.iter().enumerate() {
+        let id = e.id().to_string();
+        let want = if first_part.contains(&id) { 2 } else { 1 };
+        assert!(copies(e) >= want, "event {i}: {} copies", copies(e));
+    }
+    for key in ["p-0", "p-1", "p-2"] {
+        let last_copy: Vec<String> = {
+            let mut seen = std::collections::HashSet::new();
+            let mut v: Vec<String> = ids(&got[before..])
+                .into_iter()
+                .rev()
+                .filter(|id| seen.insert(id.clone()))
+                .collect();
+            v.reverse();
+            let of_key: std::collections::HashSet<String> = big
+                .iter()
+                .filter(|e| e.aggregate_id() == key)
+                .map(|e| e.id().to_string())
+                .collect();
+            v.retain(|id| of_key.contains(id));
+            v
+        };
+        let want: Vec<String> = big
+            .iter()
+            .filter(|e| e.aggregate_id() == key)
+            .map(|e| e.id().to_string())
+            .collect();
+        assert_eq!(last_copy, want, "{key}: the last copies in commit order");
+    }
+    eventually("the transaction is confirmed", || async {
+        metrics.confirmed_lsn.get() > confirmed_before
+    })
+    .await;
+    stop(running).await;
+}
