@@ -281,11 +281,14 @@ impl<P: Publisher> CdcRelay<P> {
         let mut batch = Batch::default();
         let mut deadline: Option<Instant> = None;
         let mut next_status = Instant::now() + self.config.poll;
+        // The batch ends with a part of the open transaction: published at once.
+        let mut part = false;
         loop {
             let full = batch.messages.len() >= self.config.batch_messages.max(1);
-            if !batch.is_empty() && (full || deadline.is_some_and(|d| d <= Instant::now())) {
+            let due = full || deadline.is_some_and(|d| d <= Instant::now());
+            if part || (!batch.is_empty() && due) {
                 let ready = std::mem::take(&mut batch);
-                deadline = None;
+                (deadline, part) = (None, false);
                 if !self.publish(ready, &mut acks, &client, shutdown).await? {
                     acks.marks_done().await;
                     crate::session::stop(&mut client).await;
@@ -313,18 +316,10 @@ impl<P: Publisher> CdcRelay<P> {
                         // now (after the batch before it), so no transaction, however large, is
                         // held in memory. Nothing of it is confirmed before its Commit.
                         self.metrics.parts.inc();
-                        let part = assembler.take_part();
-                        batch.push_part(part, &self.config.naming, self.config.source.as_deref());
-                        let ready = std::mem::take(&mut batch);
-                        deadline = None;
-                        if !self.publish(ready, &mut acks, &client, shutdown).await? {
-                            acks.marks_done().await;
-                            crate::session::stop(&mut client).await;
-                            return Ok(Ended::Shutdown);
-                        }
-                        continue;
-                    }
-                    if !batch.is_empty() && deadline.is_none() {
+                        let items = assembler.take_part();
+                        batch.push_part(items, &self.config.naming, self.config.source.as_deref());
+                        part = true;
+                    } else if !batch.is_empty() && deadline.is_none() {
                         deadline = Some(Instant::now() + self.config.linger);
                     }
                 }
