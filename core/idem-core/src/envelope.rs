@@ -26,8 +26,8 @@
 //!   again.
 //! - `aggregate_seq` is the position of the message's transaction's commit record (the
 //!   `final_lsn` the stream's Begin carries, so that a transaction can be published before its
-//!   Commit message arrives; before that change it was the Commit's `end_lsn`, which every later
-//!   transaction's commit position still exceeds). It increases with commit order, so one aggregate's events are ordered by it, but it is **not dense** (it is a
+//!   Commit message arrives). It increases with commit order, so one aggregate's events are
+//!   ordered by it, but it is **not dense** (it is a
 //!   byte position) and two events of one aggregate written in one transaction share it (their
 //!   stream order, which is their order in the Kafka partition, tells them apart). Consumers
 //!   of message mode get no gap detection: [`crate::ordering::InOrder`] expects 1, 2, 3, …

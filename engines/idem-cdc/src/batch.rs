@@ -77,17 +77,19 @@ pub struct Batch {
     pub last_end_lsn: u64,
     /// How many transactions it holds.
     pub transactions: usize,
+    /// The bytes of its messages' and refusals' strings, about.
+    pub bytes: usize,
 }
+
+/// Bytes past which a batch is published whatever its count of messages (as a transaction's
+/// part, [`crate::changes::PART_BYTES`]): rows with large payloads or headers do not pile up
+/// until the count is reached.
+pub const BATCH_BYTES: usize = crate::changes::PART_BYTES;
 
 impl Batch {
     /// Adds a whole transaction.
     pub fn push(&mut self, txn: Committed, naming: &TopicNaming, source: Option<&str>) {
-        for item in txn.items {
-            match item {
-                Item::Publish(record) => self.push_record(record, naming, source),
-                Item::Refuse(r) => self.refused.push(r),
-            }
-        }
+        self.push_items(txn.items, naming, source);
         self.last_end_lsn = self.last_end_lsn.max(txn.end_lsn);
         self.transactions += 1;
     }
@@ -96,10 +98,14 @@ impl Batch {
     /// events follow the batch's whole transactions; the batch confirms none of it (the
     /// transaction is confirmed once its Commit arrived and all its parts are published).
     pub fn push_part(&mut self, items: Vec<Item>, naming: &TopicNaming, source: Option<&str>) {
+        self.push_items(items, naming, source);
+    }
+
+    fn push_items(&mut self, items: Vec<Item>, naming: &TopicNaming, source: Option<&str>) {
         for item in items {
             match item {
                 Item::Publish(record) => self.push_record(record, naming, source),
-                Item::Refuse(r) => self.refused.push(r),
+                Item::Refuse(r) => self.push_refusal(r),
             }
         }
     }
@@ -108,20 +114,39 @@ impl Batch {
         let topic = naming.topic_for(&record);
         match validate_topic(&topic) {
             Ok(()) => {
-                self.messages.push(wire::encode(&record, &topic, source));
+                let message = wire::encode(&record, &topic, source);
+                self.bytes += message_bytes(&message);
+                self.messages.push(message);
                 self.rows.push((record.id > 0).then_some(record.id));
             }
             Err(reason) => {
                 let refused = Refusal::new(Some(record.id), None, record.payload, reason);
-                self.refused.push(refused);
+                self.push_refusal(refused);
             }
         }
     }
 
-    /// Whether nothing was added.
-    pub fn is_empty(&self) -> bool {
-        self.transactions == 0
+    fn push_refusal(&mut self, r: Refusal) {
+        self.bytes += r.content.len() + r.reason.len();
+        self.refused.push(r);
     }
+
+    /// Whether nothing was added: no transaction, no part of one.
+    pub fn is_empty(&self) -> bool {
+        self.transactions == 0 && self.messages.is_empty() && self.refused.is_empty()
+    }
+
+    /// Whether it is to be published now whatever the linger: `messages` messages, or
+    /// [`BATCH_BYTES`].
+    pub fn is_full(&self, messages: usize) -> bool {
+        self.messages.len() >= messages.max(1) || self.bytes >= BATCH_BYTES
+    }
+}
+
+/// The bytes of a message's strings.
+fn message_bytes(m: &Message) -> usize {
+    let headers: usize = m.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    m.topic.len() + m.key.len() + m.payload.len() + headers
 }
 
 /// What the reports of one publish call leave to do.
@@ -168,7 +193,7 @@ pub fn reported(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn msg(key: &str) -> Message {
@@ -258,6 +283,45 @@ mod tests {
         assert_eq!(b.rows, vec![Some(1)]);
         assert_eq!(b.refused.len(), 1);
         assert_eq!(b.refused[0].row_id, Some(2));
+    }
+
+    #[test]
+    fn a_part_follows_the_whole_transactions_confirms_none_of_it_and_is_not_empty() {
+        let naming = TopicNaming::default();
+        let mut b = Batch::default();
+        b.push_part(vec![Item::Publish(record(1))], &naming, None);
+        assert!(!b.is_empty(), "a batch holding only a part is not empty");
+        assert_eq!(
+            (b.transactions, b.last_end_lsn),
+            (0, 0),
+            "nothing to confirm"
+        );
+        let mut b = Batch::default();
+        let whole = Committed {
+            end_lsn: 40,
+            items: vec![Item::Publish(record(1))],
+        };
+        b.push(whole, &naming, None);
+        b.push_part(vec![Item::Publish(record(2))], &naming, None);
+        assert_eq!(
+            b.rows,
+            vec![Some(1), Some(2)],
+            "the part after the whole one"
+        );
+        assert_eq!((b.transactions, b.last_end_lsn), (1, 40));
+    }
+
+    #[test]
+    fn a_batch_is_full_at_its_count_or_at_its_bytes() {
+        let naming = TopicNaming::default();
+        let mut b = Batch::default();
+        assert!(!b.is_full(2));
+        b.push_part(vec![Item::Publish(record(1))], &naming, None);
+        assert!(!b.is_full(2) && b.is_full(1));
+        let mut big = record(2);
+        big.headers.insert("h".into(), "v".repeat(BATCH_BYTES));
+        b.push_part(vec![Item::Publish(big)], &naming, None);
+        assert!(b.is_full(1000), "one message over the bytes: full");
     }
 
     pub(crate) fn record(id: i64) -> OutboxRecord {

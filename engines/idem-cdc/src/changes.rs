@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use idem_core::TableNames;
+use idem_core::outbox::OutboxRecord;
 use idem_core::publish::Message;
 use sqlx::PgPool;
 
@@ -42,7 +43,7 @@ struct Open {
     pending: Vec<Pending>,
     /// Messages of it seen so far (a message's ordinal in its transaction).
     seen: u32,
-    /// Bytes of payload and message content in `pending`.
+    /// Bytes of the records (every string of each) and message content in `pending`.
     bytes: usize,
 }
 
@@ -94,8 +95,8 @@ impl Assembler {
         Ok(())
     }
 
-    /// Whether the open transaction holds `batch` changes or [`PART_BYTES`] of payload and
-    /// content, so that what the relay holds of it is to be published now
+    /// Whether the open transaction holds `batch` changes or [`PART_BYTES`] of records and
+    /// message content, so that what the relay holds of it is to be published now
     /// ([`Assembler::take_part`]).
     pub fn part_due(&self, batch: usize) -> bool {
         self.open
@@ -294,12 +295,26 @@ impl Open {
     }
 }
 
-/// What an item holds that may be large: its payload, or what a refusal keeps.
+/// What an item holds in memory, about: every string of its record (a foreign writer's
+/// headers may be as large as its payload), or what a refusal keeps.
 fn item_bytes(item: &Item) -> usize {
     match item {
-        Item::Publish(r) => r.payload.len(),
-        Item::Refuse(r) => r.content.len(),
+        Item::Publish(r) => record_bytes(r),
+        Item::Refuse(r) => r.content.len() + r.reason.len(),
     }
+}
+
+/// The bytes of a record's strings.
+fn record_bytes(r: &OutboxRecord) -> usize {
+    let headers: usize = r.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let optional = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+    r.payload.len()
+        + headers
+        + r.aggregate_type.len()
+        + r.aggregate_id.len()
+        + r.event_type.len()
+        + optional(&r.topic)
+        + optional(&r.traceparent)
 }
 
 /// Microseconds since 2000-01-01 UTC (PostgreSQL's epoch) as a time; `None` out of range.
@@ -551,6 +566,16 @@ mod tests {
             n += 1;
         }
         assert_eq!(n as usize, PART_BYTES.div_ceil(big.len()));
+    }
+
+    #[test]
+    fn a_record_counts_all_its_strings_toward_a_part_not_its_payload_only() {
+        // A foreign writer's row with an empty payload and huge headers: counting the
+        // payload alone, no part would ever be due and the transaction would sit in memory.
+        let mut r = crate::batch::tests::record(1);
+        r.headers.insert("h".repeat(10), "v".repeat(1 << 20));
+        let bytes = item_bytes(&Item::Publish(r));
+        assert!(bytes > (1 << 20) + 10, "{bytes}");
     }
 
     #[test]

@@ -284,7 +284,7 @@ impl<P: Publisher> CdcRelay<P> {
         // The batch ends with a part of the open transaction: published at once.
         let mut part = false;
         loop {
-            let full = batch.messages.len() >= self.config.batch_messages.max(1);
+            let full = batch.is_full(self.config.batch_messages);
             let due = full || deadline.is_some_and(|d| d <= Instant::now());
             if part || (!batch.is_empty() && due) {
                 let ready = std::mem::take(&mut batch);
@@ -389,7 +389,9 @@ impl<P: Publisher> CdcRelay<P> {
                 // Not while the batch holds anything: a non-transactional message's dead
                 // letter is in no transaction the tracker waits for.
                 if batch.is_empty() && acks.tracker.keepalive(wal_end.as_u64()) {
-                    client.update_applied_lsn(Lsn::from_u64(acks.tracker.confirmable()));
+                    let confirmable = acks.tracker.confirmable();
+                    client.update_applied_lsn(Lsn::from_u64(confirmable));
+                    self.metrics.confirmed_lsn.set(lsn_gauge(confirmable));
                 }
             }
             ReplicationEvent::StoppedAt { .. } => {}
@@ -409,6 +411,9 @@ impl<P: Publisher> CdcRelay<P> {
     ) -> Result<bool, CdcError> {
         let mut pending: Vec<usize> = (0..batch.messages.len()).collect();
         let mut backoff = self.config.retry_backoff;
+        // Messages the broker refused for good (the batch's refusals also hold what was never
+        // a message: those are not subtracted from what was published).
+        let mut refused_by_broker = 0;
         while !pending.is_empty() {
             // The first attempt sends the batch as it is (`pending` is every index, in order);
             // a retry copies what it sends again.
@@ -422,6 +427,7 @@ impl<P: Publisher> CdcRelay<P> {
                 self.publisher.publish(&send).await
             };
             let r = reported(&batch.messages, &pending, &results);
+            refused_by_broker += r.refused.len();
             for (i, reason) in r.refused {
                 let row_id = batch.rows.get(i).copied().flatten();
                 let content = batch
@@ -449,7 +455,7 @@ impl<P: Publisher> CdcRelay<P> {
             return Ok(false);
         }
         self.mark(&batch, acks).await;
-        let published = batch.messages.len() - batch.refused.len().min(batch.messages.len());
+        let published = batch.messages.len().saturating_sub(refused_by_broker);
         self.metrics.events.inc_by(published as u64);
         for (id, items) in acks.batch.drain(..) {
             for _ in 0..items {

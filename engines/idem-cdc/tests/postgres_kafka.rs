@@ -325,19 +325,63 @@ async fn published_rows_are_marked_and_the_slot_confirms_them() {
         "{here:?}"
     );
     eventually("the slot to confirm the events", || async {
-        let state = idem_cdc::slot_state(w.pg.pool(), &slot)
-            .await
-            .unwrap()
-            .unwrap();
-        let confirmed = state
-            .confirmed_flush_lsn
-            .as_deref()
-            .and_then(idem_cdc::changes::parse_lsn)
-            .unwrap_or(0);
+        let confirmed = slot_confirmed(&w, &slot).await;
         let pos = u64::try_from(metrics.confirmed_lsn.get()).unwrap_or(0);
         pos > 0 && confirmed >= pos
     })
     .await;
+    stop(running).await;
+}
+
+/// The slot's `confirmed_flush_lsn` (0 before any).
+async fn slot_confirmed(w: &World, slot: &Name) -> u64 {
+    let state = idem_cdc::slot_state(w.pg.pool(), slot)
+        .await
+        .unwrap()
+        .unwrap();
+    state
+        .confirmed_flush_lsn
+        .as_deref()
+        .and_then(idem_cdc::changes::parse_lsn)
+        .unwrap_or(0)
+}
+
+/// An idle relay confirms the server's position from its keepalives, so that WAL the stream
+/// never carries (another table's writes here) is not held by the slot, and its
+/// `idem_cdc_confirmed_lsn` shows that position. (Before, the gauge moved with published
+/// batches only: an idle relay showed a stale position while the slot moved on.)
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_relay_confirms_the_servers_position_and_shows_it() {
+    let w = World::new().await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let relay = w.relay(metrics.clone());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    w.streaming(&mut running).await;
+    let at_start = metrics.confirmed_lsn.get();
+    for sql in [
+        "CREATE TABLE not_published (n int)",
+        "INSERT INTO not_published SELECT generate_series(1, 1000)",
+    ] {
+        sqlx::query(sql).execute(w.pg.pool()).await.unwrap();
+    }
+    let written: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+        .fetch_one(w.pg.pool())
+        .await
+        .unwrap();
+    assert!(written > at_start);
+    let slot = Name::new("slot", &w.slot).unwrap();
+    eventually(
+        "the slot and the gauge past the other table's writes",
+        || async {
+            let confirmed = slot_confirmed(&w, &slot).await;
+            let gauge = u64::try_from(metrics.confirmed_lsn.get()).unwrap_or(0);
+            let written = u64::try_from(written).unwrap_or(u64::MAX);
+            confirmed >= written && gauge >= written
+        },
+    )
+    .await;
+    assert_eq!(metrics.events.get(), 1, "the marker only");
     stop(running).await;
 }
 
@@ -407,10 +451,14 @@ async fn a_transaction_larger_than_a_batch_goes_out_in_parts_and_is_confirmed_wh
     relay.prepare().await.unwrap();
     let mut running = spawn(relay);
     let before = w.streaming(&mut running).await;
-    let confirmed_before = metrics.confirmed_lsn.get();
     let big: Vec<Event> = (0..35).map(|i| event(&format!("p-{}", i % 3), i)).collect();
     crash::arm(CDC_AFTER_PUBLISH_BEFORE_CONFIRM, Action::Error, 2).unwrap();
     w.commit(&big).await;
+    // At or past the big transaction's commit record: confirmed only once it is, whole.
+    let committed: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+        .fetch_one(w.pg.pool())
+        .await
+        .unwrap();
     let got = w.records(before + big.len() + 20, &mut running).await;
     crash::disarm_all();
     assert_eq!(
@@ -462,7 +510,7 @@ async fn a_transaction_larger_than_a_batch_goes_out_in_parts_and_is_confirmed_wh
         assert_eq!(last_copy, want, "{key}: the last copies in commit order");
     }
     eventually("the transaction is confirmed", || async {
-        metrics.confirmed_lsn.get() > confirmed_before
+        metrics.confirmed_lsn.get() >= committed
     })
     .await;
     stop(running).await;

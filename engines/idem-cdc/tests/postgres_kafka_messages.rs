@@ -236,6 +236,51 @@ async fn hostile_messages_are_dead_lettered_and_the_events_after_them_flow() {
     stop(running).await;
 }
 
+/// One transaction holding two events and a message that is not one: the events are published
+/// and counted as published (`idem_cdc_events_total` 2), the message dead-lettered and counted
+/// as refused, not subtracted from the published. (Before, the count took every refusal of the
+/// batch off its messages: 1.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refusal_next_to_events_is_not_taken_off_the_published_count() {
+    let w = World::new().await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let mut running = started(&w, metrics.clone()).await;
+    let events = [event("m-1", 1), event("m-2", 2)];
+    let mut tx = w.pg.pool().begin().await.unwrap();
+    MessageOutbox::default()
+        .enqueue(&mut tx, &events[0])
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_logical_emit_message(true, $1, 'not json')")
+        .bind(PREFIX)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    MessageOutbox::default()
+        .enqueue(&mut tx, &events[1])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let after: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+        .fetch_one(w.pg.pool())
+        .await
+        .unwrap();
+    w.expect(&[&events[0], &events[1]], &mut running).await;
+    dead_letters(&w, 1, &mut running).await;
+    // The counts are taken before the transaction is confirmed.
+    common::eventually("the transaction is confirmed", || {
+        let m = metrics.clone();
+        async move { m.confirmed_lsn.get() >= after }
+    })
+    .await;
+    assert_eq!(
+        metrics.refused.with_label_values(&["dead_lettered"]).get(),
+        1
+    );
+    assert_eq!(metrics.events.get(), 2, "published events");
+    stop(running).await;
+}
+
 async fn dead_letters(w: &World, n: usize, running: &mut Running) -> Vec<Record> {
     let topic = w.dead_letters.clone();
     w.records_in(&topic, n, running).await
