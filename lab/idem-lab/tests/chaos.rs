@@ -69,6 +69,13 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
     for kind in ["slow_points_api", "long_lock"] {
         assert!(faults[kind].as_u64().unwrap() >= 1, "no {kind}: {r:#}");
     }
+    let idle = faults
+        .get("long_lock_idle")
+        .map_or(0, |v| v.as_u64().unwrap());
+    assert!(
+        faults["long_lock"].as_u64().unwrap() > idle,
+        "no long lock made a handler fail: {r:#}"
+    );
     assert_eq!(r["overlapping_executions"], 0);
 }
 

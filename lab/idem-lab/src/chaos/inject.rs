@@ -17,10 +17,13 @@ use crate::demo::world::Databases;
 use idem_conformance::private_pg::PrivatePg;
 
 /// The counters scraped from the processes' metrics.
-pub const COUNTERS: [&str; 3] = [
+pub const COUNTERS: [&str; 5] = [
     "idem_duplicate_delivery_total",
     "idem_duplicate_skip_total",
     "idem_outbox_republish_total",
+    // What the long lock did to the settlement handlers (windows.rs).
+    "idem_consumer_retry_total",
+    "idem_consumer_processed_total",
 ];
 
 /// What the injection phase leaves for settling and the report.
@@ -87,7 +90,7 @@ pub async fn inject(
         faults: BTreeMap::new(),
         hostile_accepted: vec![],
         hostile_violations: vec![],
-        windows: Windows::new(started),
+        windows: Windows::new(started, w.crash_log.with_file_name("faults.log")),
     };
     while Instant::now() < end {
         supervise(w.procs, rng);
@@ -255,12 +258,16 @@ fn timeline(crash_log: &Path, counted: &str, plan: &Plan, procs: &[Proc]) {
 
 /// Appends `what`, stamped with the time, to `faults.log` beside the crash log.
 fn timeline_line(crash_log: &Path, what: &str) {
+    append_timeline(&crash_log.with_file_name("faults.log"), what);
+}
+
+/// Appends `what`, stamped with the time, to the fault timeline at `path`.
+pub fn append_timeline(path: &Path, what: &str) {
     let line = format!("{} {what}\n", chrono::Utc::now().format("%H:%M:%S%.3f"));
-    let path = crash_log.with_file_name("faults.log");
     let appended = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(&path)
+        .open(path)
         .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
     if let Err(e) = appended {
         tracing::warn!(error = %e, path = %path.display(), "cannot write the fault timeline");

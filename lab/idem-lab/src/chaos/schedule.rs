@@ -168,13 +168,14 @@ impl Schedule {
         self.tick += 1;
         let roll = rng.below(100);
         let broker_due = now >= self.last_broker_fault + BROKER_EVERY;
-        choose_kind(
+        let kind = choose_kind(
             roll,
             self.tick,
             unfired.is_empty(),
             broker_due,
             first_broker_fault(faults),
-        )
+        );
+        first_of_each_signal(kind, faults)
     }
 
     /// Plans a crash point: the unfired one armed least often so far (a negative control's
@@ -244,6 +245,27 @@ pub fn first_round(rng: &mut Rng, points: &'static [&'static str]) -> Vec<&'stat
 /// Whether no broker fault happened yet (the first is not left to the dice).
 pub fn first_broker_fault(faults: &BTreeMap<String, u64>) -> bool {
     !faults.keys().any(|k| is_broker_fault(k))
+}
+
+/// The signals every run sends at least once, in this order, before the dice choose among
+/// them (as the first broker fault, they are not left to chance: a short run whose dice never
+/// rolled a pause would not have tested one).
+const EVERY_RUN_SIGNALS: [FaultKind; 3] = [
+    FaultKind::Sigkill,
+    FaultKind::Sigstop,
+    FaultKind::SigtermRestart,
+];
+
+/// `kind`, unless it is a signal (or a restart) while one of [`EVERY_RUN_SIGNALS`] never
+/// happened: then the first that never did.
+pub fn first_of_each_signal(kind: FaultKind, faults: &BTreeMap<String, u64>) -> FaultKind {
+    if !EVERY_RUN_SIGNALS.contains(&kind) {
+        return kind;
+    }
+    EVERY_RUN_SIGNALS
+        .into_iter()
+        .find(|k| faults.get(k.name()).copied().unwrap_or(0) == 0)
+        .unwrap_or(kind)
 }
 
 /// The kind of a fault from the dice (`roll` below 100) and the run's state: the first broker
@@ -485,6 +507,23 @@ mod tests {
         let mut all = CRASH_POINTS.to_vec();
         all.sort_unstable();
         assert_eq!(round, all);
+    }
+
+    #[test]
+    fn every_signal_comes_once_before_the_dice_choose_among_them() {
+        use FaultKind::*;
+        let mut faults = BTreeMap::new();
+        assert_eq!(first_of_each_signal(SigtermRestart, &faults), Sigkill);
+        assert_eq!(first_of_each_signal(CrashPoint, &faults), CrashPoint);
+        assert_eq!(first_of_each_signal(Broker, &faults), Broker);
+        faults.insert("sigkill".to_owned(), 3);
+        assert_eq!(first_of_each_signal(Sigkill, &faults), Sigstop);
+        faults.insert("sigstop".to_owned(), 1);
+        assert_eq!(first_of_each_signal(Sigkill, &faults), SigtermRestart);
+        faults.insert("sigterm_restart".to_owned(), 1);
+        for kind in EVERY_RUN_SIGNALS {
+            assert_eq!(first_of_each_signal(kind, &faults), kind, "the dice again");
+        }
     }
 
     #[test]

@@ -18,8 +18,15 @@
 //! lock opens only once every process but the writers runs unpaused, and no other fault is
 //! injected while it is held: events must reach the handlers during it, or the negative control
 //! has nothing to dead-letter (a broker kill or a paused
-//! consumer during the window leaves the handlers idle).
+//! consumer during the window leaves the handlers idle). Whether they did is measured, not
+//! assumed: the settlement consumers' `idem_consumer_retry_total`, scraped as the lock is taken
+//! and after it is released, must have risen past the negative control's budget (one event
+//! failing [`LOCK_FAILURES_WANTED`] times). A window that did not (the handlers had no event
+//! to fail on: a negative control then missed once in a CI run) is counted as
+//! `long_lock_idle`, written to `faults.log` with what the consumers did meanwhile, and the
+//! lock is taken again as soon as a window fits before the faults end.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::procs::{Proc, Role};
@@ -41,21 +48,33 @@ const SLOW_FOR: Duration = Duration::from_secs(15);
 const LOCK_HOLD: Duration = Duration::from_secs(5);
 /// The settlement consumers' `--lock-timeout-ms`.
 pub const LOCK_TIMEOUT_MS: &str = "50";
+/// Transient handler failures a long lock must cause to have tested anything: one event
+/// failing past the `transient-dead-letters` negative control's budget.
+pub const LOCK_FAILURES_WANTED: f64 = (idem_core::crash::BROKEN_TRANSIENT_BUDGET + 1) as f64;
+/// The settlement consumers' counters a long lock is judged by.
+const RETRIES: &str = "idem_consumer_retry_total";
+const PROCESSED: &str = "idem_consumer_processed_total";
 
 pub struct Windows {
     next_slow: Instant,
     slow_until: Option<Instant>,
     next_lock: Instant,
     lock: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    /// The settlement consumers' (retries, processed) when the lock was taken.
+    lock_baseline: (f64, f64),
+    /// The fault timeline (`faults.log`).
+    timeline: PathBuf,
 }
 
 impl Windows {
-    pub fn new(started: Instant) -> Self {
+    pub fn new(started: Instant, timeline: PathBuf) -> Self {
         Windows {
             next_slow: started + Duration::from_secs(8),
             slow_until: None,
             next_lock: started + Duration::from_secs(12),
             lock: None,
+            lock_baseline: (0.0, 0.0),
+            timeline,
         }
     }
 
@@ -94,6 +113,7 @@ impl Windows {
             && let Some(task) = self.lock.take()
         {
             task.await??;
+            self.lock_released(now, procs, faults);
         }
         if self.lock.is_none()
             && now >= self.next_lock
@@ -103,11 +123,38 @@ impl Windows {
             let AnyPool::Postgres(pool) = settlement.clone() else {
                 anyhow::bail!("the long-lock window needs the PostgreSQL settlement database");
             };
+            self.lock_baseline = settlement_counters(procs);
+            let paused = paused_writers(procs);
             self.lock = Some(tokio::spawn(hold_lock(pool, LOCK_HOLD)));
             *faults.entry("long_lock".to_owned()).or_default() += 1;
             self.next_lock = now + Duration::from_secs(30);
+            let what = format!("long_lock taken for {LOCK_HOLD:?}; writers paused: {paused:?}");
+            super::inject::append_timeline(&self.timeline, &what);
         }
         Ok(())
+    }
+
+    /// The lock was released: did the settlement handlers fail on it? If not, it is taken
+    /// again as soon as a window fits.
+    fn lock_released(
+        &mut self,
+        now: Instant,
+        procs: &mut [Proc],
+        faults: &mut std::collections::BTreeMap<String, u64>,
+    ) {
+        let (retries, processed) = settlement_counters(procs);
+        let failed = retries - self.lock_baseline.0;
+        let applied = processed - self.lock_baseline.1;
+        let idle = failed < LOCK_FAILURES_WANTED;
+        if idle {
+            *faults.entry("long_lock_idle".to_owned()).or_default() += 1;
+            self.next_lock = now;
+        }
+        let what = format!(
+            "long_lock released{}: settlement handler failures +{failed}, events applied +{applied}",
+            if idle { " IDLE (taken again)" } else { "" }
+        );
+        super::inject::append_timeline(&self.timeline, &what);
     }
 
     /// Whether the long lock is held: no other fault is injected meanwhile, so that events keep
@@ -149,6 +196,26 @@ fn pipeline_up(procs: &mut [Proc]) -> bool {
         .iter_mut()
         .filter(|p| p.role != Role::Writer)
         .all(|p| p.running() && p.paused_until.is_none())
+}
+
+/// The settlement consumers' retries and applied events, summed over their incarnations,
+/// scraped now.
+fn settlement_counters(procs: &mut [Proc]) -> (f64, f64) {
+    let mut sum = (0.0, 0.0);
+    for p in procs.iter_mut().filter(|p| p.role == Role::Settlement) {
+        p.scrape(&super::inject::COUNTERS);
+        sum.0 += p.total(RETRIES);
+        sum.1 += p.total(PROCESSED);
+    }
+    sum
+}
+
+fn paused_writers(procs: &mut [Proc]) -> Vec<String> {
+    procs
+        .iter_mut()
+        .filter(|p| p.role == Role::Writer)
+        .filter_map(|p| (p.paused_until.is_some() || !p.running()).then(|| p.name.clone()))
+        .collect()
 }
 
 async fn hold_lock(pool: sqlx::PgPool, hold: Duration) -> anyhow::Result<()> {
