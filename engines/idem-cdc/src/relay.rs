@@ -189,8 +189,10 @@ impl<P: Publisher> CdcRelay<P> {
     }
 
     /// Relays until `shutdown` completes. One reader per slot: while another session reads
-    /// it, this relay waits and takes over once that reader is gone. A failed session is
-    /// replaced by a new one from the slot's confirmed position; a lost slot stops the relay.
+    /// it, this relay waits and takes over once that reader is gone. A failed session (or a
+    /// failure to read the slot before one, as while the server is down) is replaced by a new
+    /// one from the slot's confirmed position; a lost slot or a configuration the server
+    /// refuses stops the relay.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<(), CdcError> {
         tokio::pin!(shutdown);
         if matches!(self.config.mode, Mode::Messages { .. }) {
@@ -198,10 +200,14 @@ impl<P: Publisher> CdcRelay<P> {
         }
         let mut backoff = self.config.retry_backoff;
         loop {
-            if !self.wait_for_slot(&mut shutdown).await? {
-                return Ok(());
-            }
-            match self.session(&mut shutdown).await {
+            // The server may be down between sessions too (a crash, a restart): reading the
+            // slot then fails like a session does, and is tried again the same way.
+            let ended = match self.wait_for_slot(&mut shutdown).await {
+                Ok(false) => return Ok(()),
+                Ok(true) => self.session(&mut shutdown).await,
+                Err(e) => Err(e),
+            };
+            match ended {
                 Ok(Ended::Shutdown) => return Ok(()),
                 Err(e @ (CdcError::SlotLost { .. } | CdcError::Config(_))) => return Err(e),
                 Err(e) => {

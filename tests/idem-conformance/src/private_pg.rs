@@ -80,7 +80,18 @@ impl PrivatePg {
 
     /// [`PrivatePg::crash_and_restart`], with the failure as an error.
     pub fn try_crash_and_restart(&self) -> io::Result<()> {
-        self.ctl(&["stop", "-m", "immediate"])?;
+        self.try_crash()?;
+        self.try_start_again()
+    }
+
+    /// Stops the server as a crash would and leaves it down (an outage); then
+    /// [`PrivatePg::try_start_again`].
+    pub fn try_crash(&self) -> io::Result<()> {
+        self.ctl(&["stop", "-m", "immediate"])
+    }
+
+    /// Starts the server after [`PrivatePg::try_crash`] (recovery replays the WAL).
+    pub fn try_start_again(&self) -> io::Result<()> {
         self.ctl(&["start"])
     }
 
