@@ -122,6 +122,11 @@ pub struct ChaosReport {
     pub hostile_rows: BTreeMap<String, String>,
     /// Panics in any process's log (a process a foreign writer or a remote can panic).
     pub panics: Vec<String>,
+    /// Processes that exited on their own: not killed or stopped by the runner, not a crash
+    /// point's abort (a relay giving up while PostgreSQL restarts, say). Reported, not yet a
+    /// failure: a consumer whose static member id the broker fenced stops by design (and is
+    /// restarted by the runner as a supervisor would).
+    pub unexpected_exits: Vec<String>,
     /// Executions of one Idempotency-Key that overlapped in the points API during slow
     /// windows (`points_lab_overlaps`): each is an effect the key failed to make once.
     pub overlapping_executions: i64,

@@ -37,6 +37,11 @@ pub struct Proc {
     log: PathBuf,
     /// Last scraped counter values per incarnation (metric name → value).
     pub scraped: BTreeMap<u32, BTreeMap<String, f64>>,
+    /// Asked to stop (SIGTERM): its exit is the runner's doing.
+    stopping: bool,
+    /// Exits the runner did not cause: no SIGKILL or SIGTERM of its, no crash point's abort
+    /// (a process that gives up on its own, as on a database that is down, is a defect).
+    pub unexpected_exits: Vec<String>,
 }
 
 /// A process of the run never outlives it: whatever ends the run (an error, an interrupt),
@@ -62,6 +67,8 @@ impl Proc {
             restart_at: None,
             armed_until: None,
             scraped: BTreeMap::new(),
+            stopping: false,
+            unexpected_exits: Vec::new(),
         }
     }
 
@@ -89,6 +96,7 @@ impl Proc {
             cmd.env(k, v);
         }
         self.child = Some(cmd.spawn()?);
+        self.stopping = false;
         self.paused_until = None;
         self.restart_at = None;
         self.armed_until = None;
@@ -126,7 +134,17 @@ impl Proc {
             None => false,
             Some(c) => match c.try_wait() {
                 Ok(None) => true,
-                _ => {
+                Ok(Some(status)) => {
+                    self.child = None;
+                    if !self.stopping && !is_crash_point_abort(status) {
+                        let what =
+                            format!("{} incarnation {} {status}", self.name, self.incarnation);
+                        tracing::warn!(exit = %what, "a process exited on its own");
+                        self.unexpected_exits.push(what);
+                    }
+                    false
+                }
+                Err(_) => {
                     self.child = None;
                     false
                 }
@@ -144,6 +162,7 @@ impl Proc {
 
     /// Asks the process to stop (SIGTERM, after SIGCONT) and waits up to `timeout`.
     pub fn stop(&mut self, timeout: Duration) -> bool {
+        self.stopping = true;
         self.signal(18);
         self.signal(15);
         let deadline = Instant::now() + timeout;
@@ -209,6 +228,12 @@ impl Proc {
             .filter_map(|m| m.get(name))
             .sum::<f64>()
     }
+}
+
+/// A crash point ends its process with `std::process::abort` (SIGABRT), and logs it.
+fn is_crash_point_abort(status: std::process::ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal() == Some(6)
 }
 
 fn http_get(addr: SocketAddr, path: &str) -> Option<String> {

@@ -18,6 +18,7 @@ struct Exact {
     hostile_rows: std::collections::BTreeMap<String, String>,
     hostile_violations: Vec<String>,
     panics: Vec<String>,
+    unexpected_exits: Vec<String>,
     overlapping_executions: i64,
     duplicate_deliveries: u64,
     duplicate_skips: u64,
@@ -87,6 +88,7 @@ pub async fn report(
         duplicate_effects: verify.duplicate_effects(),
         hostile_rows: exact.hostile_rows,
         panics: numbers.panics,
+        unexpected_exits: exact.unexpected_exits,
         overlapping_executions: exact.overlapping_executions,
         logs: None,
         verify,
@@ -117,6 +119,10 @@ async fn exact(
     let (hostile_rows, uncontained) = verdict::hostile_rows(&fates);
     hostile_violations.extend(uncontained);
     let panics: Vec<String> = procs.iter().flat_map(Proc::panics).collect();
+    let unexpected_exits: Vec<String> = procs
+        .iter()
+        .flat_map(|p| p.unexpected_exits.iter().cloned())
+        .collect();
     let overlapping_executions = windows::overlapping_executions(&dbs.points).await?;
     let sum = |name: &str| -> u64 { procs.iter().map(|p| p.total(name)).sum::<f64>() as u64 };
     Ok(Exact {
@@ -126,6 +132,7 @@ async fn exact(
         hostile_rows,
         hostile_violations,
         panics,
+        unexpected_exits,
         overlapping_executions,
         duplicate_deliveries: sum("idem_duplicate_delivery_total"),
         duplicate_skips: sum("idem_duplicate_skip_total"),

@@ -21,8 +21,10 @@
 //! consumer during the window leaves the handlers idle). Whether they did is measured, not
 //! assumed: the settlement consumers' `idem_consumer_retry_total`, scraped as the lock is taken
 //! and after it is released, must have risen past the negative control's budget (one event
-//! failing [`LOCK_FAILURES_WANTED`] times). A window that did not (the handlers had no event
-//! to fail on: a negative control then missed once in a CI run) is counted as
+//! failing [`LOCK_FAILURES_WANTED`] times), and no settlement consumer may have restarted
+//! during it (a crash point the retries reached ends the process that counted an event's
+//! failures). A window that failed either (the handlers had no event to fail on, as right
+//! after a broker kill, or one aborted: the negative control missed so) is counted as
 //! `long_lock_idle`, written to `faults.log` with what the consumers did meanwhile, and the
 //! lock is taken again as soon as a window fits before the faults end.
 
@@ -62,6 +64,8 @@ pub struct Windows {
     lock: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
     /// The settlement consumers' (retries, processed) when the lock was taken.
     lock_baseline: (f64, f64),
+    /// Their incarnations then.
+    lock_incarnations: Vec<u32>,
     /// The fault timeline (`faults.log`).
     timeline: PathBuf,
 }
@@ -74,6 +78,7 @@ impl Windows {
             next_lock: started + Duration::from_secs(12),
             lock: None,
             lock_baseline: (0.0, 0.0),
+            lock_incarnations: Vec::new(),
             timeline,
         }
     }
@@ -124,6 +129,7 @@ impl Windows {
                 anyhow::bail!("the long-lock window needs the PostgreSQL settlement database");
             };
             self.lock_baseline = settlement_counters(procs);
+            self.lock_incarnations = settlement_incarnations(procs);
             let paused = paused_writers(procs);
             self.lock = Some(tokio::spawn(hold_lock(pool, LOCK_HOLD)));
             *faults.entry("long_lock".to_owned()).or_default() += 1;
@@ -145,13 +151,15 @@ impl Windows {
         let (retries, processed) = settlement_counters(procs);
         let failed = retries - self.lock_baseline.0;
         let applied = processed - self.lock_baseline.1;
-        let idle = failed < LOCK_FAILURES_WANTED;
+        let restarted = settlement_incarnations(procs) != self.lock_incarnations;
+        let idle = failed < LOCK_FAILURES_WANTED || restarted;
         if idle {
             *faults.entry("long_lock_idle".to_owned()).or_default() += 1;
             self.next_lock = now;
         }
         let what = format!(
-            "long_lock released{}: settlement handler failures +{failed}, events applied +{applied}",
+            "long_lock released{}: settlement handler failures +{failed}, events applied \
+             +{applied}, a settlement consumer restarted in it: {restarted}",
             if idle { " IDLE (taken again)" } else { "" }
         );
         super::inject::append_timeline(&self.timeline, &what);
@@ -196,6 +204,17 @@ fn pipeline_up(procs: &mut [Proc]) -> bool {
         .iter_mut()
         .filter(|p| p.role != Role::Writer)
         .all(|p| p.running() && p.paused_until.is_none())
+}
+
+/// The settlement consumers' incarnations: one that changed during a window was restarted
+/// in it (a crash point the handlers' retries reached), and the failures it counted for an
+/// event died with it.
+fn settlement_incarnations(procs: &[Proc]) -> Vec<u32> {
+    procs
+        .iter()
+        .filter(|p| p.role == Role::Settlement)
+        .map(|p| p.incarnation)
+        .collect()
 }
 
 /// The settlement consumers' retries and applied events, summed over their incarnations,
