@@ -365,10 +365,7 @@ async fn an_idle_relay_confirms_the_servers_position_and_shows_it() {
     ] {
         sqlx::query(sql).execute(w.pg.pool()).await.unwrap();
     }
-    let written: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
-        .fetch_one(w.pg.pool())
-        .await
-        .unwrap();
+    let written = w.wal_position().await;
     assert!(written > at_start);
     let slot = Name::new("slot", &w.slot).unwrap();
     eventually(
@@ -455,10 +452,7 @@ async fn a_transaction_larger_than_a_batch_goes_out_in_parts_and_is_confirmed_wh
     crash::arm(CDC_AFTER_PUBLISH_BEFORE_CONFIRM, Action::Error, 2).unwrap();
     w.commit(&big).await;
     // At or past the big transaction's commit record: confirmed only once it is, whole.
-    let committed: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
-        .fetch_one(w.pg.pool())
-        .await
-        .unwrap();
+    let committed = w.wal_position().await;
     let got = w.records(before + big.len() + 20, &mut running).await;
     crash::disarm_all();
     assert_eq!(

@@ -261,10 +261,7 @@ async fn a_refusal_next_to_events_is_not_taken_off_the_published_count() {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    let after: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
-        .fetch_one(w.pg.pool())
-        .await
-        .unwrap();
+    let after = w.wal_position().await;
     w.expect(&[&events[0], &events[1]], &mut running).await;
     dead_letters(&w, 1, &mut running).await;
     // The counts are taken before the transaction is confirmed.

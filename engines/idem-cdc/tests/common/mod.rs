@@ -191,6 +191,14 @@ impl World {
 
     /// Commits a marker event and waits until it reached the topic: the relay's session has
     /// drained the table and streams. Returns how many records the topic holds then.
+    /// The server's current WAL write position, as a number: at or past every commit so far.
+    pub async fn wal_position(&self) -> i64 {
+        sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+            .fetch_one(self.pg.pool())
+            .await
+            .unwrap()
+    }
+
     pub async fn streaming(&self, relay: &mut Running) -> usize {
         let marker = event("marker", 0);
         self.commit(std::slice::from_ref(&marker)).await;
