@@ -1,6 +1,7 @@
 //! The replication plane: one `START_REPLICATION` session on the slot, through
 //! `pgwire-replication`, with the session settings the decoder relies on.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use pgwire_replication::{FeedbackObserver, Lsn, ReplicationClient, ReplicationConfig, TlsConfig};
@@ -16,52 +17,27 @@ pub const SESSION_OPTIONS: &str = "-c datestyle=ISO,YMD -c timezone=UTC -c extra
 /// what was acknowledged in the last interval, and the slot releases WAL this soon.
 pub const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 
-/// The replication settings for `url` (a `postgres://user:password@host:port/db` URL), reading
-/// `slot` through `publication`. Streaming starts at the slot's confirmed position (`0/0`
-/// asks the server for it), and nothing is acknowledged before the relay says so.
+/// The replication settings for `url` (a `postgres://user:password@host:port/db` URL, read as
+/// every pool reads it: [`idem_sql::PgUrl`]), reading `slot` through `publication`. Streaming
+/// starts at the slot's confirmed position (`0/0` asks the server for it), and nothing is
+/// acknowledged before the relay says so. The session's TLS is the URL's: the walsender is
+/// encrypted and verified exactly as the relay's pool is.
 pub fn replication_config(
     url: &str,
     slot: &Name,
     publication: &Name,
 ) -> Result<ReplicationConfig, CdcError> {
-    let parsed = url::Url::parse(url).map_err(|e| {
-        CdcError::Config(format!(
-            "the database URL is not a URL ({e}): use postgres://user:password@host:port/db"
-        ))
-    })?;
-    if !matches!(parsed.scheme(), "postgres" | "postgresql") {
-        return Err(CdcError::Config(format!(
-            "the CDC relay reads PostgreSQL only, not a {}: URL",
-            parsed.scheme()
-        )));
-    }
-    let decode = |s: &str| {
-        percent_encoding::percent_decode_str(s)
-            .decode_utf8_lossy()
-            .into_owned()
-    };
-    let host = parsed.host_str().unwrap_or("localhost").to_owned();
-    let user = match parsed.username() {
-        "" => "postgres".to_owned(),
-        u => decode(u),
-    };
-    let password = parsed.password().map(decode).unwrap_or_default();
-    let database = parsed.path().trim_start_matches('/');
-    let database = if database.is_empty() {
-        user.clone()
-    } else {
-        decode(database)
-    };
+    let target = idem_sql::PgUrl::parse(url).map_err(|e| CdcError::Config(e.to_string()))?;
     Ok(ReplicationConfig::new(
-        host,
-        user,
-        password,
-        database,
+        target.host.clone(),
+        target.user.clone(),
+        target.password().unwrap_or_default(),
+        target.database.clone(),
         slot.as_str(),
         publication.as_str(),
     )
-    .with_port(parsed.port().unwrap_or(5432))
-    .with_tls(TlsConfig::disabled())
+    .with_port(target.port)
+    .with_tls(tls_config(&target))
     .with_start_lsn(Lsn::ZERO)
     .with_options(SESSION_OPTIONS)
     .with_application_name(format!("idem-cdc-{slot}"))
@@ -70,6 +46,55 @@ pub fn replication_config(
     // With an observer the client can tell whether a confirmed position is still unsent
     // (`feedback_pending_since`): a graceful stop waits for it (see `stop`).
     .with_feedback_observer(FeedbackObserver::new(|_| {})))
+}
+
+/// The replication client's TLS settings for `target`'s. Two translations keep the meaning of
+/// the pool's settings: a host given as an IP address is verified against the certificate's
+/// IP names (the client refuses `verify-full` to an IP unless the name to check is given), and
+/// without `sslrootcert` the system's CA bundle is trusted, as the pools trust the system's
+/// roots (the client would otherwise trust a compiled-in list).
+fn tls_config(target: &idem_sql::PgUrl) -> TlsConfig {
+    use idem_sql::SslMode as M;
+    let roots = target.tls.root_cert.clone().or_else(|| {
+        target
+            .tls
+            .mode
+            .verifies_chain()
+            .then(system_ca_bundle)
+            .flatten()
+    });
+    let mut tls = match target.tls.mode {
+        M::Disable => return TlsConfig::disabled(),
+        M::Prefer => TlsConfig {
+            mode: pgwire_replication::SslMode::Prefer,
+            ..TlsConfig::default()
+        },
+        M::Require => TlsConfig::require(),
+        M::VerifyCa => TlsConfig::verify_ca(roots),
+        M::VerifyFull => TlsConfig::verify_full(roots),
+    };
+    if target.host.parse::<std::net::IpAddr>().is_ok() {
+        tls = tls.with_sni_hostname(target.host.clone());
+    }
+    if let (Some(c), Some(k)) = (&target.tls.client_cert, &target.tls.client_key) {
+        tls = tls.with_client_cert(c, k);
+    }
+    tls
+}
+
+/// The system's CA bundle: `SSL_CERT_FILE`, else the first of the usual places that exists.
+fn system_ca_bundle() -> Option<PathBuf> {
+    let candidates = [
+        "/etc/ssl/certs/ca-certificates.crt",
+        "/etc/pki/tls/certs/ca-bundle.crt",
+        "/etc/ssl/ca-bundle.pem",
+        "/etc/ssl/cert.pem",
+    ];
+    std::env::var_os("SSL_CERT_FILE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(candidates.iter().map(PathBuf::from))
+        .find(|p| p.is_file())
 }
 
 /// Ends the session gracefully: waits (at most twice the status interval) until the last
@@ -121,5 +146,48 @@ mod tests {
         let (s, p) = names();
         assert!(replication_config("sqlite://x.db", &s, &p).is_err());
         assert!(replication_config("not a url", &s, &p).is_err());
+    }
+
+    #[test]
+    fn the_session_s_tls_is_the_url_s() {
+        let (s, p) = names();
+        let tls = |url: &str| {
+            replication_config(url, &s, &p)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .tls
+        };
+        let dir = std::env::temp_dir();
+        let ca = dir.join(format!("idem-session-ca-{}.pem", std::process::id()));
+        std::fs::write(&ca, "not read here").unwrap_or_else(|e| panic!("{e}"));
+        let t = tls(&format!(
+            "postgres://u@127.0.0.1/d?sslmode=verify-full&sslrootcert={}",
+            ca.display()
+        ));
+        assert_eq!(t.mode, pgwire_replication::SslMode::VerifyFull);
+        assert_eq!(t.ca_pem_path.as_deref(), Some(ca.as_path()));
+        assert_eq!(
+            t.sni_hostname.as_deref(),
+            Some("127.0.0.1"),
+            "an IP is checked as an IP"
+        );
+        let t = tls(&format!(
+            "postgres://u@db.local/d?sslmode=require&sslrootcert={}",
+            ca.display()
+        ));
+        assert_eq!(
+            t.mode,
+            pgwire_replication::SslMode::VerifyCa,
+            "require with a CA, as libpq"
+        );
+        assert_eq!(t.sni_hostname, None);
+        assert_eq!(
+            tls("postgres://u@h/d").mode,
+            pgwire_replication::SslMode::Prefer
+        );
+        assert_eq!(
+            tls("postgres://u@h/d?sslmode=disable").mode,
+            pgwire_replication::SslMode::Disable
+        );
+        let _ = std::fs::remove_file(&ca);
     }
 }

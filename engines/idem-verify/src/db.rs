@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures::TryStreamExt;
 use idem_core::TableNames;
 use idem_sql::{AnyPool, Scheme};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use sqlx::{ConnectOptions, Connection, Executor, Row};
 use tokio::sync::{mpsc, oneshot};
@@ -68,9 +68,8 @@ impl Pools {
         }
         let db = match Scheme::of(url) {
             Ok(Scheme::Postgres) => {
-                let opts: PgConnectOptions = url
-                    .parse()
-                    .map_err(|e| db_error(url, "reading the PostgreSQL URL", e))?;
+                let target = idem_sql::PgUrl::parse(url).map_err(VerifyError::Connect)?;
+                let opts = target.connect_options().map_err(VerifyError::Connect)?;
                 // Full-table reads are slow by design: do not log them as slow statements.
                 let opts = opts.log_slow_statements(log::LevelFilter::Off, Duration::ZERO);
                 AnyPool::Postgres(
@@ -78,7 +77,9 @@ impl Pools {
                         .max_connections(4)
                         .connect_with(opts)
                         .await
-                        .map_err(|e| db_error(url, "connecting", e))?,
+                        .map_err(|e| {
+                            VerifyError::Connect(idem_sql::postgres_connect_error(&target, e))
+                        })?,
                 )
             }
             Ok(Scheme::Sqlite) => {

@@ -36,6 +36,9 @@ pub enum VerifyError {
         #[source]
         source: sqlx::Error,
     },
+    /// A database could not be reached (an unreadable URL, a TLS or authentication refusal).
+    #[error("{0}")]
+    Connect(#[source] idem_core::Error),
     /// A key column held NULL.
     #[error("a row read from {db} has a NULL key; filter NULL keys out in the query")]
     NullKey {

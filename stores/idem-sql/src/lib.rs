@@ -75,23 +75,46 @@ pub use writer::Outbox;
 pub use postgres::connect as connect_postgres;
 #[cfg(feature = "postgres")]
 pub use postgres::messages::MessageOutbox;
+#[cfg(feature = "postgres")]
+pub use postgres::url::{PgTls, PgUrl, SslMode};
+#[cfg(feature = "postgres")]
+pub use postgres::{
+    Refused, connect_error as postgres_connect_error, connect_to as connect_postgres_to,
+};
 #[cfg(feature = "sqlite")]
 pub use sqlite::connect as connect_sqlite;
 #[cfg(feature = "sqlite")]
 pub use sqlite::connect_with_pool_size as connect_sqlite_with_pool_size;
 
-/// `url` without its password, for messages.
+/// `url` without its secrets, for messages: the password of its user part and the value of
+/// every query parameter whose name holds `password` (`?password=…`, `?sslpassword=…`). An
+/// `@` further right than the user part (in a parameter) hides more, never less.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-                None => url.to_owned(),
-            }
+    let (mut out, rest) = match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
+            Some((user, _)) => (format!("{}{user}:***", &url[..s + 3]), &url[at..]),
+            None => (String::new(), url),
+        },
+        _ => (String::new(), url),
+    };
+    match rest.split_once('?') {
+        Some((path, query)) => {
+            out.push_str(path);
+            out.push('?');
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((k, _)) if k.to_ascii_lowercase().contains("password") => {
+                        format!("{k}=***")
+                    }
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            out.push_str(&pairs.join("&"));
         }
-        _ => url.to_owned(),
+        None => out.push_str(rest),
     }
+    out
 }
 
 /// `d` in whole milliseconds, saturating.
@@ -108,5 +131,14 @@ mod tests {
         assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
         assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
         assert_eq!(redact("sqlite:///tmp/a.db"), "sqlite:///tmp/a.db");
+        assert_eq!(
+            redact("postgres://u@h/db?sslmode=require&password=s3cret&PassWord=x&sslpassword=y"),
+            "postgres://u@h/db?sslmode=require&password=***&PassWord=***&sslpassword=***"
+        );
+        assert_eq!(
+            redact("postgres://u:a@b@h/db?x=1"),
+            "postgres://u:***@h/db?x=1"
+        );
+        assert_eq!(redact("postgres://u:a?b/c@h/db"), "postgres://u:***@h/db");
     }
 }

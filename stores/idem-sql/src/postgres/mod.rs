@@ -16,8 +16,10 @@ use crate::migrate::{Migrations, migrations};
 use crate::queries::{SqlSet, sql_set};
 
 pub(crate) mod messages;
+mod refusal;
 mod relay;
 mod retention;
+pub(crate) mod url;
 
 /// Table bases used in the SQL files.
 const BASES: &[&str] = &[
@@ -56,22 +58,49 @@ static MIGRATIONS: Migrations = migrations!(
 
 /// Connects a pool suited to the relay and the CLI.
 ///
+/// The URL is read as libpq reads it ([`url::PgUrl`]): `sslmode` (default `prefer`, TLS when the
+/// server offers it), `sslrootcert`, `sslcert`, `sslkey`; an unknown parameter is refused. A
+/// refused connection (an untrusted certificate, a role allowed only over TLS, a wrong
+/// password) fails with what to change.
+///
 /// Connections are not pinged before each use (`test_before_acquire(false)`): the ping is one
 /// more round trip per transaction, and a connection the server closed fails its next statement
 /// instead, an error every caller already handles (the relay logs and retries it; sqlx then drops
 /// the connection).
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
-    PgPoolOptions::new()
-        .max_connections(max_connections)
+    let target = url::PgUrl::parse(url)?;
+    connect_to(
+        &target,
+        PgPoolOptions::new().max_connections(max_connections),
+    )
+    .await
+}
+
+/// Connects `options`' pool to `target`, explaining a refusal.
+pub async fn connect_to(target: &url::PgUrl, options: PgPoolOptions) -> Result<PgPool> {
+    options
         .test_before_acquire(false)
-        .connect(url)
+        .connect_with(target.connect_options()?)
         .await
-        .map_err(|e| {
-            Error::database(
-                format!("connecting to PostgreSQL at {}", crate::redact(url)),
-                e,
-            )
-        })
+        .map_err(|e| connect_error(target, e))
+}
+
+/// The error of a failed connection to `target`: the driver's, with advice when idem
+/// recognises the refusal.
+pub fn connect_error(target: &url::PgUrl, e: sqlx::Error) -> Error {
+    let context = format!("connecting to PostgreSQL at {}", target.redacted());
+    match refusal::advice(&e, target) {
+        Some(advice) => Error::database(context, Refused { advice, source: e }),
+        None => Error::database(context, e),
+    }
+}
+
+/// A refusal idem recognises: what to do, then the driver's own words.
+#[derive(Debug, thiserror::Error)]
+#[error("{advice} (driver: {source})")]
+pub struct Refused {
+    advice: String,
+    source: sqlx::Error,
 }
 
 impl Dialect for Postgres {
