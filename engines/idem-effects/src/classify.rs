@@ -8,9 +8,10 @@ use idem_core::idempotency::{ClaimedIntent, IntentOutcome};
 
 use crate::DispatcherConfig;
 use crate::remote::{EffectPolicy, Probe};
+use crate::tls::TlsFailure;
 
 /// Why an intent was parked for a person.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ParkKind {
     /// 422: the remote says the key was used with a different request (an idempotency
@@ -21,6 +22,11 @@ pub enum ParkKind {
     /// The remote kept answering 409 or 429 until the last allowed attempt
     /// ([`DispatcherConfig::busy_attempts`]).
     Busy,
+    /// The TLS handshake failed ([`TlsFailure`]): the remote's certificate is not trusted,
+    /// expired or for another name, the remote wants a client certificate, or it does not
+    /// speak TLS. Retrying cannot help until a person changes the certificates; the remote did
+    /// not process the request.
+    Tls(TlsFailure),
 }
 
 /// How an attempt ended, as the dispatcher classified it: an [`IntentOutcome`] that also says
@@ -87,6 +93,9 @@ pub enum Reply {
         /// The client's error, for the reason.
         error: String,
     },
+    /// The TLS handshake failed in a way only a person can fix (decided by
+    /// [`crate::tls_failure`]): the remote did not process the request.
+    Tls(TlsFailure),
 }
 
 /// What a status probe found, as the `result` label of `idem_effect_probe_total`.
@@ -210,6 +219,17 @@ pub fn classify_reply(reply: Reply, attempt: i32, config: &DispatcherConfig) -> 
             },
             // A refused connection never reached the remote.
             !connect,
+        ),
+        // Parking is safe: `tls_failure` reports only failures before the request was written
+        // (the handshake did not complete) and the TLS 1.3 refusal of a client certificate,
+        // which the remote's TLS layer decides before it reads the request. Retrying is
+        // useless: the same certificates meet the same refusal, after every backoff.
+        Reply::Tls(failure) => (
+            Verdict::Park {
+                reason: failure.reason(),
+                kind: ParkKind::Tls(failure),
+            },
+            false,
         ),
     }
 }

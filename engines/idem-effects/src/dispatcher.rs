@@ -21,9 +21,10 @@ use crate::metrics::EffectMetrics;
 use crate::pipeline::{Buffered, OutcomeBuffer, claim_size, may_claim};
 use crate::remote::{CompensationError, EffectPolicy, Policies};
 use crate::status::{IntentStatus, UnknownStatus};
+use crate::tls::{HttpTls, LoadedTls, diagnose, tls_failure};
 
-/// Dispatcher settings.
-#[derive(Clone, Debug)]
+/// Dispatcher settings. Its `Debug` never shows the `authorization` value.
+#[derive(Clone)]
 pub struct DispatcherConfig {
     /// Intents per claim.
     pub batch: u32,
@@ -58,6 +59,33 @@ pub struct DispatcherConfig {
     /// kill loses at most the outcomes waiting; their intents are sent again, with the same key,
     /// after the lease.
     pub outcome_delay: Duration,
+    /// HTTPS: the CA bundle trusted besides (or instead of) the system's roots, and the client
+    /// certificate presented for mutual TLS. Read and checked when the dispatcher is built.
+    pub tls: HttpTls,
+}
+
+impl std::fmt::Debug for DispatcherConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatcherConfig")
+            .field("batch", &self.batch)
+            .field("lease", &self.lease)
+            .field("timeout", &self.timeout)
+            .field("backoff", &self.backoff)
+            .field("backoff_max", &self.backoff_max)
+            .field(
+                "authorization",
+                &self.authorization.as_ref().map(|_| "<redacted>"),
+            )
+            .field("concurrency", &self.concurrency)
+            .field("lease_margin", &self.lease_margin)
+            .field("busy_attempts", &self.busy_attempts)
+            .field("idle_min", &self.idle_min)
+            .field("idle_max", &self.idle_max)
+            .field("outcome_batch", &self.outcome_batch)
+            .field("outcome_delay", &self.outcome_delay)
+            .field("tls", &self.tls)
+            .finish()
+    }
 }
 
 impl Default for DispatcherConfig {
@@ -76,6 +104,7 @@ impl Default for DispatcherConfig {
             idle_max: Duration::from_millis(200),
             outcome_batch: 64,
             outcome_delay: Duration::from_millis(5),
+            tls: HttpTls::default(),
         }
     }
 }
@@ -135,6 +164,8 @@ pub enum CompensateError {
 pub struct Dispatcher<S> {
     store: S,
     client: reqwest::Client,
+    /// The client's TLS configuration, for the handshake diagnosis of unexplained failures.
+    tls: LoadedTls,
     config: DispatcherConfig,
     metrics: EffectMetrics,
     policies: Policies,
@@ -220,7 +251,8 @@ impl<S: IntentStore> Dispatcher<S> {
     }
 
     /// A dispatcher over `store`. Refuses a lease too short for a probe and a request
-    /// (`lease >= 2 × timeout + lease_margin`).
+    /// (`lease >= 2 × timeout + lease_margin`) and TLS settings whose files are missing, not
+    /// PEM, or a client key that does not match its certificate ([`HttpTls::load`]).
     pub fn new(store: S, config: DispatcherConfig, metrics: EffectMetrics) -> Result<Self> {
         let needed = config
             .timeout
@@ -233,13 +265,18 @@ impl<S: IntentStore> Dispatcher<S> {
                 config.lease
             )));
         }
-        let client = reqwest::Client::builder()
-            .timeout(config.timeout)
+        let tls = config
+            .tls
+            .load()
+            .map_err(|e| idem_core::Error::Config(e.to_string()))?;
+        let client = tls
+            .apply(reqwest::Client::builder().timeout(config.timeout))
             .build()
             .map_err(|e| idem_core::Error::Config(format!("building the HTTP client: {e}")))?;
         Ok(Dispatcher {
             store,
             client,
+            tls,
             config,
             metrics,
             policies: Policies::new(),
@@ -637,7 +674,29 @@ impl<S: IntentStore> Dispatcher<S> {
                     retry_after,
                 }
             }
-            Err(e) => Reply::Failed {
+            Err(e) => self.failed(&c.intent.target, &e).await,
+        }
+    }
+
+    /// What a request that got no answer means: a TLS failure when its error says so, or when
+    /// a handshake without a request shows the remote refusing this client (only after a
+    /// failure other than a timeout, to an `https://` target); otherwise an ordinary failure.
+    ///
+    /// The diagnosis may park an attempt whose own error was ambiguous (a connection reset
+    /// after the request was written): it is safe because the remote refuses the handshake of
+    /// this client with these certificates, and a refused handshake never carries a request;
+    /// the failed attempt used the same certificates (a remote whose TLS settings changed in
+    /// between is the one case it cannot rule out).
+    async fn failed(&self, target: &str, e: &reqwest::Error) -> Reply {
+        let gave = self.tls.has_client_certificate();
+        let mut failure = tls_failure(e, e.is_connect(), gave);
+        if failure.is_none() && !e.is_timeout() {
+            let within = self.config.timeout.min(Duration::from_secs(2));
+            failure = diagnose(self.tls.client_config(), target, within, gave).await;
+        }
+        match failure {
+            Some(failure) => Reply::Tls(failure),
+            None => Reply::Failed {
                 timed_out: e.is_timeout(),
                 connect: e.is_connect(),
                 error: e.to_string(),
@@ -652,8 +711,13 @@ impl<S: IntentStore> Dispatcher<S> {
             Verdict::Done { .. } => m.successes.with_label_values(&labels).inc(),
             Verdict::Retry { .. } => m.retries.with_label_values(&labels).inc(),
             Verdict::Park { kind, .. } => {
-                if *kind == ParkKind::Conflict {
-                    m.conflicts.with_label_values(&labels).inc();
+                match kind {
+                    ParkKind::Conflict => m.conflicts.with_label_values(&labels).inc(),
+                    ParkKind::Tls(failure) => m
+                        .tls_failures
+                        .with_label_values(&[labels[0], labels[1], failure.label()])
+                        .inc(),
+                    _ => {}
                 }
                 m.parked.with_label_values(&labels).inc();
             }
@@ -760,6 +824,20 @@ async fn at(t: Option<Instant>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_settings_debug_output_never_shows_the_authorization() {
+        let config = DispatcherConfig {
+            authorization: Some("Bearer s3cr3t-token".into()),
+            ..DispatcherConfig::default()
+        };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("s3cr3t"), "{shown}");
+        assert!(
+            shown.contains("authorization: Some(\"<redacted>\")"),
+            "{shown}"
+        );
+    }
 
     /// At one instant, a claim is either due (started, or held back by slots or the buffer,
     /// whose ending wakes the loop) or waited for: never neither. Before, the timer read the

@@ -15,6 +15,10 @@
 //! | 409 (the remote is still processing the key), 429 | retried with exponential backoff (never shorter than the remote's `Retry-After`), same key, until [`DispatcherConfig::busy_attempts`]; then parked for a person |
 //! | 422 (the key was used with a different body) | parked for a person; `idem_idempotency_conflict_total` |
 //! | other 4xx | parked with the reason |
+//! | TLS handshake failure (certificate not trusted, expired or for another name; a client certificate demanded or refused; not TLS) | parked with the reason ([`TlsFailure`]); `idem_effect_tls_failure_total` |
+//!
+//! HTTPS uses rustls (ring) with the system's roots, a CA bundle and a client certificate
+//! ([`HttpTls`], in [`DispatcherConfig::tls`]); a target's scheme is never changed.
 //!
 //! Duplicate windows: a crash after the remote applied the effect and before the outcome is
 //! recorded (`effect.after_http_success_before_record`) leads to a new attempt with the same
@@ -49,6 +53,7 @@ mod metrics;
 pub mod pipeline;
 pub mod remote;
 mod status;
+pub mod tls;
 
 pub use classify::{
     ParkKind, ProbeResult, Reply, Verdict, backoff_after, bound_busy, classify, lease_allows_send,
@@ -62,3 +67,4 @@ pub use remote::{
     Probe, StatusProbe, TemplateError,
 };
 pub use status::{IntentStatus, UnknownStatus};
+pub use tls::{HttpTls, LoadedTls, TlsConfigError, TlsFailure, tls_failure};

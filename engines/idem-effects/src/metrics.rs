@@ -16,6 +16,10 @@ pub struct EffectMetrics {
     pub conflicts: IntCounterVec,
     /// `idem_effect_parked_total`.
     pub parked: IntCounterVec,
+    /// `idem_effect_tls_failure_total{failure}`: intents parked because the TLS handshake
+    /// failed, by [`crate::TlsFailure::label`] (`unknown_issuer`, `expired`, `wrong_name`,
+    /// `client_certificate_required`, …); each is also counted in `idem_effect_parked_total`.
+    pub tls_failures: IntCounterVec,
     /// `idem_effect_unknown_total`: intents whose outcome cannot be known (a remote without keys).
     pub unknown: IntCounterVec,
     /// `idem_effect_probe_total{result}`: status probes by what they found.
@@ -74,6 +78,10 @@ impl EffectMetrics {
             IntCounterVec::new(Opts::new(name, help), &["effect", "target", "result"])
                 .map_err(config_error)
         };
+        let with_failure = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["effect", "target", "failure"])
+                .map_err(config_error)
+        };
         Ok(EffectMetrics {
             attempts: v(
                 "idem_effect_attempts_total",
@@ -94,6 +102,10 @@ impl EffectMetrics {
             parked: v(
                 "idem_effect_parked_total",
                 "Effect intents parked for a person.",
+            )?,
+            tls_failures: with_failure(
+                "idem_effect_tls_failure_total",
+                "Effect intents parked because the TLS handshake failed, by failure (unknown_issuer, expired, wrong_name, client_certificate_required, ...).",
             )?,
             unknown: v(
                 "idem_effect_unknown_total",
@@ -132,13 +144,14 @@ impl EffectMetrics {
         })
     }
 
-    fn all(&self) -> [&IntCounterVec; 10] {
+    fn all(&self) -> [&IntCounterVec; 11] {
         [
             &self.attempts,
             &self.successes,
             &self.retries,
             &self.conflicts,
             &self.parked,
+            &self.tls_failures,
             &self.unknown,
             &self.probes,
             &self.compensations,

@@ -254,11 +254,24 @@ fn is_empty_value(v: &serde_json::Value) -> bool {
 /// A probe that GETs a URL built from a template ([`fill_template`]): `200` whose body meets
 /// the [`AppliedWhen`] condition → applied, fails it explicitly → not applied, anything else →
 /// unknown; `404` → not applied; another 4xx → unknown; 5xx, 429 or no answer → unavailable.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct HttpStatusProbe {
     template: String,
     authorization: Option<String>,
     applied_when: AppliedWhen,
+}
+
+impl std::fmt::Debug for HttpStatusProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpStatusProbe")
+            .field("template", &self.template)
+            .field(
+                "authorization",
+                &self.authorization.as_ref().map(|_| "<redacted>"),
+            )
+            .field("applied_when", &self.applied_when)
+            .finish()
+    }
 }
 
 impl HttpStatusProbe {
@@ -301,6 +314,18 @@ impl StatusProbe for HttpStatusProbe {
             }
             let resp = match req.send().await {
                 Ok(r) => r,
+                // A failed handshake fails again on every attempt: the probe cannot tell, and a
+                // person must fix the certificates (not an endless retry).
+                Err(e) if crate::tls::tls_failure(&e, e.is_connect(), false).is_some() => {
+                    let failure = crate::tls::tls_failure(&e, e.is_connect(), false);
+                    return Probe::Unknown {
+                        reason: format!(
+                            "status probe {url}: its TLS handshake failed ({}): fix the \
+                             certificates (see docs/integrating/https-remotes.md)",
+                            failure.map_or("tls", |f| f.label())
+                        ),
+                    };
+                }
                 Err(e) => {
                     return Probe::Unavailable {
                         reason: format!("status probe {url}: {e}"),
@@ -335,10 +360,22 @@ impl StatusProbe for HttpStatusProbe {
 /// A compensation that POSTs the intent's body to a URL template ([`fill_template`]) with its
 /// own stable key, `event-<event id>-<effect>.compensate`: a 2xx (or a 404, nothing to undo)
 /// means compensated.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct HttpCompensation {
     template: String,
     authorization: Option<String>,
+}
+
+impl std::fmt::Debug for HttpCompensation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpCompensation")
+            .field("template", &self.template)
+            .field(
+                "authorization",
+                &self.authorization.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
 }
 
 impl HttpCompensation {

@@ -555,3 +555,217 @@ async fn lab_executions(State(lab): State<Arc<LabState>>) -> Response {
     }))
     .into_response()
 }
+
+/// The points API over HTTPS (rustls with the ring provider): its certificate and key, and
+/// optionally the CA that client certificates must be issued by (then every client must
+/// present one).
+pub mod https {
+    use std::future::Future;
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use axum::Router;
+    use hyper_util::rt::TokioIo;
+    use hyper_util::service::TowerToHyperService;
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio_rustls::TlsAcceptor;
+
+    /// The longest a client may take to complete its handshake.
+    const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+    /// After a refused handshake, how long the connection stays open for the client to read
+    /// the alert (a close with unread bytes would reset it before the alert is read).
+    const LINGER: Duration = Duration::from_secs(1);
+
+    /// The server's TLS files (PEM).
+    #[derive(Clone, Debug)]
+    pub struct ServerTls {
+        /// The server's certificate chain (the end-entity certificate first).
+        pub cert: PathBuf,
+        /// Its private key (PKCS#8, PKCS#1 or SEC1).
+        pub key: PathBuf,
+        /// Require a client certificate issued by a CA in this file.
+        pub client_ca: Option<PathBuf>,
+    }
+
+    /// Why the server's TLS files cannot be used; each message names the file. None holds key
+    /// material.
+    #[derive(Debug, thiserror::Error)]
+    #[non_exhaustive]
+    pub enum ServerTlsError {
+        /// A file cannot be read.
+        #[error("cannot read the {what} {}: {source}; check the path and its permissions", path.display())]
+        Read {
+            /// Which file.
+            what: &'static str,
+            /// The file.
+            path: PathBuf,
+            /// The I/O error.
+            #[source]
+            source: std::io::Error,
+        },
+        /// A file holds no PEM certificate, or no PEM key.
+        #[error("the {what} {} holds no usable PEM {expected}: give it in PEM", path.display())]
+        NotPem {
+            /// Which file.
+            what: &'static str,
+            /// The file.
+            path: PathBuf,
+            /// What was looked for (`certificate`, `private key`).
+            expected: &'static str,
+        },
+        /// rustls refused the certificate, the key or the client CA (a key that does not
+        /// match the certificate, an unsupported algorithm, a CA that is not one).
+        #[error("the TLS settings cannot be used ({what}): {reason}")]
+        Refused {
+            /// What was refused.
+            what: String,
+            /// What rustls says.
+            reason: String,
+        },
+    }
+
+    fn certificates(
+        what: &'static str,
+        path: &Path,
+    ) -> Result<Vec<CertificateDer<'static>>, ServerTlsError> {
+        let pem = std::fs::read(path).map_err(|source| ServerTlsError::Read {
+            what,
+            path: path.to_owned(),
+            source,
+        })?;
+        let certs: Vec<_> = CertificateDer::pem_slice_iter(&pem)
+            .collect::<Result<_, _>>()
+            .unwrap_or_default();
+        if certs.is_empty() {
+            return Err(ServerTlsError::NotPem {
+                what,
+                path: path.to_owned(),
+                expected: "certificate",
+            });
+        }
+        Ok(certs)
+    }
+
+    impl ServerTls {
+        /// The acceptor, after reading and checking the files (the key matches the
+        /// certificate).
+        pub fn acceptor(&self) -> Result<TlsAcceptor, ServerTlsError> {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let chain = certificates("server certificate", &self.cert)?;
+            let key_pem = std::fs::read(&self.key).map_err(|source| ServerTlsError::Read {
+                what: "server key",
+                path: self.key.clone(),
+                source,
+            })?;
+            let key =
+                PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| ServerTlsError::NotPem {
+                    what: "server key",
+                    path: self.key.clone(),
+                    expected: "private key",
+                })?;
+            let refused = |what: String| {
+                move |e: rustls::Error| ServerTlsError::Refused {
+                    what,
+                    reason: e.to_string(),
+                }
+            };
+            let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .map_err(refused("protocol versions".to_owned()))?;
+            let builder = match &self.client_ca {
+                None => builder.with_no_client_auth(),
+                Some(ca) => {
+                    let mut roots = rustls::RootCertStore::empty();
+                    for cert in certificates("client CA", ca)? {
+                        roots
+                            .add(cert)
+                            .map_err(refused(format!("client CA {}", ca.display())))?;
+                    }
+                    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                        Arc::new(roots),
+                        provider,
+                    )
+                    .build()
+                    .map_err(|e| ServerTlsError::Refused {
+                        what: format!("client CA {}", ca.display()),
+                        reason: e.to_string(),
+                    })?;
+                    builder.with_client_cert_verifier(verifier)
+                }
+            };
+            let mut config = builder
+                .with_single_cert(chain, key)
+                .map_err(refused(format!(
+                    "server certificate {} with key {}",
+                    self.cert.display(),
+                    self.key.display()
+                )))?;
+            config.alpn_protocols = vec![b"http/1.1".to_vec()];
+            Ok(TlsAcceptor::from(Arc::new(config)))
+        }
+    }
+
+    /// Serves `app` over HTTPS (HTTP/1.1) on `listener` until `shutdown` completes, then lets
+    /// the connections in progress finish their requests. A refused handshake is logged
+    /// (`warn`, with the peer and rustls' reason) and its connection closed after the alert.
+    pub async fn serve(
+        listener: TcpListener,
+        acceptor: TlsAcceptor,
+        app: Router,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        tokio::pin!(shutdown);
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        loop {
+            let (tcp, peer) = tokio::select! {
+                () = &mut shutdown => break,
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of descriptors and the like: the next accept may work.
+                        tracing::warn!(error = %e, "points API: accept failed");
+                        continue;
+                    }
+                },
+            };
+            let acceptor = acceptor.clone();
+            let service = TowerToHyperService::new(app.clone());
+            let watcher = graceful.watcher();
+            tokio::spawn(async move {
+                let accepted =
+                    tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp).into_fallible())
+                        .await;
+                let tls = match accepted {
+                    Ok(Ok(tls)) => tls,
+                    Ok(Err((e, mut tcp))) => {
+                        tracing::warn!(%peer, error = %e, "points API: TLS handshake refused");
+                        // The alert is written; wait for the client to read it and close.
+                        let _ = tcp.shutdown().await;
+                        let mut sink = [0_u8; 1024];
+                        let _ = tokio::time::timeout(LINGER, async {
+                            while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
+                        })
+                        .await;
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::warn!(%peer, "points API: TLS handshake timed out");
+                        return;
+                    }
+                };
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tls), service);
+                if let Err(e) = watcher.watch(conn).await {
+                    tracing::debug!(%peer, error = %e, "points API: connection ended");
+                }
+            });
+        }
+        drop(listener);
+        graceful.shutdown().await;
+        Ok(())
+    }
+}
