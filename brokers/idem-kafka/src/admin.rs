@@ -44,11 +44,17 @@ const CONNECTION_PREFIXES: &[&str] = &[
 /// cluster — bootstrap servers, `security.*`, `ssl.*`, `sasl.*`, `client.*`, `socket.*` — for
 /// the metadata and admin clients built beside it: a secured cluster refuses a client made
 /// from the bootstrap servers alone.
+///
+/// The values are read with [`ClientConfig::get`]: rdkafka's `config_map` replaces secrets
+/// (`sasl.password`, …) with a placeholder, which a copy would send to the broker as the
+/// password.
 pub fn connection_of(config: &ClientConfig) -> ClientConfig {
     let mut conn = ClientConfig::new();
-    for (k, v) in config.config_map() {
-        if CONNECTION_PREFIXES.iter().any(|p| k.starts_with(p)) {
-            conn.set(k, v);
+    for k in config.config_map().keys() {
+        if CONNECTION_PREFIXES.iter().any(|p| k.starts_with(p))
+            && let Some(v) = config.get(k)
+        {
+            conn.set(*k, v);
         }
     }
     conn
@@ -62,8 +68,12 @@ pub fn connection(brokers: &str) -> ClientConfig {
 }
 
 fn metadata_client(conn: &ClientConfig) -> Result<BaseConsumer> {
-    conn.create()
-        .map_err(|e| Error::broker("creating a metadata client", e))
+    conn.create().map_err(|e| {
+        Error::broker(
+            "creating a metadata client",
+            crate::security::client_error(&e),
+        )
+    })
 }
 
 /// The ids of the brokers the cluster reports, sorted.
@@ -169,9 +179,12 @@ pub async fn topic_durability(
             "the topic does not exist",
         ));
     };
-    let admin: AdminClient<DefaultClientContext> = conn
-        .create()
-        .map_err(|e| Error::broker("creating the Kafka admin client", e))?;
+    let admin: AdminClient<DefaultClientContext> = conn.create().map_err(|e| {
+        Error::broker(
+            "creating the Kafka admin client",
+            crate::security::client_error(&e),
+        )
+    })?;
     let opts = AdminOptions::new().request_timeout(Some(timeout));
     let configs = admin
         .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
@@ -247,6 +260,7 @@ mod tests {
             .set("security.protocol", "SASL_SSL")
             .set("sasl.mechanism", "SCRAM-SHA-512")
             .set("sasl.username", "relay")
+            .set("sasl.password", "the-password")
             .set("ssl.ca.location", "/etc/ca.pem")
             .set("acks", "all")
             .set("enable.idempotence", "true");
@@ -256,6 +270,7 @@ mod tests {
             "security.protocol",
             "sasl.mechanism",
             "sasl.username",
+            "sasl.password",
             "ssl.ca.location",
         ] {
             assert_eq!(conn.get(key), producer.get(key), "{key}");

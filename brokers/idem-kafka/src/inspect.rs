@@ -65,18 +65,39 @@ impl Record {
     }
 }
 
+/// An inspection consumer on `conn`'s servers and security with `extra` settings.
+fn inspector(conn: &ClientConfig, extra: &[(&str, &str)]) -> Result<BaseConsumer<QuietEof>> {
+    let mut cfg = crate::admin::connection_of(conn);
+    for (k, v) in extra {
+        cfg.set(*k, *v);
+    }
+    cfg.create_with_context(QuietEof).map_err(|e| {
+        Error::broker(
+            "creating an inspection consumer",
+            crate::security::client_error(&e),
+        )
+    })
+}
+
 /// Reads every record of `topic` up to the high watermarks taken when the call starts, in
 /// partition then offset order. Fails if that takes longer than `timeout`.
 pub fn read_all(brokers: &str, topic: &str, timeout: Duration) -> Result<Vec<Record>> {
+    read_all_with(&crate::admin::connection(brokers), topic, timeout)
+}
+
+/// [`read_all`] through a connection (a [`crate::Connection::client_config`], or any client
+/// configuration whose servers and security settings are used).
+pub fn read_all_with(conn: &ClientConfig, topic: &str, timeout: Duration) -> Result<Vec<Record>> {
     let deadline = Instant::now() + timeout;
-    let consumer: BaseConsumer<QuietEof> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", "idem-inspect")
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "true")
-        .create_with_context(QuietEof)
-        .map_err(|e| Error::broker("creating an inspection consumer", e))?;
+    let consumer = inspector(
+        conn,
+        &[
+            ("group.id", "idem-inspect"),
+            ("enable.auto.commit", "false"),
+            ("enable.auto.offset.store", "false"),
+            ("enable.partition.eof", "true"),
+        ],
+    )?;
     let metadata = consumer
         .fetch_metadata(Some(topic), remaining(deadline)?)
         .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;
@@ -192,10 +213,7 @@ fn remaining(deadline: Instant) -> Result<Duration> {
 /// The sum over `topic`'s partitions of the high watermarks the broker reports (a lower bound
 /// on the records in the topic: some brokers leave the last batch out).
 pub fn high_watermark_sum(brokers: &str, topic: &str, timeout: Duration) -> Result<i64> {
-    let consumer: BaseConsumer<QuietEof> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create_with_context(QuietEof)
-        .map_err(|e| Error::broker("creating an inspection consumer", e))?;
+    let consumer = inspector(&crate::admin::connection(brokers), &[])?;
     let metadata = consumer
         .fetch_metadata(Some(topic), timeout)
         .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;
@@ -217,12 +235,20 @@ pub fn committed_offsets(
     topic: &str,
     timeout: Duration,
 ) -> Result<Vec<(i32, i64)>> {
-    let consumer: BaseConsumer<QuietEof> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create_with_context(QuietEof)
-        .map_err(|e| Error::broker("creating an inspection consumer", e))?;
+    committed_offsets_with(&crate::admin::connection(brokers), group, topic, timeout)
+}
+
+/// [`committed_offsets`] through a connection (servers and security of `conn`).
+pub fn committed_offsets_with(
+    conn: &ClientConfig,
+    group: &str,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<(i32, i64)>> {
+    let consumer = inspector(
+        conn,
+        &[("group.id", group), ("enable.auto.commit", "false")],
+    )?;
     let metadata = consumer
         .fetch_metadata(Some(topic), timeout)
         .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;

@@ -30,7 +30,6 @@ use std::time::Duration;
 use futures::future::join_all;
 use idem_core::publish::{FailureKind, Message, PublishError, Publisher};
 use idem_core::{Error, Result};
-use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -43,8 +42,15 @@ use rdkafka::producer::{
 
 pub mod admin;
 pub mod inspect;
+pub mod security;
 pub mod source;
 
+/// librdkafka's client configuration, as [`Connection`] and the config builders return it.
+pub use rdkafka::ClientConfig;
+pub use security::{
+    ConnectError, Connection, KafkaSecurity, OAuthBearer, SaslMechanism, Secret, SecurityError,
+    SecurityProtocol,
+};
 pub use source::{KafkaSource, consumer_config};
 
 /// Producer settings the at-least-once guarantee depends on. [`producer_config`] sets them and
@@ -70,11 +76,21 @@ pub const DEFAULT_PRODUCER_SETTINGS: &[(&str, &str)] = &[
 /// The `bootstrap.servers` value that starts the in-process mock cluster.
 pub const EMBEDDED: &str = "embedded";
 
-/// Builds the relay's producer configuration: `overrides` (from `--producer-config k=v`)
-/// on top of idem's defaults, with the safety settings forced.
+/// Builds the relay's producer configuration for a PLAINTEXT connection to `brokers`:
+/// [`Connection::producer_config`] of [`Connection::plaintext`].
 pub fn producer_config(brokers: &str, overrides: &[(String, String)]) -> Result<ClientConfig> {
-    let mut cfg = ClientConfig::new();
-    cfg.set("bootstrap.servers", brokers);
+    Connection::plaintext(brokers).producer_config(overrides)
+}
+
+/// The relay's producer configuration: the connection's servers and security, `overrides`
+/// (from `--producer-config k=v`) on top of idem's defaults, the safety settings forced. An
+/// override of a security setting the connection sets differently is refused, and the
+/// resulting security is validated like the `--kafka-*` flags.
+pub(crate) fn producer_config_for(
+    conn: &Connection,
+    overrides: &[(String, String)],
+) -> Result<ClientConfig> {
+    let mut cfg = conn.client_config();
     cfg.set("client.id", "idem-relay");
     for (k, v) in DEFAULT_PRODUCER_SETTINGS {
         cfg.set(*k, *v);
@@ -103,12 +119,22 @@ pub fn producer_config(brokers: &str, overrides: &[(String, String)]) -> Result<
                 "set the brokers with --brokers, not bootstrap.servers".to_owned(),
             ));
         }
+        conn.check_override("producer", k, v)?;
         cfg.set(k.as_str(), v.as_str());
     }
     for (k, v) in FORCED_PRODUCER_SETTINGS {
         cfg.set(*k, *v);
     }
+    validate_security(&cfg)?;
     Ok(cfg)
+}
+
+/// Validates the security settings of a finished client configuration (the flags' and the
+/// overrides' together), as [`KafkaSecurity::validate`] does.
+pub(crate) fn validate_security(cfg: &ClientConfig) -> Result<()> {
+    KafkaSecurity::from_client_config(cfg)
+        .and_then(|s| s.validate())
+        .map_err(|e| Error::Config(e.to_string()))
 }
 
 /// The relay bounds every batch by `message.timeout.ms` (and its lease by twice that): it must
@@ -372,7 +398,7 @@ impl KafkaPublisher {
 fn create_producer(config: &ClientConfig) -> Result<FutureProducer> {
     config
         .create::<FutureProducer>()
-        .map_err(|e| Error::broker("creating the Kafka producer", e))
+        .map_err(|e| Error::broker("creating the Kafka producer", security::client_error(&e)))
 }
 
 /// Classifies a librdkafka error for the relay's retry policy. Permanent (parked after
@@ -638,9 +664,12 @@ pub async fn ensure_topics_with(
             "topics need at least 1 partition and 1 replica (asked: {partitions} partitions, {replication} replicas)"
         )));
     }
-    let admin: AdminClient<DefaultClientContext> = conn
-        .create()
-        .map_err(|e| Error::broker("creating the Kafka admin client", e))?;
+    let admin: AdminClient<DefaultClientContext> = conn.create().map_err(|e| {
+        Error::broker(
+            "creating the Kafka admin client",
+            security::client_error(&e),
+        )
+    })?;
     let new: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(replication)))

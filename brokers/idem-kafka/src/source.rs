@@ -27,6 +27,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_core::{Delivery, Error, LagProbe, Result, Source};
+
+use crate::security::Connection;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
@@ -81,17 +83,26 @@ pub const PREFETCH_LIMITS: &[&str] = &[
 /// broker owns them, so idem's defaults for them are left out.
 pub const CLASSIC_GROUP_SETTINGS: &[&str] = &["session.timeout.ms", "heartbeat.interval.ms"];
 
-/// Builds a consumer configuration for `group`: `overrides` on top of idem's defaults, with the
-/// at-least-once settings forced.
+/// Builds a consumer configuration for `group` on a PLAINTEXT connection to `brokers`:
+/// [`Connection::consumer_config`] of [`Connection::plaintext`].
 pub fn consumer_config(
     brokers: &str,
     group: &str,
     overrides: &[(String, String)],
 ) -> Result<ClientConfig> {
-    let mut cfg = ClientConfig::new();
-    cfg.set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .set("client.id", "idem-consumer");
+    Connection::plaintext(brokers).consumer_config(group, overrides)
+}
+
+/// A consumer configuration for `group`: the connection's servers and security, `overrides`
+/// on top of idem's defaults, the at-least-once settings forced; an override of a security
+/// setting the connection sets differently is refused, and the resulting security validated.
+pub(crate) fn consumer_config_for(
+    conn: &Connection,
+    group: &str,
+    overrides: &[(String, String)],
+) -> Result<ClientConfig> {
+    let mut cfg = conn.client_config();
+    cfg.set("group.id", group).set("client.id", "idem-consumer");
     // KIP-848 (`group.protocol=consumer`) moves session timeouts and heartbeats to the broker,
     // and librdkafka refuses a consumer that sets them itself.
     let kip848 = overrides
@@ -116,11 +127,13 @@ pub fn consumer_config(
                 "set {k} with its own option, not as a consumer setting"
             )));
         }
+        conn.check_override("consumer", k, v)?;
         cfg.set(k.as_str(), v.as_str());
     }
     for (k, v) in FORCED_CONSUMER_SETTINGS {
         cfg.set(*k, *v);
     }
+    crate::validate_security(&cfg)?;
     Ok(cfg)
 }
 
@@ -250,7 +263,12 @@ impl KafkaSource {
     pub fn new(config: &ClientConfig, topics: &[String]) -> Result<Self> {
         let consumer: StreamConsumer<RebalanceContext> = config
             .create_with_context(RebalanceContext::default())
-            .map_err(|e| Error::broker("creating the Kafka consumer", e))?;
+            .map_err(|e| {
+                Error::broker(
+                    "creating the Kafka consumer",
+                    crate::security::client_error(&e),
+                )
+            })?;
         let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
         consumer
             .subscribe(&refs)

@@ -247,7 +247,8 @@ pub trait Handler<C>: Send + Sync + 'static {
 /// The span the handler runs in for one event: `idem.handle`, a consumer span whose parent is
 /// the remote context of the event's `traceparent` (captured at enqueue, carried in the Kafka
 /// header), so an OpenTelemetry exporter links the handler to the trace that produced the
-/// event. Without a `tracing-opentelemetry` layer the parent is simply not recorded.
+/// event. Without a `tracing-opentelemetry` layer the parent is simply not recorded; the
+/// span's `trace_id` field holds the trace id either way.
 ///
 /// The default [`Handler::handle_batch`] runs each [`Handler::handle`] in it. A handler that
 /// overrides `handle_batch` enters it around what it does for one event in particular, such
@@ -259,7 +260,18 @@ pub fn event_span(event: &InboundEvent) -> tracing::Span {
         event_id = %event.event_id,
         event_type = %event.event_type,
         messaging.destination.name = %event.topic,
+        trace_id = tracing::field::Empty,
     );
+    // The trace id in every log line of the event's handling (`--log-format json`), with or
+    // without an OpenTelemetry layer: the second field of `00-<trace id>-<span id>-<flags>`.
+    if let Some(trace_id) = event
+        .traceparent
+        .as_deref()
+        .and_then(|tp| tp.split('-').nth(1))
+        .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+    {
+        span.record("trace_id", trace_id);
+    }
     if let Some(cx) = event
         .traceparent
         .as_deref()

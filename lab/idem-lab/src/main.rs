@@ -75,20 +75,20 @@ fn cli() -> clap::Command {
     })
 }
 
-fn parse() -> Result<Parsed, clap::Error> {
-    let matches = cli().try_get_matches()?;
+fn parse(matches: &clap::ArgMatches) -> Result<Parsed, clap::Error> {
     if let Some(("dead-letters", dl)) = matches.subcommand()
         && dl.subcommand_name().is_some()
     {
         let DeadLettersCommand::Replay(args) = DeadLettersCommand::from_arg_matches(dl)?;
         return Ok(Parsed::Replay(args));
     }
-    Ok(Parsed::Cli(Cli::from_arg_matches(&matches)?))
+    Ok(Parsed::Cli(Cli::from_arg_matches(matches)?))
 }
 
 fn main() -> std::process::ExitCode {
-    let parsed = parse().unwrap_or_else(|e| e.exit());
-    idem_cli::main_with("idem-lab", run(parsed))
+    let (matches, log) = idem_cli::settings::matches(cli());
+    let parsed = parse(&matches).unwrap_or_else(|e| e.exit());
+    idem_cli::main_with("idem-lab", log, run(parsed))
 }
 
 async fn run(parsed: Parsed) -> anyhow::Result<()> {

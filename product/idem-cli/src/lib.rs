@@ -17,6 +17,7 @@ mod topic_cmd;
 pub mod db;
 pub mod dead_letters_cmd;
 pub mod metrics_server;
+pub mod settings;
 pub mod util;
 pub mod verify_cmd;
 
@@ -80,21 +81,27 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
-/// A binary's `main`: logs to standard error (`RUST_LOG`, default `info`), runs `program` on a
-/// multi-threaded runtime, and turns its result into the exit status: the status of a
-/// [`verify_cmd::ExitWith`], else 1 with `BIN: error: …` (each cause printed once).
-pub fn main_with<F>(bin: &str, program: F) -> std::process::ExitCode
+/// A binary's `main`: logs to standard error (`RUST_LOG`, default `info`) in `log`'s format,
+/// runs `program` on a multi-threaded runtime, and turns its result into the exit status: the
+/// status of a [`verify_cmd::ExitWith`], else 1 with `BIN: error: …` (each cause printed once).
+pub fn main_with<F>(bin: &str, log: settings::LogFormat, program: F) -> std::process::ExitCode
 where
     F: std::future::Future<Output = anyhow::Result<()>>,
 {
-    tracing_subscriber::fmt()
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx::postgres::notice=warn"));
+    let fmt = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("info,sqlx::postgres::notice=warn")
-            }),
-        )
-        .init();
+        .with_env_filter(filter);
+    match log {
+        settings::LogFormat::Text => fmt.init(),
+        settings::LogFormat::Json => fmt
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .flatten_event(true)
+            .init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -112,7 +119,14 @@ where
             std::process::ExitCode::from(code)
         }
         Err(e) => {
-            eprintln!("{bin}: error: {}", error_message(&e));
+            let message = error_message(&e);
+            match log {
+                settings::LogFormat::Text => eprintln!("{bin}: error: {message}"),
+                settings::LogFormat::Json => eprintln!(
+                    "{}",
+                    serde_json::json!({"level": "ERROR", "target": bin, "message": message})
+                ),
+            }
             std::process::ExitCode::FAILURE
         }
     }

@@ -2,7 +2,7 @@
 //! outbox, deliver effect intents, list dead letters, prune, verify, and create and read topics.
 //! (The demo, chaos runs, benchmarks and reference services are the lab's: `idem-lab`.)
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 /// Effectively-once business effects on top of at-least-once delivery.
 #[derive(Parser, Debug)]
@@ -13,6 +13,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
-    idem_cli::main_with("idem", idem_cli::run(cli.command))
+    let (matches, log) = idem_cli::settings::matches(Cli::command());
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    idem_cli::main_with("idem", log, idem_cli::run(cli.command))
 }
