@@ -1,22 +1,37 @@
 // Formats the storage of every node of a new cluster in one JVM (three JVMs side by side take
 // twice as long on a two-core machine). Single-file source program (JEP 330):
 //
-//   java -cp 'LIBS/*' Format.java CLUSTER_ID SERVER_PROPERTIES...
+//   java -cp 'LIBS/*' Format.java [--add-scram SPEC]... CLUSTER_ID SERVER_PROPERTIES...
 //
 // Each file gets `kafka.tools.StorageTool format -t CLUSTER_ID -c FILE`, as kafka-storage.sh
-// would run it. The quorum is static (controller.quorum.voters), so no --standalone or
+// would run it, with every `--add-scram SPEC` (for example
+// 'SCRAM-SHA-512=[name=alice,password=secret]': a SCRAM user created in the metadata at
+// format time). The quorum is static (controller.quorum.voters), so no --standalone or
 // --initial-controllers. Exits with the first non-zero status.
+
+import java.util.ArrayList;
+import java.util.List;
 
 public class Format {
     public static void main(String[] args) {
-        if (args.length < 2) {
-            System.err.println("usage: java -cp 'libs/*' Format.java CLUSTER_ID SERVER_PROPERTIES...");
+        List<String> scram = new ArrayList<>();
+        int first = 0;
+        while (first + 1 < args.length && args[first].equals("--add-scram")) {
+            scram.add("--add-scram");
+            scram.add(args[first + 1]);
+            first += 2;
+        }
+        if (args.length - first < 2) {
+            System.err.println("usage: java -cp 'libs/*' Format.java [--add-scram SPEC]... CLUSTER_ID SERVER_PROPERTIES...");
             System.exit(2);
         }
-        for (int i = 1; i < args.length; i++) {
+        String clusterId = args[first];
+        for (int i = first + 1; i < args.length; i++) {
             int rc;
+            List<String> argv = new ArrayList<>(List.of("format", "-t", clusterId, "-c", args[i]));
+            argv.addAll(scram);
             try {
-                rc = kafka.tools.StorageTool.execute(new String[] {"format", "-t", args[0], "-c", args[i]}, System.out);
+                rc = kafka.tools.StorageTool.execute(argv.toArray(new String[0]), System.out);
             } catch (Exception e) {
                 System.err.println("formatting " + args[i] + " failed: " + e);
                 rc = 1;

@@ -1,11 +1,15 @@
 // Readiness probe for the cluster of scripts/kafka. Single-file source program (JEP 330):
 //
-//   java -cp 'LIBS/*' Ready.java BOOTSTRAP EXPECTED_BROKERS TIMEOUT_SECS
+//   java -cp 'LIBS/*' Ready.java BOOTSTRAP EXPECTED_BROKERS TIMEOUT_SECS [CLIENT_PROPERTIES]
 //
+// CLIENT_PROPERTIES (a secured cluster's login: security.protocol, ssl.*, sasl.*) is read
+// into the admin client's settings.
 // Exits 0 once EXPECTED_BROKERS brokers are registered and unfenced and a throw-away topic
 // with replication factor EXPECTED_BROKERS has a leader and a full ISR (it is deleted again);
 // exits 1 with the last problem seen when TIMEOUT_SECS pass first. Progress goes to stderr.
 
+import java.io.FileInputStream;
+import java.io.InputStream;
 import java.util.Collection;
 import java.util.List;
 import java.util.Properties;
@@ -25,8 +29,8 @@ import org.apache.kafka.common.errors.TopicExistsException;
 
 public class Ready {
     public static void main(String[] args) throws Exception {
-        if (args.length != 3) {
-            System.err.println("usage: java -cp 'libs/*' Ready.java BOOTSTRAP EXPECTED_BROKERS TIMEOUT_SECS");
+        if (args.length != 3 && args.length != 4) {
+            System.err.println("usage: java -cp 'libs/*' Ready.java BOOTSTRAP EXPECTED_BROKERS TIMEOUT_SECS [CLIENT_PROPERTIES]");
             System.exit(2);
         }
         String bootstrap = args[0];
@@ -34,6 +38,11 @@ public class Ready {
         long deadline = System.nanoTime() + Long.parseLong(args[2]) * 1_000_000_000L;
 
         Properties props = new Properties();
+        if (args.length == 4) {
+            try (InputStream in = new FileInputStream(args[3])) {
+                props.load(in);
+            }
+        }
         props.put(AdminClientConfig.BOOTSTRAP_SERVERS_CONFIG, bootstrap);
         props.put(AdminClientConfig.CLIENT_ID_CONFIG, "idem-kafka-ready");
         props.put(AdminClientConfig.REQUEST_TIMEOUT_MS_CONFIG, "3000");

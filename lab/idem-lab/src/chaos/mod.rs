@@ -61,7 +61,9 @@ pub struct ChaosArgs {
     #[arg(long, default_value_t = 25.0)]
     pub rate: f64,
     /// Break one mechanism on purpose (a negative control): the run must report a violation.
-    #[arg(long = "break", value_parser = negative_controls())]
+    /// Its variable is `IDEM_CHAOS_BREAK`: `IDEM_BREAK` is the fault the runner hands its
+    /// processes.
+    #[arg(long = "break", env = "IDEM_CHAOS_BREAK", value_parser = negative_controls())]
     pub break_mechanism: Option<String>,
     /// How long the pipeline may take to settle after the faults stop.
     #[arg(long, default_value = "180s", value_parser = idem_cli::util::parse_duration)]
