@@ -9,7 +9,7 @@ use clap::Args;
 use idem_consumer::replay::{ReplayRequest, ReplayResult, Replayed, replay};
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::InboxStore;
-use idem_kafka::{KafkaSource, consumer_config};
+use idem_kafka::KafkaSource;
 use idem_reference::{PaidOrder, Settlement};
 use idem_sql::Dialect;
 
@@ -72,13 +72,16 @@ pub async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[derive(Args, Debug)]
+#[derive(Args)]
 pub struct SettlementArgs {
     #[command(flatten)]
     db: DbArgs,
     /// Kafka bootstrap servers.
     #[arg(long, env = "IDEM_BROKERS")]
     brokers: String,
+    /// How to reach and authenticate to the cluster (TLS, SASL).
+    #[command(flatten)]
+    kafka: Box<idem_cli::kafka_args::KafkaArgs>,
     /// Consumer group (the inbox is keyed by group and event id).
     #[arg(long, default_value = "settlement")]
     group: String,
@@ -110,6 +113,28 @@ pub struct SettlementArgs {
     lock_timeout_ms: Option<u64>,
 }
 
+impl std::fmt::Debug for SettlementArgs {
+    /// The `--consumer-config` values of secret settings (`sasl.password=…`) are redacted.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SettlementArgs")
+            .field("db", &self.db)
+            .field("brokers", &self.brokers)
+            .field("kafka", &self.kafka)
+            .field("group", &self.group)
+            .field("topics", &self.topics)
+            .field("batch_size", &self.batch_size)
+            .field("metrics_addr", &self.metrics_addr)
+            .field(
+                "consumer_config",
+                &idem_kafka::security::describe_settings(&self.consumer_config),
+            )
+            .field("handler", &self.handler)
+            .field("points_url", &self.points_url)
+            .field("lock_timeout_ms", &self.lock_timeout_ms)
+            .finish()
+    }
+}
+
 /// The settlement handler with `--lock-timeout-ms` applied.
 fn settlement_handler<I>(handler: Settlement<I>, args: &SettlementArgs) -> Settlement<I> {
     match args.lock_timeout_ms {
@@ -127,7 +152,11 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
         let bound = idem_cli::metrics_server::serve(addr, registry.clone()).await?;
         eprintln!("idem settlement: metrics on http://{bound}/metrics");
     }
-    let kafka = consumer_config(&args.brokers, &args.group, &args.consumer_config)?;
+    let kafka = args
+        .kafka
+        .connection(&args.brokers)?
+        .consumer_config(&args.group, &args.consumer_config)?;
+    args.kafka.check(&kafka, "idem settlement").await?;
     let source = KafkaSource::new(&kafka, &args.topics)?;
     let mut config = ConsumerConfig::new(&args.group);
     config.batch_size = args.batch_size.max(1);

@@ -188,7 +188,8 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     config.dead_letter_topic = args.dead_letter_topic.clone();
     config.delete_published = args.delete_published;
 
-    let kafka = crate::relay_cmd::Kafka::connect(&args.brokers, &args.producer, "idem cdc relay")?;
+    let kafka =
+        crate::relay_cmd::Kafka::connect(&args.brokers, &args.producer, "idem cdc relay").await?;
     let (_embedded, brokers, publisher) = (kafka.embedded, kafka.brokers, kafka.publisher);
     let publisher = std::sync::Arc::new(publisher);
     let registry = prometheus::Registry::new();

@@ -16,6 +16,7 @@ mod topic_cmd;
 
 pub mod db;
 pub mod dead_letters_cmd;
+pub mod kafka_args;
 pub mod metrics_server;
 pub mod settings;
 pub mod util;

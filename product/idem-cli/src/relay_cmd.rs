@@ -75,7 +75,7 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     idem_sql::with_store!(&store, s => s.relay().status().await.map(|_| ()))
         .context("reading the outbox (did you run `idem migrate`?)")?;
 
-    let kafka = Kafka::connect(&args.brokers, &args.producer, "idem relay")?;
+    let kafka = Kafka::connect(&args.brokers, &args.producer, "idem relay").await?;
     let (brokers, timeout_ms, publisher) =
         (kafka.brokers, kafka.message_timeout_ms, kafka.publisher);
     let _embedded = kafka.embedded;
@@ -139,8 +139,11 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
 }
 
 /// The producer settings both relays take.
-#[derive(Debug, clap::Args)]
+#[derive(clap::Args)]
 pub(crate) struct ProducerArgs {
+    /// How to reach and authenticate to the cluster (TLS, SASL).
+    #[command(flatten)]
+    pub(crate) kafka: Box<crate::kafka_args::KafkaArgs>,
     /// librdkafka producer setting KEY=VALUE (repeatable). Settings the guarantee needs are refused.
     #[arg(long = "producer-config", value_parser = idem_kafka::parse_setting)]
     pub(crate) producer_config: Vec<(String, String)>,
@@ -151,6 +154,21 @@ pub(crate) struct ProducerArgs {
     /// while the brokers cannot be counted, nothing is created and the batch is retried).
     #[arg(long, requires = "create_topics", value_parser = clap::value_parser!(i32).range(1..))]
     pub(crate) replication_factor: Option<i32>,
+}
+
+impl std::fmt::Debug for ProducerArgs {
+    /// The `--producer-config` values of secret settings (`sasl.password=…`) are redacted.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProducerArgs")
+            .field("kafka", &self.kafka)
+            .field(
+                "producer_config",
+                &idem_kafka::security::describe_settings(&self.producer_config),
+            )
+            .field("create_topics", &self.create_topics)
+            .field("replication_factor", &self.replication_factor)
+            .finish()
+    }
 }
 
 /// The Kafka side of a relay: the brokers (librdkafka's mock cluster for `embedded`, kept
@@ -167,18 +185,29 @@ pub(crate) struct Kafka {
 }
 
 impl Kafka {
-    /// Connects to `brokers` with the `producer_config` overrides (the guarantee's settings are
-    /// refused); `bin` names the command in what it prints.
-    pub(crate) fn connect(brokers: &str, args: &ProducerArgs, bin: &str) -> anyhow::Result<Self> {
-        let (embedded, servers) = if brokers == EMBEDDED {
+    /// Connects to `brokers` with the `--kafka-*` security and the `producer_config` overrides
+    /// (the guarantee's settings are refused), checking a real cluster once before the relay
+    /// starts (a refused login or certificate stops it here); `bin` names the command in what
+    /// it prints.
+    pub(crate) async fn connect(
+        brokers: &str,
+        args: &ProducerArgs,
+        bin: &str,
+    ) -> anyhow::Result<Self> {
+        let conn = args.kafka.connection(brokers)?;
+        let (embedded, conn) = if brokers == EMBEDDED {
             let cluster = EmbeddedCluster::start(1)?;
             let servers = cluster.bootstrap_servers();
             eprintln!("{bin}: embedded mock cluster at {servers}");
-            (Some(cluster), servers)
+            (Some(cluster), conn.with_brokers(servers))
         } else {
-            (None, brokers.to_owned())
+            (None, conn)
         };
-        let producer = idem_kafka::producer_config(&servers, &args.producer_config)?;
+        let servers = conn.brokers().to_owned();
+        let producer = conn.producer_config(&args.producer_config)?;
+        if embedded.is_none() {
+            args.kafka.check(&producer, bin).await?;
+        }
         let message_timeout_ms: u64 = producer
             .get("message.timeout.ms")
             .and_then(|v| v.parse().ok())

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use clap::Subcommand;
 
+use crate::kafka_args::KafkaArgs;
+
 #[derive(Subcommand, Debug)]
 pub enum TopicCommand {
     /// Create topics (existing ones are left alone).
@@ -20,6 +22,9 @@ pub enum TopicCommand {
         /// Replicas per partition.
         #[arg(long, default_value_t = 1)]
         replication: i32,
+        /// How to reach and authenticate to the cluster (TLS, SASL).
+        #[command(flatten)]
+        kafka: Box<KafkaArgs>,
     },
     /// Print every record of a topic as JSON lines (partition, offset, key, headers, payload).
     Dump {
@@ -32,6 +37,9 @@ pub enum TopicCommand {
         /// Give up after this many seconds.
         #[arg(long, default_value_t = 30)]
         timeout_secs: u64,
+        /// How to reach and authenticate to the cluster (TLS, SASL).
+        #[command(flatten)]
+        kafka: Box<KafkaArgs>,
     },
 }
 
@@ -42,20 +50,26 @@ pub async fn run(cmd: TopicCommand) -> anyhow::Result<()> {
             topics,
             partitions,
             replication,
+            kafka,
         } => {
             for t in &topics {
                 idem_core::event::validate_topic(t).map_err(anyhow::Error::msg)?;
             }
-            idem_kafka::ensure_topics(&brokers, &topics, partitions, replication).await?;
+            let conn = kafka.connection(&brokers)?.client_config();
+            kafka.check(&conn, "idem topic create").await?;
+            idem_kafka::ensure_topics_with(&conn, &topics, partitions, replication).await?;
             println!("topics ready: {}", topics.join(", "));
         }
         TopicCommand::Dump {
             brokers,
             topic,
             timeout_secs,
+            kafka,
         } => {
+            let conn = kafka.connection(&brokers)?.client_config();
+            kafka.check(&conn, "idem topic dump").await?;
             let records = tokio::task::spawn_blocking(move || {
-                idem_kafka::inspect::read_all(&brokers, &topic, Duration::from_secs(timeout_secs))
+                idem_kafka::inspect::read_all_with(&conn, &topic, Duration::from_secs(timeout_secs))
             })
             .await??;
             for r in records {

@@ -4,7 +4,7 @@
 
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::{Dedup, EventId, InboxEntry, InboxStore, Result, StoredDeadLetter};
-use idem_kafka::{KafkaSource, consumer_config};
+use idem_kafka::KafkaSource;
 use idem_postgres::PgInbox;
 use sqlx::PgConnection;
 
@@ -99,7 +99,7 @@ pub async fn run(args: LabConsumerArgs) -> anyhow::Result<()> {
     let shutdown = idem_cli::util::shutdown_signal()?;
     let pool = idem_postgres::connect(&args.db, 4).await?;
     idem_reference::ensure_schema_postgres(&pool).await?;
-    let kafka = consumer_config(&args.brokers, &args.group, &args.consumer_config)?;
+    let kafka = args.consumer_config()?;
     let source = KafkaSource::new(&kafka, std::slice::from_ref(&args.topic))?;
     let mut config = ConsumerConfig::new(&args.group);
     config.batch_size = args.batch_size.max(1);

@@ -1,0 +1,227 @@
+//! The Kafka connection flags every command that talks to Kafka flattens (`idem relay`, `idem
+//! cdc relay`, `idem topic …`, the lab's consumers): TLS, SASL (PLAIN, SCRAM, OAUTHBEARER) and
+//! the start-up connection check. Each flag is also an `IDEM_KAFKA_…` environment variable;
+//! each secret also comes from a file (`--…-file`, `IDEM_KAFKA_…_FILE`), and the values of
+//! secret variables are hidden from `--help`. docs/operating/kafka-security.md lists them.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Args;
+use idem_kafka::{
+    ConnectError, Connection, KafkaSecurity, OAuthBearer, SaslMechanism, Secret, SecurityProtocol,
+};
+
+use crate::util::parse_duration;
+
+/// How to reach and authenticate to the Kafka cluster.
+#[derive(Args, Clone, Default)]
+pub struct KafkaArgs {
+    /// Kafka security protocol: PLAINTEXT, SSL (TLS, with --kafka-ssl-cert for mutual TLS),
+    /// SASL_PLAINTEXT or SASL_SSL.
+    #[arg(long, env = "IDEM_KAFKA_SECURITY_PROTOCOL", value_name = "PROTOCOL")]
+    pub kafka_security_protocol: Option<String>,
+    /// SASL mechanism (SASL_* protocols): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER.
+    #[arg(long, env = "IDEM_KAFKA_SASL_MECHANISM", value_name = "MECHANISM")]
+    pub kafka_sasl_mechanism: Option<String>,
+    /// SASL user (PLAIN, SCRAM; a Confluent Cloud API key).
+    #[arg(long, env = "IDEM_KAFKA_SASL_USERNAME", value_name = "USER")]
+    pub kafka_sasl_username: Option<String>,
+    /// SASL password (prefer --kafka-sasl-password-file or the environment: a command line is
+    /// visible to every user of the host).
+    #[arg(
+        long,
+        env = "IDEM_KAFKA_SASL_PASSWORD",
+        hide_env_values = true,
+        value_name = "PASSWORD"
+    )]
+    pub kafka_sasl_password: Option<String>,
+    /// File holding the SASL password (one trailing newline is dropped).
+    #[arg(long, env = "IDEM_KAFKA_SASL_PASSWORD_FILE", value_name = "FILE")]
+    pub kafka_sasl_password_file: Option<PathBuf>,
+    /// PEM file of the CA(s) that signed the brokers' certificates (default: the system's
+    /// CA bundle).
+    #[arg(long, env = "IDEM_KAFKA_SSL_CA", value_name = "FILE")]
+    pub kafka_ssl_ca: Option<PathBuf>,
+    /// This client's PEM certificate, for mutual TLS.
+    #[arg(long, env = "IDEM_KAFKA_SSL_CERT", value_name = "FILE")]
+    pub kafka_ssl_cert: Option<PathBuf>,
+    /// The PEM private key of --kafka-ssl-cert.
+    #[arg(long, env = "IDEM_KAFKA_SSL_KEY", value_name = "FILE")]
+    pub kafka_ssl_key: Option<PathBuf>,
+    /// Passphrase of an encrypted --kafka-ssl-key.
+    #[arg(
+        long,
+        env = "IDEM_KAFKA_SSL_KEY_PASSWORD",
+        hide_env_values = true,
+        value_name = "PASSWORD"
+    )]
+    pub kafka_ssl_key_password: Option<String>,
+    /// File holding the passphrase of --kafka-ssl-key.
+    #[arg(long, env = "IDEM_KAFKA_SSL_KEY_PASSWORD_FILE", value_name = "FILE")]
+    pub kafka_ssl_key_password_file: Option<PathBuf>,
+    /// OAUTHBEARER: the OIDC token endpoint (https://…/token) tokens are fetched from with
+    /// client credentials.
+    #[arg(long, env = "IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT", value_name = "URL")]
+    pub kafka_oauth_token_endpoint: Option<String>,
+    /// OAUTHBEARER: the OIDC client id.
+    #[arg(long, env = "IDEM_KAFKA_OAUTH_CLIENT_ID", value_name = "ID")]
+    pub kafka_oauth_client_id: Option<String>,
+    /// OAUTHBEARER: the OIDC client secret (prefer the -file form or the environment).
+    #[arg(
+        long,
+        env = "IDEM_KAFKA_OAUTH_CLIENT_SECRET",
+        hide_env_values = true,
+        value_name = "SECRET"
+    )]
+    pub kafka_oauth_client_secret: Option<String>,
+    /// OAUTHBEARER: file holding the OIDC client secret.
+    #[arg(long, env = "IDEM_KAFKA_OAUTH_CLIENT_SECRET_FILE", value_name = "FILE")]
+    pub kafka_oauth_client_secret_file: Option<PathBuf>,
+    /// OAUTHBEARER: the scope to ask the token for.
+    #[arg(long, env = "IDEM_KAFKA_OAUTH_SCOPE", value_name = "SCOPE")]
+    pub kafka_oauth_scope: Option<String>,
+    /// How long the start-up check may take to reach the cluster (a refused login, an
+    /// untrusted certificate or the wrong protocol stop the command at once; an unreachable
+    /// cluster is only warned about, and the command goes on trying).
+    #[arg(long, env = "IDEM_KAFKA_CONNECT_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub kafka_connect_timeout: Duration,
+}
+
+impl fmt::Debug for KafkaArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secret = |s: &Option<String>| s.as_ref().map(|_| idem_kafka::security::REDACTED);
+        f.debug_struct("KafkaArgs")
+            .field("kafka_security_protocol", &self.kafka_security_protocol)
+            .field("kafka_sasl_mechanism", &self.kafka_sasl_mechanism)
+            .field("kafka_sasl_username", &self.kafka_sasl_username)
+            .field("kafka_sasl_password", &secret(&self.kafka_sasl_password))
+            .field("kafka_sasl_password_file", &self.kafka_sasl_password_file)
+            .field("kafka_ssl_ca", &self.kafka_ssl_ca)
+            .field("kafka_ssl_cert", &self.kafka_ssl_cert)
+            .field("kafka_ssl_key", &self.kafka_ssl_key)
+            .field(
+                "kafka_ssl_key_password",
+                &secret(&self.kafka_ssl_key_password),
+            )
+            .field(
+                "kafka_ssl_key_password_file",
+                &self.kafka_ssl_key_password_file,
+            )
+            .field(
+                "kafka_oauth_token_endpoint",
+                &self.kafka_oauth_token_endpoint,
+            )
+            .field("kafka_oauth_client_id", &self.kafka_oauth_client_id)
+            .field(
+                "kafka_oauth_client_secret",
+                &secret(&self.kafka_oauth_client_secret),
+            )
+            .field(
+                "kafka_oauth_client_secret_file",
+                &self.kafka_oauth_client_secret_file,
+            )
+            .field("kafka_oauth_scope", &self.kafka_oauth_scope)
+            .field("kafka_connect_timeout", &self.kafka_connect_timeout)
+            .finish()
+    }
+}
+
+/// A secret given inline or in a file, not both.
+fn secret(
+    inline: Option<&String>,
+    file: Option<&PathBuf>,
+    what: &str,
+    flag: &str,
+) -> anyhow::Result<Option<Secret>> {
+    match (inline, file) {
+        (Some(_), Some(_)) => anyhow::bail!(
+            "the {what} is given twice: use either --{flag} or --{flag}-file (or their environment variables), not both"
+        ),
+        (Some(s), None) => Ok(Some(Secret::new(s.clone()))),
+        (None, Some(path)) => Ok(Some(Secret::from_file(path, what)?)),
+        (None, None) => Ok(None),
+    }
+}
+
+impl KafkaArgs {
+    /// The security these flags describe, validated ([`KafkaSecurity::validate`]).
+    pub fn security(&self) -> anyhow::Result<KafkaSecurity> {
+        let protocol = match &self.kafka_security_protocol {
+            Some(p) => p.parse::<SecurityProtocol>()?,
+            None => SecurityProtocol::Plaintext,
+        };
+        let mechanism = match &self.kafka_sasl_mechanism {
+            Some(m) => Some(m.parse::<SaslMechanism>()?),
+            None => None,
+        };
+        let oauth_secret = secret(
+            self.kafka_oauth_client_secret.as_ref(),
+            self.kafka_oauth_client_secret_file.as_ref(),
+            "OIDC client secret",
+            "kafka-oauth-client-secret",
+        )?;
+        let oauth = match (
+            &self.kafka_oauth_token_endpoint,
+            &self.kafka_oauth_client_id,
+            oauth_secret,
+        ) {
+            (None, None, None) if self.kafka_oauth_scope.is_none() => None,
+            (Some(endpoint), Some(id), Some(client_secret)) => Some(OAuthBearer {
+                token_endpoint: endpoint.clone(),
+                client_id: id.clone(),
+                client_secret,
+                scope: self.kafka_oauth_scope.clone(),
+            }),
+            _ => anyhow::bail!(
+                "OAUTHBEARER needs all of --kafka-oauth-token-endpoint, --kafka-oauth-client-id and --kafka-oauth-client-secret[-file] (IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT, IDEM_KAFKA_OAUTH_CLIENT_ID, IDEM_KAFKA_OAUTH_CLIENT_SECRET[_FILE]); some are missing"
+            ),
+        };
+        let security = KafkaSecurity {
+            protocol,
+            mechanism,
+            username: self.kafka_sasl_username.clone(),
+            password: secret(
+                self.kafka_sasl_password.as_ref(),
+                self.kafka_sasl_password_file.as_ref(),
+                "SASL password",
+                "kafka-sasl-password",
+            )?,
+            ca_file: self.kafka_ssl_ca.clone(),
+            cert_file: self.kafka_ssl_cert.clone(),
+            key_file: self.kafka_ssl_key.clone(),
+            key_password: secret(
+                self.kafka_ssl_key_password.as_ref(),
+                self.kafka_ssl_key_password_file.as_ref(),
+                "TLS key password",
+                "kafka-ssl-key-password",
+            )?,
+            oauth,
+        };
+        security.validate()?;
+        Ok(security)
+    }
+
+    /// A validated connection to `brokers` with these flags' security.
+    pub fn connection(&self, brokers: &str) -> anyhow::Result<Connection> {
+        Ok(Connection::new(brokers, self.security()?)?)
+    }
+
+    /// Connects once with `config` (its servers and security) before `bin` starts working: a
+    /// refusal (login, certificate, protocol) is an error saying what to change; a cluster
+    /// that does not answer within --kafka-connect-timeout is a warning, and the command goes
+    /// on (librdkafka keeps trying, as it does when a broker goes down later).
+    pub async fn check(&self, config: &idem_kafka::ClientConfig, bin: &str) -> anyhow::Result<()> {
+        match idem_kafka::security::check_client(config.clone(), self.kafka_connect_timeout).await {
+            Ok(()) => Ok(()),
+            Err(ConnectError::Unreachable(e)) => {
+                eprintln!("{bin}: warning: {e}; going on, librdkafka keeps trying");
+                Ok(())
+            }
+            Err(e) => Err(anyhow::Error::new(e))
+                .with_context(|| format!("{bin} cannot use the Kafka cluster")),
+        }
+    }
+}
