@@ -7,6 +7,8 @@
 //!   `IDEM_TEST_KAFKA`. Without that variable (a test run by hand), `scripts/kafka up` starts
 //!   the same broker, or finds the one already running. Tests isolate themselves with unique
 //!   topics and group ids ([`unique`]).
+//! * [`secured`] is a single-node broker with a TLS (mutual TLS) or SASL_SSL (PLAIN, SCRAM)
+//!   listener and a PKI made for the run, one per mode and test binary, killed when it exits.
 //! * [`KafkaCluster`] is a cluster a test owns: `scripts/kafka prepare` writes each node's
 //!   configuration and launch command, and the cluster runs every node as a child process that
 //!   it can SIGKILL, SIGSTOP, SIGCONT and restart; dropping it kills them all.
@@ -205,5 +207,177 @@ impl KafkaCluster {
     pub fn restart(&mut self, id: i32) {
         assert!(self.node(id).proc.is_none(), "node {id} is still running");
         self.spawn(id);
+    }
+}
+
+/// How a [`SecuredKafka`] broker's client listener is secured (`scripts/kafka --security`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Security {
+    /// TLS with `ssl.client.auth=required`: clients present a certificate (mutual TLS).
+    Ssl,
+    /// SASL_SSL with PLAIN, SCRAM-SHA-256 and SCRAM-SHA-512.
+    SaslSsl,
+}
+
+impl Security {
+    fn mode(self) -> &'static str {
+        match self {
+            Security::Ssl => "ssl",
+            Security::SaslSsl => "sasl_ssl",
+        }
+    }
+}
+
+/// A single-node broker whose client listener is secured, made by `scripts/kafka prepare
+/// --security` in a directory of its own, with a PKI and passwords made for the run. One per
+/// mode and test binary ([`secured`]); it is killed, and its directory removed, when the test
+/// binary exits (a watchdog shell holds the broker and waits on a pipe the binary keeps open).
+pub struct SecuredKafka {
+    bootstrap: String,
+    dir: PathBuf,
+    security: Security,
+    /// The watchdog shell and the write end of its stdin.
+    _watchdog: std::sync::Mutex<(std::process::Child, std::process::ChildStdin)>,
+}
+
+/// The shared secured broker of this test binary for `security`, started on first use.
+pub fn secured(security: Security) -> &'static SecuredKafka {
+    static SSL: OnceLock<SecuredKafka> = OnceLock::new();
+    static SASL_SSL: OnceLock<SecuredKafka> = OnceLock::new();
+    let cell = match security {
+        Security::Ssl => &SSL,
+        Security::SaslSsl => &SASL_SSL,
+    };
+    cell.get_or_init(|| SecuredKafka::start(security))
+}
+
+impl SecuredKafka {
+    fn start(security: Security) -> Self {
+        let dir = std::env::temp_dir().join(unique(&format!("idem-kafka-{}", security.mode())));
+        let path = dir.display().to_string();
+        let bootstrap = run_script(&[
+            "prepare",
+            "--nodes",
+            "1",
+            "--dir",
+            &path,
+            "--security",
+            security.mode(),
+        ]);
+        let argv: Vec<String> = std::fs::read_to_string(dir.join("node1/argv"))
+            .unwrap_or_else(|e| panic!("{path}/node1/argv: {e}"))
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect();
+        // The broker runs under a shell that kills it and removes DIR once its stdin (this
+        // binary's end of the pipe) closes: when the test binary exits, however it exits.
+        let mut child = Command::new("bash")
+            .arg("-c")
+            .arg(
+                r#"dir="$1"; shift
+"$@" </dev/null >>"$dir/node1/out.log" 2>&1 &
+pid=$!
+read -r _ || true
+kill -9 "$pid" 2>/dev/null
+wait "$pid" 2>/dev/null
+rm -rf -- "$dir""#,
+            )
+            .arg("watchdog")
+            .arg(&dir)
+            .args(&argv)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start the secured broker: {e}"));
+        let stdin = child.stdin.take().unwrap();
+        let kafka = SecuredKafka {
+            bootstrap,
+            dir,
+            security,
+            _watchdog: std::sync::Mutex::new((child, stdin)),
+        };
+        kafka.wait_ready(Duration::from_secs(120));
+        kafka
+    }
+
+    fn wait_ready(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let conn = self.connection().client_config();
+        loop {
+            match idem_kafka::admin::broker_ids(&conn, Duration::from_secs(2)) {
+                Ok(ids) if !ids.is_empty() => return,
+                other => assert!(
+                    Instant::now() < deadline,
+                    "the {:?} broker at {} did not answer within {timeout:?}: {other:?}\n{}",
+                    self.security,
+                    self.bootstrap,
+                    self.broker_log()
+                ),
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The bootstrap list of the secured listener (`127.0.0.1:PORT`).
+    pub fn brokers(&self) -> &str {
+        &self.bootstrap
+    }
+
+    /// The run's directory (`scripts/kafka prepare --security`'s layout).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A file of the run's PKI: `ca.pem`, `client.pem`, `client.key`, `expired.pem`,
+    /// `expired.key`, `other-ca.pem`, …
+    pub fn pki(&self, name: &str) -> PathBuf {
+        self.dir.join("pki").join(name)
+    }
+
+    /// The user and password of `mechanism` (`PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512`).
+    pub fn user(&self, mechanism: &str) -> (String, String) {
+        let users = std::fs::read_to_string(self.dir.join("users"))
+            .unwrap_or_else(|e| panic!("{}/users: {e}", self.dir.display()));
+        users
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                Some((f.next()?, f.next()?, f.next()?))
+            })
+            .find(|(m, _, _)| *m == mechanism)
+            .map(|(_, u, p)| (u.to_owned(), p.to_owned()))
+            .unwrap_or_else(|| panic!("no {mechanism} user in {}/users", self.dir.display()))
+    }
+
+    /// The broker's log (authorized requests with their principals, refused logins).
+    pub fn broker_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("node1/broker.log")).unwrap_or_default()
+    }
+
+    /// A connection that the broker accepts: SCRAM-SHA-512 over TLS (SASL_SSL), or the client
+    /// certificate (SSL); the run's CA in both.
+    pub fn connection(&self) -> idem_kafka::Connection {
+        let mut security = idem_kafka::KafkaSecurity {
+            ca_file: Some(self.pki("ca.pem")),
+            ..idem_kafka::KafkaSecurity::default()
+        };
+        match self.security {
+            Security::Ssl => {
+                security.protocol = idem_kafka::SecurityProtocol::Ssl;
+                security.cert_file = Some(self.pki("client.pem"));
+                security.key_file = Some(self.pki("client.key"));
+            }
+            Security::SaslSsl => {
+                let (user, password) = self.user("SCRAM-SHA-512");
+                security.protocol = idem_kafka::SecurityProtocol::SaslSsl;
+                security.mechanism = Some(idem_kafka::SaslMechanism::ScramSha512);
+                security.username = Some(user);
+                security.password = Some(idem_kafka::Secret::new(password));
+            }
+        }
+        idem_kafka::Connection::new(self.bootstrap.clone(), security)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 }
