@@ -396,6 +396,17 @@ pub struct PointsApiArgs {
     /// so the API keeps up while its slow awards are retried (`IDEM_LAB_SLOW_ONE_IN`).
     #[arg(long, env = "IDEM_LAB_SLOW_ONE_IN", default_value_t = 1)]
     award_delay_one_in: u32,
+    /// Serve HTTPS with this certificate chain (PEM, the server's certificate first); needs
+    /// `--tls-key`.
+    #[arg(long, env = "IDEM_POINTS_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of `--tls-cert` (PEM; read once at start, never logged).
+    #[arg(long, env = "IDEM_POINTS_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// With `--tls-cert`: require a client certificate issued by a CA in this PEM file
+    /// (mutual TLS); a client without one is refused in the handshake.
+    #[arg(long, env = "IDEM_POINTS_CLIENT_CA", requires = "tls_cert")]
+    client_ca: Option<std::path::PathBuf>,
 }
 
 fn points_router<K: idem_core::idempotency::IdempotencyStore>(
@@ -446,16 +457,41 @@ pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
         idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));
         points_router(store.pool(), keys, &args)
     });
+    // Read and checked before binding: a wrong file stops the API at start, naming it.
+    let acceptor = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            idem_reference::points::https::ServerTls {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: args.client_ca.clone(),
+            }
+            .acceptor()?,
+        ),
+        _ => None,
+    };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    eprintln!(
-        "idem points-api: listening on http://{}",
-        listener.local_addr()?
-    );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let addr = listener.local_addr()?;
+    match acceptor {
+        Some(acceptor) => {
+            eprintln!(
+                "idem points-api: listening on https://{addr}{}",
+                if args.client_ca.is_some() {
+                    " (client certificates required)"
+                } else {
+                    ""
+                }
+            );
+            idem_reference::points::https::serve(listener, acceptor, app, shutdown).await?;
+        }
+        None => {
+            eprintln!("idem points-api: listening on http://{addr}");
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await?;
+        }
+    }
     eprintln!("idem points-api: stopped cleanly");
     Ok(())
 }

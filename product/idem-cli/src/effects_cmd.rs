@@ -2,6 +2,7 @@
 //! own process, and the commands a person uses on parked and unknown intents.
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use clap::{Args, Subcommand};
 use idem_core::idempotency::{IntentStore, Resolution};
 use idem_effects::{
     AppliedWhen, Dispatcher, DispatcherConfig, EffectMetrics, EffectPolicy, HttpCompensation,
-    HttpStatusProbe,
+    HttpStatusProbe, HttpTls,
 };
 
 use crate::DbArgs;
@@ -46,9 +47,20 @@ pub struct PolicyArgs {
     /// longest processing time.
     #[arg(long, default_value = "2s", value_parser = crate::util::parse_duration)]
     settle: Duration,
-    /// `Authorization` header sent to the remote (it scopes keys per client).
-    #[arg(long, env = "IDEM_EFFECT_AUTHORIZATION")]
-    authorization: Option<String>,
+    /// `Authorization` header sent to the remote (it scopes keys per client). A secret: prefer
+    /// `--authorization-file` or the environment; its value is never shown or logged.
+    #[arg(long, env = "IDEM_EFFECTS_AUTHORIZATION", hide_env_values = true, value_parser = secret)]
+    authorization: Option<Secret>,
+    /// Read the `Authorization` header from this file (one line; the trailing newline is
+    /// dropped), as container platforms mount secrets.
+    #[arg(
+        long,
+        env = "IDEM_EFFECTS_AUTHORIZATION_FILE",
+        conflicts_with = "authorization"
+    )]
+    authorization_file: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Requests in flight at once. A claim takes at most the free slots, and the dispatcher
     /// claims again as soon as half of them are free: a slow request holds only its own slot
     /// (until the timeout), never the others.
@@ -56,8 +68,87 @@ pub struct PolicyArgs {
     concurrency: u16,
 }
 
+/// A secret flag's value: its `Debug` never shows it.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+fn secret(value: &str) -> Result<Secret, String> {
+    if value.trim().is_empty() {
+        return Err("the value is empty".to_owned());
+    }
+    Ok(Secret(value.to_owned()))
+}
+
+/// A secret read from `path`: its first line without the line ending. Errors name the file,
+/// never its content.
+fn read_secret_file(flag: &str, path: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        anyhow::anyhow!(
+            "{flag} {}: cannot read it ({e}); check the path and that this process may read it",
+            path.display()
+        )
+    })?;
+    let value = text.strip_suffix('\n').unwrap_or(&text);
+    let value = value.strip_suffix('\r').unwrap_or(value);
+    if value.trim().is_empty() || value.contains('\n') {
+        bail!(
+            "{flag} {}: the file must hold the value on one line (it is empty or holds several \
+             lines)",
+            path.display()
+        );
+    }
+    Ok(value.to_owned())
+}
+
+/// HTTPS to the remotes (the requests, the status probe and the compensation): the CA bundle
+/// trusted besides the system's roots, and the client certificate for mutual TLS. The files
+/// are read and checked at start; a TLS failure parks the intent with the reason.
+#[derive(Args, Debug, Clone)]
+pub struct TlsArgs {
+    /// Trust the CA certificate(s) in this PEM file besides the system's roots (a remote
+    /// whose certificate a private CA issued).
+    #[arg(long, env = "IDEM_EFFECTS_CA_BUNDLE")]
+    ca_bundle: Option<PathBuf>,
+    /// Trust only `--ca-bundle`, not the system's roots.
+    #[arg(long, env = "IDEM_EFFECTS_CA_BUNDLE_ONLY", requires = "ca_bundle")]
+    ca_bundle_only: bool,
+    /// Present this client certificate (PEM, the certificate first, then its
+    /// intermediates) to remotes that require one; needs `--client-key`.
+    #[arg(long, env = "IDEM_EFFECTS_CLIENT_CERT", requires = "client_key")]
+    client_cert: Option<PathBuf>,
+    /// The private key of `--client-cert` (PEM file; read at start, never logged).
+    #[arg(long, env = "IDEM_EFFECTS_CLIENT_KEY", requires = "client_cert")]
+    client_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    fn tls(&self) -> HttpTls {
+        HttpTls {
+            ca_bundle: self.ca_bundle.clone(),
+            ca_bundle_only: self.ca_bundle_only,
+            client_cert: self.client_cert.clone(),
+            client_key: self.client_key.clone(),
+        }
+    }
+}
+
 impl PolicyArgs {
-    fn policy(&self) -> EffectPolicy {
+    /// The `Authorization` header: the flag (or its variable), or the file's line.
+    fn authorization(&self) -> anyhow::Result<Option<String>> {
+        match (&self.authorization, &self.authorization_file) {
+            (Some(Secret(v)), _) => Ok(Some(v.clone())),
+            (None, Some(path)) => read_secret_file("--authorization-file", path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
+
+    fn policy(&self, authorization: Option<&String>) -> EffectPolicy {
         EffectPolicy {
             remote_ignores_keys: self.remote_ignores_keys,
             probe: self.probe_url.as_ref().map(|u| {
@@ -65,12 +156,11 @@ impl PolicyArgs {
                     Some(p) => AppliedWhen::Pointer(p.clone()),
                     None => AppliedWhen::NonEmptyArray,
                 };
-                Arc::new(
-                    HttpStatusProbe::new(u.clone(), self.authorization.clone()).applied_when(rule),
-                ) as Arc<_>
+                Arc::new(HttpStatusProbe::new(u.clone(), authorization.cloned()).applied_when(rule))
+                    as Arc<_>
             }),
             compensation: self.compensate_url.as_ref().map(|u| {
-                Arc::new(HttpCompensation::new(u.clone(), self.authorization.clone())) as Arc<_>
+                Arc::new(HttpCompensation::new(u.clone(), authorization.cloned())) as Arc<_>
             }),
             settle: self.settle,
         }
@@ -163,19 +253,21 @@ fn dispatcher<S: IntentStore>(
     timeout: Duration,
     registry: &prometheus::Registry,
 ) -> anyhow::Result<Dispatcher<S>> {
+    let authorization = policy.authorization()?;
     // A probe and a request (2 × timeout) and the margin fit in the lease.
     let config = DispatcherConfig {
         timeout,
         lease: timeout.saturating_mul(3),
         lease_margin: timeout / 2,
-        authorization: policy.authorization.clone(),
+        authorization: authorization.clone(),
+        tls: policy.tls.tls(),
         concurrency: usize::from(policy.concurrency),
         batch: u32::from(policy.concurrency).max(DispatcherConfig::default().batch),
         ..DispatcherConfig::default()
     };
     Ok(
         Dispatcher::new(store, config, EffectMetrics::new(registry)?)?
-            .with_policy(policy.effect.clone(), policy.policy()),
+            .with_policy(policy.effect.clone(), policy.policy(authorization.as_ref())),
     )
 }
 
@@ -192,6 +284,23 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
             if let Some(addr) = metrics_addr {
                 let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
                 eprintln!("idem effects: metrics on http://{bound}/metrics");
+            }
+            if let Some(bundle) = &policy.tls.ca_bundle {
+                eprintln!(
+                    "idem effects: HTTPS trusts the CA bundle {}{}",
+                    bundle.display(),
+                    if policy.tls.ca_bundle_only {
+                        " only"
+                    } else {
+                        " and the system's roots"
+                    }
+                );
+            }
+            if let Some(cert) = &policy.tls.client_cert {
+                eprintln!(
+                    "idem effects: HTTPS presents the client certificate {}",
+                    cert.display()
+                );
             }
             eprintln!("idem effects: dispatching");
             // Claims while there is work; idle waits from 5 ms doubling to 200 ms.
