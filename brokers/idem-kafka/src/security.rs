@@ -827,12 +827,26 @@ fn check_blocking(conn: &ClientConfig, timeout: Duration) -> Result<(), ConnectE
         if let Some(refusal) = refusal(&reports, &security, &brokers) {
             return Err(ConnectError::Refused(refusal));
         }
-        if Instant::now() >= deadline {
+        // Every broker refused the TCP connection, twice or more: nobody listens there (a
+        // broker down, a wrong port). Said at once: waiting cannot tell more.
+        let refused_tcp = reports
+            .iter()
+            .filter(|(_, r)| r.contains("Connection refused"))
+            .count();
+        let all_refused = reports
+            .iter()
+            .all(|(_, r)| r.contains("Connection refused") || r.contains("brokers are down"));
+        if Instant::now() >= deadline || (refused_tcp >= 2 && all_refused) {
             let last = reports
                 .last()
                 .map_or_else(|| "no answer".to_owned(), |(_, r)| r.clone());
+            let what = if refused_tcp >= 2 && all_refused {
+                format!("nothing listens at {brokers} (connection refused)")
+            } else {
+                format!("no Kafka broker at {brokers} answered within {timeout:?}")
+            };
             return Err(ConnectError::Unreachable(format!(
-                "no Kafka broker at {brokers} answered within {timeout:?} (last report: {last}): check --brokers and that the cluster runs and this host can reach it"
+                "{what} (last report: {last}): check --brokers and that the cluster runs and this host can reach it"
             )));
         }
     }
