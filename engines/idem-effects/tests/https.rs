@@ -552,3 +552,38 @@ async fn unusable_tls_files_stop_the_dispatcher_at_start_naming_the_file() {
     let body: String = key.lines().nth(1).unwrap().to_owned();
     assert!(!e.contains(&body), "no key material in the message");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_target_that_refuses_connections_is_retried_not_parked() {
+    let pki = Pki::new();
+    // A port nobody listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let target = format!("https://127.0.0.1:{port}/awards");
+    let c = client(&target, pki.trusting()).await;
+    assert_eq!(c.dispatch_once().await, 1);
+    assert_eq!(c.status().await, "pending", "a connection error is retried");
+    assert!(c.db.intents().stuck(10).await.unwrap().is_empty());
+    let m = c.dispatcher.metrics();
+    let labels = ["points.award", &format!("127.0.0.1:{port}")];
+    assert_eq!(m.retries.with_label_values(&labels).get(), 1);
+    assert_eq!(m.parked.with_label_values(&labels).get(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_target_is_never_upgraded_to_https() {
+    let pki = Pki::new();
+    let remote = remote(Some(pki.server("server", false))).await;
+    let plain = remote.target.replacen("https://", "http://", 1);
+    let c = client(&plain, pki.trusting()).await;
+    assert_eq!(c.dispatch_once().await, 1);
+    // Sent as plain HTTP to a TLS port: the server's handshake fails on it, nothing is
+    // applied, and the intent is retried as an ordinary failure (no TLS park: no TLS was
+    // spoken by the client).
+    assert_eq!(c.status().await, "pending");
+    assert_eq!(remote.requests(), 0);
+    assert_eq!(remote.awards().await, 0);
+}
