@@ -8,6 +8,7 @@ pub mod crash;
 pub mod envelope;
 pub mod error;
 pub mod event;
+pub mod health;
 pub mod idempotency;
 pub mod inbox;
 pub mod metrics;

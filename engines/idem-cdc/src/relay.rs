@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::TableNames;
+use idem_core::health::Health;
 use idem_core::publish::{FailureKind, Message, Publisher};
 use idem_core::wire::TopicNaming;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
@@ -102,7 +103,17 @@ pub struct CdcRelay<P> {
     publisher: Arc<P>,
     config: CdcConfig,
     metrics: CdcMetrics,
+    health: Health,
 }
+
+/// The dependency names the CDC relay reports (`CdcRelay::health`): its database (the
+/// control plane's pool), its slot (a replication session streaming from it; a standby waiting
+/// for another reader is not ready) and its broker.
+pub(crate) const DATABASE: &str = "database";
+/// See [`DATABASE`].
+pub(crate) const SLOT: &str = "slot";
+/// See [`DATABASE`].
+pub(crate) const BROKER: &str = "broker";
 
 impl<P: Publisher> CdcRelay<P> {
     /// A relay reading the database at `url` (`pool`: an ordinary connection to the same
@@ -120,7 +131,18 @@ impl<P: Publisher> CdcRelay<P> {
             publisher: Arc::new(publisher),
             config,
             metrics,
+            health: Health::new(),
         }
+    }
+
+    /// Reports the database's, the slot's and the broker's state into `health`, read by
+    /// `/readyz`; their outages are logged there, once and then at a bounded rate.
+    pub fn health(mut self, health: Health) -> Self {
+        for name in [DATABASE, SLOT, BROKER] {
+            health.expect(name);
+        }
+        self.health = health;
+        self
     }
 
     /// Creates the publication and the slot when they are missing; the slot's state.
@@ -212,7 +234,13 @@ impl<P: Publisher> CdcRelay<P> {
                 Err(e @ (CdcError::SlotLost { .. } | CdcError::Config(_))) => return Err(e),
                 Err(e) => {
                     self.metrics.sessions_failed.inc();
-                    tracing::warn!(error = %e, "CDC session ended; starting another from the slot's confirmed position");
+                    // Logged by the health: once per outage, then at a bounded rate.
+                    self.health.failed(
+                        SLOT,
+                        &format_args!(
+                            "{e}; a new session starts from the slot's confirmed position"
+                        ),
+                    );
                 }
             }
             tokio::select! {
@@ -230,7 +258,14 @@ impl<P: Publisher> CdcRelay<P> {
     ) -> Result<bool, CdcError> {
         let mut said = false;
         loop {
-            let state = self.prepare().await?;
+            let state = match self.prepare().await {
+                Ok(state) => state,
+                Err(e) => {
+                    self.health.failed(DATABASE, &e);
+                    return Err(e);
+                }
+            };
+            self.health.ok(DATABASE);
             self.metrics.observe(&state);
             self.metrics.standby.set(i64::from(state.active));
             if !state.active {
@@ -240,6 +275,10 @@ impl<P: Publisher> CdcRelay<P> {
                 tracing::info!(slot = %self.config.slot, pid = ?state.active_pid, "another session reads the slot; waiting to take over");
                 said = true;
             }
+            self.health.failed(
+                SLOT,
+                &"another session reads the slot (this relay is a standby)",
+            );
             tokio::select! {
                 () = &mut *shutdown => return Ok(false),
                 () = tokio::time::sleep(self.config.poll) => {}
@@ -283,6 +322,7 @@ impl<P: Publisher> CdcRelay<P> {
             }
         }
         tracing::info!(slot = %self.config.slot, "CDC session started");
+        self.health.ok(SLOT);
         let mut assembler = Assembler::new(self.config.mode.clone(), &self.schema().await?);
         let mut batch = Batch::default();
         let mut deadline: Option<Instant> = None;
@@ -446,8 +486,17 @@ impl<P: Publisher> CdcRelay<P> {
                     .push(Refusal::new(row_id, None, content, reason));
             }
             if r.again.is_empty() {
+                self.health.ok(BROKER);
                 break;
             }
+            self.health.failed(
+                BROKER,
+                &format_args!(
+                    "{} of {} messages not delivered; retrying",
+                    r.again.len(),
+                    pending.len()
+                ),
+            );
             self.metrics.publish_retries.inc();
             pending = r.again;
             tokio::select! {

@@ -167,7 +167,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                     tracing::error!(event_id = %r.event_id, reason = %error.reason, attempts = r.attempt, "parking outbox row");
                 }
                 Next::Retry => {
-                    tracing::warn!(event_id = %r.event_id, reason = %error.reason, attempt = r.attempt, "publish failed; will retry");
+                    // One line per outage, not per row: the broker's state says it.
+                    tracing::debug!(event_id = %r.event_id, reason = %error.reason, attempt = r.attempt, "publish failed; will retry");
+                    self.health.failed(crate::BROKER, &error.reason);
                 }
             }
         }

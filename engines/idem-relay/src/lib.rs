@@ -9,6 +9,7 @@ use std::future::Future;
 use std::sync::atomic::AtomicI64;
 use std::time::{Duration, Instant};
 
+use idem_core::health::Health;
 use idem_core::outbox::{Claim, PrunePolicy};
 use idem_core::publish::Publisher;
 use idem_core::{Error, OutboxStore, Result};
@@ -100,6 +101,8 @@ pub struct Relay<S, P> {
     metrics: RelayMetrics,
     /// Highest id marked published (used only by the `id-watermark` negative control).
     watermark: AtomicI64,
+    /// The database's and the broker's state, for `/readyz` and the outage log.
+    health: Health,
 }
 
 impl<S, P> std::fmt::Debug for Relay<S, P> {
@@ -121,6 +124,7 @@ pub struct RelayBuilder<S, P> {
     config: RelayConfig,
     registry: Option<prometheus::Registry>,
     metrics: Option<RelayMetrics>,
+    health: Health,
 }
 
 impl<S, P> std::fmt::Debug for RelayBuilder<S, P> {
@@ -153,6 +157,13 @@ impl<S: OutboxStore, P: Publisher> RelayBuilder<S, P> {
         self
     }
 
+    /// Reports the database's and the broker's state into `health` (`database`, `broker`), read
+    /// by `/readyz`; its outages are logged there, once and then at a bounded rate.
+    pub fn health(mut self, health: Health) -> Self {
+        self.health = health;
+        self
+    }
+
     /// The relay. Without a registry or metrics it counts into metrics nothing exports.
     /// Fails when the registry holds the relay's metric names already.
     pub fn build(self) -> Result<Relay<S, P>> {
@@ -161,7 +172,9 @@ impl<S: OutboxStore, P: Publisher> RelayBuilder<S, P> {
             (None, Some(registry)) => RelayMetrics::new(registry)?,
             (None, None) => RelayMetrics::unregistered()?,
         };
-        Ok(Relay::new(self.store, self.publisher, self.config, metrics))
+        let mut relay = Relay::new(self.store, self.publisher, self.config, metrics);
+        relay.health = self.health;
+        Ok(relay)
     }
 }
 
@@ -174,6 +187,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             config,
             metrics,
             watermark: AtomicI64::new(0),
+            health: Health::new(),
         }
     }
 
@@ -185,6 +199,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             config: RelayConfig::default(),
             registry: None,
             metrics: None,
+            health: Health::new(),
         }
     }
 
@@ -267,6 +282,12 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         loop {
             let (result, next) = self.cycle(held.take()).await;
             held = next;
+            if let Ok(r) = &result {
+                self.health.ok(DATABASE);
+                if r.published > 0 {
+                    self.health.ok(BROKER);
+                }
+            }
             let wait = match result {
                 Ok(r) if r.claimed > 0 => {
                     idle = self.config.idle_poll_min;
@@ -284,7 +305,8 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 }
                 Err(Error::CrashPoint(name)) => return Err(Error::CrashPoint(name)),
                 Err(e) => {
-                    tracing::error!(error = %e, "relay cycle failed; retrying");
+                    // Logged by the health, once per outage and then at a bounded rate.
+                    self.health.failed(dependency_of(&e), &e);
                     self.metrics.errors.inc();
                     let w = error_backoff;
                     error_backoff = (error_backoff * 2).min(Duration::from_secs(10));
@@ -332,12 +354,25 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             Ok((_, c)) if c.records.is_empty() && c.corrupt.is_empty() => None,
             Ok(c) => Some(c),
             Err(e) => {
-                tracing::warn!(error = %e, "claiming the next batch failed; claiming again");
+                self.health.failed(dependency_of(&e), &e);
                 self.metrics.errors.inc();
                 None
             }
         };
         (report, next)
+    }
+}
+
+/// The dependency names the relay reports ([`RelayBuilder::health`]).
+pub const DATABASE: &str = "database";
+/// See [`DATABASE`].
+pub const BROKER: &str = "broker";
+
+/// Which dependency a failed cycle points at.
+fn dependency_of(e: &Error) -> &'static str {
+    match e {
+        Error::Broker { .. } => BROKER,
+        _ => DATABASE,
     }
 }
 
