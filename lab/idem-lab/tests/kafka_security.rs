@@ -295,3 +295,95 @@ async fn tls_refusals_stop_the_command_at_start_with_what_to_do() {
     );
     assert!(log.contains(&expected), "{log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_and_scram_sha_256_log_in_and_settings_given_as_overrides_are_checked_too() {
+    let k = secured(Security::SaslSsl);
+    let dir = tempfile::tempdir().unwrap();
+    let topic = kafka::unique("secure-mechanisms");
+    for mechanism in ["PLAIN", "SCRAM-SHA-256"] {
+        let (user, password) = k.user(mechanism);
+        let file = dir.path().join(mechanism);
+        std::fs::write(&file, &password).unwrap();
+        let out = idem(&[
+            "topic",
+            "create",
+            "--brokers",
+            k.brokers(),
+            "--topic",
+            &topic,
+        ])
+        .env("IDEM_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+        .env("IDEM_KAFKA_SASL_MECHANISM", mechanism)
+        .env("IDEM_KAFKA_SASL_USERNAME", &user)
+        .env("IDEM_KAFKA_SASL_PASSWORD_FILE", &file)
+        .env("IDEM_KAFKA_SSL_CA", k.pki("ca.pem"))
+        .output()
+        .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{mechanism}: {log}");
+        assert_no_secret(&log, &password);
+        assert!(
+            authorized(k, &format!("User:{user}"), "CreateTopics") > 0,
+            "the broker logged no CreateTopics of {user} ({mechanism})"
+        );
+    }
+
+    // The same login given as librdkafka settings (--producer-config), with a wrong password:
+    // refused with the same diagnosis, and the value never printed.
+    let orders = Pg::new().await;
+    let (user, _) = k.user("SCRAM-SHA-512");
+    let ca = format!("ssl.ca.location={}", k.pki("ca.pem").display());
+    let username = format!("sasl.username={user}");
+    let mut args = vec!["relay", "--db", orders.url(), "--brokers", k.brokers()];
+    for setting in [
+        "security.protocol=SASL_SSL",
+        "sasl.mechanism=SCRAM-SHA-512",
+        &username,
+        "sasl.password=wrong-override-secret",
+        &ca,
+    ] {
+        args.extend(["--producer-config", setting]);
+    }
+    let log = refused("relay-overrides", idem(&args));
+    assert!(
+        log.contains(&format!(
+            "idem relay cannot use the Kafka cluster: the Kafka broker refused the SCRAM-SHA-512 login of user {user}: Authentication failed during authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512"
+        )),
+        "{log}"
+    );
+    assert_no_secret(&log, "wrong-override-secret");
+}
+
+#[test]
+fn incoherent_flags_are_refused_before_connecting_and_help_hides_secret_values() {
+    let out = idem(&[
+        "topic",
+        "create",
+        "--brokers",
+        "127.0.0.1:1",
+        "--topic",
+        "t",
+        "--kafka-sasl-mechanism",
+        "SCRAM-SHA-512",
+    ])
+    .output()
+    .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        log.contains("SASL mechanism SCRAM-SHA-512 is set but the security protocol is PLAINTEXT, which does not log in with SASL: set --kafka-security-protocol SASL_SSL (IDEM_KAFKA_SECURITY_PROTOCOL), or drop --kafka-sasl-mechanism"),
+        "{log}"
+    );
+
+    let out = idem(&["relay", "--help"])
+        .env("IDEM_KAFKA_SASL_PASSWORD", "help-must-not-show-this")
+        .env("IDEM_KAFKA_OAUTH_CLIENT_SECRET", "nor-this")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("IDEM_KAFKA_SASL_PASSWORD"), "{help}");
+    assert!(help.contains("--kafka-sasl-password-file"), "{help}");
+    assert!(!help.contains("help-must-not-show-this"), "{help}");
+    assert!(!help.contains("nor-this"), "{help}");
+}
