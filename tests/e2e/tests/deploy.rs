@@ -3,6 +3,12 @@
 //! their tests name is one the code exports (or `idem verify`'s gauge, documented) and is
 //! listed in `docs/operating/metrics.md`, which lists nothing else. `promtool check rules` / `test rules`
 //! (in `scripts/test`) check the rules themselves.
+//!
+//! The Kubernetes manifests under `deploy/kubernetes/` against what a schema cannot say
+//! (`scripts/check-deploy` validates them against the API's schemas): every container runs
+//! unprivileged on a read-only root, has both probes on the metrics port and resource bounds,
+//! gets its secrets as files, and is given only flags that `idem <subcommand> --help` lists;
+//! the Kustomization lists every manifest but the Secret example.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
@@ -215,4 +221,373 @@ fn the_metrics_page_lists_every_metric_and_nothing_else() {
             "docs/operating/metrics.md lists {m}, which no code exports"
         );
     }
+}
+
+/// Every document of every `.yaml` file in deploy/kubernetes/, with its file's name.
+fn manifests() -> Vec<(String, serde_json::Value)> {
+    use serde::Deserialize as _;
+    let dir = root().join("deploy/kubernetes");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    let mut out = vec![];
+    for f in files {
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(&f).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v = serde_json::Value::deserialize(doc)
+                .unwrap_or_else(|e| panic!("{name} is not YAML: {e}"));
+            if !v.is_null() {
+                out.push((name.clone(), v));
+            }
+        }
+    }
+    assert!(!out.is_empty(), "no manifest in {}", dir.display());
+    out
+}
+
+/// The pod templates of the workloads: (file, workload name, pod spec).
+fn pod_specs() -> Vec<(String, String, serde_json::Value)> {
+    let specs: Vec<_> = manifests()
+        .into_iter()
+        .filter(|(_, m)| {
+            matches!(
+                m["kind"].as_str(),
+                Some("Deployment" | "StatefulSet" | "DaemonSet" | "Job")
+            )
+        })
+        .map(|(f, m)| {
+            let name = m["metadata"]["name"].as_str().unwrap().to_owned();
+            (f, name, m["spec"]["template"]["spec"].clone())
+        })
+        .collect();
+    let names: BTreeSet<&str> = specs.iter().map(|(_, n, _)| n.as_str()).collect();
+    for w in ["idem-relay", "idem-cdc-relay", "idem-dispatcher"] {
+        assert!(
+            names.contains(w),
+            "no workload {w} in deploy/kubernetes: {names:?}"
+        );
+    }
+    specs
+}
+
+/// Every container of a pod spec, init containers too.
+fn containers(spec: &serde_json::Value) -> Vec<&serde_json::Value> {
+    let mut out = vec![];
+    for key in ["initContainers", "containers"] {
+        if let Some(list) = spec[key].as_array() {
+            out.extend(list);
+        }
+    }
+    assert!(!out.is_empty(), "a pod without containers: {spec}");
+    out
+}
+
+/// A security setting as it applies to a container: its own, else the pod's.
+fn effective<'a>(
+    pod: &'a serde_json::Value,
+    container: &'a serde_json::Value,
+    pointer: &str,
+) -> &'a serde_json::Value {
+    match container["securityContext"].pointer(pointer) {
+        Some(v) if !v.is_null() => v,
+        _ => pod["securityContext"]
+            .pointer(pointer)
+            .unwrap_or(&serde_json::Value::Null),
+    }
+}
+
+#[test]
+fn the_kustomization_lists_every_manifest_but_the_secret_example() {
+    let k = manifests()
+        .into_iter()
+        .find(|(f, _)| f == "kustomization.yaml")
+        .expect("deploy/kubernetes/kustomization.yaml")
+        .1;
+    assert_eq!(k["kind"], "Kustomization");
+    let listed: BTreeSet<String> = k["resources"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .map(|r| r.as_str().unwrap().to_owned())
+        .collect();
+    let files: BTreeSet<String> = manifests()
+        .into_iter()
+        .map(|(f, _)| f)
+        .filter(|f| f != "kustomization.yaml" && !f.ends_with(".example.yaml"))
+        .collect();
+    assert_eq!(
+        listed, files,
+        "kustomization.yaml's resources are the manifests in deploy/kubernetes/ but *.example.yaml"
+    );
+    let example = manifests()
+        .into_iter()
+        .filter(|(f, _)| f.ends_with(".example.yaml"))
+        .map(|(_, m)| m)
+        .collect::<Vec<_>>();
+    assert!(
+        example.iter().any(|m| m["kind"] == "Secret"),
+        "the Secret's example is secret.example.yaml"
+    );
+    assert!(
+        !manifests()
+            .iter()
+            .any(|(f, m)| m["kind"] == "Secret" && !f.ends_with(".example.yaml")),
+        "a Secret outside an *.example.yaml file would be applied with its values"
+    );
+}
+
+#[test]
+fn every_container_runs_as_65532_unprivileged_on_a_read_only_root() {
+    for (file, name, pod) in pod_specs() {
+        for c in containers(&pod) {
+            let at = format!("{file}: {name}/{}", c["name"]);
+            let sc = &c["securityContext"];
+            assert_eq!(
+                effective(&pod, c, "/runAsNonRoot"),
+                true,
+                "{at}: runAsNonRoot"
+            );
+            assert_eq!(effective(&pod, c, "/runAsUser"), 65532, "{at}: runAsUser");
+            assert_eq!(
+                effective(&pod, c, "/seccompProfile/type"),
+                "RuntimeDefault",
+                "{at}: seccompProfile"
+            );
+            assert_eq!(
+                sc["readOnlyRootFilesystem"], true,
+                "{at}: readOnlyRootFilesystem"
+            );
+            assert_eq!(
+                sc["allowPrivilegeEscalation"], false,
+                "{at}: allowPrivilegeEscalation"
+            );
+            assert_ne!(sc["privileged"], true, "{at}: privileged");
+            assert!(
+                sc["capabilities"]["drop"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|c| c == "ALL")),
+                "{at}: capabilities.drop does not hold ALL"
+            );
+            assert!(
+                sc["capabilities"]["add"]
+                    .as_array()
+                    .is_none_or(|a| a.is_empty()),
+                "{at}: adds capabilities"
+            );
+            for kind in ["requests", "limits"] {
+                for r in ["cpu", "memory"] {
+                    assert!(
+                        !c["resources"][kind][r].is_null(),
+                        "{at}: no resources.{kind}.{r}"
+                    );
+                }
+            }
+        }
+        // Above the longest graceful stop (a relay's batch: twice message.timeout.ms, 20 s
+        // by default; a dispatcher's request: --timeout, 10 s), with room.
+        let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        assert!(
+            grace >= 30,
+            "{file}: {name}: terminationGracePeriodSeconds {grace} is below idem's stop bound"
+        );
+        assert_eq!(
+            pod["automountServiceAccountToken"], false,
+            "{file}: {name}: idem needs no Kubernetes API token"
+        );
+    }
+}
+
+#[test]
+fn every_container_is_probed_on_healthz_and_readyz_of_its_metrics_port() {
+    for (file, name, pod) in pod_specs() {
+        for c in containers(&pod) {
+            let at = format!("{file}: {name}/{}", c["name"]);
+            let args: Vec<&str> = c["args"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{at}: no args"))
+                .iter()
+                .map(|a| a.as_str().unwrap())
+                .collect();
+            assert!(
+                args.contains(&"--metrics-addr=0.0.0.0:9464"),
+                "{at}: serves its metrics and probes on 0.0.0.0:9464: {args:?}"
+            );
+            let port = c["ports"]
+                .as_array()
+                .and_then(|ps| ps.iter().find(|p| p["name"] == "metrics"))
+                .unwrap_or_else(|| panic!("{at}: no port named metrics"));
+            assert_eq!(port["containerPort"], 9464, "{at}");
+            for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+                let get = &c[probe]["httpGet"];
+                assert_eq!(get["path"], path, "{at}: {probe}");
+                assert!(
+                    get["port"] == "metrics" || get["port"] == 9464,
+                    "{at}: {probe} is not on the metrics port: {}",
+                    get["port"]
+                );
+            }
+        }
+    }
+}
+
+/// A name that holds a secret, or a database URL with its password.
+fn secret_name(name: &str) -> bool {
+    let n = name.to_ascii_uppercase().replace('-', "_");
+    ["PASSWORD", "SECRET", "TOKEN", "DB", "AUTHORIZATION"]
+        .iter()
+        .any(|s| n.ends_with(s))
+}
+
+#[test]
+fn secrets_reach_the_containers_as_files_never_as_values() {
+    let manifests = manifests();
+    // The ConfigMaps hold no secret either (every pod reads them as environment).
+    for (file, m) in manifests.iter().filter(|(_, m)| m["kind"] == "ConfigMap") {
+        for key in m["data"].as_object().into_iter().flat_map(|d| d.keys()) {
+            assert!(!secret_name(key), "{file}: ConfigMap key {key} is a secret");
+        }
+    }
+    let mut files_seen = 0;
+    for (file, name, pod) in pod_specs() {
+        for c in containers(&pod) {
+            let at = format!("{file}: {name}/{}", c["name"]);
+            for e in c["env"].as_array().into_iter().flatten() {
+                let var = e["name"].as_str().unwrap();
+                if secret_name(var) {
+                    assert!(
+                        e["value"].is_null() && !e["valueFrom"]["secretKeyRef"].is_null(),
+                        "{at}: {var} has a literal value: give the secret as a file ({var}_FILE) or a secretKeyRef"
+                    );
+                }
+                // A `_FILE` variable names a file of a mounted Secret, by a key it mounts.
+                if let (Some(_), Some(path)) = (var.strip_suffix("_FILE"), e["value"].as_str()) {
+                    let mount = c["volumeMounts"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .find(|m| {
+                            path.starts_with(&format!("{}/", m["mountPath"].as_str().unwrap()))
+                        })
+                        .unwrap_or_else(|| panic!("{at}: {var}={path} is in no mounted volume"));
+                    assert_eq!(mount["readOnly"], true, "{at}: {path}'s mount is writable");
+                    let volume = pod["volumes"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .find(|v| v["name"] == mount["name"])
+                        .unwrap_or_else(|| panic!("{at}: no volume {}", mount["name"]));
+                    let secret = &volume["secret"];
+                    assert!(!secret.is_null(), "{at}: {var}'s volume is not a Secret");
+                    let rel = &path[mount["mountPath"].as_str().unwrap().len() + 1..];
+                    if let Some(items) = secret["items"].as_array() {
+                        assert!(
+                            items.iter().any(|i| i["path"] == rel),
+                            "{at}: {var}={path}: the volume mounts no key at {rel}"
+                        );
+                    }
+                    files_seen += 1;
+                }
+            }
+            for a in c["args"].as_array().into_iter().flatten() {
+                let flag = a.as_str().unwrap().split('=').next().unwrap();
+                if let Some(flag) = flag.strip_prefix("--") {
+                    assert!(
+                        !secret_name(flag),
+                        "{at}: --{flag} on the command line (visible to every user of the node)"
+                    );
+                }
+            }
+        }
+    }
+    assert!(
+        files_seen >= 3,
+        "every workload reads its database URL from a file"
+    );
+}
+
+/// The `idem` binary the flags are checked against: `IDEM_BIN`, else the one in the target
+/// directory this test was built in (`cargo build -p idem-cli --bin idem`; the workspace's test
+/// run builds it too).
+fn idem_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("IDEM_BIN") {
+        return p.into();
+    }
+    // This test runs as <target>/<profile>/deps/deploy-HASH.
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().unwrap().parent().unwrap().join("idem");
+    assert!(
+        bin.is_file(),
+        "no idem binary at {}: build it first (`cargo build -p idem-cli --bin idem` with the same \
+         CARGO_TARGET_DIR), or name one with IDEM_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// The long flags `idem <subcommand> --help` lists.
+fn flags_of(bin: &Path, subcommand: &[&str]) -> BTreeSet<String> {
+    let out = std::process::Command::new(bin)
+        .args(subcommand)
+        .arg("--help")
+        .env_clear()
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "idem {} --help failed: {}{}",
+        subcommand.join(" "),
+        text,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter_map(|w| w.strip_prefix("--"))
+        .filter(|w| !w.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn every_flag_the_manifests_pass_is_one_idem_takes() {
+    let bin = idem_bin();
+    let mut checked = 0;
+    for (file, name, pod) in pod_specs() {
+        for c in containers(&pod) {
+            let at = format!("{file}: {name}/{}", c["name"]);
+            assert!(
+                c["command"].is_null(),
+                "{at}: the image's entrypoint is idem; give args, not a command"
+            );
+            let args: Vec<&str> = c["args"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{at}: no args"))
+                .iter()
+                .map(|a| a.as_str().unwrap())
+                .collect();
+            let subcommand: Vec<&str> = args
+                .iter()
+                .take_while(|a| !a.starts_with('-'))
+                .copied()
+                .collect();
+            assert!(!subcommand.is_empty(), "{at}: no subcommand in {args:?}");
+            let known = flags_of(&bin, &subcommand);
+            for a in &args[subcommand.len()..] {
+                let Some(flag) = a.strip_prefix("--") else {
+                    panic!("{at}: {a:?}: give every flag as --flag=value, one argument");
+                };
+                let flag = flag.split('=').next().unwrap();
+                assert!(
+                    known.contains(flag),
+                    "{at}: `idem {} --help` has no --{flag}",
+                    subcommand.join(" ")
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 3, "the manifests pass --metrics-addr at least");
 }
