@@ -483,6 +483,32 @@ mod tests {
     }
 
     #[test]
+    fn a_tls_failure_parks_at_once_and_is_not_ambiguous() {
+        let config = DispatcherConfig::default();
+        let failure = TlsFailure::UnknownIssuer;
+        let (v, ambiguous) = classify_reply(Reply::Tls(failure.clone()), 1, &config);
+        assert!(!ambiguous, "the remote did not process the request");
+        assert_eq!(
+            v,
+            Verdict::Park {
+                reason: failure.reason(),
+                kind: ParkKind::Tls(failure),
+            }
+        );
+        let keyless = EffectPolicy {
+            remote_ignores_keys: true,
+            ..EffectPolicy::default()
+        };
+        assert!(
+            matches!(
+                guard_keyless(v, ambiguous, Some(&keyless)),
+                Verdict::Park { .. }
+            ),
+            "a keyless remote's TLS park stays a park"
+        );
+    }
+
+    #[test]
     fn keyless_remotes_are_never_re_sent_blindly() {
         let retry = || Verdict::Retry {
             after: Duration::from_millis(1),

@@ -114,7 +114,7 @@ struct World {
     dir: tempfile::TempDir,
     client: Lite,
     server: Lite,
-    _api: Proc,
+    api: Proc,
     target: String,
 }
 
@@ -173,7 +173,7 @@ async fn world() -> World {
         dir,
         client,
         server,
-        _api: api,
+        api,
         target,
     }
 }
@@ -236,6 +236,13 @@ async fn a_dispatcher_with_the_ca_bundle_and_a_client_certificate_awards_points_
         "the authorization never reaches the log"
     );
     let _ = &w.target;
+    // SIGTERM: the HTTPS server stops accepting, ends its connections and exits cleanly.
+    let mut w = w;
+    drop(d);
+    w.api.signal(15);
+    assert!(w.api.wait_exit(BOUND).success());
+    w.api
+        .wait_for_line("idem points-api: stopped cleanly", Duration::from_secs(1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
