@@ -108,12 +108,13 @@ pub struct CdcRelay<P> {
 
 /// The dependency names the CDC relay reports (`CdcRelay::health`): its database (the
 /// control plane's pool), its slot (a replication session streaming from it; a standby waiting
-/// for another reader is not ready) and its broker.
+/// for another reader is not ready) and its publishing (a batch delivered, or not). Whether the
+/// broker answers while nothing is sent is the command's to watch.
 pub(crate) const DATABASE: &str = "database";
 /// See [`DATABASE`].
 pub(crate) const SLOT: &str = "slot";
 /// See [`DATABASE`].
-pub(crate) const BROKER: &str = "broker";
+pub(crate) const PUBLISHING: &str = "publishing";
 
 impl<P: Publisher> CdcRelay<P> {
     /// A relay reading the database at `url` (`pool`: an ordinary connection to the same
@@ -135,10 +136,10 @@ impl<P: Publisher> CdcRelay<P> {
         }
     }
 
-    /// Reports the database's, the slot's and the broker's state into `health`, read by
+    /// Reports the database's, the slot's and the publishing's state into `health`, read by
     /// `/readyz`; their outages are logged there, once and then at a bounded rate.
     pub fn health(mut self, health: Health) -> Self {
-        for name in [DATABASE, SLOT, BROKER] {
+        for name in [DATABASE, SLOT] {
             health.expect(name);
         }
         self.health = health;
@@ -486,11 +487,11 @@ impl<P: Publisher> CdcRelay<P> {
                     .push(Refusal::new(row_id, None, content, reason));
             }
             if r.again.is_empty() {
-                self.health.ok(BROKER);
+                self.health.ok(PUBLISHING);
                 break;
             }
             self.health.failed(
-                BROKER,
+                PUBLISHING,
                 &format_args!(
                     "{} of {} messages not delivered; retrying",
                     r.again.len(),

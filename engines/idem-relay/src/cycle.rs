@@ -169,7 +169,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 Next::Retry => {
                     // One line per outage, not per row: the broker's state says it.
                     tracing::debug!(event_id = %r.event_id, reason = %error.reason, attempt = r.attempt, "publish failed; will retry");
-                    self.health.failed(crate::BROKER, &error.reason);
+                    self.health.failed(crate::PUBLISHING, &error.reason);
                 }
             }
         }

@@ -101,7 +101,7 @@ pub struct Relay<S, P> {
     metrics: RelayMetrics,
     /// Highest id marked published (used only by the `id-watermark` negative control).
     watermark: AtomicI64,
-    /// The database's and the broker's state, for `/readyz` and the outage log.
+    /// The database's and the publishing's state, for `/readyz` and the outage log.
     health: Health,
 }
 
@@ -157,8 +157,9 @@ impl<S: OutboxStore, P: Publisher> RelayBuilder<S, P> {
         self
     }
 
-    /// Reports the database's and the broker's state into `health` (`database`, `broker`), read
-    /// by `/readyz`; its outages are logged there, once and then at a bounded rate.
+    /// Reports the database's and the publishing's state into `health` ([`DATABASE`],
+    /// [`PUBLISHING`]), read by `/readyz`; their outages are logged there, once and then at a
+    /// bounded rate.
     pub fn health(mut self, health: Health) -> Self {
         self.health = health;
         self
@@ -285,7 +286,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             if let Ok(r) = &result {
                 self.health.ok(DATABASE);
                 if r.published > 0 {
-                    self.health.ok(BROKER);
+                    self.health.ok(PUBLISHING);
                 }
             }
             let wait = match result {
@@ -363,15 +364,18 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     }
 }
 
-/// The dependency names the relay reports ([`RelayBuilder::health`]).
+/// The dependency names the relay reports ([`RelayBuilder::health`]): its database (every
+/// claim cycle) and its publishing (a batch that went out, a row that must be sent again).
+/// Whether the broker answers at all, even while nothing is to be sent, is the command's to
+/// watch (`idem relay` asks for the cluster's metadata).
 pub const DATABASE: &str = "database";
 /// See [`DATABASE`].
-pub const BROKER: &str = "broker";
+pub const PUBLISHING: &str = "publishing";
 
 /// Which dependency a failed cycle points at.
 fn dependency_of(e: &Error) -> &'static str {
     match e {
-        Error::Broker { .. } => BROKER,
+        Error::Broker { .. } => PUBLISHING,
         _ => DATABASE,
     }
 }

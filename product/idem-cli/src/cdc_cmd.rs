@@ -194,11 +194,14 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     let publisher = std::sync::Arc::new(publisher);
     let registry = prometheus::Registry::new();
     let metrics = CdcMetrics::new(&registry)?;
+    let health = idem_core::health::Health::new();
+    crate::readiness::watch_broker(publisher.config(), &health);
     if let Some(addr) = args.metrics_addr {
-        let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
-        eprintln!("idem cdc relay: metrics on http://{bound}/metrics");
+        let bound =
+            crate::metrics_server::serve_with(addr, registry.clone(), health.clone()).await?;
+        eprintln!("idem cdc relay: metrics on http://{bound}/metrics (probes /healthz, /readyz)");
     }
-    let relay = CdcRelay::new(&args.db.db, pool, publisher.clone(), config, metrics);
+    let relay = CdcRelay::new(&args.db.db, pool, publisher.clone(), config, metrics).health(health);
     let state = relay
         .prepare()
         .await

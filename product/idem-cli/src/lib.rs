@@ -11,6 +11,7 @@ mod cdc_cmd;
 mod effects_cmd;
 mod outbox_cmd;
 mod prune_cmd;
+mod readiness;
 mod relay_cmd;
 mod topic_cmd;
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
+use idem_core::health::Health;
 use idem_core::{OutboxStore, PrunePolicy};
 use idem_kafka::{EMBEDDED, EmbeddedCluster, KafkaPublisher};
 use idem_relay::{Relay, RelayConfig, RelayMetrics, TopicNaming};
@@ -92,9 +93,15 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     let metrics = RelayMetrics::new(&registry)?;
     registry.register(Box::new(ProducerReplacements::new(publisher.clone())?))?;
     registry.register(Box::new(TopicDurability::new(publisher.clone())?))?;
+    // The tables were read and the broker checked above: both are reachable now.
+    let health = Health::new();
+    health.expect(idem_relay::DATABASE);
+    health.ok(idem_relay::DATABASE);
+    crate::readiness::watch_broker(publisher.config(), &health);
     if let Some(addr) = args.metrics_addr {
-        let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
-        eprintln!("idem relay: metrics on http://{bound}/metrics");
+        let bound =
+            crate::metrics_server::serve_with(addr, registry.clone(), health.clone()).await?;
+        eprintln!("idem relay: metrics on http://{bound}/metrics (probes /healthz, /readyz)");
     }
     let config = RelayConfig {
         relay_id: args.relay_id.unwrap_or_else(idem_relay::default_relay_id),
@@ -126,7 +133,11 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
         idem_sql::redact(&args.db.db)
     );
     let result = idem_sql::with_store!(store, s => {
-        let relay = Relay::new(s.relay(), publisher.clone(), config, metrics);
+        let relay = Relay::builder(s.relay(), publisher.clone())
+            .config(config)
+            .metrics(metrics)
+            .health(health)
+            .build()?;
         relay.run(shutdown).await
     });
     // Every batch was completed (marked or released) before run() returned.
