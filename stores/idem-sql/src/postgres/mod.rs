@@ -76,11 +76,34 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool> {
     .await
 }
 
+/// How long the first connection may take before the start fails with its cause.
+const FIRST_CONNECT: Duration = Duration::from_secs(10);
+
 /// Connects `options`' pool to `target`, explaining a refusal.
+///
+/// One connection is opened first, alone, so that a server that is down, refuses or cannot be
+/// reached fails the start within [`FIRST_CONNECT`] with its cause (a pool retries until its
+/// acquire timeout and then reports only that it timed out).
 pub async fn connect_to(target: &url::PgUrl, options: PgPoolOptions) -> Result<PgPool> {
+    let opts = target.connect_options()?;
+    match tokio::time::timeout(FIRST_CONNECT, PgConnection::connect_with(&opts)).await {
+        Ok(Ok(first)) => {
+            let _ = first.close().await;
+        }
+        Ok(Err(e)) => return Err(connect_error(target, e)),
+        Err(_) => {
+            return Err(connect_error(
+                target,
+                sqlx::Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {FIRST_CONNECT:?}"),
+                )),
+            ));
+        }
+    }
     options
         .test_before_acquire(false)
-        .connect_with(target.connect_options()?)
+        .connect_with(opts)
         .await
         .map_err(|e| connect_error(target, e))
 }

@@ -15,6 +15,15 @@ pub(crate) fn advice(e: &sqlx::Error, url: &PgUrl) -> Option<String> {
         return tls_advice(t, url);
     }
     match e {
+        sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => Some(format!(
+            "nothing accepts connections at {}:{}: check the host and port, and that the server \
+             runs",
+            url.host, url.port
+        )),
+        sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::TimedOut => Some(format!(
+            "{}:{} does not answer: check the host, the port and the network between",
+            url.host, url.port
+        )),
         sqlx::Error::Tls(inner) if inner.to_string().contains("does not support TLS") => {
             Some(format!(
                 "the server does not offer TLS, and sslmode={} requires it: enable ssl on the \
