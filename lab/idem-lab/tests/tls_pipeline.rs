@@ -10,7 +10,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use idem_conformance::backend::{Backend, Pg};
+use idem_conformance::backend::Pg;
 use idem_conformance::kafka::{self, SecuredKafka, Security, secured};
 use idem_conformance::pg::PgTlsMaterial;
 use idem_conformance::process::{Proc, eventually};
