@@ -792,7 +792,8 @@ impl ProducerContext for Reports {
 /// certificate this client does not trust, a client certificate the broker refuses, a
 /// plaintext client at a TLS listener (or the reverse) return [`ConnectError::Refused`] as
 /// soon as librdkafka reports it, with what is wrong and what to do; a cluster that does not
-/// answer returns [`ConnectError::Unreachable`] after `timeout`.
+/// answer returns [`ConnectError::Unreachable`] after `timeout` (at once when every broker
+/// refuses the TCP connection).
 pub async fn check_client(config: ClientConfig, timeout: Duration) -> Result<(), ConnectError> {
     let mut conn = crate::admin::connection_of(&config);
     conn.set_log_level(rdkafka::config::RDKafkaLogLevel::Info);
