@@ -118,18 +118,30 @@ pub fn argv(
     Ok(out)
 }
 
-/// The subcommand that runs and the index in `args` just after its name.
+/// The subcommand that runs and the index in `args` just after its name (global flags written
+/// before a subcommand's name are stepped over).
 fn leaf<'c>(cmd: &'c Command, args: &[OsString]) -> (&'c Command, usize) {
-    let (mut cur, mut at) = (cmd, 1);
-    while let Some(next) = args
-        .get(at)
-        .and_then(|a| a.to_str())
-        .and_then(|name| cur.find_subcommand(name))
-    {
-        cur = next;
-        at += 1;
+    let (mut cur, mut at, mut after) = (cmd, 1, 1);
+    while let Some(token) = args.get(at).and_then(|a| a.to_str()) {
+        if let Some(next) = cur.find_subcommand(token) {
+            cur = next;
+            at += 1;
+            after = at;
+        } else if [CONFIG, LOG_FORMAT]
+            .iter()
+            .any(|g| token == format!("--{g}"))
+        {
+            at += 2;
+        } else if [CONFIG, LOG_FORMAT]
+            .iter()
+            .any(|g| token.starts_with(&format!("--{g}=")))
+        {
+            at += 1;
+        } else {
+            break;
+        }
     }
-    (cur, at.min(args.len()))
+    (cur, after.min(args.len()))
 }
 
 fn config_path(args: &[OsString], env: &dyn Fn(&str) -> Option<String>) -> Option<PathBuf> {
@@ -404,6 +416,24 @@ mod tests {
             get(relay(&m), "db").map(String::as_str),
             Some("postgres://cli/db")
         );
+    }
+
+    #[test]
+    fn global_flags_before_the_subcommand_do_not_hide_it() {
+        let f = config("db = \"postgres://file/db\"\n");
+        let path = f.path().to_str().unwrap_or_else(|| panic!("path"));
+        for args in [
+            vec!["idem", "--config", path, "relay"],
+            vec!["idem", "--log-format", "json", "--config", path, "relay"],
+            vec!["idem", "--log-format=json", "relay", "--config", path],
+        ] {
+            let m = run(&args, &[]).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert_eq!(
+                get(relay(&m), "db").map(String::as_str),
+                Some("postgres://file/db"),
+                "{args:?}"
+            );
+        }
     }
 
     #[test]

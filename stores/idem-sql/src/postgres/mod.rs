@@ -82,7 +82,7 @@ const FIRST_CONNECT: Duration = Duration::from_secs(10);
 /// Connects `options`' pool to `target`, explaining a refusal.
 ///
 /// One connection is opened first, alone, so that a server that is down, refuses or cannot be
-/// reached fails the start within [`FIRST_CONNECT`] with its cause (a pool retries until its
+/// reached fails the start within 10 s with its cause (a pool retries until its
 /// acquire timeout and then reports only that it timed out).
 pub async fn connect_to(target: &url::PgUrl, options: PgPoolOptions) -> Result<PgPool> {
     let opts = target.connect_options()?;
