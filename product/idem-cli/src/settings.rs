@@ -4,7 +4,7 @@
 //! 2. the environment: `IDEM_<FLAG>` (`--metrics-addr` reads `IDEM_METRICS_ADDR`), or
 //!    `IDEM_<FLAG>_FILE`, the path of a file holding the value (how container platforms mount
 //!    secrets; one trailing newline is dropped). Setting both is refused;
-//! 3. the config file, `--config FILE` or `IDEM_CONFIG`: TOML, one `flag-name = value` per flag
+//! 3. the settings file, `--settings FILE` or `IDEM_SETTINGS`: TOML, one `flag-name = value` per flag
 //!    of the command that runs (a list for a repeated flag, `true` for a switch); a key that is
 //!    not a flag of that command is refused;
 //! 4. the flag's default.
@@ -12,7 +12,7 @@
 //! Every flag gets its environment variable here (flags that name one keep theirs), and no
 //! `--help` shows an environment variable's value: a secret set there never reaches the help.
 //! A repeated flag (`--topic`, `--producer-config`) takes the values of every source that gives
-//! it, the config file's first.
+//! it, the settings file's first.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -20,8 +20,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::{Arg, ArgAction, Command};
 
-/// The root command's `--config`.
-const CONFIG: &str = "config";
+/// The root command's `--settings` (not `--config`: `idem verify --config` is the verify
+/// config).
+const CONFIG: &str = "settings";
 /// The root command's `--log-format`.
 const LOG_FORMAT: &str = "log-format";
 
@@ -36,7 +37,7 @@ pub enum LogFormat {
 }
 
 /// Parses the process's command line with `cmd` under this module's rules; exits with the
-/// message (status 2) on a command line, an environment or a config file that cannot be used.
+/// message (status 2) on a command line, an environment or a settings file that cannot be used.
 pub fn matches(cmd: Command) -> (clap::ArgMatches, LogFormat) {
     let cmd = command(cmd);
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
@@ -56,15 +57,15 @@ pub fn matches(cmd: Command) -> (clap::ArgMatches, LogFormat) {
 }
 
 /// `cmd` with an environment variable for every flag, no value shown in any help, later
-/// occurrences of a flag overriding earlier ones (how the command line outranks the config
-/// file), and the global `--config FILE`.
+/// occurrences of a flag overriding earlier ones (how the command line outranks the settings
+/// file), and the global `--settings FILE`.
 pub fn command(cmd: Command) -> Command {
     with_env(cmd).arg(
         Arg::new(CONFIG)
             .long(CONFIG)
             .global(true)
             .value_name("FILE")
-            .env("IDEM_CONFIG")
+            .env("IDEM_SETTINGS")
             .help("TOML file of flag values (`flag-name = value`): below the command line and the environment"),
     )
     .arg(
@@ -147,14 +148,14 @@ fn leaf<'c>(cmd: &'c Command, args: &[OsString]) -> (&'c Command, usize) {
 fn config_path(args: &[OsString], env: &dyn Fn(&str) -> Option<String>) -> Option<PathBuf> {
     let mut it = args.iter().filter_map(|a| a.to_str());
     while let Some(a) = it.next() {
-        if a == "--config" {
+        if a == "--settings" {
             return it.next().map(PathBuf::from);
         }
-        if let Some(v) = a.strip_prefix("--config=") {
+        if let Some(v) = a.strip_prefix("--settings=") {
             return Some(PathBuf::from(v));
         }
     }
-    env("IDEM_CONFIG").map(PathBuf::from)
+    env("IDEM_SETTINGS").map(PathBuf::from)
 }
 
 /// Whether the environment sets `arg` (its variable, or that variable's `_FILE`).
@@ -177,14 +178,14 @@ fn from_config(
     env: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<Vec<String>> {
     let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the config file {}", path.display()))?;
+        .with_context(|| format!("reading the settings file {}", path.display()))?;
     let table: toml::Table = toml::from_str(&text)
-        .with_context(|| format!("the config file {} is not TOML", path.display()))?;
+        .with_context(|| format!("the settings file {} is not TOML", path.display()))?;
     let mut out = Vec::new();
     for (key, value) in &table {
         let Some(arg) = flag(leaf, key) else {
             bail!(
-                "the config file {} sets `{key}`, which is not a flag of `{}`: remove it, or \
+                "the settings file {} sets `{key}`, which is not a flag of `{}`: remove it, or \
                  keep one file per command (`{} --help` lists its flags)",
                 path.display(),
                 leaf.get_name(),
@@ -223,7 +224,7 @@ fn values(arg: &Arg, key: &str, value: &toml::Value, path: &Path) -> anyhow::Res
             }
             toml::Value::Boolean(b) => b.to_string(),
             _ => bail!(
-                "the config file {} gives `{key}` a {}: use a string, a number, a boolean \
+                "the settings file {} gives `{key}` a {}: use a string, a number, a boolean \
                  or a list of those for a repeated flag",
                 path.display(),
                 v.type_str()
@@ -231,7 +232,7 @@ fn values(arg: &Arg, key: &str, value: &toml::Value, path: &Path) -> anyhow::Res
         };
         if switch {
             bail!(
-                "the config file {} gives the switch `{key}` {text:?}: use true or false",
+                "the settings file {} gives the switch `{key}` {text:?}: use true or false",
                 path.display()
             );
         }
@@ -368,7 +369,7 @@ mod tests {
     fn the_command_line_outranks_the_environment_which_outranks_the_config_file() {
         let f = config("db = \"postgres://file/db\"\nmetrics-addr = \"127.0.0.1:1\"\n");
         let path = f.path().to_str().unwrap_or_else(|| panic!("path"));
-        let m = run(&["idem", "relay", "--config", path], &[]).unwrap_or_else(|e| panic!("{e}"));
+        let m = run(&["idem", "relay", "--settings", path], &[]).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             get(relay(&m), "db").map(String::as_str),
             Some("postgres://file/db")
@@ -377,7 +378,7 @@ mod tests {
             &[
                 "idem",
                 "relay",
-                "--config",
+                "--settings",
                 path,
                 "--db",
                 "postgres://cli/db",
@@ -394,14 +395,14 @@ mod tests {
         std::fs::write(&secret, "postgres://from-file/db\n").unwrap_or_else(|e| panic!("{e}"));
         let secret = secret.to_str().unwrap_or_else(|| panic!("path"));
         let m = run(
-            &["idem", "relay", "--config", path],
+            &["idem", "relay", "--settings", path],
             &[("IDEM_DB_FILE", secret)],
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             get(relay(&m), "db").map(String::as_str),
             Some("postgres://from-file/db"),
-            "the environment's file outranks the config file; its newline dropped"
+            "the environment's file outranks the settings file; its newline dropped"
         );
         assert_eq!(
             get(relay(&m), "metrics-addr").map(String::as_str),
@@ -419,13 +420,38 @@ mod tests {
     }
 
     #[test]
+    fn a_subcommand_s_own_config_flag_is_its_own() {
+        let cmd = command(
+            Command::new("idem")
+                .subcommand(Command::new("verify").arg(Arg::new("config").long("config"))),
+        );
+        let env = |_: &str| None;
+        let argv = argv(
+            &cmd,
+            os(&["idem", "verify", "--config", "/verify.toml"]),
+            &env,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let m = cmd
+            .try_get_matches_from(argv)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let verify = m
+            .subcommand_matches("verify")
+            .unwrap_or_else(|| panic!("verify"));
+        assert_eq!(
+            get(verify, "config").map(String::as_str),
+            Some("/verify.toml")
+        );
+    }
+
+    #[test]
     fn global_flags_before_the_subcommand_do_not_hide_it() {
         let f = config("db = \"postgres://file/db\"\n");
         let path = f.path().to_str().unwrap_or_else(|| panic!("path"));
         for args in [
-            vec!["idem", "--config", path, "relay"],
-            vec!["idem", "--log-format", "json", "--config", path, "relay"],
-            vec!["idem", "--log-format=json", "relay", "--config", path],
+            vec!["idem", "--settings", path, "relay"],
+            vec!["idem", "--log-format", "json", "--settings", path, "relay"],
+            vec!["idem", "--log-format=json", "relay", "--settings", path],
         ] {
             let m = run(&args, &[]).unwrap_or_else(|e| panic!("{args:?}: {e}"));
             assert_eq!(
@@ -441,7 +467,7 @@ mod tests {
         let f = config("db = \"d\"\ntopic = [\"order=a\", \"payment=b\"]\ncreate-topics = true\n");
         let path = f.path().to_str().unwrap_or_else(|| panic!("path"));
         let m = run(
-            &["idem", "relay", "--config", path, "--topic", "refund=c"],
+            &["idem", "relay", "--settings", path, "--topic", "refund=c"],
             &[],
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -457,7 +483,7 @@ mod tests {
     fn what_cannot_be_meant_is_refused_with_what_to_do() {
         let f = config("db = \"d\"\nbrokers = \"b\"\n");
         let path = f.path().to_str().unwrap_or_else(|| panic!("path"));
-        let e = run(&["idem", "relay", "--config", path], &[])
+        let e = run(&["idem", "relay", "--settings", path], &[])
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();

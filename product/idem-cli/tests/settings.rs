@@ -1,5 +1,5 @@
 //! Where `idem`'s settings come from, as a process sees them: a value from an `IDEM_…_FILE`
-//! file or the `--config` file, the command line winning over both, and secrets kept out of
+//! file or the `--settings` file, the command line winning over both, and secrets kept out of
 //! every `--help` and message.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -89,7 +89,7 @@ fn migrated(dir: &Path, name: &str) -> bool {
 }
 
 #[test]
-fn a_value_comes_from_a_file_or_the_config_and_the_command_line_wins() {
+fn a_value_comes_from_a_file_or_the_settings_and_the_command_line_wins() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     // IDEM_DB_FILE: the URL from a file (with the newline an editor leaves).
@@ -99,7 +99,7 @@ fn a_value_comes_from_a_file_or_the_config_and_the_command_line_wins() {
     assert!(o.status.success(), "{}", all_text(&o));
     assert!(migrated(d, "from-file.db"));
 
-    // --config: below the environment, above the default.
+    // --settings: below the environment, above the default.
     let config = d.join("migrate.toml");
     std::fs::write(
         &config,
@@ -107,26 +107,26 @@ fn a_value_comes_from_a_file_or_the_config_and_the_command_line_wins() {
     )
     .unwrap();
     let cfg = config.to_str().unwrap();
-    let o = idem(&["migrate", "--config", cfg], &[]);
+    let o = idem(&["migrate", "--settings", cfg], &[]);
     assert!(o.status.success(), "{}", all_text(&o));
     assert!(migrated(d, "from-config.db"));
     let o = idem(
         &["migrate"],
         &[
-            ("IDEM_CONFIG", cfg),
+            ("IDEM_SETTINGS", cfg),
             ("IDEM_DB", &sqlite_url(d, "from-env.db")),
         ],
     );
     assert!(o.status.success(), "{}", all_text(&o));
     assert!(
         migrated(d, "from-env.db"),
-        "the environment outranks the config file"
+        "the environment outranks the settings file"
     );
 
     // The command line outranks both.
     let url = sqlite_url(d, "from-cli.db");
     let o = idem(
-        &["migrate", "--config", cfg, "--db", &url],
+        &["migrate", "--settings", cfg, "--db", &url],
         &[("IDEM_DB_FILE", secret.to_str().unwrap())],
     );
     assert!(o.status.success(), "{}", all_text(&o));
@@ -134,7 +134,7 @@ fn a_value_comes_from_a_file_or_the_config_and_the_command_line_wins() {
 
     // A key the command does not have is refused, naming it.
     std::fs::write(&config, "db = \"sqlite://x.db\"\nbrokers = \"b:9092\"\n").unwrap();
-    let o = idem(&["migrate", "--config", cfg], &[]);
+    let o = idem(&["migrate", "--settings", cfg], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(
         all_text(&o).contains("sets `brokers`, which is not a flag of `migrate`"),
