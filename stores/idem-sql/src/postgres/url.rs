@@ -213,7 +213,12 @@ impl PgUrl {
     }
 
     /// The sqlx connection options: the URL as sqlx reads it, with the effective `sslmode`.
+    ///
+    /// Installs ring as the process's TLS crypto provider when none is installed yet: sqlx's
+    /// `verify-ca` verifier asks rustls for the process default, which rustls cannot choose when
+    /// a build holds two providers (pgwire-replication's rustls brings aws-lc-rs beside ring).
     pub fn connect_options(&self) -> Result<PgConnectOptions> {
+        install_crypto_provider();
         let opts: PgConnectOptions = self.url.parse().map_err(|e| {
             Error::Config(format!(
                 "the database URL {} cannot be read: {e}",
@@ -229,6 +234,12 @@ impl PgUrl {
         }
         Ok(opts)
     }
+}
+
+/// Makes ring the process's rustls provider unless one is installed (idempotent: a second
+/// install is refused and ignored).
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// What the URL says, before the environment's defaults and the checks.
