@@ -945,7 +945,12 @@ fn refusal(
             }
         })
         .sum();
-    if dropped >= 2 && !p.tls() {
+    // A TLS or SASL listener accepts the TCP connection: a refused one means the broker is
+    // down or restarting, and the connections it dropped mid-request were those of its kill.
+    let refused_tcp = reports
+        .iter()
+        .any(|(_, r)| r.contains("Connection refused"));
+    if dropped >= 2 && !p.tls() && !refused_tcp {
         return Some(format!(
             "the Kafka broker at {brokers} closed every connection during the first request: its listener most likely expects TLS or SASL while the security protocol is {p}; set --kafka-security-protocol to SSL or SASL_SSL (IDEM_KAFKA_SECURITY_PROTOCOL) as the listener requires"
         ));
@@ -1103,6 +1108,28 @@ mod tests {
             "{conflict}"
         );
         assert!(!conflict.contains("other-secret"), "{conflict}");
+    }
+
+    #[test]
+    fn connections_dropped_by_a_killed_broker_are_not_a_protocol_refusal() {
+        let plain = KafkaSecurity::default();
+        let report = |r: &str| (None, r.to_owned());
+        let dropped = report(
+            "127.0.0.1:9092/bootstrap: Disconnected while requesting ApiVersion: might be caused by incorrect security.protocol configuration",
+        );
+        let both = [dropped.clone(), dropped.clone()];
+        assert!(
+            refusal(&both, &plain, "127.0.0.1:9092").is_some(),
+            "a listener that drops every first request expects TLS or SASL"
+        );
+        let killed = [
+            dropped.clone(),
+            dropped,
+            report(
+                "127.0.0.1:9092/bootstrap: Connect to ipv4#127.0.0.1:9092 failed: Connection refused (after 0ms in state CONNECT)",
+            ),
+        ];
+        assert_eq!(refusal(&killed, &plain, "127.0.0.1:9092"), None);
     }
 
     #[test]
