@@ -107,17 +107,16 @@ pub async fn inject(
             }
             t.last_scrape = now;
         }
-        // No other fault while the long lock is held (see `Windows::lock_open`).
-        if t.pg_restarts.last().is_some_and(|d| now >= *d) && !out.windows.lock_open() {
+        // No other fault while the long lock is due or held (see `Windows::holds_faults`).
+        let held = out.windows.holds_faults(now, end);
+        if t.pg_restarts.last().is_some_and(|d| now >= *d) && !held {
             t.pg_restarts.pop();
             if let Some(server) = w.server {
                 restart_postgres(w, server, &mut out.faults).await?;
             }
             continue;
         }
-        if schedule.due(now)
-            && !out.windows.lock_open()
-            && !fault(w, &mut schedule, &mut out.faults, now, rng).await?
+        if schedule.due(now) && !held && !fault(w, &mut schedule, &mut out.faults, now, rng).await?
         {
             // Nothing could be done: plan again at once.
             continue;

@@ -34,6 +34,9 @@ pub struct Proc {
     pub restart_at: Option<Instant>,
     /// Started with a crash point armed: spared other faults until then.
     pub armed_until: Option<Instant>,
+    /// The current incarnation was started with a crash point (`IDEM_CRASH_POINTS`), which
+    /// may still fire: it ends the incarnation when its hit comes.
+    pub crash_point_pending: bool,
     log: PathBuf,
     /// Last scraped counter values per incarnation (metric name → value).
     pub scraped: BTreeMap<u32, BTreeMap<String, f64>>,
@@ -66,6 +69,7 @@ impl Proc {
             paused_until: None,
             restart_at: None,
             armed_until: None,
+            crash_point_pending: false,
             scraped: BTreeMap::new(),
             stopping: false,
             unexpected_exits: Vec::new(),
@@ -100,6 +104,7 @@ impl Proc {
         self.paused_until = None;
         self.restart_at = None;
         self.armed_until = None;
+        self.crash_point_pending = env.iter().any(|(k, _)| *k == "IDEM_CRASH_POINTS");
         Ok(())
     }
 
@@ -137,8 +142,12 @@ impl Proc {
                 Ok(Some(status)) => {
                     self.child = None;
                     if !self.stopping && !is_crash_point_abort(status) {
-                        let what =
-                            format!("{} incarnation {} {status}", self.name, self.incarnation);
+                        let what = format!(
+                            "{} incarnation {} {status}: {}",
+                            self.name,
+                            self.incarnation,
+                            last_words(&self.log)
+                        );
                         tracing::warn!(exit = %what, "a process exited on its own");
                         self.unexpected_exits.push(what);
                     }
@@ -278,6 +287,34 @@ impl Rng {
     pub fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
         let span = hi.saturating_sub(lo).as_millis() as u64;
         lo + Duration::from_millis(self.below(span.max(1)))
+    }
+}
+
+/// The last lines a process wrote to its log (its error, when it gave up), without colour
+/// codes and cut short: what an unexpected exit is reported with.
+fn last_words(log: &Path) -> String {
+    const LINES: usize = 3;
+    const MAX: usize = 600;
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = lines[lines.len().saturating_sub(LINES)..].join(" | ");
+    let mut plain = String::with_capacity(tail.len());
+    let mut chars = tail.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // An ANSI escape: `ESC [ … letter`.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    match plain.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}…", &plain[..cut]),
+        None => plain,
     }
 }
 

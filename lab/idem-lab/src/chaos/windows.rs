@@ -13,12 +13,14 @@
 //!   [`LOCK_HOLD`]; the settlement consumers run with a 50 ms `lock_timeout`, so every handler
 //!   call fails transiently until it is released. Nothing may be dead-lettered for it.
 //!
-//! The first window of each kind opens at a fixed time, so every run of 30 s or more has one
+//! The first window of each kind is due at a fixed time, so every run of 30 s or more has one
 //! (the negative controls `key-lock-renewal` and `transient-dead-letters` need them). The long
-//! lock opens only once every process but the writers runs unpaused, and no other fault is
-//! injected while it is held: events must reach the handlers during it, or the negative control
-//! has nothing to dead-letter (a broker kill or a paused
-//! consumer during the window leaves the handlers idle). Whether they did is measured, not
+//! lock opens only once every process but the writers runs unpaused, no settlement consumer
+//! carries a crash point yet to fire, and the settlement handlers are seen applying events (a
+//! restarted broker runs as a process seconds before it serves). Other faults wait while it is
+//! due (for at most [`QUIESCE`]) and while it is held: events must reach the handlers during
+//! it, or the negative control has nothing to dead-letter (a broker kill or a paused consumer
+//! during the window leaves the handlers idle). Whether they did is measured, not
 //! assumed: the settlement consumers' `idem_consumer_retry_total`, scraped as the lock is taken
 //! and after it is released, must have risen past the negative control's budget (one event
 //! failing [`LOCK_FAILURES_WANTED`] times), and no settlement consumer may have restarted
@@ -53,6 +55,10 @@ pub const LOCK_TIMEOUT_MS: &str = "50";
 /// Transient handler failures a long lock must cause to have tested anything: one event
 /// failing past the `transient-dead-letters` negative control's budget.
 pub const LOCK_FAILURES_WANTED: f64 = (idem_core::crash::BROKEN_TRANSIENT_BUDGET + 1) as f64;
+/// How long a due long lock holds other faults back while it waits for the pipeline.
+const QUIESCE: Duration = Duration::from_secs(20);
+/// How far apart the samples are that tell events reach the settlement handlers.
+const FLOW_SAMPLE: Duration = Duration::from_millis(500);
 /// The settlement consumers' counters a long lock is judged by.
 const RETRIES: &str = "idem_consumer_retry_total";
 const PROCESSED: &str = "idem_consumer_processed_total";
@@ -66,6 +72,8 @@ pub struct Windows {
     lock_baseline: (f64, f64),
     /// Their incarnations then.
     lock_incarnations: Vec<u32>,
+    /// The settlement consumers' applied events when last sampled for [`Windows::events_flow`].
+    flow_sample: Option<(Instant, f64)>,
     /// The fault timeline (`faults.log`).
     timeline: PathBuf,
 }
@@ -79,6 +87,7 @@ impl Windows {
             lock: None,
             lock_baseline: (0.0, 0.0),
             lock_incarnations: Vec::new(),
+            flow_sample: None,
             timeline,
         }
     }
@@ -124,6 +133,7 @@ impl Windows {
             && now >= self.next_lock
             && now + LOCK_HOLD < end
             && pipeline_up(procs)
+            && self.events_flow(now, procs)
         {
             let AnyPool::Postgres(pool) = settlement.clone() else {
                 anyhow::bail!("the long-lock window needs the PostgreSQL settlement database");
@@ -165,12 +175,36 @@ impl Windows {
         super::inject::append_timeline(&self.timeline, &what);
     }
 
+    /// Whether the settlement handlers are applying events now: their applied count rose
+    /// between two samples [`FLOW_SAMPLE`] apart, the later one just taken. A broker that was
+    /// restarted runs as a process seconds before it serves (a JVM starting, the group
+    /// rejoining), and a lock taken then finds the handlers idle.
+    fn events_flow(&mut self, now: Instant, procs: &mut [Proc]) -> bool {
+        if let Some((at, _)) = self.flow_sample
+            && now < at + FLOW_SAMPLE
+        {
+            return false;
+        }
+        let (_, applied) = settlement_counters(procs);
+        let before = self.flow_sample.replace((now, applied));
+        before.is_some_and(|(at, was)| now < at + 2 * FLOW_SAMPLE && applied > was)
+    }
+
     /// Whether the long lock is held: no other fault is injected meanwhile, so that events keep
     /// reaching the settlement handlers and fail on the lock for the whole window (a broker
     /// killed or a consumer paused during it would leave the `transient-dead-letters` negative
     /// control nothing to dead-letter, and the run would miss it).
     pub fn lock_open(&self) -> bool {
         self.lock.is_some()
+    }
+
+    /// Whether other faults wait: while the long lock is held, and for up to [`QUIESCE`] after
+    /// it is due (it opens once the pipeline is up and events flow, which faults injected
+    /// meanwhile would keep putting off: under the schedule's pace some process is always
+    /// paused, killed or armed). Past that, faults resume and the lock opens when it can.
+    pub fn holds_faults(&self, now: Instant, end: Instant) -> bool {
+        self.lock_open()
+            || (now >= self.next_lock && now < self.next_lock + QUIESCE && now + LOCK_HOLD < end)
     }
 
     /// Ends every open window (the API back to normal speed, the lock released).
@@ -197,13 +231,19 @@ impl Windows {
     }
 }
 
-/// Every process but the writers runs and is not paused: events flow from the outbox to the
-/// handlers. The long-lock window waits for that before it opens.
+/// Every process but the writers runs and is not paused, and no settlement consumer carries a
+/// crash point that has yet to fire (its handlers' retries on the lock would reach it, and the
+/// restart would end the count of an event's failures). The long-lock window waits for that
+/// before it opens.
 fn pipeline_up(procs: &mut [Proc]) -> bool {
     procs
         .iter_mut()
         .filter(|p| p.role != Role::Writer)
-        .all(|p| p.running() && p.paused_until.is_none())
+        .all(|p| {
+            p.running()
+                && p.paused_until.is_none()
+                && !(p.role == Role::Settlement && p.crash_point_pending)
+        })
 }
 
 /// The settlement consumers' incarnations: one that changed during a window was restarted
