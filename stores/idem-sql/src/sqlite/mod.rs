@@ -460,13 +460,12 @@ mod tests {
             .await;
             assert!(cancelled.is_err(), "the write was meant to hang");
         }
-        // The busy timeout is 5 s: a lock left behind would make this write wait it out.
-        let write = tokio::time::timeout(
-            Duration::from_secs(2),
-            sqlx::query("INSERT INTO t VALUES (2)").execute(&pool),
-        )
-        .await;
-        assert!(matches!(write, Ok(Ok(_))), "{write:?}");
+        // A lock left behind makes this write fail with SQLITE_BUSY once the 5 s busy timeout
+        // is out (on another connection), or land inside the cancelled transaction (on the same
+        // one, which the rows below catch). How soon the pool closes the connection depends on
+        // the machine's load, so no tighter bound is asserted.
+        let write = sqlx::query("INSERT INTO t VALUES (2)").execute(&pool).await;
+        assert!(write.is_ok(), "{write:?}");
         let rows: Vec<i64> = sqlx::query_scalar("SELECT x FROM t")
             .fetch_all(&pool)
             .await
