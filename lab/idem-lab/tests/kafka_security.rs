@@ -255,8 +255,8 @@ async fn sasl_ssl_refusals_stop_the_command_at_start_with_what_to_do() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_refusals_stop_the_command_at_start_with_what_to_do() {
     let k = secured(Security::Ssl);
-    let topic_dump = |flags: Vec<String>| {
-        let mut args: Vec<String> = ["topic", "dump", "--brokers", k.brokers(), "--topic", "t"]
+    let topic_dump_at = |brokers: &str, flags: Vec<String>| {
+        let mut args: Vec<String> = ["topic", "dump", "--brokers", brokers, "--topic", "t"]
             .iter()
             .map(|s| (*s).to_owned())
             .collect();
@@ -264,6 +264,7 @@ async fn tls_refusals_stop_the_command_at_start_with_what_to_do() {
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         idem(&refs)
     };
+    let topic_dump = |flags: Vec<String>| topic_dump_at(k.brokers(), flags);
 
     // The client trusts another CA than the one that signed the broker's certificate.
     let log = refused(
@@ -275,6 +276,23 @@ async fn tls_refusals_stop_the_command_at_start_with_what_to_do() {
         k.pki("other-ca.pem").display()
     );
     assert!(log.contains(&expected), "{log}");
+
+    // The right CA, but a host name the broker's certificate does not name (it names only
+    // IP:127.0.0.1; `localhost` reaches the same listener).
+    let port = k.brokers().rsplit(':').next().unwrap();
+    let log = refused(
+        "wrong-host-name",
+        topic_dump_at(
+            &format!("localhost:{port}"),
+            mtls_flags(k, "client.pem", "client.key", "ca.pem"),
+        ),
+    );
+    let expected = "idem topic dump cannot use the Kafka cluster: this client does not trust the Kafka broker's TLS certificate (";
+    assert!(log.contains(expected), "{log}");
+    assert!(
+        log.contains("connect by a host name the certificate names"),
+        "{log}"
+    );
 
     // An expired client certificate, signed by the right CA: the broker refuses it.
     let log = refused(
