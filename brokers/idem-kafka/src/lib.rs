@@ -51,7 +51,7 @@ pub use security::{
     ConnectError, Connection, KafkaSecurity, OAuthBearer, SaslMechanism, Secret, SecurityError,
     SecurityProtocol,
 };
-pub use source::{KafkaSource, consumer_config};
+pub use source::{GROUP, KafkaSource, consumer_config};
 
 /// Producer settings the at-least-once guarantee depends on. [`producer_config`] sets them and
 /// refuses overrides of these keys.

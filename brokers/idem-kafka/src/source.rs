@@ -21,11 +21,23 @@
 //! revoked; an attempt already running when the revocation arrives finishes (its offsets are
 //! then refused, as the partition is no longer assigned, and the new owner's redelivery is
 //! absorbed by the inbox).
+//!
+//! # Group membership
+//!
+//! A source made with [`KafkaSource::with_health`] reports its place in the group as the
+//! [`GROUP`] dependency of a [`Health`]: not ready until the group's first assignment reaches
+//! it, ready from then on — with any number of partitions, zero included (a group with more
+//! members than partitions has members that hold none: they are members all the same, ready to
+//! take over a partition in the next rebalance) — and not ready once librdkafka declares the
+//! assignment lost (no heartbeat answered within `session.timeout.ms`, the member fenced) or a
+//! rebalance fails, until the next assignment. An ordinary rebalance, which revokes and assigns
+//! again, leaves the member ready.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use idem_core::health::Health;
 use idem_core::{Delivery, Error, LagProbe, Result, Source};
 
 use crate::security::Connection;
@@ -182,13 +194,45 @@ impl Revocations {
     }
 }
 
+/// The dependency name of a consumer's membership of its group ([`KafkaSource::with_health`]).
+pub const GROUP: &str = "group";
+
+/// What a rebalance event says about this member's place in the group.
+#[derive(Debug, PartialEq, Eq)]
+enum Membership {
+    /// An assignment reached the member: it is in the group (with this many partitions, zero
+    /// included).
+    Holds(usize),
+    /// The member is out of the group until the next assignment, for this reason.
+    Out(String),
+    /// Nothing changes (a revocation in an ordinary rebalance).
+    Unchanged,
+}
+
+/// The membership after `rebalance`; `lost` is librdkafka's `assignment_lost()` at the time.
+fn membership(rebalance: &Rebalance<'_>, lost: bool) -> Membership {
+    match rebalance {
+        Rebalance::Assign(tpl) => Membership::Holds(tpl.count()),
+        Rebalance::Revoke(_) if lost => Membership::Out(
+            "the group assignment was lost: no heartbeat was answered within session.timeout.ms, \
+             or the member was fenced; waiting for the next assignment"
+                .to_owned(),
+        ),
+        Rebalance::Revoke(_) => Membership::Unchanged,
+        Rebalance::Error(e) => Membership::Out(format!("the rebalance failed: {e}")),
+    }
+}
+
 /// Records revoked partitions, commits stored offsets synchronously before partitions are
-/// revoked, and logs failed asynchronous commits.
+/// revoked, logs failed asynchronous commits, and reports the group membership ([`GROUP`])
+/// when made with a [`Health`].
 #[derive(Default)]
 pub struct RebalanceContext {
     revoked: std::sync::Mutex<Revocations>,
     /// Asynchronous offset commits the broker refused or never answered.
     commit_failures: AtomicU64,
+    /// Where the membership is reported, if anywhere.
+    health: Option<Health>,
 }
 
 impl RebalanceContext {
@@ -198,6 +242,18 @@ impl RebalanceContext {
 
     fn epoch(&self) -> u64 {
         self.revocations().epoch
+    }
+
+    /// Reports what `rebalance` says about the membership.
+    fn report(&self, rebalance: &Rebalance<'_>, lost: bool) {
+        let Some(health) = &self.health else {
+            return;
+        };
+        match membership(rebalance, lost) {
+            Membership::Holds(_) => health.ok(GROUP),
+            Membership::Out(reason) => health.failed(GROUP, &reason),
+            Membership::Unchanged => {}
+        }
     }
 }
 
@@ -213,6 +269,7 @@ fn nothing_to_commit(e: &KafkaError) -> bool {
 
 impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        self.report(rebalance, consumer.assignment_lost());
         if let Rebalance::Revoke(tpl) = rebalance {
             {
                 let mut revoked = self.revocations();
@@ -261,9 +318,23 @@ pub struct KafkaSource {
 impl KafkaSource {
     /// Joins the group in `config` and subscribes to `topics`.
     pub fn new(config: &ClientConfig, topics: &[String]) -> Result<Self> {
-        let consumer: StreamConsumer<RebalanceContext> = config
-            .create_with_context(RebalanceContext::default())
-            .map_err(|e| {
+        Self::create(config, topics, RebalanceContext::default())
+    }
+
+    /// [`KafkaSource::new`], reporting the membership of the group into `health` as [`GROUP`]
+    /// (expected from now on: not ready until the first assignment).
+    pub fn with_health(config: &ClientConfig, topics: &[String], health: &Health) -> Result<Self> {
+        health.expect(GROUP);
+        let context = RebalanceContext {
+            health: Some(health.clone()),
+            ..RebalanceContext::default()
+        };
+        Self::create(config, topics, context)
+    }
+
+    fn create(config: &ClientConfig, topics: &[String], context: RebalanceContext) -> Result<Self> {
+        let consumer: StreamConsumer<RebalanceContext> =
+            config.create_with_context(context).map_err(|e| {
                 Error::broker(
                     "creating the Kafka consumer",
                     crate::security::client_error(&e),
@@ -575,6 +646,59 @@ mod tests {
         }
         assert!(r.revoked_since("t", 0, 1));
         assert!(!r.revoked_since("t", 0, r.epoch));
+    }
+
+    #[test]
+    fn a_member_is_in_the_group_from_any_assignment_until_it_is_lost() {
+        let none = TopicPartitionList::new();
+        let mut two = TopicPartitionList::new();
+        two.add_partition("t", 0);
+        two.add_partition("t", 1);
+        assert_eq!(
+            membership(&Rebalance::Assign(&two), false),
+            Membership::Holds(2)
+        );
+        assert_eq!(
+            membership(&Rebalance::Assign(&none), false),
+            Membership::Holds(0),
+            "more members than partitions: a member with none is in the group"
+        );
+        assert_eq!(
+            membership(&Rebalance::Revoke(&two), false),
+            Membership::Unchanged,
+            "an ordinary rebalance"
+        );
+        assert!(matches!(
+            membership(&Rebalance::Revoke(&two), true),
+            Membership::Out(r) if r.contains("session.timeout.ms")
+        ));
+        let failed = KafkaError::Subscription("boom".to_owned());
+        assert!(matches!(
+            membership(&Rebalance::Error(failed), false),
+            Membership::Out(r) if r.contains("boom")
+        ));
+    }
+
+    #[test]
+    fn the_membership_is_reported_as_the_group_dependency() {
+        let health = Health::new();
+        health.expect(GROUP);
+        let context = RebalanceContext {
+            health: Some(health.clone()),
+            ..RebalanceContext::default()
+        };
+        assert!(!health.report().ready, "not ready before an assignment");
+        let none = TopicPartitionList::new();
+        context.report(&Rebalance::Assign(&none), false);
+        assert!(health.report().ready);
+        context.report(&Rebalance::Revoke(&none), false);
+        assert!(health.report().ready, "an ordinary rebalance");
+        context.report(&Rebalance::Revoke(&none), true);
+        let report = health.report();
+        assert!(!report.ready);
+        assert_eq!(report.checks[0].name, GROUP);
+        context.report(&Rebalance::Assign(&none), false);
+        assert!(health.report().ready);
     }
 
     #[test]
