@@ -7,6 +7,7 @@ mod dead_letter;
 mod handler;
 mod lanes;
 mod metrics;
+mod readiness;
 pub mod replay;
 mod retry;
 
@@ -14,6 +15,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use idem_core::crash::{self, CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT};
+use idem_core::health::Health;
 use idem_core::{Delivery, Error, EventId, InboundEvent, InboxEntry, InboxStore, Result, Source};
 
 use crate::attempt::AttemptCx;
@@ -24,6 +26,7 @@ pub use config::ConsumerConfig;
 pub use handler::{BatchError, Handler, HandlerError, Outcome, effect_traceparent, event_span};
 pub use idem_core::wire::{DecodeError, decode};
 pub use metrics::{ConsumerMetrics, MAX_LABEL_PAIRS, OTHER, total};
+pub use readiness::DATABASE;
 
 /// What one batch did, after its commit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -66,6 +69,9 @@ pub struct Consumer<I, H, S> {
     source: S,
     config: ConsumerConfig,
     metrics: ConsumerMetrics,
+    /// Where the database's state is reported, if anywhere, and when a transaction last
+    /// committed.
+    health: Option<(Health, std::sync::Mutex<Option<std::time::Instant>>)>,
 }
 
 impl<I, H, S> std::fmt::Debug for Consumer<I, H, S> {
@@ -76,6 +82,7 @@ impl<I, H, S> std::fmt::Debug for Consumer<I, H, S> {
             .field("source", &std::any::type_name::<S>())
             .field("config", &self.config)
             .field("metrics", &self.metrics)
+            .field("health", &self.health.as_ref().map(|(h, _)| h))
             .finish()
     }
 }
@@ -89,6 +96,7 @@ pub struct ConsumerBuilder<I, H, S> {
     config: ConsumerConfig,
     registry: Option<prometheus::Registry>,
     metrics: Option<ConsumerMetrics>,
+    health: Option<Health>,
 }
 
 impl<I, H, S> std::fmt::Debug for ConsumerBuilder<I, H, S> {
@@ -127,6 +135,12 @@ where
         self
     }
 
+    /// Reports the database's state into `health` ([`Consumer::with_health`]).
+    pub fn health(mut self, health: Health) -> Self {
+        self.health = Some(health);
+        self
+    }
+
     /// The consumer. Without a registry or metrics it counts into metrics nothing exports.
     /// Fails when the registry holds the consumer's metric names already.
     pub fn build(self) -> Result<Consumer<I, H, S>> {
@@ -135,13 +149,11 @@ where
             (None, Some(registry)) => ConsumerMetrics::new(registry)?,
             (None, None) => ConsumerMetrics::unregistered()?,
         };
-        Ok(Consumer::new(
-            self.inbox,
-            self.handler,
-            self.source,
-            self.config,
-            metrics,
-        ))
+        let consumer = Consumer::new(self.inbox, self.handler, self.source, self.config, metrics);
+        Ok(match self.health {
+            Some(h) => consumer.with_health(h),
+            None => consumer,
+        })
     }
 }
 
@@ -165,7 +177,18 @@ where
             source,
             config,
             metrics,
+            health: None,
         }
+    }
+
+    /// Reports the database into `health` as [`DATABASE`] while [`Consumer::run`] runs: not
+    /// ready until it answers, then as the last transaction's commit or, while none commits
+    /// for 5 s (an idle consumer), as a probe every 5 s (a transaction opened and rolled back,
+    /// within 5 s). The group and the broker are the source's and the command's to report.
+    pub fn with_health(mut self, health: Health) -> Self {
+        health.expect(DATABASE);
+        self.health = Some((health, std::sync::Mutex::new(None)));
+        self
     }
 
     /// A builder of a consumer in consumer group `group` ([`ConsumerConfig::new`]), metrics
@@ -183,6 +206,7 @@ where
             config: ConsumerConfig::new(group),
             registry: None,
             metrics: None,
+            health: None,
         }
     }
 
@@ -210,7 +234,11 @@ where
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
         let _lag = self.spawn_lag_gauge();
-        let result = self.drive(shutdown).await;
+        let result = tokio::select! {
+            biased;
+            r = self.drive(shutdown) => r,
+            never = self.watch_database() => match never {},
+        };
         if let Err(e) = self.source.close().await {
             tracing::warn!(error = %e, "committing the stored offsets at the end of the run failed; the last batches may be delivered again and skipped");
         }
@@ -275,6 +303,40 @@ where
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
+        }
+    }
+
+    /// Reports the database's state every [`readiness::PROBE_EVERY`], probing it unless a
+    /// transaction committed since the last time; never returns (pending for good without a
+    /// health to report to).
+    async fn watch_database(&self) -> std::convert::Infallible {
+        let Some((health, committed)) = &self.health else {
+            return std::future::pending().await;
+        };
+        loop {
+            let last = *committed.lock().unwrap_or_else(|p| p.into_inner());
+            if readiness::probe_due(last, std::time::Instant::now(), readiness::PROBE_EVERY) {
+                let probe = async {
+                    let tx = self.inbox.begin().await?;
+                    self.inbox.rollback(tx).await
+                };
+                match tokio::time::timeout(readiness::PROBE_TIMEOUT, probe).await {
+                    Ok(Ok(())) => health.ok(DATABASE),
+                    Ok(Err(e)) => health.failed(DATABASE, &e),
+                    Err(_) => {
+                        health.failed(DATABASE, &readiness::timed_out(readiness::PROBE_TIMEOUT));
+                    }
+                }
+            }
+            tokio::time::sleep(readiness::PROBE_EVERY).await;
+        }
+    }
+
+    /// Notes a committed transaction: the database answered.
+    fn committed(&self) {
+        if let Some((health, committed)) = &self.health {
+            *committed.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+            health.ok(DATABASE);
         }
     }
 
@@ -440,6 +502,7 @@ where
             Applying::Stopped => return Ok(Applied::Stopped),
             Applying::Revoked => return Ok(Applied::Revoked),
         };
+        self.committed();
         let mut report = self.account(&batch, &results, &retries);
         report.records = records.len();
 
