@@ -8,6 +8,7 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use idem_core::Result;
+use idem_core::health::Health;
 use idem_core::idempotency::{
     ClaimedIntent, FinishedAttempt, IntentOutcome, IntentStore, Resolution,
 };
@@ -18,7 +19,7 @@ use crate::classify::{
     next_wait, parse_retry_after, predecessor_outcome, probe_verdict,
 };
 use crate::metrics::EffectMetrics;
-use crate::pipeline::{Buffered, OutcomeBuffer, claim_size, may_claim};
+use crate::pipeline::{Buffered, OutcomeBuffer, claim_size, may_claim, store_backoff};
 use crate::remote::{CompensationError, EffectPolicy, Policies};
 use crate::status::{IntentStatus, UnknownStatus};
 use crate::tls::{HttpTls, LoadedTls, diagnose, tls_failure};
@@ -160,6 +161,9 @@ pub enum CompensateError {
     Store(#[from] idem_core::Error),
 }
 
+/// The dependency name of the dispatcher's database ([`Dispatcher::with_health`]).
+pub const DATABASE: &str = "database";
+
 /// Sends claimed intents and records their outcomes.
 pub struct Dispatcher<S> {
     store: S,
@@ -169,6 +173,8 @@ pub struct Dispatcher<S> {
     config: DispatcherConfig,
     metrics: EffectMetrics,
     policies: Policies,
+    /// Where the database's state is reported.
+    health: Health,
 }
 
 impl<S> std::fmt::Debug for Dispatcher<S> {
@@ -189,6 +195,7 @@ pub struct DispatcherBuilder<S> {
     config: DispatcherConfig,
     metrics: MetricsChoice,
     policies: Policies,
+    health: Option<Health>,
 }
 
 #[derive(Debug)]
@@ -225,6 +232,12 @@ impl<S: IntentStore> DispatcherBuilder<S> {
         self
     }
 
+    /// Reports the database's state into `health` ([`Dispatcher::with_health`]).
+    pub fn health(mut self, health: Health) -> Self {
+        self.health = Some(health);
+        self
+    }
+
     /// The dispatcher. Refuses a lease too short for a probe and a request
     /// (`lease >= 2 × timeout + lease_margin`) and metrics that cannot be registered.
     pub fn build(self) -> Result<Dispatcher<S>> {
@@ -235,7 +248,10 @@ impl<S: IntentStore> DispatcherBuilder<S> {
         };
         let mut d = Dispatcher::new(self.store, self.config, metrics)?;
         d.policies = self.policies;
-        Ok(d)
+        Ok(match self.health {
+            Some(h) => d.with_health(h),
+            None => d,
+        })
     }
 }
 
@@ -247,6 +263,7 @@ impl<S: IntentStore> Dispatcher<S> {
             config: DispatcherConfig::default(),
             metrics: MetricsChoice::None,
             policies: Policies::new(),
+            health: None,
         }
     }
 
@@ -280,7 +297,18 @@ impl<S: IntentStore> Dispatcher<S> {
             config,
             metrics,
             policies: Policies::new(),
+            health: Health::new(),
         })
+    }
+
+    /// Reports the database into `health` as [`DATABASE`]: not ready until a claim answers,
+    /// then as each claim and write of [`Dispatcher::run`] ends (a claim is made at least every
+    /// [`DispatcherConfig::idle_max`] while nothing fails). The database is all the dispatcher
+    /// needs to be ready: a remote that fails is an intent's outcome, not the dispatcher's.
+    pub fn with_health(mut self, health: Health) -> Self {
+        health.expect(DATABASE);
+        self.health = health;
+        self
     }
 
     /// Sets how `effect`'s remote is treated (keys ignored, status probe, compensation).
@@ -301,8 +329,18 @@ impl<S: IntentStore> Dispatcher<S> {
     /// [`DispatcherConfig::idle_min`] to [`DispatcherConfig::idle_max`]. Outcomes are recorded
     /// in batches ([`DispatcherConfig::outcome_batch`], [`DispatcherConfig::outcome_delay`]).
     /// On shutdown nothing more is claimed, the requests in flight end (each within `timeout`)
-    /// and every outcome is recorded before `run` returns. A store error or a failed send stops
-    /// the claims the same way, and is returned once everything in flight is recorded.
+    /// and every outcome is recorded before `run` returns.
+    ///
+    /// A store error (the database unreachable) does not stop it: it is reported as
+    /// [`DATABASE`] ([`Dispatcher::with_health`], logged once per outage), a failed claim is
+    /// made again and the outcomes of a failed write are kept and written again, after a wait
+    /// from 200 ms doubling to 10 s ([`store_backoff`]); an intent whose sending mark fails is
+    /// not sent (it is claimed again after its lease). A shutdown during an outage does not
+    /// wait for the claims in progress (their intents, if any were leased, are claimed again
+    /// after the lease), and a write that fails while stopping is given up: its outcomes are
+    /// lost as by a kill, and their intents sent again after the lease with the same key; that
+    /// error is returned. A crash point fired in error mode stops the claims like a shutdown,
+    /// and is returned once everything in flight is recorded.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
         let mut p = Pipeline::new(self.config.idle_min);
@@ -320,17 +358,23 @@ impl<S: IntentStore> Dispatcher<S> {
             let (flush_at, claim_at) = (p.flush_at(&self.config), p.claim_at(now));
             tokio::select! {
                 biased;
-                () = &mut shutdown, if !p.stopping => p.stopping = true,
+                () = &mut shutdown, if !p.stopping => p.stop(),
                 r = slot(&mut p.writing) => {
                     p.writing = None;
-                    if let Err(e) = r {
-                        p.fail(e);
+                    match r {
+                        Ok(()) => self.store_answered(&mut p),
+                        Err((e, kept)) => self.write_failed(&mut p, e, kept),
                     }
                 }
-                Some((c, r)) = p.in_flight.next() => match self.ended(c, r) {
-                    Ok(Some(b)) => p.buffer.push(b, Instant::now()),
-                    Ok(None) => {}
-                    Err(e) => p.fail(e),
+                Some((c, r)) = p.in_flight.next() => match r {
+                    Err(e) if !matches!(e, idem_core::Error::CrashPoint(_)) => {
+                        self.not_sent(&c, &e);
+                    }
+                    r => match self.ended(c, r) {
+                        Ok(Some(b)) => p.buffer.push(b, Instant::now()),
+                        Ok(None) => {}
+                        Err(e) => p.fail(e),
+                    },
                 },
                 Some((size, r)) = p.claiming.next() => {
                     p.reserved = p.reserved.saturating_sub(size);
@@ -361,11 +405,10 @@ impl<S: IntentStore> Dispatcher<S> {
                 .push(Box::pin(async move { (slots, claim.await) }));
         }
         let due = p
-            .buffer
-            .deadline(self.config.outcome_batch, self.config.outcome_delay)
+            .write_at(&self.config)
             .is_some_and(|d| p.stopping || d <= now);
         if p.writing.is_none() && due {
-            p.writing = Some(Box::pin(self.write(p.buffer.take())));
+            p.writing = Some(Box::pin(self.write_or_keep(p.buffer.take())));
         }
     }
 
@@ -377,10 +420,12 @@ impl<S: IntentStore> Dispatcher<S> {
         self.metrics.buffered.set(gauge(p.buffer.len()));
     }
 
-    /// Sends the intents of a claim, and sets when to claim next.
+    /// Sends the intents of a claim, and sets when to claim next: after a failed claim, when
+    /// the store's backoff ends.
     fn claimed<'d>(&'d self, p: &mut Pipeline<'d>, r: Result<Claimed>) {
         match r {
             Ok((claimed, lease_end)) => {
+                self.store_answered(p);
                 let (min, max) = (self.config.idle_min, self.config.idle_max);
                 let (wait, idle) = next_wait(claimed.len(), p.idle, min, max);
                 p.idle = idle;
@@ -389,8 +434,60 @@ impl<S: IntentStore> Dispatcher<S> {
                     p.in_flight.push(Box::pin(self.attempt_owned(c, lease_end)));
                 }
             }
-            Err(e) => p.fail(e),
+            Err(e @ idem_core::Error::CrashPoint(_)) => p.fail(e),
+            Err(e) => {
+                let wait = self.store_failed(p, &e);
+                p.next_claim = Instant::now() + wait;
+            }
         }
+    }
+
+    /// A claim or write was answered: the database is usable, the store's backoff over.
+    fn store_answered(&self, p: &mut Pipeline<'_>) {
+        p.failing = None;
+        p.write_after = None;
+        self.health.ok(DATABASE);
+    }
+
+    /// A claim or write failed with `e`: reported (logged once per outage by the health); the
+    /// wait before the store is used again.
+    fn store_failed(&self, p: &mut Pipeline<'_>, e: &idem_core::Error) -> Duration {
+        self.health.failed(DATABASE, e);
+        let wait = store_backoff(p.failing);
+        p.failing = Some(wait);
+        wait
+    }
+
+    /// A write failed with `e`: its outcomes `kept` are written again after the store's
+    /// backoff, unless stopping (given up: their intents are claimed again after the lease) or
+    /// a crash point fired.
+    fn write_failed(&self, p: &mut Pipeline<'_>, e: idem_core::Error, kept: Vec<Buffered>) {
+        if p.stopping || matches!(e, idem_core::Error::CrashPoint(_)) {
+            if !kept.is_empty() {
+                tracing::warn!(
+                    outcomes = kept.len(),
+                    "outcomes not recorded; their intents are claimed again after the lease and sent with the same key"
+                );
+            }
+            p.fail(e);
+            return;
+        }
+        let wait = self.store_failed(p, &e);
+        let now = Instant::now();
+        p.buffer.restore(kept, now);
+        p.write_after = Some(now + wait);
+    }
+
+    /// An attempt whose store operation (the sending mark) failed with `e`: nothing was sent;
+    /// the intent is claimed again after its lease.
+    fn not_sent(&self, c: &ClaimedIntent, e: &idem_core::Error) {
+        self.health.failed(DATABASE, e);
+        tracing::warn!(
+            intent = c.id,
+            attempt = c.attempt,
+            error = %e,
+            "not sent: marking the intent as sending failed; it is claimed again after its lease"
+        );
     }
 
     /// Claims due intents (at most `concurrency`, so that every request starts right after the
@@ -433,12 +530,27 @@ impl<S: IntentStore> Dispatcher<S> {
 
     /// Records `batch` in one write; counts and logs the attempts fenced by a takeover.
     async fn write(&self, batch: Vec<Buffered>) -> Result<()> {
+        self.write_or_keep(batch).await.map_err(|(e, _)| e)
+    }
+
+    /// [`Self::write`], giving the batch back with the error when the write fails.
+    async fn write_or_keep(&self, batch: Vec<Buffered>) -> Written {
         if batch.is_empty() {
             return Ok(());
         }
         let (finished, labels): (Vec<FinishedAttempt>, Vec<[String; 2]>) =
             batch.into_iter().map(|b| (b.finished, b.labels)).unzip();
-        let recorded = self.store.finish_all(&finished).await?;
+        let recorded = match self.store.finish_all(&finished).await {
+            Ok(recorded) => recorded,
+            Err(e) => {
+                let kept = finished
+                    .into_iter()
+                    .zip(labels)
+                    .map(|(finished, labels)| Buffered { finished, labels })
+                    .collect();
+                return Err((e, kept));
+            }
+        };
         if recorded.len() == finished.len() {
             return Ok(());
         }
@@ -730,6 +842,9 @@ impl<S: IntentStore> Dispatcher<S> {
 /// A claim's intents and the end of their lease by this clock.
 type Claimed = (Vec<ClaimedIntent>, Instant);
 
+/// A write of outcomes: done, or failed with the error and the outcomes to write again.
+type Written = std::result::Result<(), (idem_core::Error, Vec<Buffered>)>;
+
 /// An ended attempt: the intent and its verdict (`None`: nothing was sent).
 type Attempted = (ClaimedIntent, Result<Option<Verdict>>);
 
@@ -741,7 +856,7 @@ struct Pipeline<'d> {
     /// The slots the claims in progress may fill.
     reserved: usize,
     in_flight: FuturesUnordered<BoxFuture<'d, Attempted>>,
-    writing: Option<BoxFuture<'d, Result<()>>>,
+    writing: Option<BoxFuture<'d, Written>>,
     buffer: OutcomeBuffer,
     /// The first error; set together with `stopping`.
     error: Option<idem_core::Error>,
@@ -749,6 +864,10 @@ struct Pipeline<'d> {
     stopping: bool,
     next_claim: Instant,
     idle: Duration,
+    /// The wait after the store's last failure, while it fails (`None`: it answered).
+    failing: Option<Duration>,
+    /// No write before this, after a failed one.
+    write_after: Option<Instant>,
 }
 
 impl Pipeline<'_> {
@@ -763,6 +882,19 @@ impl Pipeline<'_> {
             stopping: false,
             next_claim: Instant::now(),
             idle,
+            failing: None,
+            write_after: None,
+        }
+    }
+
+    /// Shutdown: no more claims. During an outage the claims in progress are dropped, not
+    /// waited for: the database may not answer them for as long as its pool waits. Dropping a
+    /// claim sends nothing; intents it leased are claimed again after the lease.
+    fn stop(&mut self) {
+        self.stopping = true;
+        if self.failing.is_some() {
+            self.claiming.clear();
+            self.reserved = 0;
         }
     }
 
@@ -787,8 +919,16 @@ impl Pipeline<'_> {
         if self.writing.is_some() {
             return None;
         }
-        self.buffer
-            .deadline(config.outcome_batch, config.outcome_delay)
+        self.write_at(config)
+    }
+
+    /// When the buffered outcomes are due: by the buffer's deadline, and not before the
+    /// store's backoff after a failed write ends.
+    fn write_at(&self, config: &DispatcherConfig) -> Option<Instant> {
+        let due = self
+            .buffer
+            .deadline(config.outcome_batch, config.outcome_delay)?;
+        Some(self.write_after.map_or(due, |after| due.max(after)))
     }
 
     /// When the next claim may start (`None`: none is waiting on time).

@@ -59,9 +59,9 @@ pub use classify::{
     ParkKind, ProbeResult, Reply, Verdict, backoff_after, bound_busy, classify, lease_allows_send,
     predecessor_outcome,
 };
-pub use dispatcher::{CompensateError, Dispatcher, DispatcherBuilder, DispatcherConfig};
+pub use dispatcher::{CompensateError, DATABASE, Dispatcher, DispatcherBuilder, DispatcherConfig};
 pub use metrics::EffectMetrics;
-pub use pipeline::{claim_size, may_claim};
+pub use pipeline::{claim_size, may_claim, store_backoff};
 pub use remote::{
     AppliedWhen, Compensation, CompensationError, EffectPolicy, HttpCompensation, HttpStatusProbe,
     Probe, StatusProbe, TemplateError,

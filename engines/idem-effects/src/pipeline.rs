@@ -6,6 +6,10 @@
 //! attempts in batches: one write when `outcome_batch` of them are waiting, or `outcome_delay`
 //! after the first one, and whatever is left on shutdown. A kill loses at most the buffered
 //! outcomes; their intents are claimed again after the lease and sent with the same key.
+//!
+//! A claim or a write the database fails does not stop `run`: the claim is tried again, and the
+//! outcomes are kept and written again, after a wait from [`STORE_BACKOFF_MIN`] doubling per
+//! failure in a row up to [`STORE_BACKOFF_MAX`] ([`store_backoff`]).
 
 use std::time::{Duration, Instant};
 
@@ -29,6 +33,21 @@ pub fn claim_size(in_flight: usize, concurrency: usize, batch: u32) -> Option<u3
 /// outcomes pile up while their leases run out.
 pub fn may_claim(buffered: usize, outcome_batch: usize) -> bool {
     buffered < outcome_batch.max(1)
+}
+
+/// The wait after the first failed claim or write of an outage.
+pub const STORE_BACKOFF_MIN: Duration = Duration::from_millis(200);
+
+/// The longest wait between failed claims or writes: an outage's end is noticed this soon.
+pub const STORE_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// The wait after a failed claim or write, `previous` being the wait after the failure before
+/// it in a row (`None`: the store's last operation succeeded).
+pub fn store_backoff(previous: Option<Duration>) -> Duration {
+    previous.map_or(STORE_BACKOFF_MIN, |d| {
+        d.saturating_mul(2)
+            .clamp(STORE_BACKOFF_MIN, STORE_BACKOFF_MAX)
+    })
 }
 
 /// A finished attempt waiting to be recorded, with the labels its metrics use (effect, host).
@@ -79,6 +98,16 @@ impl OutcomeBuffer {
         self.since = None;
         std::mem::take(&mut self.entries)
     }
+
+    /// Puts back, first, the outcomes of a write that failed at `now`, to be written again.
+    pub(crate) fn restore(&mut self, mut kept: Vec<Buffered>, now: Instant) {
+        if kept.is_empty() {
+            return;
+        }
+        kept.append(&mut self.entries);
+        self.entries = kept;
+        self.since = Some(self.since.map_or(now, |s| s.min(now)));
+    }
 }
 
 #[cfg(test)]
@@ -123,6 +152,43 @@ mod tests {
         assert!(!may_claim(64, 64), "the write in progress is slow");
         assert!(may_claim(0, 0));
         assert!(!may_claim(1, 0));
+    }
+
+    #[test]
+    fn a_failing_store_is_tried_again_after_a_wait_that_doubles_up_to_a_bound() {
+        assert_eq!(store_backoff(None), STORE_BACKOFF_MIN);
+        assert_eq!(
+            store_backoff(Some(STORE_BACKOFF_MIN)),
+            STORE_BACKOFF_MIN * 2
+        );
+        let mut wait = None;
+        for _ in 0..20 {
+            wait = Some(store_backoff(wait));
+        }
+        assert_eq!(wait, Some(STORE_BACKOFF_MAX));
+        assert_eq!(store_backoff(Some(Duration::ZERO)), STORE_BACKOFF_MIN);
+    }
+
+    #[test]
+    fn the_outcomes_of_a_failed_write_are_written_again_first() {
+        let t0 = Instant::now();
+        let mut b = OutcomeBuffer::default();
+        b.push(entry(1), t0);
+        b.push(entry(2), t0);
+        let taken = b.take();
+        b.push(entry(3), t0 + Duration::from_millis(3));
+        b.restore(taken, t0 + Duration::from_millis(5));
+        assert_eq!(b.len(), 3);
+        assert_eq!(
+            b.deadline(10, Duration::from_millis(5)),
+            Some(t0 + Duration::from_millis(8)),
+            "from the oldest waiting"
+        );
+        let ids: Vec<i64> = b.take().iter().map(|e| e.finished.id).collect();
+        assert_eq!(ids, [1, 2, 3]);
+        b.restore(vec![], t0);
+        assert!(b.is_empty());
+        assert_eq!(b.deadline(10, Duration::ZERO), None);
     }
 
     #[test]
