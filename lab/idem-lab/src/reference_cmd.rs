@@ -9,6 +9,7 @@ use clap::Args;
 use idem_consumer::replay::{ReplayRequest, ReplayResult, Replayed, replay};
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::InboxStore;
+use idem_core::health::Health;
 use idem_kafka::KafkaSource;
 use idem_reference::{PaidOrder, Settlement};
 use idem_sql::Dialect;
@@ -148,16 +149,28 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 4).await?;
     let registry = prometheus::Registry::new();
     let metrics = ConsumerMetrics::new(&registry)?;
+    // Ready while the database answers, the broker answers and the member is in its group;
+    // each expected before the probes are served (not ready until reached).
+    let health = Health::new();
+    for name in [
+        idem_consumer::DATABASE,
+        idem_cli::readiness::BROKER,
+        idem_kafka::GROUP,
+    ] {
+        health.expect(name);
+    }
     if let Some(addr) = args.metrics_addr {
-        let bound = idem_cli::metrics_server::serve(addr, registry.clone()).await?;
-        eprintln!("idem settlement: metrics on http://{bound}/metrics");
+        let bound =
+            idem_cli::metrics_server::serve_with(addr, registry.clone(), health.clone()).await?;
+        eprintln!("idem settlement: metrics on http://{bound}/metrics (probes /healthz, /readyz)");
     }
     let kafka = args
         .kafka
         .connection(&args.brokers)?
         .consumer_config(&args.group, &args.consumer_config)?;
     args.kafka.check(&kafka, "idem settlement").await?;
-    let source = KafkaSource::new(&kafka, &args.topics)?;
+    idem_cli::readiness::watch_broker(&kafka, &health);
+    let source = KafkaSource::with_health(&kafka, &args.topics, &health)?;
     let mut config = ConsumerConfig::new(&args.group);
     config.batch_size = args.batch_size.max(1);
     eprintln!(
@@ -171,7 +184,13 @@ pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     ensure_reference_schema(&store)
         .await
         .context("creating the settlements table")?;
-    idem_sql::with_store!(store, s => consume(&s, &args, source, config, metrics, shutdown).await)?;
+    let consumer = Consumed {
+        source,
+        config,
+        metrics,
+        health,
+    };
+    idem_sql::with_store!(store, s => consume(&s, &args, consumer, shutdown).await)?;
     eprintln!("idem settlement: stopped cleanly");
     Ok(())
 }
@@ -184,14 +203,21 @@ async fn ensure_reference_schema(store: &Store) -> Result<(), sqlx::Error> {
     }
 }
 
+/// What the consumer of `idem-lab settlement` runs with, besides its store and handler.
+struct Consumed {
+    source: KafkaSource,
+    config: ConsumerConfig,
+    metrics: ConsumerMetrics,
+    /// The process's readiness: the consumer reports its database into it.
+    health: Health,
+}
+
 /// Runs the consumer with the handler `args` name, written once over the dialect: the audit
 /// log, or settlements (recording a points intent per payment with `--points-url`).
 async fn consume<DB: Dialect>(
     s: &idem_sql::Store<DB>,
     args: &SettlementArgs,
-    source: KafkaSource,
-    config: ConsumerConfig,
-    metrics: ConsumerMetrics,
+    c: Consumed,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()>
 where
@@ -201,21 +227,30 @@ where
     Settlement<idem_sql::Intents<DB>>: idem_consumer::Handler<DB::Connection>,
 {
     let inbox = s.inbox();
+    let Consumed {
+        source,
+        config,
+        metrics,
+        health,
+    } = c;
     match args.points_url.clone() {
         _ if args.handler == "audit" => {
             Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
+                .with_health(health)
                 .run(shutdown)
                 .await?;
         }
         Some(url) => {
             let handler = settlement_handler(Settlement::with_points(s.intents(), url), args);
             Consumer::new(inbox, handler, source, config, metrics)
+                .with_health(health)
                 .run(shutdown)
                 .await?;
         }
         None => {
             let handler = settlement_handler(Settlement::new(), args);
             Consumer::new(inbox, handler, source, config, metrics)
+                .with_health(health)
                 .run(shutdown)
                 .await?;
         }

@@ -1,6 +1,9 @@
-//! The probes of a running relay: `/healthz` while the process serves, `/readyz` following its
-//! dependencies — not ready while its broker is down, ready again once it restarts — and the
-//! outage logged once, not once per attempt; SIGTERM stops it cleanly within its bound.
+//! The probes of running processes: `/healthz` while the process serves, `/readyz` following
+//! its dependencies — a relay not ready while its broker is down, ready again once it restarts,
+//! and the outage logged once, not once per attempt; two consumers of a one-partition topic
+//! (one holding no partition) ready once in their group, not ready while the broker or their
+//! database is down; a dispatcher not ready while its database is down — and SIGTERM stopping
+//! each cleanly within its bound.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
@@ -9,7 +12,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use idem_conformance::backend::Pg;
-use idem_conformance::kafka::KafkaCluster;
+use idem_conformance::kafka::{self, KafkaCluster};
+use idem_conformance::private_pg::PrivatePg;
 use idem_conformance::process::{Proc, eventually, http_get};
 
 /// `/readyz`'s JSON.
@@ -18,35 +22,130 @@ fn readyz(addr: SocketAddr) -> serde_json::Value {
 }
 
 fn broker_check(report: &serde_json::Value) -> Option<serde_json::Value> {
+    check(report, "broker")
+}
+
+/// The check named `name` of a `/readyz` report.
+fn check(report: &serde_json::Value, name: &str) -> Option<serde_json::Value> {
     report["checks"]
         .as_array()?
         .iter()
-        .find(|c| c["name"] == "broker")
+        .find(|c| c["name"] == name)
         .cloned()
 }
 
+/// The names of a report's checks.
+fn check_names(report: &serde_json::Value) -> Vec<String> {
+    report["checks"]
+        .as_array()
+        .map(|cs| {
+            cs.iter()
+                .filter_map(|c| c["name"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Waits until every one of `addrs` reports `ready`; returns their reports.
+async fn all_ready(what: &str, addrs: &[SocketAddr], ready: bool) -> Vec<serde_json::Value> {
+    eventually(what, Duration::from_secs(120), || async {
+        let reports: Vec<_> = addrs.iter().map(|a| readyz(*a)).collect();
+        reports
+            .iter()
+            .all(|r| r["ready"] == ready)
+            .then_some(reports)
+    })
+    .await
+}
+
+/// `idem-lab ARGS` with info logs and no crash point, as the process `name`.
+fn spawn(name: &str, args: &[&str]) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
+    cmd.args(args)
+        .env("RUST_LOG", "info")
+        .env_remove("IDEM_CRASH_POINTS");
+    Proc::spawn(name, cmd)
+}
+
+/// `idem-lab migrate --db URL`.
+fn migrate(url: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+        .args(["migrate", "--db", url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// SIGTERM, then a clean exit within `bound`.
+fn stops_cleanly(p: &mut Proc, bound: Duration) {
+    let asked = Instant::now();
+    p.signal(15);
+    let status = p.wait_exit(Duration::from_secs(60));
+    assert!(
+        status.success(),
+        "SIGTERM: {status:?} (signal {:?}): {:#?}",
+        status.signal(),
+        p.log()
+    );
+    assert!(
+        asked.elapsed() < bound,
+        "stopped after {:?}",
+        asked.elapsed()
+    );
+}
+
 fn lines_with(p: &Proc, needle: &str) -> usize {
-    p.log().iter().filter(|l| l.contains(needle)).count()
+    p.log().iter().filter(|l| plain(l).contains(needle)).count()
+}
+
+/// `line` without its terminal colours (`ESC [ … m`).
+fn plain(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Waits until `p` has logged a line with `needle` (the state a probe reports may be visible
+/// just before its log line is written).
+async fn logged(p: &Proc, needle: &str) {
+    eventually(needle, Duration::from_secs(10), || async {
+        (lines_with(p, needle) > 0).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn readyz_follows_the_broker_down_and_up_and_the_outage_is_logged_once() {
     let pg = Pg::new().await;
     let mut kafka = KafkaCluster::start(1);
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
-    cmd.args([
+    let mut relay = spawn(
         "relay",
-        "--db",
-        pg.url(),
-        "--brokers",
-        kafka.brokers(),
-        "--metrics-addr",
-        "127.0.0.1:0",
-        "--no-prune",
-    ])
-    .env("RUST_LOG", "info")
-    .env_remove("IDEM_CRASH_POINTS");
-    let mut relay = Proc::spawn("relay", cmd);
+        &[
+            "relay",
+            "--db",
+            pg.url(),
+            "--brokers",
+            kafka.brokers(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--no-prune",
+        ],
+    );
     let addr = relay.metrics_addr();
 
     eventually("the relay is ready", Duration::from_secs(60), || async {
@@ -118,4 +217,149 @@ async fn readyz_follows_the_broker_down_and_up_and_the_outage_is_logged_once() {
         "stopped after {:?}",
         asked.elapsed()
     );
+}
+
+/// A consumer is ready once it is in its group — with partitions or, one member of two on a
+/// one-partition topic, with none — and its database and broker answer; not ready while the
+/// broker is down or while its database is, ready again once each is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumers_readyz_follows_its_group_broker_and_database() {
+    let pg = PrivatePg::start();
+    migrate(&pg.url());
+    let mut cluster = KafkaCluster::start(1);
+    let topic = kafka::unique("readiness.order");
+    idem_kafka::ensure_topics(cluster.brokers(), std::slice::from_ref(&topic), 1, 1)
+        .await
+        .unwrap();
+    let group = kafka::unique("readiness");
+    let url = pg.url();
+    let consumer = |name: &str| {
+        spawn(
+            name,
+            &[
+                "settlement",
+                "--db",
+                &url,
+                "--brokers",
+                cluster.brokers(),
+                "--group",
+                &group,
+                "--topic",
+                &topic,
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ],
+        )
+    };
+    // One after the other: each creates the reference tables at start, which two processes
+    // must not do at once.
+    let mut a = consumer("settlement-a");
+    all_ready("the first member ready", &[a.metrics_addr()], true).await;
+    let mut b = consumer("settlement-b");
+    let addrs = [a.metrics_addr(), b.metrics_addr()];
+
+    let reports = all_ready("both members ready", &addrs, true).await;
+    for r in &reports {
+        assert_eq!(check_names(r), ["broker", "database", "group"], "{r}");
+    }
+    assert!(
+        [&a, &b]
+            .iter()
+            .any(|p| lines_with(p, "partitions assigned partitions=0") > 0),
+        "the member without a partition was told its empty assignment: {:#?} {:#?}",
+        a.log(),
+        b.log()
+    );
+
+    cluster.kill(1);
+    let reports = all_ready("neither ready without the broker", &addrs, false).await;
+    for r in &reports {
+        let broker = broker_check(r).unwrap_or_else(|| panic!("no broker check: {r}"));
+        assert_eq!(broker["ready"], false, "{r}");
+        assert!(
+            broker["reason"].as_str().is_some_and(|s| !s.is_empty()),
+            "{r}"
+        );
+    }
+    for addr in addrs {
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&http_get(addr, "/healthz")).unwrap()["alive"],
+            true,
+            "alive while the broker is down"
+        );
+    }
+    cluster.restart(1);
+    all_ready("both ready again after the broker restarts", &addrs, true).await;
+
+    pg.try_crash().unwrap();
+    let reports = all_ready("neither ready without the database", &addrs, false).await;
+    for r in &reports {
+        let db = check(r, "database").unwrap_or_else(|| panic!("no database check: {r}"));
+        assert_eq!(db["ready"], false, "{r}");
+        assert_eq!(check(r, "group").unwrap()["ready"], true, "{r}");
+    }
+    pg.try_start_again().unwrap();
+    all_ready("both ready again after the database restarts", &addrs, true).await;
+    for p in [&a, &b] {
+        logged(p, "database is reachable again").await;
+        assert_eq!(
+            lines_with(p, "database is unavailable"),
+            1,
+            "the outage starts once: {:#?}",
+            p.log()
+        );
+    }
+
+    stops_cleanly(&mut a, Duration::from_secs(15));
+    stops_cleanly(&mut b, Duration::from_secs(15));
+}
+
+/// The dispatcher is ready while its database answers, not ready while it is down — the process
+/// rides the outage out instead of stopping — and ready again once it is back; SIGTERM stops
+/// it cleanly.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_dispatchers_readyz_follows_its_database() {
+    let pg = PrivatePg::start();
+    migrate(&pg.url());
+    let url = pg.url();
+    let args = [
+        "effects",
+        "dispatch",
+        "--db",
+        &url,
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ];
+    let mut dispatcher = spawn("dispatcher", &args);
+    let addr = dispatcher.metrics_addr();
+
+    let report = all_ready("the dispatcher is ready", &[addr], true).await;
+    assert_eq!(check_names(&report[0]), ["database"], "{}", report[0]);
+
+    pg.try_crash().unwrap();
+    let report = all_ready("not ready without its database", &[addr], false).await;
+    let db = check(&report[0], "database").unwrap();
+    assert!(db["reason"].as_str().is_some_and(|s| !s.is_empty()), "{db}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&http_get(addr, "/healthz")).unwrap()["alive"],
+        true,
+        "alive while the database is down"
+    );
+
+    pg.try_start_again().unwrap();
+    all_ready("ready again after the database restarts", &[addr], true).await;
+    logged(&dispatcher, "database is reachable again").await;
+    assert_eq!(
+        lines_with(&dispatcher, "database is unavailable"),
+        1,
+        "the outage starts once: {:#?}",
+        dispatcher.log()
+    );
+    assert_eq!(
+        lines_with(&dispatcher, "database is reachable again"),
+        1,
+        "{:#?}",
+        dispatcher.log()
+    );
+    stops_cleanly(&mut dispatcher, Duration::from_secs(10));
 }

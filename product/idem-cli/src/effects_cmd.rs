@@ -280,10 +280,15 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
             ..
         } => {
             let registry = prometheus::Registry::new();
-            let d = dispatcher(store, &policy, timeout, &registry)?;
+            // Ready while its database answers: the remotes are the intents' outcomes.
+            let health = idem_core::health::Health::new();
+            let d = dispatcher(store, &policy, timeout, &registry)?.with_health(health.clone());
             if let Some(addr) = metrics_addr {
-                let bound = crate::metrics_server::serve(addr, registry.clone()).await?;
-                eprintln!("idem effects: metrics on http://{bound}/metrics");
+                let bound =
+                    crate::metrics_server::serve_with(addr, registry.clone(), health).await?;
+                eprintln!(
+                    "idem effects: metrics on http://{bound}/metrics (probes /healthz, /readyz)"
+                );
             }
             if let Some(bundle) = &policy.tls.ca_bundle {
                 eprintln!(

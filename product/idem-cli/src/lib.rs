@@ -11,7 +11,6 @@ mod cdc_cmd;
 mod effects_cmd;
 mod outbox_cmd;
 mod prune_cmd;
-mod readiness;
 mod relay_cmd;
 mod topic_cmd;
 
@@ -19,6 +18,7 @@ pub mod db;
 pub mod dead_letters_cmd;
 pub mod kafka_args;
 pub mod metrics_server;
+pub mod readiness;
 pub mod settings;
 pub mod util;
 pub mod verify_cmd;

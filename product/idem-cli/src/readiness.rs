@@ -1,5 +1,5 @@
 //! What a command's `/readyz` watches beyond what its engine reports: whether the broker
-//! answers at all, also while there is nothing to send.
+//! answers at all, also while there is nothing to send or receive.
 
 use std::time::Duration;
 
@@ -14,11 +14,11 @@ const EVERY: Duration = Duration::from_secs(5);
 const TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Marks the broker expected in `health` and asks it for the cluster's metadata every few
-/// seconds in the background (a client of `producer`'s connection and security settings),
-/// recording whether it answered.
-pub fn watch_broker(producer: &ClientConfig, health: &Health) {
+/// seconds in the background (a client of `client`'s connection and security settings, a
+/// producer's or a consumer's), recording whether it answered.
+pub fn watch_broker(client: &ClientConfig, health: &Health) {
     health.expect(BROKER);
-    let conn = idem_kafka::admin::connection_of(producer);
+    let conn = idem_kafka::admin::connection_of(client);
     let health = health.clone();
     tokio::spawn(async move {
         loop {
