@@ -12,7 +12,6 @@ use std::time::Duration;
 use idem_core::{Error, Result};
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 
 /// One partition as the metadata reports it.
@@ -67,13 +66,14 @@ pub fn connection(brokers: &str) -> ClientConfig {
     conn
 }
 
-fn metadata_client(conn: &ClientConfig) -> Result<BaseConsumer> {
-    conn.create().map_err(|e| {
-        Error::broker(
-            "creating a metadata client",
-            crate::security::client_error(&e),
-        )
-    })
+fn metadata_client(conn: &ClientConfig) -> Result<BaseConsumer<crate::client_log::Reported>> {
+    conn.create_with_context(crate::client_log::Reported)
+        .map_err(|e| {
+            Error::broker(
+                "creating a metadata client",
+                crate::security::client_error(&e),
+            )
+        })
 }
 
 /// The ids of the brokers the cluster reports, sorted.
@@ -179,12 +179,14 @@ pub async fn topic_durability(
             "the topic does not exist",
         ));
     };
-    let admin: AdminClient<DefaultClientContext> = conn.create().map_err(|e| {
-        Error::broker(
-            "creating the Kafka admin client",
-            crate::security::client_error(&e),
-        )
-    })?;
+    let admin: AdminClient<crate::client_log::Reported> = conn
+        .create_with_context(crate::client_log::Reported)
+        .map_err(|e| {
+            Error::broker(
+                "creating the Kafka admin client",
+                crate::security::client_error(&e),
+            )
+        })?;
     let opts = AdminOptions::new().request_timeout(Some(timeout));
     let configs = admin
         .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)

@@ -31,7 +31,6 @@ use futures::future::join_all;
 use idem_core::publish::{FailureKind, Message, PublishError, Publisher};
 use idem_core::{Error, Result};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
@@ -41,6 +40,7 @@ use rdkafka::producer::{
 };
 
 pub mod admin;
+pub mod client_log;
 pub mod inspect;
 pub mod security;
 pub mod source;
@@ -168,7 +168,7 @@ pub struct KafkaPublisher {
     config: ClientConfig,
     /// `message.timeout.ms`: also bounds how long a batch waits for room in the local queue.
     message_timeout: Duration,
-    producer: Mutex<Arc<FutureProducer>>,
+    producer: Mutex<Arc<FutureProducer<client_log::Reported>>>,
     /// How many times the producer was replaced (see [`KafkaPublisher::replacements`]).
     replacements: std::sync::atomic::AtomicU64,
     /// Partitions and replicas of topics created on first use (`None` replicas: min(3, brokers)).
@@ -344,7 +344,7 @@ impl KafkaPublisher {
         &self.config
     }
 
-    fn current(&self) -> Arc<FutureProducer> {
+    fn current(&self) -> Arc<FutureProducer<client_log::Reported>> {
         self.producer
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -370,7 +370,7 @@ impl KafkaPublisher {
     /// Safe for the guarantee: it runs after every report of the batch has arrived, so no
     /// message is left in the old producer; the rows that failed are published again by the
     /// relay, and their duplicates (if the broker had them after all) are absorbed downstream.
-    fn replace_if_broken(&self, producer: &FutureProducer, timed_out: bool) {
+    fn replace_if_broken(&self, producer: &FutureProducer<client_log::Reported>, timed_out: bool) {
         let reason = match producer.client().fatal_error() {
             Some((code, reason)) => format!("fatal error {code:?}: {reason}"),
             None if timed_out => "a message timed out".to_owned(),
@@ -395,9 +395,9 @@ impl KafkaPublisher {
     }
 }
 
-fn create_producer(config: &ClientConfig) -> Result<FutureProducer> {
+fn create_producer(config: &ClientConfig) -> Result<FutureProducer<client_log::Reported>> {
     config
-        .create::<FutureProducer>()
+        .create_with_context(client_log::Reported)
         .map_err(|e| Error::broker("creating the Kafka producer", security::client_error(&e)))
 }
 
@@ -507,7 +507,7 @@ fn not_sent(reason: impl Into<String>) -> PublishError {
 
 /// Puts one message in the producer's bounded queue, waiting for room until `deadline`.
 async fn enqueue(
-    producer: &FutureProducer,
+    producer: &FutureProducer<client_log::Reported>,
     m: &Message,
     deadline: std::time::Instant,
 ) -> std::result::Result<DeliveryFuture, PublishError> {
@@ -664,7 +664,9 @@ pub async fn ensure_topics_with(
             "topics need at least 1 partition and 1 replica (asked: {partitions} partitions, {replication} replicas)"
         )));
     }
-    let admin: AdminClient<DefaultClientContext> = conn.create().map_err(|e| {
+    let admin: AdminClient<client_log::Reported> = conn
+        .create_with_context(client_log::Reported)
+        .map_err(|e| {
         Error::broker(
             "creating the Kafka admin client",
             security::client_error(&e),

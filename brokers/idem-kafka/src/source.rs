@@ -257,7 +257,15 @@ impl RebalanceContext {
     }
 }
 
-impl ClientContext for RebalanceContext {}
+impl ClientContext for RebalanceContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, log_message: &str) {
+        crate::client_log::log_line(level, fac, log_message);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        crate::client_log::global_error(&error, reason);
+    }
+}
 
 /// Whether a commit error only says there was nothing stored to commit.
 fn nothing_to_commit(e: &KafkaError) -> bool {
