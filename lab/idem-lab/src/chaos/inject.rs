@@ -214,7 +214,7 @@ async fn fault(
         FaultKind::CrashPoint => schedule.crash_point(&unfired, faults, &slots(w.procs, now), rng),
         FaultKind::Broker => {
             let partitions = if w.nodes > 1 {
-                Some(partitions(&w.topology.brokers, &w.topology.topic).await?)
+                Some(partitions(&w.topology.kafka, &w.topology.topic).await?)
             } else {
                 None
             };
@@ -338,16 +338,12 @@ fn slots(procs: &mut [Proc], now: Instant) -> Vec<Slot> {
 
 /// The partitions of the run's topic (none when the cluster cannot say in time).
 async fn partitions(
-    brokers: &str,
+    kafka: &idem_kafka::Connection,
     topic: &str,
 ) -> anyhow::Result<Vec<idem_kafka::admin::PartitionInfo>> {
-    let (b, t) = (brokers.to_owned(), topic.to_owned());
+    let (conn, t) = (kafka.client_config(), topic.to_owned());
     Ok(tokio::task::spawn_blocking(move || {
-        idem_kafka::admin::partitions(
-            &idem_kafka::admin::connection(&b),
-            &t,
-            Duration::from_secs(2),
-        )
+        idem_kafka::admin::partitions(&conn, &t, Duration::from_secs(2))
     })
     .await?
     .unwrap_or_default())

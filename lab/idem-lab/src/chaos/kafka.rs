@@ -12,20 +12,28 @@ use anyhow::{Context, bail};
 use super::procs::{Proc, Role};
 use crate::broker::script;
 
-/// A prepared cluster: its bootstrap list and one process per node (not started).
+/// A prepared cluster: its bootstrap list, its directory and one process per node (not
+/// started).
 pub struct Prepared {
     pub bootstrap: String,
+    pub dir: std::path::PathBuf,
     pub nodes: Vec<Proc>,
 }
 
-/// Runs `scripts/kafka prepare` for `nodes` nodes in `dir/kafka` and builds their processes
-/// (named `kafka-N`, N the node id).
-pub fn prepare(nodes: usize, dir: &Path) -> anyhow::Result<Prepared> {
+/// Runs `scripts/kafka prepare` for `nodes` nodes in `dir/kafka` — with `secured`, one node
+/// whose client listener is SASL_SSL (`--security sasl_ssl`: a PKI and SCRAM users made for the
+/// run, in `dir/kafka/pki` and `dir/kafka/users`) — and builds their processes (named
+/// `kafka-N`, N the node id).
+pub fn prepare(nodes: usize, dir: &Path, secured: bool) -> anyhow::Result<Prepared> {
     let kafka_dir = dir.join("kafka");
     let script = script();
-    let out = Command::new(&script)
-        .args(["prepare", "--nodes", &nodes.to_string(), "--dir"])
-        .arg(&kafka_dir)
+    let mut cmd = Command::new(&script);
+    cmd.args(["prepare", "--nodes", &nodes.to_string(), "--dir"])
+        .arg(&kafka_dir);
+    if secured {
+        cmd.args(["--security", "sasl_ssl"]);
+    }
+    let out = cmd
         .output()
         .with_context(|| format!("running {}", script.display()))?;
     if !out.status.success() {
@@ -65,20 +73,23 @@ pub fn prepare(nodes: usize, dir: &Path) -> anyhow::Result<Prepared> {
     }
     Ok(Prepared {
         bootstrap,
+        dir: kafka_dir,
         nodes: procs,
     })
 }
 
-/// Waits until the cluster reports `nodes` brokers.
-pub async fn wait_ready(bootstrap: &str, nodes: usize, timeout: Duration) -> anyhow::Result<()> {
+/// Waits until the cluster of `kafka` reports `nodes` brokers.
+pub async fn wait_ready(
+    kafka: &idem_kafka::Connection,
+    nodes: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
+    let bootstrap = kafka.brokers();
     loop {
-        let b = bootstrap.to_owned();
+        let conn = kafka.client_config();
         let ids = tokio::task::spawn_blocking(move || {
-            idem_kafka::admin::broker_ids(
-                &idem_kafka::admin::connection(&b),
-                Duration::from_secs(2),
-            )
+            idem_kafka::admin::broker_ids(&conn, Duration::from_secs(2))
         })
         .await?;
         match ids {

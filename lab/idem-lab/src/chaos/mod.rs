@@ -8,6 +8,10 @@
 //!
 //! `--break MECHANISM` runs a negative control: one mechanism deliberately broken, which the
 //! run must report as a violation.
+//!
+//! `--tls` runs it secured: Kafka over SASL_SSL with SCRAM, PostgreSQL under `verify-full` as a
+//! password role, the points API over HTTPS, secrets in files; afterwards every log of the run
+//! is searched for its passwords (`secure`).
 
 mod diagnose;
 mod hostile;
@@ -17,6 +21,7 @@ pub mod kafka_txn;
 mod procs;
 mod report;
 mod schedule;
+mod secure;
 mod settle;
 mod topic;
 mod topology;
@@ -24,7 +29,7 @@ mod verdict;
 mod windows;
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::bail;
@@ -33,7 +38,7 @@ use idem_core::TableNames;
 use idem_core::crash::{BREAK_KAFKA_TRANSACTIONS, BREAKABLE};
 use serde::Serialize;
 
-use crate::demo::world::Databases;
+use crate::demo::world::{Databases, Owner};
 use idem_conformance::private_pg::PrivatePg;
 use procs::{Proc, Rng};
 use topology::Topology;
@@ -82,6 +87,22 @@ pub struct ChaosArgs {
     /// server had not flushed.
     #[arg(long)]
     pub pg_restart: bool,
+    /// Run secured: Kafka (one node) over SASL_SSL with SCRAM-SHA-512, with a CA, a broker
+    /// certificate and SCRAM users made for the run (`scripts/kafka prepare --security
+    /// sasl_ssl`); PostgreSQL under `sslmode=verify-full` (which `--db` must use) as
+    /// `--tls-db-role`, owner of the run's databases; the points API over HTTPS with the run's
+    /// certificate. Passwords reach the processes in files, never on a command line, and every
+    /// log of the run is searched for them afterwards: a hit fails the run.
+    #[arg(long, conflicts_with = "pg_restart")]
+    pub tls: bool,
+    /// With `--tls`: the password role the processes and the runner's pools connect as (the
+    /// user of `--db` creates the run's databases and gives them to it).
+    #[arg(long, env = "IDEM_CHAOS_TLS_DB_ROLE", default_value = "idem_tls")]
+    pub tls_db_role: String,
+    /// With `--tls`: the file holding `--tls-db-role`'s password (one trailing newline is
+    /// dropped).
+    #[arg(long, env = "IDEM_CHAOS_TLS_DB_PASSWORD_FILE", value_name = "FILE")]
+    pub tls_db_password_file: Option<PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -132,6 +153,10 @@ pub struct ChaosReport {
     /// Executions of one Idempotency-Key that overlapped in the points API during slow
     /// windows (`points_lab_overlaps`): each is an effect the key failed to make once.
     pub overlapping_executions: i64,
+    /// `--tls`: how each connection was secured, what `pg_stat_ssl` and the broker's log showed,
+    /// and the search of every log of the run for every password it used
+    /// (`tls.secret_search.hits`: where one was found; any fails the run).
+    pub tls: Option<secure::Tls>,
     pub logs: Option<String>,
     pub verify: idem_verify::Report,
 }
@@ -218,17 +243,28 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     }
     let run = format!("c{}{}", args.seed, std::process::id());
     let tables = TableNames::default();
+    let role = secured_role(&args)?;
     let server = private_server(&args).await?;
     let db = server
         .as_ref()
         .map_or_else(|| args.db.clone(), PrivatePg::url);
-    let dbs = Databases::create(Some(&db), None, &run, &tables).await?;
+    let dbs = match &role {
+        Some(role) => {
+            let url_of = |name: &str| role.url(&db, name);
+            let owner = Owner {
+                role: &role.name,
+                url_of: &url_of,
+            };
+            Databases::create_postgres_for(&db, &run, &tables, Some(owner)).await?
+        }
+        None => Databases::create(Some(&db), None, &run, &tables).await?,
+    };
     let dir = tempfile::Builder::new().prefix("idem-chaos-").tempdir()?;
     // Ctrl-C or SIGTERM ends the run: dropping `drive` kills every process it started, brokers
     // included (`Proc` kills its child on drop), and the databases are still dropped.
     let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
-        r = drive(&args, &dbs, dir.path(), &run, server.as_ref()) => r,
+        r = drive(&args, &dbs, dir.path(), &run, server.as_ref(), role.as_ref()) => r,
         () = interrupted => Err(anyhow::anyhow!(
             "interrupted: every process of the run was killed and its databases are dropped"
         )),
@@ -244,6 +280,30 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
         report.logs = Some(kept.display().to_string());
     }
     idem_cli::verify_cmd::emit(&report, args.json, report.ok, report::print)
+}
+
+/// With `--tls`, the role the run's processes connect as; refuses what `--tls` cannot run
+/// with.
+fn secured_role(args: &ChaosArgs) -> anyhow::Result<Option<secure::DbRole>> {
+    if !args.tls {
+        return Ok(None);
+    }
+    if args.kafka_nodes != 1 {
+        bail!("--tls runs one Kafka node (scripts/kafka secures single-node clusters only)");
+    }
+    if args.break_mechanism.as_deref() == Some(BREAK_KAFKA_TRANSACTIONS) {
+        bail!(
+            "--tls cannot run the kafka-transactions control: its consumer connects in plain text"
+        );
+    }
+    secure::check_admin_url(&args.db)?;
+    let Some(file) = &args.tls_db_password_file else {
+        bail!(
+            "--tls needs the password of --tls-db-role {} in a file: --tls-db-password-file              (IDEM_CHAOS_TLS_DB_PASSWORD_FILE)",
+            args.tls_db_role
+        );
+    };
+    Ok(Some(secure::DbRole::new(&args.tls_db_role, file)?))
 }
 
 /// With `--pg-restart`, the run's own PostgreSQL server, started.
@@ -290,21 +350,39 @@ async fn drive(
     dir: &Path,
     run: &str,
     server: Option<&PrivatePg>,
+    role: Option<&secure::DbRole>,
 ) -> anyhow::Result<ChaosReport> {
     let mut rng = Rng::new(args.seed);
     let crash_log = dir.join("crashes.log");
     let api_port = topology::free_port()?;
-    let prepared = kafka::prepare(args.kafka_nodes, dir)?;
-    let topology = topology_of(args, dbs, run, api_port, prepared.bootstrap);
+    let prepared = kafka::prepare(args.kafka_nodes, dir, args.tls)?;
+    let (secure, kafka) = match role {
+        Some(role) => {
+            let (s, k) =
+                secure::Secured::new(&prepared.dir, &prepared.bootstrap, dir, &dbs.urls, role)?;
+            (Some(s), k)
+        }
+        None => (None, idem_kafka::Connection::plaintext(&prepared.bootstrap)),
+    };
+    let mut topology = topology_of(args, dbs, run, api_port, prepared.bootstrap);
+    topology.kafka = kafka;
+    topology.secure = secure;
     let mut procs = processes(args, &topology, prepared.nodes, dir, &crash_log)?;
     topology::start(&mut procs, &topology, args.kafka_nodes, dir).await?;
     eprintln!(
-        "idem chaos: seed {} for {} s; {}; Kafka ({} node(s)) on {}; logs in {}{}",
+        "idem chaos: seed {} for {} s; {}; Kafka ({} node(s)) on {}{}; logs in {}{}",
         args.seed,
         args.seconds,
         dbs.location,
         args.kafka_nodes,
         topology.brokers,
+        topology
+            .secure
+            .as_ref()
+            .map_or_else(String::new, |s| format!(
+                " (SASL_SSL as {}; PostgreSQL verify-full as {}; points API over HTTPS)",
+                s.scram_user, s.db_role
+            )),
         dir.display(),
         args.break_mechanism
             .as_deref()
@@ -326,7 +404,7 @@ async fn drive(
     let hostile = std::mem::take(&mut injected.hostile_accepted);
     let pipe = settle::Pipeline {
         dbs,
-        brokers: &topology.brokers,
+        kafka: &topology.kafka,
         topic: &topology.topic,
         config: &config,
         hostile: &hostile,
@@ -339,7 +417,12 @@ async fn drive(
     if !settled.verify.clean {
         settled.verify = idem_verify::verify(&config, &idem_verify::Options::default()).await?;
     }
-    report::report(args, &pipe, &mut procs, &crash_log, injected, settled).await
+    let place = report::Run {
+        topology: &topology,
+        dir,
+        crash_log: &crash_log,
+    };
+    report::report(args, &pipe, &mut procs, &place, injected, settled).await
 }
 
 /// What the run's processes connect to: the points API on `api_port`, the brokers at
@@ -358,12 +441,14 @@ fn topology_of(
         settle_url,
         points_url,
         api_port,
+        kafka: idem_kafka::Connection::plaintext(&brokers),
         brokers,
         topic: format!("{prefix}order"),
         prefix,
         rate: args.rate,
         kafka_transactions: args.break_mechanism.as_deref() == Some(BREAK_KAFKA_TRANSACTIONS),
         cdc_slot: args.cdc.then(|| format!("idem_chaos_{run}")),
+        secure: None,
     }
 }
 

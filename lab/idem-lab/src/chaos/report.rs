@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use super::inject::Injected;
 use super::procs::{Proc, Role};
+use super::secure;
 use super::settle::{Pipeline, Settled};
+use super::topology::Topology;
 use super::verdict::{self, Numbers};
 use super::{ChaosArgs, ChaosReport, crash_counts, topic, windows};
 
@@ -25,22 +27,44 @@ struct Exact {
     republishes: u64,
 }
 
-/// Collects the exact numbers, stops every process, and draws the verdict.
+/// The run's place: its topology and its logs' directory.
+pub struct Run<'a> {
+    /// What the processes connected to, and how.
+    pub topology: &'a Topology,
+    /// The logs.
+    pub dir: &'a Path,
+    /// Where armed crash points logged that they fired.
+    pub crash_log: &'a Path,
+}
+
+/// Collects the exact numbers, stops every process, and draws the verdict; a secured run's
+/// logs, complete once every process has stopped, are then searched for its passwords.
 pub async fn report(
     args: &ChaosArgs,
     pipe: &Pipeline<'_>,
     procs: &mut [Proc],
-    crash_log: &Path,
+    run: &Run<'_>,
     injected: Injected,
     settled: Settled,
 ) -> anyhow::Result<ChaosReport> {
     let exact = exact(pipe, procs, injected.hostile_violations).await?;
+    let backends = match &run.topology.secure {
+        Some(s) => Some(s.backends(pipe.dbs).await?),
+        None => None,
+    };
     for p in procs.iter_mut().filter(|p| p.role != Role::Broker) {
         p.stop(Duration::from_secs(10));
     }
     for p in procs.iter_mut().filter(|p| p.role == Role::Broker) {
         p.stop(Duration::from_secs(10));
     }
+    let tls = run
+        .topology
+        .secure
+        .as_ref()
+        .zip(backends)
+        .map(|(s, b)| s.report(pipe.kafka, &run.topology.api_base(), b, run.dir));
+    let crash_log = run.crash_log;
     let crash_points_fired = crash_counts(crash_log, super::schedule::run_points(args.cdc));
     let verify = settled.verify;
     let numbers = Numbers {
@@ -58,6 +82,7 @@ pub async fn report(
         crash_points_fired,
         duplicate_deliveries: exact.duplicate_deliveries,
         inbox_duplicate_deliveries: exact.inbox_duplicate_deliveries,
+        unsecured: tls.as_ref().map(secure::shortfalls).unwrap_or_default(),
     };
     let failures: Vec<String> = verdict::verdict(&numbers)
         .iter()
@@ -90,6 +115,7 @@ pub async fn report(
         panics: numbers.panics,
         unexpected_exits: exact.unexpected_exits,
         overlapping_executions: exact.overlapping_executions,
+        tls,
         logs: None,
         verify,
     })
@@ -107,11 +133,11 @@ async fn exact(
         .settlement
         .scalar("SELECT COALESCE(sum(delivery_count - 1), 0)::bigint FROM idem_inbox")
         .await?;
-    let records = topic::read(pipe.brokers, pipe.topic).await?;
+    let records = topic::read(pipe.kafka, pipe.topic).await?;
     let (topic_duplicates, unconsumed) = match &records {
         Ok(records) => (
             topic::duplicates(records),
-            topic::unconsumed(pipe.brokers, pipe.topic, records, dbs).await?,
+            topic::unconsumed(pipe.kafka, pipe.topic, records, dbs).await?,
         ),
         Err(_) => (-1, std::collections::BTreeMap::new()),
     };
@@ -183,6 +209,30 @@ pub fn print(r: &ChaosReport) {
     );
     let contained = r.hostile_rows.len();
     println!("  hostile rows stored, contained {contained} (see --json for each one's fate)");
+    if let Some(t) = &r.tls {
+        println!("  Kafka                          {}", t.kafka);
+        println!(
+            "  PostgreSQL                     {} ({} backends, {} in clear, {} of other roles)",
+            t.postgres, t.pg_backends.all, t.pg_backends.in_clear, t.pg_backends.other_roles
+        );
+        println!("  points API                     {}", t.points_api);
+        println!(
+            "  SCRAM principal in broker log  {}",
+            if t.scram_principal_logged {
+                "yes"
+            } else {
+                "no"
+            }
+        );
+        let s = &t.secret_search;
+        println!(
+            "  passwords in the logs          {} ({} passwords searched in {} lines of {} files)",
+            s.hits.len(),
+            s.secrets,
+            s.lines,
+            s.files
+        );
+    }
     if !r.verify.clean {
         println!();
         print!("{}", r.verify.table());

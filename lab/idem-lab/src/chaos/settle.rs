@@ -114,8 +114,8 @@ fn restart_dead(procs: &mut [Proc]) -> anyhow::Result<()> {
 pub struct Pipeline<'a> {
     /// The databases.
     pub dbs: &'a Databases,
-    /// The brokers' bootstrap address.
-    pub brokers: &'a str,
+    /// The brokers' bootstrap address and security.
+    pub kafka: &'a idem_kafka::Connection,
     /// The run's topic.
     pub topic: &'a str,
     /// The checks of the run.
@@ -206,8 +206,8 @@ async fn check(
     };
     match settler.observe(progress) {
         SettleStep::Quiet => {
-            let waiting: u64 = match topic::read(pipe.brokers, pipe.topic).await? {
-                Ok(records) => topic::unconsumed(pipe.brokers, pipe.topic, &records, pipe.dbs)
+            let waiting: u64 = match topic::read(pipe.kafka, pipe.topic).await? {
+                Ok(records) => topic::unconsumed(pipe.kafka, pipe.topic, &records, pipe.dbs)
                     .await?
                     .values()
                     .sum(),

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use idem_kafka::Connection;
 use idem_kafka::inspect::Record;
 
 use crate::demo::world::Databases;
@@ -20,10 +21,13 @@ pub fn duplicates(records: &[Record]) -> i64 {
 }
 
 /// Every record of the run's topic (an error when the topic cannot be read).
-pub async fn read(brokers: &str, topic: &str) -> anyhow::Result<idem_core::Result<Vec<Record>>> {
-    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+pub async fn read(
+    kafka: &Connection,
+    topic: &str,
+) -> anyhow::Result<idem_core::Result<Vec<Record>>> {
+    let (conn, topic) = (kafka.client_config(), topic.to_owned());
     Ok(tokio::task::spawn_blocking(move || {
-        idem_kafka::inspect::read_all(&brokers, &topic, Duration::from_secs(60))
+        idem_kafka::inspect::read_all_with(&conn, &topic, Duration::from_secs(60))
     })
     .await?)
 }
@@ -31,13 +35,13 @@ pub async fn read(brokers: &str, topic: &str) -> anyhow::Result<idem_core::Resul
 /// Per check, the missing effects whose events their group has not consumed yet. A points
 /// award is downstream of the settlement group (the settlement handler records its intent).
 pub async fn unconsumed(
-    brokers: &str,
+    kafka: &Connection,
     topic: &str,
     records: &[Record],
     dbs: &Databases,
 ) -> anyhow::Result<BTreeMap<String, u64>> {
     let not_settled = unconsumed_missing(
-        brokers,
+        kafka,
         topic,
         "settlement",
         records,
@@ -47,16 +51,10 @@ pub async fn unconsumed(
     .await
     .context("counting what group settlement has not consumed")?;
     let not_awarded = missing_in(&dbs.points, "points_awards", not_settled.clone()).await?;
-    let not_audited = unconsumed_missing(
-        brokers,
-        topic,
-        "audit",
-        records,
-        &dbs.settlement,
-        "audit_log",
-    )
-    .await
-    .context("counting what group audit has not consumed")?;
+    let not_audited =
+        unconsumed_missing(kafka, topic, "audit", records, &dbs.settlement, "audit_log")
+            .await
+            .context("counting what group audit has not consumed")?;
     let mut counts = BTreeMap::new();
     for (check, list) in [
         ("settlements", not_settled),
@@ -74,7 +72,7 @@ pub async fn unconsumed(
 /// in their partition (or in a partition where the group committed nothing) and have no row in
 /// `table`: events the group has not consumed yet, as opposed to events it read past.
 async fn unconsumed_missing(
-    brokers: &str,
+    kafka: &Connection,
     topic: &str,
     group: &str,
     records: &[Record],
@@ -82,10 +80,10 @@ async fn unconsumed_missing(
     table: &str,
 ) -> anyhow::Result<Vec<String>> {
     let committed: std::collections::HashMap<i32, i64> = {
-        let (brokers, topic, group) = (brokers.to_owned(), topic.to_owned(), group.to_owned());
+        let (conn, topic, group) = (kafka.client_config(), topic.to_owned(), group.to_owned());
         tokio::task::spawn_blocking(move || {
-            idem_kafka::inspect::committed_offsets(
-                &brokers,
+            idem_kafka::inspect::committed_offsets_with(
+                &conn,
                 &group,
                 &topic,
                 Duration::from_secs(30),

@@ -11,6 +11,7 @@ use anyhow::Context;
 
 use super::kafka;
 use super::procs::{Proc, Role};
+use super::secure::Secured;
 use super::windows;
 
 /// What the processes of a run connect to.
@@ -26,6 +27,8 @@ pub struct Topology {
     pub api_port: u16,
     /// The brokers' bootstrap address.
     pub brokers: String,
+    /// The brokers' bootstrap address and security, for the runner's own Kafka clients.
+    pub kafka: idem_kafka::Connection,
     /// The relays' topic prefix.
     pub prefix: String,
     /// The topic the consumers read.
@@ -36,12 +39,24 @@ pub struct Topology {
     pub kafka_transactions: bool,
     /// The slot of CDC relays (`--cdc`); `None`: polling relays.
     pub cdc_slot: Option<String>,
+    /// `--tls`: what the processes are secured with.
+    pub secure: Option<Secured>,
 }
 
 impl Topology {
     /// The crash points of this run's pipeline.
     pub fn points(&self) -> &'static [&'static str] {
         super::schedule::run_points(self.cdc_slot.is_some())
+    }
+
+    /// The points API's base URL: HTTPS in a secured run.
+    pub fn api_base(&self) -> String {
+        let scheme = if self.secure.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.api_port)
     }
 }
 
@@ -54,6 +69,8 @@ pub struct Spec {
     pub name: String,
     /// The `idem-lab` arguments.
     pub argv: Vec<String>,
+    /// Its environment, beside the run's (a secured run's settings and secret files).
+    pub env: Vec<(&'static str, String)>,
 }
 
 fn strings(v: &[&str]) -> Vec<String> {
@@ -62,9 +79,14 @@ fn strings(v: &[&str]) -> Vec<String> {
 
 /// The pipeline's processes, brokers aside, in the order the schedule indexes them: the points
 /// API, two order writers, two relays, two settlement consumers, the audit consumer, the effect
-/// dispatcher.
+/// dispatcher. In a secured run each is then [`secured`].
 pub fn specs(t: &Topology) -> Vec<Spec> {
-    let spec = |role, name: String, argv| Spec { role, name, argv };
+    let spec = |role, name: String, argv| Spec {
+        role,
+        name,
+        argv,
+        env: vec![],
+    };
     let listen = format!("127.0.0.1:{}", t.api_port);
     let mut out = vec![spec(
         Role::Api,
@@ -92,7 +114,40 @@ pub fn specs(t: &Topology) -> Vec<Spec> {
         "dispatcher".to_owned(),
         dispatcher(t),
     ));
-    out
+    match &t.secure {
+        Some(s) => out.into_iter().map(|spec| secured(spec, s)).collect(),
+        None => out,
+    }
+}
+
+/// A process of a secured run: its database URL (which holds the role's password) in a file
+/// (`IDEM_DB_FILE`) instead of `--db`, the Kafka clients with the run's SASL_SSL settings (the
+/// password in a file too), the points API serving HTTPS, the dispatcher trusting the run's CA.
+fn secured(mut spec: Spec, s: &Secured) -> Spec {
+    if let Some(i) = spec.argv.iter().position(|a| a == "--db") {
+        spec.argv.drain(i..(i + 2).min(spec.argv.len()));
+    }
+    let db = match spec.role {
+        Role::Api => &s.db_files[2],
+        Role::Writer | Role::Relay | Role::Broker => &s.db_files[0],
+        Role::Settlement | Role::Audit | Role::Dispatcher => &s.db_files[1],
+    };
+    spec.env.push(("IDEM_DB_FILE", db.display().to_string()));
+    match spec.role {
+        Role::Relay | Role::Settlement | Role::Audit => spec.env.extend(s.kafka_env.clone()),
+        Role::Api => spec.argv.extend([
+            "--tls-cert".to_owned(),
+            s.api_cert.display().to_string(),
+            "--tls-key".to_owned(),
+            s.api_key.display().to_string(),
+        ]),
+        Role::Dispatcher => {
+            spec.argv
+                .extend(["--ca-bundle".to_owned(), s.ca.display().to_string()]);
+        }
+        Role::Writer | Role::Broker => {}
+    }
+    spec
 }
 
 fn writer(t: &Topology, i: usize) -> Vec<String> {
@@ -187,7 +242,7 @@ fn consumer(t: &Topology, group: &str, handler: &str, member: &str) -> Vec<Strin
         &format!("group.instance.id={member}"),
     ]));
     if settlement {
-        let target = format!("http://127.0.0.1:{}/awards", t.api_port);
+        let target = format!("{}/awards", t.api_base());
         v.extend(strings(&["--points-url", &target]));
     }
     v
@@ -236,8 +291,14 @@ fn idem_cmd(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Command> {
 pub fn spawn(spec: Spec, dir: &Path, env: &[(&'static str, String)]) -> anyhow::Result<Proc> {
     // Fail now on an unusable binary path rather than inside the closure.
     idem_cmd(&[], &[])?;
-    let env = env.to_vec();
-    let Spec { role, name, argv } = spec;
+    let Spec {
+        role,
+        name,
+        argv,
+        env: own,
+    } = spec;
+    let mut env = env.to_vec();
+    env.extend(own);
     Ok(Proc::new(
         role,
         name,
@@ -264,13 +325,18 @@ pub async fn start(
     for p in procs.iter_mut().filter(|p| p.role == Role::Broker) {
         p.start(&[])?;
     }
-    kafka::wait_ready(&t.brokers, nodes, Duration::from_secs(120))
+    kafka::wait_ready(&t.kafka, nodes, Duration::from_secs(120))
         .await
         .with_context(|| format!("starting Kafka (see {})", dir.display()))?;
     let replication = i32::try_from(nodes.min(3))?;
-    idem_kafka::ensure_topics(&t.brokers, std::slice::from_ref(&t.topic), 4, replication)
-        .await
-        .context("creating the topic")?;
+    idem_kafka::ensure_topics_with(
+        &t.kafka.client_config(),
+        std::slice::from_ref(&t.topic),
+        4,
+        replication,
+    )
+    .await
+    .context("creating the topic")?;
     for p in procs.iter_mut().filter(|p| p.role != Role::Broker) {
         p.start(&[])?;
     }
@@ -288,11 +354,13 @@ mod tests {
             points_url: "postgres://p".to_owned(),
             api_port: 4000,
             brokers: "127.0.0.1:9092".to_owned(),
+            kafka: idem_kafka::Connection::plaintext("127.0.0.1:9092"),
             prefix: "chaos-r.".to_owned(),
             topic: "chaos-r.order".to_owned(),
             rate: 25.0,
             kafka_transactions,
             cdc_slot: None,
+            secure: None,
         }
     }
 
@@ -315,6 +383,90 @@ mod tests {
                 "audit",
                 "dispatcher"
             ]
+        );
+    }
+
+    /// A secured run's processes with their settings: a fake prepared cluster's users and CA,
+    /// and the role URLs `urls`.
+    fn secured_topology(dir: &Path, urls: &[String; 3]) -> Topology {
+        let kafka_dir = dir.join("kafka");
+        std::fs::create_dir_all(kafka_dir.join("pki")).unwrap();
+        std::fs::create_dir_all(kafka_dir.join("node1")).unwrap();
+        std::fs::write(
+            kafka_dir.join("users"),
+            "PLAIN idem_plain pw-plain\nSCRAM-SHA-512 idem_scram pw-scram\n",
+        )
+        .unwrap();
+        std::fs::write(kafka_dir.join("admin-password"), "pw-admin\n").unwrap();
+        std::fs::write(
+            kafka_dir.join("pki/ca.pem"),
+            "-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let password = dir.join("db-password");
+        std::fs::write(&password, "pw-db\n").unwrap();
+        let role = super::super::secure::DbRole::new("idem_tls", &password).unwrap();
+        let (secure, kafka) = Secured::new(&kafka_dir, "127.0.0.1:9093", dir, urls, &role).unwrap();
+        Topology {
+            kafka,
+            secure: Some(secure),
+            ..topology(false)
+        }
+    }
+
+    #[test]
+    fn a_secured_run_keeps_every_secret_off_the_command_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let urls = ["orders", "settlement", "points"]
+            .map(|db| format!("postgres://idem_tls:pw-db@127.0.0.1:5432/{db}?sslmode=verify-full"));
+        let t = secured_topology(dir.path(), &urls);
+        let specs = specs(&t);
+        for s in &specs {
+            for a in &s.argv {
+                assert!(
+                    !a.contains("pw-"),
+                    "{}: a secret on the command line: {a}",
+                    s.name
+                );
+            }
+            assert!(!s.argv.contains(&"--db".to_owned()), "{}", s.name);
+            let (_, file) = s.env.iter().find(|(k, _)| *k == "IDEM_DB_FILE").unwrap();
+            let db = match s.role {
+                Role::Api => "points",
+                Role::Writer | Role::Relay => "orders",
+                _ => "settlement",
+            };
+            let url = std::fs::read_to_string(file).unwrap();
+            assert!(url.contains(&format!("/{db}?")), "{}: {url}", s.name);
+            let kafka = s.env.iter().any(|(k, _)| k.starts_with("IDEM_KAFKA_"));
+            let client = matches!(s.role, Role::Relay | Role::Settlement | Role::Audit);
+            assert_eq!(kafka, client, "{}", s.name);
+        }
+        let by_name = |n: &str| specs.iter().find(|s| s.name == n).unwrap();
+        let password_file = &by_name("relay-0")
+            .env
+            .iter()
+            .find(|(k, _)| *k == "IDEM_KAFKA_SASL_PASSWORD_FILE")
+            .unwrap()
+            .1;
+        assert_eq!(
+            std::fs::read_to_string(password_file).unwrap(),
+            "pw-scram\n"
+        );
+        assert!(
+            by_name("points-api")
+                .argv
+                .contains(&"--tls-cert".to_owned())
+        );
+        assert!(
+            by_name("dispatcher")
+                .argv
+                .contains(&"--ca-bundle".to_owned())
+        );
+        assert!(
+            by_name("settlement-0")
+                .argv
+                .contains(&"https://127.0.0.1:4000/awards".to_owned())
         );
     }
 

@@ -38,6 +38,9 @@ pub struct Numbers {
     pub duplicate_deliveries: u64,
     /// Deliveries beyond the first, from the inboxes.
     pub inbox_duplicate_deliveries: i64,
+    /// A secured run's shortfalls: a connection not secured as it should be, a password in a
+    /// log.
+    pub unsecured: Vec<String>,
 }
 
 impl Numbers {
@@ -80,6 +83,8 @@ pub enum Failure {
     NeverFired(String),
     /// No duplicate delivery happened: nothing was proved.
     Vacuous,
+    /// A secured run was not secured as it should be, or a password reached a log.
+    NotSecured(String),
 }
 
 impl fmt::Display for Failure {
@@ -118,6 +123,7 @@ impl fmt::Display for Failure {
             Failure::Vacuous => {
                 f.write_str("vacuous: no duplicate delivery happened, so nothing was proved")
             }
+            Failure::NotSecured(s) => write!(f, "security: {s}"),
         }
     }
 }
@@ -160,6 +166,7 @@ pub fn verdict(n: &Numbers) -> Vec<Failure> {
     if n.duplicate_deliveries == 0 && n.inbox_duplicate_deliveries == 0 {
         failures.push(Failure::Vacuous);
     }
+    failures.extend(n.unsecured.iter().cloned().map(Failure::NotSecured));
     failures
 }
 
@@ -305,6 +312,23 @@ mod tests {
         assert_eq!(
             verdict(&full),
             vec![Failure::NeverFired("relay.a".to_owned())]
+        );
+    }
+
+    #[test]
+    fn a_secured_runs_shortfall_fails_it() {
+        let n = Numbers {
+            unsecured: vec![
+                "a password of the run in the logs: 1 line(s), first at a.log:3".to_owned(),
+            ],
+            ..clean()
+        };
+        assert_eq!(
+            verdict(&n)
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["security: a password of the run in the logs: 1 line(s), first at a.log:3"]
         );
     }
 

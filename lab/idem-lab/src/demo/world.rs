@@ -48,6 +48,15 @@ fn pg_url_with_db(server: &str, db: &str) -> anyhow::Result<String> {
     })
 }
 
+/// Whom a run's PostgreSQL databases are given to: a role, and the URL of that role on a
+/// database (by name).
+pub struct Owner<'a> {
+    /// The role.
+    pub role: &'a str,
+    /// The role's URL on a database.
+    pub url_of: &'a dyn Fn(&str) -> anyhow::Result<String>,
+}
+
 impl Databases {
     /// Fresh databases: SQLite files under `dir` (or a temporary directory), or three new
     /// databases on the PostgreSQL server of `pg`.
@@ -65,6 +74,19 @@ impl Databases {
 
     /// Three new databases on the PostgreSQL server `server`, migrated.
     async fn create_postgres(server: &str, run: &str, tables: &TableNames) -> anyhow::Result<Self> {
+        Self::create_postgres_for(server, run, tables, None).await
+    }
+
+    /// Three new databases on the PostgreSQL server `server`, whose user creates (and drops)
+    /// them; with an `owner` — a role and the URL of that role on a database — each is given
+    /// to the role (`ALTER DATABASE … OWNER TO`), then migrated and used through the role's URL,
+    /// so that the role owns every table.
+    pub async fn create_postgres_for(
+        server: &str,
+        run: &str,
+        tables: &TableNames,
+        owner: Option<Owner<'_>>,
+    ) -> anyhow::Result<Self> {
         if Scheme::of(server).ok() != Some(Scheme::Postgres) {
             bail!("--db must be a postgres:// URL (the SQLite default needs no --db)");
         }
@@ -77,7 +99,19 @@ impl Databases {
                 .execute(&admin)
                 .await
                 .with_context(|| format!("creating database {name}"))?;
-            urls.push(pg_url_with_db(server, &name)?);
+            match &owner {
+                Some(Owner {
+                    role: owner,
+                    url_of,
+                }) => {
+                    sqlx::query(&format!("ALTER DATABASE \"{name}\" OWNER TO \"{owner}\""))
+                        .execute(&admin)
+                        .await
+                        .with_context(|| format!("giving database {name} to {owner}"))?;
+                    urls.push(url_of(&name)?);
+                }
+                None => urls.push(pg_url_with_db(server, &name)?),
+            }
             names.push(name);
         }
         admin.close().await;

@@ -1,0 +1,291 @@
+//! `idem-lab chaos --tls`: one seed with every connection secured — Kafka over SASL_SSL with
+//! SCRAM-SHA-512 (a broker of the run's own, with a PKI and SCRAM users made for it, SIGKILLed and
+//! restarted), PostgreSQL under `verify-full` as `idem_tls` (a role the suite's server refuses
+//! in clear), the points API over HTTPS with the run's CA — loses nothing and doubles nothing.
+//! While it runs, every backend on its databases is encrypted and of `idem_tls`, and no command
+//! line on the host holds a password; afterwards the broker's log names the SCRAM principal, the
+//! awards went to `https://`, and no log line of the run holds a password: the runner's own
+//! search says so, and this test searches again.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use idem_conformance::pg::{PgTlsMaterial, admin_url};
+use sqlx::postgres::PgPool;
+
+/// The chaos runner, secured, with the environment cleared of the lab's variables.
+fn chaos_tls(tls: &PgTlsMaterial, seconds: &str) -> Command {
+    let admin = format!(
+        "postgres://postgres@127.0.0.1:5432/postgres?sslmode=verify-full&sslrootcert={}",
+        tls.ca()
+    );
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("IDEM_") && !k.starts_with("IDEM_TEST_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.args(["chaos", "--tls", "--seconds", seconds, "--seed", "1"])
+        .args(["--db", &admin, "--keep", "--json"])
+        .env(
+            "IDEM_CHAOS_TLS_DB_PASSWORD_FILE",
+            tls.file("idem_tls.password"),
+        )
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// What the test saw while the run went on.
+#[derive(Default)]
+struct Seen {
+    /// The most backends on the run's databases at once.
+    most_backends: usize,
+    /// `(user, backend type, ssl)` of every backend seen.
+    backends: BTreeSet<(String, String, bool)>,
+    /// Every command line of the host's processes.
+    cmdlines: BTreeSet<String>,
+}
+
+async fn look(pool: &PgPool, run: &str, seen: &mut Seen) {
+    let rows: Vec<(String, String, bool)> = sqlx::query_as(
+        "SELECT coalesce(a.usename, '')::text, coalesce(a.backend_type, ''), \
+                coalesce(s.ssl, false) \
+         FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+         WHERE a.datname LIKE $1",
+    )
+    .bind(format!("idem_demo_{run}_%"))
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    seen.most_backends = seen.most_backends.max(rows.len());
+    seen.backends.extend(rows);
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        if let Ok(raw) = std::fs::read(entry.path().join("cmdline")) {
+            seen.cmdlines
+                .insert(String::from_utf8_lossy(&raw).replace('\0', " "));
+        }
+    }
+}
+
+/// The log files of a run's directory (outside the brokers' data, the PKI and the secrets).
+fn logs(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            let name = entry.file_name();
+            if !["data", "pki", "secrets"].contains(&name.to_str().unwrap()) {
+                logs(&path, out);
+            }
+        } else if path.extension().is_some_and(|e| e == "log" || e == "txt") {
+            out.push(path);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::too_many_lines)] // one run, and everything it must show
+async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_password() {
+    let tls = PgTlsMaterial::get();
+    let pool = PgPool::connect(&admin_url()).await.unwrap();
+    let mut child = chaos_tls(&tls, "35").spawn().unwrap();
+    let run = format!("c1{}", child.id());
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let stdout = std::thread::spawn(move || {
+        let mut s = String::new();
+        out.read_to_string(&mut s).unwrap();
+        s
+    });
+    let stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        err.read_to_string(&mut s).unwrap();
+        s
+    });
+    // Sampled until the runner exits: what its processes connect with, and their command lines.
+    let mut seen = Seen::default();
+    while child.try_wait().unwrap().is_none() {
+        look(&pool, &run, &mut seen).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let code = child.wait().unwrap().code();
+    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    let r: serde_json::Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr: {stderr}"));
+    let logs_dir = PathBuf::from(r["logs"].as_str().expect("--keep keeps the logs"));
+
+    // The passwords of the run: idem_tls's and every Kafka user's (the broker's own too).
+    let mut passwords = vec![tls.password()];
+    let users = std::fs::read_to_string(logs_dir.join("kafka/users")).unwrap();
+    passwords.extend(
+        users
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(2).map(str::to_owned)),
+    );
+    passwords.push(
+        std::fs::read_to_string(logs_dir.join("kafka/admin-password"))
+            .unwrap()
+            .trim()
+            .to_owned(),
+    );
+    assert!(
+        passwords.iter().all(|p| p.len() >= 16),
+        "{}",
+        passwords.len()
+    );
+
+    // Awards went to the HTTPS points API: the databases are kept, read them before dropping.
+    let settlement_url = format!(
+        "{}/idem_demo_{run}_settlement",
+        admin_url().rsplit_once('/').unwrap().0
+    );
+    let settlement = PgPool::connect(&settlement_url).await.unwrap();
+    let (done, https): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status = 'done'), \
+                count(*) FILTER (WHERE status = 'done' AND target LIKE 'https://127.0.0.1:%') \
+         FROM idem_effect_intents",
+    )
+    .fetch_one(&settlement)
+    .await
+    .unwrap();
+    settlement.close().await;
+    for db in ["orders", "settlement", "points"] {
+        sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS idem_demo_{run}_{db} WITH (FORCE)"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(r["ok"], true, "{r:#}");
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0)),
+        "{r:#}"
+    );
+    assert_eq!(r["verify"]["clean"], true, "{r:#}");
+    let faults = r["faults"].as_object().unwrap();
+    for kind in ["sigkill", "broker_kill"] {
+        assert!(
+            faults.get(kind).and_then(|v| v.as_u64()).unwrap_or(0) > 0,
+            "no {kind}: {r:#}"
+        );
+    }
+    assert!(
+        r["inbox_duplicate_deliveries"].as_i64().unwrap() > 0,
+        "{r:#}"
+    );
+    assert!(
+        done > 0 && https == done,
+        "{https} of {done} awards over HTTPS"
+    );
+
+    eprintln!(
+        "orders {}, faults {}, crash points fired {}, inbox duplicate deliveries {}, lost {}, \
+         duplicate effects {}, awards over HTTPS {https}; tls {}",
+        r["orders"],
+        r["faults"],
+        r["crash_points_fired"],
+        r["inbox_duplicate_deliveries"],
+        r["lost"],
+        r["duplicate_effects"],
+        r["tls"]
+    );
+    // The runner's own account: secured as asked, and no password in its logs.
+    let t = &r["tls"];
+    assert_eq!(t["kafka"], "SASL_SSL SCRAM-SHA-512 as idem_scram", "{t:#}");
+    assert_eq!(t["postgres"], "verify-full as idem_tls", "{t:#}");
+    assert!(
+        t["points_api"].as_str().unwrap().starts_with("https://"),
+        "{t:#}"
+    );
+    assert_eq!(t["scram_principal_logged"], true, "{t:#}");
+    let b = &t["pg_backends"];
+    assert!(b["all"].as_u64().unwrap() > 0, "{t:#}");
+    assert_eq!((&b["in_clear"], &b["other_roles"]), (&0.into(), &0.into()));
+    let search = &t["secret_search"];
+    assert_eq!(search["hits"], serde_json::json!([]), "{t:#}");
+    assert!(search["secrets"].as_u64().unwrap() >= 4, "{t:#}");
+    assert!(search["lines"].as_u64().unwrap() > 100, "{t:#}");
+
+    // What the test saw itself while the run went on: every backend on the run's databases
+    // encrypted and of idem_tls (the pools of the relays, consumers, dispatcher, points API and
+    // the runner), and no password on any command line.
+    eprintln!(
+        "backends seen (at most {} at once): {:?}",
+        seen.most_backends, seen.backends
+    );
+    assert!(seen.most_backends >= 8, "{:?}", seen.backends);
+    assert!(
+        seen.backends
+            .iter()
+            .all(|(user, _, ssl)| user == "idem_tls" && *ssl),
+        "a backend in clear or of another role: {:?}",
+        seen.backends
+    );
+    // The run's processes: their topic prefix or the run's directory is on their command lines
+    // (other tests on this host may pass idem_tls's password on theirs).
+    let processes: Vec<&String> = seen
+        .cmdlines
+        .iter()
+        .filter(|c| c.contains(&format!("chaos-{run}.")) || c.contains(logs_dir.to_str().unwrap()))
+        .collect();
+    assert!(processes.len() >= 5, "the run's processes were not seen");
+    for line in processes {
+        for p in &passwords {
+            assert!(
+                !line.contains(p.as_str()),
+                "a password on a command line: {}",
+                line.replace(p.as_str(), "***")
+            );
+        }
+    }
+
+    // The broker authenticated the SCRAM user, and this test finds no password in any log
+    // line of the run (the runner's stderr and report included).
+    let broker_log = std::fs::read_to_string(logs_dir.join("kafka/node1/broker.log")).unwrap();
+    assert!(
+        broker_log.contains("User:idem_scram"),
+        "{}",
+        logs_dir.display()
+    );
+    let mut files = vec![];
+    logs(&logs_dir, &mut files);
+    assert!(files.len() >= 10, "{files:?}");
+    let mut lines = 0;
+    for file in &files {
+        let text = String::from_utf8_lossy(&std::fs::read(file).unwrap()).into_owned();
+        for (i, line) in text.lines().enumerate() {
+            lines += 1;
+            for p in &passwords {
+                assert!(
+                    !line.contains(p.as_str()),
+                    "a password in {}:{}",
+                    file.display(),
+                    i + 1
+                );
+            }
+        }
+    }
+    for line in stderr.lines().chain(stdout.lines()) {
+        for p in &passwords {
+            assert!(
+                !line.contains(p.as_str()),
+                "a password in the runner's output"
+            );
+        }
+    }
+    eprintln!(
+        "{} passwords searched in {lines} lines of {} log files and the runner's output: 0 hits",
+        passwords.len(),
+        files.len()
+    );
+    std::fs::remove_dir_all(&logs_dir).unwrap();
+}
