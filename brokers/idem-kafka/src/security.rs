@@ -882,6 +882,13 @@ fn refusal(
     let p = security.protocol;
     for (code, reason) in reports {
         let r = reason.as_str();
+        if let Some(o) = &security.oauth
+            && security.mechanism == Some(SaslMechanism::OAuthBearer)
+            && (*code == Some(RDKafkaErrorCode::Authentication)
+                || r.contains("SASL authentication error"))
+        {
+            return Some(oauth_refusal(r, o));
+        }
         if *code == Some(RDKafkaErrorCode::Authentication)
             || r.contains("SASL authentication error")
         {
@@ -956,6 +963,34 @@ fn refusal(
         ));
     }
     None
+}
+
+/// A refused OAUTHBEARER login described: the token endpoint gave no token (wrong client
+/// credentials, a wrong or unreachable endpoint), or the broker refused the token it gave.
+/// The client secret is taken out of what the endpoint said, should it repeat it.
+fn oauth_refusal(report: &str, o: &OAuthBearer) -> String {
+    let hide = |s: &str| {
+        let secret = o.client_secret.expose();
+        if secret.is_empty() {
+            s.to_owned()
+        } else {
+            s.replace(secret, REDACTED)
+        }
+    };
+    const NO_TOKEN: &str = "Failed to acquire SASL OAUTHBEARER token: ";
+    if let Some(i) = report.find(NO_TOKEN) {
+        let said = hide(report[i + NO_TOKEN.len()..].trim());
+        return format!(
+            "the OIDC token endpoint {} gave client {} no token ({said}): check the client id (--kafka-oauth-client-id, IDEM_KAFKA_OAUTH_CLIENT_ID) and the client secret (--kafka-oauth-client-secret-file, IDEM_KAFKA_OAUTH_CLIENT_SECRET[_FILE]) with the identity provider, and that --kafka-oauth-token-endpoint (IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT) is its token URL",
+            o.token_endpoint, o.client_id
+        );
+    }
+    format!(
+        "the Kafka broker refused the OAUTHBEARER token that {} issued to client {} ({}): check that the identity provider gives this client tokens with the audience and issuer the broker expects (sasl.oauthbearer.expected.audience, sasl.oauthbearer.expected.issuer) signed by a key of the broker's JWKS (sasl.oauthbearer.jwks.endpoint.url); the broker's log names the failed check",
+        o.token_endpoint,
+        o.client_id,
+        hide(&broker_said(report))
+    )
 }
 
 /// The part of a librdkafka report after the broker's name, without the suppressed-count tail.
@@ -1130,6 +1165,50 @@ mod tests {
             ),
         ];
         assert_eq!(refusal(&killed, &plain, "127.0.0.1:9092"), None);
+    }
+
+    #[test]
+    fn oauthbearer_refusals_name_the_token_endpoint_or_the_broker_never_the_secret() {
+        let security = KafkaSecurity {
+            protocol: SecurityProtocol::SaslSsl,
+            mechanism: Some(SaslMechanism::OAuthBearer),
+            oauth: Some(OAuthBearer {
+                token_endpoint: "https://idp.example/token".to_owned(),
+                client_id: "relay".to_owned(),
+                client_secret: Secret::new("s3cret-value"),
+                scope: None,
+            }),
+            ..KafkaSecurity::default()
+        };
+        let auth = |r: &str| [(Some(RDKafkaErrorCode::Authentication), r.to_owned())];
+        let no_token = refusal(
+            &auth(
+                "Failed to acquire SASL OAUTHBEARER token: {\"error\":\"invalid_client\",\"echo\":\"s3cret-value\"}",
+            ),
+            &security,
+            "b:1",
+        )
+        .unwrap_or_default();
+        assert!(
+            no_token.starts_with(
+                "the OIDC token endpoint https://idp.example/token gave client relay no token ({\"error\":\"invalid_client\",\"echo\":\"[redacted]\"}): check the client id"
+            ),
+            "{no_token}"
+        );
+        let rejected = refusal(
+            &auth(
+                "sasl_ssl://b:1/bootstrap: SASL authentication error: {\"status\":\"invalid_token\"} (after 5ms in state AUTH_REQ)",
+            ),
+            &security,
+            "b:1",
+        )
+        .unwrap_or_default();
+        assert!(
+            rejected.starts_with(
+                "the Kafka broker refused the OAUTHBEARER token that https://idp.example/token issued to client relay ({\"status\":\"invalid_token\"}): check that the identity provider"
+            ),
+            "{rejected}"
+        );
     }
 
     #[test]
