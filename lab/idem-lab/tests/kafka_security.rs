@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idem_conformance::backend::{Backend, Pg};
 use idem_conformance::kafka::{self, SecuredKafka, Security, secured};
@@ -70,28 +70,11 @@ fn write_orders(db: &str, count: u64) {
 /// Runs `cmd` until it exits (at most [`REFUSAL_BOUND`]); returns its standard error, having
 /// asserted that it failed in time.
 fn refused(name: &str, cmd: Command) -> String {
-    let started = Instant::now();
-    let mut p = Proc::spawn(name, cmd);
-    let status = p.wait_exit(REFUSAL_BOUND);
-    let took = started.elapsed();
-    let log = p.log().join("\n");
-    assert!(!status.success(), "{name} succeeded:\n{log}");
-    assert!(took < REFUSAL_BOUND, "{name} took {took:?}");
-    log
+    Proc::refused(name, cmd, REFUSAL_BOUND)
 }
 
 fn assert_no_secret(log: &str, secret: &str) {
     assert!(!log.contains(secret), "a secret reached the output:\n{log}");
-}
-
-/// Lines of the broker's log naming `principal` for `request`.
-fn authorized(k: &SecuredKafka, principal: &str, request: &str) -> usize {
-    let needle = format!("Principal = {principal} is Allowed");
-    let request = format!("for request = {request} ");
-    k.broker_log()
-        .lines()
-        .filter(|l| l.contains(&needle) && l.contains(&request))
-        .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,12 +142,12 @@ async fn a_relay_publishes_over_sasl_ssl_with_scram_sha_512_and_a_consumer_settl
     .await;
     let principal = format!("User:{user}");
     assert!(
-        authorized(k, &principal, "Produce") > 0,
+        k.authorized(&principal, "Produce") > 0,
         "the broker logged no Produce of {principal}:\n{}",
         k.broker_log()
     );
     assert!(
-        authorized(k, &principal, "Fetch") > 0,
+        k.authorized(&principal, "Fetch") > 0,
         "the broker logged no Fetch of {principal}"
     );
     assert_no_secret(&relay.log().join("\n"), &password);
@@ -214,7 +197,7 @@ async fn a_relay_publishes_over_mutual_tls_and_the_records_read_back() {
     )
     .await;
     assert!(
-        authorized(k, "User:CN=idem-client", "Produce") > 0,
+        k.authorized("User:CN=idem-client", "Produce") > 0,
         "the broker logged no Produce of the client certificate's principal:\n{}",
         k.broker_log()
     );
@@ -342,7 +325,7 @@ async fn plain_and_scram_sha_256_log_in_and_settings_given_as_overrides_are_chec
         assert!(out.status.success(), "{mechanism}: {log}");
         assert_no_secret(&log, &password);
         assert!(
-            authorized(k, &format!("User:{user}"), "CreateTopics") > 0,
+            k.authorized(&format!("User:{user}"), "CreateTopics") > 0,
             "the broker logged no CreateTopics of {user} ({mechanism})"
         );
     }

@@ -7,8 +7,9 @@
 //!   `IDEM_TEST_KAFKA`. Without that variable (a test run by hand), `scripts/kafka up` starts
 //!   the same broker, or finds the one already running. Tests isolate themselves with unique
 //!   topics and group ids ([`unique`]).
-//! * [`secured`] is a single-node broker with a TLS (mutual TLS) or SASL_SSL (PLAIN, SCRAM)
-//!   listener and a PKI made for the run, one per mode and test binary, killed when it exits.
+//! * [`secured`] is a single-node broker with a TLS (mutual TLS) or SASL_SSL (PLAIN, SCRAM,
+//!   and OAUTHBEARER against the binary's own [`IdentityProvider`]) listener and a PKI made for
+//!   the run, one per mode and test binary, killed when it exits.
 //! * [`KafkaCluster`] is a cluster a test owns: `scripts/kafka prepare` writes each node's
 //!   configuration and launch command, and the cluster runs every node as a child process that
 //!   it can SIGKILL, SIGSTOP, SIGCONT and restart; dropping it kills them all.
@@ -18,6 +19,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use crate::oidc::IdentityProvider;
 use crate::process::Proc;
 
 /// The repository's `scripts/kafka`.
@@ -217,6 +219,9 @@ pub enum Security {
     Ssl,
     /// SASL_SSL with PLAIN, SCRAM-SHA-256 and SCRAM-SHA-512.
     SaslSsl,
+    /// SASL_SSL with PLAIN, SCRAM and OAUTHBEARER: JWTs of the binary's [`IdentityProvider`],
+    /// whose JWKS URL the broker reads at start.
+    SaslSslOAuth,
 }
 
 impl Security {
@@ -224,6 +229,7 @@ impl Security {
         match self {
             Security::Ssl => "ssl",
             Security::SaslSsl => "sasl_ssl",
+            Security::SaslSslOAuth => "sasl_ssl_oauth",
         }
     }
 }
@@ -236,6 +242,7 @@ pub struct SecuredKafka {
     bootstrap: String,
     dir: PathBuf,
     security: Security,
+    idp: Option<IdentityProvider>,
     /// The watchdog shell and the write end of its stdin.
     _watchdog: std::sync::Mutex<(std::process::Child, std::process::ChildStdin)>,
 }
@@ -244,9 +251,11 @@ pub struct SecuredKafka {
 pub fn secured(security: Security) -> &'static SecuredKafka {
     static SSL: OnceLock<SecuredKafka> = OnceLock::new();
     static SASL_SSL: OnceLock<SecuredKafka> = OnceLock::new();
+    static SASL_SSL_OAUTH: OnceLock<SecuredKafka> = OnceLock::new();
     let cell = match security {
         Security::Ssl => &SSL,
         Security::SaslSsl => &SASL_SSL,
+        Security::SaslSslOAuth => &SASL_SSL_OAUTH,
     };
     cell.get_or_init(|| SecuredKafka::start(security))
 }
@@ -255,15 +264,23 @@ impl SecuredKafka {
     fn start(security: Security) -> Self {
         let dir = std::env::temp_dir().join(unique(&format!("idem-kafka-{}", security.mode())));
         let path = dir.display().to_string();
-        let bootstrap = run_script(&[
-            "prepare",
-            "--nodes",
-            "1",
-            "--dir",
-            &path,
-            "--security",
-            security.mode(),
-        ]);
+        // The identity provider listens first: the broker fetches its JWKS at start.
+        let idp = (security == Security::SaslSslOAuth)
+            .then(|| IdentityProvider::start(&dir.join("oauth")));
+        let mut args = vec![
+            "prepare".to_owned(),
+            "--nodes".to_owned(),
+            "1".to_owned(),
+            "--dir".to_owned(),
+            path.clone(),
+            "--security".to_owned(),
+            security.mode().to_owned(),
+        ];
+        if let Some(idp) = &idp {
+            args.extend(["--oauth-jwks-url".to_owned(), idp.jwks_url()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let bootstrap = run_script(&args);
         let argv: Vec<String> = std::fs::read_to_string(dir.join("node1/argv"))
             .unwrap_or_else(|e| panic!("{path}/node1/argv: {e}"))
             .lines()
@@ -296,6 +313,7 @@ rm -rf -- "$dir""#,
             bootstrap,
             dir,
             security,
+            idp,
             _watchdog: std::sync::Mutex::new((child, stdin)),
         };
         kafka.wait_ready(Duration::from_secs(120));
@@ -351,9 +369,27 @@ rm -rf -- "$dir""#,
             .unwrap_or_else(|| panic!("no {mechanism} user in {}/users", self.dir.display()))
     }
 
+    /// The identity provider whose tokens the broker accepts ([`Security::SaslSslOAuth`]).
+    pub fn identity_provider(&self) -> &IdentityProvider {
+        self.idp
+            .as_ref()
+            .unwrap_or_else(|| panic!("the {:?} broker takes no OAUTHBEARER", self.security))
+    }
+
     /// The broker's log (authorized requests with their principals, refused logins).
     pub fn broker_log(&self) -> String {
         std::fs::read_to_string(self.dir.join("node1/broker.log")).unwrap_or_default()
+    }
+
+    /// How many lines of the broker's log authorize a `request` (`Produce`, `Fetch`,
+    /// `CreateTopics`, …) of `principal` (`User:…`).
+    pub fn authorized(&self, principal: &str, request: &str) -> usize {
+        let needle = format!("Principal = {principal} is Allowed");
+        let request = format!("for request = {request} ");
+        self.broker_log()
+            .lines()
+            .filter(|l| l.contains(&needle) && l.contains(&request))
+            .count()
     }
 
     /// A connection that the broker accepts: SCRAM-SHA-512 over TLS (SASL_SSL), or the client
@@ -369,7 +405,7 @@ rm -rf -- "$dir""#,
                 security.cert_file = Some(self.pki("client.pem"));
                 security.key_file = Some(self.pki("client.key"));
             }
-            Security::SaslSsl => {
+            Security::SaslSsl | Security::SaslSslOAuth => {
                 let (user, password) = self.user("SCRAM-SHA-512");
                 security.protocol = idem_kafka::SecurityProtocol::SaslSsl;
                 security.mechanism = Some(idem_kafka::SaslMechanism::ScramSha512);

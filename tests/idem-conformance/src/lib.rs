@@ -1,10 +1,12 @@
 //! Test support for idem, not shipped: backend-agnostic store scenarios that run once per
 //! database ([`scenarios`]), throwaway PostgreSQL databases ([`pg`]) and Apache Kafka brokers
-//! ([`kafka`]), records to hand a consumer ([`records`]).
+//! ([`kafka`]), an OAuth 2 identity provider for OAUTHBEARER ([`oidc`]), records to hand a
+//! consumer ([`records`]).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 pub mod backend;
 pub mod kafka;
+pub mod oidc;
 pub mod pg;
 pub mod private_pg;
 pub mod process;

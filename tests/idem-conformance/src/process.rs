@@ -107,6 +107,19 @@ impl Proc {
         }
     }
 
+    /// Spawns `cmd`, a command that must refuse to start, and waits until it exits, at most
+    /// `bound`; returns its standard error, having asserted that it failed within `bound`.
+    pub fn refused(name: &str, cmd: Command, bound: Duration) -> String {
+        let started = Instant::now();
+        let mut p = Proc::spawn(name, cmd);
+        let status = p.wait_exit(bound);
+        let took = started.elapsed();
+        let log = p.log().join("\n");
+        assert!(!status.success(), "{name} succeeded:\n{log}");
+        assert!(took < bound, "{name} took {took:?}");
+        log
+    }
+
     /// Sends `signal` (e.g. `libc`'s SIGKILL = 9, SIGTERM = 15) through `kill(1)`.
     pub fn signal(&self, signal: i32) {
         let ok = Command::new("kill")
