@@ -27,6 +27,7 @@ macro_rules! migrations {
         $twelfth:literal,
         $thirteenth:literal,
         $fourteenth:literal,
+        $fifteenth:literal,
         $last:literal
     ) => {
         &[
@@ -150,11 +151,20 @@ macro_rules! migrations {
             ),
             (
                 15,
-                $last,
+                $fifteenth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0015_outbox_written_lsn_kept.sql"
+                )),
+            ),
+            (
+                16,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0016_outbox_triggers_own_search_path.sql"
                 )),
             ),
         ]

@@ -53,7 +53,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox writer rules checked by the trigger",
     "pg_logical_emit_message revoked from PUBLIC",
     "outbox rows record their WAL insert position",
-    "outbox rows keep their WAL insert position on update"
+    "outbox rows keep their WAL insert position on update",
+    "outbox trigger functions with their own search_path"
 );
 
 /// Connects a pool suited to the relay and the CLI.
