@@ -26,7 +26,7 @@ macro_rules! statements {
 
         impl Queries {
             fn render(set: &SqlSet, t: &TableNames, bases: &[&str]) -> Self {
-                Queries { $($name: t.render(set.$name, bases),)* }
+                Queries { $($name: without_comments(&t.render(set.$name, bases)),)* }
             }
 
             #[cfg(test)]
@@ -192,9 +192,43 @@ pub(crate) fn shared<DB: Dialect>(tables: &TableNames) -> Arc<Queries> {
     )
 }
 
+/// `sql` without its comment lines (a line whose first non-blank characters are `--`): the
+/// files explain each statement at length, and that text would otherwise travel with every
+/// execution and fill sqlx's slow-statement warnings. No statement has a string literal that
+/// spans lines.
+pub(crate) fn without_comments(sql: &str) -> String {
+    sql.lines()
+        .filter(|l| !l.trim_start().starts_with("--"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn comment_lines_are_left_out_and_the_statement_kept() {
+        let sql = "-- Claims rows.\n--\nWITH heads AS (\n    -- the heads\n    SELECT 1 -- one\n)\nSELECT '--' FROM heads";
+        assert_eq!(
+            without_comments(sql),
+            "WITH heads AS (\n    SELECT 1 -- one\n)\nSELECT '--' FROM heads"
+        );
+    }
+
+    /// No statement keeps a comment line, and none is empty without them.
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn the_statements_travel_without_their_comments() {
+        let q = shared::<sqlx::Postgres>(&TableNames::default());
+        for sql in q.all() {
+            assert!(!sql.trim().is_empty());
+            assert!(
+                !sql.lines().any(|l| l.trim_start().starts_with("--")),
+                "{sql}"
+            );
+        }
+    }
 
     fn every_placeholder_is_rendered_for<DB: Dialect>() {
         let t = TableNames::default();

@@ -104,7 +104,7 @@ impl PgStore {
     /// replacements, negligible beside the round trip).
     fn pg_sql(&self, sql: &str) -> String {
         use crate::dialect::sealed::Sealed as _;
-        self.outbox.tables.render(sql, Postgres::bases())
+        crate::queries::without_comments(&self.outbox.tables.render(sql, Postgres::bases()))
     }
 
     /// Refreshes the outbox's statistics, best effort: a failure (e.g. the relay's role does
