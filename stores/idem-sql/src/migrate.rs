@@ -28,6 +28,7 @@ macro_rules! migrations {
         $thirteenth:literal,
         $fourteenth:literal,
         $fifteenth:literal,
+        $sixteenth:literal,
         $last:literal
     ) => {
         &[
@@ -160,11 +161,20 @@ macro_rules! migrations {
             ),
             (
                 16,
-                $last,
+                $sixteenth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0016_outbox_triggers_own_search_path.sql"
+                )),
+            ),
+            (
+                17,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0017_outbox_text_converts_to_utf8.sql"
                 )),
             ),
         ]

@@ -12,7 +12,7 @@ async fn tables_in_a_named_schema() {
     let billing = pg.with_tables(TableNames::new(Some("billing"), "idem_").unwrap());
     assert_eq!(
         billing.migrate().await.unwrap(),
-        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
     );
     let mut tx = billing.begin().await;
     tx.enqueue(&[scenarios::event("o-1", 0)]).await.unwrap();
@@ -36,7 +36,7 @@ async fn concurrent_migrations_apply_once() {
         applied,
         [
             vec![],
-            vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+            vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
         ]
     );
 }

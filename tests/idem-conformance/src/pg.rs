@@ -22,12 +22,18 @@ pub struct TestDb {
 
 impl TestDb {
     pub async fn create() -> Self {
+        TestDb::create_with("").await
+    }
+
+    /// A fresh database created with `options` after `CREATE DATABASE <name>` (e.g.
+    /// `ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0`).
+    pub async fn create_with(options: &str) -> Self {
         let admin = admin_url();
         let name = format!("idem_test_{}", uuid::Uuid::new_v4().simple());
         let mut conn = PgConnection::connect(&admin).await.unwrap_or_else(|e| {
             panic!("cannot reach PostgreSQL at {admin} (set IDEM_TEST_PG_URL): {e}")
         });
-        sqlx::query(&format!("CREATE DATABASE {name}"))
+        sqlx::query(&format!("CREATE DATABASE {name} {options}"))
             .execute(&mut conn)
             .await
             .unwrap();

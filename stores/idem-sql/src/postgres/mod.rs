@@ -27,6 +27,7 @@ const BASES: &[&str] = &[
     "outbox_assign_seq",
     "outbox_check_row",
     "outbox_stamp_lsn",
+    "outbox_not_utf8",
     "outbox_archive",
     "outbox",
     "schema_migrations",
@@ -54,7 +55,8 @@ static MIGRATIONS: Migrations = migrations!(
     "pg_logical_emit_message revoked from PUBLIC",
     "outbox rows record their WAL insert position",
     "outbox rows keep their WAL insert position on update",
-    "outbox trigger functions with their own search_path"
+    "outbox trigger functions with their own search_path",
+    "outbox text converts to UTF-8"
 );
 
 /// Connects a pool suited to the relay and the CLI.

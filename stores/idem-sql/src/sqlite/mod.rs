@@ -48,7 +48,8 @@ static MIGRATIONS: Migrations = migrations!(
     "pg_logical_emit_message revoked from PUBLIC (PostgreSQL; none here)",
     "outbox rows record their WAL insert position (PostgreSQL; none here)",
     "outbox rows keep their WAL insert position on update (PostgreSQL; none here)",
-    "outbox trigger functions with their own search_path (PostgreSQL; none here)"
+    "outbox trigger functions with their own search_path (PostgreSQL; none here)",
+    "outbox text converts to UTF-8 (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).
