@@ -87,7 +87,8 @@ pub use sqlite::connect as connect_sqlite;
 pub use sqlite::connect_with_pool_size as connect_sqlite_with_pool_size;
 
 /// `url` without its secrets, for messages: the password of its user part and the value of
-/// every query parameter whose name holds `password` (`?password=…`, `?sslpassword=…`). An
+/// every query parameter whose name, percent-decoded, holds `password` (`?password=…`,
+/// `?sslpassword=…`, `?pass%77ord=…`). An
 /// `@` further right than the user part (in a parameter) hides more, never less.
 pub fn redact(url: &str) -> String {
     let (mut out, rest) = match (url.find("://"), url.rfind('@')) {
@@ -104,7 +105,7 @@ pub fn redact(url: &str) -> String {
             let pairs: Vec<String> = query
                 .split('&')
                 .map(|pair| match pair.split_once('=') {
-                    Some((k, _)) if k.to_ascii_lowercase().contains("password") => {
+                    Some((k, _)) if names_a_password(k) => {
                         format!("{k}=***")
                     }
                     _ => pair.to_owned(),
@@ -115,6 +116,34 @@ pub fn redact(url: &str) -> String {
         None => out.push_str(rest),
     }
     out
+}
+
+/// Whether the query parameter name `key` holds `password`, read as URL readers read it:
+/// percent-decoded (`pass%77ord`), case-insensitively.
+fn names_a_password(key: &str) -> bool {
+    let bytes = key.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(hi), Some(lo)) => {
+                decoded.push(u8::try_from(hi * 16 + lo).unwrap_or(b'%'));
+                i += 3;
+            }
+            (b, _, _) => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&decoded)
+        .to_ascii_lowercase()
+        .contains("password")
 }
 
 /// `d` in whole milliseconds, saturating.
@@ -140,5 +169,22 @@ mod tests {
             "postgres://u:***@h/db?x=1"
         );
         assert_eq!(redact("postgres://u:a?b/c@h/db"), "postgres://u:***@h/db");
+    }
+
+    /// A parameter's name is read percent-decoded (`pass%77ord` is `password` to the URL
+    /// reader and to sqlx), so it is redacted decoded too.
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn a_password_parameter_with_an_encoded_name_is_read_and_hidden() {
+        for url in [
+            "postgres://u@h/db?pass%77ord=s3cret",
+            "postgres://u@h/db?sslmode=prefer&%70assword=s3cret",
+        ] {
+            let u = PgUrl::parse(url).unwrap();
+            assert_eq!(u.password(), Some("s3cret"), "{url}");
+            for shown in [u.redacted(), redact(url), format!("{u:?}")] {
+                assert!(!shown.contains("s3cret"), "{url}: {shown}");
+            }
+        }
     }
 }
