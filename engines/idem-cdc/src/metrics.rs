@@ -98,7 +98,7 @@ impl CdcMetrics {
             )?,
             mark_failures: c(
                 "idem_cdc_mark_failures_total",
-                "Failed marks of published outbox rows (table mode)",
+                "Failed attempts to mark published outbox rows (table mode; each is made again)",
             )?,
             confirmed_lsn: g(
                 "idem_cdc_confirmed_lsn",

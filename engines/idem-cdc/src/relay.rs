@@ -331,13 +331,21 @@ impl<P: Publisher> CdcRelay<P> {
         // The batch ends with a part of the open transaction: published at once.
         let mut part = false;
         loop {
+            // A mark that failed for good ends the session now, not at the next batch's mark.
+            if acks
+                .marking
+                .as_ref()
+                .is_some_and(tokio::task::JoinHandle::is_finished)
+            {
+                acks.marks_done().await?;
+            }
             let full = batch.is_full(self.config.batch_messages);
             let due = full || deadline.is_some_and(|d| d <= Instant::now());
             if part || (!batch.is_empty() && due) {
                 let ready = std::mem::take(&mut batch);
                 (deadline, part) = (None, false);
                 if !self.publish(ready, &mut acks, &client, shutdown).await? {
-                    acks.marks_done().await;
+                    stopping_marks_done(&mut acks).await;
                     crate::session::stop(&mut client).await;
                     return Ok(Ended::Shutdown);
                 }
@@ -346,7 +354,7 @@ impl<P: Publisher> CdcRelay<P> {
             tokio::select! {
                 biased;
                 () = &mut *shutdown => {
-                    acks.marks_done().await;
+                    stopping_marks_done(&mut acks).await;
                     crate::session::stop(&mut client).await;
                     return Ok(Ended::Shutdown);
                 }
@@ -510,7 +518,7 @@ impl<P: Publisher> CdcRelay<P> {
         if !self.refuse(&batch.refused, shutdown).await? {
             return Ok(false);
         }
-        self.mark(&batch, acks).await;
+        self.mark(&batch, acks).await?;
         let published = batch.messages.len().saturating_sub(refused_by_broker);
         self.metrics.events.inc_by(published as u64);
         for (id, items) in acks.batch.drain(..) {
@@ -593,13 +601,16 @@ impl<P: Publisher> CdcRelay<P> {
     }
 
     /// Table mode: marks (or deletes) the published rows, in the background while the next
-    /// batch is produced; one mark at a time, so a slow one holds the next batch's. The relay
-    /// never reads the marks back; a mark that has not committed when the relay dies leaves its
-    /// rows pending, and the next session's drain publishes them again (copies the inbox
-    /// absorbs: docs/concepts/duplicate-windows.md).
-    async fn mark(&self, batch: &Batch, acks: &mut Acks) {
+    /// batch is produced; one mark at a time, so a slow one holds the next batch's. A mark that
+    /// fails is made again ([`mark_until_it_lands`]); one that still fails ends the session, so
+    /// the next session's drain publishes its rows again now, not at a restart that may come
+    /// weeks later, beyond the inbox's horizon. The relay never reads the marks back; a mark
+    /// that has not committed when the relay dies leaves its rows pending, and the next
+    /// session's drain publishes them again (copies the inbox absorbs:
+    /// docs/concepts/duplicate-windows.md).
+    async fn mark(&self, batch: &Batch, acks: &mut Acks) -> Result<(), CdcError> {
         let Mode::Table(t) = &self.config.mode else {
-            return;
+            return Ok(());
         };
         let parked: std::collections::HashSet<i64> =
             batch.refused.iter().filter_map(|r| r.row_id).collect();
@@ -610,18 +621,16 @@ impl<P: Publisher> CdcRelay<P> {
             .copied()
             .filter(|id| !parked.contains(id))
             .collect();
-        acks.marks_done().await;
+        acks.marks_done().await?;
         if ids.is_empty() {
-            return;
+            return Ok(());
         }
         let (pool, tables, metrics) = (self.pool.clone(), t.clone(), self.metrics.clone());
         let delete = self.config.delete_published;
         acks.marking = Some(tokio::spawn(async move {
-            if let Err(e) = crate::changes::mark_published(&pool, &tables, &ids, delete).await {
-                metrics.mark_failures.inc();
-                tracing::warn!(error = %e, rows = ids.len(), "marking published rows failed (they stay pending in the table; the next session publishes them again)");
-            }
+            mark_until_it_lands(&pool, &tables, &ids, delete, &metrics).await
         }));
+        Ok(())
     }
 
     /// Reads the slot's state into the metrics; a lost slot is an error.
@@ -654,16 +663,64 @@ struct Acks {
     tracker: AckTracker,
     batch: Vec<(TxnId, u64)>,
     /// Table mode: the mark of the last batch, still running (one at a time).
-    marking: Option<tokio::task::JoinHandle<()>>,
+    marking: Option<tokio::task::JoinHandle<Result<(), CdcError>>>,
 }
 
 impl Acks {
     /// Waits for the mark still running: a graceful stop leaves every published row marked,
-    /// so the next session drains none of them again.
-    async fn marks_done(&mut self) {
-        if let Some(m) = self.marking.take() {
-            let _ = m.await;
+    /// so the next session drains none of them again. Its error is the mark's, after its
+    /// attempts ran out.
+    async fn marks_done(&mut self) -> Result<(), CdcError> {
+        match self.marking.take() {
+            None => Ok(()),
+            Some(m) => m.await.map_err(|e| CdcError::Stream {
+                lsn: "?".to_owned(),
+                reason: format!("the task marking published rows stopped: {e}"),
+            })?,
         }
+    }
+}
+
+/// On a stop: waits for the last mark, whose failure leaves its rows to the next session's
+/// drain (the process is stopping, so that session follows its restart).
+async fn stopping_marks_done(acks: &mut Acks) {
+    if let Err(e) = acks.marks_done().await {
+        tracing::warn!(error = %e, "stopping with published rows unmarked: the next session publishes them again");
+    }
+}
+
+/// How often a failed mark is made again, and how long the first wait is (doubling): about
+/// 8 s in all, a lock held a moment or a connection the pool lost.
+const MARK_ATTEMPTS: u32 = 6;
+const MARK_BACKOFF: Duration = Duration::from_millis(250);
+
+/// Marks (or deletes) `ids`, again after a failure, up to [`MARK_ATTEMPTS`] times; every
+/// failure counts in `idem_cdc_mark_failures_total`. The last failure is returned: the session
+/// ends on it and the next one drains the rows.
+async fn mark_until_it_lands(
+    pool: &PgPool,
+    tables: &TableNames,
+    ids: &[i64],
+    delete: bool,
+    metrics: &CdcMetrics,
+) -> Result<(), CdcError> {
+    let mut wait = MARK_BACKOFF;
+    let mut attempt = 1;
+    loop {
+        match crate::changes::mark_published(pool, tables, ids, delete).await {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                metrics.mark_failures.inc();
+                if attempt >= MARK_ATTEMPTS {
+                    tracing::warn!(error = %e, rows = ids.len(), attempts = attempt, "marking published rows failed every time; ending the session so that the next one publishes them again now");
+                    return Err(e);
+                }
+                tracing::warn!(error = %e, rows = ids.len(), attempt, "marking published rows failed; trying again");
+            }
+        }
+        tokio::time::sleep(wait).await;
+        wait *= 2;
+        attempt += 1;
     }
 }
 

@@ -509,3 +509,83 @@ async fn a_transaction_larger_than_a_batch_goes_out_in_parts_and_is_confirmed_wh
     .await;
     stop(running).await;
 }
+
+/// Refuses every mark of an outbox row as published while `mark_refused` has a row: a lock
+/// timeout, a killed connection or any failure of the mark's UPDATE stands for it.
+async fn refuse_marks(w: &World) {
+    for sql in [
+        "CREATE TABLE mark_refused (n int)",
+        "INSERT INTO mark_refused VALUES (1)",
+        "CREATE FUNCTION refuse_mark() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+         IF NEW.status = 'published' AND EXISTS (SELECT 1 FROM mark_refused) THEN \
+         RAISE EXCEPTION 'the test refuses this mark'; END IF; RETURN NEW; END $$",
+        "CREATE TRIGGER refuse_mark BEFORE UPDATE ON idem_outbox FOR EACH ROW \
+         EXECUTE FUNCTION refuse_mark()",
+    ] {
+        w.pg.exec(sql).await.unwrap();
+    }
+}
+
+async fn published(w: &World) -> i64 {
+    w.pg.scalar("SELECT count(*) FROM idem_outbox WHERE status = 'published'")
+        .await
+}
+
+/// A mark that fails is made again in the same session: the row is marked once the failure
+/// passes, not left pending (and counted as backlog) until the next session republishes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_mark_is_made_again_in_the_same_session() {
+    let w = World::new().await;
+    refuse_marks(&w).await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let relay = w.relay(metrics.clone());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    w.commit(&[event("f-1", 1)]).await;
+    w.records(1, &mut running).await;
+    eventually("a refused mark", || async {
+        metrics.mark_failures.get() >= 1
+    })
+    .await;
+    assert_eq!(published(&w).await, 0);
+    w.pg.exec("DELETE FROM mark_refused").await.unwrap();
+    eventually("the row marked", || async { published(&w).await == 1 }).await;
+    assert_eq!(
+        metrics.sessions_failed.get(),
+        0,
+        "marked in the same session"
+    );
+    assert_eq!(metrics.drained.get(), 0, "nothing drained again");
+    stop(running).await;
+}
+
+/// A mark that keeps failing ends the session: the next session's drain publishes the row
+/// again at once (a copy the inbox absorbs), instead of at a restart that may come after the
+/// inbox forgot the event.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mark_that_keeps_failing_ends_the_session_and_the_next_drains_the_row() {
+    let w = World::new().await;
+    refuse_marks(&w).await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let relay = w.relay(metrics.clone());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    w.commit(&[event("k-1", 1)]).await;
+    w.records(1, &mut running).await;
+    eventually("the session ended on the mark", || async {
+        metrics.sessions_failed.get() >= 1
+    })
+    .await;
+    w.pg.exec("DELETE FROM mark_refused").await.unwrap();
+    eventually("the row drained and marked", || async {
+        metrics.drained.get() >= 1 && published(&w).await == 1
+    })
+    .await;
+    let records = w.records(2, &mut running).await;
+    assert_eq!(
+        ids(&records)[0],
+        ids(&records)[1],
+        "the same event, published again"
+    );
+    stop(running).await;
+}
