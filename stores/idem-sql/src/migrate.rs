@@ -29,6 +29,7 @@ macro_rules! migrations {
         $fourteenth:literal,
         $fifteenth:literal,
         $sixteenth:literal,
+        $seventeenth:literal,
         $last:literal
     ) => {
         &[
@@ -170,11 +171,20 @@ macro_rules! migrations {
             ),
             (
                 17,
-                $last,
+                $seventeenth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0017_outbox_text_converts_to_utf8.sql"
+                )),
+            ),
+            (
+                18,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0018_outbox_id_generated_always.sql"
                 )),
             ),
         ]

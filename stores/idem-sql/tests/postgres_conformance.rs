@@ -12,7 +12,9 @@ async fn tables_in_a_named_schema() {
     let billing = pg.with_tables(TableNames::new(Some("billing"), "idem_").unwrap());
     assert_eq!(
         billing.migrate().await.unwrap(),
-        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+        vec![
+            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18
+        ]
     );
     let mut tx = billing.begin().await;
     tx.enqueue(&[scenarios::event("o-1", 0)]).await.unwrap();
@@ -36,7 +38,9 @@ async fn concurrent_migrations_apply_once() {
         applied,
         [
             vec![],
-            vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+            vec![
+                1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18
+            ]
         ]
     );
 }
@@ -303,4 +307,36 @@ async fn a_claim_never_takes_rows_another_claim_just_leased_after_a_retry() {
         seqs(&b),
         seqs(&c)
     );
+}
+
+/// The row id is the database's: a writer that names `id` is refused (GENERATED ALWAYS, schema
+/// 18). Before, an id of 0 or less was published by the CDC relay and never marked (it is the
+/// relay's "no row"), and an id ahead of the sequence failed another writer's insert later.
+#[tokio::test]
+async fn a_writer_cannot_choose_the_row_id() {
+    let pg = Pg::new().await;
+    let insert = |id: &str| {
+        format!(
+            "INSERT INTO idem_outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ({id}, gen_random_uuid(), 'order', 'o-1', 'order.paid', '{{}}')"
+        )
+    };
+    for id in ["0", "-1", "2"] {
+        let err = pg.exec(&insert(id)).await.unwrap_err();
+        assert!(
+            err.contains("cannot insert a non-DEFAULT value into column \"id\""),
+            "{id}: {err}"
+        );
+    }
+    for aggregate in ["a-1", "a-2", "a-3"] {
+        foreign_insert(aggregate, "2026-12-01 10:00:00+00")
+            .execute(pg.pool())
+            .await
+            .unwrap();
+    }
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM idem_outbox ORDER BY id")
+        .fetch_all(pg.pool())
+        .await
+        .unwrap();
+    assert_eq!(ids, vec![1, 2, 3]);
 }

@@ -56,7 +56,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox rows record their WAL insert position",
     "outbox rows keep their WAL insert position on update",
     "outbox trigger functions with their own search_path",
-    "outbox text converts to UTF-8"
+    "outbox text converts to UTF-8",
+    "outbox row ids generated always"
 );
 
 /// Connects a pool suited to the relay and the CLI.

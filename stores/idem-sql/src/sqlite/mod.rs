@@ -49,7 +49,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox rows record their WAL insert position (PostgreSQL; none here)",
     "outbox rows keep their WAL insert position on update (PostgreSQL; none here)",
     "outbox trigger functions with their own search_path (PostgreSQL; none here)",
-    "outbox text converts to UTF-8 (PostgreSQL; none here)"
+    "outbox text converts to UTF-8 (PostgreSQL; none here)",
+    "outbox row ids generated always (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).
