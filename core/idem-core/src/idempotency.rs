@@ -527,12 +527,16 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
     /// is sending it: a later attempt sees it as [`ClaimedIntent::unrecorded_send`] until an
     /// outcome of this attempt is recorded. Marks only while this attempt still holds the lease
     /// for at least `lease_left` (by the database's clock); false means not marked (the lease was
-    /// lost or is too short): the request must not be sent.
+    /// lost or is too short): the request must not be sent. The mark also keeps every later
+    /// attempt from claiming the intent before `settle` from now: a request whose sender dies
+    /// may still be processed by the remote that long, and a probe asked sooner would find
+    /// nothing and send it again.
     fn mark_sending(
         &self,
         id: i64,
         attempt: i32,
         lease_left: std::time::Duration,
+        settle: std::time::Duration,
     ) -> impl std::future::Future<Output = crate::Result<bool>> + Send;
 
     /// Records how attempt `attempt` of intent `id` ended. Fenced by the attempt number: a

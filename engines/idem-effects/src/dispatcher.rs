@@ -726,7 +726,8 @@ impl<S: IntentStore> Dispatcher<S> {
             return Ok(true);
         }
         let left = self.config.timeout.saturating_add(self.config.lease_margin);
-        self.store.mark_sending(c.id, c.attempt, left).await
+        let settle = policy.map_or(Duration::ZERO, |p| p.settle);
+        self.store.mark_sending(c.id, c.attempt, left, settle).await
     }
 
     /// Sends the request of one attempt and classifies its outcome.

@@ -10,7 +10,10 @@
 //!   already happened ([`Probe::Applied`] → done, nothing sent; [`Probe::NotApplied`] → sent;
 //!   [`Probe::Unknown`] → the intent enters the *unknown* state; [`Probe::Unavailable`] →
 //!   asked again later). The first re-attempt waits [`EffectPolicy::settle`] so that a request
-//!   still being processed by the remote has finished before the probe looks.
+//!   still being processed by the remote has finished before the probe looks: after a
+//!   recorded ambiguous outcome, and after a send whose dispatcher died (the sending mark
+//!   keeps every attempt from claiming the intent before `settle` from the send, however soon
+//!   the lease ends).
 //! * Without a probe, an ambiguous failure puts the intent in the *unknown* state at once:
 //!   `idem effects stuck` lists it, and a person (or a [`Compensation`]) settles it.
 //! * Every request is preceded by a committed sending mark; an attempt that died after it (a
@@ -145,7 +148,8 @@ pub struct EffectPolicy {
     pub probe: Option<Arc<dyn StatusProbe>>,
     /// Run by [`crate::Dispatcher::compensate`] on an unknown or parked intent.
     pub compensation: Option<Arc<dyn Compensation>>,
-    /// Shortest wait between an ambiguous attempt and the probe that follows it.
+    /// Shortest wait between an ambiguous attempt, or a send whose outcome was never recorded,
+    /// and the probe that follows it.
     pub settle: Duration,
 }
 

@@ -35,6 +35,10 @@ enum Fault {
     Always(u16),
     /// Wait until an `ApplyThenHold` request was applied, then pass.
     AfterApplied,
+    /// A remote still processing: signal `Faults::received`, apply the award only once
+    /// `Faults::released` is set (in a task of its own, which the client's disconnect does not
+    /// end), then answer.
+    ProcessUntilReleased,
 }
 
 #[derive(Clone)]
@@ -46,6 +50,9 @@ struct Faults {
     every: Arc<Mutex<Fault>>,
     /// How many `ApplyThenHold` requests were applied.
     applied: Arc<tokio::sync::watch::Sender<usize>>,
+    /// How many `ProcessUntilReleased` requests arrived, and whether they may be applied.
+    received: Arc<tokio::sync::watch::Sender<usize>>,
+    released: Arc<tokio::sync::watch::Sender<bool>>,
     keys_seen: Arc<Mutex<Vec<String>>>,
     traceparents_seen: Arc<Mutex<Vec<String>>>,
     /// For each POST: how long the intent's lease still had to run when the request arrived
@@ -124,6 +131,15 @@ async fn faults(State(f): State<Faults>, req: Request, next: Next) -> Response {
             applied.wait_for(|n| *n > 0).await.unwrap();
             next.run(req).await
         }
+        Fault::ProcessUntilReleased => {
+            f.received.send_modify(|n| *n += 1);
+            let mut released = f.released.subscribe();
+            let processing = tokio::spawn(async move {
+                released.wait_for(|r| *r).await.unwrap();
+                next.run(req).await
+            });
+            processing.await.unwrap()
+        }
         Fault::ApplyThenHold => {
             let resp = next.run(req).await;
             f.applied.send_modify(|n| *n += 1);
@@ -190,6 +206,8 @@ async fn world_configured(
         by_payment: Arc::new(Mutex::new(HashMap::new())),
         every: Arc::new(Mutex::new(Fault::None)),
         applied: Arc::new(tokio::sync::watch::channel(0).0),
+        received: Arc::new(tokio::sync::watch::channel(0).0),
+        released: Arc::new(tokio::sync::watch::channel(false).0),
         keys_seen: Arc::new(Mutex::new(vec![])),
         traceparents_seen: Arc::new(Mutex::new(vec![])),
         lease_left_ms: Arc::new(Mutex::new(vec![])),
@@ -575,6 +593,14 @@ impl World {
     }
 
     /// Time passes: every lease and backoff is over.
+    /// Ends the pending intents' leases, their next attempt times left as they are.
+    async fn end_leases(&self) {
+        self.client_db
+            .exec("UPDATE idem_effect_intents SET claimed_until = 0 WHERE status = 'pending'")
+            .await
+            .unwrap();
+    }
+
     async fn expire_leases(&self) {
         self.client_db
             .exec("UPDATE idem_effect_intents SET claimed_until = 0, next_attempt_at = 0 WHERE status = 'pending'")
@@ -689,6 +715,43 @@ async fn a_keyless_intent_taken_over_while_its_request_is_in_flight_is_not_resen
         "the second dispatcher sent the award again"
     );
     assert_eq!(w.status_of(id).await, "unknown");
+}
+
+/// Review N3: a dispatcher dies while the keyless remote still processes its request (for
+/// longer than the lease). The successor must not probe before `settle` from that send: the
+/// probe would find nothing yet and the award would be sent a second time. It claims nothing
+/// until then, and afterwards the probe finds the award the remote finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyless_intent_is_not_probed_before_settle_from_a_send_its_dispatcher_died_in() {
+    let settle = |b: &str| EffectPolicy {
+        settle: Duration::from_secs(2),
+        ..keyless(b, true)
+    };
+    let w = world_configured("/keyless/awards", settle, patient).await;
+    let id = w.record_payment("pay-1").await;
+    *w.faults.next.lock().unwrap() = Fault::ProcessUntilReleased;
+    let first = w.another_dispatcher();
+    let first = tokio::spawn(async move { first.run_once().await });
+    let mut received = w.faults.received.subscribe();
+    received.wait_for(|n| *n > 0).await.unwrap();
+    // SIGKILL: the sending mark is committed, no outcome recorded; the lease ends.
+    first.abort();
+    let _ = first.await;
+    w.end_leases().await;
+    w.dispatcher.run_once().await.unwrap();
+    assert_eq!(
+        (w.posts(), w.probes("not_applied")),
+        (1, 0),
+        "probed and sent again while the remote was still processing the first send"
+    );
+    w.faults.released.send_replace(true);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while w.status_of(id).await != "done" {
+        assert!(std::time::Instant::now() < deadline, "never settled");
+        w.dispatcher.run_once().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!((w.awards_of("pay-1").await, w.posts()), (1, 1));
 }
 
 /// An intent store whose `finish_all` fails for a batch holding intent `fail`: a store error in

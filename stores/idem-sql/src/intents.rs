@@ -192,11 +192,19 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
         park_undecodable(self, rows).await
     }
 
-    async fn mark_sending(&self, id: i64, attempt: i32, lease_left: Duration) -> Result<bool> {
+    async fn mark_sending(
+        &self,
+        id: i64,
+        attempt: i32,
+        lease_left: Duration,
+        settle: Duration,
+    ) -> Result<bool> {
+        let now = Now::read();
         let stmt = Stmt::<DB>::new(&self.0.queries.intent_mark_sending)
             .bind(id)
             .bind(attempt)
-            .after(Now::read(), lease_left);
+            .after(now, lease_left)
+            .after(now, settle);
         Ok(self
             .changed("marking an effect intent as sending", stmt)
             .await?

@@ -39,6 +39,8 @@ pub trait Backend: Send + Sync + Sized {
     fn expire_leases(&self) -> impl Future<Output = ()> + Send;
     /// Makes every effect intent's lease and backoff look expired.
     fn expire_intent_leases(&self) -> impl Future<Output = ()> + Send;
+    /// Ends the pending intents' leases, their next attempt times left as they are.
+    fn end_intent_leases(&self) -> impl Future<Output = ()> + Send;
     /// Number of connections waiting on a lock (always 0 where writers cannot overlap).
     fn lock_waiters(&self) -> impl Future<Output = i64> + Send;
 }
@@ -193,6 +195,14 @@ impl Backend for Pg {
         .await
         .unwrap();
     }
+    async fn end_intent_leases(&self) {
+        let t = self.tables.qualified("effect_intents");
+        self.exec(&format!(
+            "UPDATE {t} SET claimed_until = now() - interval '1 hour' WHERE status = 'pending'"
+        ))
+        .await
+        .unwrap();
+    }
     async fn lock_waiters(&self) -> i64 {
         self.scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
@@ -332,6 +342,14 @@ impl Backend for Lite {
         let t = self.tables.qualified("effect_intents");
         self.exec(&format!(
             "UPDATE {t} SET claimed_until = 0, next_attempt_at = 0 WHERE status = 'pending'"
+        ))
+        .await
+        .unwrap();
+    }
+    async fn end_intent_leases(&self) {
+        let t = self.tables.qualified("effect_intents");
+        self.exec(&format!(
+            "UPDATE {t} SET claimed_until = 0 WHERE status = 'pending'"
         ))
         .await
         .unwrap();

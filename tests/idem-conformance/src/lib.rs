@@ -58,7 +58,8 @@ macro_rules! conformance_tests {
             unknown_intents_are_read_and_resolved_by_a_decision,
             a_backing_off_aggregate_does_not_slow_the_others,
             an_undecodable_intent_is_parked_and_the_others_are_claimed,
-            a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded
+            a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded,
+            a_sending_mark_holds_the_next_attempt_for_its_settle
         );
     };
     (@each $make:expr; $($name:ident),* $(,)?) => {

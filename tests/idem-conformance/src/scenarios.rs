@@ -1466,6 +1466,35 @@ pub async fn an_undecodable_intent_is_parked_and_the_others_are_claimed<B: Backe
     assert!(store.claim(10, MINUTE).await.unwrap().is_empty());
 }
 
+/// A sending mark holds every later attempt back for the policy's settle: the successor of a
+/// dispatcher that died with the request in flight asks the remote only once the remote had
+/// `settle` to finish that request (a probe asked sooner finds nothing, and the effect is sent
+/// twice), although the lease ended long before.
+pub async fn a_sending_mark_holds_the_next_attempt_for_its_settle<B: Backend>(b: &B) {
+    let i = intent(EventId::new());
+    let mut tx = b.begin().await;
+    tx.record_intent(&i).await.unwrap();
+    tx.commit().await;
+    let store = b.intents();
+    let first = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert!(
+        store
+            .mark_sending(first.id, 1, SECOND, 60 * MINUTE)
+            .await
+            .unwrap()
+    );
+    // The dispatcher dies with the request in flight; its lease ends.
+    b.end_intent_leases().await;
+    assert!(
+        store.claim(10, MINUTE).await.unwrap().is_empty(),
+        "claimed again before the remote had its settle time"
+    );
+    // Once the settle time is over, the next attempt sees the unrecorded send.
+    b.expire_intent_leases().await;
+    let second = store.claim(10, MINUTE).await.unwrap().remove(0);
+    assert_eq!((second.attempt, second.unrecorded_send), (2, Some(1)));
+}
+
 /// The durable sending mark (review §3): written only while the attempt holds enough lease,
 /// seen by every later attempt until an outcome of the marked attempt is recorded, kept by a
 /// retry of an attempt that sent nothing, cleared by a decision.
@@ -1478,14 +1507,25 @@ pub async fn a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded<B:
     let first = store.claim(10, MINUTE).await.unwrap().remove(0);
     assert_eq!(first.unrecorded_send, None);
     assert!(
-        !store.mark_sending(first.id, 1, 2 * MINUTE).await.unwrap(),
+        !store
+            .mark_sending(first.id, 1, 2 * MINUTE, Duration::ZERO)
+            .await
+            .unwrap(),
         "the lease is too short for this request"
     );
     assert!(
-        !store.mark_sending(first.id, 2, SECOND).await.unwrap(),
+        !store
+            .mark_sending(first.id, 2, SECOND, Duration::ZERO)
+            .await
+            .unwrap(),
         "not this attempt's lease"
     );
-    assert!(store.mark_sending(first.id, 1, SECOND).await.unwrap());
+    assert!(
+        store
+            .mark_sending(first.id, 1, SECOND, Duration::ZERO)
+            .await
+            .unwrap()
+    );
 
     // The dispatcher dies; after the lease, the next attempt sees the unrecorded send.
     b.expire_intent_leases().await;
@@ -1511,7 +1551,12 @@ pub async fn a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded<B:
         Some(1),
         "a retry of an attempt that sent nothing keeps the mark"
     );
-    assert!(store.mark_sending(third.id, 3, SECOND).await.unwrap());
+    assert!(
+        store
+            .mark_sending(third.id, 3, SECOND, Duration::ZERO)
+            .await
+            .unwrap()
+    );
     assert!(store.finish(third.id, 3, &retry("429")).await.unwrap());
     let fourth = store.claim(10, MINUTE).await.unwrap().remove(0);
     assert_eq!(
@@ -1529,7 +1574,12 @@ pub async fn a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded<B:
         None
     );
 
-    assert!(store.mark_sending(fourth.id, 4, SECOND).await.unwrap());
+    assert!(
+        store
+            .mark_sending(fourth.id, 4, SECOND, Duration::ZERO)
+            .await
+            .unwrap()
+    );
     let unknown = IntentOutcome::Unknown {
         reason: "attempt 4 was sent and its outcome never recorded".into(),
     };

@@ -28,8 +28,14 @@ impl<S: IntentStore> IntentStore for HookedFinish<S> {
     async fn claim(&self, batch: u32, lease: Duration) -> idem_core::Result<Vec<ClaimedIntent>> {
         self.inner.claim(batch, lease).await
     }
-    async fn mark_sending(&self, id: i64, attempt: i32, left: Duration) -> idem_core::Result<bool> {
-        self.inner.mark_sending(id, attempt, left).await
+    async fn mark_sending(
+        &self,
+        id: i64,
+        attempt: i32,
+        left: Duration,
+        settle: Duration,
+    ) -> idem_core::Result<bool> {
+        self.inner.mark_sending(id, attempt, left, settle).await
     }
     async fn finish_all(&self, finished: &[FinishedAttempt]) -> idem_core::Result<Vec<i64>> {
         (self.hook)(finished.to_vec()).await?;
