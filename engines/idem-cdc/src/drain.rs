@@ -23,13 +23,18 @@
 //! one aggregate hold its counter's row lock from their insert to their commit (the
 //! `aggregate_seq` trigger), so a row written after `C` commits after every drained row of its
 //! aggregate. A crash during the drain leaves the rest pending, and the next session drains
-//! them.
+//! them. With `--delete-published` the rows the drain published are deleted after their mark,
+//! as the stream's are.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::TableNames;
+use idem_core::outbox::{
+    Backlog, Claim, ClaimRequest, Completed, OutboxStatus, OutboxStore, Outcome, ParkedRow,
+    PrunePolicy,
+};
 use idem_core::publish::Publisher;
+use idem_core::{EventId, TableNames};
 use idem_relay::{Relay, RelayConfig, RelayMetrics};
 use sqlx::{PgPool, Postgres};
 
@@ -62,7 +67,12 @@ pub async fn drain<P: Publisher>(
         ..RelayConfig::default()
     };
     let metrics = RelayMetrics::unregistered()?;
-    let store = idem_sql::RelayStore::<Postgres>::new(pool.clone(), tables.clone());
+    let store = DrainStore {
+        inner: idem_sql::RelayStore::<Postgres>::new(pool.clone(), tables.clone()),
+        delete: config
+            .delete_published
+            .then(|| tables.render(include_str!("../sql/delete_drained.sql"), &["outbox"])),
+    };
     let relay = Relay::new(store, publisher, relay_config, metrics);
     let mut published = 0;
     while pending_up_to(pool, tables, newest, confirmed).await? > 0 {
@@ -74,6 +84,61 @@ pub async fn drain<P: Publisher>(
         }
     }
     Ok(published)
+}
+
+/// The polling relay's store, which deletes what it marked published when `delete` holds the
+/// statement (`--delete-published`).
+struct DrainStore {
+    inner: idem_sql::RelayStore<Postgres>,
+    delete: Option<String>,
+}
+
+impl OutboxStore for DrainStore {
+    async fn claim(&self, request: &ClaimRequest) -> idem_core::Result<Claim> {
+        self.inner.claim(request).await
+    }
+
+    async fn complete(&self, claim: &Claim, outcome: &Outcome) -> idem_core::Result<Completed> {
+        let done = self.inner.complete(claim, outcome).await?;
+        if let Some(sql) = &self.delete
+            && !outcome.published.is_empty()
+        {
+            // The rows are marked: a failed delete leaves them published (`idem prune` removes
+            // them), never pending, so it is reported and the drain goes on.
+            if let Err(e) = sqlx::query(sql)
+                .bind(&outcome.published)
+                .execute(self.inner.pool())
+                .await
+            {
+                tracing::warn!(
+                    error = %e,
+                    rows = outcome.published.len(),
+                    "could not delete the drained rows (--delete-published); they stay published"
+                );
+            }
+        }
+        Ok(done)
+    }
+
+    async fn prune(&self, policy: &PrunePolicy) -> idem_core::Result<u64> {
+        self.inner.prune(policy).await
+    }
+
+    async fn status(&self) -> idem_core::Result<OutboxStatus> {
+        self.inner.status().await
+    }
+
+    async fn backlog(&self) -> idem_core::Result<Vec<Backlog>> {
+        self.inner.backlog().await
+    }
+
+    async fn parked(&self, limit: u32) -> idem_core::Result<Vec<ParkedRow>> {
+        self.inner.parked(limit).await
+    }
+
+    async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> idem_core::Result<u64> {
+        self.inner.retry_parked(event_ids).await
+    }
 }
 
 async fn pending_max(

@@ -203,16 +203,7 @@ async fn with_delete_published_the_relay_deletes_what_it_published() {
     let events: Vec<Event> = (0..5).map(|i| event(&format!("x-{i}"), i)).collect();
     w.commit(&events).await;
     w.records(before + events.len(), &mut running).await;
-    let table = w.pg.tables().qualified("outbox");
-    let rows = format!("SELECT count(*) FROM {table}");
-    eventually("the published rows deleted", || {
-        let (pool, rows) = (w.pg.pool().clone(), rows.clone());
-        async move {
-            let n: i64 = sqlx::query_scalar(&rows).fetch_one(&pool).await.unwrap();
-            n == 0
-        }
-    })
-    .await;
+    until_the_outbox_is_empty(&w, "the published rows deleted").await;
     stop(running).await;
     let mut running = spawn(w.relay_with(config, CdcMetrics::unregistered().unwrap()));
     let n = w.streaming(&mut running).await;
@@ -221,6 +212,40 @@ async fn with_delete_published_the_relay_deletes_what_it_published() {
         before + events.len() + 1,
         "nothing sent again, then the marker"
     );
+    stop(running).await;
+}
+
+/// Waits until the world's outbox holds no row.
+async fn until_the_outbox_is_empty(w: &World, what: &str) {
+    let rows = format!("SELECT count(*) FROM {}", w.pg.tables().qualified("outbox"));
+    eventually(what, || {
+        let (pool, rows) = (w.pg.pool().clone(), rows.clone());
+        async move {
+            let n: i64 = sqlx::query_scalar(&rows).fetch_one(&pool).await.unwrap();
+            n == 0
+        }
+    })
+    .await;
+}
+
+/// `--delete-published` holds for the session-start drain too: the rows written before the slot
+/// existed are published by the drain and deleted, not left marked `published` (nothing prunes
+/// them in this mode).
+#[tokio::test(flavor = "multi_thread")]
+async fn with_delete_published_the_drain_deletes_what_it_published() {
+    let w = World::new().await;
+    let backlog: Vec<Event> = (0..3).map(|i| event(&format!("b-{i}"), i)).collect();
+    w.commit(&backlog).await;
+    let mut config = w.config();
+    config.delete_published = true;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let relay = w.relay_with(config, metrics.clone());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    let got = w.records(backlog.len(), &mut running).await;
+    assert_eq!(got.len(), backlog.len());
+    assert_eq!(metrics.drained.get(), 3, "the drain published the backlog");
+    until_the_outbox_is_empty(&w, "the drained rows deleted").await;
     stop(running).await;
 }
 
