@@ -40,9 +40,24 @@ impl Broker {
     pub async fn start(brokers: &str) -> anyhow::Result<Self> {
         match brokers {
             idem_kafka::EMBEDDED => Ok(Broker::Embedded(EmbeddedCluster::start(1)?)),
-            KAFKA => start_kafka().await,
+            KAFKA => start_kafka(None).await,
             other => Ok(Broker::External(other.to_owned())),
         }
+    }
+
+    /// `--brokers kafka` with the client listener secured (`scripts/kafka up --security ssl` or
+    /// `sasl_ssl`, a PKI and users made for the run), and the security its clients log in with:
+    /// the run's CA and, for `sasl_ssl`, the SCRAM-SHA-512 user, for `ssl`, the client
+    /// certificate.
+    pub async fn start_secured(
+        security: SecuredMode,
+    ) -> anyhow::Result<(Self, idem_kafka::KafkaSecurity)> {
+        let broker = start_kafka(Some(security)).await?;
+        let Broker::Kafka { dir, .. } = &broker else {
+            bail!("scripts/kafka up started no broker");
+        };
+        let login = security.login(dir.path())?;
+        Ok((broker, login))
     }
 
     /// Bootstrap servers for clients (and child processes).
@@ -66,11 +81,27 @@ impl Broker {
     /// Creates `topic` with `partitions` partitions (replication 1: every broker here that
     /// this run starts has one node; an external cluster's own default is not assumed).
     pub async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
+        let conn = idem_kafka::Connection::plaintext(self.bootstrap());
+        self.create_topic_over(&conn, topic, partitions).await
+    }
+
+    /// [`Broker::create_topic`] through `conn` (its servers and security).
+    pub async fn create_topic_over(
+        &self,
+        conn: &idem_kafka::Connection,
+        topic: &str,
+        partitions: i32,
+    ) -> anyhow::Result<()> {
         match self {
             Broker::Embedded(c) => c.create_topic(topic, partitions)?,
-            _ => idem_kafka::ensure_topics(&self.bootstrap(), &[topic.to_owned()], partitions, 1)
-                .await
-                .with_context(|| format!("creating topic {topic} on {}", self.bootstrap()))?,
+            _ => idem_kafka::ensure_topics_with(
+                &conn.client_config(),
+                &[topic.to_owned()],
+                partitions,
+                1,
+            )
+            .await
+            .with_context(|| format!("creating topic {topic} on {}", conn.brokers()))?,
         }
         Ok(())
     }
@@ -93,15 +124,77 @@ impl Drop for Broker {
     }
 }
 
-async fn start_kafka() -> anyhow::Result<Broker> {
+/// How a broker that a lab command starts secures its client listener (`scripts/kafka
+/// --security`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SecuredMode {
+    /// TLS with client certificates required (mutual TLS).
+    Ssl,
+    /// SASL_SSL: SCRAM-SHA-512 (and PLAIN, SCRAM-SHA-256) over TLS.
+    #[value(name = "sasl_ssl")]
+    SaslSsl,
+}
+
+impl SecuredMode {
+    /// `scripts/kafka --security`'s name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SecuredMode::Ssl => "ssl",
+            SecuredMode::SaslSsl => "sasl_ssl",
+        }
+    }
+
+    /// The login of a client of the broker prepared in `dir`: its CA, and the client
+    /// certificate (`ssl`) or the SCRAM-SHA-512 user of `dir/users` (`sasl_ssl`).
+    fn login(self, dir: &Path) -> anyhow::Result<idem_kafka::KafkaSecurity> {
+        use idem_kafka::{KafkaSecurity, SaslMechanism, Secret, SecurityProtocol};
+        let pki = dir.join("pki");
+        let mut security = KafkaSecurity {
+            ca_file: Some(pki.join("ca.pem")),
+            ..KafkaSecurity::default()
+        };
+        match self {
+            SecuredMode::Ssl => {
+                security.protocol = SecurityProtocol::Ssl;
+                security.cert_file = Some(pki.join("client.pem"));
+                security.key_file = Some(pki.join("client.key"));
+            }
+            SecuredMode::SaslSsl => {
+                let mechanism = SaslMechanism::ScramSha512;
+                let users = std::fs::read_to_string(dir.join("users"))
+                    .context("reading the secured broker's users")?;
+                let (user, password) = users
+                    .lines()
+                    .filter_map(|l| {
+                        let mut f = l.split_whitespace();
+                        Some((f.next()?, f.next()?, f.next()?))
+                    })
+                    .find(|(m, _, _)| *m == mechanism.as_str())
+                    .map(|(_, u, p)| (u.to_owned(), Secret::new(p)))
+                    .with_context(|| format!("the secured broker has no {mechanism} user"))?;
+                security.protocol = SecurityProtocol::SaslSsl;
+                security.mechanism = Some(mechanism);
+                security.username = Some(user);
+                security.password = Some(password);
+            }
+        }
+        security.validate()?;
+        Ok(security)
+    }
+}
+
+async fn start_kafka(security: Option<SecuredMode>) -> anyhow::Result<Broker> {
     let dir = tempfile::Builder::new()
         .prefix("idem-kafka-")
         .tempdir()
         .context("creating the Kafka state directory")?;
     let script = script();
-    let out = tokio::process::Command::new(&script)
-        .args(["up", "--nodes", "1", "--dir"])
-        .arg(dir.path())
+    let mut up = tokio::process::Command::new(&script);
+    up.args(["up", "--nodes", "1", "--dir"]).arg(dir.path());
+    if let Some(s) = security {
+        up.args(["--security", s.as_str()]);
+    }
+    let out = up
         .stderr(Stdio::inherit())
         .output()
         .await

@@ -246,3 +246,70 @@ fn bench_verify_reports_time_and_peak_memory() {
     assert!(report["figures"]["verify_peak_rss_mib"].as_f64().unwrap() > 1.0);
     assert!(report["ratios"]["verify_peak_rss_mib"]["met"].is_boolean());
 }
+
+/// The bench over TLS: every Kafka client of the run (the children, the raw produce and consume
+/// ceilings, the topics' admin client) logs in with SCRAM over TLS to a broker that has no other
+/// listener, and every PostgreSQL session (the bench's own, the children's pools, the CDC
+/// relay's walsender) is encrypted under `verify-full`. The password given in a file appears in
+/// no output and not in the report.
+#[test]
+fn a_tiny_bench_run_over_tls_uses_tls_for_every_client() {
+    use idem_conformance::kafka::{Security, secured};
+    let k = secured(Security::SaslSsl);
+    let (user, password) = k.user("SCRAM-SHA-512");
+    let dir = tempfile::tempdir().unwrap();
+    let password_file = dir.path().join("kafka-password");
+    std::fs::write(&password_file, format!("{password}\n")).unwrap();
+    let ca = idem_conformance::pg::PgTlsMaterial::get().ca();
+    let db = format!(
+        "{}?sslmode=verify-full&sslrootcert={ca}",
+        idem_conformance::pg::admin_url().split('?').next().unwrap()
+    );
+    let args = tiny(k.brokers(), &["--ceiling-runs", "1", "--db", &db, "--json"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+        .arg("bench")
+        .args(&args)
+        .env("RUST_LOG", "warn")
+        .env("IDEM_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+        .env("IDEM_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512")
+        .env("IDEM_KAFKA_SASL_USERNAME", &user)
+        .env("IDEM_KAFKA_SASL_PASSWORD_FILE", &password_file)
+        .env("IDEM_KAFKA_SSL_CA", k.pki("ca.pem"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "idem bench over TLS failed:\n{stderr}"
+    );
+    assert!(!stdout.contains(&password) && !stderr.contains(&password));
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    for (phase, p) in report["phases"].as_object().unwrap() {
+        assert_eq!(p["status"], "done", "phase {phase}: {p}");
+    }
+    let security = &report["config"]["kafka_security"];
+    assert_eq!(security["protocol"], "SASL_SSL", "{security}");
+    assert_eq!(security["sasl_mechanism"], "SCRAM-SHA-512", "{security}");
+    assert_eq!(report["config"]["postgres_sslmode"], "verify-full");
+    let env = &report["environment"];
+    assert!(
+        env["postgres_tls_bench"]
+            .as_str()
+            .unwrap()
+            .starts_with("TLS"),
+        "{env}"
+    );
+    for key in ["postgres_tls_cdc_drain", "postgres_tls_sustained"] {
+        let census = env[key].as_str().unwrap();
+        let (encrypted, all) = census.split_once(" of ").unwrap();
+        let all = all.trim_end_matches(" encrypted");
+        assert!(encrypted == all && all != "0", "{key}: {census}");
+    }
+    assert!(
+        k.broker_log().contains(&format!("User:{user}")),
+        "the broker logged no request of {user}"
+    );
+}

@@ -5,7 +5,7 @@
 //! secret variables are hidden from `--help`. docs/operating/kafka-security.md lists them.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -223,5 +223,138 @@ impl KafkaArgs {
             Err(e) => Err(anyhow::Error::new(e))
                 .with_context(|| format!("{bin} cannot use the Kafka cluster")),
         }
+    }
+}
+
+/// Every `IDEM_KAFKA_…` environment variable these flags read: what a parent clears from a
+/// child's environment before it gives the child [`child_env`].
+pub fn env_names() -> Vec<String> {
+    let cmd = <KafkaArgs as Args>::augment_args(clap::Command::new("kafka"));
+    cmd.get_arguments()
+        .filter_map(clap::Arg::get_env)
+        .map(|e| e.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// The environment that gives a child process (`idem relay`, `idem-lab settlement`, …) the
+/// Kafka security `security`: the `IDEM_KAFKA_…` variables of these flags, each secret written
+/// to a file of its own (mode 0600) in `secret_dir` and named by its `…_FILE` variable, so that
+/// no secret is on a command line or in an environment. The parent clears the child's inherited
+/// variables ([`env_names`]) first: an inherited secret beside its file is refused as given
+/// twice.
+pub fn child_env(
+    security: &KafkaSecurity,
+    secret_dir: &Path,
+) -> anyhow::Result<Vec<(&'static str, String)>> {
+    let path = |p: &PathBuf| p.display().to_string();
+    let mut env = vec![(
+        "IDEM_KAFKA_SECURITY_PROTOCOL",
+        security.protocol.to_string(),
+    )];
+    let mut secret = |var: &'static str, name: &str, s: &Secret| -> anyhow::Result<()> {
+        let file = secret_dir.join(name);
+        write_secret(&file, s.expose())?;
+        env.push((var, file.display().to_string()));
+        Ok(())
+    };
+    if let Some(p) = &security.password {
+        secret("IDEM_KAFKA_SASL_PASSWORD_FILE", "kafka-sasl-password", p)?;
+    }
+    if let Some(p) = &security.key_password {
+        secret(
+            "IDEM_KAFKA_SSL_KEY_PASSWORD_FILE",
+            "kafka-ssl-key-password",
+            p,
+        )?;
+    }
+    if let Some(o) = &security.oauth {
+        secret(
+            "IDEM_KAFKA_OAUTH_CLIENT_SECRET_FILE",
+            "kafka-oauth-client-secret",
+            &o.client_secret,
+        )?;
+        env.push(("IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT", o.token_endpoint.clone()));
+        env.push(("IDEM_KAFKA_OAUTH_CLIENT_ID", o.client_id.clone()));
+        if let Some(scope) = &o.scope {
+            env.push(("IDEM_KAFKA_OAUTH_SCOPE", scope.clone()));
+        }
+    }
+    if let Some(m) = security.mechanism {
+        env.push(("IDEM_KAFKA_SASL_MECHANISM", m.to_string()));
+    }
+    if let Some(u) = &security.username {
+        env.push(("IDEM_KAFKA_SASL_USERNAME", u.clone()));
+    }
+    for (var, file) in [
+        ("IDEM_KAFKA_SSL_CA", &security.ca_file),
+        ("IDEM_KAFKA_SSL_CERT", &security.cert_file),
+        ("IDEM_KAFKA_SSL_KEY", &security.key_file),
+    ] {
+        if let Some(f) = file {
+            env.push((var, path(f)));
+        }
+    }
+    Ok(env)
+}
+
+/// Writes `value` to a new file `path` that only its owner can read.
+fn write_secret(path: &Path, value: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(value.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        kafka: KafkaArgs,
+    }
+
+    #[test]
+    fn a_child_given_child_env_reads_the_same_security() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let security = KafkaSecurity {
+            protocol: SecurityProtocol::SaslSsl,
+            mechanism: Some(SaslMechanism::ScramSha512),
+            username: Some("idem_scram".to_owned()),
+            password: Some(Secret::new("s3cret")),
+            ca_file: Some(ca),
+            ..KafkaSecurity::default()
+        };
+        let env = child_env(&security, dir.path()).unwrap();
+        let names = env_names();
+        for (var, value) in &env {
+            assert!(
+                names.iter().any(|n| n == var),
+                "{var} is no flag's variable"
+            );
+            assert!(!value.contains("s3cret"), "{var} holds the secret");
+        }
+        // The variables as the flags they stand for: the child's reading of them.
+        let flag = |var: &str| {
+            format!(
+                "--{}",
+                var["IDEM_".len()..].to_ascii_lowercase().replace('_', "-")
+            )
+        };
+        let argv = std::iter::once("idem".to_owned())
+            .chain(env.iter().flat_map(|(k, v)| [flag(k), v.clone()]));
+        let cli = Cli::try_parse_from(argv).unwrap();
+        assert_eq!(cli.kafka.security().unwrap(), security);
     }
 }

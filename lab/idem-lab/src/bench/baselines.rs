@@ -157,7 +157,7 @@ async fn raw_produce(c: &mut Ctx<'_>, key: &str, cpu_key: Option<&str>) -> anyho
     let mut tick = Ticker::new();
     let (progress, backlog) = (&*c.progress, c.args.backlog);
     let machine = cpu::MachineCpu::now();
-    let v = kafka::produce_rate(&c.brokers, c.raw_topic, backlog, &payload, |done| {
+    let v = kafka::produce_rate(&c.kafka, c.raw_topic, backlog, &payload, |done| {
         tick.every_second(|| progress.note(&format!("{done} records acknowledged")));
     })
     .await?;
@@ -172,7 +172,7 @@ async fn raw_produce(c: &mut Ctx<'_>, key: &str, cpu_key: Option<&str>) -> anyho
 pub async fn raw_consume(c: &mut Ctx<'_>) -> anyhow::Result<()> {
     let mut tick = Ticker::new();
     let (progress, timeout) = (&*c.progress, drain_timeout(c.args));
-    let v = kafka::consume_rate(&c.brokers, c.raw_topic, c.args.backlog, timeout, |done| {
+    let v = kafka::consume_rate(&c.kafka, c.raw_topic, c.args.backlog, timeout, |done| {
         tick.every_second(|| progress.note(&format!("{done} records consumed")));
     })
     .await?;

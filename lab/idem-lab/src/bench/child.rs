@@ -15,17 +15,29 @@ pub struct Child {
 }
 
 impl Child {
-    /// Starts `idem ARGS…` with its output in `logs/NAME.log`.
-    pub fn spawn(name: &str, args: &[String], logs: &Path) -> anyhow::Result<Self> {
+    /// Starts `idem ARGS…` with its output in `logs/NAME.log`, its Kafka security from `env`
+    /// alone (the `IDEM_KAFKA_…` variables of [`idem_cli::kafka_args::child_env`]; this
+    /// process's own are not inherited).
+    pub fn spawn(
+        name: &str,
+        args: &[String],
+        env: &[(&'static str, String)],
+        logs: &Path,
+    ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the idem binary")?;
         let log = logs.join(format!("{name}.log"));
         let out =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let err = out.try_clone()?;
-        let child = tokio::process::Command::new(exe)
+        let mut command = tokio::process::Command::new(exe);
+        for var in idem_cli::kafka_args::env_names() {
+            command.env_remove(var);
+        }
+        let child = command
             .args(args)
             .env("RUST_LOG", "warn")
             .env_remove("IDEM_CRASH_POINTS")
+            .envs(env.iter().map(|(k, v)| (*k, v)))
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)

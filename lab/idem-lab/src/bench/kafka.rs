@@ -83,16 +83,16 @@ pub fn relay_like(n: u64, occurred_at: DateTime<Utc>) -> (String, Vec<(String, S
 }
 
 /// Produces `count` records of `payload` with relay-like keys and headers to `topic` through
-/// one producer with idem's producer settings, as fast as librdkafka takes them, and waits for
+/// one producer with idem's producer settings and the run's connection security, as fast as librdkafka takes them, and waits for
 /// every delivery report. Returns records per second.
 pub async fn produce_rate(
-    brokers: &str,
+    kafka: &idem_kafka::Connection,
     topic: &str,
     count: u64,
     payload: &[u8],
     mut progress: impl FnMut(u64),
 ) -> anyhow::Result<f64> {
-    let config = idem_kafka::producer_config(brokers, &[])?;
+    let config = kafka.producer_config(&[])?;
     let producer: FutureProducer = config.create()?;
     // Connection, metadata and producer id first: the rate is the steady one.
     let warm_up = FutureRecord::to(topic).key("warm-up").payload(payload);
@@ -168,18 +168,18 @@ async fn drain_some(
     Ok(n)
 }
 
-/// Consumes `count` records of `topic` with a new group (idem's consumer settings), copying each
-/// out as the consumer runtime does. Returns records per second from the first record to the
-/// last (group join not counted).
+/// Consumes `count` records of `topic` with a new group (idem's consumer settings, the run's
+/// connection security), copying each out as the consumer runtime does. Returns records per
+/// second from the first record to the last (group join not counted).
 pub async fn consume_rate(
-    brokers: &str,
+    kafka: &idem_kafka::Connection,
     topic: &str,
     count: u64,
     timeout: Duration,
     mut progress: impl FnMut(u64),
 ) -> anyhow::Result<f64> {
     let group = format!("bench-raw-{}", uuid::Uuid::new_v4().simple());
-    let config = idem_kafka::consumer_config(brokers, &group, &[])?;
+    let config = kafka.consumer_config(&group, &[])?;
     let consumer: StreamConsumer = config.create()?;
     consumer.subscribe(&[topic])?;
     let deadline = tokio::time::Instant::now() + timeout;

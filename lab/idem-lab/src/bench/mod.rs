@@ -11,6 +11,7 @@
 mod baselines;
 mod ceilings;
 mod child;
+mod compare;
 mod cpu;
 mod kafka;
 mod latency;
@@ -27,7 +28,9 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use clap::{Args, Subcommand};
 
-use crate::broker::Broker;
+use crate::broker::{Broker, SecuredMode};
+use idem_cli::kafka_args::KafkaArgs;
+use idem_kafka::{Connection, KafkaSecurity};
 use kafka::TempDir;
 use pg::Databases;
 use plan::{PHASES, Phase};
@@ -90,6 +93,9 @@ pub struct BenchArgs {
 enum Mode {
     /// Time and peak memory of `idem verify` over two tables of --rows rows each.
     Verify(verify::VerifyBenchArgs),
+    /// Two runs' reports side by side: each figure of the second divided by the first's
+    /// (TLS over plain text, a change over the code before it).
+    Compare(compare::CompareArgs),
     /// (internal) the settlement consumer without its inbox, to price the inbox.
     #[command(hide = true)]
     NoInboxConsumer(crate::lab_consumer::LabConsumerArgs),
@@ -105,6 +111,17 @@ pub struct RunArgs {
     /// `embedded` (librdkafka's mock cluster in this process) or bootstrap servers.
     #[arg(long, default_value = "kafka")]
     brokers: String,
+    /// With `--brokers kafka`: the broker the bench starts secures its client listener
+    /// (`scripts/kafka up --security`, a PKI and users made for the run), and every Kafka client
+    /// of the run, idem's and the ceilings' alike, connects as that broker's client: `sasl_ssl`
+    /// logs in with SCRAM-SHA-512 over TLS, `ssl` with a client certificate (mutual TLS).
+    #[arg(long, value_enum, value_name = "MODE")]
+    broker_security: Option<SecuredMode>,
+    /// How every Kafka client of the run (the relays, the consumers, the raw produce and
+    /// consume ceilings, the topics' admin client) connects to --brokers: the `--kafka-*` flags
+    /// of `idem relay`.
+    #[command(flatten)]
+    kafka: Box<KafkaArgs>,
     /// Rows in the relay's backlog and events in the consumer's.
     #[arg(long, default_value_t = 100_000)]
     backlog: u64,
@@ -154,6 +171,7 @@ pub struct RunArgs {
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.mode {
         Some(Mode::Verify(a)) => verify::run(a).await,
+        Some(Mode::Compare(a)) => compare::run(&a),
         Some(Mode::NoInboxConsumer(a)) => noinbox::run(a).await,
         None => run_all(args.run).await,
     }
@@ -200,15 +218,24 @@ async fn run_all(args: RunArgs) -> anyhow::Result<()> {
     };
     progress.phase(&Phase::Setup.title(&args));
     let setup = Instant::now();
-    let broker = Broker::start(&args.brokers).await?;
+    let (broker, security) = start_broker(&args).await?;
+    let kafka = Connection::new(broker.bootstrap(), security)?;
+    if !matches!(broker, Broker::Embedded(_)) {
+        args.kafka
+            .check(&kafka.client_config(), "idem-lab bench")
+            .await?;
+    }
     let logs = TempDir::new("logs")?;
+    // The children's secrets (the SASL password, a key's passphrase), a file each.
+    let secrets = TempDir::new("secrets")?;
+    let child_env = idem_cli::kafka_args::child_env(kafka.security(), &secrets.0)?;
     let mut dbs = Databases::new(&args.db);
-    let mut report = Report::new(&args, broker.kind());
+    let mut report = Report::new(&args, broker.kind(), kafka.security());
     report.outcome(Phase::Setup, &Outcome::Done, setup.elapsed());
     // Ctrl-C or SIGTERM stops the run but still drops its databases (children die with it).
     let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
-        r = phases(&args, &broker, &mut dbs, &logs, &mut progress, &mut report) => r,
+        r = phases(&args, &broker, &kafka, child_env, &mut dbs, &logs, &mut progress, &mut report) => r,
         () = interrupted => Err(anyhow::anyhow!("interrupted; the bench databases are dropped")),
     };
     if let Err(e) = dbs.drop_all().await {
@@ -225,6 +252,27 @@ async fn run_all(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The broker of `--brokers` and the security its clients connect with: that of the
+/// `--kafka-*` flags, or the run-made login of the broker `--broker-security` starts.
+async fn start_broker(args: &RunArgs) -> anyhow::Result<(Broker, KafkaSecurity)> {
+    let flags = args.kafka.security()?;
+    let local = [crate::broker::KAFKA, idem_kafka::EMBEDDED].contains(&args.brokers.as_str());
+    match args.broker_security {
+        Some(_) if args.brokers != crate::broker::KAFKA => bail!(
+            "--broker-security secures the broker the bench starts: use it with --brokers kafka"
+        ),
+        Some(_) if !flags.is_plaintext_default() => bail!(
+            "--broker-security logs in as the started broker's own user: drop the --kafka-* security flags (IDEM_KAFKA_*)"
+        ),
+        Some(mode) => Broker::start_secured(mode).await,
+        None if local && !flags.is_plaintext_default() => bail!(
+            "--brokers {} is a plaintext broker: use --broker-security with --brokers kafka, or give the bootstrap servers of the secured cluster the --kafka-* flags are for",
+            args.brokers
+        ),
+        None => Ok((Broker::start(&args.brokers).await?, flags)),
+    }
+}
+
 /// What the phases share: the run's settings and figures, and the progress lines.
 pub struct Ctx<'a> {
     args: &'a RunArgs,
@@ -236,8 +284,10 @@ pub struct Ctx<'a> {
     n: u32,
     /// Padding that makes each event's payload `--message-size` bytes.
     pad: usize,
-    /// The broker's bootstrap servers.
-    brokers: String,
+    /// The broker's bootstrap servers and how every client of the run connects to them.
+    kafka: Connection,
+    /// The `IDEM_KAFKA_…` environment of the child processes: the same security.
+    child_env: Vec<(&'static str, String)>,
     /// The orders' outbox.
     outbox: &'a idem_postgres::Outbox,
     /// The ceilings' database (same schema as the system's, nothing else running on it).
@@ -284,9 +334,12 @@ impl Ctx<'_> {
 }
 
 /// Every phase; figures go into `report` as they are measured.
+#[allow(clippy::too_many_arguments)] // the run's parts, each owned by `run_all`
 async fn phases(
     args: &RunArgs,
     broker: &Broker,
+    kafka: &Connection,
+    child_env: Vec<(&'static str, String)>,
     dbs: &mut Databases,
     logs: &TempDir,
     progress: &mut Progress,
@@ -301,9 +354,9 @@ async fn phases(
     );
     report.environment("partitions", &partitions.to_string());
     let names = Names::new();
-    broker.create_topic(&names.topic, partitions).await?;
-    broker.create_topic(&names.raw_topic, partitions).await?;
-    broker.create_topic(&names.cdc_topic, partitions).await?;
+    for topic in [&names.topic, &names.raw_topic, &names.cdc_topic] {
+        broker.create_topic_over(kafka, topic, partitions).await?;
+    }
     let n = plan::connections(args);
     let (scratch_url, scratch) = dbs.create("scratch", n + 4).await?;
     let (orders_url, orders) = dbs.create("orders", n + 4).await?;
@@ -320,6 +373,7 @@ async fn phases(
         .fetch_one(&scratch)
         .await?;
     report.environment("postgres", &version);
+    report.environment("postgres_tls_bench", &pg::session_tls(&scratch).await?);
     let outbox = idem_postgres::Outbox::default();
     let mut c = Ctx {
         args,
@@ -328,7 +382,8 @@ async fn phases(
         secs: Duration::from_secs_f64(args.seconds),
         n,
         pad: pg::padding(args.message_size),
-        brokers: broker.bootstrap(),
+        kafka: kafka.clone(),
+        child_env,
         outbox: &outbox,
         scratch: &scratch,
         scratch_url: &scratch_url,
@@ -353,6 +408,7 @@ async fn phases(
         },
         names: &names,
         logs,
+        db_prefix: dbs.prefix(),
     };
     system::run(&mut c, &system).await
 }

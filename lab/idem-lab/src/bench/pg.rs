@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use idem_core::TableNames;
+use sqlx::PgConnection;
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::{Connection, PgConnection};
 
 /// `url` with its database replaced by `name` (query string kept).
 pub fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
@@ -43,6 +43,11 @@ impl Databases {
         }
     }
 
+    /// The prefix of every database name of this run.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// Creates database `<prefix>_<suffix>` with idem's and the reference tables; returns its
     /// URL and a pool of `connections`.
     pub async fn create(
@@ -51,7 +56,7 @@ impl Databases {
         connections: u32,
     ) -> anyhow::Result<(String, PgPool)> {
         let name = format!("{}_{suffix}", self.prefix);
-        let mut admin = PgConnection::connect(&self.server)
+        let mut admin = super::ceilings::connect(&self.server)
             .await
             .with_context(|| format!("connecting to {}", idem_postgres::redact(&self.server)))?;
         sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
@@ -77,7 +82,7 @@ impl Databases {
 
     /// Drops every database this run created.
     pub async fn drop_all(&mut self) -> anyhow::Result<()> {
-        let mut admin = PgConnection::connect(&self.server).await?;
+        let mut admin = super::ceilings::connect(&self.server).await?;
         for name in self.created.drain(..) {
             // A database with a logical slot cannot be dropped (a CDC phase that was cut short).
             let slots: Vec<String> = sqlx::query_scalar(
@@ -95,6 +100,33 @@ impl Databases {
         }
         Ok(())
     }
+}
+
+/// The TLS of `pool`'s session as the server sees it (`pg_stat_ssl`): the protocol and the
+/// cipher, or `off`.
+pub async fn session_tls(pool: &PgPool) -> anyhow::Result<String> {
+    Ok(sqlx::query_scalar(
+        "SELECT CASE WHEN ssl THEN version || ' ' || cipher ELSE 'off' END \
+         FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// How the server sees the TLS of the sessions on the databases named `prefix_*` that are
+/// not the bench's own (the children's pools, the CDC relay's walsender): "E of N encrypted".
+pub async fn tls_census(pool: &PgPool, prefix: &str) -> anyhow::Result<String> {
+    let (encrypted, all): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE s.ssl), count(*) \
+         FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+         WHERE starts_with(a.datname, $1) AND a.application_name <> $2 \
+           AND a.backend_type IN ('client backend', 'walsender')",
+    )
+    .bind(format!("{prefix}_"))
+    .bind(super::ceilings::APPLICATION)
+    .fetch_one(pool)
+    .await?;
+    Ok(format!("{encrypted} of {all} encrypted"))
 }
 
 /// The `order.paid` payload of backlog order `n` as SQL (same fields as the reference

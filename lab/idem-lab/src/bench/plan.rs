@@ -392,6 +392,8 @@ pub fn sample_args() -> RunArgs {
     RunArgs {
         db: "postgres://h/db".to_owned(),
         brokers: "embedded".to_owned(),
+        broker_security: None,
+        kafka: Box::default(),
         backlog: 2_000,
         batch_size: 200,
         relay_batch_size: 500,

@@ -11,6 +11,7 @@ use super::RunArgs;
 use super::latency::LatencyRun;
 use super::plan::Phase;
 use super::spread::{Outcome, Spread};
+use crate::broker::SecuredMode;
 
 /// Every figure of a full run: key, label, unit. `{n}`, `{b}`, `{r}` and `{p}` stand for the
 /// connections, the consumer batch size, the relay batch size and the partitions. The
@@ -378,6 +379,19 @@ const RATIOS: &[RatioDef] = &[
     ),
 ];
 
+/// How the run's Kafka clients connect, without a secret: the protocol, the SASL mechanism
+/// and user, the CA and client certificate files.
+fn security_json(s: &idem_kafka::KafkaSecurity) -> Value {
+    let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    json!({
+        "protocol": s.protocol.as_str(),
+        "sasl_mechanism": s.mechanism.map(|m| m.as_str()),
+        "sasl_username": s.username,
+        "ca_file": path(&s.ca_file),
+        "client_cert_file": path(&s.cert_file),
+    })
+}
+
 /// A computed ratio: key, what it is, its bound, value, target.
 type Ratio = (&'static str, String, &'static str, Option<f64>, Target);
 
@@ -396,8 +410,9 @@ pub struct Report {
 }
 
 impl Report {
-    /// An empty report of a run with `args` against `broker`.
-    pub fn new(args: &RunArgs, broker: &str) -> Self {
+    /// An empty report of a run with `args` against `broker`, its clients connecting with
+    /// `security` (recorded without its secrets).
+    pub fn new(args: &RunArgs, broker: &str, security: &idem_kafka::KafkaSecurity) -> Self {
         let mut environment = serde_json::Map::new();
         environment.insert("broker".into(), json!(broker));
         environment.insert(
@@ -419,6 +434,10 @@ impl Report {
                 "stall_seconds": args.stall_seconds,
                 "consumer_config": idem_kafka::security::describe_settings(&args.consumer_config),
                 "producer_config": idem_kafka::security::describe_settings(&args.producer_config),
+                "broker_security": args.broker_security.map(SecuredMode::as_str),
+                "kafka_security": security_json(security),
+                "postgres_sslmode": idem_sql::PgUrl::parse(&args.db)
+                    .map_or_else(|_| "unreadable".to_owned(), |u| u.tls.mode.to_string()),
             }),
             environment,
             figures: vec![],
@@ -789,7 +808,7 @@ fn spread_json(samples: &[f64]) -> Value {
     })
 }
 
-fn number(v: f64) -> Value {
+pub(super) fn number(v: f64) -> Value {
     if v.is_finite() {
         json!((v * 1000.0).round() / 1000.0)
     } else {
@@ -797,7 +816,7 @@ fn number(v: f64) -> Value {
     }
 }
 
-fn fmt(v: f64) -> String {
+pub(super) fn fmt(v: f64) -> String {
     if !v.is_finite() {
         "-".to_owned()
     } else if v >= 100.0 {
@@ -826,7 +845,11 @@ mod tests {
 
     #[test]
     fn ratios_divide_each_figure_by_the_median_of_the_ceiling_that_bounds_it() {
-        let mut r = Report::new(&super::super::plan::sample_args(), "embedded");
+        let mut r = Report::new(
+            &super::super::plan::sample_args(),
+            "embedded",
+            &Default::default(),
+        );
         for (k, v) in [
             ("consumer_drain_per_s", 800.0),
             ("relay_drain_per_s", 450.0),
@@ -878,7 +901,11 @@ mod tests {
 
     #[test]
     fn the_cdc_floor_adds_raw_produces_cpu_and_the_servers_decoding_per_row() {
-        let mut r = Report::new(&super::super::plan::sample_args(), "embedded");
+        let mut r = Report::new(
+            &super::super::plan::sample_args(),
+            "embedded",
+            &Default::default(),
+        );
         r.environment.insert("cores".into(), json!(2));
         assert_eq!(ratio(&r, "cdc_floor_vs_produce"), None, "no figures yet");
         r.sample("ceiling_cdc_produce_per_s", 200_000.0);
@@ -895,7 +922,11 @@ mod tests {
 
     #[test]
     fn a_phase_that_did_not_end_well_is_reported_with_its_reason() {
-        let mut r = Report::new(&super::super::plan::sample_args(), "embedded");
+        let mut r = Report::new(
+            &super::super::plan::sample_args(),
+            "embedded",
+            &Default::default(),
+        );
         r.outcome(Phase::RelayDrain, &Outcome::Done, Duration::from_secs(3));
         let stuck = Outcome::Failed("rows republished: 0 of 10, no progress for 60 s".into());
         r.outcome(Phase::Republish, &stuck, Duration::from_secs(61));

@@ -33,6 +33,8 @@ pub struct SystemDbs<'a> {
     pub live: Pipeline,
     pub names: &'a Names,
     pub logs: &'a TempDir,
+    /// The prefix of the run's database names ([`pg::tls_census`]).
+    pub db_prefix: &'a str,
 }
 
 /// An orders database and its settlement database.
@@ -163,7 +165,12 @@ async fn clean_up_after(failed: bool, url: &str) -> anyhow::Result<()> {
 
 /// The relay drains the backlog: its rate from the rows' publication stamps, its peak RSS.
 async fn relay_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
-    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
+    let relay_args = plan::relay_args(
+        c.args,
+        &dbs.orders_url,
+        c.kafka.brokers(),
+        &dbs.names.topic_prefix,
+    );
     let published = Watch {
         pool: &dbs.orders,
         what: PUBLISHED,
@@ -207,11 +214,11 @@ async fn cdc_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     let args = plan::cdc_relay_args(
         c.args,
         &dbs.cdc_url,
-        &c.brokers,
+        c.kafka.brokers(),
         &names.cdc_topic_prefix,
         &names.cdc_slot,
     );
-    let mut first = Child::spawn("cdc-relay", &args, &dbs.logs.0)?;
+    let mut first = Child::spawn("cdc-relay", &args, &c.child_env, &dbs.logs.0)?;
     slot_held(c, &dbs.cdc, &names.cdc_slot, &mut first).await?;
     first.stop().await?;
     let (backlog, per_tx) = (c.args.backlog, u64::from(c.args.relay_batch_size));
@@ -224,6 +231,8 @@ async fn cdc_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     let machine = cpu::MachineCpu::now();
     let (relay, elapsed) = drain(c, dbs.logs, "cdc-relay-2", &args, &published, &mut []).await?;
     cdc_cpu(c, &dbs.cdc, &names.cdc_slot, &relay, machine).await?;
+    let census = pg::tls_census(&dbs.cdc, dbs.db_prefix).await?;
+    c.report.environment("postgres_tls_cdc_drain", &census);
     let keys = ("cdc_peak_rss_mib", "cdc_drain_per_s");
     drained(c, relay, &dbs.cdc, elapsed, keys).await
 }
@@ -305,7 +314,7 @@ fn settlement_args(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> Vec<String> {
         c.args,
         &["settlement"],
         &dbs.settle_url,
-        &c.brokers,
+        c.kafka.brokers(),
         &dbs.names.topic,
         &dbs.names.group,
     )
@@ -317,7 +326,7 @@ async fn no_inbox_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<
         c.args,
         &["bench", "no-inbox-consumer"],
         &dbs.noinbox_url,
-        &c.brokers,
+        c.kafka.brokers(),
         &dbs.names.topic,
         &dbs.names.group_no_inbox,
     );
@@ -376,7 +385,12 @@ async fn republish(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<Child
             .await?;
         hostile = Some(tx);
     }
-    let relay_args = plan::relay_args(c.args, &dbs.orders_url, &c.brokers, &dbs.names.topic_prefix);
+    let relay_args = plan::relay_args(
+        c.args,
+        &dbs.orders_url,
+        c.kafka.brokers(),
+        &dbs.names.topic_prefix,
+    );
     let (relay, _) = drain(c, dbs.logs, "relay-2", &relay_args, &republished, &mut []).await?;
     drop(hostile);
     Ok(relay)
@@ -421,21 +435,26 @@ fn ensure_running(c: &Ctx<'_>, dbs: &SystemDbs<'_>, running: &mut Running) -> an
         let args = plan::relay_args(
             c.args,
             &dbs.live.orders_url,
-            &c.brokers,
+            c.kafka.brokers(),
             &dbs.names.topic_prefix,
         );
-        running.relay = Some(Child::spawn("relay-3", &args, &dbs.logs.0)?);
+        running.relay = Some(Child::spawn("relay-3", &args, &c.child_env, &dbs.logs.0)?);
     }
     if running.settlement.is_none() {
         let args = plan::consumer_args(
             c.args,
             &["settlement"],
             &dbs.live.settle_url,
-            &c.brokers,
+            c.kafka.brokers(),
             &dbs.names.topic,
             &dbs.names.group,
         );
-        running.settlement = Some(Child::spawn("settlement-3", &args, &dbs.logs.0)?);
+        running.settlement = Some(Child::spawn(
+            "settlement-3",
+            &args,
+            &c.child_env,
+            &dbs.logs.0,
+        )?);
     }
     Ok(())
 }
@@ -448,6 +467,8 @@ async fn sustained(
 ) -> anyhow::Result<f64> {
     ensure_running(c, dbs, running)?;
     warm_up(c, dbs, running).await?;
+    let census = pg::tls_census(&dbs.live.orders, dbs.db_prefix).await?;
+    c.report.environment("postgres_tls_sustained", &census);
     let (sustained, writers) = sustained_rates(c, dbs).await?;
     if sustained <= 0.0 {
         // No latency run can be paced by a rate of zero.
@@ -519,7 +540,7 @@ async fn drain(
     others: &mut [&mut Child],
 ) -> anyhow::Result<(Child, Duration)> {
     let started = Instant::now();
-    let mut child = Child::spawn(name, args, &logs.0)?;
+    let mut child = Child::spawn(name, args, &c.child_env, &logs.0)?;
     let mut watched: Vec<&mut Child> = vec![&mut child];
     watched.extend(others.iter_mut().map(|c| &mut **c));
     let (timeout, stall) = (drain_timeout(c.args), plan::stall_limit(c.args));

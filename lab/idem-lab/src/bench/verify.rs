@@ -110,6 +110,7 @@ async fn measure(args: &VerifyBenchArgs, dbs: &mut Databases) -> anyhow::Result<
             config.display().to_string(),
             "--json".to_owned(),
         ],
+        &[],
         &dir.0,
     )?;
     let (status, peak) = child.wait_with_peak().await?;
