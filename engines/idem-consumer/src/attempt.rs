@@ -10,7 +10,7 @@ use idem_core::{Dedup, Error, EventId, InboundEvent, InboxStore, Source};
 use crate::Consumer;
 use crate::batch::{Batch, Unique, apply_order};
 use crate::dead_letter::letters;
-use crate::handler::{BatchError, Handler, HandlerError, Outcome};
+use crate::handler::{BatchError, Handler, HandlerError, Outcome, code_of};
 
 /// Why an attempt rolled back.
 #[derive(Debug)]
@@ -24,6 +24,10 @@ pub(crate) enum Attempt {
     Refused(String),
     /// Might work later; charged to the event when one is named.
     Transient(Option<EventId>, Error),
+    /// The event's handler failed with a database error the rule does not classify (what it
+    /// is, as `SQLSTATE XY123`, and the error): retried as transient a bounded number of times
+    /// ([`crate::ConsumerConfig::max_unclassified_failures`]), then dead-lettered.
+    Unclassified(EventId, String, Error),
     /// A crash point fired in error mode: the run ends.
     Fatal(Error),
     /// A handler reported success but left the transaction unable to commit
@@ -203,6 +207,11 @@ where
                 Some(id),
                 Error::database("running the handler", e),
             )),
+            Err(HandlerError::Unclassified(e)) => Err(Attempt::Unclassified(
+                id,
+                code_of(&e),
+                Error::database("running the handler", e),
+            )),
         }
     }
 }
@@ -242,6 +251,13 @@ fn batch_failure(e: BatchError) -> Attempt {
             ..
         }
         | BatchError::Batch(HandlerError::Transient(e)) => {
+            Attempt::Transient(None, Error::database("running the handler", e))
+        }
+        BatchError::Event {
+            error: HandlerError::Unclassified(e),
+            ..
+        }
+        | BatchError::Batch(HandlerError::Unclassified(e)) => {
             Attempt::Transient(None, Error::database("running the handler", e))
         }
         BatchError::Batch(HandlerError::Permanent(reason)) => Attempt::Refused(reason),

@@ -16,6 +16,15 @@ pub struct ConsumerConfig {
     /// so nothing is lost, and a restarted consumer retries the batch. A transient failure of
     /// one event's handler is retried without limit: it never dead-letters the event.
     pub max_batch_retries: u32,
+    /// Failures of one event with a database error the rule of
+    /// [`HandlerError::from`](crate::HandlerError::from) does not classify
+    /// ([`HandlerError::Unclassified`](crate::HandlerError::Unclassified): a SQLSTATE class it
+    /// does not name, a custom `ERRCODE`) after which the event is dead-lettered with its code
+    /// and message, so an unknown code stops its partition for a bounded time, never for good.
+    /// Each failure before is retried as transient and logged with the code. Failures the
+    /// rule calls transient (a lock or statement timeout, a serialization failure, a lost
+    /// connection) never count. `u32::MAX`: retried without limit.
+    pub max_unclassified_failures: u32,
     /// First retry backoff; doubles per retry.
     pub retry_backoff: Duration,
     /// Longest retry backoff: a batch held up by a transient failure is retried at least this
@@ -34,14 +43,16 @@ pub struct ConsumerConfig {
 impl ConsumerConfig {
     /// Defaults for `group`: batches of 200, 5 ms linger, retries from 100 ms doubling to at
     /// most 30 s (a transiently failing event is retried every 30 s until it applies; the
-    /// database unreachable for 20 attempts, about eight minutes, ends the run), up to 4
-    /// partitions applied at once.
+    /// database unreachable for 20 attempts, about eight minutes, ends the run; an event failing
+    /// with an unclassified database error 10 times, about a minute and a half, is
+    /// dead-lettered), up to 4 partitions applied at once.
     pub fn new(group: impl Into<String>) -> Self {
         ConsumerConfig {
             group: group.into(),
             batch_size: 200,
             linger: Duration::from_millis(5),
             max_batch_retries: 20,
+            max_unclassified_failures: 10,
             retry_backoff: Duration::from_millis(100),
             retry_backoff_max: Duration::from_secs(30),
             lag_interval: Duration::from_secs(5),

@@ -10,7 +10,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 /// Why a handler did not apply an event.
 ///
 /// `?` converts the errors a handler meets: a [`sqlx::Error`] by the rule of
-/// [`HandlerError::from`] (below), an [`idem_core::Error`] (from enqueueing an event or recording
+/// [`HandlerError::from`] (below: permanent, transient or unclassified by its SQLSTATE class),
+/// an [`idem_core::Error`] (from enqueueing an event or recording
 /// an effect in the handler's transaction) as permanent when the event was invalid and as
 /// transient otherwise.
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +27,15 @@ pub enum HandlerError {
     /// this reason, and the rest of the batch is applied without it.
     #[error("permanent failure, dead-lettered: {0}")]
     Permanent(String),
+    /// A database error whose code the rule of [`HandlerError::from`] does not name (`?` makes
+    /// one; a custom `ERRCODE` of a trigger, a SQLSTATE class the rule does not list): retried
+    /// as transient, each failure logged with its code, at most
+    /// [`ConsumerConfig::max_unclassified_failures`](crate::ConsumerConfig::max_unclassified_failures)
+    /// times for one event; then the event is dead-lettered with the code and the message, and
+    /// the partition flows on. To have it retried without limit, or dead-lettered at once,
+    /// say so: [`HandlerError::transient`] or [`HandlerError::permanent`].
+    #[error("database error of no known class, retried a bounded number of times: {0}")]
+    Unclassified(#[source] sqlx::Error),
 }
 
 impl HandlerError {
@@ -47,62 +57,125 @@ pub(crate) enum Retry {
     Transient,
     /// Every retry fails the same way.
     Permanent,
+    /// A database error whose code the rule does not name ([`HandlerError::Unclassified`]).
+    Unclassified,
 }
 
 /// The rule of [`HandlerError::from`] for a [`sqlx::Error`].
 ///
-/// * PostgreSQL (a five-character SQLSTATE): class `22` (data exception) and `23` (integrity
-///   constraint violation) are permanent; `08` (connection), `40` (serialization failure,
-///   deadlock), `53` (insufficient resources), `57` (operator intervention, statement timeout)
-///   and `55P03` (lock not available, `lock_timeout`) are transient.
-/// * SQLite (a numeric result code): `SQLITE_CONSTRAINT` (19, with its extended codes) is
-///   permanent; `SQLITE_BUSY` (5) and `SQLITE_LOCKED` (6), with theirs, are transient.
+/// A code is **permanent** when it depends on the event (the same statement succeeds for other
+/// events, and fails for this one every time), **transient** when it depends on the database's
+/// state or on the deployment (every event fails alike until the lock is released, the server
+/// is back, the migration is run: dead-lettering would refuse every event of the meantime).
+///
+/// * PostgreSQL, by SQLSTATE class ([`classify_sqlstate`]): permanent are `22` (data
+///   exception), `23` (integrity constraint), `P0` (PL/pgSQL: `RAISE EXCEPTION`, `P0001`, is
+///   how a trigger or function refuses by a business rule), `54` (program limit exceeded: an
+///   index row too large, too many columns), `21` (cardinality), `20` (case not found), `09`
+///   (triggered action), `27` (triggered data change), `2F` (SQL routine) and `44` (check
+///   option); transient are `08` (connection), `40` (serialization failure, deadlock), `53`
+///   (insufficient resources), `55` (object not in prerequisite state; `55P03`, lock not
+///   available, is `lock_timeout`), `57` (operator intervention: `57014`, query canceled, is
+///   `statement_timeout`; a shutdown), `58` (system error), `XX` (internal error), `25`
+///   (transaction state: a read-only standby after a failover, an aborted transaction), `72`
+///   (snapshot too old), `F0` (configuration file), and the deployment's: `42` (syntax,
+///   undefined table or column, privilege), `0A` (feature not supported), `26`, `28`
+///   (authorization), `3D`, `3F` (database, schema).
+/// * SQLite, by primary result code ([`classify_sqlite`]): `CONSTRAINT` (19, with its extended
+///   codes: `RAISE(ABORT, …)` in a trigger is `SQLITE_CONSTRAINT_TRIGGER`), `TOOBIG` (18) and
+///   `MISMATCH` (20) are permanent; `BUSY` (5), `LOCKED` (6), `NOMEM` (7), `READONLY` (8),
+///   `INTERRUPT` (9), `IOERR` (10), `CORRUPT` (11), `FULL` (13), `CANTOPEN` (14), `PROTOCOL`
+///   (15), `SCHEMA` (17), `PERM` (3), `AUTH` (23), `NOTADB` (26) and `ERROR` (1: a syntax
+///   error, no such table) are transient.
 /// * Any other database error the driver classifies as a unique, foreign-key, not-null or
 ///   check violation is permanent.
-/// * Everything else is transient: pool and I/O errors, a closed pool, TLS, protocol errors,
-///   and codes the rule does not name. A transient failure never dead-letters: an unknown error
-///   stalls the batch visibly instead of losing the event.
+/// * Any other database error (a code of another class, such as a custom `ERRCODE` of a
+///   trigger, or none) is unclassified: [`HandlerError::Unclassified`].
+/// * Every error that is not the database's answer is transient: pool and I/O errors, a closed
+///   pool, TLS, protocol errors.
 pub(crate) fn classify(e: &sqlx::Error) -> Retry {
     let Some(db) = e.as_database_error() else {
         return Retry::Transient;
     };
     let by_code = db.code().and_then(|code| classify_code(&code));
     by_code.unwrap_or(match db.kind() {
-        sqlx::error::ErrorKind::Other => Retry::Transient,
+        sqlx::error::ErrorKind::Other => Retry::Unclassified,
         _ => Retry::Permanent,
     })
+}
+
+/// What a database error is, for its dead letter and log lines: `SQLSTATE XY123`.
+pub(crate) fn code_of(e: &sqlx::Error) -> String {
+    match e.as_database_error().and_then(|db| db.code()) {
+        Some(code) => code_name(&code),
+        None => "a database error without a code".to_owned(),
+    }
+}
+
+/// `SQLSTATE 23505` (PostgreSQL, five characters) or `SQLite code 2067`.
+fn code_name(code: &str) -> String {
+    if code.len() == 5 {
+        format!("SQLSTATE {code}")
+    } else {
+        format!("SQLite code {code}")
+    }
 }
 
 /// The class of a SQLSTATE (five characters) or an SQLite result code (a number); `None` for a
 /// code the rule does not name.
 fn classify_code(code: &str) -> Option<Retry> {
-    if code.len() == 5 {
-        if code == "55P03" {
-            return Some(Retry::Transient);
-        }
-        return match &code[..2] {
-            "22" | "23" => Some(Retry::Permanent),
-            "08" | "40" | "53" | "57" => Some(Retry::Transient),
-            _ => None,
-        };
+    if code.len() == 5 && code.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return classify_sqlstate(code);
     }
-    let primary = code.parse::<u32>().ok()? & 0xff;
-    match primary {
-        19 => Some(Retry::Permanent),
-        5 | 6 => Some(Retry::Transient),
+    classify_sqlite(code.parse::<u32>().ok()?)
+}
+
+/// The rule for a PostgreSQL SQLSTATE, by its class (the first two characters; PostgreSQL's
+/// Appendix A): see [`classify`].
+fn classify_sqlstate(code: &str) -> Option<Retry> {
+    match code.get(..2)? {
+        "22" | "23" | "P0" | "54" | "21" | "20" | "09" | "27" | "2F" | "44" => {
+            Some(Retry::Permanent)
+        }
+        "08" | "40" | "53" | "55" | "57" | "58" | "XX" | "25" | "72" | "F0" => {
+            Some(Retry::Transient)
+        }
+        "42" | "0A" | "26" | "28" | "3D" | "3F" => Some(Retry::Transient),
+        _ => None,
+    }
+}
+
+/// The rule for an SQLite result code (extended codes by their primary code, the low byte):
+/// see [`classify`].
+fn classify_sqlite(code: u32) -> Option<Retry> {
+    match code & 0xff {
+        18..=20 => Some(Retry::Permanent),
+        1 | 3 | 5..=11 | 13..=15 | 17 | 23 | 26 => Some(Retry::Transient),
         _ => None,
     }
 }
 
 impl From<sqlx::Error> for HandlerError {
-    /// Transient or permanent by the database's error code (see the rule on [`HandlerError`]'s
-    /// conversions: SQLSTATE classes `22`/`23` and SQLite constraints are permanent, connection,
-    /// lock, serialization and resource errors transient, and anything unknown transient).
+    /// Transient, permanent or unclassified by the database's error code (the rule of
+    /// `classify`: SQLSTATE classes of the event's data, integrity, `RAISE` and program limits
+    /// permanent; of connection, locks, serialization, resources, cancellation and the
+    /// deployment transient; any other code [`HandlerError::Unclassified`]). A permanent
+    /// reason is the database's message and code (`the database refused: payment pay-2 is
+    /// frozen (SQLSTATE P0001)`).
     fn from(e: sqlx::Error) -> Self {
         match classify(&e) {
             Retry::Transient => HandlerError::Transient(Box::new(e)),
-            Retry::Permanent => HandlerError::Permanent(e.to_string()),
+            Retry::Permanent => HandlerError::Permanent(permanent_reason(&e)),
+            Retry::Unclassified => HandlerError::Unclassified(e),
         }
+    }
+}
+
+/// The reason of a permanent database error: its message and its code.
+fn permanent_reason(e: &sqlx::Error) -> String {
+    match e.as_database_error() {
+        Some(db) => format!("the database refused: {} ({})", db.message(), code_of(e)),
+        None => e.to_string(),
     }
 }
 
@@ -342,31 +415,224 @@ mod tests {
         }))
     }
 
+    /// The rule, code by code: (code, what it is, its class).
+    const SQLSTATES: &[(&str, &str, Option<Retry>)] = &[
+        // The event's data: every retry fails the same way, other events pass.
+        (
+            "22P02",
+            "invalid text representation",
+            Some(Retry::Permanent),
+        ),
+        (
+            "22003",
+            "numeric value out of range",
+            Some(Retry::Permanent),
+        ),
+        (
+            "22021",
+            "character not in repertoire",
+            Some(Retry::Permanent),
+        ),
+        ("23505", "unique violation", Some(Retry::Permanent)),
+        ("23503", "foreign key violation", Some(Retry::Permanent)),
+        ("23514", "check violation", Some(Retry::Permanent)),
+        (
+            "P0001",
+            "raise exception: a business rule refuses",
+            Some(Retry::Permanent),
+        ),
+        ("P0002", "no data found", Some(Retry::Permanent)),
+        ("P0003", "too many rows", Some(Retry::Permanent)),
+        ("P0004", "assert failure", Some(Retry::Permanent)),
+        (
+            "54000",
+            "program limit exceeded: an index row too large",
+            Some(Retry::Permanent),
+        ),
+        ("54001", "statement too complex", Some(Retry::Permanent)),
+        ("54011", "too many columns", Some(Retry::Permanent)),
+        ("21000", "cardinality violation", Some(Retry::Permanent)),
+        ("20000", "case not found", Some(Retry::Permanent)),
+        (
+            "09000",
+            "triggered action exception",
+            Some(Retry::Permanent),
+        ),
+        (
+            "27000",
+            "triggered data change violation",
+            Some(Retry::Permanent),
+        ),
+        (
+            "2F005",
+            "function executed no return statement",
+            Some(Retry::Permanent),
+        ),
+        (
+            "44000",
+            "with check option violation",
+            Some(Retry::Permanent),
+        ),
+        // The database's state: retrying can succeed.
+        ("08006", "connection failure", Some(Retry::Transient)),
+        ("08P01", "protocol violation", Some(Retry::Transient)),
+        ("40001", "serialization failure", Some(Retry::Transient)),
+        ("40P01", "deadlock detected", Some(Retry::Transient)),
+        ("53300", "too many connections", Some(Retry::Transient)),
+        ("53100", "disk full", Some(Retry::Transient)),
+        (
+            "55P03",
+            "lock not available: lock_timeout",
+            Some(Retry::Transient),
+        ),
+        (
+            "55000",
+            "object not in prerequisite state",
+            Some(Retry::Transient),
+        ),
+        ("55006", "object in use", Some(Retry::Transient)),
+        (
+            "57014",
+            "query canceled: statement_timeout",
+            Some(Retry::Transient),
+        ),
+        ("57P01", "admin shutdown", Some(Retry::Transient)),
+        ("57P03", "cannot connect now", Some(Retry::Transient)),
+        ("58030", "I/O error", Some(Retry::Transient)),
+        ("XX000", "internal error", Some(Retry::Transient)),
+        (
+            "25006",
+            "read-only transaction: a standby after a failover",
+            Some(Retry::Transient),
+        ),
+        (
+            "25P02",
+            "in failed transaction: a swallowed error",
+            Some(Retry::Transient),
+        ),
+        ("72000", "snapshot too old", Some(Retry::Transient)),
+        ("F0000", "configuration file error", Some(Retry::Transient)),
+        // The deployment's: every event fails alike until the schema or the grants are fixed.
+        (
+            "42P01",
+            "undefined table: a migration not run yet",
+            Some(Retry::Transient),
+        ),
+        ("42703", "undefined column", Some(Retry::Transient)),
+        ("42501", "insufficient privilege", Some(Retry::Transient)),
+        ("42601", "syntax error", Some(Retry::Transient)),
+        ("0A000", "feature not supported", Some(Retry::Transient)),
+        (
+            "26000",
+            "invalid SQL statement name",
+            Some(Retry::Transient),
+        ),
+        (
+            "28000",
+            "invalid authorization specification",
+            Some(Retry::Transient),
+        ),
+        ("3D000", "invalid catalog name", Some(Retry::Transient)),
+        ("3F000", "invalid schema name", Some(Retry::Transient)),
+        // Not named: bounded retries, then a dead letter.
+        ("ZZ001", "a custom ERRCODE", None),
+        ("38001", "containing SQL not permitted", None),
+        ("HV000", "foreign data wrapper error", None),
+        ("0B000", "invalid transaction initiation", None),
+        ("3B001", "invalid savepoint specification", None),
+    ];
+
     #[test]
     fn postgres_errors_are_classified_by_sqlstate_class() {
-        for code in ["08006", "40001", "40P01", "53300", "57014", "55P03"] {
-            assert_eq!(classify(&db(code)), Retry::Transient, "{code}");
+        for &(code, what, class) in SQLSTATES {
+            assert_eq!(classify_sqlstate(code), class, "{code} ({what})");
+            assert_eq!(classify_code(code), class, "{code} ({what})");
+            let expected = class.unwrap_or(Retry::Unclassified);
+            assert_eq!(classify(&db(code)), expected, "{code} ({what})");
         }
-        for code in ["23505", "23503", "22P02", "22003"] {
-            assert_eq!(classify(&db(code)), Retry::Permanent, "{code}");
+    }
+
+    /// SQLite result codes (extended ones by their low byte): (code, what it is, its class).
+    const SQLITE: &[(&str, &str, Option<Retry>)] = &[
+        ("19", "SQLITE_CONSTRAINT", Some(Retry::Permanent)),
+        ("2067", "SQLITE_CONSTRAINT_UNIQUE", Some(Retry::Permanent)),
+        (
+            "1555",
+            "SQLITE_CONSTRAINT_PRIMARYKEY",
+            Some(Retry::Permanent),
+        ),
+        (
+            "787",
+            "SQLITE_CONSTRAINT_FOREIGNKEY",
+            Some(Retry::Permanent),
+        ),
+        ("275", "SQLITE_CONSTRAINT_CHECK", Some(Retry::Permanent)),
+        (
+            "1811",
+            "SQLITE_CONSTRAINT_TRIGGER: RAISE(ABORT, ...)",
+            Some(Retry::Permanent),
+        ),
+        ("18", "SQLITE_TOOBIG", Some(Retry::Permanent)),
+        ("20", "SQLITE_MISMATCH", Some(Retry::Permanent)),
+        ("5", "SQLITE_BUSY", Some(Retry::Transient)),
+        ("261", "SQLITE_BUSY_RECOVERY", Some(Retry::Transient)),
+        ("517", "SQLITE_BUSY_SNAPSHOT", Some(Retry::Transient)),
+        ("6", "SQLITE_LOCKED", Some(Retry::Transient)),
+        ("262", "SQLITE_LOCKED_SHAREDCACHE", Some(Retry::Transient)),
+        ("7", "SQLITE_NOMEM", Some(Retry::Transient)),
+        ("8", "SQLITE_READONLY", Some(Retry::Transient)),
+        ("9", "SQLITE_INTERRUPT", Some(Retry::Transient)),
+        ("10", "SQLITE_IOERR", Some(Retry::Transient)),
+        ("3338", "SQLITE_IOERR_FSYNC", Some(Retry::Transient)),
+        ("11", "SQLITE_CORRUPT", Some(Retry::Transient)),
+        ("13", "SQLITE_FULL", Some(Retry::Transient)),
+        ("14", "SQLITE_CANTOPEN", Some(Retry::Transient)),
+        ("15", "SQLITE_PROTOCOL", Some(Retry::Transient)),
+        ("17", "SQLITE_SCHEMA", Some(Retry::Transient)),
+        (
+            "1",
+            "SQLITE_ERROR: no such table, a syntax error",
+            Some(Retry::Transient),
+        ),
+        ("3", "SQLITE_PERM", Some(Retry::Transient)),
+        ("23", "SQLITE_AUTH", Some(Retry::Transient)),
+        ("26", "SQLITE_NOTADB", Some(Retry::Transient)),
+        ("2", "SQLITE_INTERNAL", None),
+        ("4", "SQLITE_ABORT", None),
+        ("21", "SQLITE_MISUSE", None),
+        ("25", "SQLITE_RANGE", None),
+    ];
+
+    #[test]
+    fn sqlite_errors_are_classified_by_primary_result_code() {
+        for &(code, what, class) in SQLITE {
+            assert_eq!(classify_code(code), class, "{code} ({what})");
+            let expected = class.unwrap_or(Retry::Unclassified);
+            assert_eq!(classify(&db(code)), expected, "{code} ({what})");
         }
-        assert_eq!(
-            classify(&db("42P01")),
-            Retry::Transient,
-            "unknown: transient"
-        );
-        assert_eq!(classify(&db("55000")), Retry::Transient);
     }
 
     #[test]
-    fn sqlite_busy_and_locked_are_transient_and_constraints_permanent() {
-        for code in ["5", "6", "261", "517", "262"] {
-            assert_eq!(classify(&db(code)), Retry::Transient, "{code}");
+    fn an_unclassified_code_converts_to_unclassified_named_by_its_code() {
+        fn run(e: sqlx::Error) -> Result<(), HandlerError> {
+            Err(e)?
         }
-        for code in ["19", "2067", "1555", "787", "275"] {
-            assert_eq!(classify(&db(code)), Retry::Permanent, "{code}");
+        match run(db("ZZ001")) {
+            Err(HandlerError::Unclassified(e)) => assert_eq!(code_of(&e), "SQLSTATE ZZ001"),
+            other => panic!("{other:?}"),
         }
-        assert_eq!(classify(&db("1")), Retry::Transient);
+        match run(db("P0001")) {
+            Err(HandlerError::Permanent(reason)) => {
+                assert_eq!(reason, "the database refused: P0001 (SQLSTATE P0001)");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(code_of(&db("2")), "SQLite code 2");
+        let no_code = sqlx::Error::Database(Box::new(Db {
+            code: "",
+            kind: || sqlx::error::ErrorKind::Other,
+        }));
+        assert_eq!(classify(&no_code), Retry::Unclassified);
     }
 
     #[test]

@@ -532,7 +532,11 @@ where
         epoch: u64,
         stopped: &mut tokio::sync::watch::Receiver<bool>,
     ) -> Result<Applying> {
-        let mut retries = Retries::new(self.config.max_batch_retries, broken_transient_budget);
+        let mut retries = Retries::new(
+            self.config.max_batch_retries,
+            self.config.max_unclassified_failures,
+            broken_transient_budget,
+        );
         let mut backoff = self.config.retry_backoff;
         loop {
             if records
@@ -571,10 +575,24 @@ where
                     tracing::warn!(event_id = %id, %reason, "dead-lettering an event the handler refused");
                 }
                 attempt::Attempt::Transient(id, _) => self.count_retry(records, batch, *id),
+                attempt::Attempt::Unclassified(id, what, e) => {
+                    self.count_retry(records, batch, Some(*id));
+                    tracing::warn!(
+                        event_id = %id,
+                        code = %what,
+                        error = %e,
+                        failures = retries.unclassified_failures(*id) + 1,
+                        max_unclassified_failures = self.config.max_unclassified_failures,
+                        "a database error of no known class; retried as transient until max_unclassified_failures, then dead-lettered"
+                    );
+                }
                 attempt::Attempt::Fatal(_) => {}
             }
             match retries.after(failure) {
                 Step::Again => {}
+                Step::SetApart { event, reason } => {
+                    tracing::error!(event_id = %event, %reason, "dead-lettering an event that failed with an unclassified database error too often");
+                }
                 Step::Fatal(e) => return Err(e),
                 Step::GiveUp { error, event } => {
                     tracing::warn!(error = %error, event_id = ?event, retries = retries.retries, "consumer transaction failed; retrying");

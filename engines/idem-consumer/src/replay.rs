@@ -197,6 +197,12 @@ where
         Err(HandlerError::Transient(e)) => {
             return Err(format!("replay failed (transient): {e}"));
         }
+        Err(HandlerError::Unclassified(e)) => {
+            return Err(format!(
+                "replay failed ({}, of no known class): {e}",
+                crate::handler::code_of(&e)
+            ));
+        }
     }
     // A handler that swallowed a database error left the transaction unable to commit.
     inbox

@@ -12,6 +12,14 @@ use crate::attempt::Attempt;
 pub(crate) enum Step {
     /// Try again at once (an event was set apart, or the batch is now isolated).
     Again,
+    /// The event failed `max_unclassified_failures` times with a database error the rule does
+    /// not classify: it is set apart, dead-lettered with `reason`; try again at once.
+    SetApart {
+        /// The event.
+        event: EventId,
+        /// Its dead letter's reason.
+        reason: String,
+    },
     /// Back off, then try again.
     BackOff {
         /// The failure.
@@ -50,22 +58,36 @@ pub(crate) struct Retries {
     batch_failures: u32,
     /// Transient failures per event.
     event_failures: HashMap<EventId, u32>,
+    /// Unclassified failures per event.
+    unclassified_failures: HashMap<EventId, u32>,
     max_batch_retries: u32,
+    max_unclassified_failures: u32,
     budget: TransientBudget,
 }
 
 impl Retries {
     /// A batch not attempted yet.
-    pub(crate) fn new(max_batch_retries: u32, budget: TransientBudget) -> Self {
+    pub(crate) fn new(
+        max_batch_retries: u32,
+        max_unclassified_failures: u32,
+        budget: TransientBudget,
+    ) -> Self {
         Retries {
             poison: HashMap::new(),
             isolate: false,
             retries: 0,
             batch_failures: 0,
             event_failures: HashMap::new(),
+            unclassified_failures: HashMap::new(),
             max_batch_retries,
+            max_unclassified_failures,
             budget,
         }
+    }
+
+    /// How many times `event` failed with an unclassified database error in this batch.
+    pub(crate) fn unclassified_failures(&self, event: EventId) -> u32 {
+        self.unclassified_failures.get(&event).copied().unwrap_or(0)
     }
 
     /// Events the handler refused in the attempt that committed.
@@ -75,7 +97,9 @@ impl Retries {
 
     /// Takes a failed attempt into account and says what to do next. A transient failure never
     /// dead-letters: the batch is retried until it commits. Only failures no event is charged
-    /// with end the run after `max_batch_retries`, for a supervisor to restart it.
+    /// with end the run after `max_batch_retries`, for a supervisor to restart it. An
+    /// unclassified failure is retried like a transient one until its event has failed so
+    /// `max_unclassified_failures` times; then the event is set apart, to be dead-lettered.
     pub(crate) fn after(&mut self, failure: Attempt) -> Step {
         match failure {
             Attempt::Fatal(e) => Step::Fatal(e),
@@ -88,6 +112,23 @@ impl Retries {
                 self.poison.insert(id, reason);
                 self.isolate = true;
                 Step::Again
+            }
+            Attempt::Unclassified(id, what, error) => {
+                self.retries += 1;
+                self.isolate = true;
+                let n = self.unclassified_failures.entry(id).or_default();
+                *n = n.saturating_add(1);
+                if *n >= self.max_unclassified_failures {
+                    let reason = format!(
+                        "{what} is neither transient nor permanent by the consumer's rule; dead-lettered after {n} failures (max_unclassified_failures): {error}"
+                    );
+                    self.poison.insert(id, reason.clone());
+                    return Step::SetApart { event: id, reason };
+                }
+                Step::BackOff {
+                    error,
+                    event: Some(id),
+                }
             }
             Attempt::Transient(event, error) => {
                 self.retries += 1;
@@ -129,7 +170,7 @@ mod tests {
 
     #[test]
     fn the_database_down_gives_up_after_max_batch_retries() {
-        let mut r = Retries::new(2, never);
+        let mut r = Retries::new(2, 10, never);
         assert!(matches!(r.after(down()), Step::BackOff { event: None, .. }));
         assert!(matches!(r.after(down()), Step::BackOff { .. }));
         assert!(matches!(r.after(down()), Step::GiveUp { .. }));
@@ -138,7 +179,7 @@ mod tests {
 
     #[test]
     fn an_event_failing_transiently_is_retried_without_limit_and_never_poisoned() {
-        let mut r = Retries::new(2, never);
+        let mut r = Retries::new(2, 10, never);
         let id = EventId::new();
         for _ in 0..100 {
             let step = r.after(Attempt::Transient(Some(id), Error::Config("locked".into())));
@@ -149,7 +190,7 @@ mod tests {
 
     #[test]
     fn a_refused_event_is_set_apart_and_the_batch_isolated_without_counting_a_retry() {
-        let mut r = Retries::new(2, never);
+        let mut r = Retries::new(2, 10, never);
         let id = EventId::new();
         assert!(matches!(
             r.after(Attempt::Poison(id, "no".into())),
@@ -180,12 +221,49 @@ mod tests {
         fn budget(n: u32, e: &Error) -> Option<String> {
             (n > 2).then(|| format!("gave up after {n} transient failures; last: {e}"))
         }
-        let mut r = Retries::new(2, budget);
+        let mut r = Retries::new(2, 10, budget);
         let id = EventId::new();
         let fail = || Attempt::Transient(Some(id), Error::Config("locked".into()));
         assert!(matches!(r.after(fail()), Step::BackOff { .. }));
         assert!(matches!(r.after(fail()), Step::BackOff { .. }));
         assert!(matches!(r.after(fail()), Step::Again));
         assert!(r.poison[&id].starts_with("gave up after 3 transient failures"));
+    }
+
+    #[test]
+    fn an_unclassified_failure_is_retried_then_set_apart_and_a_transient_one_never() {
+        let mut r = Retries::new(2, 3, never);
+        let (odd, locked) = (EventId::new(), EventId::new());
+        let unclassified =
+            || Attempt::Unclassified(odd, "SQLSTATE ZZ001".into(), Error::Config("odd".into()));
+        assert!(
+            matches!(r.after(unclassified()), Step::BackOff { event: Some(e), .. } if e == odd)
+        );
+        for _ in 0..50 {
+            let step = r.after(Attempt::Transient(
+                Some(locked),
+                Error::Config("locked".into()),
+            ));
+            assert!(matches!(step, Step::BackOff { .. }), "{step:?}");
+        }
+        assert!(matches!(r.after(unclassified()), Step::BackOff { .. }));
+        assert_eq!(r.unclassified_failures(odd), 2);
+        match r.after(unclassified()) {
+            Step::SetApart { event, reason } => {
+                assert_eq!(event, odd);
+                assert!(
+                    reason.starts_with("SQLSTATE ZZ001 is neither transient nor permanent"),
+                    "{reason}"
+                );
+                assert!(reason.contains("after 3 failures"), "{reason}");
+                assert!(reason.ends_with("odd"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(r.poison.contains_key(&odd));
+        assert!(
+            !r.poison.contains_key(&locked),
+            "a transient failure never dead-letters"
+        );
     }
 }

@@ -86,11 +86,11 @@ impl Handler<SqliteConnection> for Recorder {
                 return Err(HandlerError::transient("database is busy"));
             }
         }
+        // `?`: the database's error classified by the consumer's rule.
         sqlx::query("INSERT INTO effects (event_id) VALUES (?1)")
             .bind(e.event_id.to_string())
             .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::transient)?;
+            .await?;
         Ok(())
     }
 }
@@ -335,6 +335,36 @@ async fn a_permanent_handler_failure_dead_letters_only_that_event_and_its_redeli
         (again.dead_lettered, again.duplicate_skips),
         (0, 1),
         "not retried forever"
+    );
+}
+
+/// SQLite's way for a business rule to refuse, `RAISE(ABORT, …)` in a trigger
+/// (`SQLITE_CONSTRAINT_TRIGGER`), is permanent: the event is dead-lettered with the trigger's
+/// message, the rest of the batch applied.
+#[tokio::test]
+async fn a_trigger_that_raises_abort_in_sqlite_dead_letters_its_event_with_the_message() {
+    let mut f = fixture().await;
+    let (a, frozen, b) = (EventId::new(), EventId::new(), EventId::new());
+    sqlx::query(&format!(
+        "CREATE TRIGGER frozen BEFORE INSERT ON effects WHEN NEW.event_id = '{frozen}' \
+         BEGIN SELECT RAISE(ABORT, 'payment is frozen'); END"
+    ))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let batch = [
+        record(0, a, "{}"),
+        record(1, frozen, "{}"),
+        record(2, b, "{}"),
+    ];
+    let r = f.consumer.process(&batch).await.unwrap();
+    assert_eq!((r.processed, r.dead_lettered), (2, 1), "{r:?}");
+    assert_eq!(f.effects().await, 2);
+    let dl = f.dead_letters().await;
+    assert_eq!(dl[0].event_id.as_deref(), Some(frozen.to_string().as_str()));
+    assert_eq!(
+        dl[0].reason,
+        "the database refused: payment is frozen (SQLite code 1811)"
     );
 }
 

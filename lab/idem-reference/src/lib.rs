@@ -212,22 +212,6 @@ fn parse_paid(event: &InboundEvent) -> Result<Paid, String> {
     })
 }
 
-/// Database errors that will fail the same way on every retry (a constraint or a data error)
-/// are permanent: the event is dead-lettered with the reason. Everything else (connection, lock,
-/// serialization) is transient and retried.
-fn db_error(e: sqlx::Error) -> HandlerError {
-    if let Some(db) = e.as_database_error() {
-        let data_exception = db.code().is_some_and(|c| c.starts_with("22"));
-        if data_exception || !matches!(db.kind(), sqlx::error::ErrorKind::Other) {
-            return HandlerError::permanent(format!(
-                "the database refused the settlement: {}",
-                db.message()
-            ));
-        }
-    }
-    HandlerError::transient(e)
-}
-
 /// The effect name of the points award (the key is `event-<event id>-points.award`).
 pub const POINTS_AWARD: &str = "points.award";
 
@@ -420,7 +404,7 @@ async fn set_lock_timeout<C: SqlConnection>(
         .execute(conn)
         .await
         .map(|_| ())
-        .map_err(db_error)
+        .map_err(HandlerError::from)
 }
 
 impl<C: SqlConnection, I: RecordIntent<C>> Handler<C> for Settlement<I> {
@@ -481,7 +465,7 @@ impl<C: SqlConnection> Handler<C> for Audit {
         .bind(paid.amount.minor)
         .execute(conn)
         .await
-        .map_err(db_error)?;
+        .map_err(HandlerError::from)?;
         Ok(())
     }
 

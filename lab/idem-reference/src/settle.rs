@@ -20,7 +20,7 @@ use idem_consumer::{BatchError, HandlerError, Outcome};
 use idem_core::InboundEvent;
 use idem_sql::{Array, Scheme, SqlConnection, Statement, get};
 
-use super::{Paid, RecordIntent, Settlement, db_error, intent_error, parse_paid};
+use super::{Paid, RecordIntent, Settlement, intent_error, parse_paid};
 
 /// The statement of the dialect of `C`: PostgreSQL's or SQLite's text.
 fn sql<C: SqlConnection>(postgres: &'static str, sqlite: &'static str) -> &'static str {
@@ -122,11 +122,11 @@ async fn settle<C: SqlConnection>(
         .bind(Array::event_ids(&ids))
         .fetch_all(conn)
         .await
-        .map_err(db_error)?;
+        .map_err(HandlerError::from)?;
     rows.iter()
         .map(|r| get::<C::Dialect, String>(r, "payment_id"))
         .collect::<sqlx::Result<_>>()
-        .map_err(db_error)
+        .map_err(HandlerError::from)
 }
 
 /// The stored settlements of `payments`.
@@ -141,7 +141,7 @@ async fn stored<C: SqlConnection>(
         .bind(Array::new(payments))
         .fetch_all(conn)
         .await
-        .map_err(db_error)?;
+        .map_err(HandlerError::from)?;
     rows.iter()
         .map(|r| {
             let text = |c: &str| get::<C::Dialect, String>(r, c);
@@ -155,7 +155,7 @@ async fn stored<C: SqlConnection>(
             ))
         })
         .collect::<sqlx::Result<_>>()
-        .map_err(db_error)
+        .map_err(HandlerError::from)
 }
 
 /// One application row for each of `applied`.
@@ -178,7 +178,7 @@ async fn applications<C: SqlConnection>(
         .execute(conn)
         .await
         .map(|_| ())
-        .map_err(db_error)
+        .map_err(HandlerError::from)
 }
 
 /// The events of a batch, parsed: the valid ones with their positions, and an outcome slot

@@ -522,3 +522,143 @@ async fn a_lock_held_on_the_business_table_stalls_the_batch_and_dead_letters_not
         "flowing again"
     );
 }
+
+/// `order.paid` number `n`, keyed `key`: every record of one key goes to one partition.
+fn paid_keyed(n: u64, key: &str) -> (EventId, Message) {
+    let o = PaidOrder::numbered("", n);
+    let e = o.event().unwrap();
+    (e.id(), record(e.id(), key, e.payload()))
+}
+
+/// A `BEFORE INSERT` trigger on `settlements` that raises `errcode` for `payment` (the
+/// PostgreSQL way of a business rule refusing a row).
+async fn refuse_payment(s: &Setup, name: &str, payment: &str, errcode: &str) {
+    let function = format!(
+        "CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+           IF NEW.payment_id = '{payment}' THEN \
+             RAISE EXCEPTION 'payment % is frozen', NEW.payment_id USING ERRCODE = '{errcode}'; \
+           END IF; \
+           RETURN NEW; \
+         END $$"
+    );
+    sqlx::query(&function).execute(s.pg.pool()).await.unwrap();
+    let trigger = format!(
+        "CREATE TRIGGER {name} BEFORE INSERT ON settlements FOR EACH ROW EXECUTE FUNCTION {name}()"
+    );
+    sqlx::query(&trigger).execute(s.pg.pool()).await.unwrap();
+}
+
+async fn settled_payments(s: &Setup) -> Vec<String> {
+    sqlx::query_scalar("SELECT payment_id FROM settlements ORDER BY payment_id")
+        .fetch_all(s.pg.pool())
+        .await
+        .unwrap()
+}
+
+/// Review 3, N6: a trigger that refuses one payment with `RAISE EXCEPTION` (SQLSTATE `P0001`),
+/// and one that refuses another with `54000` (program limit exceeded), in one partition. Each
+/// refused event is dead-lettered with the trigger's message and its SQLSTATE, the others of
+/// the partition settle, and events published afterwards flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_business_rule_that_raises_dead_letters_its_event_and_the_partition_flows_on() {
+    let s = setup().await;
+    refuse_payment(&s, "frozen_payment", "pay-2", "P0001").await;
+    refuse_payment(&s, "too_large_payment", "pay-4", "54000").await;
+    let first: Vec<(EventId, Message)> = (1..=5).map(|n| paid_keyed(n, "order-k")).collect();
+    let msgs: Vec<Message> = first.iter().map(|(_, m)| m.clone()).collect();
+    assert!(s.publisher.publish(&msgs).await.iter().all(Result::is_ok));
+    let (stop, handle, metrics) = start_consumer_metered(&s, Settlement::new());
+    eventually(
+        "pay-1, pay-3 and pay-5 to settle",
+        Duration::from_secs(60),
+        || async { (settled_payments(&s).await.len() == 3).then_some(()) },
+    )
+    .await;
+    let later: Vec<Message> = (6..=7).map(|n| paid_keyed(n, "order-k").1).collect();
+    assert!(s.publisher.publish(&later).await.iter().all(Result::is_ok));
+    eventually(
+        "the events published after the refusals to settle",
+        Duration::from_secs(60),
+        || async { (settled_payments(&s).await.len() == 5).then_some(()) },
+    )
+    .await;
+    stop.send(true).unwrap();
+    let (result, _) = handle.await.unwrap();
+    result.unwrap();
+    assert_eq!(
+        settled_payments(&s).await,
+        ["pay-1", "pay-3", "pay-5", "pay-6", "pay-7"]
+    );
+    let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
+    let letters = inbox.dead_letters("settlement", 100).await.unwrap();
+    let reason_of = |id: EventId| {
+        letters
+            .iter()
+            .find(|l| l.event_id.as_deref() == Some(id.to_string().as_str()))
+            .map(|l| l.reason.clone())
+    };
+    assert_eq!(letters.len(), 2, "{letters:#?}");
+    assert_eq!(
+        reason_of(first[1].0).as_deref(),
+        Some("the database refused: payment pay-2 is frozen (SQLSTATE P0001)")
+    );
+    assert_eq!(
+        reason_of(first[3].0).as_deref(),
+        Some("the database refused: payment pay-4 is frozen (SQLSTATE 54000)")
+    );
+    assert_eq!(total(&metrics.dead_lettered), 2);
+    assert_eq!(
+        metrics
+            .stalled_since
+            .with_label_values(&[TOPIC, "settlement"])
+            .get(),
+        0,
+        "the partition is not stalled"
+    );
+}
+
+/// Review 3, N6: a SQLSTATE the rule does not name (a trigger's custom `ERRCODE`) is retried
+/// as transient `max_unclassified_failures` (10) times, then the event is dead-lettered with
+/// the code and the message; the rest of the partition settles. A lock timeout is never
+/// counted so (`a_lock_held_on_the_business_table_stalls_the_batch_and_dead_letters_nothing`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unclassified_sqlstate_is_retried_a_bounded_number_of_times_then_dead_lettered() {
+    let s = setup().await;
+    refuse_payment(&s, "odd_payment", "pay-2", "ZZ001").await;
+    let events: Vec<(EventId, Message)> = (1..=3).map(|n| paid_keyed(n, "order-k")).collect();
+    let msgs: Vec<Message> = events.iter().map(|(_, m)| m.clone()).collect();
+    assert!(s.publisher.publish(&msgs).await.iter().all(Result::is_ok));
+    let (stop, handle, metrics) = start_consumer_metered(&s, Settlement::new());
+    eventually(
+        "pay-1 and pay-3 to settle",
+        Duration::from_secs(60),
+        || async { (settled_payments(&s).await.len() == 2).then_some(()) },
+    )
+    .await;
+    stop.send(true).unwrap();
+    let (result, _) = handle.await.unwrap();
+    result.unwrap();
+    assert_eq!(settled_payments(&s).await, ["pay-1", "pay-3"]);
+    let inbox = PgInbox::new(s.pg.pool().clone(), TableNames::default());
+    let letters = inbox.dead_letters("settlement", 100).await.unwrap();
+    assert_eq!(letters.len(), 1, "{letters:#?}");
+    assert_eq!(
+        letters[0].event_id.as_deref(),
+        Some(events[1].0.to_string().as_str())
+    );
+    let reason = &letters[0].reason;
+    assert!(
+        reason.starts_with(
+            "SQLSTATE ZZ001 is neither transient nor permanent by the consumer's rule; \
+             dead-lettered after 10 failures"
+        ),
+        "{reason}"
+    );
+    assert!(reason.contains("payment pay-2 is frozen"), "{reason}");
+    assert!(
+        total(&metrics.retries) >= 10,
+        "retried before the dead letter"
+    );
+    assert_eq!(total(&metrics.dead_lettered), 1);
+}
