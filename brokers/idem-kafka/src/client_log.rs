@@ -83,7 +83,8 @@ fn is_outage(text: &str) -> bool {
     OUTAGE.iter().any(|m| text.contains(m))
 }
 
-/// Logs a librdkafka log line at its [`line_loudness`].
+/// Logs a librdkafka log line at its loudness: an outage report at `debug`, the rest at its
+/// own level.
 pub fn log_line(level: RDKafkaLogLevel, fac: &str, message: &str) {
     match line_loudness(level, message) {
         Loudness::Error => tracing::error!(target: "librdkafka", "librdkafka: {fac} {message}"),
@@ -93,7 +94,7 @@ pub fn log_line(level: RDKafkaLogLevel, fac: &str, message: &str) {
     }
 }
 
-/// Logs a librdkafka global error at its [`error_loudness`].
+/// Logs a librdkafka global error: a broker outage at `debug`, the rest at `error`.
 pub fn global_error(error: &KafkaError, reason: &str) {
     match error_loudness(error, reason) {
         Loudness::Debug => tracing::debug!(target: "librdkafka", "librdkafka: {error}: {reason}"),
