@@ -125,14 +125,16 @@ async fn rows_stored_before_the_rule_are_parked_by_the_migration_and_the_others_
         .execute(db.pool())
         .await
         .unwrap();
-    sqlx::query("DELETE FROM idem_schema_migrations WHERE version = 17")
+    // Back to version 16: the migrator applies every version past the newest recorded one,
+    // so the versions after 17 are forgotten too (each of them runs again unchanged).
+    sqlx::query("DELETE FROM idem_schema_migrations WHERE version >= 17")
         .execute(db.pool())
         .await
         .unwrap();
     let again = idem_sql::migrate(db.pool(), &TableNames::default())
         .await
         .unwrap();
-    assert_eq!(again.applied, vec![17]);
+    assert_eq!(again.applied.first(), Some(&17), "{:?}", again.applied);
     let (status, why): (String, String) =
         sqlx::query_as("SELECT status, last_error FROM idem_outbox WHERE aggregate_id <> 'o-2'")
             .fetch_one(db.pool())
