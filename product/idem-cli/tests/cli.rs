@@ -28,9 +28,9 @@ fn sqlite() -> Db {
     let o = idem(&["migrate", "--db", &url]);
     assert!(o.status.success(), "{:?}", text(&o));
     assert!(
-        text(&o)
-            .0
-            .contains("applied [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]"),
+        text(&o).0.contains(
+            "applied [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]"
+        ),
         "{:?}",
         text(&o)
     );

@@ -30,6 +30,7 @@ macro_rules! migrations {
         $fifteenth:literal,
         $sixteenth:literal,
         $seventeenth:literal,
+        $eighteenth:literal,
         $last:literal
     ) => {
         &[
@@ -180,11 +181,20 @@ macro_rules! migrations {
             ),
             (
                 18,
-                $last,
+                $eighteenth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0018_outbox_id_generated_always.sql"
+                )),
+            ),
+            (
+                19,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0019_outbox_events_written_once.sql"
                 )),
             ),
         ]

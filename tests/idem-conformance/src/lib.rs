@@ -28,6 +28,7 @@ macro_rules! conformance_tests {
             enqueue_all_keeps_order_within_each_aggregate,
             minimal_contract_insert_is_publishable,
             contract_constraints_reject_bad_rows,
+            an_event_cannot_change_once_written,
             duplicate_event_id_is_refused,
             commit_order_skew_never_skips_a_row,
             same_aggregate_writers_are_serialized_in_commit_order,

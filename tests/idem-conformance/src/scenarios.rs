@@ -140,6 +140,71 @@ pub async fn minimal_contract_insert_is_publishable<B: Backend>(b: &B) {
     assert!(r.payload.contains("o-42"));
 }
 
+/// What a relay publishes is what the INSERT wrote, whichever relay reads the row: an UPDATE of
+/// an event's columns is refused while the row is pending (in the inserting transaction too, as
+/// an ORM's flush-then-update does) or published; a parked row may be corrected and retried, and
+/// the correction is what goes out.
+pub async fn an_event_cannot_change_once_written<B: Backend>(b: &B) {
+    let t = b.tables().qualified("outbox");
+    let mut tx = b.begin().await;
+    tx.enqueue(&[event("o-1", 0)]).await.unwrap();
+    let err = tx
+        .exec(&format!("UPDATE {t} SET payload = '{{\"n\": 1}}'"))
+        .await
+        .expect_err("an update of a pending row in its own transaction");
+    assert!(err.contains("written_once_check"), "{err}");
+    drop(tx);
+    assert_eq!(b.scalar(&format!("SELECT count(*) FROM {t}")).await, 0);
+
+    let mut tx = b.begin().await;
+    tx.enqueue(&[event("o-1", 0)]).await.unwrap();
+    tx.commit().await;
+    let columns = [
+        "payload = '{\"n\": 1}'",
+        "headers = '{\"tenant\": \"acme\"}'",
+        "topic = 'elsewhere'",
+        "aggregate_id = 'o-2'",
+        "event_type = 'order.refunded'",
+        "traceparent = '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'",
+    ];
+    for set in columns {
+        let err = b
+            .exec(&format!("UPDATE {t} SET {set}"))
+            .await
+            .expect_err(set);
+        assert!(err.contains("written_once_check"), "{set}: {err}");
+    }
+    // The relay's own columns still change: a status, a lease, an error.
+    b.exec(&format!(
+        "UPDATE {t} SET status = 'parked', last_error = 'held for a correction'"
+    ))
+    .await
+    .unwrap();
+    b.exec(&format!(
+        "UPDATE {t} SET payload = '{{\"n\": 2}}', status = 'pending'"
+    ))
+    .await
+    .unwrap();
+    let claim = b.store().claim(&req("r", 10)).await.unwrap();
+    assert_eq!(claim.records.len(), 1);
+    assert!(
+        claim.records[0].payload.contains("\"n\": 2")
+            || claim.records[0].payload.contains("\"n\":2"),
+        "{}",
+        claim.records[0].payload
+    );
+    let outcome = Outcome {
+        published: vec![claim.records[0].id],
+        failed: vec![],
+    };
+    b.store().complete(&claim, &outcome).await.unwrap();
+    let err = b
+        .exec(&format!("UPDATE {t} SET payload = '{{\"n\": 3}}'"))
+        .await
+        .expect_err("an update of a published row");
+    assert!(err.contains("written_once_check"), "{err}");
+}
+
 /// The table holds other writers to the same rules as the Rust API (CHECK constraints; on
 /// PostgreSQL, since version 12, its row trigger).
 pub async fn contract_constraints_reject_bad_rows<B: Backend>(b: &B) {
@@ -580,7 +645,7 @@ pub async fn migrate_is_idempotent<B: Backend>(b: &B) {
             b.tables().qualified("schema_migrations")
         ))
         .await;
-    assert_eq!(version, 18);
+    assert_eq!(version, 19);
 }
 
 pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
@@ -588,7 +653,7 @@ pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
     assert_eq!(
         other.migrate().await.unwrap(),
         vec![
-            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18
+            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19
         ]
     );
     let mut tx = other.begin().await;

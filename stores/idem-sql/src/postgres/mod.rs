@@ -28,6 +28,7 @@ const BASES: &[&str] = &[
     "outbox_check_row",
     "outbox_stamp_lsn",
     "outbox_not_utf8",
+    "outbox_keep_event",
     "outbox_archive",
     "outbox",
     "schema_migrations",
@@ -57,7 +58,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox rows keep their WAL insert position on update",
     "outbox trigger functions with their own search_path",
     "outbox text converts to UTF-8",
-    "outbox row ids generated always"
+    "outbox row ids generated always",
+    "outbox events written once"
 );
 
 /// Connects a pool suited to the relay and the CLI.

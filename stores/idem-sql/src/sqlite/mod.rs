@@ -50,7 +50,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox rows keep their WAL insert position on update (PostgreSQL; none here)",
     "outbox trigger functions with their own search_path (PostgreSQL; none here)",
     "outbox text converts to UTF-8 (PostgreSQL; none here)",
-    "outbox row ids generated always (PostgreSQL; none here)"
+    "outbox row ids generated always (PostgreSQL; none here)",
+    "outbox events written once"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).
