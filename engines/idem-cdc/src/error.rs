@@ -35,6 +35,24 @@ pub enum CdcError {
         /// Its last confirmed position.
         confirmed: Option<String>,
     },
+    /// The slot is missing although its publication records that it existed: it was dropped,
+    /// or this server took over from one that had it. The relay never makes a new slot by
+    /// itself then (`--create-slot` does, once).
+    #[error(
+        "replication slot {slot} is missing, but it existed (publication {publication} records \
+         it, or this relay read it): it was dropped, or this server took over from one that had \
+         it (a failover: \
+         PostgreSQL 15 keeps no logical slot on a standby). {consequence} Start the relay once \
+         with --create-slot to make a new slot"
+    )]
+    SlotMissing {
+        /// The slot.
+        slot: String,
+        /// The publication that records it.
+        publication: String,
+        /// What the new slot cannot bring back, by mode.
+        consequence: &'static str,
+    },
     /// An idem-core error (an armed crash point in error mode, in tests).
     #[error(transparent)]
     Core(#[from] idem_core::Error),

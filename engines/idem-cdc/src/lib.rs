@@ -53,4 +53,4 @@ pub mod slot;
 pub use error::CdcError;
 pub use metrics::CdcMetrics;
 pub use relay::{CdcConfig, CdcRelay, Mode};
-pub use slot::{Name, SlotState, drop_slot, slot_state, slots_here};
+pub use slot::{Name, SlotState, drop_slot, forget_slot, slot_state, slots_here};

@@ -26,8 +26,12 @@ pub struct CdcMetrics {
     pub confirmed_lsn: IntGauge,
     /// WAL bytes between the server's position and the slot's confirmed one.
     pub slot_lag_bytes: IntGauge,
-    /// 1 when the slot lost WAL it needed (`wal_status = lost`): page someone.
+    /// 1 when the slot lost WAL it needed (`wal_status = lost`), or is missing although its
+    /// publication records it: page someone.
     pub slot_lost: IntGauge,
+    /// Slots this relay created: one on a first start, one more for each `--create-slot`
+    /// after a lost or missing slot.
+    pub slots_created: IntCounter,
     /// Bytes that can still be written before the slot would lose WAL (-1: unbounded).
     pub slot_safe_wal_bytes: IntGauge,
     /// 1 while this relay waits for another session to stop reading the slot (a standby).
@@ -56,6 +60,7 @@ impl CdcMetrics {
         registry.register(Box::new(m.confirmed_lsn.clone()))?;
         registry.register(Box::new(m.slot_lag_bytes.clone()))?;
         registry.register(Box::new(m.slot_lost.clone()))?;
+        registry.register(Box::new(m.slots_created.clone()))?;
         registry.register(Box::new(m.slot_safe_wal_bytes.clone()))?;
         registry.register(Box::new(m.standby.clone()))?;
         registry.register(Box::new(m.emit_open_to_public.clone()))?;
@@ -110,7 +115,11 @@ impl CdcMetrics {
             )?,
             slot_lost: g(
                 "idem_cdc_slot_lost",
-                "1 when the slot lost WAL it needed (wal_status = lost)",
+                "1 when the slot lost WAL it needed (wal_status = lost), or is missing although its publication records it",
+            )?,
+            slots_created: c(
+                "idem_cdc_slots_created_total",
+                "Replication slots the CDC relay created (a first start, or --create-slot after a lost or missing slot)",
             )?,
             slot_safe_wal_bytes: g(
                 "idem_cdc_slot_safe_wal_bytes",

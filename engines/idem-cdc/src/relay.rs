@@ -7,6 +7,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use idem_core::TableNames;
@@ -40,7 +41,9 @@ pub enum Mode {
 /// The CDC relay's settings.
 #[derive(Clone, Debug)]
 pub struct CdcConfig {
-    /// The logical replication slot (created when missing).
+    /// The logical replication slot, created on a first start. Once made, the publication's
+    /// comment records it, and a relay that finds it missing stops with
+    /// [`CdcError::SlotMissing`] instead of making a new one.
     pub slot: Name,
     /// The publication the slot reads (created when missing).
     pub publication: Name,
@@ -67,6 +70,10 @@ pub struct CdcConfig {
     /// Table mode: delete the published rows instead of marking them `published` (the table
     /// keeps what is pending or parked; nothing to prune).
     pub delete_published: bool,
+    /// Make the slot even where its publication records that it existed (after a failover or
+    /// a drop: [`CdcError::SlotMissing`] says what the new slot cannot bring back). Once per
+    /// process: a slot that goes missing again stops the relay.
+    pub create_slot: bool,
 }
 
 impl CdcConfig {
@@ -85,6 +92,7 @@ impl CdcConfig {
             dead_letter_topic: "idem.cdc.dead_letters".to_owned(),
             poll: Duration::from_secs(1),
             delete_published: false,
+            create_slot: false,
         }
     }
 }
@@ -104,6 +112,11 @@ pub struct CdcRelay<P> {
     config: CdcConfig,
     metrics: CdcMetrics,
     health: Health,
+    /// Set once this process has made or read the slot: from then on a missing slot is lost,
+    /// whatever the publication's comment says (a role that may not comment on it).
+    slot_seen: std::sync::atomic::AtomicBool,
+    /// Set once `--create-slot` made a slot: it makes one at most.
+    create_used: std::sync::atomic::AtomicBool,
 }
 
 /// The dependency names the CDC relay reports (`CdcRelay::health`): its database (the
@@ -133,6 +146,8 @@ impl<P: Publisher> CdcRelay<P> {
             config,
             metrics,
             health: Health::new(),
+            slot_seen: std::sync::atomic::AtomicBool::new(false),
+            create_used: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -163,8 +178,70 @@ impl<P: Publisher> CdcRelay<P> {
                 Publishes::Nothing
             }
         };
-        slot::ensure_publication(&self.pool, &self.config.publication, &publishes).await?;
-        slot::ensure_slot(&self.pool, &self.config.slot).await
+        let publication = &self.config.publication;
+        slot::ensure_publication(&self.pool, publication, &publishes).await?;
+        let comment = slot::publication_comment(&self.pool, publication).await?;
+        let recorded = slot::records_slot(comment.as_deref(), &self.config.slot);
+        let state = match slot::slot_state(&self.pool, &self.config.slot).await? {
+            Some(state) => slot::usable(state)?,
+            None => self.create_slot(recorded).await?,
+        };
+        self.slot_seen.store(true, Ordering::Relaxed);
+        if !recorded {
+            self.record_slot(comment.as_deref()).await;
+        }
+        Ok(state)
+    }
+
+    /// Makes the missing slot: on a first start, or once with `--create-slot`. A slot this
+    /// process read before, or that its publication records, is lost instead: the events
+    /// committed after its confirmed position are in no stream, and a new slot would skip them
+    /// in silence.
+    async fn create_slot(&self, recorded: bool) -> Result<SlotState, CdcError> {
+        let existed = recorded || self.slot_seen.load(Ordering::Relaxed);
+        let allowed = self.config.create_slot && !self.create_used.swap(true, Ordering::Relaxed);
+        if existed && !allowed {
+            return Err(self.slot_missing());
+        }
+        let state = slot::create_slot(&self.pool, &self.config.slot).await?;
+        self.metrics.slots_created.inc();
+        self.metrics.slot_lost.set(0);
+        if existed {
+            tracing::warn!(slot = %self.config.slot, lsn = ?state.confirmed_flush_lsn, "made replication slot again (--create-slot): it streams what commits from now on");
+        } else {
+            tracing::info!(slot = %self.config.slot, lsn = ?state.confirmed_flush_lsn, "made replication slot");
+        }
+        Ok(state)
+    }
+
+    /// The error of a slot that existed and is gone; sets `idem_cdc_slot_lost`.
+    fn slot_missing(&self) -> CdcError {
+        self.metrics.slot_lost.set(1);
+        CdcError::SlotMissing {
+            slot: self.config.slot.to_string(),
+            publication: self.config.publication.to_string(),
+            consequence: match self.config.mode {
+                Mode::Table(_) => {
+                    "Table mode loses nothing: the new slot's first session publishes every row \
+                     still pending in the table (its drain)."
+                }
+                Mode::Messages { .. } => {
+                    "Message mode: the events committed after the old slot's last confirmed \
+                     position are in no stream and will not be published (there is no table \
+                     to publish them from)."
+                }
+            },
+        }
+    }
+
+    /// Records the slot on its publication; a role that may not comment on the publication
+    /// (not its owner) is told once what it loses: a slot missing at a later start then looks
+    /// like a first start.
+    async fn record_slot(&self, comment: Option<&str>) {
+        let (publication, slot) = (&self.config.publication, &self.config.slot);
+        if let Err(e) = slot::record_slot(&self.pool, publication, slot, comment).await {
+            tracing::warn!(error = %e, %publication, %slot, "could not record the slot on its publication: a slot dropped or lost in a failover while no relay runs would be made again at the next start without an error; make the relay's role the publication's owner");
+        }
     }
 
     /// Message mode: whether `PUBLIC` may execute `pg_logical_emit_message` (then any role
@@ -232,7 +309,11 @@ impl<P: Publisher> CdcRelay<P> {
             };
             match ended {
                 Ok(Ended::Shutdown) => return Ok(()),
-                Err(e @ (CdcError::SlotLost { .. } | CdcError::Config(_))) => return Err(e),
+                Err(
+                    e @ (CdcError::SlotLost { .. }
+                    | CdcError::SlotMissing { .. }
+                    | CdcError::Config(_)),
+                ) => return Err(e),
                 Err(e) => {
                     self.metrics.sessions_failed.inc();
                     // Logged by the health: once per outage, then at a bounded rate.
@@ -645,12 +726,7 @@ impl<P: Publisher> CdcRelay<P> {
                     });
                 }
             }
-            Ok(None) => {
-                return Err(CdcError::Config(format!(
-                    "replication slot {} was dropped while the relay read it",
-                    self.config.slot
-                )));
-            }
+            Ok(None) => return Err(self.slot_missing()),
             Err(e) => tracing::warn!(error = %e, "reading the slot's state failed"),
         }
         Ok(())

@@ -182,33 +182,123 @@ pub async fn slots_here(pool: &PgPool) -> Result<Vec<SlotState>, CdcError> {
     Ok(out)
 }
 
-/// Creates the slot when it is missing (every transaction committed after this is in its
-/// stream); refuses a slot that lost its WAL.
-pub async fn ensure_slot(pool: &PgPool, slot: &Name) -> Result<SlotState, CdcError> {
-    if slot_state(pool, slot).await?.is_none() {
-        let created = sqlx::query(include_str!("../sql/slot_create.sql"))
-            .bind(slot.as_str())
-            .execute(pool)
-            .await;
-        // Two relays starting at once: the other one created it.
-        if let Err(e) = created
-            && !is_duplicate_object(&e)
-        {
-            return Err(CdcError::db(format!("creating replication slot {slot}"), e));
-        }
+/// Creates the slot (every transaction committed after this is in its stream); refuses a slot
+/// that lost its WAL. A slot another relay created at the same moment is taken as it is.
+pub async fn create_slot(pool: &PgPool, slot: &Name) -> Result<SlotState, CdcError> {
+    let created = sqlx::query(include_str!("../sql/slot_create.sql"))
+        .bind(slot.as_str())
+        .execute(pool)
+        .await;
+    // Two relays starting at once: the other one created it.
+    if let Err(e) = created
+        && !is_duplicate_object(&e)
+    {
+        return Err(CdcError::db(format!("creating replication slot {slot}"), e));
     }
     let state = slot_state(pool, slot).await?.ok_or_else(|| {
         CdcError::Config(format!(
             "replication slot {slot} vanished right after its creation"
         ))
     })?;
+    usable(state)
+}
+
+/// `state`, or the error of a slot that lost its WAL.
+pub fn usable(state: SlotState) -> Result<SlotState, CdcError> {
     if state.is_lost() {
         return Err(CdcError::SlotLost {
-            slot: slot.as_str().to_owned(),
-            confirmed: state.confirmed_flush_lsn.clone(),
+            slot: state.slot,
+            confirmed: state.confirmed_flush_lsn,
         });
     }
     Ok(state)
+}
+
+/// The line of a publication's comment that records a slot made to read it. The comment is a
+/// catalog entry: it survives the slot's drop, and a physical standby has it after a failover
+/// although PostgreSQL 15 gives it none of the primary's logical slots.
+fn slot_line(slot: &Name) -> String {
+    format!("idem-cdc slot {slot}")
+}
+
+/// Whether the publication's `comment` records `slot`.
+pub fn records_slot(comment: Option<&str>, slot: &Name) -> bool {
+    let line = slot_line(slot);
+    comment.is_some_and(|c| c.lines().any(|l| l.trim() == line))
+}
+
+/// The publication's comment (`None`: none, or no such publication).
+pub async fn publication_comment(
+    pool: &PgPool,
+    publication: &Name,
+) -> Result<Option<String>, CdcError> {
+    let comment: Option<Option<String>> =
+        sqlx::query_scalar(include_str!("../sql/publication_comment.sql"))
+            .bind(publication.as_str())
+            .fetch_optional(pool)
+            .await
+            .map_err(|e| CdcError::db("reading the publication's comment", e))?;
+    Ok(comment.flatten())
+}
+
+/// Records on the publication that `slot` reads it, after its `comment` (what
+/// [`publication_comment`] read): a later start that finds the slot missing knows it existed.
+/// Needs ownership of the publication (the relay owns the one it created).
+pub async fn record_slot(
+    pool: &PgPool,
+    publication: &Name,
+    slot: &Name,
+    comment: Option<&str>,
+) -> Result<(), CdcError> {
+    let line = slot_line(slot);
+    let text = match comment {
+        Some(c) if !c.trim().is_empty() => format!("{c}\n{line}"),
+        _ => line,
+    };
+    set_comment(pool, publication.as_str(), Some(&text)).await
+}
+
+/// Removes `slot` from every publication comment that records it, as [`drop_slot`]'s
+/// companion: a relay started later under that name makes the slot as on a first start.
+pub async fn forget_slot(pool: &PgPool, slot: &Name) -> Result<(), CdcError> {
+    let publications: Vec<(String, Option<String>)> =
+        sqlx::query_as(include_str!("../sql/publication_comments.sql"))
+            .fetch_all(pool)
+            .await
+            .map_err(|e| CdcError::db("reading the publications' comments", e))?;
+    for (publication, comment) in publications {
+        if records_slot(comment.as_deref(), slot) {
+            let kept = without_slot(comment.as_deref().unwrap_or_default(), slot);
+            set_comment(pool, &publication, kept.as_deref()).await?;
+        }
+    }
+    Ok(())
+}
+
+/// `comment` without `slot`'s line; `None` when nothing else is left.
+fn without_slot(comment: &str, slot: &Name) -> Option<String> {
+    let line = slot_line(slot);
+    let kept: Vec<&str> = comment.lines().filter(|l| l.trim() != line).collect();
+    let kept = kept.join("\n");
+    (!kept.trim().is_empty()).then_some(kept)
+}
+
+/// Sets (or, with `None`, removes) the comment of publication `name`; the server quotes the name
+/// and the text (`format`'s `%I` and `%L`, whose NULL removes the comment).
+async fn set_comment(pool: &PgPool, name: &str, text: Option<&str>) -> Result<(), CdcError> {
+    let statement: String = sqlx::query_scalar(
+        "SELECT pg_catalog.format('COMMENT ON PUBLICATION %I IS %L', $1::text, $2::text)",
+    )
+    .bind(name)
+    .bind(text)
+    .fetch_one(pool)
+    .await
+    .map_err(|e| CdcError::db("writing the publication's comment", e))?;
+    sqlx::raw_sql(&statement)
+        .execute(pool)
+        .await
+        .map_err(|e| CdcError::db(format!("commenting on publication {name}"), e))?;
+    Ok(())
 }
 
 /// Drops the slot (it must not be in use): its WAL is released, and whatever was committed
@@ -235,6 +325,38 @@ fn decode(e: sqlx::Error) -> CdcError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slot_is_recorded_by_its_own_line_of_the_comment() {
+        let slot = Name::new("slot", "idem_cdc").unwrap();
+        assert!(records_slot(Some("idem-cdc slot idem_cdc"), &slot));
+        assert!(records_slot(
+            Some("owned by payments\nidem-cdc slot other\nidem-cdc slot idem_cdc"),
+            &slot
+        ));
+        for comment in [
+            None,
+            Some(""),
+            Some("idem-cdc slot idem_cdc_2"),
+            Some("not idem-cdc slot idem_cdc"),
+        ] {
+            assert!(!records_slot(comment, &slot), "{comment:?}");
+        }
+    }
+
+    #[test]
+    fn forgetting_a_slot_keeps_the_rest_of_the_comment() {
+        let slot = Name::new("slot", "idem_cdc").unwrap();
+        assert_eq!(without_slot("idem-cdc slot idem_cdc", &slot), None);
+        assert_eq!(
+            without_slot(
+                "owned by payments\nidem-cdc slot idem_cdc\nidem-cdc slot b",
+                &slot
+            )
+            .as_deref(),
+            Some("owned by payments\nidem-cdc slot b")
+        );
+    }
 
     #[test]
     fn names_are_lowercase_digits_and_underscores_only() {

@@ -189,6 +189,75 @@ async fn a_row_deleted_in_the_transaction_that_inserted_it_is_still_published() 
     stop(running).await;
 }
 
+/// The CDC relay streams the INSERT, the polling relay reads the committed row: they agree
+/// because an event cannot change once written. An ORM's insert-then-update in one transaction
+/// is refused (nothing is published, the writer sees why); a parked row corrected and retried is
+/// published as corrected by the next session's drain.
+#[tokio::test(flavor = "multi_thread")]
+async fn what_the_cdc_relay_publishes_is_what_committed() {
+    let w = World::new().await;
+    let relay = w.relay(CdcMetrics::unregistered().unwrap());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    let before = w.streaming(&mut running).await;
+    let table = w.pg.tables().qualified("outbox");
+    let outbox = idem_postgres::Outbox::new(w.pg.tables().clone());
+    let flushed = event("u-1", 1);
+    let mut tx = w.pg.pool().begin().await.unwrap();
+    outbox.enqueue(&mut tx, &flushed).await.unwrap();
+    let err = sqlx::query(&format!(
+        "UPDATE {table} SET payload = '{{\"n\": 1250}}', headers = '{{\"tenant\": \"acme\"}}' \
+         WHERE event_id = $1"
+    ))
+    .bind(flushed.id().as_uuid())
+    .execute(&mut *tx)
+    .await
+    .expect_err("an update of the row the transaction inserted")
+    .to_string();
+    assert!(err.contains("written_once_check"), "{err}");
+    drop(tx);
+    let kept = event("u-2", 2);
+    w.commit(std::slice::from_ref(&kept)).await;
+    let got = w.records(before + 1, &mut running).await;
+    assert_eq!(ids(&got[before..]), vec![kept.id().to_string()]);
+    let published =
+        format!("SELECT count(*) FROM {table} WHERE event_id = $1 AND status = 'published'");
+    eventually("the row marked published", || {
+        let (pool, sql, id) = (w.pg.pool().clone(), published.clone(), kept.id().as_uuid());
+        async move {
+            sqlx::query_scalar::<_, i64>(&sql)
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == 1
+        }
+    })
+    .await;
+    stop(running).await;
+    // Parked (by hand, as an operator holds an event), corrected, retried.
+    for sql in [
+        "UPDATE {table} SET status = 'parked' WHERE event_id = $1",
+        "UPDATE {table} SET payload = '{\"n\": 3}' WHERE event_id = $1",
+        "UPDATE {table} SET status = 'pending' WHERE event_id = $1",
+    ] {
+        sqlx::query(&sql.replace("{table}", &table))
+            .bind(kept.id().as_uuid())
+            .execute(w.pg.pool())
+            .await
+            .unwrap();
+    }
+    let mut running = spawn(w.relay(CdcMetrics::unregistered().unwrap()));
+    let got = w.records(before + 2, &mut running).await;
+    assert_eq!(
+        ids(&got[before + 1..before + 2]),
+        vec![kept.id().to_string()]
+    );
+    let payload = got[before + 1].payload.as_deref().unwrap_or_default();
+    assert!(payload.contains("\"n\": 3"), "{payload}");
+    stop(running).await;
+}
+
 /// `--delete-published`: the relay deletes the rows it published instead of marking them, so
 /// the table keeps nothing published; a restart sends nothing again.
 #[tokio::test(flavor = "multi_thread")]
@@ -613,4 +682,51 @@ async fn a_mark_that_keeps_failing_ends_the_session_and_the_next_drains_the_row(
         "the same event, published again"
     );
     stop(running).await;
+}
+
+/// Table mode: a slot gone while no relay ran (dropped, or absent after a failover) stops the
+/// next relay with `SlotMissing`; `--create-slot` makes a new one, and its first session's
+/// drain publishes the rows committed without a slot: nothing is lost. `idem cdc drop-slot`
+/// (drop, then forget) lets a relay start again as on a first start.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_gone_while_no_relay_ran_is_made_again_only_when_asked_and_loses_nothing() {
+    let w = World::new().await;
+    let relay = w.relay(CdcMetrics::unregistered().unwrap());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    let before = w.streaming(&mut running).await;
+    stop(running).await;
+    let slot = Name::new("slot", &w.slot).unwrap();
+    idem_cdc::drop_slot(w.pg.pool(), &slot).await.unwrap();
+    let gap = event("g-1", 1);
+    w.commit(std::slice::from_ref(&gap)).await;
+
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let err = w.relay(metrics.clone()).prepare().await.unwrap_err();
+    assert!(
+        matches!(err, idem_cdc::CdcError::SlotMissing { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("Table mode loses nothing"),
+        "{err}"
+    );
+    assert_eq!(metrics.slot_lost.get(), 1);
+
+    let mut config = w.config();
+    config.create_slot = true;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let relay = w.relay_with(config, metrics.clone());
+    relay.prepare().await.unwrap();
+    let mut running = spawn(relay);
+    let got = w.records(before + 1, &mut running).await;
+    assert_eq!(ids(&got[before..]), vec![gap.id().to_string()]);
+    assert_eq!(metrics.slots_created.get(), 1);
+    stop(running).await;
+
+    idem_cdc::drop_slot(w.pg.pool(), &slot).await.unwrap();
+    idem_cdc::forget_slot(w.pg.pool(), &slot).await.unwrap();
+    let metrics = CdcMetrics::unregistered().unwrap();
+    w.relay(metrics.clone()).prepare().await.unwrap();
+    assert_eq!(metrics.slots_created.get(), 1, "made as on a first start");
 }

@@ -715,3 +715,95 @@ async fn enqueue_with_writes_the_row_and_the_events_in_one_statement_or_neither(
     w.expect(&[&a, &b, &marker], &mut running).await;
     stop(running).await;
 }
+
+/// Drops `w`'s slot between two sessions of the relay reading it: its walsender is ended, and
+/// the slot dropped before the relay's next session takes it (tried again until it is).
+async fn drop_the_slot_between_sessions(w: &World) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let dropped: Option<String> = sqlx::query_scalar(
+            "SELECT slot_name::text FROM pg_replication_slots, \
+             LATERAL pg_drop_replication_slot(slot_name) WHERE slot_name = $1 AND NOT active",
+        )
+        .bind(&w.slot)
+        .fetch_optional(w.pg.pool())
+        .await
+        .unwrap_or(None);
+        if dropped.is_some() {
+            return;
+        }
+        sqlx::query(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND active",
+        )
+        .bind(&w.slot)
+        .execute(w.pg.pool())
+        .await
+        .unwrap();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot was never free to drop"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+/// A slot that vanishes between sessions (dropped, or absent on the server a failover made
+/// primary) is never made again in silence: the relay stops with `SlotMissing` and
+/// `idem_cdc_slot_lost` = 1, and so does a relay started later (the publication records the
+/// slot). `--create-slot` makes one, once; the events committed without a slot are in no
+/// stream, which is what the error says.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_gone_between_sessions_stops_the_relay_instead_of_being_made_again() {
+    let w = World::new().await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let mut running = started(&w, metrics.clone()).await;
+    let (m1, m2, m3) = (event("m-1", 1), event("m-2", 2), event("m-3", 3));
+    commit(&w, "1", std::slice::from_ref(&m1)).await;
+    w.expect(&[&m1], &mut running).await;
+    drop_the_slot_between_sessions(&w).await;
+    commit(&w, "2", std::slice::from_ref(&m2)).await;
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(60), running.1)
+        .await
+        .expect("the relay stops")
+        .unwrap();
+    let err = ended.expect_err("a missing slot is an error");
+    assert!(
+        matches!(err, idem_cdc::CdcError::SlotMissing { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--create-slot"), "{err}");
+    assert!(err.to_string().contains("in no stream"), "{err}");
+    assert_eq!(metrics.slot_lost.get(), 1);
+    assert_eq!(metrics.slots_created.get(), 1, "the first start's only");
+    let none: i64 =
+        w.pg.scalar(&format!(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+            w.slot
+        ))
+        .await;
+    assert_eq!(none, 0, "no slot made again");
+
+    let later = CdcMetrics::unregistered().unwrap();
+    let err = relay(&w, later.clone()).prepare().await.unwrap_err();
+    assert!(
+        matches!(err, idem_cdc::CdcError::SlotMissing { .. }),
+        "a relay started later: {err}"
+    );
+    assert_eq!(later.slot_lost.get(), 1);
+
+    let mode = Mode::Messages {
+        prefix: PREFIX.to_owned(),
+    };
+    let mut config = w.config_in(mode);
+    config.create_slot = true;
+    let again = CdcMetrics::unregistered().unwrap();
+    let relay = w.relay_with(config, again.clone());
+    relay.prepare().await.unwrap();
+    assert_eq!((again.slots_created.get(), again.slot_lost.get()), (1, 0));
+    let mut running = spawn(relay);
+    commit(&w, "3", std::slice::from_ref(&m3)).await;
+    let got = w.records(2, &mut running).await;
+    assert_eq!(ids(&got), vec![m1.id().to_string(), m3.id().to_string()]);
+    stop(running).await;
+}

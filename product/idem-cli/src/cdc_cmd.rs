@@ -33,7 +33,8 @@ pub enum CdcCommand {
         json: bool,
     },
     /// Drop the slot (no relay may be reading it): the WAL it holds is released, and what was
-    /// committed after its confirmed position will never be streamed.
+    /// committed after its confirmed position will never be streamed. Its publication forgets
+    /// it too, so a relay started later under that name makes it as on a first start.
     DropSlot {
         #[command(flatten)]
         db: DbArgs,
@@ -51,10 +52,16 @@ pub struct CdcRelayArgs {
     /// Kafka bootstrap servers (host:port,...), or `embedded` for librdkafka's mock cluster.
     #[arg(long, env = "IDEM_BROKERS")]
     brokers: String,
-    /// The logical replication slot (created when missing; one relay reads it at a time, the
-    /// others wait and take over).
+    /// The logical replication slot (made on a first start; one relay reads it at a time, the
+    /// others wait and take over). A slot its publication records but the server lacks (a
+    /// failover, a drop) stops the relay: see --create-slot.
     #[arg(long, default_value = "idem_cdc")]
     slot: String,
+    /// Make the slot even though its publication records that it existed (after a failover to a
+    /// server without it, or a drop), once. Table mode then publishes every pending row; message
+    /// mode goes on without the events committed since the old slot's confirmed position.
+    #[arg(long)]
+    create_slot: bool,
     /// The publication the slot reads (created when missing: the outbox table's inserts, or no
     /// table in message mode).
     #[arg(long)]
@@ -104,7 +111,9 @@ pub async fn run(cmd: CdcCommand) -> anyhow::Result<()> {
         }
         CdcCommand::DropSlot { db, slot } => {
             let pool = pool(&db).await?;
-            idem_cdc::drop_slot(&pool, &Name::new("slot", &slot)?).await?;
+            let name = Name::new("slot", &slot)?;
+            idem_cdc::drop_slot(&pool, &name).await?;
+            idem_cdc::forget_slot(&pool, &name).await?;
             println!("dropped replication slot {slot}");
             Ok(())
         }
@@ -187,6 +196,7 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     config.linger = args.linger;
     config.dead_letter_topic = args.dead_letter_topic.clone();
     config.delete_published = args.delete_published;
+    config.create_slot = args.create_slot;
 
     let kafka =
         crate::relay_cmd::Kafka::connect(&args.brokers, &args.producer, "idem cdc relay").await?;
