@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::join_all;
-use idem_core::publish::{FailureKind, Message, PublishError, Publisher};
+use idem_core::publish::{FailureKind, Message, PublishError, Publisher, TopicState};
 use idem_core::{Error, Result};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -430,10 +430,31 @@ fn failure(e: &KafkaError) -> PublishError {
     }
 }
 
+/// How long [`KafkaPublisher`]'s question about one topic waits for the cluster.
+const TOPIC_STATE_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Publisher for KafkaPublisher {
     /// Twice `message.timeout.ms`: one to enqueue, one for the last delivery report.
     fn longest_publish(&self) -> Option<Duration> {
         Some(self.message_timeout.saturating_mul(2))
+    }
+
+    /// A metadata request for `topic` on the producer's connection (a cluster that creates
+    /// topics on first use may create it now, and answers that it exists).
+    async fn topic_state(&self, topic: &str) -> TopicState {
+        let producer = self.current();
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let metadata = producer
+                .client()
+                .fetch_metadata(Some(&topic), TOPIC_STATE_TIMEOUT);
+            match metadata {
+                Ok(m) => topic_state_of(m.topics().iter().find(|t| t.name() == topic)),
+                Err(_) => TopicState::Unknown,
+            }
+        })
+        .await
+        .unwrap_or(TopicState::Unknown)
     }
 
     /// A batch takes at most about twice `message.timeout.ms`: enqueueing (waiting for room in
@@ -494,6 +515,22 @@ impl Publisher for KafkaPublisher {
                 })
             })
             .collect()
+    }
+}
+
+/// What a metadata response says of one topic (`None`: the response left it out).
+fn topic_state_of(topic: Option<&rdkafka::metadata::MetadataTopic>) -> TopicState {
+    let Some(topic) = topic else {
+        return TopicState::Unknown;
+    };
+    match topic.error().map(RDKafkaErrorCode::from) {
+        None if topic.partitions().is_empty() => TopicState::Missing,
+        None => TopicState::Writable,
+        Some(RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic) => {
+            TopicState::Missing
+        }
+        Some(RDKafkaErrorCode::TopicAuthorizationFailed) => TopicState::NotAuthorized,
+        Some(_) => TopicState::Unknown,
     }
 }
 

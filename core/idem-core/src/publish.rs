@@ -28,6 +28,29 @@ pub struct PublishError {
     pub reason: String,
 }
 
+/// Whether a topic can take records, as the cluster answers a question about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TopicState {
+    /// It exists and this producer may write it.
+    Writable,
+    /// The cluster answered that it does not exist (and did not create it).
+    Missing,
+    /// The cluster answered that this producer may not write it (an ACL).
+    NotAuthorized,
+    /// No answer (the cluster unreachable, a timeout) or one that says neither: nothing is
+    /// known about the topic itself.
+    Unknown,
+}
+
+impl TopicState {
+    /// Whether the cluster answered that no record can go to the topic until an operator acts
+    /// (creates it, grants a write).
+    pub fn is_unwritable(self) -> bool {
+        matches!(self, TopicState::Missing | TopicState::NotAuthorized)
+    }
+}
+
 /// Sends messages and waits for their delivery reports.
 pub trait Publisher: Send + Sync + 'static {
     /// Publishes `messages` and resolves once every message has a delivery report (success or
@@ -46,6 +69,14 @@ pub trait Publisher: Send + Sync + 'static {
     fn longest_publish(&self) -> Option<std::time::Duration> {
         None
     }
+
+    /// Asks the cluster whether `topic` can take records: what tells a topic that does not
+    /// exist, or that this producer may not write, from a cluster that is down. The default
+    /// knows nothing ([`TopicState::Unknown`]).
+    fn topic_state(&self, topic: &str) -> impl Future<Output = TopicState> + Send {
+        let _ = topic;
+        std::future::ready(TopicState::Unknown)
+    }
 }
 
 impl<T: Publisher> Publisher for std::sync::Arc<T> {
@@ -58,5 +89,9 @@ impl<T: Publisher> Publisher for std::sync::Arc<T> {
 
     fn longest_publish(&self) -> Option<std::time::Duration> {
         (**self).longest_publish()
+    }
+
+    fn topic_state(&self, topic: &str) -> impl Future<Output = TopicState> + Send {
+        (**self).topic_state(topic)
     }
 }

@@ -49,6 +49,7 @@ pub mod record;
 pub mod relay;
 pub mod session;
 pub mod slot;
+pub mod unwritable;
 
 pub use error::CdcError;
 pub use metrics::CdcMetrics;

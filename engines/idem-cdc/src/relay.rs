@@ -25,6 +25,7 @@ use crate::error::CdcError;
 use crate::metrics::CdcMetrics;
 use crate::session::replication_config;
 use crate::slot::{self, Name, Publishes, SlotState};
+use crate::unwritable::Unwritable;
 
 /// What the relay reads.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,6 +62,11 @@ pub struct CdcConfig {
     pub retry_backoff: Duration,
     /// Longest wait between publish attempts.
     pub retry_backoff_max: Duration,
+    /// How long messages to a topic may fail without a success before the relay asks the
+    /// cluster about the topic; when it answers that the topic does not exist or may not be
+    /// written, its events are set aside (parked, or dead-lettered) and the others flow
+    /// ([`crate::unwritable`]).
+    pub unwritable_topic_grace: Duration,
     /// Where events that cannot be published are dead-lettered (message mode, and rows whose
     /// id cannot be read).
     pub dead_letter_topic: String,
@@ -89,6 +95,7 @@ impl CdcConfig {
             linger: Duration::from_millis(2),
             retry_backoff: Duration::from_millis(200),
             retry_backoff_max: Duration::from_secs(10),
+            unwritable_topic_grace: Duration::from_secs(60),
             dead_letter_topic: "idem.cdc.dead_letters".to_owned(),
             poll: Duration::from_secs(1),
             delete_published: false,
@@ -108,7 +115,7 @@ enum Ended {
 pub struct CdcRelay<P> {
     url: String,
     pool: PgPool,
-    publisher: Arc<P>,
+    publisher: Arc<Unwritable<P>>,
     config: CdcConfig,
     metrics: CdcMetrics,
     health: Health,
@@ -142,7 +149,7 @@ impl<P: Publisher> CdcRelay<P> {
         CdcRelay {
             url: url.to_owned(),
             pool,
-            publisher: Arc::new(publisher),
+            publisher: Arc::new(Unwritable::new(publisher, config.unwritable_topic_grace)),
             config,
             metrics,
             health: Health::new(),

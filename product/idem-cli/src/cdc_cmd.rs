@@ -96,6 +96,11 @@ pub struct CdcRelayArgs {
     /// longer see published ones).
     #[arg(long, conflicts_with = "messages")]
     delete_published: bool,
+    /// How long messages to one topic may fail without a success before the relay asks the
+    /// cluster about it; a topic it says does not exist or may not be written has its events
+    /// set aside (parked in table mode, dead-lettered in message mode) so that the others flow.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    unwritable_topic_grace: Duration,
     #[command(flatten)]
     producer: crate::relay_cmd::ProducerArgs,
 }
@@ -197,6 +202,7 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     config.dead_letter_topic = args.dead_letter_topic.clone();
     config.delete_published = args.delete_published;
     config.create_slot = args.create_slot;
+    config.unwritable_topic_grace = args.unwritable_topic_grace;
 
     let kafka =
         crate::relay_cmd::Kafka::connect(&args.brokers, &args.producer, "idem cdc relay").await?;

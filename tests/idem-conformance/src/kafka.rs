@@ -83,6 +83,26 @@ pub fn wait_for_brokers(brokers: &str, n: usize, timeout: Duration) {
     }
 }
 
+/// Rewrites `key=value` lines of a properties file: each of `settings` replaces its key's line,
+/// or is appended.
+fn set_properties(file: &Path, settings: &[(&str, &str)]) {
+    if settings.is_empty() {
+        return;
+    }
+    let text = std::fs::read_to_string(file).unwrap();
+    let mut lines: Vec<String> = text
+        .lines()
+        .filter(|l| {
+            !settings
+                .iter()
+                .any(|(k, _)| l.split_once('=').is_some_and(|(lk, _)| lk.trim() == *k))
+        })
+        .map(str::to_owned)
+        .collect();
+    lines.extend(settings.iter().map(|(k, v)| format!("{k}={v}")));
+    std::fs::write(file, lines.join("\n") + "\n").unwrap();
+}
+
 struct Node {
     id: i32,
     port: u16,
@@ -101,12 +121,24 @@ impl KafkaCluster {
     /// Prepares `n` nodes (1 or 3) with `scripts/kafka prepare`, starts them all and waits
     /// until the cluster reports every broker.
     pub fn start(n: usize) -> Self {
+        Self::start_with(n, &[])
+    }
+
+    /// [`KafkaCluster::start`] with broker `settings` (`key`, `value`) replacing the prepared
+    /// ones, e.g. `("auto.create.topics.enable", "false")` as production clusters run.
+    pub fn start_with(n: usize, settings: &[(&str, &str)]) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("idem-kafka-")
             .tempdir()
             .unwrap();
         let path = dir.path().display().to_string();
         let bootstrap = run_script(&["prepare", "--nodes", &n.to_string(), "--dir", &path]);
+        for i in 1..=n {
+            set_properties(
+                &dir.path().join(format!("node{i}/server.properties")),
+                settings,
+            );
+        }
         let nodes = (1..=n)
             .map(|i| {
                 let node_dir = dir.path().join(format!("node{i}"));

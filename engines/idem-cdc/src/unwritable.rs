@@ -1,0 +1,246 @@
+//! Topics that cannot take records until an operator acts.
+//!
+//! A topic that does not exist (a cluster that does not create topics on first use, a new
+//! aggregate type, a `topic` override) or that the relay's principal may not write (an ACL)
+//! fails every message sent to it with a transient error: the cluster's state, which can
+//! change. The CDC relay confirms nothing past an unacknowledged message, so one such event
+//! would hold back every later event of every aggregate and pin the slot's WAL for as long as
+//! the topic stays that way. [`Unwritable`] wraps the relay's publisher: once messages to a
+//! topic have failed for `grace` without a success in between, it asks the cluster about the
+//! topic; when the cluster answers that the topic is missing or not writable, those failures
+//! become permanent, so the relay sets the events aside (parked in table mode, dead-lettered in
+//! message mode, each with the reason) and the others flow. A cluster that does not answer is
+//! an outage, not a topic's problem: its failures stay transient and are retried without end.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use idem_core::publish::{FailureKind, Message, PublishError, Publisher, TopicState};
+
+/// A publisher whose transient failures on a topic the cluster says is unwritable become
+/// permanent once the topic has failed for `grace`.
+pub struct Unwritable<P> {
+    inner: P,
+    grace: Duration,
+    /// Per topic, when its first failure since its last success happened.
+    failing: Mutex<HashMap<String, Instant>>,
+}
+
+impl<P> Unwritable<P> {
+    /// Wraps `inner`.
+    pub fn new(inner: P, grace: Duration) -> Self {
+        Unwritable {
+            inner,
+            grace,
+            failing: Mutex::default(),
+        }
+    }
+
+    /// The wrapped publisher.
+    pub fn inner(&self) -> &P {
+        &self.inner
+    }
+}
+
+impl<P: Publisher> Publisher for Unwritable<P> {
+    async fn publish(&self, messages: &[Message]) -> Vec<Result<(), PublishError>> {
+        let mut results = self.inner.publish(messages).await;
+        let due = {
+            let mut failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
+            failing_for(&mut failing, messages, &results, Instant::now(), self.grace)
+        };
+        for topic in due {
+            let state = self.inner.topic_state(&topic).await;
+            if state.is_unwritable() {
+                set_aside(messages, &mut results, &topic, state, self.grace);
+            }
+        }
+        results
+    }
+
+    fn longest_publish(&self) -> Option<Duration> {
+        self.inner.longest_publish()
+    }
+
+    fn topic_state(&self, topic: &str) -> impl Future<Output = TopicState> + Send {
+        self.inner.topic_state(topic)
+    }
+}
+
+/// Whether `result` is a failure that says nothing of the message itself.
+fn is_retryable(result: &Result<(), PublishError>) -> bool {
+    matches!(result, Err(e) if matches!(e.kind, FailureKind::Transient | FailureKind::NotSent))
+}
+
+/// Records this call's results in `failing` (a success clears its topic; a retryable failure
+/// starts its topic's clock) and returns the topics that failed in this call and have been
+/// failing for at least `grace`.
+fn failing_for(
+    failing: &mut HashMap<String, Instant>,
+    messages: &[Message],
+    results: &[Result<(), PublishError>],
+    now: Instant,
+    grace: Duration,
+) -> BTreeSet<String> {
+    let mut ok = BTreeSet::new();
+    let mut failed = BTreeSet::new();
+    for (m, r) in messages.iter().zip(results) {
+        if r.is_ok() {
+            ok.insert(m.topic.as_str());
+        } else if is_retryable(r) {
+            failed.insert(m.topic.as_str());
+        }
+    }
+    for topic in &ok {
+        failing.remove(*topic);
+    }
+    failed
+        .into_iter()
+        .filter(|t| !ok.contains(t))
+        .filter(|t| {
+            let since = *failing.entry((*t).to_owned()).or_insert(now);
+            now.duration_since(since) >= grace
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Turns the retryable failures of `topic` into permanent ones, with what to do.
+fn set_aside(
+    messages: &[Message],
+    results: &mut [Result<(), PublishError>],
+    topic: &str,
+    state: TopicState,
+    grace: Duration,
+) {
+    let why = match state {
+        TopicState::NotAuthorized => format!(
+            "the relay may not write topic {topic} (the cluster refuses the principal: an ACL)"
+        ),
+        _ => format!("topic {topic} does not exist and the cluster does not create it"),
+    };
+    for (m, r) in messages.iter().zip(results.iter_mut()) {
+        if m.topic == topic && is_retryable(r) {
+            let last = r
+                .as_ref()
+                .err()
+                .map(|e| e.reason.clone())
+                .unwrap_or_default();
+            *r = Err(PublishError {
+                kind: FailureKind::Permanent,
+                reason: format!(
+                    "{why}; its events failed for {} s or more. Create the topic or grant \
+                     the write, then `idem outbox retry` (table mode) or replay the dead \
+                     letter (message mode). Last error: {last}",
+                    grace.as_secs()
+                ),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(topic: &str) -> Message {
+        Message {
+            topic: topic.to_owned(),
+            key: "k".to_owned(),
+            payload: String::new(),
+            headers: vec![],
+        }
+    }
+
+    fn transient() -> Result<(), PublishError> {
+        Err(PublishError {
+            kind: FailureKind::Transient,
+            reason: "Message production error: UnknownTopicOrPartition".to_owned(),
+        })
+    }
+
+    #[test]
+    fn a_topic_is_due_only_after_failing_for_the_grace_without_a_success() {
+        let grace = Duration::from_secs(60);
+        let t0 = Instant::now();
+        let mut failing = HashMap::new();
+        let messages = [msg("missing"), msg("fine")];
+        let results = [transient(), Ok(())];
+        let due = failing_for(&mut failing, &messages, &results, t0, grace);
+        assert!(due.is_empty(), "the first failure starts the clock");
+        let due = failing_for(&mut failing, &messages, &results, t0 + grace / 2, grace);
+        assert!(due.is_empty());
+        let due = failing_for(&mut failing, &messages, &results, t0 + grace, grace);
+        assert_eq!(due.into_iter().collect::<Vec<_>>(), vec!["missing"]);
+        // One success on the topic clears it: the clock starts again at the next failure.
+        let ok = failing_for(&mut failing, &messages[..1], &[Ok(())], t0 + grace, grace);
+        assert!(ok.is_empty());
+        let later = t0 + grace * 3;
+        assert!(failing_for(&mut failing, &messages, &results, later, grace).is_empty());
+    }
+
+    #[test]
+    fn a_topic_with_a_success_in_the_same_call_is_never_due() {
+        let grace = Duration::ZERO;
+        let mut failing = HashMap::new();
+        let messages = [msg("t"), msg("t")];
+        let due = failing_for(
+            &mut failing,
+            &messages,
+            &[transient(), Ok(())],
+            Instant::now(),
+            grace,
+        );
+        assert!(due.is_empty());
+    }
+
+    #[test]
+    fn only_the_retryable_failures_of_the_topic_are_set_aside() {
+        let messages = [msg("missing"), msg("other"), msg("missing")];
+        let too_large = Err(PublishError {
+            kind: FailureKind::Permanent,
+            reason: "too large".to_owned(),
+        });
+        let mut results = vec![transient(), transient(), too_large.clone()];
+        set_aside(
+            &messages,
+            &mut results,
+            "missing",
+            TopicState::Missing,
+            Duration::from_secs(60),
+        );
+        let first = results[0].as_ref().unwrap_err();
+        assert_eq!(first.kind, FailureKind::Permanent);
+        assert!(
+            first.reason.contains("topic missing does not exist"),
+            "{}",
+            first.reason
+        );
+        assert!(
+            first.reason.contains("UnknownTopicOrPartition"),
+            "{}",
+            first.reason
+        );
+        assert_eq!(results[1], transient(), "another topic keeps its retry");
+        assert_eq!(
+            results[2], too_large,
+            "a permanent failure keeps its own reason"
+        );
+        let mut results = vec![transient()];
+        set_aside(
+            &messages[..1],
+            &mut results,
+            "missing",
+            TopicState::NotAuthorized,
+            Duration::from_secs(60),
+        );
+        assert!(
+            results[0]
+                .as_ref()
+                .unwrap_err()
+                .reason
+                .contains("may not write")
+        );
+    }
+}

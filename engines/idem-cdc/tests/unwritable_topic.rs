@@ -1,0 +1,179 @@
+//! One event whose topic does not exist, on a cluster that creates no topic on first use (as
+//! production clusters run), is set aside once the cluster says so, and every other event
+//! flows: parked in table mode (and a session-start drain of it ends), dead-lettered in message
+//! mode. A private one-node broker with `auto.create.topics.enable=false`; the relays' producer
+//! creates no topic.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{World, eventually, ids, spawn, stop};
+use idem_cdc::{CdcConfig, CdcMetrics, CdcRelay, Mode};
+use idem_conformance::backend::Backend;
+use idem_conformance::kafka::{self, KafkaCluster};
+use idem_core::Event;
+use idem_core::publish::Publisher;
+use idem_kafka::KafkaPublisher;
+use idem_sql::MessageOutbox;
+
+/// A relay on `brokers` that creates no topic, with a short grace for unwritable topics.
+fn relay(
+    w: &World,
+    brokers: &str,
+    config: CdcConfig,
+    metrics: CdcMetrics,
+) -> CdcRelay<KafkaPublisher> {
+    let producer = idem_kafka::producer_config(
+        brokers,
+        &[("message.timeout.ms".to_owned(), "2000".to_owned())],
+    )
+    .unwrap();
+    let publisher = KafkaPublisher::new(producer).unwrap();
+    CdcRelay::new(w.pg.url(), w.pg.pool().clone(), publisher, config, metrics)
+}
+
+/// Creates `topics` on `brokers` (a creating publisher sends each a first record) and returns
+/// the test's settings: orders to `w.topic`, invoices to a topic nobody creates.
+async fn setup(w: &mut World, brokers: &str, mode: Mode) -> (CdcConfig, String) {
+    w.brokers = brokers.to_owned();
+    let producer = idem_kafka::producer_config(brokers, &[]).unwrap();
+    let creator = KafkaPublisher::new(producer)
+        .unwrap()
+        .with_topic_creation(1, Some(1));
+    let first = |topic: &str| idem_core::publish::Message {
+        topic: topic.to_owned(),
+        key: "setup".to_owned(),
+        payload: "{}".to_owned(),
+        headers: vec![],
+    };
+    let sent = creator
+        .publish(&[first(&w.topic), first(&w.dead_letters)])
+        .await;
+    assert!(sent.iter().all(Result::is_ok), "{sent:?}");
+    let missing = kafka::unique("cdc-missing");
+    let mut config = w.config_in(mode);
+    config
+        .naming
+        .overrides
+        .insert("invoice".to_owned(), missing.clone());
+    config.unwritable_topic_grace = Duration::from_secs(2);
+    (config, missing)
+}
+
+/// Waits until every one of `events` is on the world's topic (copies allowed).
+async fn published(w: &World, events: &[&Event], running: &mut common::Running) {
+    let want: Vec<String> = events.iter().map(|e| e.id().to_string()).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let got = ids(&w.records(1, running).await);
+        if want.iter().all(|id| got.contains(id)) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not all of {want:?} reached the topic: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn invoice(id: &str) -> Event {
+    Event::builder("invoice", id, "invoice.issued")
+        .payload(&serde_json::json!({ "invoice": id }))
+        .build()
+        .unwrap()
+}
+
+fn order(id: &str) -> Event {
+    common::event(id, 1)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_event_for_a_topic_that_does_not_exist_is_set_aside_and_the_others_flow() {
+    let cluster = KafkaCluster::start_with(1, &[("auto.create.topics.enable", "false")]);
+
+    // Table mode: parked with the reason, whether the session-start drain or the stream
+    // carried it; the orders after it published.
+    let mut w = World::new().await;
+    let table = Mode::Table(w.pg.tables().clone());
+    let (config, missing) = setup(&mut w, cluster.brokers(), table).await;
+    let drained = invoice("i-0");
+    w.commit(std::slice::from_ref(&drained)).await; // before the slot: the drain's
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let r = relay(&w, cluster.brokers(), config, metrics.clone());
+    r.prepare().await.unwrap();
+    let mut running = spawn(r);
+    let (o1, i1, o2, o3) = (order("o-1"), invoice("i-1"), order("o-2"), order("o-3"));
+    for e in [&o1, &i1, &o2, &o3] {
+        w.commit(std::slice::from_ref(e)).await;
+    }
+    // The drain ended and the orders committed after the invoice are published (the drain's
+    // claims may send copies of streamed rows: at least once).
+    published(&w, &[&o1, &o2, &o3], &mut running).await;
+    let outbox = w.pg.tables().qualified("outbox");
+    let parked = format!("SELECT count(*) FROM {outbox} WHERE status = 'parked'");
+    eventually("both invoices parked", || {
+        let (w, sql) = (&w, parked.clone());
+        async move { w.pg.scalar(&sql).await == 2 }
+    })
+    .await;
+    let reasons: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT last_error FROM {outbox} WHERE aggregate_type = 'invoice'"
+    ))
+    .fetch_all(w.pg.pool())
+    .await
+    .unwrap();
+    for why in &reasons {
+        assert!(
+            why.contains(&format!("topic {missing} does not exist")),
+            "{why}"
+        );
+    }
+    // The stream carries i-1 too (the drain's claims may take it first): set aside there as well.
+    eventually("the stream's copy set aside", || {
+        let n = metrics.refused.with_label_values(&["parked"]).get();
+        async move { n >= 1 }
+    })
+    .await;
+    let o4 = order("o-4");
+    w.commit(std::slice::from_ref(&o4)).await;
+    published(&w, &[&o4], &mut running).await; // a later batch flows
+    stop(running).await;
+
+    // Message mode: dead-lettered with the reason; the orders after it published.
+    let mut w = World::new().await;
+    let mode = Mode::Messages {
+        prefix: "idem.outbox".to_owned(),
+    };
+    let (config, missing) = setup(&mut w, cluster.brokers(), mode).await;
+    let metrics = CdcMetrics::unregistered().unwrap();
+    let r = relay(&w, cluster.brokers(), config, metrics.clone());
+    r.prepare().await.unwrap();
+    let mut running = spawn(r);
+    let (o1, i1, o2) = (order("o-1"), invoice("i-1"), order("o-2"));
+    for e in [&o1, &i1, &o2] {
+        let mut tx = w.pg.pool().begin().await.unwrap();
+        MessageOutbox::default()
+            .enqueue_all(&mut tx, std::slice::from_ref(e))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    published(&w, &[&o1, &o2], &mut running).await;
+    let letters = w.records_in(&w.dead_letters.clone(), 2, &mut running).await;
+    let reason = letters[1]
+        .header("idem_dead_letter_reason")
+        .unwrap_or_default();
+    assert!(
+        reason.contains(&format!("topic {missing} does not exist")),
+        "{reason}"
+    );
+    eventually("the dead letter counted", || {
+        let n = metrics.refused.with_label_values(&["dead_lettered"]).get();
+        async move { n == 1 }
+    })
+    .await;
+    stop(running).await;
+}
