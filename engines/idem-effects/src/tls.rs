@@ -365,6 +365,9 @@ pub enum TlsFailure {
         /// What rustls says.
         detail: String,
     },
+    /// An `http://` target whose remote speaks TLS at that address: the plain-text request
+    /// was no TLS record, so the remote read nothing of it (idem never upgrades a target).
+    PlainToTls,
     /// Another handshake failure: no protocol version or cipher suite in common, an alert.
     Protocol {
         /// What rustls says.
@@ -387,6 +390,7 @@ impl TlsFailure {
             TlsFailure::ClientCertificateRequired { .. } => "client_certificate_required",
             TlsFailure::ClientCertificateRefused { .. } => "client_certificate_refused",
             TlsFailure::NotTls { .. } => "not_tls",
+            TlsFailure::PlainToTls => "plain_to_tls",
             TlsFailure::Protocol { .. } => "protocol",
         }
     }
@@ -433,6 +437,15 @@ impl TlsFailure {
                  (IDEM_EFFECTS_CLIENT_CERT, IDEM_EFFECTS_CLIENT_KEY), {THEN_RETRY}; the remote \
                  refused the handshake, so it did not process the request"
             ),
+            TlsFailure::ClientCertificateRefused { alert } if alert == "certificate_expired" => {
+                format!(
+                    "TLS: the remote refused our client certificate because it has expired (it \
+                     sent the alert {alert}): renew it and give the new one with --client-cert \
+                     and --client-key (IDEM_EFFECTS_CLIENT_CERT, IDEM_EFFECTS_CLIENT_KEY), \
+                     {THEN_RETRY}; the remote refused the handshake, so it did not process the \
+                     request"
+                )
+            }
             TlsFailure::ClientCertificateRefused { alert } => format!(
                 "TLS: the remote refused our client certificate (it sent the alert {alert}): \
                  give a certificate its CA trusts with --client-cert and --client-key, \
@@ -443,6 +456,12 @@ impl TlsFailure {
                 "TLS: the remote does not speak TLS at this address ({detail}): check the \
                  target's port and scheme (an https:// target is never sent as plain HTTP), \
                  {THEN_RETRY}; the request was not sent"
+            ),
+            TlsFailure::PlainToTls => format!(
+                "TLS: the target is http:// but the remote speaks TLS at that address, and idem \
+                 never sends a request there as anything but plain HTTP: have the handler write \
+                 the remote's https:// URL (and correct this intent's target), {THEN_RETRY}; \
+                 the remote read no request from plain text, so it did not process it"
             ),
             TlsFailure::Protocol { detail } => format!(
                 "TLS: the handshake failed ({detail}): check the remote's TLS settings (TLS 1.2 \
@@ -490,7 +509,9 @@ pub const DIAGNOSIS_SETTLE: Duration = Duration::from_millis(300);
 /// Asks `target`'s remote, with a TLS handshake of `config` and no request, whether it refuses
 /// this client: `Some` when the handshake fails or the remote sends an alert about the client
 /// certificate within [`DIAGNOSIS_SETTLE`]; `None` when it accepts, cannot be reached, or
-/// `within` runs out.
+/// `within` runs out. For an `http://` target, whether the remote speaks TLS at that address
+/// ([`TlsFailure::PlainToTls`]): a plain-text request to a TLS port fails without an HTTP
+/// answer, and would otherwise be retried without end.
 ///
 /// For a request that failed without saying why. Under TLS 1.3 a remote refuses a client
 /// certificate after our side of the handshake is done; when the refusal closes the
@@ -503,9 +524,11 @@ pub async fn diagnose(
     gave_client_certificate: bool,
 ) -> Option<TlsFailure> {
     let url = reqwest::Url::parse(target).ok()?;
-    if url.scheme() != "https" {
-        return None;
-    }
+    let plain = match url.scheme() {
+        "https" => false,
+        "http" => true,
+        _ => return None,
+    };
     let port = url.port_or_known_default()?;
     // An IPv6 literal comes bracketed (`[::1]`).
     let host = url
@@ -522,7 +545,11 @@ pub async fn diagnose(
             .await
             .ok()?;
         let connector = tokio_rustls::TlsConnector::from(config);
-        let mut tls = match connector.connect(name, tcp).await {
+        let handshake = connector.connect(name, tcp).await;
+        if plain {
+            return speaks_tls(&handshake).then_some(TlsFailure::PlainToTls);
+        }
+        let mut tls = match handshake {
             Ok(tls) => tls,
             Err(e) => return tls_failure(&e, true, gave_client_certificate),
         };
@@ -534,6 +561,20 @@ pub async fn diagnose(
         }
     };
     tokio::time::timeout(within, attempt).await.ok().flatten()
+}
+
+/// Whether a handshake's outcome shows a TLS server: it completed, or it failed on something
+/// only TLS says (a certificate, an alert), not on an answer that is no TLS at all.
+fn speaks_tls<T>(handshake: &std::io::Result<T>) -> bool {
+    match handshake {
+        Ok(_) => true,
+        Err(e) => rustls_error(e).is_some_and(|tls| {
+            !matches!(
+                tls,
+                rustls::Error::InvalidMessage(_) | rustls::Error::InappropriateMessage { .. }
+            )
+        }),
+    }
 }
 
 /// The first `rustls::Error` in the chain: itself, or inside an `std::io::Error` (tokio-rustls

@@ -109,7 +109,14 @@ impl Pki {
         );
         pki.pair(
             "stranger",
-            &leaf(&other_ca, &["settlement"], client, |_| {}),
+            &leaf(&other_ca, &["settlement"], client.clone(), |_| {}),
+        );
+        pki.pair(
+            "expired-client",
+            &leaf(&ca, &["settlement"], client, |p| {
+                p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+                p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+            }),
         );
         pki
     }
@@ -579,11 +586,51 @@ async fn an_http_target_is_never_upgraded_to_https() {
     let remote = remote(Some(pki.server("server", false))).await;
     let plain = remote.target.replacen("https://", "http://", 1);
     let c = client(&plain, pki.trusting()).await;
+    // Sent as plain HTTP to a TLS port: the server's handshake fails on it and nothing is
+    // applied. A handshake without a request shows the port speaks TLS: the intent is parked
+    // with what to change, not retried without end, and never sent over TLS.
+    c.assert_parked(
+        &remote,
+        "plain_to_tls",
+        &format!(
+            "TLS: the target is http:// but the remote speaks TLS at that address, and idem \
+             never sends a request there as anything but plain HTTP: have the handler write the \
+             remote's https:// URL (and correct this intent's target), {RETRY}; the remote read \
+             no request from plain text, so it did not process it"
+        ),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_client_certificate_parks_with_renew_it() {
+    let pki = Pki::new();
+    let remote = remote(Some(pki.server("server", true))).await;
+    let c = client(&remote.target, pki.presenting("expired-client")).await;
+    c.assert_parked(
+        &remote,
+        "client_certificate_refused",
+        &format!(
+            "TLS: the remote refused our client certificate because it has expired (it sent the \
+             alert certificate_expired): renew it and give the new one with --client-cert and \
+             --client-key (IDEM_EFFECTS_CLIENT_CERT, IDEM_EFFECTS_CLIENT_KEY), {RETRY}; the \
+             remote refused the handshake, so it did not process the request"
+        ),
+    )
+    .await;
+}
+
+/// An `http://` target whose remote does not answer at all is an ordinary failure, retried:
+/// the diagnosis parks only when a TLS server answers at that address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_target_with_nothing_listening_is_retried() {
+    let pki = Pki::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let c = client(&format!("http://127.0.0.1:{port}/awards"), pki.trusting()).await;
     assert_eq!(c.dispatch_once().await, 1);
-    // Sent as plain HTTP to a TLS port: the server's handshake fails on it, nothing is
-    // applied, and the intent is retried as an ordinary failure (no TLS park: no TLS was
-    // spoken by the client).
     assert_eq!(c.status().await, "pending");
-    assert_eq!(remote.requests(), 0);
-    assert_eq!(remote.awards().await, 0);
 }
