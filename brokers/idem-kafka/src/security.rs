@@ -907,7 +907,7 @@ fn refusal(
                 |c| c.display().to_string(),
             );
             return Some(format!(
-                "this client does not trust the Kafka broker's TLS certificate ({}): set --kafka-ssl-ca (IDEM_KAFKA_SSL_CA) to the PEM file of the CA that signed the broker's certificate (now: {ca}), and connect by a host name the certificate names",
+                "this client does not trust the Kafka broker's TLS certificate ({}): OpenSSL does not say which check failed, so check both: the certificate must be signed by a CA in --kafka-ssl-ca (IDEM_KAFKA_SSL_CA; now: {ca}), and it must name the host this client connects to (in --brokers and the broker's advertised listeners): connect by a host name the certificate names",
                 broker_said(r)
             ));
         }
