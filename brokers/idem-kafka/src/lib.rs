@@ -524,7 +524,8 @@ fn topic_state_of(topic: Option<&rdkafka::metadata::MetadataTopic>) -> TopicStat
         return TopicState::Unknown;
     };
     match topic.error().map(RDKafkaErrorCode::from) {
-        None if topic.partitions().is_empty() => TopicState::Missing,
+        // No error and no partition says nothing sure (a topic being created).
+        None if topic.partitions().is_empty() => TopicState::Unknown,
         None => TopicState::Writable,
         Some(RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic) => {
             TopicState::Missing

@@ -64,8 +64,8 @@ pub struct CdcConfig {
     pub retry_backoff_max: Duration,
     /// How long messages to a topic may fail without a success before the relay asks the
     /// cluster about the topic; when it answers that the topic does not exist or may not be
-    /// written, its events are set aside (parked, or dead-lettered) and the others flow
-    /// ([`crate::unwritable`]).
+    /// written, its rows are parked and the others flow (table mode only:
+    /// [`crate::unwritable`]).
     pub unwritable_topic_grace: Duration,
     /// Where events that cannot be published are dead-lettered (message mode, and rows whose
     /// id cannot be read).
@@ -124,6 +124,8 @@ pub struct CdcRelay<P> {
     slot_seen: std::sync::atomic::AtomicBool,
     /// Set once `--create-slot` made a slot: it makes one at most.
     create_used: std::sync::atomic::AtomicBool,
+    /// Set once a failure to record the slot was logged (a standby tries at every poll).
+    record_warned: std::sync::atomic::AtomicBool,
 }
 
 /// The dependency names the CDC relay reports (`CdcRelay::health`): its database (the
@@ -149,12 +151,16 @@ impl<P: Publisher> CdcRelay<P> {
         CdcRelay {
             url: url.to_owned(),
             pool,
-            publisher: Arc::new(Unwritable::new(publisher, config.unwritable_topic_grace)),
+            publisher: Arc::new(Unwritable::new(
+                publisher,
+                matches!(config.mode, Mode::Table(_)).then_some(config.unwritable_topic_grace),
+            )),
             config,
             metrics,
             health: Health::new(),
             slot_seen: std::sync::atomic::AtomicBool::new(false),
             create_used: std::sync::atomic::AtomicBool::new(false),
+            record_warned: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -246,7 +252,9 @@ impl<P: Publisher> CdcRelay<P> {
     /// like a first start.
     async fn record_slot(&self, comment: Option<&str>) {
         let (publication, slot) = (&self.config.publication, &self.config.slot);
-        if let Err(e) = slot::record_slot(&self.pool, publication, slot, comment).await {
+        if let Err(e) = slot::record_slot(&self.pool, publication, slot, comment).await
+            && !self.record_warned.swap(true, Ordering::Relaxed)
+        {
             tracing::warn!(error = %e, %publication, %slot, "could not record the slot on its publication: a slot dropped or lost in a failover while no relay runs would be made again at the next start without an error; make the relay's role the publication's owner");
         }
     }

@@ -8,9 +8,13 @@
 //! the topic stays that way. [`Unwritable`] wraps the relay's publisher: once messages to a
 //! topic have failed for `grace` without a success in between, it asks the cluster about the
 //! topic; when the cluster answers that the topic is missing or not writable, those failures
-//! become permanent, so the relay sets the events aside (parked in table mode, dead-lettered in
-//! message mode, each with the reason) and the others flow. A cluster that does not answer is
+//! become permanent, so the relay parks the rows with the reason and the others flow. A cluster that does not answer is
 //! an outage, not a topic's problem: its failures stay transient and are retried without end.
+//!
+//! Table mode only: a parked row keeps the whole event, and `idem outbox retry` publishes it
+//! once the topic exists. Message mode has no table, and its dead letter is an excerpt that
+//! cannot be published again, so there the relay keeps waiting for the topic (the events are
+//! in the slot's WAL; `/readyz` reports the publishing failure).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
@@ -19,17 +23,18 @@ use std::time::{Duration, Instant};
 use idem_core::publish::{FailureKind, Message, PublishError, Publisher, TopicState};
 
 /// A publisher whose transient failures on a topic the cluster says is unwritable become
-/// permanent once the topic has failed for `grace`.
+/// permanent once the topic has failed for `grace` (`None`: never, the failures pass as they
+/// are).
 pub struct Unwritable<P> {
     inner: P,
-    grace: Duration,
-    /// Per topic, when its first failure since its last success happened.
-    failing: Mutex<HashMap<String, Instant>>,
+    grace: Option<Duration>,
+    /// Per topic, when its failures began and when the last one happened.
+    failing: Mutex<HashMap<String, Failing>>,
 }
 
 impl<P> Unwritable<P> {
     /// Wraps `inner`.
-    pub fn new(inner: P, grace: Duration) -> Self {
+    pub fn new(inner: P, grace: Option<Duration>) -> Self {
         Unwritable {
             inner,
             grace,
@@ -46,14 +51,18 @@ impl<P> Unwritable<P> {
 impl<P: Publisher> Publisher for Unwritable<P> {
     async fn publish(&self, messages: &[Message]) -> Vec<Result<(), PublishError>> {
         let mut results = self.inner.publish(messages).await;
+        let Some(grace) = self.grace else {
+            return results;
+        };
         let due = {
             let mut failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
-            failing_for(&mut failing, messages, &results, Instant::now(), self.grace)
+            failing_for(&mut failing, messages, &results, Instant::now(), grace)
         };
-        for topic in due {
-            let state = self.inner.topic_state(&topic).await;
+        // One question per topic, all at once: an outage makes each wait its timeout.
+        let states = futures::future::join_all(due.iter().map(|t| self.inner.topic_state(t))).await;
+        for (topic, state) in due.iter().zip(states) {
             if state.is_unwritable() {
-                set_aside(messages, &mut results, &topic, state, self.grace);
+                set_aside(messages, &mut results, topic, state, grace);
             }
         }
         results
@@ -68,16 +77,25 @@ impl<P: Publisher> Publisher for Unwritable<P> {
     }
 }
 
+/// A topic's run of failures: when it began and when the last one happened. A run ends with a
+/// success, or with a gap longer than the grace (failures that far apart are not one outage of
+/// the topic).
+#[derive(Clone, Copy, Debug)]
+struct Failing {
+    since: Instant,
+    last: Instant,
+}
+
 /// Whether `result` is a failure that says nothing of the message itself.
 fn is_retryable(result: &Result<(), PublishError>) -> bool {
     matches!(result, Err(e) if matches!(e.kind, FailureKind::Transient | FailureKind::NotSent))
 }
 
 /// Records this call's results in `failing` (a success clears its topic; a retryable failure
-/// starts its topic's clock) and returns the topics that failed in this call and have been
-/// failing for at least `grace`.
+/// starts its topic's clock, or carries it on) and returns the topics that failed in this call
+/// and have been failing for at least `grace`.
 fn failing_for(
-    failing: &mut HashMap<String, Instant>,
+    failing: &mut HashMap<String, Failing>,
     messages: &[Message],
     results: &[Result<(), PublishError>],
     now: Instant,
@@ -99,8 +117,15 @@ fn failing_for(
         .into_iter()
         .filter(|t| !ok.contains(t))
         .filter(|t| {
-            let since = *failing.entry((*t).to_owned()).or_insert(now);
-            now.duration_since(since) >= grace
+            let run = failing.entry((*t).to_owned()).or_insert(Failing {
+                since: now,
+                last: now,
+            });
+            if now.duration_since(run.last) > grace {
+                run.since = now;
+            }
+            run.last = now;
+            now.duration_since(run.since) >= grace
         })
         .map(str::to_owned)
         .collect()
@@ -131,8 +156,7 @@ fn set_aside(
                 kind: FailureKind::Permanent,
                 reason: format!(
                     "{why}; its events failed for {} s or more. Create the topic or grant \
-                     the write, then `idem outbox retry` (table mode) or replay the dead \
-                     letter (message mode). Last error: {last}",
+                     the write, then `idem outbox retry`. Last error: {last}",
                     grace.as_secs()
                 ),
             });
@@ -178,6 +202,23 @@ mod tests {
         assert!(ok.is_empty());
         let later = t0 + grace * 3;
         assert!(failing_for(&mut failing, &messages, &results, later, grace).is_empty());
+    }
+
+    #[test]
+    fn failures_further_apart_than_the_grace_start_the_clock_again() {
+        let grace = Duration::from_secs(60);
+        let t0 = Instant::now();
+        let mut failing = HashMap::new();
+        let messages = [msg("missing")];
+        let results = [transient()];
+        assert!(failing_for(&mut failing, &messages, &results, t0, grace).is_empty());
+        let later = t0 + grace * 10;
+        assert!(
+            failing_for(&mut failing, &messages, &results, later, grace).is_empty(),
+            "one failure long after the last is a new run"
+        );
+        let due = failing_for(&mut failing, &messages, &results, later + grace, grace);
+        assert_eq!(due.len(), 1);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::metrics::EffectMetrics;
 use crate::pipeline::{Buffered, OutcomeBuffer, claim_size, may_claim, store_backoff};
 use crate::remote::{CompensationError, EffectPolicy, Policies};
 use crate::status::{IntentStatus, UnknownStatus};
-use crate::tls::{HttpTls, LoadedTls, diagnose, tls_failure};
+use crate::tls::{HttpTls, LoadedTls, answered_not_http, diagnose, tls_failure};
 
 /// Dispatcher settings. Its `Debug` never shows the `authorization` value.
 #[derive(Clone)]
@@ -793,7 +793,9 @@ impl<S: IntentStore> Dispatcher<S> {
 
     /// What a request that got no answer means: a TLS failure when its error says so, or when
     /// a handshake without a request shows the remote refusing this client (only after a
-    /// failure other than a timeout, to an `https://` target); otherwise an ordinary failure.
+    /// failure other than a timeout, to an `https://` target), or shows that an `http://`
+    /// target's remote, which answered with no HTTP response at all, speaks TLS (a TLS server
+    /// reads no request from plain text); otherwise an ordinary failure.
     ///
     /// The diagnosis may park an attempt whose own error was ambiguous (a connection reset
     /// after the request was written): it is safe because the remote refuses the handshake of
@@ -803,7 +805,8 @@ impl<S: IntentStore> Dispatcher<S> {
     async fn failed(&self, target: &str, e: &reqwest::Error) -> Reply {
         let gave = self.tls.has_client_certificate();
         let mut failure = tls_failure(e, e.is_connect(), gave);
-        if failure.is_none() && !e.is_timeout() {
+        let plain = reqwest::Url::parse(target).is_ok_and(|u| u.scheme() == "http");
+        if failure.is_none() && !e.is_timeout() && (!plain || answered_not_http(e)) {
             let within = self.config.timeout.min(Duration::from_secs(2));
             failure = diagnose(self.tls.client_config(), target, within, gave).await;
         }

@@ -509,9 +509,10 @@ pub const DIAGNOSIS_SETTLE: Duration = Duration::from_millis(300);
 /// Asks `target`'s remote, with a TLS handshake of `config` and no request, whether it refuses
 /// this client: `Some` when the handshake fails or the remote sends an alert about the client
 /// certificate within [`DIAGNOSIS_SETTLE`]; `None` when it accepts, cannot be reached, or
-/// `within` runs out. For an `http://` target, whether the remote speaks TLS at that address
-/// ([`TlsFailure::PlainToTls`]): a plain-text request to a TLS port fails without an HTTP
-/// answer, and would otherwise be retried without end.
+/// `within` runs out. For an `http://` target whose remote answered with no HTTP response
+/// ([`answered_not_http`]), whether the remote speaks TLS at that address
+/// ([`TlsFailure::PlainToTls`]): a plain-text request to a TLS port gets a TLS alert back, and
+/// would otherwise be retried without end.
 ///
 /// For a request that failed without saying why. Under TLS 1.3 a remote refuses a client
 /// certificate after our side of the handshake is done; when the refusal closes the
@@ -561,6 +562,22 @@ pub async fn diagnose(
         }
     };
     tokio::time::timeout(within, attempt).await.ok().flatten()
+}
+
+/// Whether the remote answered a plain-HTTP request with bytes that are no HTTP response (a
+/// TLS server's alert, for one): the HTTP client's parse error is in `error`'s chain. Only
+/// then is an `http://` target worth a TLS handshake ([`diagnose`]): a reset or a closed
+/// connection may come after an HTTP server read the request.
+pub fn answered_not_http(error: &(dyn StdError + 'static)) -> bool {
+    let mut next: Option<&(dyn StdError + 'static)> = Some(error);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if text.starts_with("invalid HTTP") || text == "message head is too large" {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// Whether a handshake's outcome shows a TLS server: it completed, or it failed on something

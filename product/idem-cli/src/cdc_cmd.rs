@@ -97,8 +97,8 @@ pub struct CdcRelayArgs {
     #[arg(long, conflicts_with = "messages")]
     delete_published: bool,
     /// How long messages to one topic may fail without a success before the relay asks the
-    /// cluster about it; a topic it says does not exist or may not be written has its events
-    /// set aside (parked in table mode, dead-lettered in message mode) so that the others flow.
+    /// cluster about it; a topic it says does not exist or may not be written has its rows
+    /// parked so that the others flow (table mode; message mode keeps waiting).
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     unwritable_topic_grace: Duration,
     #[command(flatten)]
@@ -117,9 +117,19 @@ pub async fn run(cmd: CdcCommand) -> anyhow::Result<()> {
         CdcCommand::DropSlot { db, slot } => {
             let pool = pool(&db).await?;
             let name = Name::new("slot", &slot)?;
-            idem_cdc::drop_slot(&pool, &name).await?;
-            idem_cdc::forget_slot(&pool, &name).await?;
-            println!("dropped replication slot {slot}");
+            let present = idem_cdc::slot_state(&pool, &name).await?.is_some();
+            if present {
+                idem_cdc::drop_slot(&pool, &name).await?;
+            }
+            // After a failover the slot is gone already; its record still stops the relay.
+            idem_cdc::forget_slot(&pool, &name)
+                .await
+                .context("the slot's record on its publication (make the role its owner)")?;
+            if present {
+                println!("dropped replication slot {slot}");
+            } else {
+                println!("replication slot {slot}: none to drop; its publication forgets it");
+            }
             Ok(())
         }
     }

@@ -48,7 +48,7 @@ fn migrate_twice_is_a_no_op() {
     let db = sqlite();
     let o = idem(&["migrate", "--db", &db.url]);
     assert!(o.status.success());
-    assert!(text(&o).0.contains("up to date (version 18)"));
+    assert!(text(&o).0.contains("up to date (version 19)"));
 }
 
 #[test]
