@@ -77,9 +77,14 @@ impl<P: Publisher> Publisher for Unwritable<P> {
     }
 }
 
+/// How long without a failure ends a topic's run of failures (or the grace, when longer): far
+/// beyond any retry backoff (the CDC relay's waits reach 10 s, the drain's claim cycle's a
+/// minute), so a topic failing at every attempt stays one run.
+const RUN_GAP: Duration = Duration::from_secs(300);
+
 /// A topic's run of failures: when it began and when the last one happened. A run ends with a
-/// success, or with a gap longer than the grace (failures that far apart are not one outage of
-/// the topic).
+/// success, or with a gap longer than [`RUN_GAP`] (failures that far apart are not one outage
+/// of the topic).
 #[derive(Clone, Copy, Debug)]
 struct Failing {
     since: Instant,
@@ -121,7 +126,7 @@ fn failing_for(
                 since: now,
                 last: now,
             });
-            if now.duration_since(run.last) > grace {
+            if now.duration_since(run.last) > RUN_GAP.max(grace) {
                 run.since = now;
             }
             run.last = now;
@@ -205,14 +210,18 @@ mod tests {
     }
 
     #[test]
-    fn failures_further_apart_than_the_grace_start_the_clock_again() {
-        let grace = Duration::from_secs(60);
+    fn only_failures_further_apart_than_a_run_gap_start_the_clock_again() {
+        let grace = Duration::from_secs(2);
         let t0 = Instant::now();
         let mut failing = HashMap::new();
         let messages = [msg("missing")];
         let results = [transient()];
         assert!(failing_for(&mut failing, &messages, &results, t0, grace).is_empty());
-        let later = t0 + grace * 10;
+        // The next attempt after a 10 s backoff, longer than the grace: one run, due.
+        let retry = t0 + Duration::from_secs(10);
+        let due = failing_for(&mut failing, &messages, &results, retry, grace);
+        assert_eq!(due.len(), 1, "failures spaced by backoffs add up");
+        let later = retry + RUN_GAP * 2;
         assert!(
             failing_for(&mut failing, &messages, &results, later, grace).is_empty(),
             "one failure long after the last is a new run"
