@@ -13,7 +13,7 @@ async fn tables_in_a_named_schema() {
     assert_eq!(
         billing.migrate().await.unwrap(),
         vec![
-            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18
+            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19
         ]
     );
     let mut tx = billing.begin().await;
@@ -39,7 +39,7 @@ async fn concurrent_migrations_apply_once() {
         [
             vec![],
             vec![
-                1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18
+                1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19
             ]
         ]
     );
