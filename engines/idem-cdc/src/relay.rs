@@ -7,7 +7,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use idem_core::TableNames;
@@ -121,11 +121,11 @@ pub struct CdcRelay<P> {
     health: Health,
     /// Set once this process has made or read the slot: from then on a missing slot is lost,
     /// whatever the publication's comment says (a role that may not comment on it).
-    slot_seen: std::sync::atomic::AtomicBool,
+    slot_seen: AtomicBool,
     /// Set once `--create-slot` made a slot: it makes one at most.
-    create_used: std::sync::atomic::AtomicBool,
+    create_used: AtomicBool,
     /// Set once a failure to record the slot was logged (a standby tries at every poll).
-    record_warned: std::sync::atomic::AtomicBool,
+    record_warned: AtomicBool,
 }
 
 /// The dependency names the CDC relay reports (`CdcRelay::health`): its database (the
@@ -158,9 +158,9 @@ impl<P: Publisher> CdcRelay<P> {
             config,
             metrics,
             health: Health::new(),
-            slot_seen: std::sync::atomic::AtomicBool::new(false),
-            create_used: std::sync::atomic::AtomicBool::new(false),
-            record_warned: std::sync::atomic::AtomicBool::new(false),
+            slot_seen: AtomicBool::new(false),
+            create_used: AtomicBool::new(false),
+            record_warned: AtomicBool::new(false),
         }
     }
 
