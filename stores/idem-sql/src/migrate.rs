@@ -31,6 +31,7 @@ macro_rules! migrations {
         $sixteenth:literal,
         $seventeenth:literal,
         $eighteenth:literal,
+        $nineteenth:literal,
         $last:literal
     ) => {
         &[
@@ -190,11 +191,20 @@ macro_rules! migrations {
             ),
             (
                 19,
-                $last,
+                $nineteenth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0019_outbox_events_written_once.sql"
+                )),
+            ),
+            (
+                20,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0020_outbox_parked_edits_after_commit.sql"
                 )),
             ),
         ]

@@ -13,7 +13,7 @@ async fn tables_in_a_named_schema() {
     assert_eq!(
         billing.migrate().await.unwrap(),
         vec![
-            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19
+            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20
         ]
     );
     let mut tx = billing.begin().await;
@@ -39,7 +39,7 @@ async fn concurrent_migrations_apply_once() {
         [
             vec![],
             vec![
-                1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19
+                1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20
             ]
         ]
     );
@@ -339,4 +339,53 @@ async fn a_writer_cannot_choose_the_row_id() {
         .await
         .unwrap();
     assert_eq!(ids, vec![1, 2, 3]);
+}
+
+/// A parked row's event columns change only after the park commits: INSERT, park, edit and
+/// unpark in one transaction would commit one event while the CDC relay streams the INSERT's,
+/// subtransactions included; a row parked by an earlier transaction is corrected as before.
+#[tokio::test]
+async fn a_parked_row_is_corrected_only_after_the_park_commits() {
+    let pg = Pg::new().await;
+    let insert = "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+                  VALUES (gen_random_uuid(), 'order', 'o-1', 'order.paid', '{\"n\": 1}')";
+    let park = "UPDATE idem_outbox SET status = 'parked', last_error = 'held'";
+    let edit = "UPDATE idem_outbox SET payload = '{\"n\": 2}'";
+    for savepoint in [false, true] {
+        let mut tx = pg.begin().await;
+        if savepoint {
+            tx.exec("SAVEPOINT s").await.unwrap();
+        }
+        tx.exec(insert).await.unwrap();
+        if savepoint {
+            tx.exec("RELEASE SAVEPOINT s").await.unwrap();
+            tx.exec("SAVEPOINT t").await.unwrap();
+        }
+        tx.exec(park).await.unwrap();
+        let err = tx
+            .exec(edit)
+            .await
+            .expect_err("an edit of a row parked by its own writer");
+        assert!(err.contains("written_once_check"), "{err}");
+    }
+
+    // Written and parked by earlier transactions: corrected and retried.
+    pg.exec(insert).await.unwrap();
+    let mut tx = pg.begin().await;
+    tx.exec(park).await.unwrap();
+    let err = tx
+        .exec(edit)
+        .await
+        .expect_err("an edit in the parking transaction");
+    assert!(err.contains("written_once_check"), "{err}");
+    drop(tx);
+    pg.exec(park).await.unwrap();
+    pg.exec("UPDATE idem_outbox SET payload = '{\"n\": 2}', status = 'pending'")
+        .await
+        .unwrap();
+    let payload: String = sqlx::query_scalar("SELECT payload::text FROM idem_outbox")
+        .fetch_one(pg.pool())
+        .await
+        .unwrap();
+    assert_eq!(payload, "{\"n\": 2}");
 }

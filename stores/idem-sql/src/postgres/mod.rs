@@ -59,7 +59,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox trigger functions with their own search_path",
     "outbox text converts to UTF-8",
     "outbox row ids generated always",
-    "outbox events written once"
+    "outbox events written once",
+    "outbox parked rows corrected after their commit"
 );
 
 /// Connects a pool suited to the relay and the CLI.

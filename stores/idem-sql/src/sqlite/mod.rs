@@ -51,7 +51,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox trigger functions with their own search_path (PostgreSQL; none here)",
     "outbox text converts to UTF-8 (PostgreSQL; none here)",
     "outbox row ids generated always (PostgreSQL; none here)",
-    "outbox events written once"
+    "outbox events written once",
+    "outbox parked rows corrected after their commit (PostgreSQL; none here)"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).
