@@ -17,6 +17,18 @@ pub enum FailureKind {
     /// Never handed to the broker because an earlier message with the same topic and key
     /// failed in the same call (sending it would break per-key order). Not an attempt.
     NotSent,
+    /// Its topic has failed every message for a grace period and the cluster then answered that
+    /// the topic is missing or refuses this producer ([`TopicState::is_unwritable`]): nothing
+    /// sent to it can succeed until an operator acts. Parked at once, with the reason.
+    Unwritable,
+}
+
+impl FailureKind {
+    /// Whether retrying the message where it is cannot help ([`Permanent`](Self::Permanent) or
+    /// [`Unwritable`](Self::Unwritable)): it is parked, or dead-lettered, instead.
+    pub fn is_permanent(self) -> bool {
+        matches!(self, FailureKind::Permanent | FailureKind::Unwritable)
+    }
 }
 
 /// Why one message was not acknowledged.

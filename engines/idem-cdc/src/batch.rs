@@ -179,7 +179,7 @@ pub fn reported(
         let key = (m.topic.as_str(), m.key.as_str());
         let retry_from = first_retry.get(&key).copied();
         match result {
-            Err(e) if e.kind == FailureKind::Permanent => out.refused.push((i, e.reason)),
+            Err(e) if e.kind.is_permanent() => out.refused.push((i, e.reason)),
             Err(_) => {
                 first_retry.entry(key).or_insert(pos);
                 out.again.push(i);

@@ -64,6 +64,8 @@ pub async fn drain<P: Publisher>(
         topics: config.naming.clone(),
         source: config.source.clone(),
         prune: None,
+        // The CDC relay's publisher sets unwritable topics aside already, on its own clock.
+        unwritable_topic_grace: None,
         ..RelayConfig::default()
     };
     let metrics = RelayMetrics::unregistered()?;

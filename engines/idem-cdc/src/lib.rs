@@ -49,7 +49,6 @@ pub mod record;
 pub mod relay;
 pub mod session;
 pub mod slot;
-pub mod unwritable;
 
 pub use error::CdcError;
 pub use metrics::CdcMetrics;

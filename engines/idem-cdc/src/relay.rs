@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_core::TableNames;
 use idem_core::health::Health;
-use idem_core::publish::{FailureKind, Message, Publisher};
+use idem_core::publish::{Message, Publisher};
 use idem_core::wire::TopicNaming;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use sqlx::PgPool;
@@ -25,7 +25,7 @@ use crate::error::CdcError;
 use crate::metrics::CdcMetrics;
 use crate::session::replication_config;
 use crate::slot::{self, Name, Publishes, SlotState};
-use crate::unwritable::Unwritable;
+use idem_relay::unwritable::Unwritable;
 
 /// What the relay reads.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,7 +65,7 @@ pub struct CdcConfig {
     /// How long messages to a topic may fail without a success before the relay asks the
     /// cluster about the topic; when it answers that the topic does not exist or may not be
     /// written, its rows are parked and the others flow (table mode only:
-    /// [`crate::unwritable`]).
+    /// [`idem_relay::unwritable`]).
     pub unwritable_topic_grace: Duration,
     /// Where events that cannot be published are dead-lettered (message mode, and rows whose
     /// id cannot be read).
@@ -678,7 +678,7 @@ impl<P: Publisher> CdcRelay<P> {
                     .refused
                     .with_label_values(&["dead_lettered"])
                     .inc(),
-                Err(e) if e.kind == FailureKind::Permanent => {
+                Err(e) if e.kind.is_permanent() => {
                     return Err(CdcError::Config(format!(
                         "the dead-letter topic {:?} refuses a record for good ({}): fix the topic \
                          (its name, its ACLs, max.message.bytes) or choose another with \

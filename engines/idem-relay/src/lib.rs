@@ -4,6 +4,7 @@ mod cycle;
 mod message;
 mod metrics;
 mod outcome;
+pub mod unwritable;
 
 use std::future::Future;
 use std::sync::atomic::AtomicI64;
@@ -13,6 +14,7 @@ use idem_core::health::Health;
 use idem_core::outbox::{Claim, PrunePolicy};
 use idem_core::publish::Publisher;
 use idem_core::{Error, OutboxStore, Result};
+use unwritable::Unwritable;
 
 pub use idem_core::wire::{DEFAULT_TOPIC_PREFIX, TopicNaming};
 pub use metrics::RelayMetrics;
@@ -38,6 +40,11 @@ pub struct RelayConfig {
     pub retry_backoff: Duration,
     /// Longest backoff.
     pub retry_backoff_max: Duration,
+    /// How long messages to a topic may fail without a success before the relay asks the
+    /// cluster about the topic; when it answers that the topic does not exist or may not be
+    /// written, its rows are parked at once with the reason ([`unwritable`]). `None`: such rows
+    /// are retried for ever, holding back their aggregates.
+    pub unwritable_topic_grace: Option<Duration>,
     /// Topic naming.
     pub topics: TopicNaming,
     /// `ce_source`; `None` means `/idem/<aggregate_type>`.
@@ -59,6 +66,7 @@ impl Default for RelayConfig {
             max_attempts: 5,
             retry_backoff: Duration::from_millis(500),
             retry_backoff_max: Duration::from_secs(60),
+            unwritable_topic_grace: Some(Duration::from_secs(60)),
             topics: TopicNaming::default(),
             source: None,
             prune: Some((Duration::from_secs(60), PrunePolicy::default())),
@@ -96,7 +104,7 @@ pub struct BatchReport {
 /// The relay: claims outbox rows, publishes them, waits for every delivery report, marks them.
 pub struct Relay<S, P> {
     store: S,
-    publisher: P,
+    publisher: Unwritable<P>,
     config: RelayConfig,
     metrics: RelayMetrics,
     /// Highest id marked published (used only by the `id-watermark` negative control).
@@ -184,7 +192,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     pub fn new(store: S, publisher: P, config: RelayConfig, metrics: RelayMetrics) -> Self {
         Relay {
             store,
-            publisher,
+            publisher: Unwritable::new(publisher, config.unwritable_topic_grace),
             config,
             metrics,
             watermark: AtomicI64::new(0),

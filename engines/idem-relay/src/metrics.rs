@@ -258,6 +258,7 @@ fn kind_label(kind: FailureKind) -> &'static str {
         FailureKind::Transient => "transient",
         FailureKind::Permanent => "permanent",
         FailureKind::NotSent => "not_sent",
+        FailureKind::Unwritable => "unwritable",
     }
 }
 

@@ -66,9 +66,11 @@ pub(crate) fn classify(
                 Ok(()) => RowOutcome::HeldBehind,
                 Err(error) => {
                     blocked.insert(key);
-                    let park = error.kind == FailureKind::Permanent
-                        && r.permanent_failures + 1 >= policy.max_attempts
-                        && !(policy.never_park)();
+                    let park = match error.kind {
+                        FailureKind::Permanent => r.permanent_failures + 1 >= policy.max_attempts,
+                        FailureKind::Unwritable => true,
+                        FailureKind::Transient | FailureKind::NotSent => false,
+                    } && !(policy.never_park)();
                     let next = if park { Next::Park } else { Next::Retry };
                     RowOutcome::Failed { error, next }
                 }
@@ -107,10 +109,10 @@ pub(crate) fn corrupt(id: i64, reason: &str) -> Failure {
 }
 
 /// What the store does with a row that failed with `kind`, given the decision `next`. Only a
-/// permanent failure parks.
+/// permanent failure, or one to a topic the cluster says is unwritable, parks.
 fn disposition(kind: FailureKind, next: Next) -> Disposition {
     match (kind, next) {
-        (FailureKind::Permanent, Next::Park) => Disposition::Park,
+        (FailureKind::Permanent | FailureKind::Unwritable, Next::Park) => Disposition::Park,
         (FailureKind::Permanent, Next::Retry) => Disposition::Permanent,
         (FailureKind::NotSent, _) => Disposition::NotSent,
         (_, _) => Disposition::Retry,

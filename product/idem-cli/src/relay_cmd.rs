@@ -40,6 +40,11 @@ pub struct RelayArgs {
     /// Backoff after a failed attempt (doubles per attempt, at most 60s).
     #[arg(long, default_value = "500ms", value_parser = parse_duration)]
     retry_backoff: Duration,
+    /// How long messages to one topic may fail without a success before the relay asks the
+    /// cluster about it; a topic it says does not exist or may not be written has its rows
+    /// parked at once, with the reason (`idem outbox retry` once it is fixed).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    unwritable_topic_grace: Duration,
     /// Topic prefix before the aggregate type.
     #[arg(long, default_value = idem_relay::DEFAULT_TOPIC_PREFIX)]
     topic_prefix: String,
@@ -110,6 +115,7 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
         idle_poll_max: args.idle_poll_max,
         max_attempts: args.max_attempts.max(1),
         retry_backoff: args.retry_backoff,
+        unwritable_topic_grace: Some(args.unwritable_topic_grace),
         topics: TopicNaming {
             prefix: args.topic_prefix,
             overrides: args.topics.into_iter().collect::<BTreeMap<_, _>>(),

@@ -3,18 +3,19 @@
 //! A topic that does not exist (a cluster that does not create topics on first use, a new
 //! aggregate type, a `topic` override) or that the relay's principal may not write (an ACL)
 //! fails every message sent to it with a transient error: the cluster's state, which can
-//! change. The CDC relay confirms nothing past an unacknowledged message, so one such event
-//! would hold back every later event of every aggregate and pin the slot's WAL for as long as
-//! the topic stays that way. [`Unwritable`] wraps the relay's publisher: once messages to a
-//! topic have failed for `grace` without a success in between, it asks the cluster about the
-//! topic; when the cluster answers that the topic is missing or not writable, those failures
-//! become permanent, so the relay parks the rows with the reason and the others flow. A cluster that does not answer is
-//! an outage, not a topic's problem: its failures stay transient and are retried without end.
+//! change. Retried in place for ever, such an event holds back its aggregate (the polling
+//! relay) or, since the CDC relay confirms nothing past an unacknowledged message, every later
+//! event of every aggregate and the slot's WAL. [`Unwritable`] wraps a relay's publisher: once
+//! messages to a topic have failed for `grace` without a success in between, it asks the
+//! cluster about the topic; when the cluster answers that the topic is missing or not writable,
+//! those failures become [`FailureKind::Unwritable`], so the relay parks the rows with the
+//! reason and the others flow. A cluster that does not answer is an outage, not a topic's
+//! problem: its failures stay transient and are retried without end.
 //!
-//! Table mode only: a parked row keeps the whole event, and `idem outbox retry` publishes it
-//! once the topic exists. Message mode has no table, and its dead letter is an excerpt that
-//! cannot be published again, so there the relay keeps waiting for the topic (the events are
-//! in the slot's WAL; `/readyz` reports the publishing failure).
+//! A parked row keeps the whole event: `idem outbox retry` publishes it once the topic exists.
+//! The CDC relay's message mode has no table, and its dead letter is an excerpt that cannot be
+//! published again, so there the relay keeps waiting for the topic (the events are in the
+//! slot's WAL; `/readyz` reports the publishing failure).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
@@ -23,8 +24,8 @@ use std::time::{Duration, Instant};
 use idem_core::publish::{FailureKind, Message, PublishError, Publisher, TopicState};
 
 /// A publisher whose transient failures on a topic the cluster says is unwritable become
-/// permanent once the topic has failed for `grace` (`None`: never, the failures pass as they
-/// are).
+/// [`FailureKind::Unwritable`] once the topic has failed for `grace` (`None`: never, the
+/// failures pass as they are).
 pub struct Unwritable<P> {
     inner: P,
     grace: Option<Duration>,
@@ -78,8 +79,8 @@ impl<P: Publisher> Publisher for Unwritable<P> {
 }
 
 /// How long without a failure ends a topic's run of failures (or the grace, when longer): far
-/// beyond any retry backoff (the CDC relay's waits reach 10 s, the drain's claim cycle's a
-/// minute), so a topic failing at every attempt stays one run.
+/// beyond any retry backoff (the CDC relay's waits reach 10 s, the polling relay's and the
+/// drain's claim cycle's a minute), so a topic failing at every attempt stays one run.
 const RUN_GAP: Duration = Duration::from_secs(300);
 
 /// A topic's run of failures: when it began and when the last one happened. A run ends with a
@@ -136,7 +137,7 @@ fn failing_for(
         .collect()
 }
 
-/// Turns the retryable failures of `topic` into permanent ones, with what to do.
+/// Turns the retryable failures of `topic` into unwritable ones, with what to do.
 fn set_aside(
     messages: &[Message],
     results: &mut [Result<(), PublishError>],
@@ -158,7 +159,7 @@ fn set_aside(
                 .map(|e| e.reason.clone())
                 .unwrap_or_default();
             *r = Err(PublishError {
-                kind: FailureKind::Permanent,
+                kind: FailureKind::Unwritable,
                 reason: format!(
                     "{why}; its events failed for {} s or more. Create the topic or grant \
                      the write, then `idem outbox retry`. Last error: {last}",
@@ -261,7 +262,7 @@ mod tests {
             Duration::from_secs(60),
         );
         let first = results[0].as_ref().unwrap_err();
-        assert_eq!(first.kind, FailureKind::Permanent);
+        assert_eq!(first.kind, FailureKind::Unwritable);
         assert!(
             first.reason.contains("topic missing does not exist"),
             "{}",
