@@ -64,6 +64,43 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
             .any(|v| v.as_str().unwrap().starts_with("parked")),
         "the oversized row should be parked: {r:#}"
     );
+    // The classes of the third review: each ended as it must (`ok` holds every row to it).
+    let fate = |name: &str| -> Vec<String> {
+        contained
+            .iter()
+            .filter(|(k, _)| k.starts_with(&format!("{name} ")))
+            .map(|(_, v)| v.as_str().unwrap().to_owned())
+            .collect()
+    };
+    let missing_topic = fate("topic_that_does_not_exist");
+    assert!(!missing_topic.is_empty(), "{r:#}");
+    assert!(
+        missing_topic
+            .iter()
+            .all(|f| f.contains("chaos-no-such-topic does not exist")),
+        "{missing_topic:?}"
+    );
+    let refused = fate("refused_by_a_business_rule");
+    assert!(!refused.is_empty(), "{r:#}");
+    assert!(
+        refused
+            .iter()
+            .all(|f| f.matches("SQLSTATE P0001").count() == 2),
+        "both groups dead-letter the business rule's refusal: {refused:?}"
+    );
+    assert!(!fate("writer_with_its_own_search_path").is_empty(), "{r:#}");
+    for refused_whole in [
+        "orm_insert_then_update",
+        "park_edit_unpark_in_one_transaction",
+    ] {
+        assert!(fate(refused_whole).is_empty(), "{refused_whole}: {r:#}");
+    }
+    assert_eq!(
+        r["burst"]["rows"], 1000,
+        "a burst written before the relays started: {r:#}"
+    );
+    assert!(r["burst"]["drained_seconds"].as_f64().is_some(), "{r:#}");
+    assert!(faults["outbox_locked"].as_u64().unwrap() >= 1, "{r:#}");
     assert_eq!(r["panics"], serde_json::json!([]));
     // The windows: a points API slower than its key lock, and a lock held on settlements.
     for kind in ["slow_points_api", "long_lock"] {

@@ -4,7 +4,12 @@
 //! group, each with its reason — while the other events keep flowing and no process panics.
 //!
 //! A round inserts the whole catalogue with fresh event ids and aggregate ids of its own, so a
-//! contained row holds back nothing but itself.
+//! contained row holds back nothing but itself. Besides single statements, a round runs writers
+//! of more than one statement ([`TRANSACTIONS`]): an ORM's insert-then-update, a park-edit-unpark
+//! in the inserting transaction, and a writer with its own search_path shadowing what the
+//! outbox's triggers use. One row names a topic that does not exist (the run's brokers create
+//! none: the relays park it), one is refused by a business rule of the consumers' database
+//! ([`BUSINESS_RULE`]: both groups dead-letter it).
 
 use std::collections::BTreeMap;
 
@@ -61,6 +66,77 @@ const CATALOGUE: &[(&str, Expect, &str, &str, &str, &str)] = &[
     ("unicode_aggregate_id", Contained, "", "", "order.paid", "'null'"),
     ("payload_nested_5000_deep", Either, "", "", "order.paid",
         "(repeat('[', 5000) || repeat(']', 5000))::jsonb"),
+    // A byte that is not UTF-8: the run's databases are UTF8, whose input refuses it (a
+    // SQL_ASCII database stores it, and the outbox's own check refuses it there: schema 17).
+    ("text_that_is_not_utf8", Refused, ", traceparent", r", E'\xff'", "order.paid", "'{}'"),
+    // Parked by the relays once the cluster says the topic does not exist.
+    ("topic_that_does_not_exist", Contained, ", topic", ", 'chaos-no-such-topic'", "order.paid",
+        "'{}'"),
+    // A well-formed event the consumers' database refuses (RAISE EXCEPTION, SQLSTATE P0001).
+    ("refused_by_a_business_rule", Contained, "", "", "order.paid",
+        r#"jsonb_build_object('order_id', 'hostile-{round}', 'payment_id', 'refused-by-rule-{round}', 'amount', '1.00', 'currency', 'EUR')"#),
+];
+
+/// The consumers' business rule: payments named `refused-by-rule-…` are refused with `RAISE
+/// EXCEPTION` (P0001), by the settlement and the audit tables alike.
+pub const BUSINESS_RULE: &str = r"
+CREATE OR REPLACE FUNCTION chaos_business_rule() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.payment_id LIKE 'refused-by-rule-%' THEN
+        RAISE EXCEPTION 'payment % is refused by a business rule', NEW.payment_id;
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER chaos_business_rule BEFORE INSERT ON settlements
+    FOR EACH ROW EXECUTE FUNCTION chaos_business_rule();
+CREATE TRIGGER chaos_business_rule BEFORE INSERT ON audit_log
+    FOR EACH ROW EXECUTE FUNCTION chaos_business_rule();
+";
+
+/// Installs [`BUSINESS_RULE`] in the consumers' database.
+pub async fn install_business_rule(settlement: &AnyPool) -> anyhow::Result<()> {
+    let AnyPool::Postgres(pool) = settlement else {
+        anyhow::bail!("the business rule is PostgreSQL's PL/pgSQL");
+    };
+    sqlx::raw_sql(BUSINESS_RULE).execute(pool).await?;
+    Ok(())
+}
+
+/// Writers of more than one statement, each in one transaction: (name, expected, statements,
+/// a check after the commit that must return true). `{insert}` is an insert of an event of the
+/// writer's own aggregate `{aggregate}`.
+#[rustfmt::skip]
+const TRANSACTIONS: &[(&str, Expect, &[&str], Option<&str>)] = &[
+    // An ORM's flush-then-update: the CDC relay streams the INSERT, so the outbox refuses it.
+    ("orm_insert_then_update", Refused, &[
+        "{insert}",
+        "UPDATE idem_outbox SET payload = '{\"edited\": true}' WHERE aggregate_id = {aggregate}",
+    ], None),
+    // The same through a park in the inserting transaction (schema 20).
+    ("park_edit_unpark_in_one_transaction", Refused, &[
+        "{insert}",
+        "UPDATE idem_outbox SET status = 'parked', last_error = 'x' WHERE aggregate_id = {aggregate}",
+        "UPDATE idem_outbox SET payload = '{\"edited\": true}' WHERE aggregate_id = {aggregate}",
+        "UPDATE idem_outbox SET status = 'pending' WHERE aggregate_id = {aggregate}",
+    ], None),
+    // A TEMP table named like the aggregates' counter and a function named like the one that
+    // stamps the WAL position, first on the writer's search_path: the triggers use neither.
+    ("writer_with_its_own_search_path", Contained, &[
+        "CREATE SCHEMA IF NOT EXISTS chaos_hostile",
+        "CREATE OR REPLACE FUNCTION chaos_hostile.pg_current_wal_insert_lsn() RETURNS pg_lsn \
+         LANGUAGE sql AS $$ SELECT 'FFFFFFFF/FFFFFFFF'::pg_lsn $$",
+        "CREATE TEMP TABLE idem_outbox_aggregates (aggregate_type text, aggregate_id text, \
+         last_seq bigint, PRIMARY KEY (aggregate_type, aggregate_id)) ON COMMIT DROP",
+        "INSERT INTO pg_temp.idem_outbox_aggregates VALUES ('order', {aggregate}, 41)",
+        "SET LOCAL search_path = chaos_hostile, pg_temp, pg_catalog, public",
+        "{insert}",
+        "{insert}",
+    ], Some(
+        "SELECT array_agg(aggregate_seq::bigint ORDER BY id) = ARRAY[1, 2]::bigint[] \
+           AND bool_and(written_lsn <= pg_current_wal_insert_lsn()) \
+         FROM public.idem_outbox WHERE aggregate_type = 'order' AND aggregate_id = {aggregate}",
+    )),
 ];
 
 fn catalogue() -> Vec<Row> {
@@ -95,9 +171,50 @@ fn insert_sql(round: u64, r: &Row) -> String {
          VALUES ({event_id}, 'order', {aggregate_id}, '{}', {}{}) RETURNING event_id::text",
         r.columns,
         r.event_type.replace('\'', "''"),
-        r.payload,
+        r.payload.replace("{round}", &round.to_string()),
         r.values
     )
+}
+
+/// The statements of a writer of more than one statement, placeholders filled in.
+fn transaction_sql(round: u64, name: &str, statements: &[&str]) -> Vec<String> {
+    let aggregate = format!("'hostile-{round}-{name}'");
+    let insert = format!(
+        "INSERT INTO public.idem_outbox (event_id, aggregate_type, aggregate_id, event_type, \
+         payload) VALUES (gen_random_uuid(), 'order', {aggregate}, 'order.paid', '{{}}') \
+         RETURNING event_id::text"
+    );
+    statements
+        .iter()
+        .map(|s| {
+            s.replace("{insert}", &insert)
+                .replace("{aggregate}", &aggregate)
+        })
+        .collect()
+}
+
+/// Runs one writer of more than one statement in a transaction: the event ids it stored, or
+/// the first refusal.
+async fn run_transaction(
+    pool: &sqlx::PgPool,
+    statements: &[String],
+    check: Option<&str>,
+) -> Result<(Vec<String>, bool), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let mut stored = vec![];
+    for sql in statements {
+        stored.extend(
+            sqlx::query_scalar::<_, String>(sql)
+                .fetch_all(&mut *tx)
+                .await?,
+        );
+    }
+    tx.commit().await?;
+    let held = match check {
+        Some(sql) => sqlx::query_scalar::<_, bool>(sql).fetch_one(pool).await?,
+        None => true,
+    };
+    Ok((stored, held))
 }
 
 /// A stored hostile row, to be accounted for when the run settles.
@@ -141,6 +258,39 @@ pub async fn insert_round(orders: &AnyPool, round: u64) -> anyhow::Result<Round>
             (Err(e), Expect::Contained) => out.violations.push(format!(
                 "hostile row {}: expected PostgreSQL to store it (the harness would test nothing), got: {e}",
                 r.name
+            )),
+            (Err(_), _) => out.refused += 1,
+        }
+    }
+    for &(name, expect, statements, check) in TRANSACTIONS {
+        let statements = transaction_sql(round, name, statements);
+        let aggregate = format!("'hostile-{round}-{name}'");
+        let check = check.map(|c| c.replace("{aggregate}", &aggregate));
+        match (
+            run_transaction(pool, &statements, check.as_deref()).await,
+            expect,
+        ) {
+            (Ok((stored, held)), expect) => {
+                if expect == Expect::Refused {
+                    out.violations.push(format!(
+                        "hostile writer {name}: the outbox contract accepted it (events {stored:?})"
+                    ));
+                }
+                if !held {
+                    out.violations.push(format!(
+                        "hostile writer {name}: its events are not what the outbox's triggers \
+                         must make of them (aggregate_seq 1, 2 and a WAL position already \
+                         written)"
+                    ));
+                }
+                out.accepted
+                    .extend(stored.into_iter().map(|event_id| Accepted {
+                        name: name.to_owned(),
+                        event_id,
+                    }));
+            }
+            (Err(e), Expect::Contained) => out.violations.push(format!(
+                "hostile writer {name}: expected PostgreSQL to store it, got: {e}"
             )),
             (Err(_), _) => out.refused += 1,
         }

@@ -12,7 +12,7 @@ use super::procs::{Proc, Rng, Role};
 use super::schedule::{self, FaultKind, Plan, Revival, Schedule, Slot};
 use super::topology::Topology;
 use super::windows::Windows;
-use super::{crash_counts, hostile};
+use super::{burst, crash_counts, hostile, locker};
 use crate::demo::world::Databases;
 use idem_conformance::private_pg::PrivatePg;
 
@@ -36,6 +36,8 @@ pub struct Injected {
     pub hostile_violations: Vec<String>,
     /// The windows, still to be closed.
     pub windows: Windows,
+    /// The burst written before the relays started, and how fast it drained.
+    pub burst: burst::Burst,
 }
 
 /// The run's processes and where they report.
@@ -52,6 +54,8 @@ pub struct World<'a> {
     pub crash_log: &'a Path,
     /// The run's own PostgreSQL server (`--pg-restart`), crashed and restarted during the run.
     pub server: Option<&'a PrivatePg>,
+    /// The burst's order prefix and size (written before the processes started).
+    pub burst: (&'a str, i64),
 }
 
 /// Timers of the injection loop.
@@ -63,6 +67,11 @@ struct Timers {
     last_progress: Instant,
     /// When the next PostgreSQL crashes are due (`--pg-restart`), soonest last.
     pg_restarts: Vec<Instant>,
+    next_lock: Instant,
+    /// Locks of the outbox under way.
+    locks: Vec<tokio::task::JoinHandle<anyhow::Result<locker::Locked>>>,
+    /// When the burst was last looked at; `None` once drained.
+    burst_checked: Option<Instant>,
 }
 
 /// Injects faults until `seconds` have passed.
@@ -85,12 +94,19 @@ pub async fn inject(
             Some(_) => pg_restart_times(started, seconds),
             None => vec![],
         },
+        next_lock: started + Duration::from_secs(10),
+        locks: vec![],
+        burst_checked: Some(started),
     };
     let mut out = Injected {
         faults: BTreeMap::new(),
         hostile_accepted: vec![],
         hostile_violations: vec![],
         windows: Windows::new(started, w.crash_log.with_file_name("faults.log")),
+        burst: burst::Burst {
+            rows: w.burst.1,
+            drained_seconds: None,
+        },
     };
     while Instant::now() < end {
         supervise(w.procs, rng);
@@ -101,6 +117,14 @@ pub async fn inject(
         if now >= t.next_hostile {
             hostile_round(w.dbs, &mut t, &mut out, now, rng).await?;
         }
+        if now >= t.next_lock {
+            let (orders, hold) = (w.dbs.orders.clone(), schedule::lock_hold(rng));
+            t.locks.push(tokio::spawn(async move {
+                locker::lock_pending(&orders, hold).await
+            }));
+            t.next_lock = now + schedule::lock_interval(rng);
+        }
+        watch_burst(w, &mut t, &mut out.burst, now).await?;
         if now >= t.last_scrape + Duration::from_secs(1) {
             for p in w.procs.iter_mut().filter(|p| p.role != Role::Broker) {
                 p.scrape(&COUNTERS);
@@ -127,7 +151,43 @@ pub async fn inject(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    for lock in t.locks {
+        // A lock that PostgreSQL's restart (`--pg-restart`) cut short did nothing to count.
+        let Ok(Ok(locked)) = lock.await else {
+            *out.faults.entry("outbox_lock_lost".to_owned()).or_default() += 1;
+            continue;
+        };
+        *out.faults.entry("outbox_locked".to_owned()).or_default() += 1;
+        *out.faults
+            .entry("outbox_lock_waiters_terminated".to_owned())
+            .or_default() += u64::try_from(locked.terminated).unwrap_or(0);
+    }
     Ok(out)
+}
+
+/// Records when the burst has drained, looking once per [`burst::CHECK_EVERY`].
+async fn watch_burst(
+    w: &World<'_>,
+    t: &mut Timers,
+    burst: &mut burst::Burst,
+    now: Instant,
+) -> anyhow::Result<()> {
+    let Some(checked) = t.burst_checked else {
+        return Ok(());
+    };
+    if now < checked + burst::CHECK_EVERY {
+        return Ok(());
+    }
+    t.burst_checked = Some(now);
+    // A PostgreSQL restart (`--pg-restart`) makes a check fail: the next one counts.
+    if burst::drained(&w.dbs.orders, w.burst.0)
+        .await
+        .unwrap_or(false)
+    {
+        burst.drained_seconds = Some(now.duration_since(t.started).as_secs_f64());
+        t.burst_checked = None;
+    }
+    Ok(())
 }
 
 /// When the server is crashed: at 40 % and at 70 % of the run (latest first, popped from the

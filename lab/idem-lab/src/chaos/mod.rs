@@ -13,11 +13,13 @@
 //! password role, the points API over HTTPS, secrets in files; afterwards every log of the run
 //! is searched for its passwords (`secure`).
 
+mod burst;
 mod diagnose;
 mod hostile;
 mod inject;
 pub mod kafka;
 pub mod kafka_txn;
+mod locker;
 mod procs;
 mod report;
 mod schedule;
@@ -143,6 +145,9 @@ pub struct ChaosReport {
     /// Hostile rows written through the SQL contract: per row (name and event id), where it
     /// ended; refused rows are counted in `faults` (`hostile_rows_refused`).
     pub hostile_rows: BTreeMap<String, String>,
+    /// The orders written in one burst just before the relays started, and how fast they
+    /// drained.
+    pub burst: burst::Burst,
     /// Panics in any process's log (a process a foreign writer or a remote can panic).
     pub panics: Vec<String>,
     /// Processes that exited on their own: not killed or stopped by the runner, not a crash
@@ -367,6 +372,10 @@ async fn drive(
     let mut topology = topology_of(args, dbs, run, api_port, prepared.bootstrap);
     topology.kafka = kafka;
     topology.secure = secure;
+    hostile::install_business_rule(&dbs.settlement).await?;
+    let burst_prefix = format!("burst-{run}-");
+    let burst_rows = burst::rows_for(args.seconds);
+    burst::write(&dbs.orders, &burst_prefix, burst_rows).await?;
     let mut procs = processes(args, &topology, prepared.nodes, dir, &crash_log)?;
     topology::start(&mut procs, &topology, args.kafka_nodes, dir).await?;
     eprintln!(
@@ -396,6 +405,7 @@ async fn drive(
         nodes: args.kafka_nodes,
         crash_log: &crash_log,
         server,
+        burst: (&burst_prefix, burst_rows),
     };
     let mechanism = args.break_mechanism.as_deref();
     let mut injected = inject::inject(&mut world, args.seconds, mechanism, &mut rng).await?;

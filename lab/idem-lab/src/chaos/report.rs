@@ -73,6 +73,7 @@ pub async fn report(
         seconds: args.seconds,
         overlapping_executions: exact.overlapping_executions,
         hostile_violations: exact.hostile_violations,
+        burst: injected.burst.shortfall(),
         panics: exact.panics,
         unconsumed: exact.unconsumed,
         verify_clean: verify.clean,
@@ -112,6 +113,7 @@ pub async fn report(
         unconsumed: numbers.unconsumed,
         duplicate_effects: verify.duplicate_effects(),
         hostile_rows: exact.hostile_rows,
+        burst: injected.burst,
         panics: numbers.panics,
         unexpected_exits: exact.unexpected_exits,
         overlapping_executions: exact.overlapping_executions,
@@ -180,6 +182,14 @@ pub fn print(r: &ChaosReport) {
         if r.ok { "OK" } else { "FAILED" }
     );
     println!("  orders                         {}", r.orders);
+    println!(
+        "  burst before the relays        {} orders, {}",
+        r.burst.rows,
+        match (r.burst.drained_seconds, r.burst.rate()) {
+            (Some(s), Some(rate)) => format!("drained in {s:.1} s ({rate:.0} rows/s)"),
+            _ => "not drained during the injection".to_owned(),
+        }
+    );
     for (k, v) in &r.faults {
         println!("  fault {k:<40} {v}");
     }

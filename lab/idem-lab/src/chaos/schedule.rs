@@ -404,6 +404,16 @@ pub fn hostile_interval(rng: &mut Rng) -> Duration {
     rng.between(Duration::from_secs(20), Duration::from_secs(40))
 }
 
+/// When the outbox's pending rows are locked next: in 20 to 40 s.
+pub fn lock_interval(rng: &mut Rng) -> Duration {
+    rng.between(Duration::from_secs(20), Duration::from_secs(40))
+}
+
+/// How long a lock of the outbox's pending rows is held before its waiters are terminated.
+pub fn lock_hold(rng: &mut Rng) -> Duration {
+    rng.between(Duration::from_secs(1), Duration::from_secs(4))
+}
+
 /// The role of the processes that reach `point`.
 pub fn role_of_point(point: &str) -> Role {
     if point.starts_with("relay.") || point.starts_with("cdc.") {

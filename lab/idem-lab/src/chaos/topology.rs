@@ -192,6 +192,9 @@ fn relay(t: &Topology) -> Vec<String> {
         &t.prefix,
         "--producer-config",
         "message.timeout.ms=2000",
+        // The hostile topic that does not exist is parked within the run.
+        "--unwritable-topic-grace",
+        "10s",
         "--metrics-addr",
         "127.0.0.1:0",
     ]));

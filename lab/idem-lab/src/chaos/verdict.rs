@@ -20,6 +20,8 @@ pub struct Numbers {
     pub overlapping_executions: i64,
     /// Hostile rows the contract treated otherwise than it should, or left uncontained.
     pub hostile_violations: Vec<String>,
+    /// Why the burst written before the relays started fails the run (a crawl), if it does.
+    pub burst: Option<String>,
     /// Panics in the processes' logs.
     pub panics: Vec<String>,
     /// Per check, missing effects whose events their group has not consumed yet.
@@ -63,6 +65,8 @@ pub enum Failure {
     OverlappingExecutions(i64),
     /// A hostile row was mishandled or left open (the description says how).
     Hostile(String),
+    /// The burst written before the relays started drained too slowly, or not at all.
+    Burst(String),
     /// Processes panicked.
     Panics {
         /// How many panics.
@@ -99,6 +103,7 @@ impl fmt::Display for Failure {
                 "duplicate execution: {n} overlapping executions of one Idempotency-Key in the slow points API"
             ),
             Failure::Hostile(s) => f.write_str(s),
+            Failure::Burst(s) => write!(f, "liveness: {s}"),
             Failure::Panics { count, first } => {
                 write!(f, "{count} panic(s) in process logs, first: {first}")
             }
@@ -141,6 +146,7 @@ pub fn verdict(n: &Numbers) -> Vec<Failure> {
         failures.push(Failure::OverlappingExecutions(n.overlapping_executions));
     }
     failures.extend(n.hostile_violations.iter().cloned().map(Failure::Hostile));
+    failures.extend(n.burst.iter().cloned().map(Failure::Burst));
     if let Some(first) = n.panics.first() {
         failures.push(Failure::Panics {
             count: n.panics.len(),
