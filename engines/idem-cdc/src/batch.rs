@@ -27,7 +27,7 @@ pub enum Item {
 }
 
 /// An event (or a row, or a message) that is not published: parked or dead-lettered.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Refusal {
     /// The outbox row (table mode, when its id decoded): it is parked.
     pub row_id: Option<i64>,
@@ -40,6 +40,10 @@ pub struct Refusal {
     pub content_bytes: usize,
     /// Why.
     pub reason: String,
+    /// The whole record, when it could be published but for its topic (one the cluster says
+    /// is missing or refused): its dead letter keeps it whole, to be replayed once the topic
+    /// takes records (`idem cdc replay-dead-letters`).
+    pub record: Option<Message>,
 }
 
 impl Refusal {
@@ -51,6 +55,15 @@ impl Refusal {
             content_bytes: content.len(),
             content,
             reason,
+            record: None,
+        }
+    }
+
+    /// A refusal of `record`, whole, for its topic.
+    pub fn of_topic(row_id: Option<i64>, record: Message, reason: String) -> Self {
+        Refusal {
+            record: Some(record.clone()),
+            ..Refusal::new(row_id, None, record.payload, reason)
         }
     }
 }
@@ -154,8 +167,8 @@ fn message_bytes(m: &Message) -> usize {
 pub struct Reported {
     /// Indices (into the batch's messages) to send again, in order.
     pub again: Vec<usize>,
-    /// Indices refused for good, with the broker's reason.
-    pub refused: Vec<(usize, String)>,
+    /// Indices refused for good, with the broker's failure.
+    pub refused: Vec<(usize, PublishError)>,
 }
 
 /// Sorts the reports of `sent` (indices into `messages`, in the order they were handed to the
@@ -179,7 +192,7 @@ pub fn reported(
         let key = (m.topic.as_str(), m.key.as_str());
         let retry_from = first_retry.get(&key).copied();
         match result {
-            Err(e) if e.kind.is_permanent() => out.refused.push((i, e.reason)),
+            Err(e) if e.kind.is_permanent() => out.refused.push((i, e)),
             Err(_) => {
                 first_retry.entry(key).or_insert(pos);
                 out.again.push(i);
@@ -245,7 +258,10 @@ pub(crate) mod tests {
             &[0, 1, 2],
             &[err(FailureKind::Permanent), err(FailureKind::NotSent)],
         );
-        assert_eq!(r.refused, vec![(0, "Permanent".to_owned())]);
+        assert_eq!(
+            r.refused,
+            vec![(0, err(FailureKind::Permanent).unwrap_err())]
+        );
         assert_eq!(r.again, vec![1, 2], "no report for 2: sent again");
     }
 

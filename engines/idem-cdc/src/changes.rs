@@ -216,6 +216,7 @@ impl Assembler {
                 content: String::from_utf8_lossy(cut).into_owned(),
                 content_bytes: content.len(),
                 reason,
+                record: None,
             })
         };
         let open = match self.open.as_mut() {
@@ -411,11 +412,32 @@ pub const DEAD_LETTER_EXCERPT_BYTES: usize = 64 * 1024;
 /// refuses (a header name of a megabyte).
 pub const DEAD_LETTER_REASON_BYTES: usize = 1024;
 
+/// The header of a whole-record dead letter naming the topic the record was meant for.
+pub const DEAD_LETTER_TOPIC: &str = "idem_dead_letter_topic";
+
+/// The header of a dead letter holding why it was refused.
+pub const DEAD_LETTER_REASON: &str = "idem_dead_letter_reason";
+
 /// The dead-letter record of a refusal: the reason and where it came from in headers, what
-/// was read as the value.
+/// was read as the value. A record refused for its topic alone is kept whole: its key, value
+/// and headers, the topic it was meant for in [`DEAD_LETTER_TOPIC`].
 pub fn dead_letter(topic: &str, r: &Refusal) -> Message {
     let reason = excerpt(&r.reason, DEAD_LETTER_REASON_BYTES).to_owned();
-    let mut headers = vec![("idem_dead_letter_reason".to_owned(), reason)];
+    if let Some(record) = &r.record {
+        let mut headers = record.headers.clone();
+        headers.push((DEAD_LETTER_REASON.to_owned(), reason));
+        headers.push((DEAD_LETTER_TOPIC.to_owned(), record.topic.clone()));
+        if let Some(lsn) = r.lsn {
+            headers.push(("idem_lsn".to_owned(), show_lsn(lsn)));
+        }
+        return Message {
+            topic: topic.to_owned(),
+            key: record.key.clone(),
+            payload: record.payload.clone(),
+            headers,
+        };
+    }
+    let mut headers = vec![(DEAD_LETTER_REASON.to_owned(), reason)];
     if let Some(id) = r.row_id {
         headers.push(("idem_outbox_id".to_owned(), id.to_string()));
     }
@@ -441,6 +463,25 @@ pub fn dead_letter(topic: &str, r: &Refusal) -> Message {
     }
 }
 
+/// The record a whole-record dead letter kept, as it was meant to be published: its topic
+/// from [`DEAD_LETTER_TOPIC`], without the dead letter's own headers. `None` for a dead letter
+/// that is an excerpt (nothing to publish again).
+pub fn replayable(letter: &Message) -> Option<Message> {
+    let topic = letter.header(DEAD_LETTER_TOPIC)?.to_owned();
+    let ours = [DEAD_LETTER_TOPIC, DEAD_LETTER_REASON, "idem_lsn"];
+    Some(Message {
+        topic,
+        key: letter.key.clone(),
+        payload: letter.payload.clone(),
+        headers: letter
+            .headers
+            .iter()
+            .filter(|(name, _)| !ours.contains(&name.as_str()))
+            .cloned()
+            .collect(),
+    })
+}
+
 /// The longest prefix of `s` of at most `max` bytes that ends at a character boundary.
 fn excerpt(s: &str, max: usize) -> &str {
     let mut end = max.min(s.len());
@@ -453,6 +494,35 @@ fn excerpt(s: &str, max: usize) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_record_refused_for_its_topic_is_dead_lettered_whole_and_replayed_as_it_was() {
+        let record = Message {
+            topic: "orders.v2".to_owned(),
+            key: "o-1".to_owned(),
+            payload: r#"{"n":1}"#.to_owned(),
+            headers: vec![("ce_id".to_owned(), "e-1".to_owned())],
+        };
+        let mut refusal = Refusal::of_topic(None, record.clone(), "missing".to_owned());
+        refusal.lsn = Some(0x16_0000_0028);
+        let letter = dead_letter("dl", &refusal);
+        assert_eq!(letter.topic, "dl");
+        assert_eq!(letter.key, "o-1");
+        assert_eq!(letter.payload, record.payload);
+        assert_eq!(letter.header("ce_id"), Some("e-1"));
+        assert_eq!(letter.header(DEAD_LETTER_TOPIC), Some("orders.v2"));
+        assert_eq!(letter.header(DEAD_LETTER_REASON), Some("missing"));
+        assert_eq!(replayable(&letter), Some(record));
+        let excerpt = dead_letter(
+            "dl",
+            &Refusal::new(None, Some(1), "abc".to_owned(), "r".to_owned()),
+        );
+        assert_eq!(
+            replayable(&excerpt),
+            None,
+            "an excerpt is never published again"
+        );
+    }
 
     #[test]
     fn a_dead_letter_carries_a_bounded_excerpt_cut_at_a_character() {

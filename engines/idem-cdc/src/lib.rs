@@ -47,6 +47,7 @@ pub mod metrics;
 pub mod pgoutput;
 pub mod record;
 pub mod relay;
+pub mod replay;
 pub mod session;
 pub mod slot;
 

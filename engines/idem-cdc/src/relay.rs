@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_core::TableNames;
 use idem_core::health::Health;
-use idem_core::publish::{Message, Publisher};
+use idem_core::publish::{FailureKind, Message, Publisher};
 use idem_core::wire::TopicNaming;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use sqlx::PgPool;
@@ -64,8 +64,8 @@ pub struct CdcConfig {
     pub retry_backoff_max: Duration,
     /// How long messages to a topic may fail without a success before the relay asks the
     /// cluster about the topic; when it answers that the topic does not exist or may not be
-    /// written, its rows are parked and the others flow (table mode only:
-    /// [`idem_relay::unwritable`]).
+    /// written, its rows are parked (table mode) or its records dead-lettered whole (message
+    /// mode), and the others flow ([`idem_relay::unwritable`]).
     pub unwritable_topic_grace: Duration,
     /// Where events that cannot be published are dead-lettered (message mode, and rows whose
     /// id cannot be read).
@@ -153,7 +153,7 @@ impl<P: Publisher> CdcRelay<P> {
             pool,
             publisher: Arc::new(Unwritable::new(
                 publisher,
-                matches!(config.mode, Mode::Table(_)).then_some(config.unwritable_topic_grace),
+                Some(config.unwritable_topic_grace),
             )),
             config,
             metrics,
@@ -579,16 +579,18 @@ impl<P: Publisher> CdcRelay<P> {
             };
             let r = reported(&batch.messages, &pending, &results);
             refused_by_broker += r.refused.len();
-            for (i, reason) in r.refused {
+            for (i, error) in r.refused {
                 let row_id = batch.rows.get(i).copied().flatten();
-                let content = batch
-                    .messages
-                    .get(i)
-                    .map(|m| m.payload.clone())
-                    .unwrap_or_default();
-                batch
-                    .refused
-                    .push(Refusal::new(row_id, None, content, reason));
+                let refusal = match batch.messages.get(i) {
+                    Some(m) if error.kind == FailureKind::Unwritable => {
+                        Refusal::of_topic(row_id, m.clone(), error.reason)
+                    }
+                    m => {
+                        let content = m.map(|m| m.payload.clone()).unwrap_or_default();
+                        Refusal::new(row_id, None, content, error.reason)
+                    }
+                };
+                batch.refused.push(refusal);
             }
             if r.again.is_empty() {
                 self.health.ok(PUBLISHING);

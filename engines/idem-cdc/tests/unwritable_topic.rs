@@ -140,3 +140,89 @@ async fn an_event_for_a_topic_that_does_not_exist_is_set_aside_and_the_others_fl
     published(&w, &[&o4], &mut running).await; // a later batch flows
     stop(running).await;
 }
+
+/// Message mode has no table to park in: the record for the missing topic is dead-lettered
+/// whole (key, value, headers, and the topic it was meant for), the slot confirms past it, the
+/// others flow; once the topic exists, `replay` publishes it there as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn message_mode_dead_letters_the_whole_record_and_replays_it_once_the_topic_exists() {
+    let cluster = KafkaCluster::start_with(1, &[("auto.create.topics.enable", "false")]);
+    let mut w = World::new().await;
+    let mode = Mode::Messages {
+        prefix: "idem.outbox".to_owned(),
+    };
+    let (config, missing) = setup(&mut w, cluster.brokers(), mode).await;
+    let r = relay(
+        &w,
+        cluster.brokers(),
+        config,
+        CdcMetrics::unregistered().unwrap(),
+    );
+    r.prepare().await.unwrap();
+    let mut running = spawn(r);
+    let (o1, i1, o2) = (order("o-1"), invoice("i-1"), order("o-2"));
+    for e in [&o1, &i1, &o2] {
+        let mut tx = w.pg.pool().begin().await.unwrap();
+        idem_sql::MessageOutbox::default()
+            .enqueue_all(&mut tx, std::slice::from_ref(e))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    published(&w, &[&o1, &o2], &mut running).await;
+    let letters = w.records_in(&w.dead_letters, 2, &mut running).await;
+    let letter = letters
+        .iter()
+        .find(|l| l.header("ce_id") == Some(i1.id().to_string().as_str()))
+        .unwrap_or_else(|| panic!("no dead letter of i-1: {letters:?}"));
+    assert_eq!(
+        letter.header("idem_dead_letter_topic"),
+        Some(missing.as_str())
+    );
+    let why = letter.header("idem_dead_letter_reason").unwrap();
+    assert!(
+        why.contains(&format!("topic {missing} does not exist")),
+        "{why}"
+    );
+    let after_i1 = w.wal_position().await;
+    let slot = idem_cdc::Name::new("slot", &w.slot).unwrap();
+    eventually("the slot to confirm past the invoice", || async {
+        idem_cdc::slot_state(w.pg.pool(), &slot)
+            .await
+            .unwrap()
+            .and_then(|s| s.confirmed_flush_lsn)
+            .as_deref()
+            .and_then(idem_cdc::changes::parse_lsn)
+            .is_some_and(|confirmed| i64::try_from(confirmed).unwrap() >= after_i1)
+    })
+    .await;
+    stop(running).await;
+
+    // The topic made, the letter goes where it was meant to, as it was.
+    let producer = idem_kafka::producer_config(cluster.brokers(), &[]).unwrap();
+    let publisher = KafkaPublisher::new(producer)
+        .unwrap()
+        .with_topic_creation(1, Some(1));
+    let as_message = |r: &idem_kafka::inspect::Record| idem_core::publish::Message {
+        topic: w.dead_letters.clone(),
+        key: r.key.clone().unwrap_or_default(),
+        payload: r.payload.clone().unwrap_or_default(),
+        headers: r.headers.clone(),
+    };
+    let all: Vec<_> = letters.iter().map(as_message).collect();
+    let done = idem_cdc::replay::replay(&publisher, &all, std::slice::from_ref(&missing)).await;
+    assert_eq!(done.published, 1, "{done:?}");
+    assert!(done.failed.is_empty(), "{done:?}");
+    let mut idle = common::spawn_idle();
+    let replayed = w.records_in(&missing, 1, &mut idle).await;
+    assert_eq!(replayed.len(), 1);
+    let (got, kept) = (&replayed[0], letter);
+    assert_eq!(
+        (got.key.as_deref(), got.payload.as_deref()),
+        (kept.key.as_deref(), kept.payload.as_deref())
+    );
+    assert_eq!(got.header("ce_id"), kept.header("ce_id"));
+    assert_eq!(got.header("idem_dead_letter_topic"), None);
+    assert_eq!(got.header("idem_dead_letter_reason"), None);
+    stop(idle).await;
+}

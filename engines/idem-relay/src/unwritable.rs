@@ -13,9 +13,8 @@
 //! problem: its failures stay transient and are retried without end.
 //!
 //! A parked row keeps the whole event: `idem outbox retry` publishes it once the topic exists.
-//! The CDC relay's message mode has no table, and its dead letter is an excerpt that cannot be
-//! published again, so there the relay keeps waiting for the topic (the events are in the
-//! slot's WAL; `/readyz` reports the publishing failure).
+//! The CDC relay's message mode has no table: there the record is dead-lettered whole, and
+//! `idem cdc replay-dead-letters` publishes it once the topic exists.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;

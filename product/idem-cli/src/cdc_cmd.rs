@@ -42,6 +42,31 @@ pub enum CdcCommand {
         #[arg(long)]
         slot: String,
     },
+    /// Publish again the records message mode dead-lettered whole because their topic was
+    /// missing or not writable, once it takes records: each to the topic it was meant for, as
+    /// it was (key, value, headers). At least once: the consumers' inboxes absorb a record
+    /// replayed twice. Letters that are excerpts (a record refused for itself) are counted,
+    /// never published.
+    ReplayDeadLetters(Box<ReplayArgs>),
+}
+
+/// `idem cdc replay-dead-letters`.
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// Kafka bootstrap servers (host:port,...).
+    #[arg(long, env = "IDEM_BROKERS")]
+    brokers: String,
+    /// The relay's dead-letter topic.
+    #[arg(long, default_value = "idem.cdc.dead_letters")]
+    dead_letter_topic: String,
+    /// Replay only the records meant for this topic (repeatable; default: every topic).
+    #[arg(long = "topic")]
+    topics: Vec<String>,
+    /// Give up reading the dead-letter topic after this many seconds.
+    #[arg(long, default_value_t = 30)]
+    timeout_secs: u64,
+    #[command(flatten)]
+    producer: crate::relay_cmd::ProducerArgs,
 }
 
 /// `idem cdc relay`.
@@ -98,7 +123,8 @@ pub struct CdcRelayArgs {
     delete_published: bool,
     /// How long messages to one topic may fail without a success before the relay asks the
     /// cluster about it; a topic it says does not exist or may not be written has its rows
-    /// parked so that the others flow (table mode; message mode keeps waiting).
+    /// parked (table mode) or its records dead-lettered whole (message mode: `idem cdc
+    /// replay-dead-letters` once the topic takes records), so that the others flow.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     unwritable_topic_grace: Duration,
     #[command(flatten)]
@@ -109,6 +135,7 @@ pub struct CdcRelayArgs {
 pub async fn run(cmd: CdcCommand) -> anyhow::Result<()> {
     match cmd {
         CdcCommand::Relay(args) => relay(*args).await,
+        CdcCommand::ReplayDeadLetters(args) => replay_dead_letters(*args).await,
         CdcCommand::Status { db, slot, json } => {
             let pool = pool(&db).await?;
             let state = idem_cdc::slot_state(&pool, &Name::new("slot", &slot)?).await?;
@@ -133,6 +160,52 @@ pub async fn run(cmd: CdcCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `idem cdc replay-dead-letters`: reads the dead-letter topic whole and republishes.
+async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
+    const BIN: &str = "idem cdc replay-dead-letters";
+    let kafka = crate::relay_cmd::Kafka::connect(&args.brokers, &args.producer, BIN).await?;
+    let conn = args
+        .producer
+        .kafka
+        .connection(&args.brokers)?
+        .client_config();
+    let (topic, timeout) = (
+        args.dead_letter_topic.clone(),
+        Duration::from_secs(args.timeout_secs),
+    );
+    let records = tokio::task::spawn_blocking(move || {
+        idem_kafka::inspect::read_all_with(&conn, &topic, timeout)
+    })
+    .await??;
+    let letters: Vec<idem_core::publish::Message> = records
+        .into_iter()
+        .map(|r| idem_core::publish::Message {
+            topic: args.dead_letter_topic.clone(),
+            key: r.key.unwrap_or_default(),
+            payload: r.payload.unwrap_or_default(),
+            headers: r.headers,
+        })
+        .collect();
+    let done = idem_cdc::replay::replay(&kafka.publisher, &letters, &args.topics).await;
+    println!(
+        "{BIN}: {} of {} letters published again ({} excerpts, {} for other topics)",
+        done.published,
+        letters.len(),
+        done.excerpts,
+        done.other_topics
+    );
+    for (topic, why) in &done.failed {
+        eprintln!("{BIN}: a record for {topic} was not published: {why}");
+    }
+    if !done.failed.is_empty() {
+        anyhow::bail!(
+            "{} records were not published; their letters stay: fix the cause and run it again",
+            done.failed.len()
+        );
+    }
+    Ok(())
 }
 
 fn print_status(slot: &str, state: Option<&idem_cdc::SlotState>, json: bool) -> anyhow::Result<()> {
