@@ -134,7 +134,7 @@ pub struct CdcRelay<P> {
 /// broker answers while nothing is sent is the command's to watch.
 pub(crate) const DATABASE: &str = "database";
 /// See [`DATABASE`].
-pub(crate) const SLOT: &str = "slot";
+pub const SLOT: &str = "slot";
 /// See [`DATABASE`].
 pub(crate) const PUBLISHING: &str = "publishing";
 

@@ -371,3 +371,63 @@ async fn the_dispatchers_readyz_follows_its_database() {
     );
     stops_cleanly(&mut dispatcher, Duration::from_secs(10));
 }
+
+/// A CDC relay whose slot is gone (dropped behind its back, or absent on a standby a failover
+/// promoted) stops streaming and stays up: `/metrics` shows `idem_cdc_slot_lost` 1 and
+/// `/readyz` says why, until SIGTERM, after which it exits with the error. A relay that exited
+/// at once would take the gauge with it, and the alert on it would never fire.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cdc_relay_whose_slot_is_gone_stays_up_to_report_it() {
+    let pg = Pg::new().await;
+    let slot = format!("lost_{}", kafka::unique("s").replace('-', "_"));
+    let publication = format!("{slot}_pub");
+    let brokers = kafka::shared();
+    let args = [
+        "cdc",
+        "relay",
+        "--db",
+        pg.url(),
+        "--brokers",
+        &brokers,
+        "--slot",
+        &slot,
+        "--publication",
+        &publication,
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ];
+    let mut first = spawn("cdc-first", &args);
+    first.wait_for_line("idem cdc relay: slot", Duration::from_secs(60));
+    first.signal(15);
+    assert!(first.wait_exit(Duration::from_secs(30)).success());
+    let dropped = eventually("the slot dropped", Duration::from_secs(30), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(pg_drop_replication_slot(slot_name)) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND NOT active",
+        )
+        .bind(&slot)
+        .fetch_one(pg.pool())
+        .await
+        .ok()
+        .filter(|n| *n == 1)
+    })
+    .await;
+    assert_eq!(dropped, 1);
+
+    let mut second = spawn("cdc-second", &args);
+    let addr = second.metrics_addr();
+    eventually("idem_cdc_slot_lost 1", Duration::from_secs(60), || async {
+        let body = http_get(addr, "/metrics");
+        (idem_conformance::process::metric_value(&body, "idem_cdc_slot_lost", &[]) == Some(1.0))
+            .then_some(())
+    })
+    .await;
+    let report = readyz(addr);
+    assert_eq!(report["ready"], false, "{report}");
+    let why = check(&report, "slot").unwrap_or_default().to_string();
+    assert!(why.contains("--create-slot"), "{report}");
+    second.wait_for_line("stopped streaming", Duration::from_secs(10));
+    second.signal(15);
+    let status = second.wait_exit(Duration::from_secs(30));
+    assert!(!status.success(), "{status:?}");
+}

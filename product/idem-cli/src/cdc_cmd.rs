@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
-use idem_cdc::{CdcConfig, CdcMetrics, CdcRelay, Mode, Name};
+use idem_cdc::{CdcConfig, CdcError, CdcMetrics, CdcRelay, Mode, Name};
 use idem_core::wire::TopicNaming;
 
 use crate::db::{self, DbArgs};
@@ -300,22 +300,49 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
             crate::metrics_server::serve_with(addr, registry.clone(), health.clone()).await?;
         eprintln!("idem cdc relay: metrics on http://{bound}/metrics (probes /healthz, /readyz)");
     }
-    let relay = CdcRelay::new(&args.db.db, pool, publisher.clone(), config, metrics).health(health);
-    let state = relay
-        .prepare()
-        .await
-        .context("preparing the publication and the slot")?;
-    eprintln!(
-        "idem cdc relay: slot {} (confirmed {}) → {brokers}",
-        state.slot,
-        state.confirmed_flush_lsn.as_deref().unwrap_or("-")
-    );
-    relay.run(shutdown).await?;
+    let relay =
+        CdcRelay::new(&args.db.db, pool, publisher.clone(), config, metrics).health(health.clone());
+    let (ran, stage) = match relay.prepare().await {
+        Ok(state) => {
+            eprintln!(
+                "idem cdc relay: slot {} (confirmed {}) → {brokers}",
+                state.slot,
+                state.confirmed_flush_lsn.as_deref().unwrap_or("-")
+            );
+            (relay.run(shutdown).await, "streaming from the slot")
+        }
+        Err(e) => (Err(e), "preparing the publication and the slot"),
+    };
+    match ran {
+        Err(e @ (CdcError::SlotMissing { .. } | CdcError::SlotLost { .. }))
+            if args.metrics_addr.is_some() =>
+        {
+            return Err(hold_for_operator(e, &health).await);
+        }
+        ran => ran.context(stage)?,
+    }
     if let Err(e) = publisher.flush(Duration::from_secs(5)) {
         tracing::warn!(error = %e, "producer flush at shutdown");
     }
     eprintln!("idem cdc relay: stopped cleanly");
     Ok(())
+}
+
+/// A slot that is gone needs an operator (`--create-slot`, or `idem cdc drop-slot`): the relay
+/// stops streaming but keeps serving `/metrics` (`idem_cdc_slot_lost` 1) and `/readyz` (not
+/// ready, saying why) until it is told to stop, so that the alert on the gauge fires; a process
+/// that exited at once would take the gauge with it.
+async fn hold_for_operator(e: CdcError, health: &idem_core::health::Health) -> anyhow::Error {
+    health.failed(idem_cdc::relay::SLOT, &e);
+    eprintln!(
+        "idem cdc relay: {e}\nidem cdc relay: stopped streaming; serving /metrics \
+         (idem_cdc_slot_lost 1) and /readyz until told to stop"
+    );
+    match shutdown_signal() {
+        Ok(stop) => stop.await,
+        Err(err) => return anyhow::Error::new(e).context(format!("waiting for a signal: {err}")),
+    }
+    anyhow::Error::new(e)
 }
 
 #[cfg(test)]
