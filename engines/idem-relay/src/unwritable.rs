@@ -7,8 +7,8 @@
 //! relay) or, since the CDC relay confirms nothing past an unacknowledged message, every later
 //! event of every aggregate and the slot's WAL. [`Unwritable`] wraps a relay's publisher: once
 //! messages to a topic have failed for `grace` without a success in between, it asks the
-//! cluster about the topic; when the cluster answers that the topic is missing or not writable,
-//! those failures become [`FailureKind::Unwritable`], so the relay parks the rows with the
+//! cluster about the topic at each failed attempt; when the cluster answers twice in a row that
+//! the topic is missing or not writable, those failures become [`FailureKind::Unwritable`], so the relay parks the rows with the
 //! reason and the others flow. A cluster that does not answer is an outage, not a topic's
 //! problem: its failures stay transient and are retried without end.
 //!
@@ -60,10 +60,12 @@ impl<P: Publisher> Publisher for Unwritable<P> {
         };
         // One question per topic, all at once: an outage makes each wait its timeout.
         let states = futures::future::join_all(due.iter().map(|t| self.inner.topic_state(t))).await;
-        for (topic, state) in due.iter().zip(states) {
-            if state.is_unwritable() {
-                set_aside(messages, &mut results, topic, state, grace);
-            }
+        let settled = {
+            let mut failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
+            confirmed(&mut failing, due.iter().zip(states))
+        };
+        for (topic, state) in settled {
+            set_aside(messages, &mut results, &topic, state, grace);
         }
         results
     }
@@ -89,6 +91,36 @@ const RUN_GAP: Duration = Duration::from_secs(300);
 struct Failing {
     since: Instant,
     last: Instant,
+    /// The cluster's answers in a row, since the grace, that the topic is unwritable.
+    unwritable: u32,
+}
+
+/// Answers in a row, at separate attempts, that a topic is unwritable before its messages are
+/// set aside: one answer may come from a broker whose metadata lags a topic just created or
+/// a write just granted.
+const ANSWERS: u32 = 2;
+
+/// Records the cluster's answers about the due topics; returns those whose last [`ANSWERS`]
+/// answers all said unwritable. Any other answer starts the count again.
+fn confirmed<'a>(
+    failing: &mut HashMap<String, Failing>,
+    answers: impl Iterator<Item = (&'a String, TopicState)>,
+) -> Vec<(String, TopicState)> {
+    let mut out = vec![];
+    for (topic, state) in answers {
+        let Some(run) = failing.get_mut(topic) else {
+            continue;
+        };
+        run.unwritable = if state.is_unwritable() {
+            run.unwritable + 1
+        } else {
+            0
+        };
+        if run.unwritable >= ANSWERS {
+            out.push((topic.clone(), state));
+        }
+    }
+    out
 }
 
 /// Whether `result` is a failure that says nothing of the message itself.
@@ -125,9 +157,11 @@ fn failing_for(
             let run = failing.entry((*t).to_owned()).or_insert(Failing {
                 since: now,
                 last: now,
+                unwritable: 0,
             });
             if now.duration_since(run.last) > RUN_GAP.max(grace) {
                 run.since = now;
+                run.unwritable = 0;
             }
             run.last = now;
             now.duration_since(run.since) >= grace
@@ -228,6 +262,22 @@ mod tests {
         );
         let due = failing_for(&mut failing, &messages, &results, later + grace, grace);
         assert_eq!(due.len(), 1);
+    }
+
+    #[test]
+    fn a_topic_is_set_aside_only_after_two_unwritable_answers_in_a_row() {
+        let (grace, t0) = (Duration::ZERO, Instant::now());
+        let mut failing = HashMap::new();
+        let messages = [msg("t")];
+        let mut ask = |state: TopicState| {
+            let due = failing_for(&mut failing, &messages, &[transient()], t0, grace);
+            confirmed(&mut failing, due.iter().map(|t| (t, state))).len()
+        };
+        assert_eq!(ask(TopicState::Missing), 0, "one answer may lag");
+        assert_eq!(ask(TopicState::Unknown), 0, "another answer starts again");
+        assert_eq!(ask(TopicState::Missing), 0);
+        assert_eq!(ask(TopicState::NotAuthorized), 1);
+        assert_eq!(ask(TopicState::Missing), 1, "and stays set aside");
     }
 
     #[test]
