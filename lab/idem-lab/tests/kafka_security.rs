@@ -388,3 +388,89 @@ fn incoherent_flags_are_refused_before_connecting_and_help_hides_secret_values()
     assert!(!help.contains("help-must-not-show-this"), "{help}");
     assert!(!help.contains("nor-this"), "{help}");
 }
+
+/// A topic an ACL denies the relay's principal (SCRAM over SASL_SSL): the cluster's metadata
+/// says the relay may not write it, and the relay parks its rows with that reason while the
+/// rows of other topics are published.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_an_acl_denies_is_parked_with_why_and_the_others_flow() {
+    use idem_core::publish::{Publisher, TopicState};
+    let k = secured(Security::SaslSsl);
+    let (user, _) = k.user("SCRAM-SHA-512");
+    let (allowed, denied) = (kafka::unique("acl-allowed"), kafka::unique("acl-denied"));
+    k.deny(&format!("User:{user}"), &denied);
+    let settings = [("message.timeout.ms".to_owned(), "2000".to_owned())];
+    let producer = k.connection().producer_config(&settings).unwrap();
+    let creator = idem_kafka::KafkaPublisher::new(producer.clone())
+        .unwrap()
+        .with_topic_creation(1, Some(1));
+    let first = idem_core::publish::Message {
+        topic: allowed.clone(),
+        key: "setup".to_owned(),
+        payload: "{}".to_owned(),
+        headers: vec![],
+    };
+    assert!(creator.publish(&[first]).await.iter().all(Result::is_ok));
+    let publisher = idem_kafka::KafkaPublisher::new(producer).unwrap();
+    assert_eq!(
+        publisher.topic_state(&denied).await,
+        TopicState::NotAuthorized
+    );
+    assert_eq!(publisher.topic_state(&allowed).await, TopicState::Writable);
+
+    let pg = Pg::new().await;
+    let event = |aggregate_type: &str, id: &str| {
+        idem_core::Event::builder(aggregate_type, id, "x.happened")
+            .payload(&serde_json::json!({ "id": id }))
+            .build()
+            .unwrap()
+    };
+    let mut tx = pg.begin().await;
+    idem_conformance::backend::OpenTx::enqueue(
+        &mut tx,
+        &[
+            event("order", "o-1"),
+            event("invoice", "i-1"),
+            event("order", "o-2"),
+        ],
+    )
+    .await
+    .unwrap();
+    idem_conformance::backend::OpenTx::commit(tx).await;
+    let mut topics = idem_relay::TopicNaming::default();
+    topics.overrides.insert("order".to_owned(), allowed);
+    topics
+        .overrides
+        .insert("invoice".to_owned(), denied.clone());
+    let config = idem_relay::RelayConfig {
+        retry_backoff: Duration::from_millis(100),
+        retry_backoff_max: Duration::from_millis(500),
+        unwritable_topic_grace: Some(Duration::from_secs(2)),
+        topics,
+        prune: None,
+        ..idem_relay::RelayConfig::default()
+    };
+    let relay = idem_relay::Relay::builder(pg.store().clone(), publisher)
+        .config(config)
+        .build()
+        .unwrap();
+    let rows = "SELECT aggregate_id, status, COALESCE(last_error, '') FROM idem_outbox ORDER BY id";
+    let settled = eventually(
+        "the invoice parked, the orders published",
+        Duration::from_secs(60),
+        || async {
+            relay.run_once().await.unwrap();
+            let now: Vec<(String, String, String)> =
+                sqlx::query_as(rows).fetch_all(pg.pool()).await.unwrap();
+            now.iter()
+                .all(|(a, status, _)| status == if a == "i-1" { "parked" } else { "published" })
+                .then_some(now)
+        },
+    )
+    .await;
+    let why = &settled.iter().find(|(a, _, _)| a == "i-1").unwrap().2;
+    assert!(
+        why.contains(&format!("may not write topic {denied}")),
+        "{why}"
+    );
+}

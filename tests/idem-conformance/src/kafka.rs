@@ -408,6 +408,22 @@ rm -rf -- "$dir""#,
             .unwrap_or_else(|| panic!("the {:?} broker takes no OAUTHBEARER", self.security))
     }
 
+    /// Denies `principal` (`User:…`) every operation on `topic` with an ACL
+    /// (`scripts/kafka deny`).
+    pub fn deny(&self, principal: &str, topic: &str) {
+        let out = Command::new(script())
+            .arg("deny")
+            .arg(&self.dir)
+            .args([principal, topic])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "scripts/kafka deny: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// The broker's log (authorized requests with their principals, refused logins).
     pub fn broker_log(&self) -> String {
         std::fs::read_to_string(self.dir.join("node1/broker.log")).unwrap_or_default()
