@@ -63,12 +63,16 @@ struct Started {
 }
 
 async fn started(pg: &PrivatePg) -> Started {
+    started_on(pg, kafka::unique("cdc-restart"), false).await
+}
+
+/// [`started`], publishing to `topic`; `create_slot`: make the slot again if it is missing.
+async fn started_on(pg: &PrivatePg, topic: String, create_slot: bool) -> Started {
     let url = pg.url();
     let control = pool(&url).await;
     idem_postgres::migrate(&control, &TableNames::default())
         .await
         .unwrap();
-    let topic = kafka::unique("cdc-restart");
     let brokers = kafka::shared();
     let mut config = CdcConfig::new(
         Name::new("slot", "restart_slot").unwrap(),
@@ -82,6 +86,7 @@ async fn started(pg: &PrivatePg) -> Started {
     config.poll = Duration::from_millis(200);
     config.retry_backoff = Duration::from_millis(100);
     config.retry_backoff_max = Duration::from_millis(500);
+    config.create_slot = create_slot;
     let metrics = CdcMetrics::unregistered().unwrap();
     let publisher = KafkaPublisher::new(idem_kafka::producer_config(&brokers, &[]).unwrap())
         .unwrap()
@@ -204,4 +209,42 @@ async fn a_relay_outlives_a_postgresql_outage_between_its_sessions() {
     commit(&relay.control, &after).await;
     relay.expect(&[&before[0], &after[0]]).await;
     relay.stop().await;
+}
+
+/// A failover to a standby (`pg_basebackup`, synchronous) that has no logical slot, as a
+/// PostgreSQL 15 or 16 standby never has: the relay does not make a new slot on its own (it
+/// would stream only what commits after it) but stops with `SlotMissing` and
+/// `idem_cdc_slot_lost` 1; started again with `--create-slot`, table mode publishes every
+/// event, those committed on the new primary before the new slot included (its drain).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failover_to_a_standby_without_the_slot_stops_the_relay_and_create_slot_loses_nothing() {
+    let pg = PrivatePg::start();
+    pg.try_add_standby().unwrap();
+    let mut relay = started(&pg).await;
+    let before = [event("f-1")];
+    commit(&relay.control, &before).await;
+    relay.expect(&[&before[0]]).await;
+    pg.try_fail_over().unwrap();
+    let between = [event("f-2")];
+    commit(&relay.control, &between).await;
+    let ended = tokio::time::timeout(Duration::from_secs(90), &mut relay.task)
+        .await
+        .expect("the relay kept going on the promoted standby")
+        .unwrap();
+    assert!(
+        matches!(ended, Err(idem_cdc::CdcError::SlotMissing { .. })),
+        "{ended:?}"
+    );
+    assert_eq!(relay.metrics.slot_lost.get(), 1);
+    let slots: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_replication_slots")
+        .fetch_one(&relay.control)
+        .await
+        .unwrap();
+    assert_eq!(slots, 0, "no slot was made in silence");
+
+    let mut again = started_on(&pg, relay.topic.clone(), true).await;
+    let after = [event("f-3")];
+    commit(&again.control, &after).await;
+    again.expect(&[&before[0], &between[0], &after[0]]).await;
+    again.stop().await;
 }

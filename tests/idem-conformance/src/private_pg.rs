@@ -15,6 +15,8 @@ pub struct PrivatePg {
     bin: PathBuf,
     port: u16,
     as_postgres: bool,
+    /// The port of the streaming standby, while there is one ([`PrivatePg::try_add_standby`]).
+    standby: std::sync::Mutex<Option<u16>>,
 }
 
 impl PrivatePg {
@@ -41,6 +43,7 @@ impl PrivatePg {
             bin,
             port,
             as_postgres,
+            standby: std::sync::Mutex::new(None),
         };
         let data = pg.data();
         pg.run(
@@ -95,8 +98,125 @@ impl PrivatePg {
         self.ctl(&["start"])
     }
 
+    /// Makes a synchronous streaming standby of the server (`pg_basebackup -R`, on a port of
+    /// its own) and waits until it streams: from then on every commit waits until the standby
+    /// has it, so a failover loses no commit. Logical replication slots are not copied: the
+    /// standby has none, as a PostgreSQL 15 or 16 standby never has.
+    pub fn try_add_standby(&self) -> io::Result<()> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let standby = self.standby_data();
+        let primary = self.port.to_string();
+        self.run(
+            "pg_basebackup",
+            &[
+                "-D",
+                &standby,
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &primary,
+                "-U",
+                "postgres",
+                "-R",
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+                "--no-sync",
+            ],
+        )?;
+        let log = self.dir.path().join("standby.log").display().to_string();
+        let port_option = format!("-p {port}");
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                &standby,
+                "-l",
+                &log,
+                "-w",
+                "-o",
+                &port_option,
+                "start",
+            ],
+        )?;
+        *self.standby.lock().unwrap_or_else(|p| p.into_inner()) = Some(port);
+        // Synchronous from here on (the standby's own settings, copied before, have none).
+        let conf = Path::new(&self.data()).join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf)?;
+        text.push_str("synchronous_standby_names = '*'\n");
+        std::fs::write(&conf, text)?;
+        self.ctl(&["reload"])?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while self.psql("SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'")?
+            != "1"
+        {
+            if std::time::Instant::now() > deadline {
+                return Err(io::Error::other("the standby did not stream within 60 s"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        Ok(())
+    }
+
+    /// Fails over to the standby: the primary stops as a crash would, the standby is promoted,
+    /// then restarted in the primary's place (its data directory and port), so clients of
+    /// [`PrivatePg::url`] reconnect to the new primary.
+    pub fn try_fail_over(&self) -> io::Result<()> {
+        let standby = self
+            .standby
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if standby.is_none() {
+            return Err(io::Error::other(
+                "no standby to fail over to: try_add_standby first",
+            ));
+        }
+        let (data, standby) = (self.data(), self.standby_data());
+        self.ctl(&["stop", "-m", "immediate"])?;
+        self.run("pg_ctl", &["-D", &standby, "-w", "promote"])?;
+        self.run("pg_ctl", &["-D", &standby, "-w", "-m", "fast", "stop"])?;
+        let old = self.dir.path().join("data.failed");
+        std::fs::rename(&data, &old)?;
+        std::fs::rename(&standby, &data)?;
+        self.ctl(&["start"])
+    }
+
+    /// One value a query returns, as `psql -At` prints it.
+    fn psql(&self, sql: &str) -> io::Result<String> {
+        let port = self.port.to_string();
+        let out = self
+            .command("psql")
+            .args([
+                "-X",
+                "-At",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-c",
+                sql,
+            ])
+            .output()?;
+        if !out.status.success() {
+            return Err(io::Error::other(
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
     fn data(&self) -> String {
         self.dir.path().join("data").display().to_string()
+    }
+
+    fn standby_data(&self) -> String {
+        self.dir.path().join("standby").display().to_string()
     }
 
     fn ctl(&self, args: &[&str]) -> io::Result<()> {
@@ -133,9 +253,14 @@ impl PrivatePg {
 
 impl Drop for PrivatePg {
     fn drop(&mut self) {
-        let data = self.data();
-        let args = ["-D", data.as_str(), "-m", "immediate", "-w", "stop"];
-        let _ = self.command("pg_ctl").args(args).output();
+        let mut dirs = vec![self.data()];
+        if self.standby.lock().is_ok_and(|s| s.is_some()) {
+            dirs.push(self.standby_data());
+        }
+        for data in dirs {
+            let args = ["-D", data.as_str(), "-m", "immediate", "-w", "stop"];
+            let _ = self.command("pg_ctl").args(args).output();
+        }
     }
 }
 
