@@ -643,6 +643,7 @@ impl<P: Publisher> CdcRelay<P> {
                 (Mode::Table(t), Some(id)) => {
                     crate::changes::park(&self.pool, t, id, &r.reason).await?;
                     self.metrics.refused.with_label_values(&["parked"]).inc();
+                    tracing::error!(outbox_id = id, reason = %r.reason, "parked an outbox row");
                 }
                 _ => letters.push(crate::changes::dead_letter(
                     &self.config.dead_letter_topic,
@@ -675,11 +676,17 @@ impl<P: Publisher> CdcRelay<P> {
         let reports = results.into_iter().chain(std::iter::repeat_with(|| Ok(())));
         for (m, res) in letters.into_iter().zip(reports) {
             match res {
-                Ok(()) => self
-                    .metrics
-                    .refused
-                    .with_label_values(&["dead_lettered"])
-                    .inc(),
+                Ok(()) => {
+                    self.metrics
+                        .refused
+                        .with_label_values(&["dead_lettered"])
+                        .inc();
+                    tracing::error!(
+                        topic = %m.topic,
+                        reason = m.header(crate::changes::DEAD_LETTER_REASON).unwrap_or(""),
+                        "dead-lettered an event"
+                    );
+                }
                 Err(e) if e.kind.is_permanent() => {
                     return Err(CdcError::Config(format!(
                         "the dead-letter topic {:?} refuses a record for good ({}): fix the topic \

@@ -32,6 +32,7 @@ macro_rules! migrations {
         $seventeenth:literal,
         $eighteenth:literal,
         $nineteenth:literal,
+        $twentieth:literal,
         $last:literal
     ) => {
         &[
@@ -200,11 +201,20 @@ macro_rules! migrations {
             ),
             (
                 20,
-                $last,
+                $twentieth,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0020_outbox_parked_edits_after_commit.sql"
+                )),
+            ),
+            (
+                21,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0021_outbox_unpark_checked.sql"
                 )),
             ),
         ]

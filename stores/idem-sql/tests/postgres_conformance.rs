@@ -13,7 +13,7 @@ async fn tables_in_a_named_schema() {
     assert_eq!(
         billing.migrate().await.unwrap(),
         vec![
-            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20
+            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21
         ]
     );
     let mut tx = billing.begin().await;
@@ -39,7 +39,7 @@ async fn concurrent_migrations_apply_once() {
         [
             vec![],
             vec![
-                1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20
+                1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21
             ]
         ]
     );
@@ -388,4 +388,56 @@ async fn a_parked_row_is_corrected_only_after_the_park_commits() {
         .await
         .unwrap();
     assert_eq!(payload, "{\"n\": 2}");
+}
+
+/// A parked row returns to pending only if the writer's rules accept it: one stored before a
+/// rule (an infinite `occurred_at`, written with the rules off as a database upgraded from
+/// version 5 holds it) stays parked, and `retry --all` says which rule refuses it instead of
+/// handing every relay a row none can read. `aggregate_seq` never changes after the INSERT.
+#[tokio::test]
+async fn a_parked_row_the_rules_refuse_stays_parked_and_the_seq_never_changes() {
+    let pg = Pg::new().await;
+    rules(&pg, "DISABLE").await;
+    foreign_insert("hostile", "infinity")
+        .execute(pg.pool())
+        .await
+        .unwrap();
+    rules(&pg, "ENABLE").await;
+    pg.exec("UPDATE idem_outbox SET status = 'parked', last_error = 'infinite'")
+        .await
+        .unwrap();
+    let err = pg
+        .store()
+        .retry_parked(None)
+        .await
+        .expect_err("a row the rules refuse returned to pending");
+    assert!(err.to_string().contains("occurred_at_check"), "{err}");
+    let status: String = sqlx::query_scalar("SELECT status FROM idem_outbox")
+        .fetch_one(pg.pool())
+        .await
+        .unwrap();
+    assert_eq!(status, "parked");
+    // Corrected, it is retried.
+    pg.exec("UPDATE idem_outbox SET occurred_at = now()")
+        .await
+        .unwrap();
+    assert_eq!(pg.store().retry_parked(None).await.unwrap(), 1);
+
+    let err = pg
+        .exec("UPDATE idem_outbox SET aggregate_seq = aggregate_seq + 1")
+        .await
+        .expect_err("aggregate_seq changed");
+    assert!(err.contains("written_once_check"), "{err}");
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[idem_core::Event::builder("order", "o-2", "order.paid")
+        .payload(&serde_json::json!({"n": 2}))
+        .build()
+        .unwrap()])
+        .await
+        .unwrap();
+    let err = tx
+        .exec("UPDATE idem_outbox SET aggregate_seq = 7 WHERE aggregate_id = 'o-2'")
+        .await
+        .expect_err("aggregate_seq changed in the inserting transaction");
+    assert!(err.contains("written_once_check"), "{err}");
 }

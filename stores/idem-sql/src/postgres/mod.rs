@@ -29,6 +29,7 @@ const BASES: &[&str] = &[
     "outbox_stamp_lsn",
     "outbox_not_utf8",
     "outbox_keep_event",
+    "outbox_keep_seq",
     "outbox_archive",
     "outbox",
     "schema_migrations",
@@ -60,7 +61,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox text converts to UTF-8",
     "outbox row ids generated always",
     "outbox events written once",
-    "outbox parked rows corrected after their commit"
+    "outbox parked rows corrected after their commit",
+    "outbox rows unparked only when the rules accept them"
 );
 
 /// Connects a pool suited to the relay and the CLI.
