@@ -96,7 +96,7 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
         assert!(fate(refused_whole).is_empty(), "{refused_whole}: {r:#}");
     }
     assert_eq!(
-        r["burst"]["rows"], 1000,
+        r["burst"]["rows"], 10_000,
         "a burst written before the relays started: {r:#}"
     );
     assert!(r["burst"]["drained_seconds"].as_f64().is_some(), "{r:#}");
@@ -118,13 +118,21 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
 
 /// The same with CDC relays (`--cdc`: `idem cdc relay` on one slot, one reading and one
 /// waiting to take over) instead of the polling ones, on a PostgreSQL server of the run's own
-/// that is crashed (`pg_ctl stop -m immediate`) and restarted twice (`--pg-restart`): SIGKILLs,
-/// pauses, the CDC crash point (fired for real: the process aborts between Kafka's
-/// acknowledgement and the confirmation) and the server crashes lose nothing and double no
-/// effect.
+/// that is crashed (`pg_ctl stop -m immediate`) and restarted twice (`--pg-restart`) and fails
+/// over once to a standby without the slot (`--pg-failover`): SIGKILLs, pauses, the CDC crash
+/// point (fired for real: the process aborts between Kafka's acknowledgement and the
+/// confirmation), the server crashes and the failover lose nothing and double no effect.
 #[test]
 fn a_short_chaos_run_with_cdc_relays_loses_nothing_and_doubles_nothing() {
-    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1", "--cdc", "--pg-restart"]);
+    let (code, r, stderr) = chaos(&[
+        "--seconds",
+        "40",
+        "--seed",
+        "1",
+        "--cdc",
+        "--pg-restart",
+        "--pg-failover",
+    ]);
     assert_eq!(code, Some(0), "{r:#}\n{stderr}");
     assert_eq!(r["ok"], true);
     assert_eq!(
@@ -149,6 +157,9 @@ fn a_short_chaos_run_with_cdc_relays_loses_nothing_and_doubles_nothing() {
     }
     // Counted only once the server's start time moved: it crashed and came back, twice.
     assert_eq!(faults["postgres_restart"], 2, "{r:#}");
+    // A failover to the standby, which has no slot: one relay made it again when asked.
+    assert_eq!(faults["postgres_failover"], 1, "{r:#}");
+    assert_eq!(faults["cdc_slot_created_after_failover"], 1, "{r:#}");
     assert!(
         r["inbox_duplicate_deliveries"].as_i64().unwrap() > 0,
         "{r:#}"

@@ -186,6 +186,21 @@ async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_passwor
         done > 0 && https == done,
         "{https} of {done} awards over HTTPS"
     );
+    // A foreign writer's row for a topic an ACL denies the run's principal: parked as such.
+    let denied: Vec<&str> = r["hostile_rows"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with("topic_the_relay_may_not_write "))
+        .map(|(_, v)| v.as_str().unwrap())
+        .collect();
+    assert!(!denied.is_empty(), "{r:#}");
+    assert!(
+        denied
+            .iter()
+            .all(|f| f.contains("may not write topic chaos-denied-topic")),
+        "{denied:?}"
+    );
 
     eprintln!(
         "orders {}, faults {}, crash points fired {}, inbox duplicate deliveries {}, lost {}, \

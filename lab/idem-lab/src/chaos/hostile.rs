@@ -77,6 +77,10 @@ const CATALOGUE: &[(&str, Expect, &str, &str, &str, &str)] = &[
         r#"jsonb_build_object('order_id', 'hostile-{round}', 'payment_id', 'refused-by-rule-{round}', 'amount', '1.00', 'currency', 'EUR')"#),
 ];
 
+/// The topic an ACL denies the run's principal in a secured run (`--tls`): the relays must
+/// park its row as one they may not write.
+pub const DENIED_TOPIC: &str = "chaos-denied-topic";
+
 /// The consumers' business rule: payments named `refused-by-rule-…` are refused with `RAISE
 /// EXCEPTION` (P0001), by the settlement and the audit tables alike.
 pub const BUSINESS_RULE: &str = r"
@@ -233,13 +237,25 @@ pub struct Round {
     pub violations: Vec<String>,
 }
 
-/// Inserts one round of the catalogue into the orders database (PostgreSQL).
-pub async fn insert_round(orders: &AnyPool, round: u64) -> anyhow::Result<Round> {
+/// Inserts one round of the catalogue into the orders database (PostgreSQL); `denied`: the run
+/// has [`DENIED_TOPIC`], and a row names it.
+pub async fn insert_round(orders: &AnyPool, round: u64, denied: bool) -> anyhow::Result<Round> {
     let AnyPool::Postgres(pool) = orders else {
         anyhow::bail!("hostile rows are written with PostgreSQL's SQL");
     };
     let mut out = Round::default();
-    for r in catalogue() {
+    let mut rows = catalogue();
+    if denied {
+        rows.push(Row {
+            name: "topic_the_relay_may_not_write",
+            expect: Contained,
+            columns: ", topic",
+            values: ", 'chaos-denied-topic'",
+            event_type: "order.paid",
+            payload: "'{}'",
+        });
+    }
+    for r in rows {
         let sql = insert_sql(round, &r);
         let stored = sqlx::query_scalar::<_, String>(&sql).fetch_one(pool).await;
         match (stored, r.expect) {

@@ -52,9 +52,13 @@ pub struct World<'a> {
     pub nodes: usize,
     /// Where armed crash points log that they fired.
     pub crash_log: &'a Path,
-    /// The run's own PostgreSQL server (`--pg-restart`), crashed and restarted during the run.
+    /// The run's own PostgreSQL server (`--pg-restart`, `--pg-failover`).
     pub server: Option<&'a PrivatePg>,
-    /// The burst's order prefix and size (written before the processes started).
+    /// `--pg-restart`: the server is crashed and restarted during the run.
+    pub restarts: bool,
+    /// `--pg-failover`: the server fails over to its standby during the run.
+    pub failover: bool,
+    /// The burst's aggregate prefix and size (written before the processes started).
     pub burst: (&'a str, i64),
 }
 
@@ -67,11 +71,15 @@ struct Timers {
     last_progress: Instant,
     /// When the next PostgreSQL crashes are due (`--pg-restart`), soonest last.
     pg_restarts: Vec<Instant>,
+    /// When the failover to the standby is due (`--pg-failover`).
+    failover_at: Option<Instant>,
     next_lock: Instant,
     /// Locks of the outbox under way.
     locks: Vec<tokio::task::JoinHandle<anyhow::Result<locker::Locked>>>,
     /// When the burst was last looked at; `None` once drained.
     burst_checked: Option<Instant>,
+    /// When the burst was first seen publishing.
+    burst_began: Option<Instant>,
 }
 
 /// Injects faults until `seconds` have passed.
@@ -91,12 +99,16 @@ pub async fn inject(
         last_scrape: started,
         last_progress: started,
         pg_restarts: match w.server {
-            Some(_) => pg_restart_times(started, seconds),
-            None => vec![],
+            Some(_) if w.restarts => pg_restart_times(started, seconds),
+            _ => vec![],
         },
+        failover_at: w
+            .failover
+            .then(|| started + Duration::from_millis(seconds * 550)),
         next_lock: started + Duration::from_secs(10),
         locks: vec![],
         burst_checked: Some(started),
+        burst_began: None,
     };
     let mut out = Injected {
         faults: BTreeMap::new(),
@@ -115,7 +127,8 @@ pub async fn inject(
             .tick(now, end, w.procs, &w.dbs.settlement, &mut out.faults)
             .await?;
         if now >= t.next_hostile {
-            hostile_round(w.dbs, &mut t, &mut out, now, rng).await?;
+            let denied = w.topology.secure.is_some();
+            hostile_round(w.dbs, denied, &mut t, &mut out, now, rng).await?;
         }
         if now >= t.next_lock {
             let (orders, hold) = (w.dbs.orders.clone(), schedule::lock_hold(rng));
@@ -133,6 +146,13 @@ pub async fn inject(
         }
         // No other fault while the long lock is due or held (see `Windows::holds_faults`).
         let held = out.windows.holds_faults(now, end);
+        if t.failover_at.is_some_and(|d| now >= d) && !held {
+            t.failover_at = None;
+            if let Some(server) = w.server {
+                fail_over(w, server, &mut out.faults).await?;
+            }
+            continue;
+        }
         if t.pg_restarts.last().is_some_and(|d| now >= *d) && !held {
             t.pg_restarts.pop();
             if let Some(server) = w.server {
@@ -165,7 +185,8 @@ pub async fn inject(
     Ok(out)
 }
 
-/// Records when the burst has drained, looking once per [`burst::CHECK_EVERY`].
+/// Records when the first of the burst's events was published and when the last was, looking
+/// once per [`burst::CHECK_EVERY`].
 async fn watch_burst(
     w: &World<'_>,
     t: &mut Timers,
@@ -180,11 +201,15 @@ async fn watch_burst(
     }
     t.burst_checked = Some(now);
     // A PostgreSQL restart (`--pg-restart`) makes a check fail: the next one counts.
-    if burst::drained(&w.dbs.orders, w.burst.0)
-        .await
-        .unwrap_or(false)
-    {
-        burst.drained_seconds = Some(now.duration_since(t.started).as_secs_f64());
+    let Ok(left) = burst::pending(&w.dbs.orders).await else {
+        return Ok(());
+    };
+    if left < w.burst.1 && t.burst_began.is_none() {
+        t.burst_began = Some(now);
+    }
+    if left == 0 {
+        let began = t.burst_began.unwrap_or(now);
+        burst.drained_seconds = Some(now.duration_since(began).as_secs_f64());
         t.burst_checked = None;
     }
     Ok(())
@@ -238,16 +263,91 @@ async fn restart_postgres(
     Ok(())
 }
 
+/// Fails the run's PostgreSQL server over to its standby, then waits until the runner's pools
+/// answer the new primary. CDC relays stop on the slot the standby lacks: the runner restarts
+/// the first with `--create-slot` (`IDEM_CREATE_SLOT`), as an operator answers that error, and
+/// the others plainly once the slot exists.
+async fn fail_over(
+    w: &mut World<'_>,
+    server: &PrivatePg,
+    faults: &mut BTreeMap<String, u64>,
+) -> anyhow::Result<()> {
+    timeline_line(
+        w.crash_log,
+        "postgres_failover (primary stopped, standby promoted)",
+    );
+    tokio::task::block_in_place(|| server.try_fail_over())
+        .map_err(|e| anyhow::anyhow!("{e} (server log {})", server.log().display()))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for pool in [&w.dbs.orders, &w.dbs.settlement, &w.dbs.points] {
+        while let Err(e) = pool.scalar("SELECT 1::bigint").await {
+            if Instant::now() > deadline {
+                bail!("a database did not answer within 60 s of the failover: {e}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    *faults.entry("postgres_failover".to_owned()).or_default() += 1;
+    let Some(slot) = &w.topology.cdc_slot else {
+        return Ok(());
+    };
+    let relays: Vec<usize> = (0..w.procs.len())
+        .filter(|&i| w.procs[i].role == Role::Relay)
+        .collect();
+    for (n, &i) in relays.iter().enumerate() {
+        w.procs[i].kill9();
+        let env = if n == 0 {
+            vec![("IDEM_CREATE_SLOT", "true".to_owned())]
+        } else {
+            wait_for_slot(&w.dbs.orders, slot, deadline).await?;
+            vec![]
+        };
+        w.procs[i].start(&env)?;
+    }
+    *faults
+        .entry("cdc_slot_created_after_failover".to_owned())
+        .or_default() += 1;
+    Ok(())
+}
+
+/// Waits until the replication slot `slot` exists.
+async fn wait_for_slot(
+    orders: &idem_sql::AnyPool,
+    slot: &str,
+    deadline: Instant,
+) -> anyhow::Result<()> {
+    let idem_sql::AnyPool::Postgres(pool) = orders else {
+        bail!("CDC runs on PostgreSQL");
+    };
+    loop {
+        let made: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+        )
+        .bind(slot)
+        .fetch_one(pool)
+        .await
+        .unwrap_or(false);
+        if made {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the relay started with --create-slot made no slot {slot} within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A foreign writer's round of hostile rows; the next comes in 20 to 40 s.
 async fn hostile_round(
     dbs: &Databases,
+    denied: bool,
     t: &mut Timers,
     out: &mut Injected,
     now: Instant,
     rng: &mut Rng,
 ) -> anyhow::Result<()> {
     t.hostile_round += 1;
-    let round = hostile::insert_round(&dbs.orders, t.hostile_round).await?;
+    let round = hostile::insert_round(&dbs.orders, t.hostile_round, denied).await?;
     *out.faults.entry("hostile_rows".to_owned()).or_default() +=
         (round.accepted.len() + round.refused) as u64;
     *out.faults

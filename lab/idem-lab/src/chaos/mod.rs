@@ -89,6 +89,13 @@ pub struct ChaosArgs {
     /// server had not flushed.
     #[arg(long)]
     pub pg_restart: bool,
+    /// Run on a PostgreSQL server of the run's own with a synchronous streaming standby
+    /// (`pg_basebackup`; `--db` is ignored), and fail over to it at 55 % of `--seconds`: the
+    /// primary stops as a crash would, the standby is promoted and takes its place. The
+    /// standby has no logical slot (PostgreSQL 15): with `--cdc` the relays stop on the missing
+    /// slot, and the runner restarts one with `--create-slot`, as an operator would.
+    #[arg(long, conflicts_with = "tls")]
+    pub pg_failover: bool,
     /// Run secured: Kafka (one node) over SASL_SSL with SCRAM-SHA-512, with a CA, a broker
     /// certificate and SCRAM users made for the run (`scripts/kafka prepare --security
     /// sasl_ssl`); PostgreSQL under `sslmode=verify-full` (which `--db` must use) as
@@ -313,10 +320,13 @@ fn secured_role(args: &ChaosArgs) -> anyhow::Result<Option<secure::DbRole>> {
 
 /// With `--pg-restart`, the run's own PostgreSQL server, started.
 async fn private_server(args: &ChaosArgs) -> anyhow::Result<Option<PrivatePg>> {
-    if !args.pg_restart {
+    if !args.pg_restart && !args.pg_failover {
         return Ok(None);
     }
     let server = tokio::task::spawn_blocking(PrivatePg::try_start).await??;
+    if args.pg_failover {
+        tokio::task::block_in_place(|| server.try_add_standby())?;
+    }
     Ok(Some(server))
 }
 
@@ -361,6 +371,7 @@ async fn drive(
     let crash_log = dir.join("crashes.log");
     let api_port = topology::free_port()?;
     let prepared = kafka::prepare(args.kafka_nodes, dir, args.tls)?;
+    let prepared_dir = prepared.dir.clone();
     let (secure, kafka) = match role {
         Some(role) => {
             let (s, k) =
@@ -378,6 +389,9 @@ async fn drive(
     burst::write(&dbs.orders, &burst_prefix, burst_rows).await?;
     let mut procs = processes(args, &topology, prepared.nodes, dir, &crash_log)?;
     topology::start(&mut procs, &topology, args.kafka_nodes, dir).await?;
+    if let Some(s) = &topology.secure {
+        deny_topic(&prepared_dir, &s.scram_user, hostile::DENIED_TOPIC)?;
+    }
     eprintln!(
         "idem chaos: seed {} for {} s; {}; Kafka ({} node(s)) on {}{}; logs in {}{}",
         args.seed,
@@ -405,6 +419,8 @@ async fn drive(
         nodes: args.kafka_nodes,
         crash_log: &crash_log,
         server,
+        restarts: args.pg_restart,
+        failover: args.pg_failover,
         burst: (&burst_prefix, burst_rows),
     };
     let mechanism = args.break_mechanism.as_deref();
@@ -433,6 +449,23 @@ async fn drive(
         crash_log: &crash_log,
     };
     report::report(args, &pipe, &mut procs, &place, injected, settled).await
+}
+
+/// Denies `user` every operation on `topic` with an ACL on the secured cluster in `dir`
+/// (`scripts/kafka deny`).
+fn deny_topic(dir: &Path, user: &str, topic: &str) -> anyhow::Result<()> {
+    let out = std::process::Command::new(crate::broker::script())
+        .arg("deny")
+        .arg(dir)
+        .args([&format!("User:{user}"), topic])
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "scripts/kafka deny: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
 }
 
 /// What the run's processes connect to: the points API on `api_port`, the brokers at

@@ -183,7 +183,7 @@ pub fn print(r: &ChaosReport) {
     );
     println!("  orders                         {}", r.orders);
     println!(
-        "  burst before the relays        {} orders, {}",
+        "  burst before the relays        {} events, {}",
         r.burst.rows,
         match (r.burst.drained_seconds, r.burst.rate()) {
             (Some(s), Some(rate)) => format!("drained in {s:.1} s ({rate:.0} rows/s)"),

@@ -44,6 +44,11 @@ pub struct Topology {
 }
 
 impl Topology {
+    /// The topic of the burst written before the relays start (no consumer reads it).
+    pub fn burst_topic(&self) -> String {
+        format!("{}{}", self.prefix, super::burst::AGGREGATE_TYPE)
+    }
+
     /// The crash points of this run's pipeline.
     pub fn points(&self) -> &'static [&'static str] {
         super::schedule::run_points(self.cdc_slot.is_some())
@@ -317,8 +322,9 @@ pub fn spawn(spec: Spec, dir: &Path, env: &[(&'static str, String)]) -> anyhow::
     ))
 }
 
-/// Starts the brokers, waits for them, creates the topic (replicated as production topics
-/// should be: min(3, nodes) copies), then starts everything else.
+/// Starts the brokers, waits for them, creates the topics (the events' and the burst's,
+/// replicated as production topics should be: min(3, nodes) copies), then starts everything
+/// else.
 pub async fn start(
     procs: &mut [Proc],
     t: &Topology,
@@ -332,14 +338,10 @@ pub async fn start(
         .await
         .with_context(|| format!("starting Kafka (see {})", dir.display()))?;
     let replication = i32::try_from(nodes.min(3))?;
-    idem_kafka::ensure_topics_with(
-        &t.kafka.client_config(),
-        std::slice::from_ref(&t.topic),
-        4,
-        replication,
-    )
-    .await
-    .context("creating the topic")?;
+    let topics = [t.topic.clone(), t.burst_topic()];
+    idem_kafka::ensure_topics_with(&t.kafka.client_config(), &topics, 4, replication)
+        .await
+        .context("creating the topics")?;
     for p in procs.iter_mut().filter(|p| p.role != Role::Broker) {
         p.start(&[])?;
     }
