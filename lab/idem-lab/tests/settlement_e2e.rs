@@ -467,3 +467,131 @@ async fn a_fenced_consumer_exits_with_the_reason_instead_of_idling() {
     relay.kill9();
     b.kill9();
 }
+
+/// An `order.paid` event of order `o-N`, written through the SQL contract.
+async fn insert_order(db: &Pg, n: u32) {
+    sqlx::query(
+        "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'order', 'o-' || $1, 'order.paid', jsonb_build_object(\
+         'order_id', 'o-' || $1, 'payment_id', 'pay-' || $1, 'amount', '1.00', 'currency', 'EUR'))",
+    )
+    .bind(n.to_string())
+    .execute(db.pool())
+    .await
+    .unwrap();
+}
+
+async fn count(db: &Pg, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(db.pool()).await.unwrap()
+}
+
+/// `idem prune` of the inbox at a declared redelivery horizon of 2 s, until it deleted it all.
+async fn prune_inbox_at_the_horizon(db: &Pg) {
+    eventually(
+        "the inbox pruned at the horizon",
+        Duration::from_secs(30),
+        || async {
+            let out = idem(&[
+                "prune",
+                "--db",
+                db.url(),
+                "--inbox-older-than",
+                "2s",
+                "--redelivery-horizon",
+                "2s",
+            ])
+            .output()
+            .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (count(db, "SELECT count(*) FROM idem_inbox").await == 0).then_some(())
+        },
+    )
+    .await;
+}
+
+/// A CDC mark that fails (the row locked past the database's `lock_timeout`) is made again in
+/// the same session, so the event is never left pending to be published again by a later
+/// session: the settlement applies it once, the inbox is pruned at the declared redelivery
+/// horizon, and the relay's next session publishes no copy that the pruned inbox would apply a
+/// second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_cdc_mark_then_a_prune_at_the_horizon_still_applies_once() {
+    let (db, k) = (Pg::new().await, broker(1).await);
+    idem_reference::ensure_schema_postgres(db.pool())
+        .await
+        .unwrap();
+    let timeout = "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET lock_timeout = 300', \
+                   current_database()); END $$";
+    db.exec(timeout).await.unwrap();
+    let (slot, topic) = (
+        kafka::unique("horizon").replace('-', "_"),
+        format!("order={}", k.topic),
+    );
+    let argv = [
+        "cdc",
+        "relay",
+        "--db",
+        db.url(),
+        "--brokers",
+        &k.brokers,
+        "--slot",
+        &slot,
+        "--topic",
+        &topic,
+    ];
+    let mut relay = Proc::spawn("cdc", idem(&argv));
+    relay.wait_for_line("CDC session started", Duration::from_secs(60));
+    let mut consumer = Proc::spawn("settlement", settlement(db.url(), &k, &[]));
+
+    // Order 1's mark waits on a lock longer than the database's lock_timeout.
+    insert_order(&db, 1).await;
+    let mut lock = db.pool().begin().await.unwrap();
+    sqlx::query("SELECT id FROM idem_outbox WHERE aggregate_id = 'o-1' FOR UPDATE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    relay.wait_for_line("marking published rows failed", Duration::from_secs(30));
+    lock.commit().await.unwrap();
+    let applied = |payment: &str| {
+        let sql =
+            format!("SELECT count(*) FROM settlement_applications WHERE payment_id = '{payment}'");
+        let db = &db;
+        async move { count(db, &sql).await }
+    };
+    eventually(
+        "o-1 applied and marked published",
+        Duration::from_secs(60),
+        || async {
+            let published = count(
+                &db,
+                "SELECT count(*) FROM idem_outbox WHERE status = 'published'",
+            );
+            (applied("pay-1").await == 1 && published.await == 1).then_some(())
+        },
+    )
+    .await;
+
+    prune_inbox_at_the_horizon(&db).await;
+    relay.signal(15);
+    assert!(relay.wait_exit(Duration::from_secs(30)).success());
+    let mut relay = Proc::spawn("cdc", idem(&argv));
+    relay.wait_for_line("CDC session started", Duration::from_secs(60));
+    // Once order 2, written after the restart, is applied, the session published all it would.
+    insert_order(&db, 2).await;
+    eventually("order 2 applied", Duration::from_secs(60), || async {
+        (applied("pay-2").await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(applied("pay-1").await, 1, "pay-1 applied twice");
+    for p in [&mut relay, &mut consumer] {
+        p.signal(15);
+        p.wait_exit(Duration::from_secs(30));
+    }
+    db.exec(&format!("SELECT pg_drop_replication_slot('{slot}')"))
+        .await
+        .unwrap();
+}
