@@ -133,7 +133,8 @@ pub struct CdcRelay<P> {
 /// for another reader is not ready) and its publishing (a batch delivered, or not). Whether the
 /// broker answers while nothing is sent is the command's to watch.
 pub(crate) const DATABASE: &str = "database";
-/// See [`DATABASE`].
+/// The health name of the relay's slot: not ready while no replication session streams from
+/// it (a standby waiting for another reader, a slot lost or missing); see [`CdcRelay::health`].
 pub const SLOT: &str = "slot";
 /// See [`DATABASE`].
 pub(crate) const PUBLISHING: &str = "publishing";
