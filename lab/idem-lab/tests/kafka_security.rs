@@ -170,6 +170,11 @@ async fn a_relay_publishes_over_mutual_tls_and_the_records_read_back() {
         "--topic-prefix",
         &prefix,
         "--no-prune",
+        // The broker creates no topic on first use.
+        "--create-topics",
+        "1",
+        "--replication-factor",
+        "1",
     ]
     .iter()
     .map(|s| (*s).to_owned())
