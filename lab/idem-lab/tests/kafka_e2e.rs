@@ -354,7 +354,9 @@ async fn sigterm_finishes_the_batch_and_leaves_nothing_claimed() {
     let url = format!("sqlite://{}", lite.path().display());
     let events = many(20_000, 40);
     enqueue(&lite, &events).await;
-    let mut p = Proc::spawn("relay", relay(&url, &kafka, &["--batch-size", "5000"]));
+    // Twenty batches: the relay cannot drain them all between the first lease the test sees
+    // (polled, late under load) and the signal; with four, a CI rehearsal saw all 20 000 out.
+    let mut p = Proc::spawn("relay", relay(&url, &kafka, &["--batch-size", "1000"]));
     let leased = "SELECT count(*) FROM idem_outbox WHERE claim_id IS NOT NULL";
     eventually(
         "the relay to hold a leased batch",
