@@ -23,8 +23,10 @@
 //! one aggregate hold its counter's row lock from their insert to their commit (the
 //! `aggregate_seq` trigger), so a row written after `C` commits after every drained row of its
 //! aggregate. A crash during the drain leaves the rest pending, and the next session drains
-//! them. With `--delete-published` the rows the drain published are deleted after their mark,
-//! as the stream's are.
+//! them. A drain whose mark fails ends its session with its rows leased; the relay's next
+//! session ends those leases first (its drains run one after another under one id), so it
+//! publishes them again at once instead of after the lease. With `--delete-published` the rows
+//! the drain published are deleted after their mark, as the stream's are.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,24 +44,27 @@ use crate::error::CdcError;
 use crate::relay::CdcConfig;
 
 /// Publishes every row pending now and written before `confirmed` (the slot's confirmed
-/// position as PostgreSQL prints it; `None`: every pending row); how many were published.
+/// position as PostgreSQL prints it; `None`: every pending row) as relay `id` (the same for
+/// every session of one relay); how many were published.
 pub async fn drain<P: Publisher>(
     pool: &PgPool,
     tables: &TableNames,
     publisher: Arc<P>,
     config: &CdcConfig,
+    id: &str,
     confirmed: Option<&str>,
 ) -> Result<u64, CdcError> {
     let Some(newest) = pending_max(pool, tables, confirmed).await? else {
         return Ok(0);
     };
+    release_own_leases(pool, tables, id).await?;
     let lease = publisher
         .longest_publish()
         .map_or(Duration::from_secs(60), |p| {
             p.saturating_mul(2) + Duration::from_secs(10)
         });
     let relay_config = RelayConfig {
-        relay_id: format!("cdc-drain-{}", idem_relay::default_relay_id()),
+        relay_id: id.to_owned(),
         lease,
         topics: config.naming.clone(),
         source: config.source.clone(),
@@ -141,6 +146,23 @@ impl OutboxStore for DrainStore {
     async fn retry_parked(&self, event_ids: Option<&[EventId]>) -> idem_core::Result<u64> {
         self.inner.retry_parked(event_ids).await
     }
+}
+
+async fn release_own_leases(pool: &PgPool, tables: &TableNames, id: &str) -> Result<(), CdcError> {
+    let sql = tables.render(include_str!("../sql/release_drain_leases.sql"), &["outbox"]);
+    let released = sqlx::query(&sql)
+        .bind(id)
+        .execute(pool)
+        .await
+        .map_err(|e| drain_error("ending the leases of the previous session's drain", e))?
+        .rows_affected();
+    if released > 0 {
+        tracing::info!(
+            rows = released,
+            "publishing again the rows the previous session's drain published but did not mark"
+        );
+    }
+    Ok(())
 }
 
 async fn pending_max(

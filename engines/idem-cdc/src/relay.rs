@@ -126,6 +126,9 @@ pub struct CdcRelay<P> {
     create_used: AtomicBool,
     /// Set once a failure to record the slot was logged (a standby tries at every poll).
     record_warned: AtomicBool,
+    /// The relay id of this relay's drains: one for all its sessions, so that a session ends
+    /// the leases its predecessor's drain left (drain.rs).
+    drain_id: String,
 }
 
 /// The dependency names the CDC relay reports (`CdcRelay::health`): its database (the
@@ -162,6 +165,7 @@ impl<P: Publisher> CdcRelay<P> {
             slot_seen: AtomicBool::new(false),
             create_used: AtomicBool::new(false),
             record_warned: AtomicBool::new(false),
+            drain_id: format!("cdc-drain-{}", idem_relay::default_relay_id()),
         }
     }
 
@@ -410,7 +414,8 @@ impl<P: Publisher> CdcRelay<P> {
         if let Mode::Table(t) = &self.config.mode {
             let publisher = self.publisher.clone();
             let from = confirmed.as_deref();
-            let n = crate::drain::drain(&self.pool, t, publisher, &self.config, from).await?;
+            let id = &self.drain_id;
+            let n = crate::drain::drain(&self.pool, t, publisher, &self.config, id, from).await?;
             if n > 0 {
                 tracing::info!(
                     rows = n,
