@@ -92,7 +92,7 @@ pub const BREAK_INBOX_IGNORES_GROUP: &str = "inbox-ignores-group";
 /// The relay keeps an id watermark and treats rows below it as already published.
 pub const BREAK_ID_WATERMARK: &str = "id-watermark";
 /// The effect dispatcher sends to a remote that ignores keys without the durable sending mark, so
-/// an attempt that died after sending is sent again blindly (review §3).
+/// an attempt that died after sending is sent again blindly.
 pub const BREAK_SKIP_SENDING_MARK: &str = "skip-sending-mark";
 /// Kafka transactions instead of the inbox: only the lab's `idem-lab kafka-txn-settlement` has this
 /// mechanism (read_committed, no inbox, offsets committed in a Kafka transaction after the
@@ -106,8 +106,8 @@ pub const BREAK_KEY_LOCK_RENEWAL: &str = "key-lock-renewal";
 /// it forever, so a foreign writer's hostile row wedges its aggregate.
 pub const BREAK_NEVER_PARK: &str = "never-park";
 
-/// The consumer dead-letters an event after a few transient failures of its handler (the policy
-/// before review §8), so that a lock held on the business tables for seconds loses events.
+/// The consumer dead-letters an event after a few transient failures of its handler, so that a
+/// lock held on the business tables for seconds loses events.
 /// The chaos runner's long-lock window (`idem-lab settlement --lock-timeout-ms` and a lock held on
 /// `settlements`) makes it visible.
 pub const BREAK_TRANSIENT_DEAD_LETTERS: &str = "transient-dead-letters";

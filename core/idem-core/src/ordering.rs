@@ -133,8 +133,8 @@ mod tests {
         out
     }
 
-    /// The advice docs/operating/relay.md used to give: apply a copy unless it is older than (or equal
-    /// to) the last applied one.
+    /// A tempting but wrong rule: apply a copy unless it is older than (or equal to) the last
+    /// applied one.
     fn skip_older(arrivals: &[i64]) -> Vec<i64> {
         let mut last = 0;
         let mut out = Vec::new();

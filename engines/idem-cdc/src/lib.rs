@@ -1,10 +1,10 @@
-//! The pure core of idem's change-data-capture (CDC) relay for PostgreSQL: every decision the
-//! relay takes about what it reads from a logical replication slot, with no I/O.
+//! idem's change-data-capture (CDC) relay for PostgreSQL: a pure core that takes every decision
+//! about what the relay reads from a logical replication slot, with no I/O, and the I/O around
+//! it (`session`, `slot`, `relay`).
 //!
 //! The relay reads the outbox from PostgreSQL's log instead of polling the table: transactions
 //! arrive in commit order, so one aggregate's events are in commit order without a counter row.
-//! The connection, the slot and the publishing loop live elsewhere; this crate holds what they
-//! decide with:
+//! The connection, the slot and the publishing loop decide with the pure modules:
 //!
 //! - [`pgoutput`]: a decoder for the pgoutput protocol (version 1, text format) messages that
 //!   carry the outbox table's inserts, with a relation cache. Malformed input is an error,

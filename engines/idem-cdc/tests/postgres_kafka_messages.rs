@@ -406,8 +406,8 @@ async fn a_relay_with_an_invalid_prefix_refuses_to_start() {
 /// acknowledgement rule does not hold it: the server's keepalive that follows it (sent at once
 /// when the client is behind) must not confirm past it before its dead letter is durable, or a
 /// crash in between loses the dead letter. With a long linger the dead letter waits in the
-/// batch; the slot's position may pass the message only once the dead letter is in the topic.
-/// (It failed before: the keepalive confirmed the position while the topic was empty.)
+/// batch; the slot's position may pass the message only once the dead letter is in the topic,
+/// never while the topic is still empty.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_keepalive_never_confirms_past_a_message_whose_dead_letter_is_not_durable() {
     let w = World::new().await;
@@ -453,8 +453,8 @@ async fn a_keepalive_never_confirms_past_a_message_whose_dead_letter_is_not_dura
 
 /// A hostile message larger than Kafka accepts (2 MiB under the relay's prefix) is refused
 /// unparsed; its dead letter carries a bounded excerpt, so Kafka takes it and the events after
-/// it flow. (It failed before: the whole content went into the dead letter, Kafka refused it
-/// for good, and the relay retried it forever, publishing nothing else.)
+/// it flow. (A dead letter with the whole content would be refused by Kafka for good, and
+/// retried forever with nothing else published.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_message_too_large_for_kafka_is_dead_lettered_as_an_excerpt_and_later_events_flow() {
     let w = World::new().await;
@@ -484,9 +484,9 @@ async fn a_message_too_large_for_kafka_is_dead_lettered_as_an_excerpt_and_later_
     stop(running).await;
 }
 
-/// The refusal's reason can quote what it refuses (a header name of 990 000 bytes: with the content excerpt, more than Kafka takes): the dead
-/// letter's reason header is bounded too, or Kafka would refuse the dead letter for good. (It
-/// failed before: the relay retried that dead letter forever.)
+/// The refusal's reason can quote what it refuses (a header name of 990 000 bytes: with the
+/// content excerpt, more than Kafka takes): the dead letter's reason header is bounded too, or
+/// Kafka would refuse the dead letter for good and the relay would retry it forever.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refusal_quoting_a_huge_value_is_still_dead_lettered() {
     let w = World::new().await;

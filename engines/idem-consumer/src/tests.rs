@@ -530,9 +530,9 @@ async fn the_handler_span_continues_the_trace_captured_at_enqueue() {
     );
 }
 
-/// Review §8: after `max_retries` transient failures an event used to be dead-lettered, and every
-/// redelivery was then skipped: a lock held for two minutes lost the event for good. Transient
-/// failures now never dead-letter: the batch backs off and is retried until it applies.
+/// Transient failures never dead-letter: the batch backs off and is retried until it applies.
+/// Dead-lettering after `max_retries` would make every redelivery a skip, so a lock held for two
+/// minutes would lose the event for good.
 #[tokio::test]
 async fn a_transient_failure_outlasting_the_retries_is_applied_once_and_never_dead_lettered() {
     let mut f = fixture().await;
@@ -661,8 +661,8 @@ fn series(c: &dyn prometheus::core::Collector) -> usize {
     c.collect().iter().map(|mf| mf.get_metric().len()).sum()
 }
 
-/// Review §17: the `event_type` and `aggregate_type` labels came straight from record headers,
-/// so a foreign producer made one series per value it sent. They are now bounded.
+/// The `event_type` and `aggregate_type` labels come from record headers, which a foreign
+/// producer writes: they are bounded, so it cannot make one series per value it sends.
 #[tokio::test]
 async fn ten_thousand_hostile_header_values_do_not_make_ten_thousand_series() {
     let mut f = fixture().await;

@@ -1,7 +1,7 @@
 //! `idem_consumer::replay` on real PostgreSQL and SQLite: dead letters made by the consumer
 //! itself, replayed through the handler once, whatever races them. And the
 //! `transient-dead-letters` negative control: broken, the consumer dead-letters an event after a
-//! few transient failures (the defect of review §8), so a harness that drives transient
+//! few transient failures (the policy that loses an event behind a held lock), so a harness that drives transient
 //! failures must see a loss. A broken mechanism stays broken for the whole process: that test
 //! runs this binary again as a child process that breaks it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -347,8 +347,7 @@ impl<S: IntentStore> Dispatcher<S> {
         loop {
             // One instant for the decision to claim and for the timer of the next claim: with
             // two, a claim due between them was neither started nor waited for, and a
-            // dispatcher with nothing in flight waited forever (the chaos runs' liveness
-            // failure, issue 15).
+            // dispatcher with nothing in flight would wait forever.
             let now = Instant::now();
             self.start_work(&mut p, now);
             self.observe(&p);

@@ -565,7 +565,7 @@ async fn every_attempt_carries_the_traceparent_recorded_with_the_intent() {
     );
 }
 
-// ---- review §3: a keyless remote whose attempt was sent and never recorded --------------------
+// ---- a keyless remote whose attempt was sent and never recorded -------------------------------
 
 /// Settings for tests that hold a request at the remote: a timeout no test run reaches.
 fn patient(c: DispatcherConfig) -> DispatcherConfig {
@@ -655,9 +655,9 @@ impl World {
     }
 }
 
-/// §3 as reported: the dispatcher dies after the keyless remote applied the award and before
-/// the outcome is recorded (here: its `run_once` future is dropped at that await, as a SIGKILL
-/// would end it); restarted after the lease, it used to POST again (two awards, intent `done`).
+/// The dispatcher dies after the keyless remote applied the award and before the outcome is
+/// recorded (here: its `run_once` future is dropped at that await, as a SIGKILL would end it);
+/// restarted after the lease, it must not POST again (two awards, intent `done`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dispatcher_killed_after_a_keyless_award_leaves_the_intent_unknown_not_resent() {
     let w = world_configured("/keyless/awards", |b| keyless(b, false), patient).await;
@@ -695,9 +695,9 @@ async fn after_a_crash_the_probe_decides_whether_a_keyless_intent_is_sent_again(
     assert_eq!(w.status_of(id).await, "done", "the probe found the award");
 }
 
-/// §3, lease takeover: a second dispatcher claims the intent while the first one's request is
-/// still in flight at the keyless remote (the first one paused past its lease); it used to send
-/// again.
+/// Lease takeover: a second dispatcher claims the intent while the first one's request is
+/// still in flight at the keyless remote (the first one paused past its lease); it must not
+/// send again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyless_intent_taken_over_while_its_request_is_in_flight_is_not_resent() {
     let w = world_configured("/keyless/awards", |b| keyless(b, false), patient).await;
@@ -773,9 +773,9 @@ fn fail_finish(
     }
 }
 
-/// §3, the early return: one send of a batch fails (a store error) while another intent's
-/// request is in flight at the keyless remote; `run_once` used to return at once, dropping that
-/// request unrecorded, and the next attempt sent it again.
+/// One send of a batch fails (a store error) while another intent's request is in flight at
+/// the keyless remote; `run_once` waits for that request and records it, where returning at
+/// once would drop it unrecorded and the next attempt would send it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_send_does_not_drop_another_keyless_request_unrecorded() {
     let w = world_configured(
@@ -811,11 +811,11 @@ async fn a_failed_send_does_not_drop_another_keyless_request_unrecorded() {
     assert_eq!(w.status_of(held).await, "unknown");
 }
 
-// ---- review §13: the lease and the batch -------------------------------------------------------
+// ---- the lease and the batch --------------------------------------------------------------------
 
-/// A slow remote and a batch of intents sent one at a time: every request used to be sent on
-/// the lease taken for the whole batch, so the last ones went out after it had expired (when
-/// another dispatcher may hold them). No request may start with less than `timeout` left.
+/// A slow remote and a batch of intents sent one at a time: a request sent on the lease taken
+/// for the whole batch could go out after it expired (when another dispatcher may hold it). No
+/// request may start with less than `timeout` left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_request_starts_after_the_safe_point_of_its_lease() {
     let w = world_configured(
@@ -850,10 +850,10 @@ async fn no_request_starts_after_the_safe_point_of_its_lease() {
     );
 }
 
-// ---- review §17 ---------------------------------------------------------------------------------
+// ---- answers that say nothing ------------------------------------------------------------------
 
-/// A remote that keeps answering 409 (or 429) used to be retried forever, every second; after
-/// a bounded number of attempts the intent is parked, where `idem effects stuck` shows it.
+/// A remote that keeps answering 409 (or 429) is not retried forever: after a bounded number
+/// of attempts the intent is parked, where `idem effects stuck` shows it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endless_409_and_429_answers_park_the_intent_after_a_bound() {
     for status in [409, 429] {
@@ -872,8 +872,8 @@ async fn endless_409_and_429_answers_park_the_intent_after_a_bound() {
     }
 }
 
-/// A probe answer that is a JSON object says nothing by itself (`{"awards": []}` has no award);
-/// it used to count as applied, so the intent became `done` with the effect never applied.
+/// A probe answer that is a JSON object says nothing by itself (`{"awards": []}` has no award):
+/// counting it as applied would make the intent `done` with the effect never applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_answer_that_does_not_meet_the_applied_condition_is_unknown_not_done() {
     let w = world_with("/keyless/awards", |base| EffectPolicy {

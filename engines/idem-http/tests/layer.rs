@@ -270,7 +270,7 @@ async fn ten_concurrent_requests_with_one_key_execute_once<B: Backend>(b: &B) {
     assert_eq!(app.executions.load(Ordering::SeqCst), 1, "one execution");
 }
 
-// ---- a request slower than the key's lock (review §4) -----------------------------------------
+// ---- a request slower than the key's lock -------------------------------------------------------
 
 const LOCK: Duration = Duration::from_millis(300);
 
@@ -351,7 +351,7 @@ async fn a_slow_request_that_fails_never_runs_beside_a_retry<B: Backend>(b: &B) 
     assert_eq!(b, Some(StatusCode::CONFLICT), "B was refused while A ran");
 }
 
-// ---- a response larger than the layer stores (review §5) --------------------------------------
+// ---- a response larger than the layer stores ----------------------------------------------------
 
 async fn an_oversized_success_is_replayed_not_executed_again<B: Backend>(b: &B) {
     let config = IdempotencyConfig {
@@ -395,7 +395,7 @@ async fn an_oversized_success_is_replayed_not_executed_again<B: Backend>(b: &B) 
     );
 }
 
-// ---- the key's scope (review §16) -------------------------------------------------------------
+// ---- the key's scope ----------------------------------------------------------------------------
 
 #[tokio::test]
 async fn without_a_client_scope_the_request_is_refused_not_scoped_by_credential() {
@@ -515,7 +515,7 @@ on_both_stores! {
     an_oversized_success_is_replayed_on_sqlite, an_oversized_success_is_replayed_on_postgres => an_oversized_success_is_replayed_not_executed_again;
 }
 
-// ---- the transactional layer: claim, handler's writes and response in one transaction ------
+// ---- the transactional layer: claim, handler's writes and response in one transaction -----------
 
 use idem_http::KeyTransaction;
 

@@ -323,8 +323,8 @@ async fn a_stale_relay_cannot_mark_rows_taken_over_by_another() {
 }
 
 /// A publish that may last as long as the lease could still be producing when another relay
-/// takes the rows over: such a batch is abandoned before anything is sent (§17 of the review:
-/// the check used to allow 90% of the lease for the claim whatever the publish could take).
+/// takes the rows over: such a batch is abandoned before anything is sent (a check that allows
+/// a share of the lease for the claim, whatever the publish could take, would produce it).
 #[tokio::test]
 async fn a_batch_is_not_produced_when_the_lease_cannot_outlast_the_publish() {
     let f = fixture().await;

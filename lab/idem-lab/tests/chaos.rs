@@ -318,7 +318,7 @@ fn a_key_lock_that_is_not_renewed_is_caught_as_overlapping_executions() {
     assert!(r["overlapping_executions"].as_i64().unwrap() > 0, "{r:#}");
 }
 
-/// The consumer policy before review §8 (dead-letter after a few transient failures): the
+/// The consumer policy that dead-letters after a few transient failures: the
 /// long-lock window makes the settlement handlers fail transiently for 5 s, and the events
 /// dead-lettered for it are lost.
 #[test]

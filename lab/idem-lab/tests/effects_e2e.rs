@@ -139,7 +139,7 @@ async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_re
     );
 }
 
-// ---- a points API route that ignores keys, with dispatcher kills (review §3) -----------------
+// ---- a points API route that ignores keys, with dispatcher kills ------------------------------
 
 /// The points API, a settlement database with one `points.award` intent per payment, all
 /// targeting `POST /keyless/awards`.
@@ -209,6 +209,8 @@ impl<B: Backend> Keyless<B> {
             "1s",
             "--settle",
             "0s",
+            "--effect",
+            idem_reference::POINTS_AWARD,
             "--remote-ignores-keys",
         ];
         if probe {
@@ -337,9 +339,9 @@ impl<B: Backend> Keyless<B> {
     }
 }
 
-/// Review §3 as demonstrated: aborted at `effect.after_http_success_before_record` against the
-/// keyless route, then restarted after the lease, the dispatcher used to award `pay-0` a second
-/// time (intent `done`, attempts 2). Now the intent is `unknown` and there is one award.
+/// Aborted at `effect.after_http_success_before_record` against the keyless route, then
+/// restarted after the lease, the dispatcher does not award `pay-0` a second time: the intent is
+/// `unknown` and there is one award.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyless_dispatcher_aborted_after_the_award_leaves_the_intent_unknown() {
     aborted_after_the_award(Keyless::new(lite().await, 1).await).await;

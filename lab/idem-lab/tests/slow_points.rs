@@ -1,4 +1,4 @@
-//! The harness's "points API slower than its key lock" (issue 13, review §4) on the real
+//! The harness's "points API slower than its key lock" on the real
 //! `idem-lab points-api` process: awards wait 800 ms, the key lock is 200 ms, and concurrent requests
 //! with one key, each retried on 409, execute once — and with the layer's lock renewal broken
 //! on purpose (`IDEM_BREAK=key-lock-renewal`, the negative control) they execute side by side.

@@ -71,7 +71,7 @@ pub struct VerifyArgs {
     #[arg(long, requires = "watch")]
     metrics_addr: Option<SocketAddr>,
     /// Negative control for `idem-lab chaos`: leave the metrics of the last good run in place when
-    /// a run fails (the stale proof this command used to export). Never use it.
+    /// a run fails (a stale proof). Never use it.
     #[arg(long, hide = true, requires = "watch")]
     lab_keep_stale_metrics: bool,
 }

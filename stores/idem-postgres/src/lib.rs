@@ -1,5 +1,5 @@
-//! PostgreSQL store for idem: the PostgreSQL dialect of [`idem_sql`], under the names it has
-//! always had (`PgStore` is `idem_sql::RelayStore<Postgres>`, and so on).
+//! PostgreSQL store for idem: the PostgreSQL dialect of [`idem_sql`], under short aliases
+//! (`PgStore` is `idem_sql::RelayStore<Postgres>`, and so on).
 //!
 //! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
 //! * [`MessageOutbox`] writes events with no table, as transactional logical decoding messages

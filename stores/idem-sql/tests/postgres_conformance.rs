@@ -68,11 +68,11 @@ fn foreign_insert(
     .bind(occurred_at.to_owned())
 }
 
-/// `occurred_at` = 'infinity' (or a year no client can hold) passed every check of the
-/// contract, and sqlx's decoder then panicked in every relay that claimed the row, after the
-/// claim had committed: no aggregate moved any more (review §1). The contract now refuses such
-/// values at insert, and a row stored before that is claimed as corrupt (the relay parks it)
-/// while the rows of other aggregates are claimed as usual.
+/// `occurred_at` = 'infinity' (or a year no client can hold) would panic sqlx's decoder in
+/// every relay that claims the row, after the claim committed, so that no aggregate moves any
+/// more. The contract refuses such values at insert, and a row stored before that rule is
+/// claimed as corrupt (the relay parks it) while the rows of other aggregates are claimed as
+/// usual.
 #[tokio::test]
 async fn timestamps_no_client_can_hold_are_refused_and_old_ones_parked_not_panicked() {
     let pg = Pg::new().await;
@@ -233,12 +233,12 @@ async fn lock_waiters(pg: &Pg, n: i64) {
     }
 }
 
-/// Two relays must never hold rows of one aggregate at once (review §10). The claim locks
-/// only the heads; it used to update an aggregate's other rows with no look at their lease.
+/// Two relays must never hold rows of one aggregate at once. The claim locks only the heads,
+/// so it re-checks each other row's lease as committed before it takes the row.
 /// Interleaving, made deterministic with a row lock: relay B claims head 2 of an aggregate
 /// whose row 1 is parked, and is held before it commits; `idem outbox retry` makes row 1
-/// pending; relay C claims head 1 and waits for B's rows 2 and 3; B commits. C then took rows
-/// 2 and 3 over B's fresh lease: both published them. Now C re-checks the lease and leaves them.
+/// pending; relay C claims head 1 and waits for B's rows 2 and 3; B commits. C re-checks the
+/// lease on the committed rows and leaves 2 and 3 to B (taking them would publish them twice).
 #[tokio::test]
 async fn a_claim_never_takes_rows_another_claim_just_leased_after_a_retry() {
     use idem_core::outbox::{ClaimRequest, Failure, Outcome};

@@ -1,5 +1,5 @@
 //! SQLite store for idem, the embedded default: the SQLite dialect of [`idem_sql`], under the
-//! names it has always had (`SqliteStore` is `idem_sql::RelayStore<Sqlite>`, and so on).
+//! short aliases (`SqliteStore` is `idem_sql::RelayStore<Sqlite>`, and so on).
 //!
 //! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
 //! * [`migrate`] creates or upgrades idem's tables (the SQL lives in `idem-sql/migrations/sqlite/`).

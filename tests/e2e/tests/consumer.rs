@@ -399,12 +399,11 @@ impl idem_consumer::Handler<sqlx::PgConnection> for Swallowing {
 }
 
 /// PostgreSQL aborts a transaction at its first failed statement and answers `COMMIT` with
-/// `ROLLBACK`, no error. A handler that swallowed a database error made the consumer take that
-/// for a commit and commit the offsets: the whole batch — inbox rows and settlements — was gone
-/// for good (review §2). Now the transaction is checked before the commit, the batch is retried
-/// one event at a time, and the swallowing handler's event is found and retried as a transient
-/// failure: never dead-lettered (review §8), held back with its batch until the handler
-/// behaves; then everything settles once.
+/// `ROLLBACK`, no error. A consumer that took that for a commit would commit the offsets of a
+/// batch whose inbox rows and settlements are gone. The transaction is checked before the
+/// commit, the batch is retried one event at a time, and the swallowing handler's event is found
+/// and retried as a transient failure: never dead-lettered, held back with its batch until the
+/// handler behaves; then everything settles once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_swallows_a_database_error_loses_nothing() {
     use std::sync::atomic::Ordering;
@@ -461,10 +460,9 @@ async fn a_handler_that_swallows_a_database_error_loses_nothing() {
     assert!(total(&metrics.retries) >= 4);
 }
 
-/// Review §8 end to end: a lock held on the business table makes every attempt of the handler
-/// time out (SQLSTATE 55P03, transient) far past the ten retries after which the event used to
-/// be dead-lettered. Nothing is dead-lettered, the member is reported stalled, and once the lock
-/// is released every payment settles once. (The chaos runner's long-lock fault class; with
+/// End to end: a lock held on the business table makes every attempt of the handler time out
+/// (SQLSTATE 55P03, transient) far past ten retries. Nothing is dead-lettered, the member is
+/// reported stalled, and once the lock is released every payment settles once. (The chaos runner's long-lock fault class; with
 /// `IDEM_BREAK=transient-dead-letters` the same run dead-letters the payments.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_held_on_the_business_table_stalls_the_batch_and_dead_letters_nothing() {

@@ -7,12 +7,9 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-fn root() -> PathBuf {
-    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    here.ancestors()
-        .find(|p| p.join("Cargo.lock").is_file())
-        .map_or_else(|| here.to_owned(), Path::to_owned)
-}
+mod tree;
+
+use tree::root;
 
 fn read(rel: &str) -> String {
     std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("reading {rel}: {e}"))
@@ -264,4 +261,39 @@ fn every_crash_point_and_negative_control_is_documented() {
             "docs/internals/demo-and-chaos.md does not describe the negative control {control}"
         );
     }
+}
+
+/// Each row of the crash points' table names the file (and the function, where it names one)
+/// that fires the point: the file calls `crash_point` with the point's constant.
+#[test]
+fn every_crash_point_is_fired_where_its_row_says() {
+    let doc = read("docs/reference/crash-points.md");
+    let mut rows = 0;
+    for line in doc.lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<&str> = line.split(" | ").collect();
+        let point = cells[0].trim_start_matches("| ").trim_matches('`');
+        if !point.contains('.') || cells.len() < 2 {
+            continue;
+        }
+        let quoted: Vec<&str> = cells[1].split('`').skip(1).step_by(2).collect();
+        let file = quoted[0];
+        let code = read(file);
+        let constant = point.to_uppercase().replace('.', "_");
+        assert!(
+            code.contains("crash_point(") && code.contains(&constant),
+            "{point}: {file} does not fire {constant}"
+        );
+        if let Some(function) = quoted.get(1).and_then(|f| f.rsplit("::").next()) {
+            assert!(
+                code.contains(&format!("fn {function}(")),
+                "{point}: {file} has no function {function}"
+            );
+        }
+        rows += 1;
+    }
+    assert_eq!(
+        rows,
+        idem_core::crash::CRASH_POINTS.len() + idem_core::crash::CDC_CRASH_POINTS.len(),
+        "one row per crash point"
+    );
 }

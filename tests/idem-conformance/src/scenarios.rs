@@ -977,7 +977,7 @@ pub async fn idempotency_keys_release_expire_and_sweep<B: Backend>(b: &B) {
     );
 }
 
-/// Review §4 at the store: A's lock runs out, B takes the key over; A's renew, complete and
+/// At the store: A's lock runs out, B takes the key over; A's renew, complete and
 /// release change nothing and say so, and B's claim is intact.
 pub async fn idempotency_claims_are_fenced_by_their_token<B: Backend>(b: &B) {
     let keys = b.keys();
@@ -1450,11 +1450,10 @@ pub async fn unknown_intents_are_read_and_resolved_by_a_decision<B: Backend>(b: 
     assert!(store.stuck(10).await.unwrap().is_empty());
 }
 
-/// The claim looks at a bounded window of pending rows. It used to be the oldest rows: one
-/// aggregate whose head backs off and whose rows fill that window made the windowed claim find
-/// nothing, and the whole outbox then moved one batch per second (a full scan at most once a
-/// second; review §6). The window is now made of claimable aggregate heads, so two claims in a
-/// row both find the other aggregates.
+/// The claim looks at a bounded window of pending rows, made of claimable aggregate heads: one
+/// aggregate whose head backs off and whose rows fill the oldest positions never hides the
+/// others (a window of the oldest rows would find nothing, and the outbox would move one batch
+/// per full scan), so two claims in a row both find the other aggregates.
 pub async fn a_backing_off_aggregate_does_not_slow_the_others<B: Backend>(b: &B) {
     // 70 rows of one aggregate first (more than the 64-row window of a batch of 10), then 20
     // single-row aggregates.
@@ -1501,8 +1500,8 @@ pub async fn a_backing_off_aggregate_does_not_slow_the_others<B: Backend>(b: &B)
 }
 
 /// A row written through the SQL contract by a foreign writer that cannot be decoded (here an
-/// empty key) used to fail the whole claim after it committed, every lease period: no intent
-/// was delivered any more. It is parked with its reason; the others are claimed.
+/// empty key) must not fail the whole claim after it committed, every lease period, so that no
+/// intent is delivered any more: it is parked with its reason; the others are claimed.
 pub async fn an_undecodable_intent_is_parked_and_the_others_are_claimed<B: Backend>(b: &B) {
     let t = b.tables().qualified("effect_intents");
     b.exec(&format!(
@@ -1562,7 +1561,7 @@ pub async fn a_sending_mark_holds_the_next_attempt_for_its_settle<B: Backend>(b:
     assert_eq!((second.attempt, second.unrecorded_send), (2, Some(1)));
 }
 
-/// The durable sending mark (review §3): written only while the attempt holds enough lease,
+/// The durable sending mark: written only while the attempt holds enough lease,
 /// seen by every later attempt until an outcome of the marked attempt is recorded, kept by a
 /// retry of an attempt that sent nothing, cleared by a decision.
 pub async fn a_sending_mark_lasts_until_an_outcome_of_its_attempt_is_recorded<B: Backend>(b: &B) {

@@ -45,7 +45,7 @@ use Expect::{Contained, Either, Refused};
 /// (name, expected, extra columns, their values, event type, payload).
 #[rustfmt::skip]
 const CATALOGUE: &[(&str, Expect, &str, &str, &str, &str)] = &[
-    // Refused by the contract's CHECKs (migration 6 for the timestamps: §1 of the review).
+    // Refused by the contract's CHECKs (migration 6 for the timestamps).
     ("infinite_occurred_at", Refused, ", occurred_at", ", 'infinity'", "order.paid", "'{}'"),
     ("year_262144_created_at", Refused, ", created_at", ", '262144-01-01'", "order.paid", "'{}'"),
     ("topic_with_a_space", Refused, ", topic", ", 'bad topic'", "order.paid", "'{}'"),

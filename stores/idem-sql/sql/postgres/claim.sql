@@ -10,7 +10,7 @@
 -- for the rows walked, not for a window filtered before its limit. Rows that are not
 -- claimable heads (one aggregate whose head backs off or is leased, and whose rows fill the
 -- oldest positions; heads another relay is locking) are walked past at one index probe each,
--- so they never hide the other aggregates (review §6).
+-- so they never hide the other aggregates.
 --
 -- Every lookup is written so that an index drives it whatever the statistics say (after a mass
 -- re-pend they can claim that no row is pending, and a nested loop over a whole index would be

@@ -439,7 +439,7 @@ mod tests {
     use crate::dialect::sealed::Sealed;
 
     /// A write transaction whose future is dropped half-way (a cancelled claim) leaves neither
-    /// its writes nor the write lock behind (review §15).
+    /// its writes nor the write lock behind.
     #[tokio::test]
     async fn a_cancelled_write_transaction_leaves_no_lock_and_no_writes() {
         let dir = std::env::temp_dir().join(format!("idem-sqlite-{}", uuid::Uuid::new_v4()));

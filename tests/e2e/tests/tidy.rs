@@ -1,0 +1,176 @@
+//! The tree states what is true now: code, SQL, tests and docs never narrate the project's
+//! history (a review's section, an issue number, what a test did before a fix, what a name or an
+//! advice "used to" be). History goes in commit bodies, `CHANGELOG.md` and the recorded runs
+//! under `docs/internals/runs/`, the only files this test leaves alone.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+
+mod tree;
+
+use tree::root;
+
+/// The files whose text is checked: code, SQL, docs and configuration, outside build output,
+/// the changelog and the recorded runs.
+fn checked_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() {
+            let skipped =
+                name == "target" || name.starts_with('.') || path.ends_with("docs/internals/runs");
+            if !skipped {
+                checked_files(&path, out);
+            }
+        } else {
+            let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
+            let checked = matches!(
+                ext.as_deref(),
+                Some("rs" | "sql" | "md" | "toml" | "yml" | "yaml" | "json" | "sh" | "py")
+            );
+            if checked && name != "CHANGELOG.md" {
+                out.push(path);
+            }
+        }
+    }
+}
+
+/// The phrases that narrate history, each with why it is refused.
+const BANNED: &[(&str, &str)] = &[
+    (
+        "review §",
+        "names a section of a review outside the repository",
+    ),
+    ("of the review", "names a review outside the repository"),
+    ("failed before:", "tells what a test did before a fix"),
+    ("always had", "narrates a rename"),
+    ("old names", "narrates a rename"),
+    ("before the fix", "tells what the code did before a fix"),
+];
+
+/// The words before "used to" that make it mean "serves to", not "did once".
+const USED_TO_AS_PURPOSE: &[&str] = &[
+    "is", "are", "be", "been", "being", "was", "were", "get", "gets",
+];
+
+/// Where `text` narrates history: (line number, the phrase, why it is refused).
+fn history(text: &str) -> Vec<(usize, String, &'static str)> {
+    let mut found = vec![];
+    for (i, line) in text.lines().enumerate() {
+        let lower = line.to_lowercase();
+        for (phrase, why) in BANNED {
+            if lower.contains(phrase) {
+                found.push((i + 1, (*phrase).to_owned(), *why));
+            }
+        }
+        if let Some(n) = issue_number(&lower) {
+            found.push((i + 1, format!("issue {n}"), "names an issue of the tracker"));
+        }
+        if section_number(&lower) {
+            found.push((
+                i + 1,
+                "§".to_owned(),
+                "names a section of a document outside the repository",
+            ));
+        }
+        if used_to_as_past(&lower) {
+            found.push((i + 1, "used to".to_owned(), "tells what something did once"));
+        }
+    }
+    found
+}
+
+/// `issue 15`, `issue #15`, `issues 15 and 16`: a number right after the word.
+fn issue_number(lower: &str) -> Option<String> {
+    for (at, _) in lower.match_indices("issue") {
+        let word_start = at == 0 || !lower[..at].ends_with(|c: char| c.is_ascii_alphanumeric());
+        let rest = lower[at + "issue".len()..].trim_start_matches('s');
+        let rest = rest.strip_prefix(' ').unwrap_or(rest);
+        let rest = rest.strip_prefix('#').unwrap_or(rest);
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        if word_start && !digits.is_empty() {
+            return Some(digits);
+        }
+    }
+    None
+}
+
+/// `§3` anywhere but after an RFC's number (`RFC 8446 §4.4.2.4` names a published text).
+fn section_number(lower: &str) -> bool {
+    lower.match_indices('§').any(|(at, _)| {
+        let numbered = lower[at + '§'.len_utf8()..].starts_with(|c: char| c.is_ascii_digit());
+        let mut words = lower[..at]
+            .rsplit(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|w| !w.is_empty());
+        let rfc = words
+            .next()
+            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            && words.next() == Some("rfc");
+        numbered && !rfc && !lower[..at].ends_with("review ")
+    })
+}
+
+/// The word "used to" after a word that is not a form of "be" or "get" ("the lock is used to
+/// serialise" and "(used to isolate)" state a purpose; "the claim used to update" narrates).
+fn used_to_as_past(lower: &str) -> bool {
+    lower.match_indices("used to ").any(|(at, _)| {
+        if lower[..at].ends_with(|c: char| c.is_ascii_alphanumeric()) {
+            return false; // "refused to", "paused to"
+        }
+        let before = lower[..at].trim_end();
+        let word = before
+            .rsplit(|c: char| !c.is_ascii_alphanumeric())
+            .next()
+            .unwrap_or_default();
+        !word.is_empty() && !USED_TO_AS_PURPOSE.contains(&word)
+    })
+}
+
+#[test]
+fn no_file_narrates_history() {
+    let root = root();
+    let mut files = vec![];
+    checked_files(&root, &mut files);
+    let mut offences = vec![];
+    for f in files {
+        let Ok(text) = std::fs::read_to_string(&f) else {
+            continue;
+        };
+        let rel = f.strip_prefix(&root).unwrap_or(&f).display().to_string();
+        if rel == "tests/e2e/tests/tidy.rs" {
+            continue;
+        }
+        for (line, phrase, why) in history(&text) {
+            offences.push(format!("{rel}:{line}: \"{phrase}\" {why}"));
+        }
+    }
+    assert!(
+        offences.is_empty(),
+        "state what is true now; history goes in the commit body or CHANGELOG.md:\n{}",
+        offences.join("\n")
+    );
+}
+
+#[test]
+fn each_kind_of_history_is_found_and_present_tense_passes() {
+    let planted = "\
+-- the window is made of heads (review §3)
+/// (It failed before: the keepalive confirmed the position.) It is refused to start.
+// a failure, issue 15
+/// §3 as reported
+// the claim used to update every row
+";
+    let found: Vec<String> = history(planted).into_iter().map(|(_, p, _)| p).collect();
+    assert_eq!(
+        found,
+        ["review §", "failed before:", "issue 15", "§", "used to"],
+        "every planted phrase is found"
+    );
+    let present = "\
+-- the window is made of claimable heads, so one aggregate's backoff never hides the others
+/// A savepoint (used to isolate a handler) is used to isolate it; tissue 3 and reissue 4 are
+/// not issues, a record paused to be read and a message that failed before the queue pass,
+/// and so does RFC 8446 §4.4.2.4.
+";
+    assert_eq!(history(present), vec![], "present tense passes");
+}
