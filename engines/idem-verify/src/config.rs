@@ -1,30 +1,30 @@
-//! What to verify: checks read from a small TOML file, or the reference pipeline's built in.
+//! What to verify: the checks of a pipeline, read from a small TOML file.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::VerifyError;
 
 /// Everything `idem verify` checks.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct VerifyConfig {
     /// Source-to-target reconciliations.
     #[serde(default, rename = "check")]
     pub checks: Vec<Check>,
     /// Keys that must appear at most once in one table (duplicate business effects).
-    #[serde(default, rename = "unique")]
+    #[serde(default, rename = "unique", skip_serializing_if = "Vec::is_empty")]
     pub unique: Vec<UniqueCheck>,
     /// Where idem's own tables are (for loss localisation and attempt counts).
     #[serde(default)]
     pub tables: Tables,
     /// Currency columns compared by checks that reconcile money (`[[currency]]`).
-    #[serde(default, rename = "currency")]
+    #[serde(default, rename = "currency", skip_serializing_if = "Vec::is_empty")]
     pub currencies: Vec<CurrencyColumns>,
 }
 
 /// The currency columns of one check: a target row in another currency than its source row is
 /// a violation (`kind="currency"`), even when the amounts agree.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct CurrencyColumns {
     /// The `[[check]]` it applies to.
@@ -36,38 +36,38 @@ pub struct CurrencyColumns {
 }
 
 /// idem's table names in every database of the config.
-#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Tables {
     /// PostgreSQL schema (default: the search path).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schema: Option<String>,
     /// Prefix of idem's tables (default `idem_`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix: Option<String>,
 }
 
 /// One reconciliation: every source row must have exactly one target row with the same key (and
 /// the same amount, when amounts are named).
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Check {
     /// Name in the report and the `check` label of `idem_reconciliation_gap`.
     pub name: String,
     /// The event type the totals are reported under when the source names none per row.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event_type: Option<String>,
     /// Where the facts come from (the order database).
     pub source: Side,
     /// Where their effects must be (the settlement database, the points API's database).
     pub target: Side,
     /// How to find where a missing effect's event stopped.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub locate: Option<Locate>,
 }
 
 /// One side of a check: a query and the columns that matter.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Side {
     /// `postgres://…` or `sqlite://path`.
@@ -78,22 +78,22 @@ pub struct Side {
     /// The business key column.
     pub key: String,
     /// The amount column (integer minor units), if amounts are reconciled.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub amount: Option<String>,
     /// A column naming each row's event type (source only).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event_type_column: Option<String>,
     /// A column naming each row's aggregate id (source only; needed by `locate`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aggregate_id: Option<String>,
 }
 
 /// How to follow a missing effect back through the pipeline.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Locate {
     /// The database holding the outbox (default: the source's).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outbox_db: Option<String>,
     /// The outbox rows' aggregate type.
     pub aggregate_type: String,
@@ -104,15 +104,15 @@ pub struct Locate {
     /// The consumer group.
     pub consumer_group: String,
     /// The database holding the effect intents, when the target is an external API.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intents_db: Option<String>,
     /// The effect name (`points.award`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub effect: Option<String>,
 }
 
 /// A key that must not repeat: a repeated key is a duplicate business effect.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct UniqueCheck {
     /// Name in the report.
@@ -123,10 +123,6 @@ pub struct UniqueCheck {
     pub query: String,
     /// The column that must be unique.
     pub key: String,
-}
-
-fn is_postgres(url: &str) -> bool {
-    url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
 /// A column name usable in SQL: `[A-Za-z_][A-Za-z0-9_]*`, at most 63 bytes.
@@ -234,88 +230,10 @@ impl VerifyConfig {
         Ok(())
     }
 
-    /// The reference pipeline: orders → settlements (one per payment, same amount and
-    /// currency), the
-    /// settlement log (one application per event), and — with the points API's database —
-    /// orders → points awards (one per payment, one point per whole currency unit).
-    pub fn reference(orders_db: &str, settlement_db: &str, points_db: Option<&str>) -> Self {
-        let locate = |intents: bool| Locate {
-            outbox_db: None,
-            aggregate_type: "order".to_owned(),
-            event_type: "order.paid".to_owned(),
-            inbox_db: settlement_db.to_owned(),
-            consumer_group: "settlement".to_owned(),
-            intents_db: intents.then(|| settlement_db.to_owned()),
-            effect: intents.then(|| "points.award".to_owned()),
-        };
-        let mut checks = vec![Check {
-            name: "settlements".to_owned(),
-            event_type: Some("order.paid".to_owned()),
-            source: Side {
-                db: orders_db.to_owned(),
-                query: "SELECT payment_id, amount_minor, currency, order_id FROM orders".to_owned(),
-                key: "payment_id".to_owned(),
-                amount: Some("amount_minor".to_owned()),
-                event_type_column: None,
-                aggregate_id: Some("order_id".to_owned()),
-            },
-            target: Side {
-                db: settlement_db.to_owned(),
-                query: "SELECT payment_id, amount_minor, currency FROM settlements".to_owned(),
-                key: "payment_id".to_owned(),
-                amount: Some("amount_minor".to_owned()),
-                event_type_column: None,
-                aggregate_id: None,
-            },
-            locate: Some(locate(false)),
-        }];
-        if let Some(points) = points_db {
-            let greatest = if is_postgres(orders_db) {
-                "GREATEST"
-            } else {
-                "max"
-            };
-            checks.push(Check {
-                name: "points".to_owned(),
-                event_type: Some("order.paid".to_owned()),
-                source: Side {
-                    db: orders_db.to_owned(),
-                    query: format!(
-                        "SELECT payment_id, {greatest}(amount_minor / 100, 1) AS points, order_id FROM orders"
-                    ),
-                    key: "payment_id".to_owned(),
-                    amount: Some("points".to_owned()),
-                    event_type_column: None,
-                    aggregate_id: Some("order_id".to_owned()),
-                },
-                target: Side {
-                    db: points.to_owned(),
-                    query: "SELECT payment_id, points FROM points_awards a \
-                            WHERE NOT EXISTS (SELECT 1 FROM points_reversals r WHERE r.award_id = a.id)"
-                        .to_owned(),
-                    key: "payment_id".to_owned(),
-                    amount: Some("points".to_owned()),
-                    event_type_column: None,
-                    aggregate_id: None,
-                },
-                locate: Some(locate(true)),
-            });
-        }
-        VerifyConfig {
-            checks,
-            unique: vec![UniqueCheck {
-                name: "settlement applications per event".to_owned(),
-                db: settlement_db.to_owned(),
-                query: "SELECT event_id FROM settlement_applications".to_owned(),
-                key: "event_id".to_owned(),
-            }],
-            tables: Tables::default(),
-            currencies: vec![CurrencyColumns {
-                check: "settlements".to_owned(),
-                source: "currency".to_owned(),
-                target: "currency".to_owned(),
-            }],
-        }
+    /// The config as TOML, as [`VerifyConfig::from_toml`] reads it (a pipeline's config written
+    /// by a tool, for `idem verify --config`).
+    pub fn to_toml(&self) -> Result<String, VerifyError> {
+        toml::to_string(self).map_err(|e| VerifyError::Config(e.to_string()))
     }
 }
 
@@ -367,9 +285,34 @@ target = "c""#,
     }
 
     #[test]
-    fn the_reference_config_validates() {
-        VerifyConfig::reference("postgres://h/o", "postgres://h/s", Some("sqlite://p.db"))
-            .validate()
-            .unwrap();
+    fn a_config_written_as_toml_reads_back_the_same() {
+        let c = VerifyConfig::from_toml(
+            r#"
+            [[check]]
+            name = "invoices"
+            event_type = "invoice.issued"
+            source = { db = "postgres://h/a", query = "SELECT id, total, cur, inv FROM invoices", key = "id", amount = "total", aggregate_id = "inv" }
+            target = { db = "sqlite://b.db", query = "SELECT invoice_id, total, cur FROM ledger", key = "invoice_id", amount = "total" }
+            locate = { aggregate_type = "invoice", event_type = "invoice.issued", inbox_db = "sqlite://b.db", consumer_group = "ledger" }
+            [[unique]]
+            name = "one entry per invoice"
+            db = "sqlite://b.db"
+            query = "SELECT invoice_id FROM ledger"
+            key = "invoice_id"
+            [[currency]]
+            check = "invoices"
+            source = "cur"
+            target = "cur"
+            [tables]
+            prefix = "app_"
+            "#,
+        )
+        .unwrap();
+        let text = c.to_toml().unwrap();
+        assert_eq!(VerifyConfig::from_toml(&text).unwrap(), c, "{text}");
+        assert!(
+            !text.contains("outbox_db"),
+            "an unset option is left out: {text}"
+        );
     }
 }

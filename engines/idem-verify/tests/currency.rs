@@ -1,5 +1,5 @@
-//! The reference settlement check compares the currency as well as the amount: 500 EUR settled
-//! as 500 USD is not the same money.
+//! A check with `[[currency]]` compares the currency as well as the amount: 500 EUR settled as
+//! 500 USD is not the same money.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use idem_conformance::backend::{Backend, Lite, Pg};
@@ -20,7 +20,19 @@ async fn reference_tables<B: Backend>(b: &B, settled_currency: &str) {
 
 async fn check_currency<B: Backend>(b: &B, url: &str) {
     reference_tables(b, "USD").await;
-    let config = VerifyConfig::reference(url, url, None);
+    let config = VerifyConfig::from_toml(&format!(
+        r#"
+        [[check]]
+        name = "settlements"
+        source = {{ db = "{url}", query = "SELECT payment_id, amount_minor, currency FROM orders", key = "payment_id", amount = "amount_minor" }}
+        target = {{ db = "{url}", query = "SELECT payment_id, amount_minor, currency FROM settlements", key = "payment_id", amount = "amount_minor" }}
+        [[currency]]
+        check = "settlements"
+        source = "currency"
+        target = "currency"
+        "#
+    ))
+    .unwrap();
     let report = verify(&config, &Options::default()).await.unwrap();
     assert!(
         !report.clean,

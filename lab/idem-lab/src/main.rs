@@ -41,6 +41,8 @@ enum Command {
     Settlement(reference_cmd::SettlementArgs),
     /// Reference points API: awards points per request, behind the Idempotency-Key layer.
     PointsApi(reference_cmd::PointsApiArgs),
+    /// Write the reference pipeline's checks as a config for `idem verify --config` (TOML).
+    VerifyConfig(reference_cmd::VerifyConfigArgs),
     /// Measure what idem costs on this hardware against same-run baselines (`bench verify`: memory of `idem verify`).
     Bench(bench::BenchArgs),
     /// The operator commands of `idem`.
@@ -105,6 +107,7 @@ async fn run(parsed: Parsed) -> anyhow::Result<()> {
         Command::Chaos(args) => chaos::run(args).await,
         Command::KafkaTxnSettlement(args) => chaos::kafka_txn::run(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::VerifyConfig(args) => reference_cmd::verify_config(&args),
         Command::Product(command) => idem_cli::run(command).await,
     }
 }

@@ -530,3 +530,50 @@ pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
     eprintln!("idem points-api: stopped cleanly");
     Ok(())
 }
+
+/// `idem-lab verify-config`: the reference pipeline's checks as TOML, for `idem verify --config`.
+#[derive(Args, Debug)]
+pub struct VerifyConfigArgs {
+    /// The order database (orders and the outbox).
+    #[arg(long)]
+    orders_db: String,
+    /// The settlement database (settlements, the inbox, the effect intents).
+    #[arg(long)]
+    settlement_db: String,
+    /// The points API's database (points awards), to check the effect stage too.
+    #[arg(long)]
+    points_db: Option<String>,
+    /// Write the config here (mode 0600: the URLs may hold passwords) instead of standard output.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+}
+
+/// Prints (or writes) the reference pipeline's verify config.
+pub fn verify_config(args: &VerifyConfigArgs) -> anyhow::Result<()> {
+    let config = idem_reference::verify_config(
+        &args.orders_db,
+        &args.settlement_db,
+        args.points_db.as_deref(),
+    );
+    let text = config.to_toml()?;
+    match &args.out {
+        // The URLs may hold passwords: the file is the owner's alone.
+        Some(path) => {
+            write_private(path, &text).with_context(|| format!("writing {}", path.display()))?;
+        }
+        None => print!("{text}"),
+    }
+    Ok(())
+}
+
+fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(text.as_bytes())
+}

@@ -278,18 +278,23 @@ async fn the_reference_pipeline_runs_over_tls_scram_and_https() {
         "the broker's log does not name the SCRAM principal User:{user}"
     );
 
-    let report = run_ok(
+    let config = dir.path().join("verify.toml");
+    let config = config.to_str().unwrap();
+    run_ok(
         lab(&[
-            "verify",
+            "verify-config",
             "--orders-db",
             &orders_url,
             "--settlement-db",
             &settle_url,
             "--points-db",
             &points_db,
+            "--out",
+            config,
         ]),
-        "verify",
+        "verify-config",
     );
+    let report = run_ok(lab(&["verify", "--config", config]), "verify");
     assert!(report.contains("idem verify: CLEAN"), "{report}");
     for check in ["settlements", "points"] {
         let row: Vec<&str> = report

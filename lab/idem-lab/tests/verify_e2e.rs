@@ -30,6 +30,8 @@ struct Pipeline {
     settlement: Proc,
     _api: Proc,
     _dispatcher: Proc,
+    /// Where the verify configs are written.
+    dir: tempfile::TempDir,
 }
 
 fn write_orders(db: &str, start: i64, count: i64) {
@@ -140,20 +142,36 @@ async fn pipeline() -> Pipeline {
         settlement,
         _api: api,
         _dispatcher: dispatcher,
+        dir: tempfile::tempdir().unwrap(),
     }
 }
 
 impl Pipeline {
-    fn verify(&self, json: bool) -> Output {
+    /// The reference pipeline's checks, written by `idem-lab verify-config` (with the points
+    /// stage or without it).
+    fn config(&self, points: bool) -> String {
+        let path = self.dir.path().join(format!("verify-{points}.toml"));
+        let path = path.to_str().unwrap().to_owned();
         let mut args = vec![
-            "verify",
+            "verify-config",
             "--orders-db",
             self.orders.url(),
             "--settlement-db",
             self.settle.url(),
-            "--points-db",
-            self.points.url(),
+            "--out",
+            &path,
         ];
+        if points {
+            args.extend(["--points-db", self.points.url()]);
+        }
+        let out = idem(&args).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        path
+    }
+
+    fn verify(&self, json: bool) -> Output {
+        let config = self.config(true);
+        let mut args = vec!["verify", "--config", &config];
         if json {
             args.push("--json");
         }
@@ -366,10 +384,8 @@ async fn watch_mode_exports_the_gap_as_a_gauge_and_follows_a_repair() {
         "verify-watch",
         idem(&[
             "verify",
-            "--orders-db",
-            p.orders.url(),
-            "--settlement-db",
-            p.settle.url(),
+            "--config",
+            &p.config(false),
             "--watch",
             "100ms",
             "--metrics-addr",

@@ -11,6 +11,9 @@
 pub mod money;
 pub mod points;
 mod settle;
+mod verify;
+
+pub use verify::verify_config;
 
 use idem_consumer::{BatchError, Handler, HandlerError, Outcome};
 use idem_core::{Event, InboundEvent};

@@ -22,7 +22,7 @@ pub struct DeadLettersArgs {
     #[arg(long, env = "IDEM_TABLE_PREFIX", default_value = "idem_")]
     table_prefix: String,
     /// Consumer group.
-    #[arg(long, default_value = "settlement")]
+    #[arg(long)]
     group: String,
     /// At most this many.
     #[arg(long, default_value_t = 100)]

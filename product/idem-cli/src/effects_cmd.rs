@@ -20,19 +20,20 @@ use crate::db;
 /// How the remote of one effect is treated (remotes that do not store Idempotency-Key).
 #[derive(Args, Debug, Clone)]
 pub struct PolicyArgs {
-    /// The effect these switches apply to.
-    #[arg(long, default_value = "points.award")]
-    effect: String,
+    /// The effect (the name its intents are recorded under) these switches apply to: needed
+    /// with any of them. Intents of other effects are delivered with the default policy.
+    #[arg(long)]
+    effect: Option<String>,
     /// The remote ignores Idempotency-Key: a sending mark is committed before every request,
     /// and after an ambiguous failure, or an attempt that died after its mark, nothing is
     /// re-sent without asking the status probe; without a probe the intent becomes `unknown`.
-    #[arg(long)]
+    #[arg(long, requires = "effect")]
     remote_ignores_keys: bool,
     /// Status probe URL template, asked before every re-attempt: `{key}`, `{event_id}` or a
     /// body field such as `{payment_id}`. Its answer: 200 with a non-empty JSON array →
     /// applied, `[]` or 404 → not applied, any other body → the intent becomes `unknown`
     /// (see `--probe-applied-pointer`).
-    #[arg(long)]
+    #[arg(long, requires = "effect")]
     probe_url: Option<String>,
     /// The probe's 200 answer is a JSON object: the JSON pointer (RFC 6901, e.g. `/awards`)
     /// whose value says whether the effect happened (`[]`, `{}`, `null`, `false`, `0`, `""` →
@@ -41,7 +42,7 @@ pub struct PolicyArgs {
     probe_applied_pointer: Option<String>,
     /// Compensation URL template (same placeholders), POSTed with the intent's body by
     /// `idem effects compensate`.
-    #[arg(long)]
+    #[arg(long, requires = "effect")]
     compensate_url: Option<String>,
     /// Shortest wait before probing after an ambiguous attempt: longer than the remote's
     /// longest processing time.
@@ -265,10 +266,13 @@ fn dispatcher<S: IntentStore>(
         batch: u32::from(policy.concurrency).max(DispatcherConfig::default().batch),
         ..DispatcherConfig::default()
     };
-    Ok(
-        Dispatcher::new(store, config, EffectMetrics::new(registry)?)?
-            .with_policy(policy.effect.clone(), policy.policy(authorization.as_ref())),
-    )
+    let dispatcher = Dispatcher::new(store, config, EffectMetrics::new(registry)?)?;
+    Ok(match &policy.effect {
+        Some(effect) => {
+            dispatcher.with_policy(effect.clone(), policy.policy(authorization.as_ref()))
+        }
+        None => dispatcher,
+    })
 }
 
 async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result<()> {

@@ -1,5 +1,5 @@
-//! `idem verify`: reconciliation of the reference pipeline, or of a pipeline described in a
-//! config file; exit status 0 clean, 1 violations or gaps, 2 could not verify.
+//! `idem verify`: reconciliation of a pipeline described in a config file; exit status 0 clean,
+//! 1 violations or gaps, 2 could not verify.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -39,18 +39,10 @@ pub fn emit<R: serde::Serialize>(
 /// `idem verify`: what to check, and how to report it.
 #[derive(Args, Debug)]
 pub struct VerifyArgs {
-    /// A TOML file naming the checks (see docs/operating/verify.md); instead of the reference databases.
-    #[arg(long, conflicts_with_all = ["orders_db", "settlement_db", "points_db"])]
-    config: Option<PathBuf>,
-    /// Reference pipeline: the order database (orders + outbox).
-    #[arg(long, requires = "settlement_db")]
-    orders_db: Option<String>,
-    /// Reference pipeline: the settlement database (settlements, inbox, effect intents).
+    /// A TOML file naming the pipeline's checks: its databases, the query of each side, the
+    /// keys and amounts (see docs/operating/verify.md).
     #[arg(long)]
-    settlement_db: Option<String>,
-    /// Reference pipeline: the points API's database (points awards), to check the effect stage.
-    #[arg(long)]
-    points_db: Option<String>,
+    config: PathBuf,
     /// PostgreSQL schema of idem's tables.
     #[arg(long)]
     schema: Option<String>,
@@ -77,19 +69,11 @@ pub struct VerifyArgs {
 }
 
 fn config(args: &VerifyArgs) -> anyhow::Result<VerifyConfig> {
-    let mut config = match (&args.config, &args.orders_db, &args.settlement_db) {
-        (Some(path), _, _) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            VerifyConfig::from_toml(&text)?
-        }
-        (None, Some(orders), Some(settlement)) => {
-            VerifyConfig::reference(orders, settlement, args.points_db.as_deref())
-        }
-        _ => anyhow::bail!(
-            "name what to verify: --config FILE, or --orders-db and --settlement-db (and --points-db)"
-        ),
-    };
+    let path = &args.config;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut config = VerifyConfig::from_toml(&text)
+        .with_context(|| format!("reading the checks of {}", path.display()))?;
     if args.schema.is_some() {
         config.tables.schema.clone_from(&args.schema);
     }

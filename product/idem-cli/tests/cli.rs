@@ -232,3 +232,49 @@ fn parked_rows_are_listed_and_retried_from_the_cli() {
     assert_eq!(pending(&db)["pending"], 1);
     assert_eq!(pending(&db)["parked"], 0);
 }
+
+/// The subcommands `help` lists in `idem <path> --help`.
+fn subcommands(path: &[&str]) -> Vec<String> {
+    let mut args = path.to_vec();
+    args.push("--help");
+    let (out, _) = text(&idem(&args));
+    out.lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The operator tool knows nothing of the lab's reference pipeline: no help text names its
+/// tables, its group or its effect, and no default stands in for the user's own.
+#[test]
+fn no_help_names_the_reference_pipeline() {
+    let mut paths: Vec<Vec<String>> = vec![vec![]];
+    let mut seen = 0;
+    while let Some(path) = paths.pop() {
+        let args: Vec<&str> = path.iter().map(String::as_str).collect();
+        let mut help = args.clone();
+        help.push("--help");
+        let (out, err) = text(&idem(&help));
+        assert!(!out.is_empty(), "idem {} --help: {err}", args.join(" "));
+        // "crash points" are idem's own words.
+        let lower = out.to_lowercase().replace("crash points", "crash-sites");
+        for word in ["points", "settlement", "orders", "order.paid"] {
+            assert!(
+                !lower.contains(word),
+                "`idem {} --help` names the reference pipeline ({word}):\n{out}",
+                args.join(" ")
+            );
+        }
+        seen += 1;
+        for sub in subcommands(&args) {
+            let mut next = path.clone();
+            next.push(sub);
+            paths.push(next);
+        }
+    }
+    assert!(seen > 20, "only {seen} help pages were read");
+}

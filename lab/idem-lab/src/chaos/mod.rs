@@ -216,7 +216,7 @@ fn fired(text: &str, points: &[&str]) -> BTreeMap<String, u64> {
 
 /// The checks of a chaos run: the reference pipeline's, plus the audit group's log.
 fn verify_config(urls: &[String; 3]) -> idem_verify::VerifyConfig {
-    let mut config = idem_verify::VerifyConfig::reference(&urls[0], &urls[1], Some(&urls[2]));
+    let mut config = idem_reference::verify_config(&urls[0], &urls[1], Some(&urls[2]));
     config.checks.push(idem_verify::Check {
         name: "audit".to_owned(),
         event_type: Some("order.paid".to_owned()),

@@ -255,8 +255,7 @@ impl End<'_> {
         targets: &Targets,
         conflicts_sent: u64,
     ) -> anyhow::Result<DemoReport> {
-        let config =
-            idem_verify::VerifyConfig::reference(&dbs.urls[0], &dbs.urls[1], Some(&dbs.urls[2]));
+        let config = idem_reference::verify_config(&dbs.urls[0], &dbs.urls[1], Some(&dbs.urls[2]));
         let verify = idem_verify::verify(&config, &idem_verify::Options::default()).await?;
         let inbox = verify.attempts.inbox.first().cloned().unwrap_or_default();
         let effects = verify.attempts.effects.first().cloned().unwrap_or_default();
