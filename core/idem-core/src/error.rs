@@ -6,9 +6,30 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// Result with idem's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What kind of failure an [`Error`] is: what its caller can do about it ([`Error::kind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The input is wrong (an event, an identifier, a stored row): the same input fails the
+    /// same way again.
+    Invalid,
+    /// The input conflicts with what is stored (an event id already in the outbox).
+    Conflict,
+    /// The database's schema is not the one this build needs: run `idem migrate`, or upgrade
+    /// idem when the schema is newer.
+    NotMigrated,
+    /// Retrying later may succeed: a connection, a lock, a broker that does not answer.
+    Transient,
+    /// A setting is unusable: the configuration must change.
+    Config,
+    /// The component's client is broken for good: stop it and start a new one.
+    Fatal,
+}
+
 /// Everything that can go wrong in idem's libraries.
 ///
-/// Every message names what was wrong and, where there is one, what to do about it.
+/// Every message names what was wrong and, where there is one, what to do about it;
+/// [`Error::kind`] says what a caller can do about it.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -18,6 +39,15 @@ pub enum Error {
         /// The envelope field that was rejected (`event_type`, `aggregate_id`, `payload`, ...).
         field: &'static str,
         /// Why it was rejected, with the allowed form.
+        reason: String,
+    },
+
+    /// The input conflicts with what is stored: an event id already in the outbox.
+    #[error("conflict: {what} {reason}")]
+    Conflict {
+        /// What conflicts (`event_id`).
+        what: &'static str,
+        /// With what, as the store says it.
         reason: String,
     },
 
@@ -39,6 +69,8 @@ pub enum Error {
     /// The database refused or failed an operation.
     #[error("database error while {context}: {source}")]
     Database {
+        /// What the error is, as the store that saw it classified it.
+        kind: ErrorKind,
         /// What idem was doing (`claiming outbox rows`, `running migration 1`, ...).
         context: String,
         /// The driver's error.
@@ -100,12 +132,46 @@ pub enum Error {
 }
 
 impl Error {
-    /// Wraps a database driver error with what idem was doing.
+    /// Wraps a database driver error with what idem was doing, as a transient failure (a store
+    /// that can tell more uses [`Error::database_as`]).
     pub fn database(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Error::database_as(ErrorKind::Transient, context, source)
+    }
+
+    /// Wraps a database driver error of a known kind with what idem was doing.
+    pub fn database_as(
+        kind: ErrorKind,
+        context: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
         Error::Database {
+            kind,
             context: context.into(),
             source: source.into(),
         }
+    }
+
+    /// What kind of failure this is: whether the same call can succeed later
+    /// ([`ErrorKind::Transient`]), the input or the configuration must change, the database
+    /// needs `idem migrate`, or the component must be replaced.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::InvalidEvent { .. }
+            | Error::InvalidIdentifier { .. }
+            | Error::CorruptRow { .. } => ErrorKind::Invalid,
+            Error::Conflict { .. } => ErrorKind::Conflict,
+            Error::Config(_) => ErrorKind::Config,
+            Error::Database { kind, .. } => *kind,
+            Error::SchemaTooNew { .. } => ErrorKind::NotMigrated,
+            // A crash point in error mode stands for a failure at that point, which is retried.
+            Error::Broker { .. } | Error::CrashPoint(_) => ErrorKind::Transient,
+            Error::BrokerFatal { .. } => ErrorKind::Fatal,
+        }
+    }
+
+    /// Whether retrying later may succeed ([`ErrorKind::Transient`]).
+    pub fn is_transient(&self) -> bool {
+        self.kind() == ErrorKind::Transient
     }
 
     /// Wraps a broker client error with what idem was doing.
@@ -127,13 +193,63 @@ impl Error {
     /// Whether retrying cannot help because the component's client is broken for good
     /// ([`Error::BrokerFatal`]): its owner must stop and be replaced.
     pub fn is_fatal(&self) -> bool {
-        matches!(self, Error::BrokerFatal { .. })
+        self.kind() == ErrorKind::Fatal
     }
 
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidEvent {
             field,
             reason: reason.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_has_the_kind_its_caller_acts_on() {
+        let io = || std::io::Error::other("x");
+        let cases = [
+            (
+                Error::invalid("payload", "must be an object"),
+                ErrorKind::Invalid,
+            ),
+            (
+                Error::Conflict {
+                    what: "event_id",
+                    reason: "is already in the outbox".into(),
+                },
+                ErrorKind::Conflict,
+            ),
+            (Error::Config("x".into()), ErrorKind::Config),
+            (Error::database("claiming", io()), ErrorKind::Transient),
+            (
+                Error::database_as(ErrorKind::NotMigrated, "claiming", io()),
+                ErrorKind::NotMigrated,
+            ),
+            (
+                Error::SchemaTooNew {
+                    found: 99,
+                    supported: 21,
+                },
+                ErrorKind::NotMigrated,
+            ),
+            (
+                Error::CorruptRow {
+                    id: 1,
+                    reason: "x".into(),
+                },
+                ErrorKind::Invalid,
+            ),
+            (Error::broker("producing", io()), ErrorKind::Transient),
+            (Error::broker_fatal("polling", io()), ErrorKind::Fatal),
+        ];
+        for (e, kind) in cases {
+            assert_eq!(e.kind(), kind, "{e}");
+            assert_eq!(e.is_fatal(), kind == ErrorKind::Fatal, "{e}");
+            assert_eq!(e.is_transient(), kind == ErrorKind::Transient, "{e}");
         }
     }
 }

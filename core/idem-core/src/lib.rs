@@ -20,7 +20,7 @@ pub mod tables;
 pub mod trace;
 pub mod wire;
 
-pub use error::{BoxError, Error, Result};
+pub use error::{BoxError, Error, ErrorKind, Result};
 pub use event::{Event, EventBuilder, EventId};
 pub use inbox::{
     DeadLetter, DeadLetterRow, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, LagProbe,

@@ -180,12 +180,16 @@ fn permanent_reason(e: &sqlx::Error) -> String {
 }
 
 impl From<idem_core::Error> for HandlerError {
-    /// [`idem_core::Error::InvalidEvent`] (an event the handler tried to enqueue is invalid, or
-    /// its id is taken) is permanent; every other error is transient.
+    /// By [`idem_core::Error::kind`]: an invalid input or a conflict (an event the handler tried
+    /// to enqueue is invalid, or its id is taken) is permanent; every other kind is transient,
+    /// a database that needs `idem migrate` included (the batch waits for the operator instead
+    /// of dead-lettering the event).
     fn from(e: idem_core::Error) -> Self {
-        match e {
-            idem_core::Error::InvalidEvent { .. } => HandlerError::Permanent(e.to_string()),
-            e => HandlerError::Transient(Box::new(e)),
+        match e.kind() {
+            idem_core::ErrorKind::Invalid | idem_core::ErrorKind::Conflict => {
+                HandlerError::Permanent(e.to_string())
+            }
+            _ => HandlerError::Transient(Box::new(e)),
         }
     }
 }
@@ -673,6 +677,23 @@ mod tests {
         assert!(matches!(
             HandlerError::from(invalid),
             HandlerError::Permanent(_)
+        ));
+        let taken = idem_core::Error::Conflict {
+            what: "event_id",
+            reason: "is already in the outbox".into(),
+        };
+        assert!(matches!(
+            HandlerError::from(taken),
+            HandlerError::Permanent(_)
+        ));
+        let not_migrated = idem_core::Error::database_as(
+            idem_core::ErrorKind::NotMigrated,
+            "enqueueing events",
+            std::io::Error::other("relation \"idem_outbox\" does not exist"),
+        );
+        assert!(matches!(
+            HandlerError::from(not_migrated),
+            HandlerError::Transient(_)
         ));
         let e = HandlerError::transient("the orders table is locked");
         assert_eq!(

@@ -366,13 +366,6 @@ impl<I> Settlement<I> {
     }
 }
 
-fn intent_error(e: idem_core::Error) -> HandlerError {
-    match e {
-        idem_core::Error::InvalidEvent { .. } => HandlerError::permanent(e.to_string()),
-        other => HandlerError::transient(other),
-    }
-}
-
 /// Whether `paid` is the settlement `existing` (order, amount, currency) already stored for its
 /// payment: the same fact under another event id converges; anything else is refused.
 fn already_settled(paid: &Paid, existing: &(String, i64, String)) -> Result<(), String> {

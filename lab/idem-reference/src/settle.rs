@@ -20,7 +20,7 @@ use idem_consumer::{BatchError, HandlerError, Outcome};
 use idem_core::InboundEvent;
 use idem_sql::{Array, Scheme, SqlConnection, Statement, get};
 
-use super::{Paid, RecordIntent, Settlement, intent_error, parse_paid};
+use super::{Paid, RecordIntent, Settlement, parse_paid};
 
 /// The statement of the dialect of `C`: PostgreSQL's or SQLite's text.
 fn sql<C: SqlConnection>(postgres: &'static str, sqlite: &'static str) -> &'static str {
@@ -291,7 +291,7 @@ impl<I> Settlement<I> {
             .intents
             .record_intents(conn, &intents)
             .await
-            .map_err(intent_error)
+            .map_err(HandlerError::from)
     }
 }
 

@@ -17,7 +17,7 @@
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use idem_core::{Error, EventId, Result, TableNames};
+use idem_core::{Error, ErrorKind, EventId, Result, TableNames};
 use sqlx::{Database, Transaction};
 
 use crate::queries::SqlSet;
@@ -44,6 +44,41 @@ pub trait Dialect: Database<Connection: SqlConnection<Dialect = Self>> + sealed:
 pub fn is_unique_violation(e: &sqlx::Error) -> bool {
     e.as_database_error()
         .is_some_and(|d| matches!(d.kind(), sqlx::error::ErrorKind::UniqueViolation))
+}
+
+/// What kind of failure a driver error is ([`idem_core::ErrorKind`]), by its code: a missing
+/// table, column, function or schema is [`ErrorKind::NotMigrated`]; a unique violation a
+/// [`ErrorKind::Conflict`]; the data, integrity, `RAISE` and program-limit classes (PostgreSQL
+/// 22, 23, P0, 54; SQLite's constraint and size codes) [`ErrorKind::Invalid`]; a refused login
+/// or a missing database [`ErrorKind::Config`]; everything else, and every error that is not
+/// the database's answer (I/O, the pool, TLS), [`ErrorKind::Transient`].
+pub fn error_kind(e: &sqlx::Error) -> ErrorKind {
+    let Some(db) = e.as_database_error() else {
+        return ErrorKind::Transient;
+    };
+    if is_unique_violation(e) {
+        return ErrorKind::Conflict;
+    }
+    let code = db.code().unwrap_or_default();
+    if code.len() == 5 {
+        return match (code.as_ref(), code.get(..2)) {
+            ("42P01" | "42703" | "42883" | "3F000", _) => ErrorKind::NotMigrated,
+            (_, Some("22" | "23" | "P0" | "54")) => ErrorKind::Invalid,
+            (_, Some("28" | "3D")) => ErrorKind::Config,
+            _ => ErrorKind::Transient,
+        };
+    }
+    let missing = ["no such table", "no such column", "no such function"];
+    match code.parse::<u32>().map(|c| c & 0xff) {
+        Ok(1) if missing.iter().any(|m| db.message().contains(m)) => ErrorKind::NotMigrated,
+        Ok(18..=20) => ErrorKind::Invalid,
+        _ => ErrorKind::Transient,
+    }
+}
+
+/// A driver error with what idem was doing, of the kind its code says ([`error_kind`]).
+pub(crate) fn db_error(context: impl Into<String>, e: sqlx::Error) -> Error {
+    Error::database_as(error_kind(&e), context, e)
 }
 
 /// The connection of a dialect, for code written once for both (a handler's
@@ -103,16 +138,18 @@ impl<DB: Database> WriteTx<'_, DB> {
         context: &str,
     ) -> Result<T> {
         match (self, result) {
-            (WriteTx::Direct(_), r) => r.map_err(|e| Error::database(context.to_owned(), e)),
+            (WriteTx::Direct(_), r) => {
+                r.map_err(|e| crate::dialect::db_error(context.to_owned(), e))
+            }
             (WriteTx::Tx(tx), Ok(v)) => {
                 tx.commit()
                     .await
-                    .map_err(|e| Error::database(format!("{context}: committing"), e))?;
+                    .map_err(|e| crate::dialect::db_error(format!("{context}: committing"), e))?;
                 Ok(v)
             }
             (WriteTx::Tx(tx), Err(e)) => {
                 let _ = tx.rollback().await;
-                Err(Error::database(context.to_owned(), e))
+                Err(crate::dialect::db_error(context.to_owned(), e))
             }
         }
     }

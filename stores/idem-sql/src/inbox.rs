@@ -1,7 +1,7 @@
 //! The consumer's inbox and dead letters ([`InboxStore`]), written once.
 
 use idem_core::{
-    DeadLetter, DeadLetterRow, Dedup, Error, EventId, InboundEvent, InboxEntry, InboxStore,
+    DeadLetter, DeadLetterRow, Dedup, EventId, InboundEvent, InboxEntry, InboxStore,
     OpenDeadLetter, ReplayOutcome, Result, StoredDeadLetter, TableNames,
 };
 use sqlx::{Pool, Transaction};
@@ -93,7 +93,7 @@ async fn exec_raw<DB: Dialect>(c: &mut DB::Connection, sql: &str, context: &str)
         .execute(c)
         .await
         .map(|_| ())
-        .map_err(|e| Error::database(context.to_owned(), e))
+        .map_err(|e| crate::dialect::db_error(context.to_owned(), e))
 }
 
 impl<DB: Dialect> InboxStore for Inbox<DB> {
@@ -105,19 +105,19 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         // snapshot conflict when another writer committed first.
         DB::begin_pool(&self.0.pool)
             .await
-            .map_err(|e| Error::database("beginning a consumer transaction", e))
+            .map_err(|e| crate::dialect::db_error("beginning a consumer transaction", e))
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<()> {
         tx.commit()
             .await
-            .map_err(|e| Error::database("committing a consumer transaction", e))
+            .map_err(|e| crate::dialect::db_error("committing a consumer transaction", e))
     }
 
     async fn rollback(&self, tx: Self::Tx) -> Result<()> {
         tx.rollback()
             .await
-            .map_err(|e| Error::database("rolling back a consumer transaction", e))
+            .map_err(|e| crate::dialect::db_error("rolling back a consumer transaction", e))
     }
 
     async fn record(
@@ -174,7 +174,7 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         }
         DB::inbox_dead_lettered(conn, &self.0.queries.inbox_dead_lettered, group, ids)
             .await
-            .map_err(|e| Error::database("marking inbox rows dead-lettered", e))
+            .map_err(|e| crate::dialect::db_error("marking inbox rows dead-lettered", e))
     }
 
     async fn dead_letter(
@@ -188,7 +188,7 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
         }
         DB::dead_letter(conn, &self.0.queries.dead_letter, group, letters)
             .await
-            .map_err(|e| Error::database("storing dead letters", e))
+            .map_err(|e| crate::dialect::db_error("storing dead letters", e))
     }
 
     async fn dead_letters(&self, group: &str, limit: u32) -> Result<Vec<StoredDeadLetter>> {
@@ -199,11 +199,11 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
             .bind(i64::from(limit))
             .fetch_all(&mut c)
             .await
-            .map_err(|e| Error::database(context, e))?;
+            .map_err(|e| crate::dialect::db_error(context, e))?;
         rows.iter()
             .map(stored_letter::<DB>)
             .collect::<sqlx::Result<Vec<_>>>()
-            .map_err(|e| Error::database("decoding dead letters", e))
+            .map_err(|e| crate::dialect::db_error("decoding dead letters", e))
     }
 
     async fn open_dead_letters(
@@ -222,11 +222,11 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
             .bind(i64::from(limit))
             .fetch_all(&mut c)
             .await
-            .map_err(|e| Error::database(context, e))?;
+            .map_err(|e| crate::dialect::db_error(context, e))?;
         rows.iter()
             .map(open_letter::<DB>)
             .collect::<sqlx::Result<Vec<_>>>()
-            .map_err(|e| Error::database("decoding dead letters to replay", e))
+            .map_err(|e| crate::dialect::db_error("decoding dead letters to replay", e))
     }
 
     async fn claim_replay(
@@ -245,7 +245,7 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
             .fetch_optional(conn)
             .await
             .map(|row| row.is_some())
-            .map_err(|e| Error::database("claiming the inbox row of a replayed event", e))
+            .map_err(|e| crate::dialect::db_error("claiming the inbox row of a replayed event", e))
     }
 
     async fn finish_replay(
@@ -264,6 +264,6 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
             .execute(conn)
             .await
             .map(|n| n > 0)
-            .map_err(|e| Error::database("recording the replay of a dead letter", e))
+            .map_err(|e| crate::dialect::db_error("recording the replay of a dead letter", e))
     }
 }

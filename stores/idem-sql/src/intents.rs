@@ -35,13 +35,13 @@ impl<DB: Dialect> Intents<DB> {
         let mut c = self.0.conn(context).await?;
         stmt.execute(&mut c)
             .await
-            .map_err(|e| Error::database(context.to_owned(), e))
+            .map_err(|e| crate::dialect::db_error(context.to_owned(), e))
     }
 }
 
 /// One intent row; a malformed key, event id or body is a corrupt row.
 fn decode_intent<DB: Dialect>(r: &DB::Row) -> Result<ClaimedIntent> {
-    let dec = |e| Error::database("decoding an effect intent", e);
+    let dec = |e| crate::dialect::db_error("decoding an effect intent", e);
     let id: i64 = get::<DB, _>(r, "id").map_err(dec)?;
     let corrupt = |reason: String| Error::CorruptRow { id, reason };
     let body: String = get::<DB, _>(r, "body").map_err(dec)?;
@@ -131,7 +131,7 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
             .bind(intent.traceparent.as_deref())
             .execute(conn)
             .await
-            .map_err(|e| Error::database("recording an effect intent", e))?;
+            .map_err(|e| crate::dialect::db_error("recording an effect intent", e))?;
         Ok(n == 1)
     }
 
@@ -153,12 +153,12 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
             .bind(cols.traceparents)
             .fetch_all(conn)
             .await
-            .map_err(|e| Error::database("recording effect intents", e))?;
+            .map_err(|e| crate::dialect::db_error("recording effect intents", e))?;
         let inserted = rows
             .iter()
             .map(|r| get::<DB, String>(r, "idem_key"))
             .collect::<sqlx::Result<HashSet<String>>>()
-            .map_err(|e| Error::database("decoding recorded effect intents", e))?;
+            .map_err(|e| crate::dialect::db_error("decoding recorded effect intents", e))?;
         Ok(first_inserted(&cols.keys, &inserted))
     }
 
@@ -166,9 +166,9 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
         let context = "claiming effect intents";
         let now = Now::read();
         let mut conn = self.0.conn(context).await?;
-        let mut w = DB::begin_write(&mut conn)
-            .await
-            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let mut w = DB::begin_write(&mut conn).await.map_err(|e| {
+            crate::dialect::db_error(format!("{context}: starting a write transaction"), e)
+        })?;
         let rows = Stmt::<DB>::new(&self.0.queries.intent_claim)
             .bind(i64::from(batch))
             .after(now, lease)
@@ -188,7 +188,7 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
                 ))
             })
             .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
-            .map_err(|e| Error::database("decoding claimed effect intents", e))?;
+            .map_err(|e| crate::dialect::db_error("decoding claimed effect intents", e))?;
         park_undecodable(self, rows).await
     }
 
@@ -217,9 +217,9 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
         }
         let context = "recording effect outcomes";
         let mut conn = self.0.conn(context).await?;
-        let mut w = DB::begin_write(&mut conn)
-            .await
-            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let mut w = DB::begin_write(&mut conn).await.map_err(|e| {
+            crate::dialect::db_error(format!("{context}: starting a write transaction"), e)
+        })?;
         let sql = &self.0.queries.intent_finish;
         let recorded = DB::intent_finish(w.conn(), sql, Now::read(), finished).await;
         w.finish(recorded, context).await
@@ -232,19 +232,19 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
             .bind(i64::from(limit))
             .fetch_all(&mut c)
             .await
-            .map_err(|e| Error::database(context, e))?;
+            .map_err(|e| crate::dialect::db_error(context, e))?;
         rows.iter()
             .map(decode_stuck::<DB>)
             .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
-            .map_err(|e| Error::database("decoding stuck effect intents", e))
+            .map_err(|e| crate::dialect::db_error("decoding stuck effect intents", e))
     }
 
     async fn retry_stuck(&self, ids: Option<&[i64]>) -> Result<u64> {
         let context = "retrying effect intents";
         let mut conn = self.0.conn(context).await?;
-        let mut w = DB::begin_write(&mut conn)
-            .await
-            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let mut w = DB::begin_write(&mut conn).await.map_err(|e| {
+            crate::dialect::db_error(format!("{context}: starting a write transaction"), e)
+        })?;
         let q = &self.0.queries;
         let n = DB::for_ids(w.conn(), &q.intent_retry, &q.intent_retry_one, ids).await;
         w.finish(n, context).await
@@ -257,12 +257,12 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
             .bind(id)
             .fetch_optional(&mut c)
             .await
-            .map_err(|e| Error::database(context, e))?;
+            .map_err(|e| crate::dialect::db_error(context, e))?;
         match row {
             None => Ok(None),
             Some(r) => {
                 let status: String = get::<DB, _>(&r, "status")
-                    .map_err(|e| Error::database("decoding an effect intent", e))?;
+                    .map_err(|e| crate::dialect::db_error("decoding an effect intent", e))?;
                 Ok(Some((decode_intent::<DB>(&r)?, status)))
             }
         }

@@ -6,7 +6,7 @@ use idem_core::idempotency::{
     ClaimToken, IdempotencyKey, IdempotencyStore, KeyClaim, StoredResponse, TransactionalKeyStore,
     TxClaim,
 };
-use idem_core::{Error, Result, TableNames};
+use idem_core::{Result, TableNames};
 use sqlx::{Pool, Transaction};
 
 use crate::Dialect;
@@ -49,7 +49,7 @@ impl<DB: Dialect> KeyStore<DB> {
             .fetch_optional(c)
             .await
             .map(|row| row.is_some())
-            .map_err(|e| Error::database("claiming an idempotency key", e))
+            .map_err(|e| crate::dialect::db_error("claiming an idempotency key", e))
     }
 
     /// The key as stored, read on `c`, for a claim that found it taken.
@@ -66,12 +66,12 @@ impl<DB: Dialect> KeyStore<DB> {
             .bind(key.as_str())
             .fetch_optional(c)
             .await
-            .map_err(|e| Error::database(context, e))?;
+            .map_err(|e| crate::dialect::db_error(context, e))?;
         let Some(row) = row else {
             // Released or swept between the two statements: the caller may simply retry.
             return Ok(KeyClaim::InFlight);
         };
-        let dec = |e| Error::database("decoding an idempotency key", e);
+        let dec = |e| crate::dialect::db_error("decoding an idempotency key", e);
         let stored: String = get::<DB, _>(&row, "fingerprint").map_err(dec)?;
         let status: String = get::<DB, _>(&row, "status").map_err(dec)?;
         if stored != fingerprint || status != "completed" {
@@ -107,7 +107,7 @@ impl<DB: Dialect> KeyStore<DB> {
             .execute(c)
             .await
             .map(|n| n == 1)
-            .map_err(|e| Error::database("storing an idempotent response", e))
+            .map_err(|e| crate::dialect::db_error("storing an idempotent response", e))
     }
 }
 
@@ -169,7 +169,7 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
             .execute(&mut c)
             .await
             .map(|n| n == 1)
-            .map_err(|e| Error::database(context, e))
+            .map_err(|e| crate::dialect::db_error(context, e))
     }
 
     async fn complete(
@@ -194,7 +194,7 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
             .execute(&mut c)
             .await
             .map(|n| n == 1)
-            .map_err(|e| Error::database(context, e))
+            .map_err(|e| crate::dialect::db_error(context, e))
     }
 
     async fn sweep(&self) -> Result<u64> {
@@ -204,7 +204,7 @@ impl<DB: Dialect> IdempotencyStore for KeyStore<DB> {
             .now(Now::read())
             .execute(&mut c)
             .await
-            .map_err(|e| Error::database(context, e))
+            .map_err(|e| crate::dialect::db_error(context, e))
     }
 }
 
@@ -222,7 +222,7 @@ impl<DB: Dialect> TransactionalKeyStore for KeyStore<DB> {
         retention: Duration,
     ) -> Result<TxClaim<Self::Transaction>> {
         let mut tx = DB::begin_pool(&self.0.pool).await.map_err(|e| {
-            Error::database(
+            crate::dialect::db_error(
                 "claiming an idempotency key: starting a write transaction",
                 e,
             )
@@ -261,7 +261,7 @@ impl<DB: Dialect> TransactionalKeyStore for KeyStore<DB> {
         }
         tx.commit()
             .await
-            .map_err(|e| Error::database("committing an idempotent request", e))?;
+            .map_err(|e| crate::dialect::db_error("committing an idempotent request", e))?;
         Ok(true)
     }
 

@@ -230,40 +230,40 @@ pub async fn migrate<DB: Dialect>(pool: &Pool<DB>, tables: &TableNames) -> Resul
     let mut conn = pool
         .acquire()
         .await
-        .map_err(|e| Error::database("connecting to migrate", e))?;
+        .map_err(|e| crate::dialect::db_error("connecting to migrate", e))?;
     let mut tx = DB::begin_migration(&mut conn, tables).await?;
     let mig = tables.qualified("schema_migrations");
     let ddl = DB::migrations_table(&mig);
     Stmt::<DB>::new(&ddl)
         .execute(&mut tx)
         .await
-        .map_err(|e| Error::database("creating the migrations table", e))?;
+        .map_err(|e| crate::dialect::db_error("creating the migrations table", e))?;
     let select = format!("SELECT max(version) AS version FROM {mig}");
     let current: Option<i64> = match Stmt::<DB>::new(&select).fetch_optional(&mut tx).await {
         Ok(Some(row)) => get::<DB, _>(&row, "version"),
         Ok(None) => Ok(None),
         Err(e) => Err(e),
     }
-    .map_err(|e| Error::database("reading the schema version", e))?;
+    .map_err(|e| crate::dialect::db_error("reading the schema version", e))?;
     let mut report = plan(current.unwrap_or(0), DB::migrations())?;
     let insert = format!("INSERT INTO {mig} (version, description) VALUES ($1, $2)");
     for (version, description, sql) in DB::migrations().iter().filter(|m| m.0 > report.current) {
         let sql = tables.render(sql, DB::bases());
         DB::execute_raw(&mut tx, &sql).await.map_err(|e| {
-            Error::database(format!("running migration {version} ({description})"), e)
+            crate::dialect::db_error(format!("running migration {version} ({description})"), e)
         })?;
         Stmt::<DB>::new(&insert)
             .bind(*version)
             .bind(*description)
             .execute(&mut tx)
             .await
-            .map_err(|e| Error::database("recording the migration", e))?;
+            .map_err(|e| crate::dialect::db_error("recording the migration", e))?;
         report.applied.push(*version);
     }
     report.current = report.applied.last().copied().unwrap_or(report.current);
     tx.commit()
         .await
-        .map_err(|e| Error::database("committing the migration", e))?;
+        .map_err(|e| crate::dialect::db_error("committing the migration", e))?;
     Ok(report)
 }
 

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use idem_core::{Error, Result, TableNames};
+use idem_core::{Result, TableNames};
 use sqlx::Pool;
 
 use crate::Dialect;
@@ -166,7 +166,7 @@ impl<DB: Dialect> Handle<DB> {
         self.pool
             .acquire()
             .await
-            .map_err(|e| Error::database(context.to_owned(), e))
+            .map_err(|e| crate::dialect::db_error(context.to_owned(), e))
     }
 }
 

@@ -89,9 +89,10 @@ impl<DB: Dialect> RelayStore<DB> {
         &self,
         context: &str,
     ) -> idem_core::Result<sqlx::pool::PoolConnection<DB>> {
-        self.pool.acquire().await.map_err(|e| {
-            idem_core::Error::database(format!("{context}: acquiring a connection"), e)
-        })
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| crate::dialect::db_error(format!("{context}: acquiring a connection"), e))
     }
 }
 
@@ -104,12 +105,12 @@ impl<DB: Dialect> RelayStore<DB> {
             .pool
             .acquire()
             .await
-            .map_err(|e| Error::database(context, e))?;
+            .map_err(|e| crate::dialect::db_error(context, e))?;
         let rows = Stmt::<DB>::new(&self.q().parked)
             .bind(i64::from(limit))
             .fetch_all(&mut c)
             .await
-            .map_err(|e| Error::database(context, e))?;
+            .map_err(|e| crate::dialect::db_error(context, e))?;
         rows.iter().map(parked_row::<DB>).collect()
     }
 
@@ -117,9 +118,9 @@ impl<DB: Dialect> RelayStore<DB> {
     async fn retry_parked_rows(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
         let context = "retrying parked rows";
         let mut conn = self.conn(context).await?;
-        let mut w = DB::begin_write(&mut conn)
-            .await
-            .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+        let mut w = DB::begin_write(&mut conn).await.map_err(|e| {
+            crate::dialect::db_error(format!("{context}: starting a write transaction"), e)
+        })?;
         let q = self.q();
         let n = DB::for_event_ids(w.conn(), &q.retry_parked, &q.retry_parked_one, event_ids).await;
         let n = w.finish(n, context).await?;
@@ -132,7 +133,8 @@ impl<DB: Dialect> RelayStore<DB> {
 }
 
 fn parked_row<DB: Dialect>(r: &DB::Row) -> Result<ParkedRow> {
-    let id: i64 = get::<DB, _>(r, "id").map_err(|e| Error::database("decoding parked rows", e))?;
+    let id: i64 =
+        get::<DB, _>(r, "id").map_err(|e| crate::dialect::db_error("decoding parked rows", e))?;
     let dec = |e: sqlx::Error| Error::CorruptRow {
         id,
         reason: e.to_string(),

@@ -77,14 +77,14 @@ fn enqueue_error<DB: Dialect>(e: sqlx::Error, tables: &TableNames) -> Error {
         let event_id_key = format!("{}_event_id_key", tables.bare("outbox"));
         // The outbox's only unique key a writer sets is event_id (SQLite names no constraint).
         if is_unique_violation(&e) && db.constraint().is_none_or(|c| c == event_id_key) {
-            return Error::InvalidEvent {
-                field: "event_id",
+            return Error::Conflict {
+                what: "event_id",
                 reason: format!("is already in the outbox ({})", db.message()),
             };
         }
     }
     if DB::is_undefined_table(&e) {
-        return Error::database("enqueueing events (run `idem migrate` first?)", e);
+        return crate::dialect::db_error("enqueueing events (run `idem migrate` first?)", e);
     }
-    Error::database("enqueueing events", e)
+    crate::dialect::db_error("enqueueing events", e)
 }

@@ -30,6 +30,7 @@ macro_rules! conformance_tests {
             contract_constraints_reject_bad_rows,
             an_event_cannot_change_once_written,
             duplicate_event_id_is_refused,
+            a_missing_table_is_an_error_of_kind_not_migrated,
             commit_order_skew_never_skips_a_row,
             same_aggregate_writers_are_serialized_in_commit_order,
             claims_never_share_an_aggregate,

@@ -263,6 +263,19 @@ pub async fn contract_constraints_reject_bad_rows<B: Backend>(b: &B) {
     );
 }
 
+/// A store that meets a table it needs missing says so by kind, not only in its message: the
+/// caller can tell "run `idem migrate`" from a failure worth retrying.
+pub async fn a_missing_table_is_an_error_of_kind_not_migrated<B: Backend>(b: &B) {
+    let outbox = b.tables().qualified("outbox");
+    b.exec(&format!("DROP TABLE {outbox}")).await.unwrap();
+    let err = b.store().status().await.unwrap_err();
+    assert_eq!(err.kind(), idem_core::ErrorKind::NotMigrated, "{err}");
+    let mut tx = b.begin().await;
+    let err = tx.enqueue(&[event("o-1", 0)]).await.unwrap_err();
+    assert_eq!(err.kind(), idem_core::ErrorKind::NotMigrated, "{err}");
+    tx.rollback().await;
+}
+
 pub async fn duplicate_event_id_is_refused<B: Backend>(b: &B) {
     let e = event("o-1", 0);
     let mut tx = b.begin().await;
@@ -275,6 +288,7 @@ pub async fn duplicate_event_id_is_refused<B: Backend>(b: &B) {
             .contains("event_id is already in the outbox"),
         "{err}"
     );
+    assert_eq!(err.kind(), idem_core::ErrorKind::Conflict, "{err}");
     tx.rollback().await;
     assert_eq!(b.store().status().await.unwrap().pending, 1);
 }

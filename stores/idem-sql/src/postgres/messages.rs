@@ -246,12 +246,12 @@ fn refusal(e: EnvelopeError) -> Error {
 /// A failed emit: permission denied names the grant to ask for.
 fn emit_error(e: sqlx::Error) -> Error {
     if sqlstate(&e, "42501") {
-        return Error::database(
+        return crate::dialect::db_error(
             format!("emitting outbox messages (this role may not: {EMIT_GRANT})"),
             e,
         );
     }
-    Error::database("emitting outbox messages", e)
+    crate::dialect::db_error("emitting outbox messages", e)
 }
 
 #[cfg(test)]

@@ -122,8 +122,11 @@ pub async fn connect_to(target: &url::PgUrl, options: PgPoolOptions) -> Result<P
 pub fn connect_error(target: &url::PgUrl, e: sqlx::Error) -> Error {
     let context = format!("connecting to PostgreSQL at {}", target.redacted());
     match refusal::advice(&e, target) {
-        Some(advice) => Error::database(context, Refused { advice, source: e }),
-        None => Error::database(context, e),
+        Some(advice) => {
+            let kind = crate::dialect::error_kind(&e);
+            Error::database_as(kind, context, Refused { advice, source: e })
+        }
+        None => crate::dialect::db_error(context, e),
     }
 }
 
@@ -226,7 +229,7 @@ impl Sealed for Postgres {
             let mut tx = c
                 .begin()
                 .await
-                .map_err(|e| Error::database("starting the migration", e))?;
+                .map_err(|e| crate::dialect::db_error("starting the migration", e))?;
             let lock_key = format!(
                 "idem_migrate:{}:{}",
                 tables.schema().unwrap_or(""),
@@ -236,13 +239,13 @@ impl Sealed for Postgres {
                 .bind(&lock_key)
                 .execute(&mut *tx)
                 .await
-                .map_err(|e| Error::database("taking the migration lock", e))?;
+                .map_err(|e| crate::dialect::db_error("taking the migration lock", e))?;
             if let Some(schema) = tables.schema() {
                 // `schema` is a validated identifier (TableNames).
                 sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))
                     .execute(&mut *tx)
                     .await
-                    .map_err(|e| Error::database("creating the schema", e))?;
+                    .map_err(|e| crate::dialect::db_error("creating the schema", e))?;
             }
             Ok(tx)
         }
@@ -353,10 +356,10 @@ impl Batches for Postgres {
             let rows = q
                 .fetch_all(c)
                 .await
-                .map_err(|e| Error::database("recording events in the inbox", e))?;
+                .map_err(|e| crate::dialect::db_error("recording events in the inbox", e))?;
             let mut by_id = std::collections::HashMap::with_capacity(rows.len());
             for row in &rows {
-                let dec = |e| Error::database("decoding inbox rows", e);
+                let dec = |e| crate::dialect::db_error("decoding inbox rows", e);
                 let id: Uuid = row.try_get("event_id").map_err(dec)?;
                 let count: i32 = row.try_get("delivery_count").map_err(dec)?;
                 let hash: String = row.try_get("payload_hash").map_err(dec)?;
@@ -439,7 +442,7 @@ impl Batches for Postgres {
             // Any statement fails in an aborted transaction (SQLSTATE 25P02).
             match sqlx::Executor::execute(&mut *c, "SELECT 1").await {
                 Ok(_) => Ok(()),
-                Err(e) if sqlstate(&e, "25P02") => Err(Error::database(
+                Err(e) if sqlstate(&e, "25P02") => Err(crate::dialect::db_error(
                     "checking the transaction before commit: a statement of the handler failed and \
                      the handler did not report it (it swallowed a database error), so PostgreSQL \
                      aborted the transaction and would roll it back on COMMIT; nothing of the batch \

@@ -8,7 +8,7 @@ use idem_core::outbox::{
     Backlog, Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, PrunePolicy,
     headers_from_json, sort_records,
 };
-use idem_core::{Error, EventId, Result};
+use idem_core::{EventId, Result};
 use sqlx::Postgres;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
@@ -151,7 +151,7 @@ fn decode_claimed(claim_id: Uuid, rows: &[PgRow]) -> Result<Claim> {
             Err(e) => {
                 let id: i64 = row
                     .try_get("id")
-                    .map_err(|e| Error::database("decoding a claimed row id", e))?;
+                    .map_err(|e| crate::dialect::db_error("decoding a claimed row id", e))?;
                 corrupt.push((id, format!("the row cannot be decoded: {e}")));
             }
         }
@@ -182,7 +182,7 @@ impl RelayOps for Postgres {
                     // A plan this slow is built on statistics that no longer describe the
                     // outbox: refresh them so that the next claim is planned anew.
                     this.analyze_outbox("a claim ran past its statement timeout").await;
-                    return Err(Error::database(
+                    return Err(crate::dialect::db_error(
                         format!(
                             "claiming outbox rows: the claim ran past its timeout of {} ms and was \
                              cancelled; the outbox's statistics were refreshed and the next claim \
@@ -193,7 +193,7 @@ impl RelayOps for Postgres {
                         e,
                     ));
                 }
-                Err(e) => return Err(Error::database("claiming outbox rows", e)),
+                Err(e) => return Err(crate::dialect::db_error("claiming outbox rows", e)),
             };
             decode_claimed(claim_id, &rows)
         }
@@ -227,11 +227,11 @@ impl RelayOps for Postgres {
                 )
                 .fetch_one(&this.pool)
                 .await
-                .map_err(|e| Error::database("marking claimed rows", e))?;
+                .map_err(|e| crate::dialect::db_error("marking claimed rows", e))?;
             let count = |c: &str| {
                 row.try_get::<i64, _>(c)
                     .map(|n| u64::try_from(n).unwrap_or(0))
-                    .map_err(|e| Error::database("decoding the marked rows' counts", e))
+                    .map_err(|e| crate::dialect::db_error("decoding the marked rows' counts", e))
             };
             let mut done = Completed {
                 marked: count("marked")?,
@@ -261,7 +261,7 @@ impl RelayOps for Postgres {
                 .bind(i64::from(policy.batch))
                 .execute(&this.pool)
                 .await
-                .map_err(|e| Error::database("pruning published rows", e))?
+                .map_err(|e| crate::dialect::db_error("pruning published rows", e))?
                 .rows_affected();
             Ok(n)
         }
@@ -273,10 +273,10 @@ impl RelayOps for Postgres {
             let row = sqlx::query(&this.q().status)
                 .fetch_one(&this.pool)
                 .await
-                .map_err(|e| Error::database("counting outbox rows", e))?;
+                .map_err(|e| crate::dialect::db_error("counting outbox rows", e))?;
             let get = |c: &str| {
                 row.try_get::<i64, _>(c)
-                    .map_err(|e| Error::database("decoding status", e))
+                    .map_err(|e| crate::dialect::db_error("decoding status", e))
             };
             Ok(OutboxStatus {
                 pending: get("pending")?,
@@ -284,7 +284,7 @@ impl RelayOps for Postgres {
                 published: get("published")?,
                 oldest_pending_age_seconds: row
                     .try_get("oldest_pending_age")
-                    .map_err(|e| Error::database("decoding status", e))?,
+                    .map_err(|e| crate::dialect::db_error("decoding status", e))?,
             })
         }
         .boxed()
@@ -295,7 +295,7 @@ impl RelayOps for Postgres {
             let rows = sqlx::query(&this.q().backlog)
                 .fetch_all(&this.pool)
                 .await
-                .map_err(|e| Error::database("counting the outbox backlog", e))?;
+                .map_err(|e| crate::dialect::db_error("counting the outbox backlog", e))?;
             rows.iter()
                 .map(|r| {
                     Ok(Backlog {
@@ -306,7 +306,7 @@ impl RelayOps for Postgres {
                     })
                 })
                 .collect::<std::result::Result<_, sqlx::Error>>()
-                .map_err(|e| Error::database("decoding the outbox backlog", e))
+                .map_err(|e| crate::dialect::db_error("decoding the outbox backlog", e))
         }
         .boxed()
     }

@@ -3,8 +3,8 @@
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use idem_core::Result;
 use idem_core::retention::{Prunable, RetentionWindow};
-use idem_core::{Error, Result};
 
 use crate::RelayStore;
 
@@ -24,7 +24,7 @@ pub(super) fn prune_older<'a>(
             .bind(i64::from(batch))
             .execute(&store.pool)
             .await
-            .map_err(|e| Error::database(format!("pruning {}", what.describe()), e))?
+            .map_err(|e| crate::dialect::db_error(format!("pruning {}", what.describe()), e))?
             .rows_affected())
     }
     .boxed()
@@ -53,7 +53,7 @@ fn counter_statements(tables: &idem_core::TableNames) -> (String, String) {
 /// counter, and the aggregate's next event would be numbered below that pending row.
 pub(super) async fn prune_counters(store: &RelayStore<sqlx::Postgres>, batch: u32) -> Result<u64> {
     let context = "pruning the outbox's per-aggregate counters";
-    let err = |e| Error::database(context, e);
+    let err = |e| crate::dialect::db_error(context, e);
     let (lock, prune) = counter_statements(store.outbox.tables());
     let mut tx = store.pool.begin().await.map_err(err)?;
     sqlx::query(READ_COMMITTED)

@@ -99,7 +99,7 @@ pub async fn connect_with_pool_size(url: &str, max_connections: u32) -> Result<S
         .after_release(still_usable)
         .connect_with(opts)
         .await
-        .map_err(|e| Error::database(format!("opening SQLite database {url}"), e))
+        .map_err(|e| crate::dialect::db_error(format!("opening SQLite database {url}"), e))
 }
 
 /// Parses the timestamps other writers may store: RFC 3339, or ISO 8601 without a zone (UTC),
@@ -150,9 +150,9 @@ pub(crate) async fn immediate<T>(
     context: &str,
     f: impl AsyncFnOnce(&mut SqliteConnection) -> std::result::Result<T, sqlx::Error>,
 ) -> Result<T> {
-    let mut tx = begin_immediate(conn)
-        .await
-        .map_err(|e| Error::database(format!("{context}: starting a write transaction"), e))?;
+    let mut tx = begin_immediate(conn).await.map_err(|e| {
+        crate::dialect::db_error(format!("{context}: starting a write transaction"), e)
+    })?;
     let result = f(&mut tx).await;
     WriteTx::Tx(tx).finish(result, context).await
 }
@@ -232,9 +232,9 @@ impl Sealed for Sqlite {
         _tables: &'c TableNames,
     ) -> BoxFuture<'c, Result<Transaction<'c, Self>>> {
         async move {
-            begin_immediate(c)
-                .await
-                .map_err(|e| Error::database("running migrations: starting a write transaction", e))
+            begin_immediate(c).await.map_err(|e| {
+                crate::dialect::db_error("running migrations: starting a write transaction", e)
+            })
         }
         .boxed()
     }
@@ -369,8 +369,10 @@ impl Batches for Sqlite {
                     .bind(crate::inbox::status(e))
                     .fetch_one(&mut *c)
                     .await
-                    .map_err(|err| Error::database("recording events in the inbox", err))?;
-                let dec = |err| Error::database("decoding inbox rows", err);
+                    .map_err(|err| {
+                        crate::dialect::db_error("recording events in the inbox", err)
+                    })?;
+                let dec = |err| crate::dialect::db_error("decoding inbox rows", err);
                 out.push((
                     row.try_get("delivery_count").map_err(dec)?,
                     row.try_get("payload_hash").map_err(dec)?,

@@ -26,7 +26,7 @@ type SqliteStore = RelayStore<Sqlite>;
 fn decode_record(row: &SqliteRow) -> Result<OutboxRecord> {
     let id: i64 = row
         .try_get("id")
-        .map_err(|e| Error::database("decoding a claimed row", e))?;
+        .map_err(|e| crate::dialect::db_error("decoding a claimed row", e))?;
     let corrupt = |reason: String| Error::CorruptRow { id, reason };
     let get_s = |c: &str| {
         row.try_get::<String, _>(c)
@@ -193,14 +193,14 @@ impl RelayOps for Sqlite {
             let row = sqlx::query(&this.q().status)
                 .fetch_one(&this.pool)
                 .await
-                .map_err(|e| Error::database("counting outbox rows", e))?;
+                .map_err(|e| crate::dialect::db_error("counting outbox rows", e))?;
             let get = |c: &str| {
                 row.try_get::<i64, _>(c)
-                    .map_err(|e| Error::database("decoding status", e))
+                    .map_err(|e| crate::dialect::db_error("decoding status", e))
             };
             let oldest: Option<String> = row
                 .try_get("oldest_pending")
-                .map_err(|e| Error::database("decoding status", e))?;
+                .map_err(|e| crate::dialect::db_error("decoding status", e))?;
             let age = match oldest {
                 Some(ts) => {
                     let at = parse_ts(&ts).map_err(Error::Config)?;
@@ -223,11 +223,11 @@ impl RelayOps for Sqlite {
             let rows = sqlx::query(&this.q().backlog)
                 .fetch_all(&this.pool)
                 .await
-                .map_err(|e| Error::database("counting the outbox backlog", e))?;
+                .map_err(|e| crate::dialect::db_error("counting the outbox backlog", e))?;
             let now = Utc::now();
             rows.iter()
                 .map(|r| {
-                    let dec = |e| Error::database("decoding the outbox backlog", e);
+                    let dec = |e| crate::dialect::db_error("decoding the outbox backlog", e);
                     let oldest: Option<String> = r.try_get("oldest_pending").map_err(dec)?;
                     let oldest_pending_age_seconds = match oldest {
                         Some(ts) => {
