@@ -89,6 +89,19 @@ impl Default for TopicNaming {
 }
 
 impl TopicNaming {
+    /// Checks the naming before a relay starts: every override is a topic Kafka accepts, and so
+    /// is the prefix before an aggregate type (aggregate types are names Kafka accepts). A
+    /// mapping that cannot be a topic would otherwise park every event of its aggregate type.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        crate::event::validate_topic(&format!("{}x", self.prefix))
+            .map_err(|e| format!("topic prefix {:?}: {e}", self.prefix))?;
+        for (aggregate_type, topic) in &self.overrides {
+            crate::event::validate_topic(topic)
+                .map_err(|e| format!("topic of aggregate type {aggregate_type:?}: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// The topic of `record`: its own override, else the aggregate type's override, else
     /// `<prefix><aggregate_type>`.
     pub fn topic_for(&self, record: &OutboxRecord) -> String {
@@ -227,6 +240,20 @@ mod tests {
     use chrono::{TimeZone, Utc};
 
     use super::*;
+
+    #[test]
+    fn a_topic_naming_kafka_cannot_take_is_refused_before_the_relay_starts() {
+        let mut naming = TopicNaming::default();
+        naming.validate().unwrap_or_else(|e| panic!("{e}"));
+        naming.overrides.insert("order".into(), "my topic".into());
+        let e = naming.validate().unwrap_err();
+        assert!(e.contains("\"order\"") && e.contains("' '"), "{e}");
+        let naming = TopicNaming {
+            prefix: "events/".into(),
+            overrides: BTreeMap::new(),
+        };
+        assert!(naming.validate().unwrap_err().contains("topic prefix"));
+    }
 
     #[test]
     fn the_payload_hash_is_the_lowercase_hex_sha256() {

@@ -1,14 +1,12 @@
 //! `idem cdc`: the change-data-capture relay for PostgreSQL (logical replication, pgoutput),
 //! and its slot.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
 use idem_cdc::{CdcConfig, CdcError, CdcMetrics, CdcRelay, Mode, Name};
-use idem_core::wire::TopicNaming;
 
 use crate::db::{self, DbArgs};
 use crate::util::{parse_duration, shutdown_signal};
@@ -261,6 +259,7 @@ fn mode(messages: Option<&str>, tables: idem_core::TableNames) -> anyhow::Result
 
 async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     let shutdown = shutdown_signal()?;
+    let naming = crate::kafka_args::topic_naming(&args.topic_prefix, &args.topics)?;
     let mode = mode(args.messages.as_deref(), db::tables(&args.db)?)?;
     let pool = pool(&args.db).await?;
     let default_publication = match mode {
@@ -275,10 +274,7 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
         )?,
         mode,
     );
-    config.naming = TopicNaming {
-        prefix: args.topic_prefix.clone(),
-        overrides: args.topics.iter().cloned().collect::<BTreeMap<_, _>>(),
-    };
+    config.naming = naming;
     config.source = args.source.clone();
     config.batch_messages = args.batch_size.max(1);
     config.linger = args.linger;

@@ -312,6 +312,23 @@ fn write_secret(path: &Path, value: &str) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
+/// The topic naming of `--topic-prefix` and `--topic AGGREGATE_TYPE=TOPIC`, refused at start
+/// when Kafka cannot take a topic it names (the relay would otherwise start and park every event
+/// of that aggregate type).
+pub fn topic_naming(
+    prefix: &str,
+    topics: &[(String, String)],
+) -> anyhow::Result<idem_core::wire::TopicNaming> {
+    let naming = idem_core::wire::TopicNaming {
+        prefix: prefix.to_owned(),
+        overrides: topics.iter().cloned().collect(),
+    };
+    naming
+        .validate()
+        .map_err(|e| anyhow::anyhow!("--topic-prefix / --topic: {e}"))?;
+    Ok(naming)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

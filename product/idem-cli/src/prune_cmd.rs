@@ -17,15 +17,15 @@ pub struct PruneArgs {
     /// How long after processing a copy of an event can still be delivered: the topic's
     /// retention.ms plus its segment.ms, longer if outbox rows can wait parked (e.g. 8d, 192h).
     /// Required with --inbox-older-than and --intents-older-than.
-    #[arg(long, value_parser = parse_days)]
+    #[arg(long, value_parser = crate::util::parse_duration)]
     redelivery_horizon: Option<Duration>,
     /// Delete processed inbox rows (every consumer group) processed and last delivered longer
     /// ago than this; refused below the horizon. Dead-lettered rows stay.
-    #[arg(long, value_parser = parse_days)]
+    #[arg(long, value_parser = crate::util::parse_duration)]
     inbox_older_than: Option<Duration>,
     /// Delete done effect intents finished longer ago than this; refused below the horizon.
     /// Pending, parked and unknown intents stay.
-    #[arg(long, value_parser = parse_days)]
+    #[arg(long, value_parser = crate::util::parse_duration)]
     intents_older_than: Option<Duration>,
     /// Delete the outbox's per-aggregate counters (PostgreSQL) of aggregates with no pending
     /// or parked row. Their next event is numbered 1 again: only where no consumer keeps the
@@ -35,20 +35,6 @@ pub struct PruneArgs {
     /// Rows deleted per statement.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
     batch: u32,
-}
-
-/// A duration as the other commands take it (`500ms`, `30s`, `5m`, `1h`), or in days (`7d`).
-fn parse_days(s: &str) -> Result<Duration, String> {
-    match s.trim().strip_suffix('d') {
-        Some(days) => {
-            let n: f64 = days
-                .parse()
-                .map_err(|_| format!("invalid duration {s:?}: expected e.g. 7d, 168h"))?;
-            Duration::try_from_secs_f64(n * 86_400.0)
-                .map_err(|e| format!("invalid duration {s:?}: {e}"))
-        }
-        None => crate::util::parse_duration(s),
-    }
 }
 
 /// The windows asked for, each checked against the horizon, before anything connects.
@@ -108,16 +94,4 @@ pub async fn run(args: PruneArgs) -> anyhow::Result<()> {
         println!("pruned {n} outbox aggregate counters");
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn days_and_the_usual_units_parse() {
-        assert_eq!(parse_days("7d"), Ok(Duration::from_secs(7 * 86_400)));
-        assert_eq!(parse_days("168h"), Ok(Duration::from_secs(7 * 86_400)));
-        assert!(parse_days("xd").is_err());
-    }
 }

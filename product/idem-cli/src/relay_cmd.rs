@@ -1,6 +1,5 @@
 //! `idem relay`.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -9,7 +8,7 @@ use clap::Args;
 use idem_core::health::Health;
 use idem_core::{OutboxStore, PrunePolicy};
 use idem_kafka::{EMBEDDED, EmbeddedCluster, KafkaPublisher};
-use idem_relay::{Relay, RelayConfig, RelayMetrics, TopicNaming};
+use idem_relay::{Relay, RelayConfig, RelayMetrics};
 
 use crate::DbArgs;
 use crate::db;
@@ -76,6 +75,7 @@ pub struct RelayArgs {
 pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM during start-up or the first batch must not kill the process.
     let shutdown = shutdown_signal()?;
+    let topics = crate::kafka_args::topic_naming(&args.topic_prefix, &args.topics)?;
     let store = db::open(&args.db, 4).await?;
     // Fail early, with a clear message, when the tables are missing.
     idem_sql::with_store!(&store, s => s.relay().status().await.map(|_| ()))
@@ -116,10 +116,7 @@ pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
         max_attempts: args.max_attempts.max(1),
         retry_backoff: args.retry_backoff,
         unwritable_topic_grace: Some(args.unwritable_topic_grace),
-        topics: TopicNaming {
-            prefix: args.topic_prefix,
-            overrides: args.topics.into_iter().collect::<BTreeMap<_, _>>(),
-        },
+        topics,
         source: args.source,
         prune: (!args.no_prune).then(|| {
             (

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-/// Parses `500ms`, `30s`, `5m`, `1h`, or a bare number of seconds.
+/// Parses `500ms`, `30s`, `5m`, `1h`, `7d`, or a bare number of seconds: the one duration syntax
+/// of every flag.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
@@ -13,13 +14,18 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let (num, unit) = s.split_at(split);
     let n: f64 = num
         .parse()
-        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 5m, 1h"))?;
+        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 500ms, 30s, 5m, 1h, 7d"))?;
     let secs = match unit {
         "ms" => n / 1000.0,
         "" | "s" => n,
         "m" => n * 60.0,
         "h" => n * 3600.0,
-        _ => return Err(format!("invalid duration unit in {s:?}: use ms, s, m or h")),
+        "d" => n * 86_400.0,
+        _ => {
+            return Err(format!(
+                "invalid duration unit in {s:?}: use ms, s, m, h or d"
+            ));
+        }
     };
     Duration::try_from_secs_f64(secs).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
@@ -47,6 +53,9 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_duration("168h"), parse_duration("7d"));
+        assert!(parse_duration("xd").is_err());
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("-1s").is_err());
     }

@@ -278,3 +278,45 @@ fn no_help_names_the_reference_pipeline() {
     }
     assert!(seen > 20, "only {seen} help pages were read");
 }
+
+/// A topic mapping Kafka cannot take is refused before anything connects, by both relays (the
+/// broker address is a closed port: a relay that got as far as the broker would say so).
+#[test]
+fn a_topic_mapping_kafka_cannot_take_is_refused_at_start() {
+    let db = sqlite();
+    for args in [
+        vec![
+            "relay",
+            "--db",
+            &db.url,
+            "--brokers",
+            "127.0.0.1:1",
+            "--topic",
+            "order=my topic",
+        ],
+        vec![
+            "relay",
+            "--db",
+            &db.url,
+            "--brokers",
+            "127.0.0.1:1",
+            "--topic-prefix",
+            "events/",
+        ],
+        vec![
+            "cdc",
+            "relay",
+            "--db",
+            "postgres://nobody@127.0.0.1:1/none",
+            "--brokers",
+            "127.0.0.1:1",
+            "--topic",
+            "order=my topic",
+        ],
+    ] {
+        let o = idem(&args);
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("--topic-prefix / --topic"), "{args:?}: {err}");
+    }
+}
