@@ -10,6 +10,7 @@ use std::ops::DerefMut;
 
 use crate::error::Result;
 use crate::event::EventId;
+use crate::idempotency::EffectIntent;
 
 /// One record as delivered by the broker, before decoding.
 #[derive(Clone, Debug, PartialEq)]
@@ -259,6 +260,17 @@ pub trait InboxStore: Send + Sync + 'static {
     /// handler call it isolates. Stores whose transactions survive a failed statement (SQLite)
     /// answer `Ok`.
     fn check_usable(&self, conn: &mut Self::Conn) -> impl Future<Output = Result<()>> + Send;
+
+    /// Records the effect intents the handler posted for the events it applied, in the
+    /// transaction `conn` belongs to: they commit with the handler's writes and the inbox rows,
+    /// or not at all. One result per intent, in order, false when its key exists already
+    /// (recording is idempotent): [`IntentStore::record_all`](crate::idempotency::IntentStore::record_all)
+    /// on the inbox's own database.
+    fn record_effects(
+        &self,
+        conn: &mut Self::Conn,
+        intents: &[EffectIntent],
+    ) -> impl Future<Output = Result<Vec<bool>>> + Send;
 
     /// Marks events recorded by [`InboxStore::record`] in this transaction as dead-lettered.
     fn mark_dead_lettered(

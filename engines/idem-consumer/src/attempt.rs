@@ -9,6 +9,7 @@ use idem_core::{Dedup, Error, EventId, InboundEvent, InboxStore, Source};
 
 use crate::Consumer;
 use crate::batch::{Batch, Unique, apply_order};
+use crate::context::{BatchContext, Posted, kept};
 use crate::dead_letter::letters;
 use crate::handler::{BatchError, Handler, HandlerError, Outcome, code_of};
 
@@ -121,6 +122,7 @@ where
             self.handler.business_key(e)
         });
         let (apply, mut refused) = validated(&self.handler, apply);
+        let mut posted = vec![];
         if cx.isolate {
             for u in apply {
                 if let Some(reason) = self.handle_one(tx, u).await? {
@@ -128,7 +130,9 @@ where
                 }
             }
         } else {
-            refused.extend(self.handle_all(tx, &apply).await?);
+            let (refusals, effects) = self.handle_all(tx, &apply).await?;
+            refused.extend(refusals);
+            posted = effects;
         }
         if !cx.isolate
             && let Err(e) = self.inbox.check_usable(&mut *tx).await
@@ -136,6 +140,10 @@ where
             // A handler swallowed a database error; which one, isolating each tells.
             return Err(Attempt::Unusable(e));
         }
+        self.inbox
+            .record_effects(&mut *tx, &posted)
+            .await
+            .map_err(db)?;
         if !refused.is_empty() {
             let ids: Vec<EventId> = refused.iter().map(|(id, _)| *id).collect();
             self.inbox
@@ -152,32 +160,40 @@ where
     }
 
     /// Runs the handler once for the whole batch (`apply`: new, valid, in apply order): the
-    /// events it refused, or why the attempt rolls back.
+    /// events it refused and the effects of the others, or why the attempt rolls back.
     async fn handle_all(
         &self,
         tx: &mut I::Tx,
         apply: &[&Unique<'_>],
-    ) -> Result<Vec<(EventId, String)>, Attempt> {
+    ) -> Result<(Vec<(EventId, String)>, Posted), Attempt> {
         if apply.is_empty() {
-            return Ok(vec![]);
+            return Ok((vec![], vec![]));
         }
         let events: Vec<&InboundEvent> = apply.iter().map(|u| u.event).collect();
+        let mut posted = vec![];
         let outcomes = self
             .handler
-            .handle_batch(&mut *tx, &events)
+            .handle_batch(&mut BatchContext::new(&mut **tx, &mut posted), &events)
             .await
             .map_err(batch_failure)?;
-        refusals(&events, outcomes)
+        let refused = refusals(&events, outcomes)?;
+        let applied = |id: &EventId| {
+            events.iter().any(|e| e.event_id == *id) && !refused.iter().any(|(r, _)| r == id)
+        };
+        let posted = kept(posted, applied);
+        Ok((refused, posted))
     }
 
-    /// Runs the handler for one new event in a savepoint of its own. `Ok(Some(reason))`:
-    /// refused permanently (its savepoint rolled back); the caller dead-letters it.
+    /// Runs the handler for one new event in a savepoint of its own, and records its effects
+    /// there. `Ok(Some(reason))`: refused permanently (its savepoint rolled back); the caller
+    /// dead-letters it.
     async fn handle_one(&self, tx: &mut I::Tx, u: &Unique<'_>) -> Result<Option<String>, Attempt> {
         let id = u.event.event_id;
         self.inbox.savepoint(&mut *tx).await.map_err(db)?;
+        let mut posted = vec![];
         let outcome = self
             .handler
-            .handle_batch(&mut *tx, &[u.event])
+            .handle_batch(&mut BatchContext::new(&mut **tx, &mut posted), &[u.event])
             .await
             .map_err(|e| match e {
                 BatchError::Event { error, .. } | BatchError::Batch(error) => error,
@@ -186,7 +202,17 @@ where
         match outcome {
             Ok(Outcome::Applied) => {
                 // Reported success, but did it leave the transaction usable?
-                if let Err(e) = self.inbox.check_usable(&mut *tx).await {
+                let usable = match self.inbox.check_usable(&mut *tx).await {
+                    Ok(()) => {
+                        let posted = kept(posted, |e| *e == id);
+                        self.inbox
+                            .record_effects(&mut *tx, &posted)
+                            .await
+                            .map(|_| ())
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = usable {
                     self.inbox
                         .rollback_to_savepoint(&mut *tx)
                         .await

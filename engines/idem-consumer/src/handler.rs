@@ -4,6 +4,8 @@
 use std::future::Future;
 
 use idem_core::{BoxError, InboundEvent};
+
+use crate::context::{BatchContext, HandlerContext};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -246,9 +248,35 @@ impl From<idem_core::Error> for BatchError {
 /// Applies events to the business tables, inside the consumer's transaction.
 ///
 /// `C` is the store's connection type (`sqlx::PgConnection`, `sqlx::SqliteConnection`): the
-/// handler writes through it, so its writes commit or roll back together with the inbox rows.
-/// A handler must not commit, and must not call anything outside the transaction whose effect
-/// cannot be rolled back (use the effect stage for external calls).
+/// handler writes through [`HandlerContext::conn`], so its writes commit or roll back together
+/// with the inbox rows. An external call (an HTTP request to another service) is posted as an
+/// effect ([`HandlerContext::effects`]): it is recorded in the same transaction and delivered
+/// after the commit by a dispatcher, with one `Idempotency-Key` on every attempt. A handler
+/// must not commit, and must not call anything outside the transaction whose effect cannot be
+/// rolled back.
+///
+/// ```
+/// use idem_consumer::{Handler, HandlerContext, HandlerError};
+/// use idem_core::InboundEvent;
+///
+/// struct Award;
+///
+/// impl Handler<sqlx::SqliteConnection> for Award {
+///     async fn handle(
+///         &self,
+///         cx: &mut HandlerContext<'_, sqlx::SqliteConnection>,
+///         event: &InboundEvent,
+///     ) -> Result<(), HandlerError> {
+///         sqlx::query("INSERT INTO awards (order_id) VALUES (?1)")
+///             .bind(&event.aggregate_id)
+///             .execute(cx.conn())
+///             .await?;
+///         // Key `event-<event id>-points.award`, recorded with the insert above.
+///         cx.effects().post("points.award", "https://points.example/awards", serde_json::json!({"points": 12}))?;
+///         Ok(())
+///     }
+/// }
+/// ```
 ///
 /// A handler must **return** the database errors it meets (as [`HandlerError::Transient`] or
 /// [`HandlerError::Permanent`], or with `?`), never swallow them: in PostgreSQL one failed
@@ -269,7 +297,7 @@ pub trait Handler<C>: Send + Sync + 'static {
     /// Applies one new event.
     fn handle(
         &self,
-        conn: &mut C,
+        cx: &mut HandlerContext<'_, C>,
         event: &InboundEvent,
     ) -> impl Future<Output = std::result::Result<(), HandlerError>> + Send;
 
@@ -292,13 +320,15 @@ pub trait Handler<C>: Send + Sync + 'static {
     /// Applies the new events of one batch, in this order (sorted by [`Handler::business_key`];
     /// each one passed [`Handler::validate`]), in the consumer's transaction: one [`Outcome`]
     /// per event, in the same order. A batch of one event is how the runtime isolates events
-    /// (in a savepoint each) after a [`BatchError`].
+    /// (in a savepoint each) after a [`BatchError`]. The effects of an event refused with
+    /// [`Outcome::Refused`] are not recorded.
     ///
-    /// Default: [`Handler::handle`] for each event in turn, in the event's span
-    /// ([`event_span`]); a failure stops the batch as [`BatchError::Event`].
+    /// Default: [`Handler::handle`] for each event in turn, with
+    /// [`BatchContext::for_event`], in the event's span ([`event_span`]); a failure stops the
+    /// batch as [`BatchError::Event`].
     fn handle_batch(
         &self,
-        conn: &mut C,
+        cx: &mut BatchContext<'_, C>,
         events: &[&InboundEvent],
     ) -> impl Future<Output = std::result::Result<Vec<Outcome>, BatchError>> + Send
     where
@@ -307,7 +337,7 @@ pub trait Handler<C>: Send + Sync + 'static {
         async move {
             let mut outcomes = Vec::with_capacity(events.len());
             for event in events {
-                self.handle(&mut *conn, event)
+                self.handle(&mut cx.for_event(event), event)
                     .instrument(event_span(event))
                     .await
                     .map_err(|error| BatchError::Event {
@@ -327,9 +357,9 @@ pub trait Handler<C>: Send + Sync + 'static {
 /// event. Without a `tracing-opentelemetry` layer the parent is simply not recorded; the
 /// span's `trace_id` field holds the trace id either way.
 ///
-/// The default [`Handler::handle_batch`] runs each [`Handler::handle`] in it. A handler that
-/// overrides `handle_batch` enters it around what it does for one event in particular, such
-/// as computing [`effect_traceparent`] for an effect it records.
+/// The default [`Handler::handle_batch`] runs each [`Handler::handle`] in it; an effect posted
+/// through [`BatchContext::effects`] carries its context. A handler that overrides
+/// `handle_batch` may enter it around what it logs for one event in particular.
 pub fn event_span(event: &InboundEvent) -> tracing::Span {
     let span = tracing::info_span!(
         "idem.handle",
@@ -360,12 +390,11 @@ pub fn event_span(event: &InboundEvent) -> tracing::Span {
     span
 }
 
-/// The `traceparent` an effect recorded by a handler should carry (see the effect stage): the
-/// context of the consumer span the handler runs in ([`event_span`]), when an OpenTelemetry
-/// layer is installed,
-/// so the outbound HTTP call is a child of it; otherwise the event's own `traceparent`. Either
-/// way the trace id is the one captured at enqueue.
-pub fn effect_traceparent(event: &InboundEvent) -> Option<String> {
+/// The `traceparent` an effect posted by a handler carries: the context of the consumer span
+/// the handler runs in ([`event_span`]), when an OpenTelemetry layer is installed, so the
+/// outbound HTTP call is a child of it; otherwise the event's own `traceparent`. Either way the
+/// trace id is the one captured at enqueue.
+pub(crate) fn effect_traceparent(event: &InboundEvent) -> Option<String> {
     idem_core::trace::traceparent_of(&tracing::Span::current().context())
         .or_else(|| event.traceparent.clone())
 }

@@ -3,6 +3,7 @@
 mod attempt;
 mod batch;
 mod config;
+mod context;
 mod dead_letter;
 mod handler;
 mod lanes;
@@ -23,7 +24,8 @@ use crate::batch::{Batch, Unique, last_offsets};
 use crate::retry::{Retries, Step};
 
 pub use config::ConsumerConfig;
-pub use handler::{BatchError, Handler, HandlerError, Outcome, effect_traceparent, event_span};
+pub use context::{BatchContext, Effects, HandlerContext};
+pub use handler::{BatchError, Handler, HandlerError, Outcome, event_span};
 pub use idem_core::wire::{DecodeError, decode};
 pub use metrics::{ConsumerMetrics, MAX_LABEL_PAIRS, OTHER, total};
 pub use readiness::DATABASE;

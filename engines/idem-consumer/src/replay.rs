@@ -14,7 +14,10 @@ use idem_core::{
     DeadLetter, Delivery, EventId, InboundEvent, InboxStore, OpenDeadLetter, ReplayOutcome, Result,
 };
 
-use crate::{Handler, HandlerError, decode};
+use tracing::Instrument;
+
+use crate::context::{HandlerContext, kept};
+use crate::{Handler, HandlerError, decode, event_span};
 use idem_core::wire::storable;
 
 /// Which dead letters to replay, and how.
@@ -191,7 +194,15 @@ where
     if !claimed {
         return Ok(false);
     }
-    match handler.handle(&mut *tx, event).await {
+    let mut posted = vec![];
+    let handled = handler
+        .handle(
+            &mut HandlerContext::new(&mut **tx, event, &mut posted),
+            event,
+        )
+        .instrument(event_span(event))
+        .await;
+    match handled {
         Ok(()) => {}
         Err(HandlerError::Permanent(reason)) => return Err(format!("replay refused: {reason}")),
         Err(HandlerError::Transient(e)) => {
@@ -209,6 +220,11 @@ where
         .check_usable(&mut *tx)
         .await
         .map_err(|e| format!("replay failed: {e}"))?;
+    let posted = kept(posted, |id| *id == event.event_id);
+    inbox
+        .record_effects(&mut *tx, &posted)
+        .await
+        .map_err(|e| format!("replay failed recording the effects: {e}"))?;
     Ok(true)
 }
 

@@ -45,14 +45,13 @@ impl Source for ScriptedSource {
     }
 }
 
-/// Writes one row per event into `effects`; refuses payloads with "poison"; fails transiently
-/// while `flaky` is above zero.
+/// Posts a `test.effect` for each event, then refuses payloads with "poison", fails transiently
+/// while `flaky` is above zero, and writes one row per event into `effects`: an effect of an
+/// event that is not applied must not be recorded.
 #[derive(Clone, Default)]
 struct Recorder {
     flaky: Arc<Mutex<u32>>,
     calls: Arc<Mutex<u32>>,
-    /// What `effect_traceparent` said inside each call.
-    effect_traceparents: Arc<Mutex<Vec<Option<String>>>>,
     /// The consumer's metrics, to read `idem_consumer_stalled_since_seconds` inside each call.
     metrics: Arc<Mutex<Option<ConsumerMetrics>>>,
     /// The stalled gauge of the handler's topic, read at the start of each call.
@@ -62,7 +61,7 @@ struct Recorder {
 impl Handler<SqliteConnection> for Recorder {
     async fn handle(
         &self,
-        conn: &mut SqliteConnection,
+        cx: &mut HandlerContext<'_, SqliteConnection>,
         e: &InboundEvent,
     ) -> std::result::Result<(), HandlerError> {
         *self.calls.lock().unwrap() += 1;
@@ -72,10 +71,11 @@ impl Handler<SqliteConnection> for Recorder {
                 .with_label_values(&[e.topic.as_str(), "settlement"]);
             self.stalled_seen.lock().unwrap().push(g.get());
         }
-        self.effect_traceparents
-            .lock()
-            .unwrap()
-            .push(effect_traceparent(e));
+        cx.effects().post(
+            "test.effect",
+            "http://127.0.0.1:9/effects",
+            serde_json::json!({ "order": e.aggregate_id }),
+        )?;
         if e.payload.get("poison").is_some() {
             return Err(HandlerError::permanent("the payload is poison"));
         }
@@ -89,7 +89,7 @@ impl Handler<SqliteConnection> for Recorder {
         // `?`: the database's error classified by the consumer's rule.
         sqlx::query("INSERT INTO effects (event_id) VALUES (?1)")
             .bind(e.event_id.to_string())
-            .execute(&mut *conn)
+            .execute(cx.conn())
             .await?;
         Ok(())
     }
@@ -138,6 +138,15 @@ impl Fixture {
             .fetch_one(&self.pool)
             .await
             .unwrap()
+    }
+    /// The event ids of the recorded effect intents, with their traceparents, by event id.
+    async fn intents(&self) -> Vec<(String, Option<String>)> {
+        sqlx::query_as(
+            "SELECT event_id, traceparent FROM idem_effect_intents ORDER BY event_id, idem_key",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
     }
     async fn delivery_count(&self, id: EventId) -> i64 {
         sqlx::query_scalar("SELECT delivery_count FROM idem_inbox WHERE event_id = ?1")
@@ -323,6 +332,13 @@ async fn a_permanent_handler_failure_dead_letters_only_that_event_and_its_redeli
     let r = f.consumer.process(&batch).await.unwrap();
     assert_eq!((r.processed, r.dead_lettered), (2, 1));
     assert_eq!(f.effects().await, 2);
+    let mut applied = vec![a.to_string(), b.to_string()];
+    applied.sort();
+    let intents: Vec<String> = f.intents().await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(
+        intents, applied,
+        "the refused event's posted effect is not recorded"
+    );
     let dl = f.dead_letters().await;
     assert_eq!(dl[0].event_id.as_deref(), Some(poison.to_string().as_str()));
     assert_eq!(dl[0].reason, "the payload is poison");
@@ -519,8 +535,8 @@ async fn the_handler_span_continues_the_trace_captured_at_enqueue() {
         opentelemetry::trace::SpanId::INVALID,
         "an event without a traceparent starts its own trace"
     );
-    // An effect recorded by the handler carries the handler span as its parent, in the same trace.
-    let seen = f.handler.effect_traceparents.lock().unwrap().clone();
+    // An effect posted by the handler carries the handler span as its parent, in the same trace.
+    let seen: Vec<Option<String>> = f.intents().await.into_iter().map(|(_, tp)| tp).collect();
     assert!(
         seen.contains(&Some(format!(
             "00-{TRACE}-{}-01",
@@ -545,6 +561,11 @@ async fn a_transient_failure_outlasting_the_retries_is_applied_once_and_never_de
         "applied after its twelve transient failures"
     );
     assert_eq!(f.effects().await, 1);
+    assert_eq!(
+        f.intents().await.len(),
+        1,
+        "thirteen calls posted the effect, the one that applied recorded it"
+    );
     assert!(
         f.dead_letters().await.is_empty(),
         "{:?}",

@@ -2,7 +2,8 @@
 //! events refused by `validate` or by an `Outcome::Refused` are dead-lettered without a rollback;
 //! a batch the database refuses as a whole is retried one event at a time in savepoints, and
 //! exactly the events refused one by one are dead-lettered; a transient failure and a broken
-//! outcome count are retried, never dead-lettered.
+//! outcome count are retried, never dead-lettered. The effects posted for an event are recorded
+//! when, and only when, it is applied.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,8 @@ use std::time::Duration;
 use idem_conformance::backend::{Backend, Lite};
 use idem_conformance::records::{NoSource, delivery};
 use idem_consumer::{
-    BatchError, Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError, Outcome,
+    BatchContext, BatchError, Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext,
+    HandlerError, Outcome,
 };
 use idem_core::{Delivery, EventId, InboundEvent, InboxStore};
 use sqlx::SqliteConnection;
@@ -42,7 +44,7 @@ struct SetHandler {
 impl Handler<SqliteConnection> for SetHandler {
     async fn handle(
         &self,
-        _conn: &mut SqliteConnection,
+        _cx: &mut HandlerContext<'_, SqliteConnection>,
         _e: &InboundEvent,
     ) -> std::result::Result<(), HandlerError> {
         unreachable!("the runtime calls handle_batch")
@@ -57,7 +59,7 @@ impl Handler<SqliteConnection> for SetHandler {
 
     async fn handle_batch(
         &self,
-        conn: &mut SqliteConnection,
+        cx: &mut BatchContext<'_, SqliteConnection>,
         events: &[&InboundEvent],
     ) -> std::result::Result<Vec<Outcome>, BatchError> {
         let call = {
@@ -70,6 +72,14 @@ impl Handler<SqliteConnection> for SetHandler {
             "validated events only"
         );
         let has = |e: &InboundEvent, k: &str| e.payload.get(k).is_some();
+        // Every event asks for an effect: only the applied ones may record it.
+        for e in events {
+            cx.effects(e).post(
+                "test.effect",
+                "http://127.0.0.1:9/effects",
+                serde_json::json!({}),
+            )?;
+        }
         match self.mode {
             Mode::TransientOnce if call == 1 => Err(HandlerError::transient("database is busy"))?,
             Mode::DatabaseRefusesTheSet if events.iter().any(|e| has(e, "db")) => {
@@ -93,7 +103,7 @@ impl Handler<SqliteConnection> for SetHandler {
             if *o == Outcome::Applied {
                 sqlx::query("INSERT INTO effects (event_id) VALUES (?1)")
                     .bind(e.event_id.to_string())
-                    .execute(&mut *conn)
+                    .execute(cx.conn())
                     .await?;
             }
         }
@@ -174,6 +184,11 @@ async fn refusals_by_validate_and_by_outcome_cost_one_call_and_no_rollback() {
         "one call with the nine valid events, no isolating pass"
     );
     assert_eq!(b.scalar("SELECT count(*) FROM effects").await, 5);
+    assert_eq!(
+        b.scalar("SELECT count(*) FROM idem_effect_intents").await,
+        5,
+        "one intent per applied event, none for a refused one"
+    );
     let letters = dead(&b).await;
     assert_eq!(letters.len(), 5);
     assert_eq!(letters[2], (4, "malformed payload".to_owned()));
@@ -208,6 +223,11 @@ async fn a_batch_the_database_refuses_is_isolated_and_only_its_poison_dead_lette
         "the refused set, then one savepoint per event"
     );
     assert_eq!(b.scalar("SELECT count(*) FROM effects").await, 4);
+    assert_eq!(
+        b.scalar("SELECT count(*) FROM idem_effect_intents").await,
+        4,
+        "one intent per applied event, none for a refused one"
+    );
     let letters = dead(&b).await;
     assert_eq!(
         letters,
@@ -231,6 +251,11 @@ async fn three_applied_after_one_isolated_pass(mode: Mode) {
     );
     assert_eq!(*h.batches.lock().unwrap(), [3, 1, 1, 1]);
     assert_eq!(b.scalar("SELECT count(*) FROM effects").await, 3);
+    assert_eq!(
+        b.scalar("SELECT count(*) FROM idem_effect_intents").await,
+        3,
+        "one intent per applied event, none for a refused one"
+    );
     let again = c.process(&records).await.unwrap();
     assert_eq!((again.processed, again.duplicate_skips), (0, 3));
     assert_eq!(

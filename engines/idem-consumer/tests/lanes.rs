@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use idem_conformance::backend::{Backend, Pg};
 use idem_conformance::process::eventually;
-use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError};
+use idem_consumer::{
+    Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
+};
 use idem_core::{Delivery, EventId, InboundEvent, Result, Source};
 use tokio::sync::{Notify, watch};
 
@@ -174,7 +176,7 @@ impl Lanes {
 impl Handler<sqlx::PgConnection> for Lanes {
     async fn handle(
         &self,
-        conn: &mut sqlx::PgConnection,
+        cx: &mut HandlerContext<'_, sqlx::PgConnection>,
         e: &InboundEvent,
     ) -> std::result::Result<(), HandlerError> {
         let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
@@ -188,7 +190,7 @@ impl Handler<sqlx::PgConnection> for Lanes {
             sqlx::query("INSERT INTO lane_effects (part, record_offset) VALUES ($1, $2)")
                 .bind(e.partition)
                 .bind(e.offset)
-                .execute(&mut *conn)
+                .execute(cx.conn())
                 .await
                 .map(|_| ())
                 .map_err(HandlerError::transient)

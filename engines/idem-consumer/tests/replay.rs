@@ -14,7 +14,9 @@ use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_conformance::process::eventually;
 use idem_conformance::records::NoSource;
 use idem_consumer::replay::{ReplayRequest, ReplayResult, replay};
-use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError};
+use idem_consumer::{
+    Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
+};
 use idem_core::crash::{BREAK_TRANSIENT_DEAD_LETTERS, BROKEN_TRANSIENT_BUDGET};
 use idem_core::{Delivery, EventId, InboundEvent, InboxStore};
 use tokio::sync::Semaphore;
@@ -54,13 +56,18 @@ macro_rules! effects_handler {
         impl Handler<$conn> for Effects {
             async fn handle(
                 &self,
-                conn: &mut $conn,
+                cx: &mut HandlerContext<'_, $conn>,
                 e: &InboundEvent,
             ) -> std::result::Result<(), HandlerError> {
+                cx.effects().post(
+                    "test.effect",
+                    "http://127.0.0.1:9/effects",
+                    serde_json::json!({}),
+                )?;
                 self.precheck().await?;
                 sqlx::query($sql)
                     .bind(e.event_id.to_string())
-                    .execute(&mut *conn)
+                    .execute(cx.conn())
                     .await
                     .map_err(HandlerError::transient)?;
                 Ok(())
@@ -206,6 +213,11 @@ where
     let forced = replay(&b.inbox(), &h, &request(None, false)).await.unwrap();
     assert_eq!(forced[0].result, ReplayResult::AlreadyApplied);
     assert_eq!(effects(&b).await, 1);
+    assert_eq!(
+        b.scalar("SELECT count(*) FROM idem_effect_intents").await,
+        1,
+        "the refused delivery recorded no effect, the replay recorded one"
+    );
     let stored = b.inbox().dead_letters(GROUP, 10).await.unwrap();
     assert_eq!(stored[0].replay_outcome.as_deref(), Some("already_applied"));
 }
@@ -422,7 +434,7 @@ struct Flaky(Arc<AtomicU32>);
 impl Handler<sqlx::SqliteConnection> for Flaky {
     async fn handle(
         &self,
-        _conn: &mut sqlx::SqliteConnection,
+        _cx: &mut HandlerContext<'_, sqlx::SqliteConnection>,
         _e: &InboundEvent,
     ) -> std::result::Result<(), HandlerError> {
         let left = self.0.load(Ordering::SeqCst);

@@ -40,7 +40,7 @@ impl Handler<SqliteConnection> for Ledger {
     /// `handle_batch` to write a batch with set-based statements instead).
     async fn handle(
         &self,
-        conn: &mut SqliteConnection,
+        cx: &mut HandlerContext<'_, SqliteConnection>,
         event: &InboundEvent,
     ) -> Result<(), HandlerError> {
         // Can never work: the event is dead-lettered with this reason.
@@ -51,7 +51,7 @@ impl Handler<SqliteConnection> for Ledger {
             .bind(event.event_id.to_string())
             .bind(&event.aggregate_id)
             .bind(amount)
-            .execute(&mut *conn)
+            .execute(cx.conn())
             .await?;
         Ok(())
     }

@@ -1,5 +1,5 @@
-//! Recording an effect in a handler's transaction, and dispatching it: the handler records a
-//! `points.award` intent next to its own row (one call, `record_effect`); the dispatcher sends
+//! Recording an effect in a handler's transaction, and dispatching it: the handler posts a
+//! `points.award` effect next to its own row (one call, `cx.effects().post`); the dispatcher sends
 //! it to a points server this program starts, with the key `event-<event id>-points.award` on
 //! every attempt. The server answers the first attempt 503, so the award is retried with the
 //! same key. No broker: the event is handed to the handler the way the consumer would.
@@ -9,34 +9,32 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idem::consumer::InboxStore;
 use idem::effects::{Dispatcher, DispatcherConfig};
 use idem::prelude::*;
-use idem::sqlite::SqliteIntents;
+use idem::sqlite::{SqliteInbox, SqliteIntents};
 use sqlx::SqliteConnection;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A handler that settles a payment and asks for a points award, in one transaction.
 struct Settle {
-    intents: SqliteIntents,
     points_url: String,
 }
 
 impl Handler<SqliteConnection> for Settle {
     async fn handle(
         &self,
-        conn: &mut SqliteConnection,
+        cx: &mut HandlerContext<'_, SqliteConnection>,
         event: &InboundEvent,
     ) -> Result<(), HandlerError> {
         // `?` classifies a database error by its code (busy: retried; refused: dead-lettered).
         sqlx::query("INSERT INTO settlements (event_id) VALUES (?1)")
             .bind(event.event_id.to_string())
-            .execute(&mut *conn)
+            .execute(cx.conn())
             .await?;
         let body = serde_json::json!({ "order_id": event.aggregate_id, "points": 12 });
-        self.intents
-            .record_effect(conn, event, "points.award", &self.points_url, body)
-            .await?;
+        cx.effects().post("points.award", &self.points_url, body)?;
         Ok(())
     }
 }
@@ -83,12 +81,11 @@ async fn main() -> Result<(), BoxError> {
     let points_url = format!("http://{}/awards", listener.local_addr()?);
     tokio::spawn(async move { axum::serve(listener, app).await });
 
-    // The handler's transaction: its row and the intent commit together.
+    // The handler's transaction: its row and the intent commit together, as the consumer
+    // runs it: the handler, then the effects it posted recorded through the inbox.
     let intents = SqliteIntents::new(db.clone(), TableNames::default());
-    let handler = Settle {
-        intents: intents.clone(),
-        points_url,
-    };
+    let inbox = SqliteInbox::new(db.clone(), TableNames::default());
+    let handler = Settle { points_url };
     let event = InboundEvent {
         event_id: EventId::new(),
         event_type: "order.paid".into(),
@@ -102,10 +99,15 @@ async fn main() -> Result<(), BoxError> {
         offset: 0,
     };
     let mut tx = db.begin().await?;
+    let mut posted = vec![];
     handler
-        .handle(&mut tx, &event)
+        .handle(
+            &mut HandlerContext::new(&mut *tx, &event, &mut posted),
+            &event,
+        )
         .await
         .map_err(|e| format!("{e:?}"))?;
+    inbox.record_effects(&mut *tx, &posted).await?;
     tx.commit().await?;
 
     // The dispatcher: no backoff, so the retry after the 503 follows at once.

@@ -28,14 +28,13 @@ const TOPIC: &str = "outbox.event.order";
 /// The consumer's handler: one settlement row per order, and one points award per settlement,
 /// both in the consumer's transaction (with the inbox row).
 struct Settle {
-    intents: SqliteIntents,
     points_url: String,
 }
 
 impl Handler<SqliteConnection> for Settle {
     async fn handle(
         &self,
-        conn: &mut SqliteConnection,
+        cx: &mut HandlerContext<'_, SqliteConnection>,
         event: &InboundEvent,
     ) -> Result<(), HandlerError> {
         let Some(order_id) = event.payload["order_id"].as_str() else {
@@ -45,12 +44,11 @@ impl Handler<SqliteConnection> for Settle {
         sqlx::query("INSERT INTO settlements (order_id, event_id) VALUES (?1, ?2)")
             .bind(order_id)
             .bind(event.event_id.to_string())
-            .execute(&mut *conn)
+            .execute(cx.conn())
             .await?;
+        // Recorded with the row above; the key is `event-<event id>-points.award`.
         let body = serde_json::json!({ "order_id": order_id, "points": 10 });
-        self.intents
-            .record_effect(conn, event, "points.award", &self.points_url, body)
-            .await?;
+        cx.effects().post("points.award", &self.points_url, body)?;
         Ok(())
     }
 }
@@ -228,10 +226,7 @@ async fn main() -> Result<(), BoxError> {
     let registry = Registry::new();
     let (stop, stop_rx) = watch::channel(false);
     let intents = SqliteIntents::new(settlement.clone(), TableNames::default());
-    let handler = Settle {
-        intents: intents.clone(),
-        points_url,
-    };
+    let handler = Settle { points_url };
     let stages = [
         spawn_relay(&orders, &brokers, &registry, &stop_rx)?,
         spawn_consumer(&settlement, handler, &brokers, &registry, &stop_rx)?,

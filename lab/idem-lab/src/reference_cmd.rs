@@ -137,7 +137,11 @@ impl std::fmt::Debug for SettlementArgs {
 }
 
 /// The settlement handler with `--lock-timeout-ms` applied.
-fn settlement_handler<I>(handler: Settlement<I>, args: &SettlementArgs) -> Settlement<I> {
+fn settlement_handler(args: &SettlementArgs) -> Settlement {
+    let handler = match &args.points_url {
+        Some(url) => Settlement::with_points(url.clone()),
+        None => Settlement::new(),
+    };
     match args.lock_timeout_ms {
         Some(ms) => handler.with_lock_timeout(Duration::from_millis(ms)),
         None => handler,
@@ -224,7 +228,6 @@ where
     idem_sql::Inbox<DB>: InboxStore<Conn = DB::Connection>,
     idem_reference::Audit: idem_consumer::Handler<DB::Connection>,
     Settlement: idem_consumer::Handler<DB::Connection>,
-    Settlement<idem_sql::Intents<DB>>: idem_consumer::Handler<DB::Connection>,
 {
     let inbox = s.inbox();
     let Consumed {
@@ -233,27 +236,16 @@ where
         metrics,
         health,
     } = c;
-    match args.points_url.clone() {
-        _ if args.handler == "audit" => {
-            Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
-                .with_health(health)
-                .run(shutdown)
-                .await?;
-        }
-        Some(url) => {
-            let handler = settlement_handler(Settlement::with_points(s.intents(), url), args);
-            Consumer::new(inbox, handler, source, config, metrics)
-                .with_health(health)
-                .run(shutdown)
-                .await?;
-        }
-        None => {
-            let handler = settlement_handler(Settlement::new(), args);
-            Consumer::new(inbox, handler, source, config, metrics)
-                .with_health(health)
-                .run(shutdown)
-                .await?;
-        }
+    if args.handler == "audit" {
+        Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
+            .with_health(health)
+            .run(shutdown)
+            .await?;
+    } else {
+        Consumer::new(inbox, settlement_handler(args), source, config, metrics)
+            .with_health(health)
+            .run(shutdown)
+            .await?;
     }
     Ok(())
 }
@@ -305,16 +297,15 @@ pub async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
             .or_else(|| std::env::var("USER").ok())
             .unwrap_or_else(|| "idem dead-letters replay".to_owned()),
     };
-    let done = idem_sql::with_store!(store, s => replay_with(&s.inbox(), s.intents(), &args, &request).await)
-    .context(idem_cli::dead_letters_cmd::MIGRATE_HINT)?;
+    let done = idem_sql::with_store!(store, s => replay_with(&s.inbox(), &args, &request).await)
+        .context(idem_cli::dead_letters_cmd::MIGRATE_HINT)?;
     report_replay(&args, &done)
 }
 
-/// Replays with the handler `args` name: the audit log, or settlements (with points awards
-/// recorded through `intents` when `--points-url` is given).
-async fn replay_with<I, R>(
+/// Replays with the handler `args` name: the audit log, or settlements (posting points awards
+/// when `--points-url` is given).
+async fn replay_with<I>(
     inbox: &I,
-    intents: R,
     args: &ReplayArgs,
     request: &ReplayRequest,
 ) -> idem_core::Result<Vec<Replayed>>
@@ -322,18 +313,10 @@ where
     I: InboxStore,
     idem_reference::Audit: idem_consumer::Handler<I::Conn>,
     Settlement: idem_consumer::Handler<I::Conn>,
-    Settlement<R>: idem_consumer::Handler<I::Conn>,
 {
     match &args.points_url {
         _ if args.handler == "audit" => replay(inbox, &idem_reference::Audit, request).await,
-        Some(url) => {
-            replay(
-                inbox,
-                &Settlement::with_points(intents, url.clone()),
-                request,
-            )
-            .await
-        }
+        Some(url) => replay(inbox, &Settlement::with_points(url.clone()), request).await,
         None => replay(inbox, &Settlement::new(), request).await,
     }
 }

@@ -15,7 +15,7 @@ mod verify;
 
 pub use verify::verify_config;
 
-use idem_consumer::{BatchError, Handler, HandlerError, Outcome};
+use idem_consumer::{BatchContext, BatchError, Handler, HandlerContext, HandlerError, Outcome};
 use idem_core::{Event, InboundEvent};
 use idem_sql::{Dialect, Scheme, SqlConnection, Statement};
 
@@ -223,116 +223,39 @@ pub fn points_for(amount_minor: i64) -> i64 {
     (amount_minor / 100).max(1)
 }
 
-/// Records an effect intent in the handler's transaction: implemented by the intent stores of
-/// each database, and by `()` for a settlement service that awards no points.
-pub trait RecordIntent<C>: Send + Sync + 'static {
-    /// Records `intent` through `conn`.
-    fn record_intent(
-        &self,
-        conn: &mut C,
-        intent: &idem_core::idempotency::EffectIntent,
-    ) -> impl std::future::Future<Output = idem_core::Result<bool>> + Send;
-
-    /// Records `intents` through `conn` (one statement where the store has one).
-    fn record_intents(
-        &self,
-        conn: &mut C,
-        intents: &[idem_core::idempotency::EffectIntent],
-    ) -> impl std::future::Future<Output = idem_core::Result<()>> + Send;
-}
-
-impl<C: Send> RecordIntent<C> for () {
-    async fn record_intents(
-        &self,
-        _conn: &mut C,
-        _intents: &[idem_core::idempotency::EffectIntent],
-    ) -> idem_core::Result<()> {
-        Ok(())
-    }
-
-    async fn record_intent(
-        &self,
-        _conn: &mut C,
-        _intent: &idem_core::idempotency::EffectIntent,
-    ) -> idem_core::Result<bool> {
-        Ok(false)
-    }
-}
-
-impl<DB: Dialect> RecordIntent<DB::Connection> for idem_sql::Intents<DB> {
-    async fn record_intent(
-        &self,
-        conn: &mut DB::Connection,
-        intent: &idem_core::idempotency::EffectIntent,
-    ) -> idem_core::Result<bool> {
-        idem_core::idempotency::IntentStore::record(self, conn, intent).await
-    }
-
-    async fn record_intents(
-        &self,
-        conn: &mut DB::Connection,
-        intents: &[idem_core::idempotency::EffectIntent],
-    ) -> idem_core::Result<()> {
-        idem_core::idempotency::IntentStore::record_all(self, conn, intents)
-            .await
-            .map(|_| ())
-    }
-}
-
-/// Where the settlement service sends points awards.
-#[derive(Clone, Debug)]
-pub struct PointsAward<I> {
-    /// The intent store of the settlement database.
-    pub intents: I,
-    /// The award URL (`http://127.0.0.1:8088/awards`).
-    pub target: String,
-}
-
 /// The settlement handler: one row per payment, written in the consumer's transaction, and —
-/// when built [`with_points`](Settlement::with_points) — one `points.award` effect intent per
-/// payment in the same transaction.
+/// when built [`with_points`](Settlement::with_points) — one `points.award` effect per payment,
+/// posted in the same transaction.
 ///
 /// `INSERT … ON CONFLICT (payment_id) DO NOTHING` makes a second event for the same payment
 /// (a different event id carrying the same business fact) converge to the one row; the same
 /// payment with a different amount or order is refused (dead-lettered), never overwritten. The
-/// intent is recorded only by the event that inserted the settlement row: a second event for
+/// effect is posted only by the event that inserted the settlement row: a second event for
 /// the payment would derive another key, so it must not ask for a second award.
-#[derive(Clone, Debug)]
-pub struct Settlement<I = ()> {
-    points: Option<PointsAward<I>>,
+#[derive(Clone, Debug, Default)]
+pub struct Settlement {
+    /// Where points awards go (`http://127.0.0.1:8088/awards`), when points are on.
+    points: Option<String>,
     /// PostgreSQL `lock_timeout` for the handler's statements, if set: a lock held longer on the
     /// business tables fails the statement (SQLSTATE 55P03), a transient failure.
     lock_timeout: Option<std::time::Duration>,
 }
 
-impl Default for Settlement {
-    fn default() -> Self {
-        Settlement::new()
-    }
-}
-
 impl Settlement {
     /// Settlements only.
     pub fn new() -> Self {
+        Settlement::default()
+    }
+
+    /// Settlements, and one points award per paid order, posted to `target` through the
+    /// effect stage.
+    pub fn with_points(target: impl Into<String>) -> Settlement {
         Settlement {
-            points: None,
+            points: Some(target.into()),
             lock_timeout: None,
         }
     }
 
-    /// Settlements, and one points award per paid order through the effect stage.
-    pub fn with_points<I>(intents: I, target: impl Into<String>) -> Settlement<I> {
-        Settlement {
-            points: Some(PointsAward {
-                intents,
-                target: target.into(),
-            }),
-            lock_timeout: None,
-        }
-    }
-}
-
-impl<I> Settlement<I> {
     /// On PostgreSQL, gives up on a lock held longer than `timeout` on the business tables (a
     /// transient failure, retried until the lock is released; never a dead letter). Without it
     /// the handler waits for the lock. `idem-lab settlement --lock-timeout-ms`.
@@ -342,28 +265,13 @@ impl<I> Settlement<I> {
     }
 }
 
-impl<I> Settlement<I> {
-    fn award(
-        &self,
-        paid: &Paid,
-        event: &InboundEvent,
-    ) -> Option<(&I, idem_core::idempotency::EffectIntent)> {
-        let p = self.points.as_ref()?;
-        Some((
-            &p.intents,
-            idem_core::idempotency::EffectIntent {
-                event_id: event.event_id,
-                effect: POINTS_AWARD.to_owned(),
-                target: p.target.clone(),
-                body: serde_json::json!({
-                    "order_id": paid.order_id,
-                    "payment_id": paid.payment_id,
-                    "points": points_for(paid.amount.minor),
-                }),
-                traceparent: idem_consumer::effect_traceparent(event),
-            },
-        ))
-    }
+/// The body of the points award of `paid`.
+fn award_body(paid: &Paid) -> serde_json::Value {
+    serde_json::json!({
+        "order_id": paid.order_id,
+        "payment_id": paid.payment_id,
+        "points": points_for(paid.amount.minor),
+    })
 }
 
 /// Whether `paid` is the settlement `existing` (order, amount, currency) already stored for its
@@ -403,11 +311,15 @@ async fn set_lock_timeout<C: SqlConnection>(
         .map_err(HandlerError::from)
 }
 
-impl<C: SqlConnection, I: RecordIntent<C>> Handler<C> for Settlement<I> {
+impl<C: SqlConnection> Handler<C> for Settlement {
     /// One event: the batch of one (so the replay, the isolating retry and a batch apply the
     /// same statements).
-    async fn handle(&self, conn: &mut C, event: &InboundEvent) -> Result<(), HandlerError> {
-        match self.settle_batch(conn, &[event]).await {
+    async fn handle(
+        &self,
+        cx: &mut HandlerContext<'_, C>,
+        event: &InboundEvent,
+    ) -> Result<(), HandlerError> {
+        match self.settle_batch(&mut cx.as_batch(), &[event]).await {
             Ok(outcomes) => match outcomes.into_iter().next() {
                 Some(Outcome::Applied) => Ok(()),
                 Some(Outcome::Refused(reason)) => Err(HandlerError::Permanent(reason)),
@@ -433,13 +345,13 @@ impl<C: SqlConnection, I: RecordIntent<C>> Handler<C> for Settlement<I> {
     }
 
     /// The batch in a few set-based statements (the `settle` module): a settlement per payment,
-    /// an application row per applied event, a points intent per settlement inserted.
+    /// an application row per applied event, a points effect per settlement inserted.
     async fn handle_batch(
         &self,
-        conn: &mut C,
+        cx: &mut BatchContext<'_, C>,
         events: &[&InboundEvent],
     ) -> Result<Vec<Outcome>, BatchError> {
-        self.settle_batch(conn, events).await
+        self.settle_batch(cx, events).await
     }
 }
 
@@ -451,7 +363,11 @@ impl<C: SqlConnection, I: RecordIntent<C>> Handler<C> for Settlement<I> {
 pub struct Audit;
 
 impl<C: SqlConnection> Handler<C> for Audit {
-    async fn handle(&self, conn: &mut C, event: &InboundEvent) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        cx: &mut HandlerContext<'_, C>,
+        event: &InboundEvent,
+    ) -> Result<(), HandlerError> {
         let paid = parse_paid(event).map_err(HandlerError::Permanent)?;
         Statement::<C::Dialect>::new(
             "INSERT INTO audit_log (event_id, payment_id, amount_minor) VALUES ($1, $2, $3)",
@@ -459,7 +375,7 @@ impl<C: SqlConnection> Handler<C> for Audit {
         .event_id(event.event_id)
         .bind(paid.payment_id.as_str())
         .bind(paid.amount.minor)
-        .execute(conn)
+        .execute(cx.conn())
         .await
         .map_err(HandlerError::from)?;
         Ok(())
@@ -481,7 +397,6 @@ mod tests {
     #[allow(dead_code)]
     fn handlers_serve_code_generic_over_the_dialect<DB: Dialect>() {
         is_a_handler::<DB::Connection, Settlement>();
-        is_a_handler::<DB::Connection, Settlement<idem_sql::Intents<DB>>>();
         is_a_handler::<DB::Connection, Audit>();
     }
 

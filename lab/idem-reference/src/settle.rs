@@ -7,8 +7,9 @@
 //! 3. only when a payment was settled before (by another event id, or earlier in the batch):
 //!    one look-up of those payments (`= ANY($1)`), a comparison in Rust, and one insert of the
 //!    application rows of the events that converge; a different order or amount is refused;
-//! 4. with points, one statement records the intents of the events that inserted a settlement
-//!    ([`idem_core::idempotency::IntentStore::record_all`]).
+//! 4. with points, the events that inserted a settlement post their award
+//!    ([`idem_consumer::Effects::post`]); the runtime records the batch's intents in one
+//!    statement.
 //!
 //! A statement the database refuses (a constraint only it knows) fails the batch as
 //! [`BatchError::Batch`] with a permanent error: the runtime retries it one event at a time,
@@ -16,11 +17,11 @@
 
 use std::collections::{HashMap, HashSet};
 
-use idem_consumer::{BatchError, HandlerError, Outcome};
+use idem_consumer::{BatchContext, BatchError, HandlerError, Outcome};
 use idem_core::InboundEvent;
 use idem_sql::{Array, Scheme, SqlConnection, Statement, get};
 
-use super::{Paid, RecordIntent, Settlement, parse_paid};
+use super::{POINTS_AWARD, Paid, Settlement, award_body, parse_paid};
 
 /// The statement of the dialect of `C`: PostgreSQL's or SQLite's text.
 fn sql<C: SqlConnection>(postgres: &'static str, sqlite: &'static str) -> &'static str {
@@ -198,20 +199,18 @@ fn parse<'e>(events: &[&'e InboundEvent]) -> (Vec<usize>, Vec<Item<'e>>, Vec<Opt
     (at, items, outcomes)
 }
 
-impl<I> Settlement<I> {
+impl Settlement {
     /// [`idem_consumer::Handler::handle_batch`] of the settlement handler (see the module).
     pub(crate) async fn settle_batch<C: SqlConnection>(
         &self,
-        conn: &mut C,
+        cx: &mut BatchContext<'_, C>,
         events: &[&InboundEvent],
-    ) -> Result<Vec<Outcome>, BatchError>
-    where
-        I: RecordIntent<C>,
-    {
+    ) -> Result<Vec<Outcome>, BatchError> {
         let (at, items, mut outcomes) = parse(events);
         if !items.is_empty() {
-            super::set_lock_timeout(conn, self.lock_timeout).await?;
-            let verdicts = self.apply(conn, &items).await?;
+            super::set_lock_timeout(cx.conn(), self.lock_timeout).await?;
+            let verdicts = apply(cx.conn(), &items).await?;
+            self.award_all(cx, &items, &verdicts)?;
             for (i, v) in at.into_iter().zip(verdicts) {
                 outcomes[i] = Some(match v {
                     Verdict::Inserted | Verdict::Converged => Outcome::Applied,
@@ -225,74 +224,58 @@ impl<I> Settlement<I> {
             .ok_or_else(|| HandlerError::transient("an event of the batch got no outcome").into())
     }
 
-    /// Settles the valid `items`, writes their application rows and points intents.
-    async fn apply<C: SqlConnection>(
+    /// Posts one points award per event that inserted its settlement, when points are on.
+    fn award_all<C>(
         &self,
-        conn: &mut C,
-        items: &[Item<'_>],
-    ) -> Result<Vec<Verdict>, HandlerError>
-    where
-        I: RecordIntent<C>,
-    {
-        let inserting = inserting(items, &settle(conn, items).await?);
-        let others: HashSet<&str> = items
-            .iter()
-            .zip(&inserting)
-            .filter(|(_, inserted)| !**inserted)
-            .map(|(i, _)| i.paid.payment_id.as_str())
-            .collect();
-        let stored = stored(conn, others.into_iter().map(str::to_owned).collect()).await?;
-        let verdicts = verdicts(items, &inserting, &stored).ok_or_else(|| {
-            HandlerError::transient("a payment was neither settled nor found; retrying")
-        })?;
-        // PostgreSQL wrote the application rows of the inserting events with their settlements.
-        let with_settlement = <C::Dialect as idem_sql::Dialect>::SCHEME == Scheme::Postgres;
-        let applied: Vec<&Item<'_>> = items
-            .iter()
-            .zip(&verdicts)
-            .filter(|(_, v)| match v {
-                Verdict::Inserted => !with_settlement,
-                Verdict::Converged => true,
-                Verdict::Conflict(_) => false,
-            })
-            .map(|(i, _)| i)
-            .collect();
-        applications(conn, &applied).await?;
-        self.award_all(conn, items, &verdicts).await?;
-        Ok(verdicts)
-    }
-
-    /// Records one points intent per event that inserted its settlement, when points are on.
-    async fn award_all<C: SqlConnection>(
-        &self,
-        conn: &mut C,
+        cx: &mut BatchContext<'_, C>,
         items: &[Item<'_>],
         verdicts: &[Verdict],
-    ) -> Result<(), HandlerError>
-    where
-        I: RecordIntent<C>,
-    {
-        let Some(points) = self.points.as_ref() else {
+    ) -> Result<(), HandlerError> {
+        let Some(target) = self.points.as_deref() else {
             return Ok(());
         };
-        let intents: Vec<_> = items
+        for (item, _) in items
             .iter()
             .zip(verdicts)
             .filter(|(_, v)| **v == Verdict::Inserted)
-            .filter_map(|(i, _)| {
-                let _in_event = idem_consumer::event_span(i.event).entered();
-                self.award(&i.paid, i.event).map(|(_, intent)| intent)
-            })
-            .collect();
-        if intents.is_empty() {
-            return Ok(());
+        {
+            cx.effects(item.event)
+                .post(POINTS_AWARD, target, award_body(&item.paid))?;
         }
-        points
-            .intents
-            .record_intents(conn, &intents)
-            .await
-            .map_err(HandlerError::from)
+        Ok(())
     }
+}
+
+/// Settles the valid `items` and writes their application rows.
+async fn apply<C: SqlConnection>(
+    conn: &mut C,
+    items: &[Item<'_>],
+) -> Result<Vec<Verdict>, HandlerError> {
+    let inserting = inserting(items, &settle(conn, items).await?);
+    let others: HashSet<&str> = items
+        .iter()
+        .zip(&inserting)
+        .filter(|(_, inserted)| !**inserted)
+        .map(|(i, _)| i.paid.payment_id.as_str())
+        .collect();
+    let stored = stored(conn, others.into_iter().map(str::to_owned).collect()).await?;
+    let verdicts = verdicts(items, &inserting, &stored).ok_or_else(|| {
+        HandlerError::transient("a payment was neither settled nor found; retrying")
+    })?;
+    // PostgreSQL wrote the application rows of the inserting events with their settlements.
+    let with_settlement = <C::Dialect as idem_sql::Dialect>::SCHEME == Scheme::Postgres;
+    let applied: Vec<&Item<'_>> = items
+        .iter()
+        .zip(&verdicts)
+        .filter(|(_, v)| match v {
+            Verdict::Inserted => !with_settlement,
+            Verdict::Converged => true,
+            Verdict::Conflict(_) => false,
+        })
+        .map(|(i, _)| i)
+        .collect();
+    applications(conn, &applied).await?;
+    Ok(verdicts)
 }
 
 #[cfg(test)]

@@ -30,14 +30,14 @@ fn order(n: u64) -> PaidOrder {
     PaidOrder::numbered("batch-", n)
 }
 
-async fn consumer<B: Backend>(b: &B) -> Consumer<B::Inbox, Settlement<B::Intents>, NoSource>
+async fn consumer<B: Backend>(b: &B) -> Consumer<B::Inbox, Settlement, NoSource>
 where
-    Settlement<B::Intents>: Handler<<B::Inbox as InboxStore>::Conn>,
+    Settlement: Handler<<B::Inbox as InboxStore>::Conn>,
 {
     let mut config = ConsumerConfig::new("settlement");
     config.retry_backoff = Duration::ZERO;
     let metrics = ConsumerMetrics::unregistered().unwrap();
-    let handler = Settlement::with_points(b.intents(), TARGET);
+    let handler = Settlement::with_points(TARGET);
     Consumer::new(b.inbox(), handler, NoSource, config, metrics)
 }
 
@@ -57,7 +57,7 @@ async fn reasons<B: Backend>(b: &B) -> Vec<(Option<String>, String)> {
 /// Rust-decidable refusals in one batch: no rollback, no isolating retry.
 async fn refusals_rust_can_decide_cost_no_retry<B: Backend>(b: &B, schema: &str)
 where
-    Settlement<B::Intents>: Handler<<B::Inbox as InboxStore>::Conn>,
+    Settlement: Handler<<B::Inbox as InboxStore>::Conn>,
 {
     b.exec(schema).await.unwrap();
     let mut c = consumer(b).await;
@@ -137,7 +137,7 @@ where
 /// batch is retried one event at a time, exactly that event is dead-lettered, the rest applied.
 async fn a_database_refusal_dead_letters_exactly_the_poison_event<B: Backend>(b: &B, schema: &str)
 where
-    Settlement<B::Intents>: Handler<<B::Inbox as InboxStore>::Conn>,
+    Settlement: Handler<<B::Inbox as InboxStore>::Conn>,
 {
     b.exec(schema).await.unwrap();
     b.exec("CREATE UNIQUE INDEX lab_one_settlement_per_order ON settlements (order_id)")

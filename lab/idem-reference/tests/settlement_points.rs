@@ -1,11 +1,11 @@
-//! The settlement handler with points: one `points.award` intent per payment, in the handler's
-//! transaction, on PostgreSQL and SQLite.
+//! The settlement handler with points: one `points.award` intent per payment, posted by the
+//! handler and recorded in its transaction, on PostgreSQL and SQLite.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use idem_conformance::backend::{Backend, Lite, Pg};
-use idem_consumer::Handler;
+use idem_consumer::{Handler, HandlerContext};
 use idem_core::idempotency::IntentStore;
-use idem_core::{EventId, InboundEvent};
+use idem_core::{EventId, InboundEvent, InboxStore};
 use idem_reference::{PaidOrder, Settlement};
 
 const TARGET: &str = "http://127.0.0.1:8088/awards";
@@ -65,11 +65,14 @@ async fn postgres_settlement_records_one_points_intent_per_payment() {
     idem_reference::ensure_schema_postgres(b.pool())
         .await
         .unwrap();
-    let handler = Settlement::with_points(b.intents(), TARGET);
-    let pool = b.pool().clone();
+    let handler = Settlement::with_points(TARGET);
+    let (pool, inbox) = (b.pool().clone(), b.inbox());
     one_intent_per_payment(&b, async |event, commit| {
         let mut tx = pool.begin().await.unwrap();
-        handler.handle(&mut tx, event).await.unwrap();
+        let mut posted = vec![];
+        let mut cx = HandlerContext::new(&mut *tx, event, &mut posted);
+        handler.handle(&mut cx, event).await.unwrap();
+        inbox.record_effects(&mut *tx, &posted).await.unwrap();
         if commit {
             tx.commit().await.unwrap();
         } else {
@@ -86,10 +89,14 @@ async fn sqlite_settlement_records_one_points_intent_per_payment() {
         .await
         .unwrap();
     idem_reference::ensure_schema_sqlite(&pool).await.unwrap();
-    let handler = Settlement::with_points(b.intents(), TARGET);
+    let handler = Settlement::with_points(TARGET);
+    let inbox = b.inbox();
     one_intent_per_payment(&b, async |event, commit| {
         let mut tx = pool.begin().await.unwrap();
-        handler.handle(&mut tx, event).await.unwrap();
+        let mut posted = vec![];
+        let mut cx = HandlerContext::new(&mut *tx, event, &mut posted);
+        handler.handle(&mut cx, event).await.unwrap();
+        inbox.record_effects(&mut *tx, &posted).await.unwrap();
         if commit {
             tx.commit().await.unwrap();
         } else {

@@ -4,8 +4,4 @@ pub use idem_core::{Event, EventId, InboundEvent, OutboxStore, TableNames};
 
 #[cfg(feature = "consumer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
-pub use idem_consumer::{Handler, HandlerError};
-
-#[cfg(feature = "effects")]
-#[cfg_attr(docsrs, doc(cfg(feature = "effects")))]
-pub use crate::effects::{EffectIntent, IntentStore, RecordEffect};
+pub use idem_consumer::{BatchContext, BatchError, Handler, HandlerContext, HandlerError};

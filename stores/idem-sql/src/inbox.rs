@@ -1,5 +1,6 @@
 //! The consumer's inbox and dead letters ([`InboxStore`]), written once.
 
+use idem_core::idempotency::{EffectIntent, IntentStore};
 use idem_core::{
     DeadLetter, DeadLetterRow, Dedup, EventId, InboundEvent, InboxEntry, InboxStore,
     OpenDeadLetter, ReplayOutcome, Result, StoredDeadLetter, TableNames,
@@ -135,6 +136,16 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
             .zip(rows)
             .map(|(e, (count, hash))| dedup(e, count, &hash))
             .collect())
+    }
+
+    async fn record_effects(
+        &self,
+        conn: &mut DB::Connection,
+        intents: &[EffectIntent],
+    ) -> Result<Vec<bool>> {
+        crate::Intents::from_handle(self.0.clone())
+            .record_all(conn, intents)
+            .await
     }
 
     async fn savepoint(&self, conn: &mut DB::Connection) -> Result<()> {

@@ -30,6 +30,12 @@ impl<DB: Dialect> Intents<DB> {
         Intents(Handle::new(pool, &tables))
     }
 
+    /// The intents of the database and tables `handle` names (the inbox's own, for the effects
+    /// a handler posts in the consumer's transaction).
+    pub(crate) fn from_handle(handle: Handle<DB>) -> Self {
+        Intents(handle)
+    }
+
     /// Runs one statement on the pool and counts the rows it changed.
     async fn changed(&self, context: &str, stmt: Stmt<'_, DB>) -> Result<u64> {
         let mut c = self.0.conn(context).await?;

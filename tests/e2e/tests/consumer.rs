@@ -385,14 +385,14 @@ struct Swallowing {
 impl idem_consumer::Handler<sqlx::PgConnection> for Swallowing {
     async fn handle(
         &self,
-        conn: &mut sqlx::PgConnection,
+        cx: &mut idem_consumer::HandlerContext<'_, sqlx::PgConnection>,
         e: &idem_core::InboundEvent,
     ) -> Result<(), idem_consumer::HandlerError> {
         use std::sync::atomic::Ordering;
-        self.inner.handle(conn, e).await?;
+        self.inner.handle(cx, e).await?;
         if e.payload["payment_id"] == "pay-3" && self.swallow.load(Ordering::SeqCst) {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            let _ = sqlx::query("SELECT 1 / 0").execute(&mut *conn).await;
+            let _ = sqlx::query("SELECT 1 / 0").execute(cx.conn()).await;
         }
         Ok(())
     }

@@ -9,7 +9,9 @@ use std::time::Duration;
 use idem_conformance::backend::{Backend, Pg};
 use idem_conformance::kafka;
 use idem_conformance::process::eventually;
-use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError};
+use idem_consumer::{
+    Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
+};
 use idem_core::crash::{self, Action};
 use idem_core::{EventId, InboundEvent, Message, Publisher};
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config};
@@ -22,7 +24,7 @@ struct Applier;
 impl Handler<sqlx::PgConnection> for Applier {
     async fn handle(
         &self,
-        conn: &mut sqlx::PgConnection,
+        cx: &mut HandlerContext<'_, sqlx::PgConnection>,
         e: &InboundEvent,
     ) -> Result<(), HandlerError> {
         let n = e.payload["n"]
@@ -32,7 +34,7 @@ impl Handler<sqlx::PgConnection> for Applier {
             .bind(e.event_id.to_string())
             .bind(&e.aggregate_id)
             .bind(n)
-            .execute(&mut *conn)
+            .execute(cx.conn())
             .await
             .map_err(HandlerError::transient)?;
         Ok(())

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use idem_conformance::backend::{Backend, OpenTx, Pg};
 use idem_conformance::process::{eventually, metric_value as value};
-use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerError};
+use idem_consumer::{
+    Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
+};
 use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
 use idem_core::{Error, Event, InboundEvent, Message, Publisher};
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config, inspect};
@@ -35,7 +37,7 @@ struct Flaky<H> {
 impl<H: Handler<PgConnection>> Handler<PgConnection> for Flaky<H> {
     async fn handle(
         &self,
-        conn: &mut PgConnection,
+        cx: &mut HandlerContext<'_, PgConnection>,
         event: &InboundEvent,
     ) -> Result<(), HandlerError> {
         if self
@@ -45,7 +47,7 @@ impl<H: Handler<PgConnection>> Handler<PgConnection> for Flaky<H> {
         {
             return Err(HandlerError::transient("scripted: lock timeout"));
         }
-        self.inner.handle(conn, event).await
+        self.inner.handle(cx, event).await
     }
 }
 
@@ -168,7 +170,7 @@ async fn the_exported_counters_equal_the_scripted_numbers() {
     let consumer_registry = Registry::new();
     let metrics = ConsumerMetrics::new(&consumer_registry).unwrap();
     let handler = Flaky {
-        inner: Settlement::with_points(pg.intents(), "http://127.0.0.1:9/awards"),
+        inner: Settlement::with_points("http://127.0.0.1:9/awards"),
         failures: AtomicU32::new(2),
     };
     let mut config = ConsumerConfig::new(GROUP);

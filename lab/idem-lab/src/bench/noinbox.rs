@@ -34,6 +34,13 @@ impl InboxStore for NoInbox {
     ) -> Result<Vec<Dedup>> {
         Ok(entries.iter().map(|_| Dedup::New).collect())
     }
+    async fn record_effects(
+        &self,
+        conn: &mut PgConnection,
+        intents: &[idem_core::idempotency::EffectIntent],
+    ) -> Result<Vec<bool>> {
+        self.0.record_effects(conn, intents).await
+    }
     async fn savepoint(&self, conn: &mut PgConnection) -> Result<()> {
         self.0.savepoint(conn).await
     }

@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use idem_consumer::Handler;
+use idem_consumer::{Handler, HandlerContext};
+use idem_core::InboxStore;
 use idem_core::crash;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::producer::{BaseProducer, Producer};
@@ -73,23 +74,18 @@ pub async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
         .create()
         .context("creating the transactional producer")?;
     tokio::task::block_in_place(|| producer.init_transactions(KAFKA_TIMEOUT))?;
-    let tables = idem_core::TableNames::default();
-    match all.points_url.clone() {
-        Some(url) => {
-            let intents = idem_postgres::PgIntents::new(pool.clone(), tables);
-            let handler = idem_reference::Settlement::with_points(intents, url);
-            consume(args, &pool, &consumer, &producer, &handler).await
-        }
-        None => {
-            let handler = idem_reference::Settlement::new();
-            consume(args, &pool, &consumer, &producer, &handler).await
-        }
-    }
+    let handler = match all.points_url.clone() {
+        Some(url) => idem_reference::Settlement::with_points(url),
+        None => idem_reference::Settlement::new(),
+    };
+    let inbox = idem_postgres::PgInbox::new(pool.clone(), idem_core::TableNames::default());
+    consume(args, &pool, &inbox, &consumer, &producer, &handler).await
 }
 
 async fn consume<H: Handler<sqlx::PgConnection>>(
     args: &crate::lab_consumer::LabConsumerArgs,
     pool: &sqlx::PgPool,
+    inbox: &idem_postgres::PgInbox,
     consumer: &StreamConsumer,
     producer: &BaseProducer,
     handler: &H,
@@ -115,8 +111,19 @@ async fn consume<H: Handler<sqlx::PgConnection>>(
             // failures are: there is no dead-letter table in this design. Crashing on them
             // would wedge the group, and the control would prove a wedge, not a duplicate.
             sqlx::query("SAVEPOINT event").execute(&mut *tx).await?;
-            match handler.handle(&mut tx, &event).await {
-                Ok(()) => {}
+            let mut posted = vec![];
+            let handled = handler
+                .handle(
+                    &mut HandlerContext::new(&mut *tx, &event, &mut posted),
+                    &event,
+                )
+                .await;
+            match handled {
+                Ok(()) => {
+                    // The effects are recorded in the transaction, as the consumer does; this
+                    // design's flaw is the missing inbox, not the effect stage.
+                    inbox.record_effects(&mut *tx, &posted).await?;
+                }
                 Err(idem_consumer::HandlerError::Permanent(reason)) => {
                     eprintln!(
                         "idem kafka-txn-settlement: skipping {}: {reason}",

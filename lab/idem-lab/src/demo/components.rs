@@ -163,7 +163,7 @@ pub fn consumers(
                 let mut config = ConsumerConfig::new("settlement");
                 config.batch_size = 100;
                 with_store!(settle, s => {
-                    let handler = Settlement::with_points(s.intents(), target);
+                    let handler = Settlement::with_points(target);
                     Consumer::new(s.inbox(), handler, source, config, metrics)
                         .run(shutdown)
                         .await
