@@ -66,7 +66,7 @@ pub async fn drain<P: Publisher>(
     let relay_config = RelayConfig {
         relay_id: id.to_owned(),
         lease,
-        topics: config.naming.clone(),
+        topics: config.topics.clone(),
         source: config.source.clone(),
         prune: None,
         // The CDC relay's publisher sets unwritable topics aside already, on its own clock.

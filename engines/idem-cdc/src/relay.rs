@@ -51,11 +51,11 @@ pub struct CdcConfig {
     /// Table or message mode.
     pub mode: Mode,
     /// Topic names, as for the polling relay.
-    pub naming: TopicNaming,
+    pub topics: TopicNaming,
     /// CloudEvents `ce_source` (default `/idem/<aggregate type>`).
     pub source: Option<String>,
     /// Messages per publish call; a batch holds whole transactions, so it can hold more.
-    pub batch_messages: usize,
+    pub batch_size: usize,
     /// The longest a committed transaction waits for others before its batch is published.
     pub linger: Duration,
     /// First wait after a failed publish; doubles up to `retry_backoff_max`.
@@ -82,6 +82,25 @@ pub struct CdcConfig {
     pub create_slot: bool,
 }
 
+/// The slot a relay reads unless told otherwise.
+pub const DEFAULT_SLOT: &str = "idem_cdc";
+/// The publication of table mode unless told otherwise.
+pub const DEFAULT_TABLE_PUBLICATION: &str = "idem_outbox_pub";
+/// The publication of message mode unless told otherwise.
+pub const DEFAULT_MESSAGES_PUBLICATION: &str = "idem_messages_pub";
+
+impl Default for CdcConfig {
+    /// Table mode over the default tables, slot [`DEFAULT_SLOT`], publication
+    /// [`DEFAULT_TABLE_PUBLICATION`].
+    fn default() -> Self {
+        CdcConfig::new(
+            Name::known(DEFAULT_SLOT),
+            Name::known(DEFAULT_TABLE_PUBLICATION),
+            Mode::Table(TableNames::default()),
+        )
+    }
+}
+
 impl CdcConfig {
     /// Defaults for `slot` and `publication` in `mode`.
     pub fn new(slot: Name, publication: Name, mode: Mode) -> Self {
@@ -89,9 +108,9 @@ impl CdcConfig {
             slot,
             publication,
             mode,
-            naming: TopicNaming::default(),
+            topics: TopicNaming::default(),
             source: None,
-            batch_messages: 500,
+            batch_size: 500,
             linger: Duration::from_millis(2),
             retry_backoff: Duration::from_millis(200),
             retry_backoff_max: Duration::from_secs(10),
@@ -142,7 +161,87 @@ pub const SLOT: &str = "slot";
 /// See [`DATABASE`].
 pub(crate) const PUBLISHING: &str = "publishing";
 
+/// Builds a [`CdcRelay`]: [`CdcConfig::default`] unless [`CdcRelayBuilder::config`] says
+/// otherwise, and metrics registered only when a registry is given
+/// ([`CdcRelayBuilder::registry`]).
+pub struct CdcRelayBuilder<P> {
+    url: String,
+    pool: PgPool,
+    publisher: P,
+    config: CdcConfig,
+    registry: Option<prometheus::Registry>,
+    metrics: Option<CdcMetrics>,
+    health: Option<Health>,
+}
+
+impl<P> std::fmt::Debug for CdcRelayBuilder<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CdcRelayBuilder")
+            .field("config", &self.config)
+            .field("registry", &self.registry.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Publisher> CdcRelayBuilder<P> {
+    /// The settings.
+    pub fn config(mut self, config: CdcConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Creates the relay's metrics and registers them in `registry` (at
+    /// [`CdcRelayBuilder::build`]).
+    pub fn registry(mut self, registry: &prometheus::Registry) -> Self {
+        self.registry = Some(registry.clone());
+        self
+    }
+
+    /// Counts into `metrics`, created (and registered) by the caller; wins over
+    /// [`CdcRelayBuilder::registry`].
+    pub fn metrics(mut self, metrics: CdcMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Reports the relay's dependencies into `health` ([`CdcRelay::health`]).
+    pub fn health(mut self, health: Health) -> Self {
+        self.health = Some(health);
+        self
+    }
+
+    /// The relay. Without a registry or metrics it counts into metrics nothing exports.
+    /// Fails when the registry holds the relay's metric names already.
+    pub fn build(self) -> Result<CdcRelay<P>, CdcError> {
+        let metrics = match (self.metrics, &self.registry) {
+            (Some(m), _) => Ok(m),
+            (None, Some(registry)) => CdcMetrics::new(registry),
+            (None, None) => CdcMetrics::unregistered(),
+        }
+        .map_err(|e| CdcError::Config(format!("registering the CDC relay's metrics: {e}")))?;
+        let relay = CdcRelay::new(&self.url, self.pool, self.publisher, self.config, metrics);
+        Ok(match self.health {
+            Some(h) => relay.health(h),
+            None => relay,
+        })
+    }
+}
+
 impl<P: Publisher> CdcRelay<P> {
+    /// A builder of a relay reading the database at `url` (`pool`: an ordinary connection to
+    /// the same database, for the control plane) and publishing with `publisher`.
+    pub fn builder(url: &str, pool: PgPool, publisher: P) -> CdcRelayBuilder<P> {
+        CdcRelayBuilder {
+            url: url.to_owned(),
+            pool,
+            publisher,
+            config: CdcConfig::default(),
+            registry: None,
+            metrics: None,
+            health: None,
+        }
+    }
+
     /// A relay reading the database at `url` (`pool`: an ordinary connection to the same
     /// database, for the control plane).
     pub fn new(
@@ -182,7 +281,7 @@ impl<P: Publisher> CdcRelay<P> {
     /// Creates the publication and the slot when they are missing; the slot's state.
     pub async fn prepare(&self) -> Result<SlotState, CdcError> {
         idem_core::event::validate_topic(&self.config.dead_letter_topic)
-            .map_err(|e| CdcError::Config(format!("--dead-letter-topic: {e}")))?;
+            .map_err(|e| CdcError::Config(format!("the dead-letter topic: {e}")))?;
         let schema = self.schema().await?;
         let publishes = match &self.config.mode {
             Mode::Table(t) => Publishes::Table {
@@ -441,7 +540,7 @@ impl<P: Publisher> CdcRelay<P> {
             {
                 acks.marks_done().await?;
             }
-            let full = batch.is_full(self.config.batch_messages);
+            let full = batch.is_full(self.config.batch_size);
             let due = full || deadline.is_some_and(|d| d <= Instant::now());
             if part || (!batch.is_empty() && due) {
                 let ready = std::mem::take(&mut batch);
@@ -468,13 +567,13 @@ impl<P: Publisher> CdcRelay<P> {
                         });
                     };
                     self.event(ev, &mut assembler, &mut batch, &mut acks, &client)?;
-                    if assembler.part_due(self.config.batch_messages) {
+                    if assembler.part_due(self.config.batch_size) {
                         // A transaction larger than a batch: what came of it so far goes out
                         // now (after the batch before it), so no transaction, however large, is
                         // held in memory. Nothing of it is confirmed before its Commit.
                         self.metrics.parts.inc();
                         let items = assembler.take_part();
-                        batch.push_part(items, &self.config.naming, self.config.source.as_deref());
+                        batch.push_part(items, &self.config.topics, self.config.source.as_deref());
                         part = true;
                     } else if !batch.is_empty() && deadline.is_none() {
                         deadline = Some(Instant::now() + self.config.linger);
@@ -524,7 +623,7 @@ impl<P: Publisher> CdcRelay<P> {
                 if let Some(alone) =
                     assembler.message(transactional, lsn.as_u64(), &prefix, &content)
                 {
-                    batch.push(alone, &self.config.naming, self.config.source.as_deref());
+                    batch.push(alone, &self.config.topics, self.config.source.as_deref());
                 }
             }
             ReplicationEvent::Commit { end_lsn, .. } => {
@@ -538,7 +637,7 @@ impl<P: Publisher> CdcRelay<P> {
                     .map_err(ack_error)?;
                 acks.batch.push((id, items));
                 self.metrics.transactions.inc();
-                batch.push(txn, &self.config.naming, self.config.source.as_deref());
+                batch.push(txn, &self.config.topics, self.config.source.as_deref());
             }
             ReplicationEvent::KeepAlive { wal_end, .. } => {
                 // With nothing open or unacknowledged, every transaction committed before the
@@ -696,8 +795,8 @@ impl<P: Publisher> CdcRelay<P> {
                 Err(e) if e.kind.is_permanent() => {
                     return Err(CdcError::Config(format!(
                         "the dead-letter topic {:?} refuses a record for good ({}): fix the topic \
-                         (its name, its ACLs, max.message.bytes) or choose another with \
-                         --dead-letter-topic, then restart; nothing after the refused event was \
+                         (its name, its ACLs, max.message.bytes) or choose another dead-letter \
+                         topic, then restart; nothing after the refused event was \
                          confirmed, so nothing is lost",
                         self.config.dead_letter_topic, e.reason
                     )));

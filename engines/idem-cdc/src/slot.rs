@@ -29,6 +29,12 @@ impl Name {
         }
     }
 
+    /// A name idem itself chooses (the defaults), valid by construction: the test
+    /// `the_default_names_are_valid` checks each against [`Name::new`].
+    pub(crate) fn known(name: &'static str) -> Self {
+        Name(name.to_owned())
+    }
+
     /// The name.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -325,6 +331,18 @@ fn decode(e: sqlx::Error) -> CdcError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_names_are_valid() {
+        use crate::relay::{DEFAULT_MESSAGES_PUBLICATION, DEFAULT_SLOT, DEFAULT_TABLE_PUBLICATION};
+        for name in [
+            DEFAULT_SLOT,
+            DEFAULT_TABLE_PUBLICATION,
+            DEFAULT_MESSAGES_PUBLICATION,
+        ] {
+            assert_eq!(Name::new("name", name).unwrap(), Name::known(name));
+        }
+    }
 
     #[test]
     fn a_slot_is_recorded_by_its_own_line_of_the_comment() {

@@ -537,7 +537,7 @@ async fn a_transaction_larger_than_a_batch_goes_out_in_parts_and_is_confirmed_wh
     let w = World::new().await;
     let metrics = CdcMetrics::unregistered().unwrap();
     let mut config = w.config();
-    config.batch_messages = 10;
+    config.batch_size = 10;
     let relay = w.relay_with(config, metrics.clone());
     relay.prepare().await.unwrap();
     let mut running = spawn(relay);

@@ -79,7 +79,7 @@ async fn started_on(pg: &PrivatePg, topic: String, create_slot: bool) -> Started
         Name::new("publication", "restart_pub").unwrap(),
         Mode::Table(TableNames::default()),
     );
-    config.naming = TopicNaming {
+    config.topics = TopicNaming {
         prefix: String::new(),
         overrides: [("order".to_owned(), topic.clone())].into(),
     };

@@ -53,7 +53,7 @@ async fn setup(w: &mut World, brokers: &str, mode: Mode) -> (CdcConfig, String) 
     let missing = kafka::unique("cdc-missing");
     let mut config = w.config_in(mode);
     config
-        .naming
+        .topics
         .overrides
         .insert("invoice".to_owned(), missing.clone());
     config.unwritable_topic_grace = Duration::from_secs(2);

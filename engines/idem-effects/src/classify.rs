@@ -286,16 +286,16 @@ pub fn probe_verdict(found: Probe, retry_wait: Duration) -> (ProbeResult, Option
     }
 }
 
-/// The wait after a failed attempt `attempt`: `backoff` doubling per attempt, at most
-/// `backoff_max`.
+/// The wait after a failed attempt `attempt`: `retry_backoff` doubling per attempt, at most
+/// `retry_backoff_max`.
 pub fn backoff_after(config: &DispatcherConfig, attempt: i32) -> Duration {
     let exp = u32::try_from(attempt.saturating_sub(1))
         .unwrap_or(0)
         .min(20);
     config
-        .backoff
+        .retry_backoff
         .saturating_mul(1 << exp)
-        .min(config.backoff_max)
+        .min(config.retry_backoff_max)
 }
 
 /// Is there enough lease left (`left`) to start a request that may take `timeout`?

@@ -28,15 +28,15 @@ use crate::tls::{HttpTls, LoadedTls, answered_not_http, diagnose, tls_failure};
 #[derive(Clone)]
 pub struct DispatcherConfig {
     /// Intents per claim.
-    pub batch: u32,
+    pub batch_size: u32,
     /// How long a claim is exclusive; longer than `timeout`.
     pub lease: Duration,
     /// Per-request timeout.
     pub timeout: Duration,
     /// First backoff after a retryable failure; doubles per attempt.
-    pub backoff: Duration,
+    pub retry_backoff: Duration,
     /// Longest backoff.
-    pub backoff_max: Duration,
+    pub retry_backoff_max: Duration,
     /// `Authorization` header sent with every request (the remote scopes keys per client).
     pub authorization: Option<String>,
     /// Requests in flight at once. A claim takes at most the free slots (and at most `batch`),
@@ -50,10 +50,10 @@ pub struct DispatcherConfig {
     /// key) or 429 (rate limited) is parked for a person instead of being retried again.
     pub busy_attempts: i32,
     /// [`Dispatcher::run`]: the first wait after a claim that found nothing; it doubles per
-    /// empty claim up to `idle_max` and starts again after a claim that found intents.
-    pub idle_min: Duration,
+    /// empty claim up to `idle_poll_max` and starts again after a claim that found intents.
+    pub idle_poll_min: Duration,
     /// [`Dispatcher::run`]: the longest wait between empty claims.
-    pub idle_max: Duration,
+    pub idle_poll_max: Duration,
     /// [`Dispatcher::run`]: outcomes recorded in one write once this many wait.
     pub outcome_batch: usize,
     /// [`Dispatcher::run`]: the longest an outcome waits for others before it is written. A
@@ -68,11 +68,11 @@ pub struct DispatcherConfig {
 impl std::fmt::Debug for DispatcherConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DispatcherConfig")
-            .field("batch", &self.batch)
+            .field("batch_size", &self.batch_size)
             .field("lease", &self.lease)
             .field("timeout", &self.timeout)
-            .field("backoff", &self.backoff)
-            .field("backoff_max", &self.backoff_max)
+            .field("retry_backoff", &self.retry_backoff)
+            .field("retry_backoff_max", &self.retry_backoff_max)
             .field(
                 "authorization",
                 &self.authorization.as_ref().map(|_| "<redacted>"),
@@ -80,8 +80,8 @@ impl std::fmt::Debug for DispatcherConfig {
             .field("concurrency", &self.concurrency)
             .field("lease_margin", &self.lease_margin)
             .field("busy_attempts", &self.busy_attempts)
-            .field("idle_min", &self.idle_min)
-            .field("idle_max", &self.idle_max)
+            .field("idle_poll_min", &self.idle_poll_min)
+            .field("idle_poll_max", &self.idle_poll_max)
             .field("outcome_batch", &self.outcome_batch)
             .field("outcome_delay", &self.outcome_delay)
             .field("tls", &self.tls)
@@ -92,17 +92,17 @@ impl std::fmt::Debug for DispatcherConfig {
 impl Default for DispatcherConfig {
     fn default() -> Self {
         DispatcherConfig {
-            batch: 50,
+            batch_size: 50,
             lease: Duration::from_secs(30),
             timeout: Duration::from_secs(10),
-            backoff: Duration::from_millis(200),
-            backoff_max: Duration::from_secs(60),
+            retry_backoff: Duration::from_millis(200),
+            retry_backoff_max: Duration::from_secs(60),
             authorization: None,
             concurrency: 8,
             lease_margin: Duration::from_millis(500),
             busy_attempts: 20,
-            idle_min: Duration::from_millis(5),
-            idle_max: Duration::from_millis(200),
+            idle_poll_min: Duration::from_millis(5),
+            idle_poll_max: Duration::from_millis(200),
             outcome_batch: 64,
             outcome_delay: Duration::from_millis(5),
             tls: HttpTls::default(),
@@ -303,7 +303,7 @@ impl<S: IntentStore> Dispatcher<S> {
 
     /// Reports the database into `health` as [`DATABASE`]: not ready until a claim answers,
     /// then as each claim and write of [`Dispatcher::run`] ends (a claim is made at least every
-    /// [`DispatcherConfig::idle_max`] while nothing fails). The database is all the dispatcher
+    /// [`DispatcherConfig::idle_poll_max`] while nothing fails). The database is all the dispatcher
     /// needs to be ready: a remote that fails is an intent's outcome, not the dispatcher's.
     pub fn with_health(mut self, health: Health) -> Self {
         health.expect(DATABASE);
@@ -326,7 +326,7 @@ impl<S: IntentStore> Dispatcher<S> {
     /// are free, counting those a claim in progress will fill (claims may overlap; a slow
     /// request holds its slot, never the others), again at once after a
     /// claim that found intents, otherwise after an idle wait that doubles from
-    /// [`DispatcherConfig::idle_min`] to [`DispatcherConfig::idle_max`]. Outcomes are recorded
+    /// [`DispatcherConfig::idle_poll_min`] to [`DispatcherConfig::idle_poll_max`]. Outcomes are recorded
     /// in batches ([`DispatcherConfig::outcome_batch`], [`DispatcherConfig::outcome_delay`]).
     /// On shutdown nothing more is claimed, the requests in flight end (each within `timeout`)
     /// and every outcome is recorded before `run` returns.
@@ -343,7 +343,7 @@ impl<S: IntentStore> Dispatcher<S> {
     /// and is returned once everything in flight is recorded.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
-        let mut p = Pipeline::new(self.config.idle_min);
+        let mut p = Pipeline::new(self.config.idle_poll_min);
         loop {
             // One instant for the decision to claim and for the timer of the next claim: with
             // two, a claim due between them was neither started nor waited for, and a
@@ -394,7 +394,7 @@ impl<S: IntentStore> Dispatcher<S> {
         if !p.stopping
             && now >= p.next_claim
             && may_claim(p.buffer.len(), self.config.outcome_batch)
-            && let Some(size) = claim_size(taken, self.config.concurrency, self.config.batch)
+            && let Some(size) = claim_size(taken, self.config.concurrency, self.config.batch_size)
         {
             let slots = usize::try_from(size).unwrap_or(usize::MAX);
             p.reserved += slots;
@@ -425,7 +425,7 @@ impl<S: IntentStore> Dispatcher<S> {
         match r {
             Ok((claimed, lease_end)) => {
                 self.store_answered(p);
-                let (min, max) = (self.config.idle_min, self.config.idle_max);
+                let (min, max) = (self.config.idle_poll_min, self.config.idle_poll_max);
                 let (wait, idle) = next_wait(claimed.len(), p.idle, min, max);
                 p.idle = idle;
                 p.next_claim = Instant::now() + wait;
@@ -495,7 +495,7 @@ impl<S: IntentStore> Dispatcher<S> {
     /// recorded: a request in flight is never dropped unrecorded.
     pub async fn run_once(&self) -> Result<usize> {
         let concurrency = self.config.concurrency.max(1);
-        let size = claim_size(0, concurrency, self.config.batch).unwrap_or(1);
+        let size = claim_size(0, concurrency, self.config.batch_size).unwrap_or(1);
         let (claimed, lease_end) = self.claim(size).await?;
         let n = claimed.len();
         // Each intent is independent (its own key); several are in flight at once.

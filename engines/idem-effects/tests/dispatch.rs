@@ -180,7 +180,7 @@ async fn world_with(path: &str, policy: impl Fn(&str) -> EffectPolicy) -> World 
 fn test_config() -> DispatcherConfig {
     DispatcherConfig {
         timeout: Duration::from_millis(300),
-        backoff: Duration::ZERO,
+        retry_backoff: Duration::ZERO,
         lease: Duration::from_secs(5),
         authorization: Some("Bearer settlement".into()),
         ..DispatcherConfig::default()
@@ -824,7 +824,7 @@ async fn no_request_starts_after_the_safe_point_of_its_lease() {
         |c| DispatcherConfig {
             timeout: Duration::from_millis(300),
             lease: Duration::from_millis(1200),
-            batch: 6,
+            batch_size: 6,
             concurrency: 1,
             ..c
         },

@@ -240,7 +240,7 @@ impl Remote {
 fn config(tls: HttpTls) -> DispatcherConfig {
     DispatcherConfig {
         timeout: Duration::from_secs(2),
-        backoff: Duration::ZERO,
+        retry_backoff: Duration::ZERO,
         lease: Duration::from_secs(10),
         authorization: Some("Bearer settlement".into()),
         tls,

@@ -98,7 +98,7 @@ fn config(tune: impl FnOnce(DispatcherConfig) -> DispatcherConfig) -> Dispatcher
     tune(DispatcherConfig {
         timeout: Duration::from_secs(60),
         lease: Duration::from_secs(180),
-        backoff: Duration::ZERO,
+        retry_backoff: Duration::ZERO,
         authorization: Some("Bearer settlement".into()),
         concurrency: 4,
         ..DispatcherConfig::default()

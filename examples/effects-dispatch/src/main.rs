@@ -112,7 +112,7 @@ async fn main() -> Result<(), BoxError> {
 
     // The dispatcher: no backoff, so the retry after the 503 follows at once.
     let config = DispatcherConfig {
-        backoff: Duration::ZERO,
+        retry_backoff: Duration::ZERO,
         ..DispatcherConfig::default()
     };
     let dispatcher = Dispatcher::builder(intents).config(config).build()?;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Subcommand};
-use idem_cdc::{CdcConfig, CdcError, CdcMetrics, CdcRelay, Mode, Name};
+use idem_cdc::{CdcConfig, CdcError, CdcRelay, Mode, Name};
 
 use crate::db::{self, DbArgs};
 use crate::util::{parse_duration, shutdown_signal};
@@ -24,7 +24,7 @@ pub enum CdcCommand {
         #[command(flatten)]
         db: DbArgs,
         /// The replication slot.
-        #[arg(long, default_value = "idem_cdc")]
+        #[arg(long, default_value = idem_cdc::DEFAULT_SLOT)]
         slot: String,
         /// Print JSON.
         #[arg(long)]
@@ -78,7 +78,7 @@ pub struct CdcRelayArgs {
     /// The logical replication slot (made on a first start; one relay reads it at a time, the
     /// others wait and take over). A slot its publication records but the server lacks (a
     /// failover, a drop) stops the relay: see --create-slot.
-    #[arg(long, default_value = "idem_cdc")]
+    #[arg(long, default_value = idem_cdc::DEFAULT_SLOT)]
     slot: String,
     /// Make the slot even though its publication records that it existed (after a failover to a
     /// server without it, or a drop), once. Table mode then publishes every pending row; message
@@ -263,8 +263,8 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     let mode = mode(args.messages.as_deref(), db::tables(&args.db)?)?;
     let pool = pool(&args.db).await?;
     let default_publication = match mode {
-        Mode::Table(_) => "idem_outbox_pub",
-        Mode::Messages { .. } => "idem_messages_pub",
+        Mode::Table(_) => idem_cdc::DEFAULT_TABLE_PUBLICATION,
+        Mode::Messages { .. } => idem_cdc::DEFAULT_MESSAGES_PUBLICATION,
     };
     let mut config = CdcConfig::new(
         Name::new("slot", &args.slot)?,
@@ -274,9 +274,9 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
         )?,
         mode,
     );
-    config.naming = naming;
+    config.topics = naming;
     config.source = args.source.clone();
-    config.batch_messages = args.batch_size.max(1);
+    config.batch_size = args.batch_size.max(1);
     config.linger = args.linger;
     config.dead_letter_topic = args.dead_letter_topic.clone();
     config.delete_published = args.delete_published;
@@ -288,7 +288,6 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     let (_embedded, brokers, publisher) = (kafka.embedded, kafka.brokers, kafka.publisher);
     let publisher = std::sync::Arc::new(publisher);
     let registry = prometheus::Registry::new();
-    let metrics = CdcMetrics::new(&registry)?;
     let health = idem_core::health::Health::new();
     crate::readiness::watch_broker(publisher.config(), &health);
     if let Some(addr) = args.metrics_addr {
@@ -296,8 +295,11 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
             crate::metrics_server::serve_with(addr, registry.clone(), health.clone()).await?;
         eprintln!("idem cdc relay: metrics on http://{bound}/metrics (probes /healthz, /readyz)");
     }
-    let relay =
-        CdcRelay::new(&args.db.db, pool, publisher.clone(), config, metrics).health(health.clone());
+    let relay = CdcRelay::builder(&args.db.db, pool, publisher.clone())
+        .config(config)
+        .registry(&registry)
+        .health(health.clone())
+        .build()?;
     let (ran, stage) = match relay.prepare().await {
         Ok(state) => {
             eprintln!(

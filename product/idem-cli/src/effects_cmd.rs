@@ -263,7 +263,7 @@ fn dispatcher<S: IntentStore>(
         authorization: authorization.clone(),
         tls: policy.tls.tls(),
         concurrency: usize::from(policy.concurrency),
-        batch: u32::from(policy.concurrency).max(DispatcherConfig::default().batch),
+        batch_size: u32::from(policy.concurrency).max(DispatcherConfig::default().batch_size),
         ..DispatcherConfig::default()
     };
     let dispatcher = Dispatcher::new(store, config, EffectMetrics::new(registry)?)?;

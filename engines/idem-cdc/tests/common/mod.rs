@@ -140,7 +140,7 @@ impl World {
             mode,
         );
         c.dead_letter_topic = self.dead_letters.clone();
-        c.naming = TopicNaming {
+        c.topics = TopicNaming {
             prefix: String::new(),
             overrides: [("order".to_owned(), self.topic.clone())].into(),
         };
@@ -159,13 +159,11 @@ impl World {
         let publisher = KafkaPublisher::new(producer)
             .unwrap()
             .with_topic_creation(1, Some(1));
-        CdcRelay::new(
-            self.pg.url(),
-            self.pg.pool().clone(),
-            publisher,
-            config,
-            metrics,
-        )
+        CdcRelay::builder(self.pg.url(), self.pg.pool().clone(), publisher)
+            .config(config)
+            .metrics(metrics)
+            .build()
+            .unwrap()
     }
 
     /// Commits one transaction enqueueing `events`.

@@ -178,15 +178,15 @@ pub fn consumers(
 /// margin); idle waits from 2 to 50 ms.
 fn dispatcher_config() -> DispatcherConfig {
     DispatcherConfig {
-        batch: 50,
+        batch_size: 50,
         lease: Duration::from_secs(3),
         timeout: Duration::from_secs(1),
-        backoff: Duration::from_millis(50),
-        backoff_max: Duration::from_secs(1),
+        retry_backoff: Duration::from_millis(50),
+        retry_backoff_max: Duration::from_secs(1),
         authorization: Some("Bearer settlement".to_owned()),
         concurrency: 16,
-        idle_min: Duration::from_millis(2),
-        idle_max: Duration::from_millis(50),
+        idle_poll_min: Duration::from_millis(2),
+        idle_poll_max: Duration::from_millis(50),
         ..DispatcherConfig::default()
     }
 }
