@@ -321,6 +321,8 @@ pub struct KafkaSource {
     transient_errors: Arc<AtomicU64>,
     /// The revocation epoch the last batch is current at ([`Source::epoch`]).
     batch_epoch: AtomicU64,
+    /// The `group.id` it joined.
+    group: Option<String>,
 }
 
 impl KafkaSource {
@@ -356,6 +358,7 @@ impl KafkaSource {
             consumer: Arc::new(consumer),
             transient_errors: Arc::default(),
             batch_epoch: AtomicU64::new(0),
+            group: config.get("group.id").map(str::to_owned),
         })
     }
 
@@ -511,6 +514,10 @@ fn is_fatal(e: &KafkaError) -> bool {
 }
 
 impl Source for KafkaSource {
+    fn group(&self) -> Option<&str> {
+        self.group.as_deref()
+    }
+
     async fn next_batch(&self, max: usize, linger: Duration) -> Result<Vec<Delivery>> {
         let mut seen = self.consumer.context().epoch();
         let first = self.next_record().await?;

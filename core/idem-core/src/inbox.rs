@@ -381,4 +381,12 @@ pub trait Source: Send + Sync {
     fn lag_probe(&self) -> Option<LagProbe> {
         None
     }
+
+    /// The consumer group this source reads as (Kafka's `group.id`), if it has one: the
+    /// consumer's builder takes its group from it, and a consumer whose inbox group differs
+    /// from it refuses to run (its inbox rows and its offsets would belong to two groups).
+    /// Default: none.
+    fn group(&self) -> Option<&str> {
+        None
+    }
 }

@@ -95,7 +95,7 @@ pub struct ConsumerBuilder<I, H, S> {
     inbox: I,
     handler: H,
     source: S,
-    config: ConsumerConfig,
+    config: Option<ConsumerConfig>,
     registry: Option<prometheus::Registry>,
     metrics: Option<ConsumerMetrics>,
     health: Option<Health>,
@@ -117,9 +117,10 @@ where
     H: Handler<I::Conn>,
     S: Source,
 {
-    /// Settings other than the defaults of [`ConsumerConfig::new`] for the group.
+    /// Settings other than the defaults of [`ConsumerConfig::new`] for the source's group.
+    /// Its group must be the source's, when the source names one ([`Source::group`]).
     pub fn config(mut self, config: ConsumerConfig) -> Self {
-        self.config = config;
+        self.config = Some(config);
         self
     }
 
@@ -145,17 +146,41 @@ where
 
     /// The consumer. Without a registry or metrics it counts into metrics nothing exports.
     /// Fails when the registry holds the consumer's metric names already.
+    ///
+    /// Fails as well when the source names no group and no config was given, or when the
+    /// config's group is not the source's: the inbox rows and the offsets of one consumer
+    /// belong to one group.
     pub fn build(self) -> Result<Consumer<I, H, S>> {
+        let config = group_config(self.config, self.source.group())?;
         let metrics = match (self.metrics, &self.registry) {
             (Some(m), _) => m,
             (None, Some(registry)) => ConsumerMetrics::new(registry)?,
             (None, None) => ConsumerMetrics::unregistered()?,
         };
-        let consumer = Consumer::new(self.inbox, self.handler, self.source, self.config, metrics);
+        let consumer = Consumer::new(self.inbox, self.handler, self.source, config, metrics);
         Ok(match self.health {
             Some(h) => consumer.with_health(h),
             None => consumer,
         })
+    }
+}
+
+/// The settings of a consumer whose source reads as `group`: `config` (whose group must be
+/// the source's), or the defaults for the source's group.
+fn group_config(config: Option<ConsumerConfig>, group: Option<&str>) -> Result<ConsumerConfig> {
+    match (config, group) {
+        (Some(c), Some(g)) if c.group != g => Err(Error::Config(format!(
+            "the consumer's config names group {:?} and its source reads as group {g:?}: its \
+             inbox rows and its offsets must belong to one group",
+            c.group
+        ))),
+        (Some(c), _) => Ok(c),
+        (None, Some(g)) => Ok(ConsumerConfig::new(g)),
+        (None, None) => Err(Error::Config(
+            "the source names no consumer group: give the consumer a config with its group \
+             (ConsumerBuilder::config)"
+                .to_owned(),
+        )),
     }
 }
 
@@ -193,19 +218,14 @@ where
         self
     }
 
-    /// A builder of a consumer in consumer group `group` ([`ConsumerConfig::new`]), metrics
-    /// optional.
-    pub fn builder(
-        inbox: I,
-        handler: H,
-        source: S,
-        group: impl Into<String>,
-    ) -> ConsumerBuilder<I, H, S> {
+    /// A builder of a consumer in the consumer group of `source` ([`Source::group`], Kafka's
+    /// `group.id`) with the defaults of [`ConsumerConfig::new`], metrics optional.
+    pub fn builder(inbox: I, handler: H, source: S) -> ConsumerBuilder<I, H, S> {
         ConsumerBuilder {
             inbox,
             handler,
             source,
-            config: ConsumerConfig::new(group),
+            config: None,
             registry: None,
             metrics: None,
             health: None,

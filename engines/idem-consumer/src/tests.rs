@@ -23,6 +23,9 @@ struct ScriptedSource {
 }
 
 impl Source for ScriptedSource {
+    fn group(&self) -> Option<&str> {
+        Some("settlement")
+    }
     async fn next_batch(&self, _max: usize, _linger: Duration) -> Result<Vec<Delivery>> {
         if let Some(e) = self.fetch_errors.lock().unwrap().pop() {
             return Err(e);
@@ -715,7 +718,7 @@ async fn ten_thousand_hostile_header_values_do_not_make_ten_thousand_series() {
 async fn a_built_consumer_registers_its_metrics_only_when_given_a_registry() {
     let f = fixture().await;
     let inbox = || SqliteInbox::new(f.pool.clone(), TableNames::default());
-    let mut quiet = Consumer::builder(inbox(), f.handler.clone(), f.source.clone(), "settlement")
+    let mut quiet = Consumer::builder(inbox(), f.handler.clone(), f.source.clone())
         .build()
         .unwrap();
     let r = quiet
@@ -729,11 +732,40 @@ async fn a_built_consumer_registers_its_metrics_only_when_given_a_registry() {
         "counted, not exported"
     );
     let registry = prometheus::Registry::new();
-    let exported = Consumer::builder(inbox(), f.handler.clone(), f.source.clone(), "settlement")
+    let exported = Consumer::builder(inbox(), f.handler.clone(), f.source.clone())
         .registry(&registry)
         .build()
         .unwrap();
     assert!(format!("{exported:?}").starts_with("Consumer {"));
     let exports = |name: &str| registry.gather().iter().any(|mf| mf.name() == name);
     assert!(exports("idem_consumer_offset_commit_failures_total"));
+}
+
+#[tokio::test]
+async fn a_built_consumer_takes_its_group_from_the_source_and_refuses_another() {
+    let f = fixture().await;
+    let inbox = || SqliteInbox::new(f.pool.clone(), TableNames::default());
+    let built = Consumer::builder(inbox(), f.handler.clone(), f.source.clone())
+        .build()
+        .unwrap();
+    assert_eq!(built.config.group, "settlement");
+    let other = Consumer::builder(inbox(), f.handler.clone(), f.source.clone())
+        .config(ConsumerConfig::new("audit"))
+        .build()
+        .unwrap_err();
+    assert_eq!(other.kind(), idem_core::ErrorKind::Config);
+    assert!(other.to_string().contains("\"audit\""), "{other}");
+    let same = Consumer::builder(inbox(), f.handler.clone(), f.source.clone())
+        .config(ConsumerConfig {
+            batch_size: 7,
+            ..ConsumerConfig::new("settlement")
+        })
+        .build()
+        .unwrap();
+    assert_eq!(same.config.batch_size, 7);
+    let none = group_config(None, None).unwrap_err();
+    assert!(
+        none.to_string().contains("names no consumer group"),
+        "{none}"
+    );
 }

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem::consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
+use idem::consumer::Consumer;
 use idem::kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config, producer_config};
 use idem::metrics::Registry;
 use idem::prelude::*;
@@ -114,18 +114,16 @@ async fn main() -> Result<(), BoxError> {
         async move { relay.run(shutdown).await }
     });
 
-    // The consumer: group `ledger`, the inbox in the same database as the ledger.
+    // The consumer: group `ledger` (named once, by the source), the inbox in the same
+    // database as the ledger.
     let source = KafkaSource::new(
         &consumer_config(&brokers, "ledger", &[])?,
         &["outbox.event.order".to_owned()],
     )?;
-    let consumer = Consumer::new(
-        SqliteInbox::new(db.clone(), TableNames::default()),
-        Ledger,
-        source,
-        ConsumerConfig::new("ledger"),
-        ConsumerMetrics::new(&registry)?,
-    );
+    let inbox = SqliteInbox::new(db.clone(), TableNames::default());
+    let consumer = Consumer::builder(inbox, Ledger, source)
+        .registry(&registry)
+        .build()?;
     let consumer = tokio::spawn(consumer.run(stopped()));
 
     let start = Instant::now();

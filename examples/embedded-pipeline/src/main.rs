@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
+use idem::consumer::Consumer;
 use idem::effects::{Dispatcher, DispatcherConfig};
 use idem::kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config, producer_config};
 use idem::metrics::Registry;
@@ -160,13 +160,11 @@ fn spawn_consumer(
         &consumer_config(brokers, "settlement", &[])?,
         &[TOPIC.to_owned()],
     )?;
-    let consumer = Consumer::new(
-        SqliteInbox::new(settlement.clone(), TableNames::default()),
-        handler,
-        source,
-        ConsumerConfig::new("settlement"),
-        ConsumerMetrics::new(registry)?,
-    );
+    // The group is the source's (`settlement`).
+    let inbox = SqliteInbox::new(settlement.clone(), TableNames::default());
+    let consumer = Consumer::builder(inbox, handler, source)
+        .registry(registry)
+        .build()?;
     Ok(tokio::spawn(consumer.run(stopped(stop))))
 }
 
