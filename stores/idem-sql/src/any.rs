@@ -301,6 +301,36 @@ impl AnyStore {
         with_store!(self, s => s.tables())
     }
 
+    /// Which database it is.
+    pub fn scheme(&self) -> Scheme {
+        match self {
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres(_) => Scheme::Postgres,
+            #[cfg(feature = "sqlite")]
+            AnyStore::Sqlite(_) => Scheme::Sqlite,
+        }
+    }
+
+    /// The PostgreSQL store, when the URL named PostgreSQL.
+    #[cfg(feature = "postgres")]
+    pub fn as_postgres(&self) -> Option<&Store<sqlx::Postgres>> {
+        match self {
+            AnyStore::Postgres(s) => Some(s),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
+    /// The SQLite store, when the URL named SQLite.
+    #[cfg(feature = "sqlite")]
+    pub fn as_sqlite(&self) -> Option<&Store<sqlx::Sqlite>> {
+        match self {
+            AnyStore::Sqlite(s) => Some(s),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
     /// Creates or upgrades the tables.
     pub async fn migrate(&self) -> Result<MigrationReport> {
         with_store!(self, s => s.migrate().await)
@@ -324,5 +354,18 @@ mod tests {
         );
         let missing = Scheme::Postgres.not_compiled().to_string();
         assert!(missing.contains("`postgres` feature"), "{missing}");
+    }
+
+    #[cfg(all(feature = "sqlite", feature = "postgres"))]
+    #[tokio::test]
+    async fn the_store_of_a_url_is_reached_without_a_match_that_can_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("a.db").display());
+        let store = AnyStore::connect(&url, 1, TableNames::default())
+            .await
+            .unwrap();
+        assert_eq!(store.scheme(), Scheme::Sqlite);
+        assert!(store.as_sqlite().is_some());
+        assert!(store.as_postgres().is_none());
     }
 }

@@ -20,7 +20,7 @@
 //! use idem_core::{Event, TableNames};
 //! let store = idem_sql::AnyStore::connect("sqlite://orders.db", 4, TableNames::default()).await?;
 //! store.migrate().await?;
-//! let idem_sql::AnyStore::Sqlite(s) = &store else { unreachable!() };
+//! let s = store.as_sqlite().ok_or("a sqlite:// URL opens SQLite")?;
 //! let mut tx = s.pool().begin().await?;
 //! let event = Event::builder("order", "10042", "order.paid")
 //!     .payload(&serde_json::json!({"order_id": "10042", "amount_minor": 1250}))
