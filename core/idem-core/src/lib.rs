@@ -4,6 +4,7 @@
 //!
 //! Most users depend on the `idem` facade crate instead of this one.
 
+pub mod backoff;
 pub mod crash;
 pub mod envelope;
 pub mod error;

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use idem_core::TableNames;
+use idem_core::backoff::Backoff;
 use idem_core::health::Health;
 use idem_core::publish::{FailureKind, Message, Publisher};
 use idem_core::wire::TopicNaming;
@@ -80,6 +81,14 @@ pub struct CdcConfig {
     /// a drop: [`CdcError::SlotMissing`] says what the new slot cannot bring back). Once per
     /// process: a slot that goes missing again stops the relay.
     pub create_slot: bool,
+}
+
+impl CdcConfig {
+    /// The backoff between publish attempts: `retry_backoff`, doubling, at most
+    /// `retry_backoff_max`.
+    pub fn backoff(&self) -> Backoff {
+        Backoff::new(self.retry_backoff, self.retry_backoff_max)
+    }
 }
 
 /// The slot a relay reads unless told otherwise.
@@ -448,7 +457,7 @@ impl<P: Publisher> CdcRelay<P> {
                 () = &mut shutdown => return Ok(()),
                 () = tokio::time::sleep(backoff) => {}
             }
-            backoff = (backoff * 2).min(self.config.retry_backoff_max);
+            backoff = self.config.backoff().next(backoff);
         }
     }
 
@@ -715,7 +724,7 @@ impl<P: Publisher> CdcRelay<P> {
                 () = &mut *shutdown => return Ok(false),
                 () = tokio::time::sleep(backoff) => {}
             }
-            backoff = (backoff * 2).min(self.config.retry_backoff_max);
+            backoff = self.config.backoff().next(backoff);
         }
         idem_core::crash::crash_point(idem_core::crash::CDC_AFTER_PUBLISH_BEFORE_CONFIRM)?;
         if !self.refuse(&batch.refused, shutdown).await? {
@@ -766,7 +775,7 @@ impl<P: Publisher> CdcRelay<P> {
                 () = &mut *shutdown => return Ok(false),
                 () = tokio::time::sleep(backoff) => {}
             }
-            backoff = (backoff * 2).min(self.config.retry_backoff_max);
+            backoff = self.config.backoff().next(backoff);
         }
         Ok(true)
     }

@@ -15,6 +15,7 @@ mod retry;
 use std::future::Future;
 use std::time::Duration;
 
+use idem_core::backoff::Backoff;
 use idem_core::crash::{self, CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT};
 use idem_core::health::Health;
 use idem_core::{Delivery, Error, EventId, InboundEvent, InboxEntry, InboxStore, Result, Source};
@@ -29,6 +30,9 @@ pub use handler::{BatchError, Handler, HandlerError, Outcome, event_span};
 pub use idem_core::wire::{DecodeError, decode};
 pub use metrics::{ConsumerMetrics, MAX_LABEL_PAIRS, OTHER, total};
 pub use readiness::DATABASE;
+
+/// The wait after a failed fetch: 100 ms, doubling while fetches fail, at most 5 s.
+const FETCH_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 
 /// What one batch did, after its commit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -280,7 +284,7 @@ where
         let fetch = || self.source.next_batch(max, self.config.linger);
         let mut fetching = Box::pin(fetch());
         let mut ready: Option<(Result<Vec<Delivery>>, u64)> = None;
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = FETCH_BACKOFF.first;
         loop {
             let (fetched, epoch) = match ready.take() {
                 Some(f) => f,
@@ -322,7 +326,7 @@ where
                         () = &mut stop => return Ok(()),
                         () = tokio::time::sleep(backoff) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    backoff = FETCH_BACKOFF.next(backoff);
                 }
             }
         }
@@ -719,7 +723,8 @@ where
         stopped: &mut tokio::sync::watch::Receiver<bool>,
     ) -> bool {
         let wait = *backoff;
-        *backoff = (*backoff * 2).min(self.config.retry_backoff_max);
+        *backoff =
+            Backoff::new(self.config.retry_backoff, self.config.retry_backoff_max).next(*backoff);
         tokio::select! {
             biased;
             _ = stopped.wait_for(|s| *s) => false,

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use idem_core::backoff::Backoff;
 use idem_core::idempotency::{ClaimedIntent, IntentOutcome};
 
 use crate::DispatcherConfig;
@@ -289,13 +290,8 @@ pub fn probe_verdict(found: Probe, retry_wait: Duration) -> (ProbeResult, Option
 /// The wait after a failed attempt `attempt`: `retry_backoff` doubling per attempt, at most
 /// `retry_backoff_max`.
 pub fn backoff_after(config: &DispatcherConfig, attempt: i32) -> Duration {
-    let exp = u32::try_from(attempt.saturating_sub(1))
-        .unwrap_or(0)
-        .min(20);
-    config
-        .retry_backoff
-        .saturating_mul(1 << exp)
-        .min(config.retry_backoff_max)
+    Backoff::new(config.retry_backoff, config.retry_backoff_max)
+        .after(u32::try_from(attempt).unwrap_or(0))
 }
 
 /// Is there enough lease left (`left`) to start a request that may take `timeout`?
@@ -345,7 +341,7 @@ pub fn next_wait(
     if claimed > 0 {
         (Duration::ZERO, min)
     } else {
-        let idle = idle.saturating_mul(2).min(max).max(min);
+        let idle = Backoff::new(min, max).next(idle);
         (idle, idle)
     }
 }

@@ -45,8 +45,7 @@ pub const STORE_BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// it in a row (`None`: the store's last operation succeeded).
 pub fn store_backoff(previous: Option<Duration>) -> Duration {
     previous.map_or(STORE_BACKOFF_MIN, |d| {
-        d.saturating_mul(2)
-            .clamp(STORE_BACKOFF_MIN, STORE_BACKOFF_MAX)
+        idem_core::backoff::Backoff::new(STORE_BACKOFF_MIN, STORE_BACKOFF_MAX).next(d)
     })
 }
 

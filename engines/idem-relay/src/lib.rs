@@ -10,6 +10,7 @@ use std::future::Future;
 use std::sync::atomic::AtomicI64;
 use std::time::{Duration, Instant};
 
+use idem_core::backoff::Backoff;
 use idem_core::health::Health;
 use idem_core::outbox::{Claim, PrunePolicy};
 use idem_core::publish::Publisher;
@@ -187,6 +188,10 @@ impl<S: OutboxStore, P: Publisher> RelayBuilder<S, P> {
     }
 }
 
+/// The wait after a cycle that failed (the database or the broker down): 200 ms, doubling
+/// while it fails, at most 10 s.
+const ERROR_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+
 impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     /// A relay over `store` and `publisher`.
     pub fn new(store: S, publisher: P, config: RelayConfig, metrics: RelayMetrics) -> Self {
@@ -285,7 +290,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     async fn claim_loop(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
         let mut idle = self.config.idle_poll_min;
-        let mut error_backoff = Duration::from_millis(200);
+        let mut error_backoff = ERROR_BACKOFF.first;
         // A batch claimed while the previous one was produced, not yet published.
         let mut held: Option<(Instant, Claim)> = None;
         loop {
@@ -300,7 +305,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             let wait = match result {
                 Ok(r) if r.claimed > 0 => {
                     idle = self.config.idle_poll_min;
-                    error_backoff = Duration::from_millis(200);
+                    error_backoff = ERROR_BACKOFF.first;
                     if r.claimed as u32 >= self.config.batch_size {
                         Duration::ZERO
                     } else {
@@ -309,7 +314,8 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 }
                 Ok(_) => {
                     let w = idle;
-                    idle = (idle * 2).min(self.config.idle_poll_max);
+                    idle = Backoff::new(self.config.idle_poll_min, self.config.idle_poll_max)
+                        .next(idle);
                     w
                 }
                 Err(Error::CrashPoint(name)) => return Err(Error::CrashPoint(name)),
@@ -318,7 +324,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                     self.health.failed(dependency_of(&e), &e);
                     self.metrics.errors.inc();
                     let w = error_backoff;
-                    error_backoff = (error_backoff * 2).min(Duration::from_secs(10));
+                    error_backoff = ERROR_BACKOFF.next(error_backoff);
                     w
                 }
             };

@@ -79,24 +79,7 @@ pub(crate) fn classify(
         .collect()
 }
 
-/// Exponential backoff after a failed attempt: `first`, doubling per attempt, at most `max`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Backoff {
-    /// After the first attempt.
-    pub(crate) first: Duration,
-    /// Longest.
-    pub(crate) max: Duration,
-}
-
-impl Backoff {
-    /// The wait after attempt number `attempt` (1 = first) failed.
-    pub(crate) fn after(&self, attempt: i32) -> Duration {
-        let exp = u32::try_from(attempt.saturating_sub(1))
-            .unwrap_or(0)
-            .min(20);
-        self.first.saturating_mul(1u32 << exp).min(self.max)
-    }
-}
+pub(crate) use idem_core::backoff::Backoff;
 
 /// The store's [`Failure`] for a row that could not be decoded: parked at once.
 pub(crate) fn corrupt(id: i64, reason: &str) -> Failure {
@@ -136,7 +119,7 @@ pub(crate) fn failure(r: &OutboxRecord, outcome: &RowOutcome, backoff: Backoff) 
                 reason: error.reason.clone(),
                 // A message never handed to the broker is not an attempt: no backoff.
                 backoff: if disposition.attempted() {
-                    backoff.after(r.attempt)
+                    backoff.after(u32::try_from(r.attempt).unwrap_or(0))
                 } else {
                     Duration::ZERO
                 },
@@ -279,18 +262,5 @@ mod tests {
             (held.reason.as_str(), held.disposition),
             (HELD_BEHIND, Disposition::Retry)
         );
-    }
-
-    #[test]
-    fn the_backoff_doubles_per_attempt_up_to_its_maximum() {
-        let b = Backoff {
-            first: Duration::from_millis(500),
-            max: Duration::from_secs(60),
-        };
-        assert_eq!(b.after(1), Duration::from_millis(500));
-        assert_eq!(b.after(2), Duration::from_secs(1));
-        assert_eq!(b.after(4), Duration::from_secs(4));
-        assert_eq!(b.after(100), Duration::from_secs(60));
-        assert_eq!(b.after(0), Duration::from_millis(500));
     }
 }
