@@ -28,8 +28,8 @@ pub use inbox::{
     OpenDeadLetter, ReplayOutcome, Source, StoredDeadLetter,
 };
 pub use outbox::{
-    Backlog, Claim, ClaimRequest, Completed, Disposition, Failure, OutboxRecord, OutboxStatus,
-    OutboxStore, Outcome, ParkedRow, PrunePolicy,
+    Backlog, Claim, ClaimOutcome, ClaimRequest, Completed, Disposition, Failure, OutboxRecord,
+    OutboxStatus, OutboxStore, ParkedRow, PrunePolicy,
 };
 pub use publish::{FailureKind, Message, PublishError, Publisher};
 pub use tables::TableNames;

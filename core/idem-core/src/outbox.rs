@@ -154,7 +154,7 @@ impl Disposition {
 
 /// The outcome of publishing one claim.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct Outcome {
+pub struct ClaimOutcome {
     /// Rows whose delivery report was a success.
     pub published: Vec<i64>,
     /// Rows that were not published.
@@ -254,7 +254,7 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn complete(
         &self,
         claim: &Claim,
-        outcome: &Outcome,
+        outcome: &ClaimOutcome,
     ) -> impl Future<Output = Result<Completed>> + Send;
 
     /// Deletes or archives published rows older than the retention; returns how many.

@@ -233,7 +233,7 @@ impl Assembler {
         };
         // Refused at once, not held until the commit: the relay keeps a transaction's
         // messages in memory until then, and one emitted message may be of any size.
-        let limit = crate::envelope::MAX_CONTENT_BYTES;
+        let limit = idem_core::envelope::MAX_CONTENT_BYTES;
         if content.len() > limit {
             let reason = format!(
                 "the message is {} bytes, the limit is {limit}",
@@ -284,7 +284,7 @@ impl Open {
 
     fn message(&self, lsn: u64, ordinal: u32, content: &[u8]) -> Item {
         let (seq, at) = (self.commit_lsn, self.committed_at);
-        match crate::envelope::decode_committed(lsn, seq, ordinal, at, content) {
+        match idem_core::envelope::decode_committed(lsn, seq, ordinal, at, content) {
             Ok(record) => Item::Publish(record),
             Err(e) => Item::Refuse(Refusal::new(
                 None,
@@ -565,7 +565,7 @@ mod tests {
             "public",
         );
         a.begin(0x18, 0).unwrap_or_else(|e| panic!("{e}"));
-        let huge = vec![b'x'; crate::envelope::MAX_CONTENT_BYTES + 1];
+        let huge = vec![b'x'; idem_core::envelope::MAX_CONTENT_BYTES + 1];
         assert!(a.message(true, 0x10, "idem.outbox", &huge).is_none());
         let txn = a.commit(0x20).unwrap_or_else(|e| panic!("{e}"));
         let [Item::Refuse(r)] = txn.items.as_slice() else {
@@ -598,7 +598,7 @@ mod tests {
                 .payload_json(format!("{{\"n\":{n}}}"))
                 .build()
                 .unwrap_or_else(|e| panic!("{e}"));
-            crate::envelope::encode(&e)
+            idem_core::envelope::encode(&e)
         };
         for (lsn, n) in [(0x100, 1), (0x200, 2)] {
             assert!(
@@ -629,7 +629,7 @@ mod tests {
         );
         // Past PART_BYTES of content a part is due whatever the count.
         a.begin(0x900, 0).unwrap_or_else(|e| panic!("{e}"));
-        let big = vec![b'x'; crate::envelope::MAX_CONTENT_BYTES];
+        let big = vec![b'x'; idem_core::envelope::MAX_CONTENT_BYTES];
         let mut n = 0;
         while !a.part_due(usize::MAX) {
             assert!(a.message(true, 0x1000 + n, "idem.outbox", &big).is_none());

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    Backlog, Claim, ClaimRequest, Completed, OutboxStatus, OutboxStore, Outcome, ParkedRow,
+    Backlog, Claim, ClaimOutcome, ClaimRequest, Completed, OutboxStatus, OutboxStore, ParkedRow,
     PrunePolicy,
 };
 use idem_core::publish::Publisher;
@@ -105,7 +105,11 @@ impl OutboxStore for DrainStore {
         self.inner.claim(request).await
     }
 
-    async fn complete(&self, claim: &Claim, outcome: &Outcome) -> idem_core::Result<Completed> {
+    async fn complete(
+        &self,
+        claim: &Claim,
+        outcome: &ClaimOutcome,
+    ) -> idem_core::Result<Completed> {
         let done = self.inner.complete(claim, outcome).await?;
         if let Some(sql) = &self.delete
             && !outcome.published.is_empty()

@@ -11,7 +11,7 @@
 //!   never a panic.
 //! - [`record`]: an inserted outbox row to the [`idem_core::outbox::OutboxRecord`] the polling
 //!   relay would have claimed for the same row, so both relays share one wire contract.
-//! - [`envelope`] (in [`idem_core`], shared with the writer): the table-less outbox, events written with `pg_logical_emit_message`: the
+//! - [`idem_core::envelope`] (shared with the writer): the table-less outbox, events written with `pg_logical_emit_message`: the
 //!   writer's content format and the relay's checks of it (any role allowed to call the
 //!   function can write anything).
 //! - [`ack`]: which log position the relay may confirm to the server, so that a restart never
@@ -40,8 +40,6 @@ pub mod ack;
 pub mod batch;
 pub mod changes;
 pub mod drain;
-/// The envelope of message mode, shared with the writer: [`idem_core::envelope`].
-pub use idem_core::envelope;
 pub mod error;
 pub mod metrics;
 pub mod pgoutput;

@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use idem_core::crash::{self, RELAY_AFTER_CLAIM_BEFORE_PUBLISH, RELAY_AFTER_PUBLISH_BEFORE_MARK};
-use idem_core::outbox::{Claim, ClaimRequest, Completed, OutboxRecord, Outcome};
+use idem_core::outbox::{Claim, ClaimOutcome, ClaimRequest, Completed, OutboxRecord};
 use idem_core::publish::Publisher;
 use idem_core::{OutboxStore, Result};
 
 use crate::message;
 use crate::outcome::{self, Backoff, Next, Policy, RowOutcome};
-use crate::{BatchReport, Relay};
+use crate::{CycleReport, Relay};
 
 /// The last instant at which a batch claimed no earlier than `started` may still be produced:
 /// the lease (which the database started after `started`) must outlast the longest publish.
@@ -45,7 +45,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     ///   `idem_outbox_republish_total` and absorbed by the consumer's inbox (same `ce_id`).
     /// * a relay paused past its lease: another relay takes the rows over; the paused relay's
     ///   mark is fenced by the claim id and changes nothing (`idem_outbox_lease_lost_total`).
-    pub async fn run_once(&self) -> Result<BatchReport> {
+    pub async fn run_once(&self) -> Result<CycleReport> {
         let (started, claim) = self.claim_batch().await?;
         self.process(started, claim).await
     }
@@ -66,10 +66,10 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
 
     /// Publishes a claimed batch, awaits every delivery report and marks the rows: the part of
     /// [`Relay::run_once`] after the claim. `started` is when the claim started.
-    pub(crate) async fn process(&self, started: Instant, claim: Claim) -> Result<BatchReport> {
-        let mut report = BatchReport {
+    pub(crate) async fn process(&self, started: Instant, claim: Claim) -> Result<CycleReport> {
+        let mut report = CycleReport {
             claimed: claim.records.len() + claim.corrupt.len(),
-            ..BatchReport::default()
+            ..CycleReport::default()
         };
         if report.claimed == 0 {
             return Ok(report);
@@ -126,7 +126,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             let mark = self.watermark.load(Ordering::Relaxed);
             let (below, above): (Vec<_>, Vec<_>) =
                 claim.records.iter().cloned().partition(|r| r.id < mark);
-            let skipped = Outcome {
+            let skipped = ClaimOutcome {
                 published: below.iter().map(|r| r.id).collect(),
                 failed: vec![],
             };
@@ -136,7 +136,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             Cow::Borrowed(&claim.records)
         };
         if crash::broken(crash::BREAK_MARK_BEFORE_REPORT) {
-            let early = Outcome {
+            let early = ClaimOutcome {
                 published: records.iter().map(|r| r.id).collect(),
                 failed: vec![],
             };
@@ -177,7 +177,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
 
     /// Fills the report from what the mark changed; remembers the highest row marked (for the
     /// `id-watermark` control) and counts fenced rows.
-    fn account_mark(&self, report: &mut BatchReport, mark: &Outcome, completed: Completed) {
+    fn account_mark(&self, report: &mut CycleReport, mark: &ClaimOutcome, completed: Completed) {
         let Completed {
             marked,
             released,

@@ -87,7 +87,7 @@ pub fn default_relay_id() -> String {
 
 /// What one claim–publish–mark cycle did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BatchReport {
+pub struct CycleReport {
     /// Rows claimed.
     pub claimed: usize,
     /// Rows acknowledged by the broker and marked published.
@@ -352,7 +352,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     async fn cycle(
         &self,
         held: Option<(Instant, Claim)>,
-    ) -> (Result<BatchReport>, Option<(Instant, Claim)>) {
+    ) -> (Result<CycleReport>, Option<(Instant, Claim)>) {
         let (started, claim) = match held {
             Some(h) => h,
             None => match self.claim_batch().await {

@@ -1,11 +1,11 @@
 //! What the relay decides for each claimed row once the delivery reports are in: pure, so that
 //! the ordering and parking rules are unit-tested without a store or a broker. The decisions
-//! are mapped to the store's [`Outcome`] at the boundary ([`mark`]).
+//! are mapped to the store's [`ClaimOutcome`] at the boundary ([`mark`]).
 
 use std::collections::HashSet;
 use std::time::Duration;
 
-use idem_core::outbox::{Disposition, Failure, OutboxRecord, Outcome};
+use idem_core::outbox::{ClaimOutcome, Disposition, Failure, OutboxRecord};
 use idem_core::publish::{FailureKind, PublishError};
 
 /// The reason stored for a row that was acknowledged after an earlier row of its aggregate
@@ -135,8 +135,8 @@ pub(crate) fn mark(
     records: &[OutboxRecord],
     outcomes: &[RowOutcome],
     backoff: Backoff,
-) -> Outcome {
-    let mut outcome = Outcome::default();
+) -> ClaimOutcome {
+    let mut outcome = ClaimOutcome::default();
     outcome
         .failed
         .extend(corrupt_rows.iter().map(|(id, reason)| corrupt(*id, reason)));

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
-use idem_core::outbox::{ClaimRequest, Outcome};
+use idem_core::outbox::{ClaimOutcome, ClaimRequest};
 use idem_core::publish::{FailureKind, Message, PublishError};
 use idem_core::{Event, TableNames};
 use idem_sqlite::SqliteStore;
@@ -314,7 +314,7 @@ async fn a_stale_relay_cannot_mark_rows_taken_over_by_another() {
     f.expire_leases().await;
     let relay = f.relay(fast());
     assert_eq!(relay.run_once().await.unwrap().published, 1);
-    let outcome = Outcome {
+    let outcome = ClaimOutcome {
         published: vec![stale.records[0].id],
         failed: vec![],
     };
@@ -384,7 +384,7 @@ async fn two_relays_never_hold_the_same_aggregate() {
         "later rows of leased aggregates are not heads: {:?}",
         ids(&two)
     );
-    let done = Outcome {
+    let done = ClaimOutcome {
         published: one.records.iter().map(|r| r.id).collect(),
         failed: vec![],
     };

@@ -21,9 +21,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_core::{
-    BoxError, Claim, ClaimRequest, Completed, Disposition, Error, ErrorKind, Event, EventBuilder,
-    EventId, Failure, FailureKind, InboundEvent, Message, OutboxRecord, OutboxStatus, OutboxStore,
-    Outcome, ParkedRow, PrunePolicy, PublishError, Publisher, Result, TableNames, crash, event,
+    BoxError, Claim, ClaimOutcome, ClaimRequest, Completed, Disposition, Error, ErrorKind, Event,
+    EventBuilder, EventId, Failure, FailureKind, InboundEvent, Message, OutboxRecord, OutboxStatus,
+    OutboxStore, ParkedRow, PrunePolicy, PublishError, Publisher, Result, TableNames, crash, event,
     trace,
 };
 

@@ -371,7 +371,7 @@ pub(crate) mod sealed {
         fn complete<'a>(
             store: &'a crate::RelayStore<Self>,
             claim: &'a idem_core::outbox::Claim,
-            outcome: &'a idem_core::outbox::Outcome,
+            outcome: &'a idem_core::outbox::ClaimOutcome,
         ) -> BoxFuture<'a, Result<idem_core::outbox::Completed>>
         where
             Self: super::Dialect;

@@ -3,8 +3,8 @@
 //! `sqlite/relay.rs`).
 
 use idem_core::outbox::{
-    Backlog, Claim, ClaimRequest, Completed, FullScanThrottle, OutboxStatus, Outcome, ParkedRow,
-    PrunePolicy,
+    Backlog, Claim, ClaimOutcome, ClaimRequest, Completed, FullScanThrottle, OutboxStatus,
+    ParkedRow, PrunePolicy,
 };
 use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
 use idem_core::{Error, EventId, OutboxStore, Result, TableNames};
@@ -166,7 +166,7 @@ impl<DB: Dialect> OutboxStore for RelayStore<DB> {
         Ok(claim)
     }
 
-    async fn complete(&self, claim: &Claim, outcome: &Outcome) -> Result<Completed> {
+    async fn complete(&self, claim: &Claim, outcome: &ClaimOutcome) -> Result<Completed> {
         DB::complete(self, claim, outcome).await
     }
 
@@ -209,7 +209,7 @@ impl<DB: Dialect> RetentionStore for RelayStore<DB> {
 }
 
 /// How many marks a stale claim lost: rows neither marked nor released.
-pub(crate) fn fenced(outcome: &idem_core::outbox::Outcome, marked: u64, released: u64) -> u64 {
+pub(crate) fn fenced(outcome: &idem_core::outbox::ClaimOutcome, marked: u64, released: u64) -> u64 {
     let expected = (outcome.published.len() + outcome.failed.len()) as u64;
     expected.saturating_sub(marked + released)
 }
@@ -225,7 +225,7 @@ mod tests {
 
     #[test]
     fn rows_neither_marked_nor_released_were_fenced() {
-        let outcome = idem_core::outbox::Outcome {
+        let outcome = idem_core::outbox::ClaimOutcome {
             published: vec![1, 2, 3],
             failed: vec![],
         };

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use idem_conformance::backend::{Backend, Pg};
 use idem_core::OutboxStore;
-use idem_core::outbox::{ClaimRequest, Outcome};
+use idem_core::outbox::{ClaimOutcome, ClaimRequest};
 
 /// Rows in the backlog; aggregates of `PER_AGGREGATE` events each.
 const ROWS: i64 = 100_000;
@@ -95,7 +95,7 @@ async fn drain(pg: &Pg) -> (u64, u32) {
             );
             *prev = r.aggregate_seq;
         }
-        let outcome = Outcome {
+        let outcome = ClaimOutcome {
             published: claim.records.iter().map(|r| r.id).collect(),
             failed: vec![],
         };

@@ -241,7 +241,7 @@ async fn lock_waiters(pg: &Pg, n: i64) {
 /// lease on the committed rows and leaves 2 and 3 to B (taking them would publish them twice).
 #[tokio::test]
 async fn a_claim_never_takes_rows_another_claim_just_leased_after_a_retry() {
-    use idem_core::outbox::{ClaimRequest, Failure, Outcome};
+    use idem_core::outbox::{ClaimOutcome, ClaimRequest, Failure};
     let pg = Pg::new().await;
     let mut tx = pg.begin().await;
     tx.enqueue(&[
@@ -262,7 +262,7 @@ async fn a_claim_never_takes_rows_another_claim_just_leased_after_a_retry() {
     pg.store()
         .complete(
             &first,
-            &Outcome {
+            &ClaimOutcome {
                 published: vec![],
                 failed: vec![Failure {
                     id: first.records[0].id,

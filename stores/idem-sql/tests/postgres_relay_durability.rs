@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use idem_conformance::backend::{Backend, Pg};
 use idem_core::OutboxStore;
-use idem_core::outbox::{ClaimRequest, Outcome};
+use idem_core::outbox::{ClaimOutcome, ClaimRequest};
 use sqlx::PgConnection;
 
 const GUARD: &str = include_str!("../sql/postgres/claim_guard.sql");
@@ -91,7 +91,7 @@ async fn the_relay_s_asynchronous_commit_never_leaks_into_its_pool() {
         synchronous_commit(&mut pool.acquire().await.unwrap()).await,
         "on"
     );
-    let outcome = Outcome {
+    let outcome = ClaimOutcome {
         published: claim.records.iter().map(|r| r.id).collect(),
         failed: vec![],
     };

@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use idem_core::outbox::{Claim, ClaimRequest, Disposition, Failure, Outcome, PrunePolicy};
+use idem_core::outbox::{Claim, ClaimOutcome, ClaimRequest, Disposition, Failure, PrunePolicy};
 use idem_core::{
     DeadLetter, Dedup, Event, EventId, InboundEvent, InboxEntry, InboxStore, OutboxStore,
     TableNames,
@@ -39,7 +39,7 @@ pub async fn publish_all<S: OutboxStore>(store: &S) -> Vec<EventId> {
             return out;
         }
         out.extend(ids(&claim));
-        let outcome = Outcome {
+        let outcome = ClaimOutcome {
             published: claim.records.iter().map(|r| r.id).collect(),
             failed: vec![],
         };
@@ -193,7 +193,7 @@ pub async fn an_event_cannot_change_once_written<B: Backend>(b: &B) {
         "{}",
         claim.records[0].payload
     );
-    let outcome = Outcome {
+    let outcome = ClaimOutcome {
         published: vec![claim.records[0].id],
         failed: vec![],
     };
@@ -468,7 +468,7 @@ pub async fn stale_claim_cannot_mark<B: Backend>(b: &B) {
     let fresh = b.store().claim(&req("fresh", 10)).await.unwrap();
     assert_eq!(ids(&fresh), ids(&stale), "the expired lease was taken over");
     assert_eq!(fresh.records[0].attempt, 2);
-    let all = |c: &Claim| Outcome {
+    let all = |c: &Claim| ClaimOutcome {
         published: c.records.iter().map(|r| r.id).collect(),
         failed: vec![],
     };
@@ -489,7 +489,7 @@ pub async fn failed_rows_back_off_and_park<B: Backend>(b: &B) {
         .unwrap();
     tx.commit().await;
     let claim = b.store().claim(&req("r", 10)).await.unwrap();
-    let outcome = Outcome {
+    let outcome = ClaimOutcome {
         published: vec![],
         failed: vec![
             Failure {
@@ -570,7 +570,7 @@ pub async fn backlog_counts_pending_and_parked_rows_per_aggregate_type<B: Backen
             Disposition::Retry
         },
     };
-    let outcome = Outcome {
+    let outcome = ClaimOutcome {
         published: vec![order_ids[0], customer_ids[0]],
         failed: vec![failure(order_ids[1], true), failure(order_ids[2], false)],
     };
@@ -1482,7 +1482,7 @@ pub async fn a_backing_off_aggregate_does_not_slow_the_others<B: Backend>(b: &B)
     let head = b.store().claim(&req("r", 1)).await.unwrap();
     assert_eq!(head.records.len(), 1);
     assert_eq!(head.records[0].aggregate_id, "hot-1");
-    let outcome = Outcome {
+    let outcome = ClaimOutcome {
         published: vec![],
         failed: vec![Failure {
             id: head.records[0].id,

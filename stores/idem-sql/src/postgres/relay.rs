@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use idem_core::outbox::{
-    Backlog, Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, PrunePolicy,
+    Backlog, Claim, ClaimOutcome, ClaimRequest, Completed, OutboxRecord, OutboxStatus, PrunePolicy,
     headers_from_json, sort_records,
 };
 use idem_core::{EventId, Result};
@@ -203,7 +203,7 @@ impl RelayOps for Postgres {
     fn complete<'a>(
         this: &'a PgStore,
         claim: &'a Claim,
-        outcome: &'a Outcome,
+        outcome: &'a ClaimOutcome,
     ) -> BoxFuture<'a, Result<Completed>> {
         async move {
             let f = &outcome.failed;

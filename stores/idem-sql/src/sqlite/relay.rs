@@ -7,7 +7,7 @@ use chrono::Utc;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use idem_core::outbox::{
-    Backlog, Claim, ClaimRequest, Completed, OutboxRecord, OutboxStatus, Outcome, PrunePolicy,
+    Backlog, Claim, ClaimOutcome, ClaimRequest, Completed, OutboxRecord, OutboxStatus, PrunePolicy,
     headers_from_json, sort_records,
 };
 use idem_core::{Error, EventId, Result};
@@ -119,7 +119,7 @@ impl RelayOps for Sqlite {
     fn complete<'a>(
         this: &'a SqliteStore,
         claim: &'a Claim,
-        outcome: &'a Outcome,
+        outcome: &'a ClaimOutcome,
     ) -> BoxFuture<'a, Result<Completed>> {
         async move {
             let claim_id = claim.claim_id.to_string();
