@@ -10,6 +10,10 @@ use std::fmt;
 
 use crate::event::EventId;
 
+/// The request header that carries the key (the IETF draft's `Idempotency-Key`), as the
+/// dispatcher sends it and the server layer reads it; HTTP header names are case-insensitive.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 255;
 /// Longest effect name accepted, in bytes.

@@ -763,7 +763,7 @@ impl<S: IntentStore> Dispatcher<S> {
         let mut req = self
             .client
             .post(&c.intent.target)
-            .header("idempotency-key", key)
+            .header(idem_core::idempotency::IDEMPOTENCY_KEY_HEADER, key)
             .json(&c.intent.body);
         if let Some(tp) = &c.intent.traceparent {
             req = req.header("traceparent", tp);

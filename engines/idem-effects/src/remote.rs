@@ -410,7 +410,10 @@ impl Compensation for HttpCompensation {
             let key = compensation_key(intent)?;
             let mut req = client
                 .post(&url)
-                .header("idempotency-key", key.header_value())
+                .header(
+                    idem_core::idempotency::IDEMPOTENCY_KEY_HEADER,
+                    key.header_value(),
+                )
                 .json(&intent.intent.body);
             if let Some(a) = &self.authorization {
                 req = req.header("authorization", a);

@@ -73,8 +73,9 @@ use idem_core::idempotency::{
 };
 use sha2::{Digest, Sha256};
 
-/// The request header.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The request header ([`idem_core::idempotency::IDEMPOTENCY_KEY_HEADER`], the one the
+/// dispatcher sends).
+pub const IDEMPOTENCY_KEY: &str = idem_core::idempotency::IDEMPOTENCY_KEY_HEADER;
 /// The response header set on replays.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 /// The response header set when the handler's body was not stored (larger than
