@@ -181,6 +181,16 @@ pub struct KafkaPublisher {
     durability: Arc<Mutex<std::collections::BTreeMap<String, DurabilityRead>>>,
 }
 
+impl std::fmt::Debug for KafkaPublisher {
+    /// No client settings: they may hold credentials.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("message_timeout", &self.message_timeout)
+            .field("replacements", &self.replacements)
+            .finish_non_exhaustive()
+    }
+}
+
 /// What the durability reads of one topic found so far.
 #[derive(Clone, Copy, Debug)]
 struct DurabilityRead {
@@ -609,6 +619,14 @@ fn delivery_result(
 /// For tests and the embedded demo only: it keeps everything in memory.
 pub struct EmbeddedCluster {
     cluster: MockCluster<'static, DefaultProducerContext>,
+}
+
+impl std::fmt::Debug for EmbeddedCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedCluster")
+            .field("bootstrap_servers", &self.bootstrap_servers())
+            .finish()
+    }
 }
 
 impl EmbeddedCluster {

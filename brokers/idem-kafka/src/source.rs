@@ -235,6 +235,14 @@ pub struct RebalanceContext {
     health: Option<Health>,
 }
 
+impl std::fmt::Debug for RebalanceContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RebalanceContext")
+            .field("commit_failures", &self.commit_failures)
+            .finish_non_exhaustive()
+    }
+}
+
 impl RebalanceContext {
     fn revocations(&self) -> std::sync::MutexGuard<'_, Revocations> {
         self.revoked.lock().unwrap_or_else(|p| p.into_inner())
@@ -323,6 +331,15 @@ pub struct KafkaSource {
     batch_epoch: AtomicU64,
     /// The `group.id` it joined.
     group: Option<String>,
+}
+
+impl std::fmt::Debug for KafkaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSource")
+            .field("group", &self.group)
+            .field("transient_errors", &self.transient_errors)
+            .finish_non_exhaustive()
+    }
 }
 
 impl KafkaSource {

@@ -215,7 +215,7 @@ mod imp {
     /// Where an aborting crash point records its name.
     static CRASH_LOG: Mutex<Option<PathBuf>> = Mutex::new(None);
 
-    pub fn broken(mechanism: &str) -> bool {
+    pub(super) fn broken(mechanism: &str) -> bool {
         let mask = BROKEN.load(Ordering::Acquire);
         mask != 0
             && BREAKABLE
@@ -224,15 +224,15 @@ mod imp {
                 .is_some_and(|i| mask & (1 << i) != 0)
     }
 
-    pub fn break_mechanism(index: usize) {
+    pub(super) fn break_mechanism(index: usize) {
         BROKEN.fetch_or(1 << index, Ordering::AcqRel);
     }
 
-    pub fn repair_all() {
+    pub(super) fn repair_all() {
         BROKEN.store(0, Ordering::Release);
     }
 
-    pub fn set_crash_log(path: Option<PathBuf>) {
+    pub(super) fn set_crash_log(path: Option<PathBuf>) {
         *CRASH_LOG.lock().unwrap_or_else(|p| p.into_inner()) = path;
     }
 
@@ -240,7 +240,7 @@ mod imp {
         CRASH_LOG.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    pub fn fired() -> Vec<(&'static str, u64)> {
+    pub(super) fn fired() -> Vec<(&'static str, u64)> {
         CRASH_POINTS
             .iter()
             .zip(FIRED.iter())
@@ -248,7 +248,7 @@ mod imp {
             .collect()
     }
 
-    pub fn arm(name: &str, action: Action, fire_on: u64) -> Result<()> {
+    pub(super) fn arm(name: &str, action: Action, fire_on: u64) -> Result<()> {
         let known = known(name)?;
         let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
         guard.get_or_insert_with(HashMap::new).insert(
@@ -263,18 +263,18 @@ mod imp {
         Ok(())
     }
 
-    pub fn is_armed(name: &str) -> bool {
+    pub(super) fn is_armed(name: &str) -> bool {
         let guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
         guard.as_ref().is_some_and(|m| m.contains_key(name))
     }
 
-    pub fn disarm_all() {
+    pub(super) fn disarm_all() {
         let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
         *guard = None;
         ANY_ARMED.store(false, Ordering::Release);
     }
 
-    pub fn crash_point(name: &'static str) -> Result<()> {
+    pub(super) fn crash_point(name: &'static str) -> Result<()> {
         if !ANY_ARMED.load(Ordering::Acquire) {
             return Ok(());
         }

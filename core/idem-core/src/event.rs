@@ -169,6 +169,7 @@ impl Event {
     }
 }
 
+#[derive(Debug)]
 enum TraceparentChoice {
     Capture,
     None,
@@ -177,6 +178,7 @@ enum TraceparentChoice {
 
 /// Builder for [`Event`]; see [`Event::builder`].
 #[must_use = "call .build() to validate the event"]
+#[derive(Debug)]
 pub struct EventBuilder {
     id: Option<EventId>,
     event_type: String,

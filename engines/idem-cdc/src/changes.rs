@@ -31,6 +31,14 @@ pub struct Assembler {
     open: Option<Open>,
 }
 
+impl std::fmt::Debug for Assembler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Assembler")
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The transaction between its Begin and its Commit: what the server said of its commit in
 /// Begin (every transaction the stream carries has committed), and its changes not yet taken.
 struct Open {

@@ -31,15 +31,15 @@ use crate::pgoutput::Relation;
 
 /// Type oids of the built-in types the outbox columns use (`pg_type.oid`).
 mod oid {
-    pub const NAME: u32 = 19;
-    pub const INT8: u32 = 20;
-    pub const TEXT: u32 = 25;
-    pub const JSON: u32 = 114;
-    pub const BPCHAR: u32 = 1042;
-    pub const VARCHAR: u32 = 1043;
-    pub const TIMESTAMPTZ: u32 = 1184;
-    pub const UUID: u32 = 2950;
-    pub const JSONB: u32 = 3802;
+    pub(super) const NAME: u32 = 19;
+    pub(super) const INT8: u32 = 20;
+    pub(super) const TEXT: u32 = 25;
+    pub(super) const JSON: u32 = 114;
+    pub(super) const BPCHAR: u32 = 1042;
+    pub(super) const VARCHAR: u32 = 1043;
+    pub(super) const TIMESTAMPTZ: u32 = 1184;
+    pub(super) const UUID: u32 = 2950;
+    pub(super) const JSONB: u32 = 3802;
 }
 
 /// String types the polling relay's decoder accepts for a text column.

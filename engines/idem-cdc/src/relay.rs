@@ -159,6 +159,15 @@ pub struct CdcRelay<P> {
     drain_id: String,
 }
 
+impl<P> std::fmt::Debug for CdcRelay<P> {
+    /// Not the URL: it may hold a password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CdcRelay")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The dependency names the CDC relay reports (`CdcRelay::health`): its database (the
 /// control plane's pool), its slot (a replication session streaming from it; a standby waiting
 /// for another reader is not ready) and its publishing (a batch delivered, or not). Whether the

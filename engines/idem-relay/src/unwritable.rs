@@ -32,6 +32,14 @@ pub struct Unwritable<P> {
     failing: Mutex<HashMap<String, Failing>>,
 }
 
+impl<P> std::fmt::Debug for Unwritable<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Unwritable")
+            .field("grace", &self.grace)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<P> Unwritable<P> {
     /// Wraps `inner`.
     pub fn new(inner: P, grace: Option<Duration>) -> Self {

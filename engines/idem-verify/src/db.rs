@@ -62,7 +62,7 @@ pub(crate) struct Pools {
 }
 
 impl Pools {
-    pub async fn get(&mut self, url: &str) -> Result<Db, VerifyError> {
+    pub(crate) async fn get(&mut self, url: &str) -> Result<Db, VerifyError> {
         if let Some(db) = self.open.get(url) {
             return Ok(db.clone());
         }
@@ -253,7 +253,7 @@ const BASES: &[&str] = &[
 ];
 
 impl Lookups {
-    pub fn for_db(db: &Db, tables: &TableNames) -> Lookups {
+    pub(crate) fn for_db(db: &Db, tables: &TableNames) -> Lookups {
         let r = |sql: &str| tables.render(sql, BASES);
         match db.scheme() {
             Scheme::Postgres => Lookups {

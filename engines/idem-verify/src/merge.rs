@@ -21,7 +21,7 @@ pub(crate) struct Cursor {
 }
 
 impl Cursor {
-    pub fn new(rx: mpsc::Receiver<Batch>, side: &'static str) -> Self {
+    pub(crate) fn new(rx: mpsc::Receiver<Batch>, side: &'static str) -> Self {
         Cursor {
             rx,
             buf: VecDeque::new(),
@@ -42,13 +42,13 @@ impl Cursor {
     }
 
     /// The next key, without taking it.
-    pub async fn peek(&mut self) -> Result<Option<&str>, VerifyError> {
+    pub(crate) async fn peek(&mut self) -> Result<Option<&str>, VerifyError> {
         self.fill().await?;
         Ok(self.buf.front().map(|r| r.key.as_str()))
     }
 
     /// Takes every row with key `key` (the next ones).
-    pub async fn take(&mut self, key: &str) -> Result<Vec<KeyRow>, VerifyError> {
+    pub(crate) async fn take(&mut self, key: &str) -> Result<Vec<KeyRow>, VerifyError> {
         let mut group = Vec::with_capacity(1);
         loop {
             self.fill().await?;
@@ -87,7 +87,7 @@ pub(crate) struct Tally {
 }
 
 impl Tally {
-    pub fn new(name: &str, default_type: &str, locate_limit: usize) -> Self {
+    pub(crate) fn new(name: &str, default_type: &str, locate_limit: usize) -> Self {
         Tally {
             default_type: default_type.to_owned(),
             by_type: BTreeMap::new(),
@@ -102,7 +102,7 @@ impl Tally {
     }
 
     /// Records one key's source rows and target rows.
-    pub fn key(&mut self, key: &str, source: &[KeyRow], target: &[KeyRow]) {
+    pub(crate) fn key(&mut self, key: &str, source: &[KeyRow], target: &[KeyRow]) {
         let sum = |rows: &[KeyRow]| rows.iter().map(|r| i128::from(r.amount.unwrap_or(0))).sum();
         let (s_sum, t_sum): (i128, i128) = (sum(source), sum(target));
         let event_type = match source.first() {
@@ -182,7 +182,7 @@ impl Tally {
         }
     }
 
-    pub fn finish(mut self) -> (CheckReport, Vec<Loss>) {
+    pub(crate) fn finish(mut self) -> (CheckReport, Vec<Loss>) {
         self.report.by_event_type = self.by_type.into_values().collect();
         (self.report, self.to_locate)
     }

@@ -11,7 +11,7 @@ use crate::VerifyError;
 use crate::report::Report;
 
 /// The labels of one gap series: check, event type, kind.
-pub type GapLabels = [String; 3];
+pub(crate) type GapLabels = [String; 3];
 
 /// The gap series of `report`: per check and event type, every kind of violation that
 /// [`crate::report::TypeTotals::violations`] counts — `missing`, `unexpected`, `duplicate`,
@@ -55,6 +55,12 @@ pub struct GapGauge {
     gauge: IntGaugeVec,
     /// The series the last run set, so that the next run can remove the ones it no longer sets.
     exported: Arc<Mutex<BTreeSet<GapLabels>>>,
+}
+
+impl std::fmt::Debug for GapGauge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GapGauge").finish_non_exhaustive()
+    }
 }
 
 impl GapGauge {
@@ -111,6 +117,14 @@ pub struct WatchMetrics {
     gap: GapGauge,
     up: IntGauge,
     last_success: Gauge,
+}
+
+impl std::fmt::Debug for WatchMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchMetrics")
+            .field("up", &self.up.get())
+            .finish_non_exhaustive()
+    }
 }
 
 impl WatchMetrics {

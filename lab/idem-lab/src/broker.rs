@@ -10,18 +10,18 @@ use anyhow::{Context, bail};
 use idem_kafka::EmbeddedCluster;
 
 /// `--brokers kafka`: start a single-node Apache Kafka for the run.
-pub const KAFKA: &str = "kafka";
+pub(crate) const KAFKA: &str = "kafka";
 
 /// `scripts/kafka` of the source tree this binary was built from, unless `IDEM_KAFKA_SCRIPT`
 /// names another.
-pub fn script() -> PathBuf {
+pub(crate) fn script() -> PathBuf {
     std::env::var_os("IDEM_KAFKA_SCRIPT")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/kafka"))
 }
 
 /// Where the brokers are.
-pub enum Broker {
+pub(crate) enum Broker {
     /// Bootstrap servers given by the user.
     External(String),
     /// librdkafka's mock cluster, in this process.
@@ -37,7 +37,7 @@ pub enum Broker {
 
 impl Broker {
     /// `kafka`, `embedded`, or bootstrap servers.
-    pub async fn start(brokers: &str) -> anyhow::Result<Self> {
+    pub(crate) async fn start(brokers: &str) -> anyhow::Result<Self> {
         match brokers {
             idem_kafka::EMBEDDED => Ok(Broker::Embedded(EmbeddedCluster::start(1)?)),
             KAFKA => start_kafka(None).await,
@@ -49,7 +49,7 @@ impl Broker {
     /// `sasl_ssl`, a PKI and users made for the run), and the security its clients log in with:
     /// the run's CA and, for `sasl_ssl`, the SCRAM-SHA-512 user, for `ssl`, the client
     /// certificate.
-    pub async fn start_secured(
+    pub(crate) async fn start_secured(
         security: SecuredMode,
     ) -> anyhow::Result<(Self, idem_kafka::KafkaSecurity)> {
         let broker = start_kafka(Some(security)).await?;
@@ -61,7 +61,7 @@ impl Broker {
     }
 
     /// Bootstrap servers for clients (and child processes).
-    pub fn bootstrap(&self) -> String {
+    pub(crate) fn bootstrap(&self) -> String {
         match self {
             Broker::External(b) => b.clone(),
             Broker::Embedded(c) => c.bootstrap_servers(),
@@ -70,7 +70,7 @@ impl Broker {
     }
 
     /// What it is, for reports.
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Broker::External(_) => "external",
             Broker::Embedded(_) => "embedded (librdkafka mock cluster)",
@@ -80,13 +80,13 @@ impl Broker {
 
     /// Creates `topic` with `partitions` partitions (replication 1: every broker here that
     /// this run starts has one node; an external cluster's own default is not assumed).
-    pub async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
+    pub(crate) async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
         let conn = idem_kafka::Connection::plaintext(self.bootstrap());
         self.create_topic_over(&conn, topic, partitions).await
     }
 
     /// [`Broker::create_topic`] through `conn` (its servers and security).
-    pub async fn create_topic_over(
+    pub(crate) async fn create_topic_over(
         &self,
         conn: &idem_kafka::Connection,
         topic: &str,
@@ -127,7 +127,7 @@ impl Drop for Broker {
 /// How a broker that a lab command starts secures its client listener (`scripts/kafka
 /// --security`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum SecuredMode {
+pub(crate) enum SecuredMode {
     /// TLS with client certificates required (mutual TLS).
     Ssl,
     /// SASL_SSL: SCRAM-SHA-512 (and PLAIN, SCRAM-SHA-256) over TLS.
@@ -137,7 +137,7 @@ pub enum SecuredMode {
 
 impl SecuredMode {
     /// `scripts/kafka --security`'s name.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             SecuredMode::Ssl => "ssl",
             SecuredMode::SaslSsl => "sasl_ssl",

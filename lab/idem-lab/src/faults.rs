@@ -28,7 +28,7 @@ fn items(spec: &str) -> impl Iterator<Item = &str> {
 
 /// Parses `name[@hit],...` into (point, hit) pairs (hit 1 = the first). Names are checked when
 /// armed.
-pub fn crash_points(spec: &str) -> Result<Vec<(&str, u64)>> {
+pub(crate) fn crash_points(spec: &str) -> Result<Vec<(&str, u64)>> {
     items(spec)
         .map(|item| match item.split_once('@') {
             Some((name, hit)) => hit.parse::<u64>().map(|h| (name, h)).map_err(|_| {
@@ -42,7 +42,7 @@ pub fn crash_points(spec: &str) -> Result<Vec<(&str, u64)>> {
 }
 
 /// Parses a comma-separated list of mechanisms, each one of [`crash::BREAKABLE`].
-pub fn mechanisms(spec: &str) -> Result<Vec<&str>> {
+pub(crate) fn mechanisms(spec: &str) -> Result<Vec<&str>> {
     items(spec)
         .map(|name| {
             if crash::BREAKABLE.contains(&name) {
@@ -59,7 +59,7 @@ pub fn mechanisms(spec: &str) -> Result<Vec<&str>> {
 
 /// Breaks the mechanisms in `IDEM_BREAK` (saying so on standard error), arms the points in
 /// `IDEM_CRASH_POINTS` in abort mode, and records fired points in `IDEM_CRASH_LOG`.
-pub fn arm_from_env() -> Result<()> {
+pub(crate) fn arm_from_env() -> Result<()> {
     if let Ok(spec) = std::env::var(BREAK_VAR) {
         for name in mechanisms(&spec)? {
             if !crash::ENABLED {

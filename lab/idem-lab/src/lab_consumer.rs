@@ -7,7 +7,7 @@ use clap::Args;
 
 /// Where a lab consumer reads and writes, and how much per transaction.
 #[derive(Args)]
-pub struct LabConsumerArgs {
+pub(crate) struct LabConsumerArgs {
     /// Settlement database (PostgreSQL).
     #[arg(long)]
     pub db: String,
@@ -34,7 +34,7 @@ pub struct LabConsumerArgs {
 impl LabConsumerArgs {
     /// The consumer configuration for the group: the `--kafka-*` security, the
     /// `--consumer-config` overrides, idem's forced settings.
-    pub fn consumer_config(&self) -> anyhow::Result<idem_kafka::ClientConfig> {
+    pub(crate) fn consumer_config(&self) -> anyhow::Result<idem_kafka::ClientConfig> {
         Ok(self
             .kafka
             .connection(&self.brokers)?

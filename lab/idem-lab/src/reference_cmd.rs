@@ -18,7 +18,7 @@ use idem_cli::DbArgs;
 use idem_cli::db::{self, Store};
 
 #[derive(Args, Debug)]
-pub struct OrdersArgs {
+pub(crate) struct OrdersArgs {
     #[command(flatten)]
     db: DbArgs,
     /// How many paid orders to write, each with its order.paid event in one transaction.
@@ -42,7 +42,7 @@ pub struct OrdersArgs {
     slow_ms: u64,
 }
 
-pub async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
+pub(crate) async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 2).await?;
     let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
     let mut next = tokio::time::Instant::now();
@@ -74,7 +74,7 @@ pub async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
 }
 
 #[derive(Args)]
-pub struct SettlementArgs {
+pub(crate) struct SettlementArgs {
     #[command(flatten)]
     db: DbArgs,
     /// Kafka bootstrap servers.
@@ -148,7 +148,7 @@ fn settlement_handler(args: &SettlementArgs) -> Settlement {
     }
 }
 
-pub async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
+pub(crate) async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     let shutdown = idem_cli::util::shutdown_signal()?;
     let store = db::open(&args.db, 4).await?;
     let registry = prometheus::Registry::new();
@@ -254,7 +254,7 @@ where
 /// one transaction with its inbox row (applied once, whatever races it); a failing one is kept
 /// with the new reason. `main.rs` adds it under the product's `dead-letters`.
 #[derive(Args, Debug)]
-pub struct ReplayArgs {
+pub(crate) struct ReplayArgs {
     #[command(flatten)]
     db: DbArgs,
     /// Consumer group whose dead letters (and inbox) to use.
@@ -285,7 +285,7 @@ pub struct ReplayArgs {
 }
 
 /// Runs `idem-lab dead-letters replay`.
-pub async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
+pub(crate) async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 2).await?;
     let request = ReplayRequest {
         group: args.group.clone(),
@@ -394,7 +394,7 @@ fn replayed_json(r: &Replayed) -> serde_json::Value {
 }
 
 #[derive(Args, Debug)]
-pub struct PointsApiArgs {
+pub(crate) struct PointsApiArgs {
     #[command(flatten)]
     db: DbArgs,
     /// Address to listen on (loopback; port 0 picks one).
@@ -459,7 +459,7 @@ fn points_router<K: idem_core::idempotency::IdempotencyStore>(
 }
 
 /// Runs the reference points API until SIGTERM/SIGINT.
-pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
+pub(crate) async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.key_lock >= Duration::from_millis(100),
         "--key-lock {:?} is too short: the lock is renewed every third of it, and must outlast a \
@@ -516,7 +516,7 @@ pub async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
 
 /// `idem-lab verify-config`: the reference pipeline's checks as TOML, for `idem verify --config`.
 #[derive(Args, Debug)]
-pub struct VerifyConfigArgs {
+pub(crate) struct VerifyConfigArgs {
     /// The order database (orders and the outbox).
     #[arg(long)]
     orders_db: String,
@@ -532,7 +532,7 @@ pub struct VerifyConfigArgs {
 }
 
 /// Prints (or writes) the reference pipeline's verify config.
-pub fn verify_config(args: &VerifyConfigArgs) -> anyhow::Result<()> {
+pub(crate) fn verify_config(args: &VerifyConfigArgs) -> anyhow::Result<()> {
     let config = idem_reference::verify_config(
         &args.orders_db,
         &args.settlement_db,

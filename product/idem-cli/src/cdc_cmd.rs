@@ -130,7 +130,7 @@ pub struct CdcRelayArgs {
 }
 
 /// Runs `idem cdc …`.
-pub async fn run(cmd: CdcCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(cmd: CdcCommand) -> anyhow::Result<()> {
     match cmd {
         CdcCommand::Relay(args) => relay(*args).await,
         CdcCommand::ReplayDeadLetters(args) => replay_dead_letters(*args).await,

@@ -71,7 +71,7 @@ pub struct PolicyArgs {
 
 /// A secret flag's value: its `Debug` never shows it.
 #[derive(Clone)]
-pub struct Secret(String);
+pub(crate) struct Secret(String);
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -111,7 +111,7 @@ fn read_secret_file(flag: &str, path: &Path) -> anyhow::Result<String> {
 /// trusted besides the system's roots, and the client certificate for mutual TLS. The files
 /// are read and checked at start; a TLS failure parks the intent with the reason.
 #[derive(Args, Debug, Clone)]
-pub struct TlsArgs {
+pub(crate) struct TlsArgs {
     /// Trust the CA certificate(s) in this PEM file besides the system's roots (a remote
     /// whose certificate a private CA issued).
     #[arg(long, env = "IDEM_EFFECTS_CA_BUNDLE")]
@@ -372,7 +372,7 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
     Ok(())
 }
 
-pub async fn run(cmd: EffectsCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(cmd: EffectsCommand) -> anyhow::Result<()> {
     let args = cmd.db().clone();
     let store = db::open(&args, 2).await?;
     idem_sql::with_store!(store, s => run_on(s.intents(), cmd).await)

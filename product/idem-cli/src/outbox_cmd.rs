@@ -67,7 +67,7 @@ pub enum OutboxCommand {
     },
 }
 
-pub async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
     match cmd {
         OutboxCommand::Status { db, json } => {
             let store = db::open(&db, 1).await?;

@@ -69,7 +69,7 @@ where
     }
 }
 
-pub async fn run(args: PruneArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: PruneArgs) -> anyhow::Result<()> {
     let (inbox, intents) = windows(&args)?;
     if inbox.is_none() && intents.is_none() && !args.outbox_counters {
         anyhow::bail!(

@@ -72,7 +72,7 @@ pub struct RelayArgs {
     relay_id: Option<String>,
 }
 
-pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM during start-up or the first batch must not kill the process.
     let shutdown = shutdown_signal()?;
     let topics = crate::kafka_args::topic_naming(&args.topic_prefix, &args.topics)?;

@@ -43,7 +43,7 @@ pub enum TopicCommand {
     },
 }
 
-pub async fn run(cmd: TopicCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(cmd: TopicCommand) -> anyhow::Result<()> {
     match cmd {
         TopicCommand::Create {
             brokers,

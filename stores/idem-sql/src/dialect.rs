@@ -52,7 +52,7 @@ pub fn is_unique_violation(e: &sqlx::Error) -> bool {
 /// 22, 23, P0, 54; SQLite's constraint and size codes) [`ErrorKind::Invalid`]; a refused login
 /// or a missing database [`ErrorKind::Config`]; everything else, and every error that is not
 /// the database's answer (I/O, the pool, TLS), [`ErrorKind::Transient`].
-pub fn error_kind(e: &sqlx::Error) -> ErrorKind {
+pub(crate) fn error_kind(e: &sqlx::Error) -> ErrorKind {
     let Some(db) = e.as_database_error() else {
         return ErrorKind::Transient;
     };
@@ -121,6 +121,15 @@ pub enum WriteTx<'c, DB: Database> {
     Direct(&'c mut DB::Connection),
     /// The statements run in this transaction (rolled back if dropped before [`WriteTx::finish`]).
     Tx(Transaction<'c, DB>),
+}
+
+impl<DB: Database> std::fmt::Debug for WriteTx<'_, DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WriteTx::Direct(_) => "WriteTx::Direct",
+            WriteTx::Tx(_) => "WriteTx::Tx",
+        })
+    }
 }
 
 impl<DB: Database> WriteTx<'_, DB> {

@@ -2,7 +2,13 @@
 //! database ([`scenarios`]), throwaway PostgreSQL databases ([`pg`]) and Apache Kafka brokers
 //! ([`kafka`]), an OAuth 2 identity provider for OAUTHBEARER ([`oidc`]), records to hand a
 //! consumer ([`records`]).
-#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+// Fixtures that own processes, pools and temporary directories; none is printed.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    missing_docs,
+    missing_debug_implementations
+)]
 
 pub mod backend;
 pub mod kafka;

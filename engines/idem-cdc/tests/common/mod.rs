@@ -16,7 +16,7 @@ use idem_kafka::inspect::{Record, read_all};
 
 /// Drops the test's slot at the end, even after a failed assertion: a forgotten slot pins WAL
 /// and keeps its database from being dropped.
-pub struct SlotGuard {
+pub(crate) struct SlotGuard {
     pub url: String,
     pub slot: String,
 }
@@ -52,7 +52,7 @@ impl Drop for SlotGuard {
 
 /// Drops test roles at the end, even after a failed assertion (their grants in the test
 /// database first, or a role cannot be dropped).
-pub struct RoleGuard {
+pub(crate) struct RoleGuard {
     pub url: String,
     pub roles: Vec<String>,
 }
@@ -94,7 +94,7 @@ where
 }
 
 /// Fields drop in order: the slot first, then the database.
-pub struct World {
+pub(crate) struct World {
     _guard: SlotGuard,
     pub pg: Pg,
     pub topic: String,
@@ -105,7 +105,7 @@ pub struct World {
 }
 
 impl World {
-    pub async fn new() -> Self {
+    pub(crate) async fn new() -> Self {
         // RUST_LOG=idem_cdc=debug shows the relay's sessions when a test fails.
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -128,12 +128,12 @@ impl World {
         }
     }
 
-    pub fn config(&self) -> CdcConfig {
+    pub(crate) fn config(&self) -> CdcConfig {
         self.config_in(Mode::Table(self.pg.tables().clone()))
     }
 
     /// The test settings in `mode`.
-    pub fn config_in(&self, mode: Mode) -> CdcConfig {
+    pub(crate) fn config_in(&self, mode: Mode) -> CdcConfig {
         let mut c = CdcConfig::new(
             Name::new("slot", &self.slot).unwrap(),
             Name::new("publication", &format!("{}_pub", self.slot)).unwrap(),
@@ -149,12 +149,16 @@ impl World {
         c
     }
 
-    pub fn relay(&self, metrics: CdcMetrics) -> CdcRelay<KafkaPublisher> {
+    pub(crate) fn relay(&self, metrics: CdcMetrics) -> CdcRelay<KafkaPublisher> {
         self.relay_with(self.config(), metrics)
     }
 
     /// A relay with `config`, publishing to this world's broker.
-    pub fn relay_with(&self, config: CdcConfig, metrics: CdcMetrics) -> CdcRelay<KafkaPublisher> {
+    pub(crate) fn relay_with(
+        &self,
+        config: CdcConfig,
+        metrics: CdcMetrics,
+    ) -> CdcRelay<KafkaPublisher> {
         let producer = idem_kafka::producer_config(&self.brokers, &[]).unwrap();
         let publisher = KafkaPublisher::new(producer)
             .unwrap()
@@ -167,7 +171,7 @@ impl World {
     }
 
     /// Commits one transaction enqueueing `events`.
-    pub async fn commit(&self, events: &[Event]) {
+    pub(crate) async fn commit(&self, events: &[Event]) {
         let mut tx = self.pg.begin().await;
         tx.enqueue(events).await.unwrap();
         tx.commit().await;
@@ -175,12 +179,12 @@ impl World {
 
     /// The topic's records once there are at least `n` (panics after a minute, or at once
     /// when the relay stopped with an error).
-    pub async fn records(&self, n: usize, relay: &mut Running) -> Vec<Record> {
+    pub(crate) async fn records(&self, n: usize, relay: &mut Running) -> Vec<Record> {
         self.records_in(&self.topic, n, relay).await
     }
 
     /// The topic's first records, asserted to be `want`'s events in this order.
-    pub async fn expect(&self, want: &[&Event], relay: &mut Running) -> Vec<Record> {
+    pub(crate) async fn expect(&self, want: &[&Event], relay: &mut Running) -> Vec<Record> {
         let got = self.records(want.len(), relay).await;
         let want: Vec<String> = want.iter().map(|e| e.id().to_string()).collect();
         assert_eq!(ids(&got), want);
@@ -190,14 +194,14 @@ impl World {
     /// Commits a marker event and waits until it reached the topic: the relay's session has
     /// drained the table and streams. Returns how many records the topic holds then.
     /// The server's current WAL write position, as a number: at or past every commit so far.
-    pub async fn wal_position(&self) -> i64 {
+    pub(crate) async fn wal_position(&self) -> i64 {
         sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
             .fetch_one(self.pg.pool())
             .await
             .unwrap()
     }
 
-    pub async fn streaming(&self, relay: &mut Running) -> usize {
+    pub(crate) async fn streaming(&self, relay: &mut Running) -> usize {
         let marker = event("marker", 0);
         self.commit(std::slice::from_ref(&marker)).await;
         let id = marker.id().to_string();
@@ -213,7 +217,12 @@ impl World {
     }
 
     /// [`World::records`] of `topic`.
-    pub async fn records_in(&self, topic: &str, n: usize, relay: &mut Running) -> Vec<Record> {
+    pub(crate) async fn records_in(
+        &self,
+        topic: &str,
+        n: usize,
+        relay: &mut Running,
+    ) -> Vec<Record> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let (brokers, name) = (self.brokers.clone(), topic.to_owned());
@@ -239,19 +248,19 @@ impl World {
     }
 }
 
-pub type Running = (
+pub(crate) type Running = (
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<Result<(), idem_cdc::CdcError>>,
 );
 
-pub fn event(aggregate: &str, n: u32) -> Event {
+pub(crate) fn event(aggregate: &str, n: u32) -> Event {
     Event::builder("order", aggregate, "order.paid")
         .payload(&serde_json::json!({"n": n}))
         .build()
         .unwrap()
 }
 
-pub fn ids(records: &[Record]) -> Vec<String> {
+pub(crate) fn ids(records: &[Record]) -> Vec<String> {
     records
         .iter()
         .map(|r| r.header("ce_id").unwrap_or_default().to_owned())
@@ -259,7 +268,7 @@ pub fn ids(records: &[Record]) -> Vec<String> {
 }
 
 /// Runs `relay` in the background until the returned sender is dropped or sent to.
-pub fn spawn<P: idem_core::publish::Publisher>(relay: CdcRelay<P>) -> Running {
+pub(crate) fn spawn<P: idem_core::publish::Publisher>(relay: CdcRelay<P>) -> Running {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let shutdown = async move {
@@ -271,7 +280,7 @@ pub fn spawn<P: idem_core::publish::Publisher>(relay: CdcRelay<P>) -> Running {
 }
 
 /// A handle on no relay (for reading a topic after the relay stopped).
-pub fn spawn_idle() -> Running {
+pub(crate) fn spawn_idle() -> Running {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let _ = rx.await;
@@ -280,13 +289,13 @@ pub fn spawn_idle() -> Running {
     (tx, task)
 }
 
-pub async fn stop(handle: Running) {
+pub(crate) async fn stop(handle: Running) {
     let (tx, task) = handle;
     let _ = tx.send(());
     task.await.unwrap().unwrap();
 }
 
-pub async fn eventually<F, Fut>(what: &str, mut check: F)
+pub(crate) async fn eventually<F, Fut>(what: &str, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,

@@ -10,12 +10,12 @@ use idem_core::idempotency::{
 };
 
 /// What runs before a batch of outcomes is written; an error fails the write.
-pub type FinishHook =
+pub(crate) type FinishHook =
     Arc<dyn Fn(Vec<FinishedAttempt>) -> BoxFuture<'static, idem_core::Result<()>> + Send + Sync>;
 
 /// `inner`, with `hook` run before every `finish_all`.
 #[derive(Clone)]
-pub struct HookedFinish<S: IntentStore> {
+pub(crate) struct HookedFinish<S: IntentStore> {
     pub inner: S,
     pub hook: FinishHook,
 }

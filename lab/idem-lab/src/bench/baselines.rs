@@ -14,7 +14,7 @@ use super::{Ctx, Ticker};
 
 /// The first phases: durable inserts and business transactions. A phase that fails is
 /// reported and the run goes on.
-pub async fn run(c: &mut Ctx<'_>) {
+pub(super) async fn run(c: &mut Ctx<'_>) {
     c.guarded(Phase::Inserts1, async |c| {
         inserts(c, 1, "pg_insert_1conn_per_s").await
     })
@@ -101,7 +101,7 @@ async fn round_trip(c: &mut Ctx<'_>) -> anyhow::Result<()> {
 /// The relay's ceilings, `tag` naming the side: for each run a fresh backlog of the same shape
 /// on the scratch database drained by the lean claim-and-mark, and a raw produce of as many
 /// relay-like records.
-pub async fn relay(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
+pub(super) async fn relay(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
     round_trip(c).await?;
     for run in 0..plan::ceiling_runs(c.args) {
         sqlx::query("TRUNCATE idem_outbox")
@@ -125,7 +125,7 @@ pub async fn relay(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
 /// pgoutput decoding of a fresh backlog of the same shape (written in transactions of
 /// `--relay-batch-size` rows after a slot was created), and a raw produce of as many relay-like
 /// records.
-pub async fn cdc(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
+pub(super) async fn cdc(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
     round_trip(c).await?;
     for run in 0..plan::ceiling_runs(c.args) {
         sqlx::query("TRUNCATE idem_outbox")
@@ -169,7 +169,7 @@ async fn raw_produce(c: &mut Ctx<'_>, key: &str, cpu_key: Option<&str>) -> anyho
 }
 
 /// Raw consume of `--backlog` of the raw topic's records by a new group.
-pub async fn raw_consume(c: &mut Ctx<'_>) -> anyhow::Result<()> {
+pub(super) async fn raw_consume(c: &mut Ctx<'_>) -> anyhow::Result<()> {
     let mut tick = Ticker::new();
     let (progress, timeout) = (&*c.progress, drain_timeout(c.args));
     let v = kafka::consume_rate(&c.kafka, c.raw_topic, c.args.backlog, timeout, |done| {
@@ -182,7 +182,7 @@ pub async fn raw_consume(c: &mut Ctx<'_>) -> anyhow::Result<()> {
 
 /// The consumer's ceilings, `tag` naming the side: the set-based batch on one connection and
 /// on one connection per partition, `--ceiling-runs` times each, alternating.
-pub async fn consumer(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
+pub(super) async fn consumer(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
     round_trip(c).await?;
     let parts = plan::partitions(c.args);
     for run in 0..plan::ceiling_runs(c.args) {
@@ -204,7 +204,7 @@ pub async fn consumer(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
 /// Writers alone, `tag` naming the side: the sustained run's writers (business transaction
 /// with the outbox, `--connections`) on a database of their own, created empty like the
 /// sustained run's, where no relay or consumer reads, `--ceiling-runs` times.
-pub async fn writers(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
+pub(super) async fn writers(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
     round_trip(c).await?;
     for run in 0..plan::ceiling_runs(c.args) {
         let prefix = format!("w{tag}{run}-");

@@ -35,12 +35,12 @@ const TRUNCATE_CONSUMER: &str = include_str!("sql/truncate_consumer.sql");
 const TRUNCATE_APPLICATIONS: &str = include_str!("sql/truncate_applications.sql");
 
 /// The `application_name` of the bench's own sessions (the children's are never this).
-pub const APPLICATION: &str = "idem-bench";
+pub(super) const APPLICATION: &str = "idem-bench";
 
 /// The bench's connection options for `url`, read as idem reads it (`idem_sql::PgUrl`: the
 /// same `sslmode`, root and client certificates as the system's pools), with its application
 /// name and no statement logging.
-pub fn options(url: &str) -> anyhow::Result<PgConnectOptions> {
+pub(super) fn options(url: &str) -> anyhow::Result<PgConnectOptions> {
     Ok(idem_sql::PgUrl::parse(url)?
         .connect_options()
         .context("reading a bench database URL")?
@@ -49,12 +49,12 @@ pub fn options(url: &str) -> anyhow::Result<PgConnectOptions> {
 }
 
 /// One dedicated connection (no pool: no liveness ping before each transaction).
-pub async fn connect(url: &str) -> anyhow::Result<PgConnection> {
+pub(super) async fn connect(url: &str) -> anyhow::Result<PgConnection> {
     Ok(PgConnection::connect_with(&options(url)?).await?)
 }
 
 /// Microseconds per `SELECT 1` on one connection, over `duration`.
-pub async fn round_trip_us(url: &str, duration: Duration) -> anyhow::Result<f64> {
+pub(super) async fn round_trip_us(url: &str, duration: Duration) -> anyhow::Result<f64> {
     let mut conn = connect(url).await?;
     // The first statement prepares it: not a round trip of the steady state.
     sqlx::query(ROUND_TRIP).execute(&mut conn).await?;
@@ -71,7 +71,7 @@ pub async fn round_trip_us(url: &str, duration: Duration) -> anyhow::Result<f64>
 
 /// One batch's columns, as a consumer would bind them.
 #[derive(Debug, Default, PartialEq)]
-pub struct ConsumerBatch {
+pub(super) struct ConsumerBatch {
     event_ids: Vec<uuid::Uuid>,
     aggregate_ids: Vec<String>,
     hashes: Vec<String>,
@@ -83,7 +83,7 @@ impl ConsumerBatch {
     /// Paid orders `<prefix>order-N` for N in `first..first + count`, each with a new event id
     /// and its payload's hash (the payload's exact bytes do not matter to the SQL, its hash's
     /// width does).
-    pub fn numbered(prefix: &str, first: u64, count: usize) -> Self {
+    pub(super) fn numbered(prefix: &str, first: u64, count: usize) -> Self {
         let mut b = ConsumerBatch::default();
         for n in first..first + count as u64 {
             let order = idem_reference::PaidOrder::numbered(prefix, n);
@@ -145,7 +145,7 @@ async fn consumer_tx(
 }
 
 /// Empties the tables the consumer's ceiling writes on the database of `url`.
-pub async fn reset_consumer_tables(url: &str) -> anyhow::Result<()> {
+pub(super) async fn reset_consumer_tables(url: &str) -> anyhow::Result<()> {
     let mut conn = connect(url).await?;
     sqlx::query(TRUNCATE_CONSUMER).execute(&mut conn).await?;
     let with_applications: bool = sqlx::query_scalar(HAS_APPLICATIONS)
@@ -163,7 +163,7 @@ pub async fn reset_consumer_tables(url: &str) -> anyhow::Result<()> {
 /// The consumer's ceiling: events per second of [`consumer_tx`] at `batch` events per
 /// transaction on `connections` connections at once (each its own events), for `duration`.
 /// Each connection's rate counts its SQL time only; the result is their sum.
-pub async fn consumer_rate(
+pub(super) async fn consumer_rate(
     url: &str,
     connections: u32,
     batch: usize,
@@ -209,7 +209,7 @@ async fn consumer_connection(
 
 /// The relay's ceiling: rows per second of the lean claim-and-mark at `batch` rows per
 /// statement on one connection, until no pending row is left. Returns the rows and the rate.
-pub async fn relay_rate(
+pub(super) async fn relay_rate(
     url: &str,
     batch: u32,
     mut progress: impl FnMut(u64),
@@ -238,7 +238,7 @@ pub async fn relay_rate(
 /// The CDC relay's decode ceiling: rows per second the server decodes with pgoutput. A
 /// temporary slot on a connection of its own, then `fill` writes `rows` rows, then one
 /// statement reads (and consumes) everything the slot holds; only that statement is timed.
-pub async fn decode_rate(
+pub(super) async fn decode_rate(
     url: &str,
     slot: &str,
     publication: &str,
@@ -277,7 +277,7 @@ pub async fn decode_rate(
 
 /// Ends every session on the database of `url` that is not the bench's own: what a stuck
 /// child left behind after it was killed. Returns how many were ended.
-pub async fn terminate_others(url: &str) -> anyhow::Result<i64> {
+pub(super) async fn terminate_others(url: &str) -> anyhow::Result<i64> {
     let mut conn = connect(url).await?;
     let n: i64 = sqlx::query_scalar(TERMINATE_OTHERS)
         .fetch_one(&mut conn)
@@ -288,7 +288,7 @@ pub async fn terminate_others(url: &str) -> anyhow::Result<i64> {
 
 /// Runs a checkpoint on the server of `url` (checkpoint.sql), best effort: a role without the
 /// right gets a warning and the measurement goes on unlevelled.
-pub async fn level(url: &str) -> anyhow::Result<()> {
+pub(super) async fn level(url: &str) -> anyhow::Result<()> {
     let mut conn = connect(url).await?;
     if let Err(e) = sqlx::raw_sql(CHECKPOINT).execute(&mut conn).await {
         tracing::warn!(error = %e, "could not run CHECKPOINT before a measurement; its parts start unlevelled");

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 
 /// A child `idem` process; killed if dropped while running.
-pub struct Child {
+pub(super) struct Child {
     name: String,
     child: tokio::process::Child,
     log: PathBuf,
@@ -18,7 +18,7 @@ impl Child {
     /// Starts `idem ARGS…` with its output in `logs/NAME.log`, its Kafka security from `env`
     /// alone (the `IDEM_KAFKA_…` variables of [`idem_cli::kafka_args::child_env`]; this
     /// process's own are not inherited).
-    pub fn spawn(
+    pub(super) fn spawn(
         name: &str,
         args: &[String],
         env: &[(&'static str, String)],
@@ -52,17 +52,17 @@ impl Child {
     }
 
     /// The process id (while it runs).
-    pub fn pid(&self) -> Option<u32> {
+    pub(super) fn pid(&self) -> Option<u32> {
         self.child.id()
     }
 
     /// Peak resident memory so far (`VmHWM`), in bytes.
-    pub fn peak_rss(&self) -> Option<u64> {
+    pub(super) fn peak_rss(&self) -> Option<u64> {
         self.pid().and_then(peak_rss_of)
     }
 
     /// Fails, with the end of its log, if the process has exited.
-    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+    pub(super) fn check_alive(&mut self) -> anyhow::Result<()> {
         if let Some(status) = self.child.try_wait()? {
             bail!(
                 "{} exited early ({status}); its log ends with:\n{}",
@@ -74,14 +74,14 @@ impl Child {
     }
 
     /// The last lines of its output.
-    pub fn log_tail(&self) -> String {
+    pub(super) fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(15)..].join("\n")
     }
 
     /// SIGTERM, then waits (SIGKILL after 20 s).
-    pub async fn stop(mut self) -> anyhow::Result<()> {
+    pub(super) async fn stop(mut self) -> anyhow::Result<()> {
         if let Some(pid) = self.pid() {
             let _ = tokio::process::Command::new("kill")
                 .arg("-TERM")
@@ -102,7 +102,9 @@ impl Child {
     }
 
     /// Waits for the process to exit, sampling its peak memory every 10 ms until then.
-    pub async fn wait_with_peak(mut self) -> anyhow::Result<(std::process::ExitStatus, u64)> {
+    pub(super) async fn wait_with_peak(
+        mut self,
+    ) -> anyhow::Result<(std::process::ExitStatus, u64)> {
         let mut peak = 0;
         loop {
             if let Some(status) = self.child.try_wait()? {
@@ -117,7 +119,7 @@ impl Child {
 }
 
 /// `VmHWM` of process `pid`, in bytes (Linux).
-pub fn peak_rss_of(pid: u32) -> Option<u64> {
+pub(super) fn peak_rss_of(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     parse_vm_hwm(&status)
 }

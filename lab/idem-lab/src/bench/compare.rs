@@ -13,7 +13,7 @@ use super::report::{FIGURES, fmt, number};
 
 /// `idem-lab bench compare`.
 #[derive(Args, Debug)]
-pub struct CompareArgs {
+pub(super) struct CompareArgs {
     /// The first run's report (`idem-lab bench --json`): the divisor.
     base: PathBuf,
     /// The second run's report, divided by the first.
@@ -30,7 +30,7 @@ pub struct CompareArgs {
 }
 
 /// Runs `idem-lab bench compare`.
-pub fn run(args: &CompareArgs) -> anyhow::Result<()> {
+pub(super) fn run(args: &CompareArgs) -> anyhow::Result<()> {
     let base = read(&args.base)?;
     let other = read(&args.other)?;
     let label = |l: &Option<String>, p: &Path| {
@@ -76,7 +76,7 @@ fn ratio(base: &Value, other: &Value) -> Option<f64> {
 
 /// The comparison of two reports: every figure both have (`other / base`), every ratio of both
 /// side by side, and the two reports.
-pub fn comparison(base: &Value, other: &Value, labels: (&str, &str)) -> Value {
+pub(super) fn comparison(base: &Value, other: &Value, labels: (&str, &str)) -> Value {
     let mut figures = Map::new();
     if let (Some(b), Some(o)) = (base["figures"].as_object(), other["figures"].as_object()) {
         for (key, bv) in b {
@@ -125,7 +125,7 @@ fn label(text: &str, config: &Value) -> String {
 }
 
 /// The comparison as text: the figures of [`FIGURES`] both runs have, then the ratios.
-pub fn table(c: &Value) -> String {
+pub(super) fn table(c: &Value) -> String {
     use std::fmt::Write as _;
     let (bl, ol) = (
         c["base"]["label"].as_str().unwrap_or("base"),

@@ -13,38 +13,38 @@ const USER_HZ: u64 = 100;
 
 /// The machine's busy CPU time so far (every core).
 #[derive(Clone, Copy, Debug)]
-pub struct MachineCpu {
+pub(super) struct MachineCpu {
     busy_ticks: u64,
 }
 
 impl MachineCpu {
     /// Now; `None` without `/proc/stat`.
-    pub fn now() -> Option<Self> {
+    pub(super) fn now() -> Option<Self> {
         let stat = std::fs::read_to_string("/proc/stat").ok()?;
         let busy_ticks = busy_ticks(stat.lines().next()?)?;
         Some(MachineCpu { busy_ticks })
     }
 
     /// Busy CPU time of every core since `self`.
-    pub fn busy_since(&self) -> Option<Duration> {
+    pub(super) fn busy_since(&self) -> Option<Duration> {
         let now = MachineCpu::now()?;
         Some(ticks(now.busy_ticks.saturating_sub(self.busy_ticks)))
     }
 }
 
 /// CPU time (user and system) process `pid` has used since it started.
-pub fn process_cpu(pid: u32) -> Option<Duration> {
+pub(super) fn process_cpu(pid: u32) -> Option<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     process_ticks(&stat).map(ticks)
 }
 
 /// Microseconds of CPU per row: `cpu` spent on `rows`.
-pub fn us_per_row(cpu: Duration, rows: u64) -> f64 {
+pub(super) fn us_per_row(cpu: Duration, rows: u64) -> f64 {
     cpu.as_secs_f64() * 1e6 / (rows.max(1) as f64)
 }
 
 /// The rate a machine of `cores` cores could reach at `us_per_row` of CPU per row, all busy.
-pub fn bound_per_s(cores: usize, us_per_row: f64) -> f64 {
+pub(super) fn bound_per_s(cores: usize, us_per_row: f64) -> f64 {
     match us_per_row > 0.0 {
         true => cores as f64 * 1e6 / us_per_row,
         false => f64::NAN,
@@ -52,7 +52,7 @@ pub fn bound_per_s(cores: usize, us_per_row: f64) -> f64 {
 }
 
 /// The machine's cores (as the scheduler gives them to this process).
-pub fn cores() -> usize {
+pub(super) fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 

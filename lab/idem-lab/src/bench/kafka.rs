@@ -21,7 +21,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 /// `wanted`, or more on the mock cluster, which keeps only the last 5 MiB of a partition
 /// (librdkafka's `rdkafka_mock.c`, not configurable) and would silently drop the start of
 /// the backlog before the consumer reads it.
-pub fn partitions_for(broker: &Broker, wanted: i32, records: u64, bytes: usize) -> i32 {
+pub(super) fn partitions_for(broker: &Broker, wanted: i32, records: u64, bytes: usize) -> i32 {
     match broker {
         Broker::Embedded(_) => {
             let per_partition = 4 * 1024 * 1024;
@@ -34,11 +34,11 @@ pub fn partitions_for(broker: &Broker, wanted: i32, records: u64, bytes: usize) 
 }
 
 /// A temporary directory removed on drop.
-pub struct TempDir(pub PathBuf);
+pub(super) struct TempDir(pub PathBuf);
 
 impl TempDir {
     /// A new directory under the system's temporary directory.
-    pub fn new(what: &str) -> anyhow::Result<Self> {
+    pub(super) fn new(what: &str) -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(format!(
             "idem-bench-{what}-{}-{}",
             std::process::id(),
@@ -60,7 +60,7 @@ const OCCURRED_AT: i64 = 1_767_225_600;
 
 /// The key and headers the relay puts on `order.paid` record `n` (same names, same sizes:
 /// [`wire::encode`] of a first attempt, the value left out).
-pub fn relay_like(n: u64, occurred_at: DateTime<Utc>) -> (String, Vec<(String, String)>) {
+pub(super) fn relay_like(n: u64, occurred_at: DateTime<Utc>) -> (String, Vec<(String, String)>) {
     let order = format!("b-order-{n}");
     let record = OutboxRecord {
         id: i64::try_from(n).unwrap_or(i64::MAX),
@@ -85,7 +85,7 @@ pub fn relay_like(n: u64, occurred_at: DateTime<Utc>) -> (String, Vec<(String, S
 /// Produces `count` records of `payload` with relay-like keys and headers to `topic` through
 /// one producer with idem's producer settings and the run's connection security, as fast as librdkafka takes them, and waits for
 /// every delivery report. Returns records per second.
-pub async fn produce_rate(
+pub(super) async fn produce_rate(
     kafka: &idem_kafka::Connection,
     topic: &str,
     count: u64,
@@ -171,7 +171,7 @@ async fn drain_some(
 /// Consumes `count` records of `topic` with a new group (idem's consumer settings, the run's
 /// connection security), copying each out as the consumer runtime does. Returns records per
 /// second from the first record to the last (group join not counted).
-pub async fn consume_rate(
+pub(super) async fn consume_rate(
     kafka: &idem_kafka::Connection,
     topic: &str,
     count: u64,

@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 
 /// Latency percentiles of one arrival rate.
 #[derive(Clone, Debug)]
-pub struct LatencyRun {
+pub(super) struct LatencyRun {
     /// Intended arrivals per second.
     pub target_rate: f64,
     /// Orders written per second, as achieved.
@@ -51,7 +51,7 @@ type Outstanding = Arc<Mutex<HashMap<String, Instant>>>;
 /// most `writers` connections, and measures each one's intended-arrival → settlement-visible
 /// latency on `settle`.
 #[allow(clippy::too_many_arguments)]
-pub async fn open_loop(
+pub(super) async fn open_loop(
     orders: &PgPool,
     settle: &PgPool,
     outbox: &idem_postgres::Outbox,

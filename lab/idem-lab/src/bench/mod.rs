@@ -38,7 +38,7 @@ use report::Report;
 use spread::{Outcome, within};
 
 /// The default PostgreSQL server.
-pub const DEFAULT_DB: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub(crate) const DEFAULT_DB: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
 /// Topics and consumer groups of one run, unique to it: a run on a shared broker (or a second
 /// run on the same one) never reads another run's records.
@@ -82,7 +82,7 @@ impl Names {
 /// `idem-lab bench`.
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = true)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     #[command(subcommand)]
     mode: Option<Mode>,
     #[command(flatten)]
@@ -103,7 +103,7 @@ enum Mode {
 
 /// Options of a full bench run.
 #[derive(Args, Debug, Clone)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// PostgreSQL server URL (any database on it); the bench creates and drops its own databases.
     #[arg(long, env = "IDEM_BENCH_DB", default_value = DEFAULT_DB)]
     db: String,
@@ -168,7 +168,7 @@ pub struct RunArgs {
 }
 
 /// Runs `idem-lab bench`.
-pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.mode {
         Some(Mode::Verify(a)) => verify::run(a).await,
         Some(Mode::Compare(a)) => compare::run(&a),
@@ -274,7 +274,7 @@ async fn start_broker(args: &RunArgs) -> anyhow::Result<(Broker, KafkaSecurity)>
 }
 
 /// What the phases share: the run's settings and figures, and the progress lines.
-pub struct Ctx<'a> {
+pub(crate) struct Ctx<'a> {
     args: &'a RunArgs,
     progress: &'a mut Progress,
     report: &'a mut Report,

@@ -102,7 +102,7 @@ impl InboxStore for NoInbox {
 }
 
 /// Runs until SIGTERM.
-pub async fn run(args: LabConsumerArgs) -> anyhow::Result<()> {
+pub(super) async fn run(args: LabConsumerArgs) -> anyhow::Result<()> {
     let shutdown = idem_cli::util::shutdown_signal()?;
     let pool = idem_postgres::connect(&args.db, 4).await?;
     idem_reference::ensure_schema_postgres(&pool).await?;

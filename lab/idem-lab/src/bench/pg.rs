@@ -11,7 +11,7 @@ use sqlx::PgConnection;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 /// `url` with its database replaced by `name` (query string kept).
-pub fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
+pub(super) fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
     let scheme_end = url
         .find("://")
         .map(|i| i + 3)
@@ -27,7 +27,7 @@ pub fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
 }
 
 /// Databases created by this run, dropped by [`Databases::drop_all`].
-pub struct Databases {
+pub(super) struct Databases {
     server: String,
     prefix: String,
     created: Vec<String>,
@@ -35,7 +35,7 @@ pub struct Databases {
 
 impl Databases {
     /// Databases named `idem_bench_<pid>_*` on the server of `url`.
-    pub fn new(url: &str) -> Self {
+    pub(super) fn new(url: &str) -> Self {
         Databases {
             server: url.to_owned(),
             prefix: format!("idem_bench_{}", std::process::id()),
@@ -44,13 +44,13 @@ impl Databases {
     }
 
     /// The prefix of every database name of this run.
-    pub fn prefix(&self) -> &str {
+    pub(super) fn prefix(&self) -> &str {
         &self.prefix
     }
 
     /// Creates database `<prefix>_<suffix>` with idem's and the reference tables; returns its
     /// URL and a pool of `connections`.
-    pub async fn create(
+    pub(super) async fn create(
         &mut self,
         suffix: &str,
         connections: u32,
@@ -81,7 +81,7 @@ impl Databases {
     }
 
     /// Drops every database this run created.
-    pub async fn drop_all(&mut self) -> anyhow::Result<()> {
+    pub(super) async fn drop_all(&mut self) -> anyhow::Result<()> {
         let mut admin = super::ceilings::connect(&self.server).await?;
         for name in self.created.drain(..) {
             // A database with a logical slot cannot be dropped (a CDC phase that was cut short).
@@ -104,7 +104,7 @@ impl Databases {
 
 /// The TLS of `pool`'s session as the server sees it (`pg_stat_ssl`): the protocol and the
 /// cipher, or `off`.
-pub async fn session_tls(pool: &PgPool) -> anyhow::Result<String> {
+pub(super) async fn session_tls(pool: &PgPool) -> anyhow::Result<String> {
     Ok(sqlx::query_scalar(
         "SELECT CASE WHEN ssl THEN version || ' ' || cipher ELSE 'off' END \
          FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
@@ -115,7 +115,7 @@ pub async fn session_tls(pool: &PgPool) -> anyhow::Result<String> {
 
 /// How the server sees the TLS of the sessions on the databases named `prefix_*` that are
 /// not the bench's own (the children's pools, the CDC relay's walsender): "E of N encrypted".
-pub async fn tls_census(pool: &PgPool, prefix: &str) -> anyhow::Result<String> {
+pub(super) async fn tls_census(pool: &PgPool, prefix: &str) -> anyhow::Result<String> {
     let (encrypted, all): (i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE s.ssl), count(*) \
          FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
@@ -136,7 +136,7 @@ const PAYLOAD_SQL: &str = "jsonb_build_object('order_id', $p || 'order-' || n, '
      'currency', 'EUR', 'note', repeat('x', $pad))";
 
 /// Padding that brings the payload to about `size` bytes.
-pub fn padding(size: usize) -> usize {
+pub(super) fn padding(size: usize) -> usize {
     // The JSON of order 1 with an empty note, as the relay sends it (jsonb text).
     let base = r#"{"note": "", "amount": "1.01", "currency": "EUR", "order_id": "b-order-1", "payment_id": "b-pay-1"}"#;
     size.saturating_sub(base.len() + 4)
@@ -144,7 +144,7 @@ pub fn padding(size: usize) -> usize {
 
 /// Writes `count` paid orders (`<prefix>order-N`) and their pending `order.paid` outbox rows in
 /// two set-based statements: the backlog the relay and the consumer drain.
-pub async fn fill_backlog(
+pub(super) async fn fill_backlog(
     pool: &PgPool,
     prefix: &str,
     count: u64,
@@ -159,7 +159,7 @@ pub async fn fill_backlog(
 
 /// The same backlog in transactions of `per_tx` orders each, as many writers leave it: a CDC
 /// slot streams it transaction by transaction.
-pub async fn fill_backlog_in_transactions(
+pub(super) async fn fill_backlog_in_transactions(
     pool: &PgPool,
     prefix: &str,
     count: u64,
@@ -217,7 +217,7 @@ async fn fill_range(
 }
 
 /// The paid order `n` with its padded `order.paid` event, as the order service writes it.
-pub fn order_event(
+pub(super) fn order_event(
     prefix: &str,
     n: u64,
     pad: usize,
@@ -241,7 +241,7 @@ pub fn order_event(
 
 /// How a business transaction writes its event.
 #[derive(Clone, Debug)]
-pub enum OrderWrite {
+pub(super) enum OrderWrite {
     /// The order row alone: no event.
     Alone,
     /// The order row and its event through idem's outbox (the reference service).
@@ -259,12 +259,12 @@ pub enum OrderWrite {
 }
 
 /// The plain table of [`OrderWrite::PlainRow`].
-pub const PLAIN_TABLE: &str = "CREATE TABLE IF NOT EXISTS bench_plain (id bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, \
+pub(super) const PLAIN_TABLE: &str = "CREATE TABLE IF NOT EXISTS bench_plain (id bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, \
      event_id uuid NOT NULL, aggregate_id text NOT NULL, payload jsonb NOT NULL)";
 
 /// One business transaction: the order row and its event, written as `how` says, in one
 /// transaction (the reference order service's code, with the padded event).
-pub async fn place_order(
+pub(super) async fn place_order(
     pool: &PgPool,
     how: &OrderWrite,
     prefix: &str,
@@ -333,7 +333,11 @@ async fn insert_order(
 
 /// Runs `op(worker, n)` on `workers` tasks for `duration`, `n` counting up across them; returns
 /// operations per second.
-pub async fn closed_loop<F, Fut>(workers: u32, duration: Duration, op: F) -> anyhow::Result<f64>
+pub(super) async fn closed_loop<F, Fut>(
+    workers: u32,
+    duration: Duration,
+    op: F,
+) -> anyhow::Result<f64>
 where
     F: Fn(u64) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
@@ -362,7 +366,7 @@ where
 
 /// Durable single-row inserts (autocommit, `synchronous_commit` as the server has it) on
 /// `workers` connections.
-pub async fn insert_rate(
+pub(super) async fn insert_rate(
     pool: &PgPool,
     workers: u32,
     duration: Duration,
@@ -389,7 +393,7 @@ pub async fn insert_rate(
 /// Steady-state rate of rows stamped in `column` of `table` (`now()` of each writing
 /// transaction): rows after the first stamp over the time from the first stamp to the last.
 /// Falls back to `rows / fallback` when every row has one stamp (a single batch).
-pub async fn stamped_rate(
+pub(super) async fn stamped_rate(
     pool: &PgPool,
     table: &str,
     column: &str,
@@ -413,7 +417,7 @@ pub async fn stamped_rate(
 /// Drops logical slot `slot` if it exists, once no session reads it (a stopped relay's
 /// walsender may take a moment to end): a forgotten slot pins WAL, and a database with one
 /// cannot be dropped.
-pub async fn drop_slot(conn: &mut PgConnection, slot: &str) -> anyhow::Result<()> {
+pub(super) async fn drop_slot(conn: &mut PgConnection, slot: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let active: Option<bool> =
@@ -446,7 +450,7 @@ pub async fn drop_slot(conn: &mut PgConnection, slot: &str) -> anyhow::Result<()
 }
 
 /// `SELECT count(*) FROM …`.
-pub async fn count(pool: &PgPool, from_where: &str) -> anyhow::Result<u64> {
+pub(super) async fn count(pool: &PgPool, from_where: &str) -> anyhow::Result<u64> {
     let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {from_where}"))
         .fetch_one(pool)
         .await?;

@@ -9,7 +9,7 @@ use super::report::LOADS;
 /// One step of a run, in the order [`PHASES`] runs them. A ceiling runs just before and just
 /// after the system phase it bounds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Phase {
+pub(super) enum Phase {
     /// Starting the broker and creating the databases.
     Setup,
     /// Durable single-row inserts on one connection.
@@ -60,7 +60,7 @@ pub enum Phase {
 }
 
 /// Every phase, in order.
-pub const PHASES: [Phase; 23] = [
+pub(super) const PHASES: [Phase; 23] = [
     Phase::Setup,
     Phase::Inserts1,
     Phase::InsertsN,
@@ -87,32 +87,33 @@ pub const PHASES: [Phase; 23] = [
 ];
 
 /// The relay drain between the runs of its ceilings.
-pub const RELAY: [Phase; 3] = [
+pub(super) const RELAY: [Phase; 3] = [
     Phase::RelayCeilingBefore,
     Phase::RelayDrain,
     Phase::RelayCeilingAfter,
 ];
 
 /// The CDC relay's drain between the runs of its ceiling.
-pub const CDC: [Phase; 3] = [
+pub(super) const CDC: [Phase; 3] = [
     Phase::CdcCeilingBefore,
     Phase::CdcDrain,
     Phase::CdcCeilingAfter,
 ];
 
 /// The consumer drain between the runs of its ceilings.
-pub const CONSUMER: [Phase; 3] = [
+pub(super) const CONSUMER: [Phase; 3] = [
     Phase::ConsumerCeilingBefore,
     Phase::ConsumerDrain,
     Phase::ConsumerCeilingAfter,
 ];
 
 /// The sustained run between the runs of its ceiling, the writers alone.
-pub const WRITERS: [Phase; 3] = [Phase::WritersBefore, Phase::Sustained, Phase::WritersAfter];
+pub(super) const WRITERS: [Phase; 3] =
+    [Phase::WritersBefore, Phase::Sustained, Phase::WritersAfter];
 
 impl Phase {
     /// The phase's key in the report's `phases`.
-    pub fn key(self) -> &'static str {
+    pub(super) fn key(self) -> &'static str {
         match self {
             Phase::Setup => "setup",
             Phase::Inserts1 => "inserts_1conn",
@@ -143,7 +144,7 @@ impl Phase {
     /// The phases that must have ended well for this one to run: a drain needs what it
     /// drains, the duplicates need the inbox and the republished topic, the latency runs need
     /// the sustained rate.
-    pub fn needs(self) -> &'static [Phase] {
+    pub(super) fn needs(self) -> &'static [Phase] {
         match self {
             Phase::RelayDrain => &[Phase::Backlog],
             Phase::ConsumerDrain | Phase::NoInboxDrain | Phase::Republish => &[Phase::RelayDrain],
@@ -157,7 +158,7 @@ impl Phase {
     /// How long the phase may run before it is stopped and reported as timed out: a timed
     /// phase its runs plus two minutes, a drain [`drain_timeout`] (each ceiling run refills
     /// and drains a backlog).
-    pub fn deadline(self, args: &RunArgs) -> Duration {
+    pub(super) fn deadline(self, args: &RunArgs) -> Duration {
         let secs = Duration::from_secs_f64(args.seconds.max(0.0));
         let runs = ceiling_runs(args);
         let margin = Duration::from_secs(120);
@@ -185,7 +186,7 @@ impl Phase {
     }
 
     /// The progress line's title for a run with `args`.
-    pub fn title(self, args: &RunArgs) -> String {
+    pub(super) fn title(self, args: &RunArgs) -> String {
         let n = connections(args);
         let business = |conns: u32| {
             format!(
@@ -259,32 +260,32 @@ impl Phase {
 }
 
 /// Runs of each ceiling on each side of the phase it bounds (at least one).
-pub fn ceiling_runs(args: &RunArgs) -> u32 {
+pub(super) fn ceiling_runs(args: &RunArgs) -> u32 {
     args.ceiling_runs.max(1)
 }
 
 /// Partitions of the run's topics, the consumer ceiling's second connection count.
-pub fn partitions(args: &RunArgs) -> u32 {
+pub(super) fn partitions(args: &RunArgs) -> u32 {
     u32::try_from(args.partitions).unwrap_or(1).max(1)
 }
 
 /// How long a drain's count may stand still before the drain is called stuck.
-pub fn stall_limit(args: &RunArgs) -> Duration {
+pub(super) fn stall_limit(args: &RunArgs) -> Duration {
     Duration::from_secs_f64(args.stall_seconds.max(0.1))
 }
 
 /// Connections of the many-connection phases (at least one).
-pub fn connections(args: &RunArgs) -> u32 {
+pub(super) fn connections(args: &RunArgs) -> u32 {
     args.connections.max(1)
 }
 
 /// How long a drain may take before the bench gives up.
-pub fn drain_timeout(args: &RunArgs) -> Duration {
+pub(super) fn drain_timeout(args: &RunArgs) -> Duration {
     Duration::from_secs(120 + args.backlog / 100)
 }
 
 /// Owned command-line arguments.
-pub fn args_of(args: &[&str]) -> Vec<String> {
+pub(super) fn args_of(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| (*s).to_owned()).collect()
 }
 
@@ -297,13 +298,18 @@ fn settings(flag: &str, settings: &[(String, String)]) -> Vec<String> {
 }
 
 /// `idem relay` over the orders database `db`, publishing under `topic_prefix`.
-pub fn relay_args(args: &RunArgs, db: &str, brokers: &str, topic_prefix: &str) -> Vec<String> {
+pub(super) fn relay_args(
+    args: &RunArgs,
+    db: &str,
+    brokers: &str,
+    topic_prefix: &str,
+) -> Vec<String> {
     publisher_args(args, &["relay", "--no-prune"], db, brokers, topic_prefix)
 }
 
 /// `idem cdc relay` (table mode) over database `db` on `slot` (its publication `<slot>_pub`),
 /// publishing under `topic_prefix`.
-pub fn cdc_relay_args(
+pub(super) fn cdc_relay_args(
     args: &RunArgs,
     db: &str,
     brokers: &str,
@@ -350,7 +356,7 @@ fn publisher_args(
 
 /// A settlement consumer's arguments after `command` (`settlement`, or `bench
 /// no-inbox-consumer`): database `db`, `topic`, `group`, the batch size and consumer settings.
-pub fn consumer_args(
+pub(super) fn consumer_args(
     args: &RunArgs,
     command: &[&str],
     db: &str,
@@ -377,18 +383,18 @@ pub fn consumer_args(
 }
 
 /// Events per second: `delta` over `elapsed` (never a division by zero).
-pub fn rate(delta: u64, elapsed: Duration) -> f64 {
+pub(super) fn rate(delta: u64, elapsed: Duration) -> f64 {
     delta as f64 / elapsed.as_secs_f64().max(1e-9)
 }
 
 /// The open-loop arrival rates: each load of [`LOADS`] and its share of `sustained`.
-pub fn open_loop_rates(sustained: f64) -> [(u32, f64); 3] {
+pub(super) fn open_loop_rates(sustained: f64) -> [(u32, f64); 3] {
     LOADS.map(|pct| (pct, sustained * f64::from(pct) / 100.0))
 }
 
 /// A small run's arguments, for unit tests.
 #[cfg(test)]
-pub fn sample_args() -> RunArgs {
+pub(super) fn sample_args() -> RunArgs {
     RunArgs {
         db: "postgres://h/db".to_owned(),
         brokers: "embedded".to_owned(),

@@ -17,7 +17,7 @@ use crate::broker::SecuredMode;
 /// connections, the consumer batch size, the relay batch size and the partitions. The
 /// ceilings (keys starting `ceiling_`, `kafka_produce`, `round_trip`) and the business
 /// transactions are sampled: the figure is their median, `spread` has min, median and max.
-pub const FIGURES: &[(&str, &str, &str)] = &[
+pub(super) const FIGURES: &[(&str, &str, &str)] = &[
     (
         "round_trip_us",
         "round trip of one statement (SELECT 1, 1 connection)",
@@ -193,7 +193,7 @@ pub const FIGURES: &[(&str, &str, &str)] = &[
 ];
 
 /// Load levels of the latency runs, percent of the sustained rate.
-pub const LOADS: [u32; 3] = [25, 50, 80];
+pub(super) const LOADS: [u32; 3] = [25, 50, 80];
 
 #[derive(Clone, Copy, Debug)]
 enum Target {
@@ -396,7 +396,7 @@ fn security_json(s: &idem_kafka::KafkaSecurity) -> Value {
 type Ratio = (&'static str, String, &'static str, Option<f64>, Target);
 
 /// What a run measured.
-pub struct Report {
+pub(super) struct Report {
     config: Value,
     environment: serde_json::Map<String, Value>,
     figures: Vec<(String, f64)>,
@@ -412,7 +412,7 @@ pub struct Report {
 impl Report {
     /// An empty report of a run with `args` against `broker`, its clients connecting with
     /// `security` (recorded without its secrets).
-    pub fn new(args: &RunArgs, broker: &str, security: &idem_kafka::KafkaSecurity) -> Self {
+    pub(super) fn new(args: &RunArgs, broker: &str, security: &idem_kafka::KafkaSecurity) -> Self {
         let mut environment = serde_json::Map::new();
         environment.insert("broker".into(), json!(broker));
         environment.insert(
@@ -452,17 +452,17 @@ impl Report {
     }
 
     /// Notes a fact about the machine.
-    pub fn environment(&mut self, key: &str, value: &str) {
+    pub(super) fn environment(&mut self, key: &str, value: &str) {
         self.environment.insert(key.into(), json!(value));
     }
 
     /// Records a figure measured once.
-    pub fn figure(&mut self, key: &str, value: f64) {
+    pub(super) fn figure(&mut self, key: &str, value: f64) {
         self.figures.push((key.to_owned(), value));
     }
 
     /// Records one sample of a sampled figure (a ceiling, a business transaction rate).
-    pub fn sample(&mut self, key: &str, value: f64) {
+    pub(super) fn sample(&mut self, key: &str, value: f64) {
         match self.samples.iter_mut().find(|(k, _)| k == key) {
             Some((_, v)) => v.push(value),
             None => self.samples.push((key.to_owned(), vec![value])),
@@ -470,25 +470,25 @@ impl Report {
     }
 
     /// Records how `phase` ended after `took`.
-    pub fn outcome(&mut self, phase: Phase, outcome: &Outcome, took: Duration) {
+    pub(super) fn outcome(&mut self, phase: Phase, outcome: &Outcome, took: Duration) {
         self.phases
             .push((phase, outcome.clone(), took.as_secs_f64()));
     }
 
     /// Whether `phase` ran to its end.
-    pub fn ended_well(&self, phase: Phase) -> bool {
+    pub(super) fn ended_well(&self, phase: Phase) -> bool {
         self.phases
             .iter()
             .any(|(p, o, _)| *p == phase && *o == Outcome::Done)
     }
 
     /// Records a peak RSS in bytes as MiB (NaN if it could not be read).
-    pub fn peak(&mut self, key: &str, bytes: Option<u64>) {
+    pub(super) fn peak(&mut self, key: &str, bytes: Option<u64>) {
         self.figure(key, bytes.map_or(f64::NAN, |b| b as f64 / 1048576.0));
     }
 
     /// Records one latency run.
-    pub fn latency(&mut self, pct: u32, run: &LatencyRun) {
+    pub(super) fn latency(&mut self, pct: u32, run: &LatencyRun) {
         for (suffix, value) in [
             ("target_per_s", run.target_rate),
             ("rate_per_s", run.achieved_rate),
@@ -534,7 +534,7 @@ impl Report {
     }
 
     /// Notes the load at the end and computes the ratios.
-    pub fn finish(&mut self) {
+    pub(super) fn finish(&mut self) {
         self.environment
             .insert("load_average_at_end".into(), json!(load_average()));
         self.ratios = self.ratios();
@@ -618,7 +618,7 @@ impl Report {
 
     /// The report as JSON: config, environment, phases (how each ended), figures, the
     /// sampled figures' spread, ratios (value, bound, target, met).
-    pub fn json(&self) -> Value {
+    pub(super) fn json(&self) -> Value {
         let figures: serde_json::Map<String, Value> = self
             .all_figures()
             .into_iter()
@@ -668,7 +668,7 @@ impl Report {
     }
 
     /// The report as a table.
-    pub fn table(&self) -> String {
+    pub(super) fn table(&self) -> String {
         let mut out = String::new();
         self.table_header(&mut out);
         self.table_figures(&mut out);

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 /// Smallest, median and largest of a ceiling's samples.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Spread {
+pub(super) struct Spread {
     /// Smallest sample.
     pub min: f64,
     /// Median (the mean of the two middle samples when their count is even): what the ratios
@@ -17,7 +17,7 @@ pub struct Spread {
 
 impl Spread {
     /// The spread of the finite `samples` (`None` when there is none).
-    pub fn of(samples: &[f64]) -> Option<Self> {
+    pub(super) fn of(samples: &[f64]) -> Option<Self> {
         let mut v: Vec<f64> = samples.iter().copied().filter(|s| s.is_finite()).collect();
         if v.is_empty() {
             return None;
@@ -39,7 +39,7 @@ impl Spread {
 
 /// Watches a drain's count: stuck when it has not moved for `limit`.
 #[derive(Debug)]
-pub struct Stall {
+pub(super) struct Stall {
     last: Option<u64>,
     since: Instant,
     limit: Duration,
@@ -47,7 +47,7 @@ pub struct Stall {
 
 impl Stall {
     /// A watch that calls a drain stuck after `limit` without progress.
-    pub fn new(limit: Duration, now: Instant) -> Self {
+    pub(super) fn new(limit: Duration, now: Instant) -> Self {
         Stall {
             last: None,
             since: now,
@@ -57,7 +57,7 @@ impl Stall {
 
     /// Notes `count` seen at `now`; returns how long it has not moved once that reaches the
     /// limit (the drain is stuck), `None` while it moves or has not been still for long.
-    pub fn observe(&mut self, count: u64, now: Instant) -> Option<Duration> {
+    pub(super) fn observe(&mut self, count: u64, now: Instant) -> Option<Duration> {
         if self.last != Some(count) {
             self.last = Some(count);
             self.since = now;
@@ -70,7 +70,7 @@ impl Stall {
 
 /// How a phase ended.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Outcome {
+pub(super) enum Outcome {
     /// It ran to its end; its figures are in the report.
     Done,
     /// It failed (a child exited, a statement failed, a drain stopped moving); its figures are
@@ -84,7 +84,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// The status word of the report.
-    pub fn status(&self) -> &'static str {
+    pub(super) fn status(&self) -> &'static str {
         match self {
             Outcome::Done => "done",
             Outcome::Failed(_) => "failed",
@@ -94,7 +94,7 @@ impl Outcome {
     }
 
     /// Why its figures are missing (`None` when done).
-    pub fn reason(&self) -> Option<String> {
+    pub(super) fn reason(&self) -> Option<String> {
         match self {
             Outcome::Done => None,
             Outcome::Failed(why) | Outcome::Skipped(why) => Some(why.clone()),
@@ -108,7 +108,7 @@ impl Outcome {
 
 /// Runs `phase` for at most `limit`: its value, or how it ended instead (the future is
 /// dropped at the deadline, which kills the children it owns).
-pub async fn within<T>(
+pub(super) async fn within<T>(
     limit: Duration,
     phase: impl Future<Output = anyhow::Result<T>>,
 ) -> Result<T, Outcome> {

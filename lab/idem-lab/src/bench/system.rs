@@ -19,7 +19,7 @@ use super::{Ctx, Names, Progress, Ticker, baselines, ceilings, cpu, latency};
 
 /// The system's databases (URL and pool of each), the run's topics and groups, and where its
 /// children log.
-pub struct SystemDbs<'a> {
+pub(super) struct SystemDbs<'a> {
     pub orders_url: String,
     pub orders: PgPool,
     /// The CDC relay's orders database (its slot is the run's).
@@ -38,7 +38,7 @@ pub struct SystemDbs<'a> {
 }
 
 /// An orders database and its settlement database.
-pub struct Pipeline {
+pub(super) struct Pipeline {
     pub orders_url: String,
     pub orders: PgPool,
     pub settle_url: String,
@@ -78,7 +78,7 @@ impl Running {
 /// The system phases and the ceilings that bracket them, in [`PHASES`](plan::PHASES) order. A
 /// phase that fails or passes its deadline is reported; the ones that need it are skipped, the
 /// others run.
-pub async fn run(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
+pub(super) async fn run(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     let (backlog, pad) = (c.args.backlog, c.pad);
     c.guarded(Phase::Backlog, async |_| {
         pg::fill_backlog(&dbs.orders, "b-", backlog, pad).await

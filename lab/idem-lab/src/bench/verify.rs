@@ -11,7 +11,7 @@ use super::pg::Databases;
 
 /// Options of `idem-lab bench verify`.
 #[derive(Args, Debug)]
-pub struct VerifyBenchArgs {
+pub(super) struct VerifyBenchArgs {
     /// PostgreSQL server URL (any database on it); the bench creates and drops its own.
     #[arg(long, env = "IDEM_BENCH_DB", default_value = super::DEFAULT_DB)]
     db: String,
@@ -26,7 +26,7 @@ pub struct VerifyBenchArgs {
 /// Peak RSS target of `idem verify`, bytes.
 const VERIFY_RSS_TARGET: u64 = 100 * 1024 * 1024;
 
-pub async fn run(args: VerifyBenchArgs) -> anyhow::Result<()> {
+pub(super) async fn run(args: VerifyBenchArgs) -> anyhow::Result<()> {
     let mut dbs = Databases::new(&args.db);
     let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {

@@ -18,20 +18,20 @@ use serde::Serialize;
 /// A drain slower than this is a crawl: the claim's cost depends on statistics the burst made
 /// stale (normal rates on this kind of machine are several times higher, under faults
 /// included; the crawl it guards against ran at 75 to 100 rows/s).
-pub const MIN_ROWS_PER_SECOND: f64 = 200.0;
+pub(super) const MIN_ROWS_PER_SECOND: f64 = 200.0;
 
 /// The aggregate type (and topic suffix) of the burst's events.
-pub const AGGREGATE_TYPE: &str = "burst";
+pub(super) const AGGREGATE_TYPE: &str = "burst";
 
 /// The burst's size for a run of `seconds`: 250 events per second of the run, at most 20 000
 /// (the size at which the crawl was found).
-pub fn rows_for(seconds: u64) -> i64 {
+pub(super) fn rows_for(seconds: u64) -> i64 {
     i64::try_from(seconds.saturating_mul(250).min(20_000)).unwrap_or(20_000)
 }
 
 /// What the report says of the burst.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
-pub struct Burst {
+pub(crate) struct Burst {
     /// Events written before the relays started.
     pub rows: i64,
     /// Seconds from the first of them published to the last (`None`: not all by the end of the
@@ -41,14 +41,14 @@ pub struct Burst {
 
 impl Burst {
     /// Rows per second, once drained.
-    pub fn rate(&self) -> Option<f64> {
+    pub(crate) fn rate(&self) -> Option<f64> {
         let rows = f64::from(u32::try_from(self.rows).unwrap_or(u32::MAX));
         self.drained_seconds
             .map(|s| rows / s.max(CHECK_EVERY.as_secs_f64()))
     }
 
     /// Why the burst fails the run, if it does.
-    pub fn shortfall(&self) -> Option<String> {
+    pub(crate) fn shortfall(&self) -> Option<String> {
         if self.rows == 0 {
             return None;
         }
@@ -74,7 +74,7 @@ SELECT gen_random_uuid(), 'burst', $1 || n, 'burst.written', jsonb_build_object(
 FROM generate_series(1, $2::bigint) AS n";
 
 /// Writes `rows` events of aggregates `<prefix>N` in one transaction.
-pub async fn write(orders: &AnyPool, prefix: &str, rows: i64) -> anyhow::Result<()> {
+pub(super) async fn write(orders: &AnyPool, prefix: &str, rows: i64) -> anyhow::Result<()> {
     let AnyPool::Postgres(pool) = orders else {
         anyhow::bail!("the burst is written with PostgreSQL's SQL");
     };
@@ -87,7 +87,7 @@ pub async fn write(orders: &AnyPool, prefix: &str, rows: i64) -> anyhow::Result<
 }
 
 /// How many of the burst's events are still pending.
-pub async fn pending(orders: &AnyPool) -> anyhow::Result<i64> {
+pub(super) async fn pending(orders: &AnyPool) -> anyhow::Result<i64> {
     let AnyPool::Postgres(pool) = orders else {
         anyhow::bail!("the burst is read with PostgreSQL's SQL");
     };
@@ -99,7 +99,7 @@ pub async fn pending(orders: &AnyPool) -> anyhow::Result<i64> {
 }
 
 /// How often the injection loop looks at the burst.
-pub const CHECK_EVERY: Duration = Duration::from_secs(1);
+pub(super) const CHECK_EVERY: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {

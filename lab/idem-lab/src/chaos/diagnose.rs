@@ -38,7 +38,7 @@ const SETTLEMENT_QUERIES: &[(&str, &str)] = &[
 ];
 
 /// Writes the diagnosis; a failure to write it is logged, never fatal.
-pub async fn write(pipe: &Pipeline<'_>, procs: &mut [Proc], dir: &Path) {
+pub(super) async fn write(pipe: &Pipeline<'_>, procs: &mut [Proc], dir: &Path) {
     let mut out = String::new();
     let _ = writeln!(out, "== processes");
     for p in procs.iter_mut() {

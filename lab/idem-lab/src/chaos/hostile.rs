@@ -38,7 +38,7 @@ struct Row {
 }
 
 /// The consumer groups that read the run's topic: each must account for a published row.
-pub const GROUPS: [&str; 2] = ["settlement", "audit"];
+pub(super) const GROUPS: [&str; 2] = ["settlement", "audit"];
 
 use Expect::{Contained, Either, Refused};
 
@@ -79,11 +79,11 @@ const CATALOGUE: &[(&str, Expect, &str, &str, &str, &str)] = &[
 
 /// The topic an ACL denies the run's principal in a secured run (`--tls`): the relays must
 /// park its row as one they may not write.
-pub const DENIED_TOPIC: &str = "chaos-denied-topic";
+pub(super) const DENIED_TOPIC: &str = "chaos-denied-topic";
 
 /// The consumers' business rule: payments named `refused-by-rule-…` are refused with `RAISE
 /// EXCEPTION` (P0001), by the settlement and the audit tables alike.
-pub const BUSINESS_RULE: &str = r"
+pub(super) const BUSINESS_RULE: &str = r"
 CREATE OR REPLACE FUNCTION chaos_business_rule() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF NEW.payment_id LIKE 'refused-by-rule-%' THEN
@@ -99,7 +99,7 @@ CREATE TRIGGER chaos_business_rule BEFORE INSERT ON audit_log
 ";
 
 /// Installs [`BUSINESS_RULE`] in the consumers' database.
-pub async fn install_business_rule(settlement: &AnyPool) -> anyhow::Result<()> {
+pub(super) async fn install_business_rule(settlement: &AnyPool) -> anyhow::Result<()> {
     let AnyPool::Postgres(pool) = settlement else {
         anyhow::bail!("the business rule is PostgreSQL's PL/pgSQL");
     };
@@ -223,14 +223,14 @@ async fn run_transaction(
 
 /// A stored hostile row, to be accounted for when the run settles.
 #[derive(Clone, Debug)]
-pub struct Accepted {
+pub(super) struct Accepted {
     pub name: String,
     pub event_id: String,
 }
 
 /// One round's result.
 #[derive(Debug, Default)]
-pub struct Round {
+pub(super) struct Round {
     pub accepted: Vec<Accepted>,
     pub refused: usize,
     /// Rows the contract treated otherwise than it should.
@@ -239,7 +239,11 @@ pub struct Round {
 
 /// Inserts one round of the catalogue into the orders database (PostgreSQL); `denied`: the run
 /// has [`DENIED_TOPIC`], and a row names it.
-pub async fn insert_round(orders: &AnyPool, round: u64, denied: bool) -> anyhow::Result<Round> {
+pub(super) async fn insert_round(
+    orders: &AnyPool,
+    round: u64,
+    denied: bool,
+) -> anyhow::Result<Round> {
     let AnyPool::Postgres(pool) = orders else {
         anyhow::bail!("hostile rows are written with PostgreSQL's SQL");
     };
@@ -316,7 +320,7 @@ pub async fn insert_round(orders: &AnyPool, round: u64, denied: bool) -> anyhow:
 
 /// Where a stored hostile row ended.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Fate {
+pub(super) struct Fate {
     /// `pending`, `published` or `parked`.
     pub status: String,
     /// The relay's reason, when parked.
@@ -326,7 +330,7 @@ pub struct Fate {
 }
 
 /// Whether a row's fate is final and contained; `Err` says what is still open.
-pub fn contained(f: &Fate) -> Result<String, String> {
+pub(super) fn contained(f: &Fate) -> Result<String, String> {
     match f.status.as_str() {
         "parked" => match &f.last_error {
             Some(reason) if !reason.is_empty() => Ok(format!("parked: {reason}")),
@@ -364,7 +368,7 @@ fn describe_groups(f: &Fate) -> String {
 }
 
 /// Reads where each accepted row ended.
-pub async fn fates(
+pub(super) async fn fates(
     orders: &AnyPool,
     settlement: &AnyPool,
     accepted: &[Accepted],

@@ -17,7 +17,7 @@ use crate::demo::world::Databases;
 use idem_conformance::private_pg::PrivatePg;
 
 /// The counters scraped from the processes' metrics.
-pub const COUNTERS: [&str; 5] = [
+pub(super) const COUNTERS: [&str; 5] = [
     "idem_duplicate_delivery_total",
     "idem_duplicate_skip_total",
     "idem_outbox_republish_total",
@@ -27,7 +27,7 @@ pub const COUNTERS: [&str; 5] = [
 ];
 
 /// What the injection phase leaves for settling and the report.
-pub struct Injected {
+pub(super) struct Injected {
     /// Faults by kind.
     pub faults: BTreeMap<String, u64>,
     /// The hostile rows the outbox stored.
@@ -41,7 +41,7 @@ pub struct Injected {
 }
 
 /// The run's processes and where they report.
-pub struct World<'a> {
+pub(super) struct World<'a> {
     /// The supervised processes, brokers first.
     pub procs: &'a mut [Proc],
     /// The databases.
@@ -83,7 +83,7 @@ struct Timers {
 }
 
 /// Injects faults until `seconds` have passed.
-pub async fn inject(
+pub(super) async fn inject(
     w: &mut World<'_>,
     seconds: u64,
     mechanism: Option<&str>,
@@ -421,7 +421,7 @@ fn timeline_line(crash_log: &Path, what: &str) {
 }
 
 /// Appends `what`, stamped with the time, to the fault timeline at `path`.
-pub fn append_timeline(path: &Path, what: &str) {
+pub(super) fn append_timeline(path: &Path, what: &str) {
     let line = format!("{} {what}\n", chrono::Utc::now().format("%H:%M:%S%.3f"));
     let appended = std::fs::OpenOptions::new()
         .create(true)

@@ -14,7 +14,7 @@ use crate::broker::script;
 
 /// A prepared cluster: its bootstrap list, its directory and one process per node (not
 /// started).
-pub struct Prepared {
+pub(crate) struct Prepared {
     pub bootstrap: String,
     pub dir: std::path::PathBuf,
     pub nodes: Vec<Proc>,
@@ -24,7 +24,7 @@ pub struct Prepared {
 /// whose client listener is SASL_SSL (`--security sasl_ssl`: a PKI and SCRAM users made for the
 /// run, in `dir/kafka/pki` and `dir/kafka/users`) — and builds their processes (named
 /// `kafka-N`, N the node id).
-pub fn prepare(nodes: usize, dir: &Path, secured: bool) -> anyhow::Result<Prepared> {
+pub(crate) fn prepare(nodes: usize, dir: &Path, secured: bool) -> anyhow::Result<Prepared> {
     let kafka_dir = dir.join("kafka");
     let script = script();
     let mut cmd = Command::new(&script);
@@ -79,7 +79,7 @@ pub fn prepare(nodes: usize, dir: &Path, secured: bool) -> anyhow::Result<Prepar
 }
 
 /// Waits until the cluster of `kafka` reports `nodes` brokers.
-pub async fn wait_ready(
+pub(crate) async fn wait_ready(
     kafka: &idem_kafka::Connection,
     nodes: usize,
     timeout: Duration,
@@ -106,7 +106,7 @@ pub async fn wait_ready(
 
 /// A broker fault, by node id (1-based).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BrokerFault {
+pub(crate) enum BrokerFault {
     /// SIGKILL the only node and restart it.
     Kill(i32),
     /// SIGKILL the leader of a partition in use and restart it.
@@ -119,7 +119,7 @@ pub enum BrokerFault {
 
 impl BrokerFault {
     /// The name the report counts it under.
-    pub fn kind(self) -> &'static str {
+    pub(crate) fn kind(self) -> &'static str {
         match self {
             BrokerFault::Kill(_) => "broker_kill",
             BrokerFault::LeaderKill(_) => "leader_kill",
@@ -134,7 +134,7 @@ impl BrokerFault {
 /// leader of `partition` killed, or one of its in-sync followers paused, every other time
 /// (`roll` even: kill). `None` when the partition has no leader or no in-sync follower, which
 /// means the cluster is still recovering from the last fault.
-pub fn choose(
+pub(crate) fn choose(
     nodes: usize,
     roll: u64,
     first: bool,

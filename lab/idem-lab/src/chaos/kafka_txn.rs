@@ -26,7 +26,7 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 /// Options of the Kafka-transactions settlement consumer.
 #[derive(Args, Debug)]
-pub struct KafkaTxnArgs {
+pub(crate) struct KafkaTxnArgs {
     #[command(flatten)]
     target: crate::lab_consumer::LabConsumerArgs,
     /// Record one points award intent per payment, as `idem-lab settlement --points-url` does.
@@ -36,7 +36,7 @@ pub struct KafkaTxnArgs {
 
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 
-pub async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
     if !crash::broken(crash::BREAK_KAFKA_TRANSACTIONS) {
         anyhow::bail!(
             "idem-lab kafka-txn-settlement is the chaos runner's negative control: it applies \

@@ -9,7 +9,7 @@ use idem_sql::AnyPool;
 
 /// What one lock did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Locked {
+pub(super) struct Locked {
     /// Pending rows locked.
     pub rows: i64,
     /// Sessions that waited on the lock and were terminated.
@@ -18,7 +18,7 @@ pub struct Locked {
 
 /// Locks the pending rows for `hold`, then terminates every session waiting on the lock and
 /// releases it.
-pub async fn lock_pending(orders: &AnyPool, hold: Duration) -> anyhow::Result<Locked> {
+pub(super) async fn lock_pending(orders: &AnyPool, hold: Duration) -> anyhow::Result<Locked> {
     let AnyPool::Postgres(pool) = orders else {
         anyhow::bail!("the outbox is locked with PostgreSQL's SQL");
     };

@@ -17,8 +17,8 @@ mod burst;
 mod diagnose;
 mod hostile;
 mod inject;
-pub mod kafka;
-pub mod kafka_txn;
+pub(crate) mod kafka;
+pub(crate) mod kafka_txn;
 mod locker;
 mod procs;
 mod report;
@@ -46,7 +46,7 @@ use procs::{Proc, Rng};
 use topology::Topology;
 
 #[derive(Args, Debug, Clone)]
-pub struct ChaosArgs {
+pub(crate) struct ChaosArgs {
     /// How long to inject faults.
     #[arg(long, default_value_t = 120)]
     pub seconds: u64,
@@ -119,7 +119,7 @@ pub struct ChaosArgs {
 
 /// The report.
 #[derive(Debug, Serialize)]
-pub struct ChaosReport {
+pub(crate) struct ChaosReport {
     pub ok: bool,
     pub failures: Vec<String>,
     pub seed: u64,
@@ -249,7 +249,7 @@ fn verify_config(urls: &[String; 3]) -> idem_verify::VerifyConfig {
     config
 }
 
-pub async fn run(args: ChaosArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     if !idem_core::crash::ENABLED {
         bail!("this idem binary was built without crash points (the `failpoints` feature)");
     }

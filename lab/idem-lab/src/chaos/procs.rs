@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 /// What a process is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Role {
+pub(crate) enum Role {
     Broker,
     Api,
     Writer,
@@ -21,10 +21,10 @@ pub enum Role {
 }
 
 /// Builds the command of incarnation `n`.
-pub type Build = Box<dyn Fn(u32) -> Command + Send>;
+pub(super) type Build = Box<dyn Fn(u32) -> Command + Send>;
 
 /// One supervised process.
-pub struct Proc {
+pub(crate) struct Proc {
     pub role: Role,
     pub name: String,
     build: Build,
@@ -58,7 +58,7 @@ impl Drop for Proc {
 }
 
 impl Proc {
-    pub fn new(role: Role, name: String, dir: &Path, build: Build) -> Self {
+    pub(crate) fn new(role: Role, name: String, dir: &Path, build: Build) -> Self {
         Proc {
             role,
             log: dir.join(format!("{name}.log")),
@@ -77,7 +77,7 @@ impl Proc {
     }
 
     /// Starts a new incarnation, with `env` added (a crash point to arm).
-    pub fn start(&mut self, env: &[(&str, String)]) -> anyhow::Result<()> {
+    pub(crate) fn start(&mut self, env: &[(&str, String)]) -> anyhow::Result<()> {
         self.incarnation += 1;
         let mut cmd = (self.build)(self.incarnation);
         let log = std::fs::OpenOptions::new()
@@ -109,17 +109,17 @@ impl Proc {
     }
 
     /// Is a crash point armed in the current incarnation (and still given time to fire)?
-    pub fn armed(&self, now: Instant) -> bool {
+    pub(crate) fn armed(&self, now: Instant) -> bool {
         self.armed_until.is_some_and(|t| now < t)
     }
 
-    pub fn pid(&self) -> Option<i32> {
+    pub(crate) fn pid(&self) -> Option<i32> {
         self.child.as_ref().and_then(|c| i32::try_from(c.id()).ok())
     }
 
     /// Sends `sig`. A `kill` that could not run is retried once and then logged: a lost
     /// SIGCONT would leave a process stopped for the rest of the run with no trace.
-    pub fn signal(&self, sig: i32) {
+    pub(crate) fn signal(&self, sig: i32) {
         let Some(pid) = self.pid() else { return };
         let send = || {
             Command::new("kill")
@@ -134,7 +134,7 @@ impl Proc {
     }
 
     /// Is the current incarnation still running? (Reaps it if not.)
-    pub fn running(&mut self) -> bool {
+    pub(crate) fn running(&mut self) -> bool {
         match &mut self.child {
             None => false,
             Some(c) => match c.try_wait() {
@@ -161,7 +161,7 @@ impl Proc {
         }
     }
 
-    pub fn kill9(&mut self) {
+    pub(crate) fn kill9(&mut self) {
         self.signal(9);
         if let Some(mut c) = self.child.take() {
             let _ = c.wait();
@@ -170,7 +170,7 @@ impl Proc {
     }
 
     /// Asks the process to stop (SIGTERM, after SIGCONT) and waits up to `timeout`.
-    pub fn stop(&mut self, timeout: Duration) -> bool {
+    pub(crate) fn stop(&mut self, timeout: Duration) -> bool {
         self.stopping = true;
         self.signal(18);
         self.signal(15);
@@ -186,7 +186,7 @@ impl Proc {
     }
 
     /// Lines of this process's log (every incarnation) that report a Rust panic.
-    pub fn panics(&self) -> Vec<String> {
+    pub(crate) fn panics(&self) -> Vec<String> {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         text.lines()
             .filter(|l| l.contains("panicked at"))
@@ -195,7 +195,7 @@ impl Proc {
     }
 
     /// The metrics address the current incarnation printed, if any.
-    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+    pub(crate) fn metrics_addr(&self) -> Option<SocketAddr> {
         let text = std::fs::read_to_string(&self.log).ok()?;
         let marker = format!("==== {} incarnation {} ", self.name, self.incarnation);
         let current = &text[text.rfind(&marker)?..];
@@ -209,7 +209,7 @@ impl Proc {
     }
 
     /// Records the current incarnation's counters named in `names`.
-    pub fn scrape(&mut self, names: &[&str]) {
+    pub(crate) fn scrape(&mut self, names: &[&str]) {
         let Some(addr) = self.metrics_addr() else {
             return;
         };
@@ -224,14 +224,14 @@ impl Proc {
     }
 
     /// The `idem_*` samples of its metrics now (none when it serves none or does not answer).
-    pub fn idem_metrics(&mut self) -> Option<String> {
+    pub(crate) fn idem_metrics(&mut self) -> Option<String> {
         let body = http_get(self.metrics_addr()?, "/metrics")?;
         let lines: Vec<&str> = body.lines().filter(|l| l.starts_with("idem_")).collect();
         Some(lines.join("\n"))
     }
 
     /// A counter summed over every incarnation's last scrape.
-    pub fn total(&self, name: &str) -> f64 {
+    pub(crate) fn total(&self, name: &str) -> f64 {
         self.scraped
             .values()
             .filter_map(|m| m.get(name))
@@ -263,14 +263,14 @@ fn metric_sum(body: &str, name: &str) -> f64 {
 }
 
 /// A small deterministic generator (SplitMix64): the seed fixes the fault schedule.
-pub struct Rng(u64);
+pub(super) struct Rng(u64);
 
 impl Rng {
-    pub fn new(seed: u64) -> Self {
+    pub(super) fn new(seed: u64) -> Self {
         Rng(seed ^ 0x5851_f42d_4c95_7f2d)
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub(super) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -279,12 +279,12 @@ impl Rng {
     }
 
     /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
+    pub(super) fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
 
     /// Uniform duration in `lo..hi`.
-    pub fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
+    pub(super) fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
         let span = hi.saturating_sub(lo).as_millis() as u64;
         lo + Duration::from_millis(self.below(span.max(1)))
     }

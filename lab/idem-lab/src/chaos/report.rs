@@ -28,7 +28,7 @@ struct Exact {
 }
 
 /// The run's place: its topology and its logs' directory.
-pub struct Run<'a> {
+pub(super) struct Run<'a> {
     /// What the processes connected to, and how.
     pub topology: &'a Topology,
     /// The logs.
@@ -39,7 +39,7 @@ pub struct Run<'a> {
 
 /// Collects the exact numbers, stops every process, and draws the verdict; a secured run's
 /// logs, complete once every process has stopped, are then searched for its passwords.
-pub async fn report(
+pub(super) async fn report(
     args: &ChaosArgs,
     pipe: &Pipeline<'_>,
     procs: &mut [Proc],
@@ -169,7 +169,7 @@ async fn exact(
 }
 
 /// Prints the report for a person.
-pub fn print(r: &ChaosReport) {
+pub(super) fn print(r: &ChaosReport) {
     println!();
     println!(
         "idem chaos (seed {}, {} s{}): {}",

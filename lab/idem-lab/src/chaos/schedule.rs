@@ -17,7 +17,7 @@ const BROKER_EVERY: Duration = Duration::from_secs(15);
 
 /// The kind of the next fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FaultKind {
+pub(super) enum FaultKind {
     /// Restart a process with a crash point armed.
     CrashPoint,
     /// SIGKILL a process; it is restarted shortly.
@@ -33,7 +33,7 @@ pub enum FaultKind {
 impl FaultKind {
     /// The name the report's `faults` counts it under (crash points and broker faults are
     /// counted under names of their own).
-    pub fn name(self) -> &'static str {
+    pub(super) fn name(self) -> &'static str {
         match self {
             FaultKind::CrashPoint => "crash_point",
             FaultKind::Sigkill => "sigkill",
@@ -46,7 +46,7 @@ impl FaultKind {
 
 /// What a process looks like to the schedule at one instant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Slot {
+pub(super) struct Slot {
     /// Its role.
     pub role: Role,
     /// Its current incarnation is alive.
@@ -59,7 +59,7 @@ pub struct Slot {
 
 /// One planned fault, drawn from the seed.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Plan {
+pub(super) enum Plan {
     /// SIGKILL process `proc` and restart it at once with `point` armed to fire at its `hit`th
     /// reach.
     Arm {
@@ -104,7 +104,7 @@ pub enum Plan {
 }
 
 /// The schedule's state between faults.
-pub struct Schedule {
+pub(super) struct Schedule {
     /// The crash points this run arms.
     points: &'static [&'static str],
     /// Every crash point, in a seeded order: each is armed early until it has fired once.
@@ -121,13 +121,13 @@ pub struct Schedule {
 impl Schedule {
     /// The schedule of a run started at `started`, breaking `mechanism` if any.
     #[cfg(test)]
-    pub fn new(started: Instant, mechanism: Option<&str>, rng: &mut Rng) -> Self {
+    pub(super) fn new(started: Instant, mechanism: Option<&str>, rng: &mut Rng) -> Self {
         Self::with_points(started, mechanism, rng, CRASH_POINTS)
     }
 
     /// A schedule arming `points` (the crash points of the pipeline the run has:
     /// [`run_points`]).
-    pub fn with_points(
+    pub(super) fn with_points(
         started: Instant,
         mechanism: Option<&str>,
         rng: &mut Rng,
@@ -144,12 +144,12 @@ impl Schedule {
     }
 
     /// Is a fault due at `now`?
-    pub fn due(&self, now: Instant) -> bool {
+    pub(super) fn due(&self, now: Instant) -> bool {
         now >= self.next_fault
     }
 
     /// The crash points of the first round that have not fired yet.
-    pub fn unfired(&self, fired: &BTreeMap<String, u64>) -> Vec<&'static str> {
+    pub(super) fn unfired(&self, fired: &BTreeMap<String, u64>) -> Vec<&'static str> {
         self.first_round
             .iter()
             .copied()
@@ -158,7 +158,7 @@ impl Schedule {
     }
 
     /// The kind of the fault due at `now`, given what `faults` counted so far.
-    pub fn kind(
+    pub(super) fn kind(
         &mut self,
         now: Instant,
         unfired: &[&str],
@@ -180,7 +180,7 @@ impl Schedule {
 
     /// Plans a crash point: the unfired one armed least often so far (a negative control's
     /// window every other time), in a process of its role that has none armed.
-    pub fn crash_point(
+    pub(super) fn crash_point(
         &self,
         unfired: &[&'static str],
         faults: &BTreeMap<String, u64>,
@@ -202,7 +202,7 @@ impl Schedule {
 
     /// Records that a fault was carried out at `now` (`broker`: a broker fault) and draws when
     /// the next one is due.
-    pub fn done(&mut self, now: Instant, broker: bool, rng: &mut Rng) {
+    pub(super) fn done(&mut self, now: Instant, broker: bool, rng: &mut Rng) {
         if broker {
             self.last_broker_fault = now;
         }
@@ -211,7 +211,7 @@ impl Schedule {
     }
 
     /// Puts the next fault off: `after` from `now`, or at once.
-    pub fn retry(&mut self, now: Instant, after: Option<Duration>) {
+    pub(super) fn retry(&mut self, now: Instant, after: Option<Duration>) {
         if let Some(after) = after {
             self.next_fault = now + after;
         }
@@ -220,7 +220,7 @@ impl Schedule {
 
 /// The crash points of a run's pipeline: the polling relay's and the rest, or with `cdc` the
 /// CDC relay's instead of the polling relay's.
-pub fn run_points(cdc: bool) -> &'static [&'static str] {
+pub(super) fn run_points(cdc: bool) -> &'static [&'static str] {
     if cdc { CDC_RUN_POINTS } else { CRASH_POINTS }
 }
 
@@ -234,7 +234,7 @@ const CDC_RUN_POINTS: &[&str] = &[
 ];
 
 /// Every crash point of `points`, shuffled by the seed (Fisher–Yates).
-pub fn first_round(rng: &mut Rng, points: &'static [&'static str]) -> Vec<&'static str> {
+pub(super) fn first_round(rng: &mut Rng, points: &'static [&'static str]) -> Vec<&'static str> {
     let mut round: Vec<&'static str> = points.to_vec();
     for i in (1..round.len()).rev() {
         round.swap(i, rng.below(i as u64 + 1) as usize);
@@ -243,7 +243,7 @@ pub fn first_round(rng: &mut Rng, points: &'static [&'static str]) -> Vec<&'stat
 }
 
 /// Whether no broker fault happened yet (the first is not left to the dice).
-pub fn first_broker_fault(faults: &BTreeMap<String, u64>) -> bool {
+pub(super) fn first_broker_fault(faults: &BTreeMap<String, u64>) -> bool {
     !faults.keys().any(|k| is_broker_fault(k))
 }
 
@@ -258,7 +258,7 @@ const EVERY_RUN_SIGNALS: [FaultKind; 3] = [
 
 /// `kind`, unless it is a signal (or a restart) while one of [`EVERY_RUN_SIGNALS`] never
 /// happened: then the first that never did.
-pub fn first_of_each_signal(kind: FaultKind, faults: &BTreeMap<String, u64>) -> FaultKind {
+pub(super) fn first_of_each_signal(kind: FaultKind, faults: &BTreeMap<String, u64>) -> FaultKind {
     if !EVERY_RUN_SIGNALS.contains(&kind) {
         return kind;
     }
@@ -270,7 +270,7 @@ pub fn first_of_each_signal(kind: FaultKind, faults: &BTreeMap<String, u64>) -> 
 
 /// The kind of a fault from the dice (`roll` below 100) and the run's state: the first broker
 /// fault as soon as one is due, crash points every other tick while some never fired, then a mix.
-pub fn choose_kind(
+pub(super) fn choose_kind(
     roll: u64,
     tick: u64,
     all_fired: bool,
@@ -320,13 +320,13 @@ fn armed_count(faults: &BTreeMap<String, u64>, point: &str) -> u64 {
 }
 
 /// The `faults` key counting how often `point` was armed.
-pub fn armed_key(point: &str) -> String {
+pub(super) fn armed_key(point: &str) -> String {
     format!("crash_point_armed:{point}")
 }
 
 /// Plans a broker fault. `partition` is the partition in use drawn from `partitions` (three
 /// nodes only); `all_up`: every node runs unpaused (one fault at a time).
-pub fn broker(
+pub(super) fn broker(
     nodes: usize,
     partitions: Option<&[PartitionInfo]>,
     all_up: bool,
@@ -355,7 +355,7 @@ pub fn broker(
 
 /// Plans a signal fault (`kind`: sigkill, sigstop or a graceful restart) at any process but the
 /// brokers; a dead, paused or armed one is spared (retry shortly).
-pub fn signal(kind: FaultKind, slots: &[Slot], rng: &mut Rng) -> Plan {
+pub(super) fn signal(kind: FaultKind, slots: &[Slot], rng: &mut Rng) -> Plan {
     let others: Vec<usize> = (0..slots.len())
         .filter(|i| slots[*i].role != Role::Broker)
         .collect();
@@ -381,7 +381,7 @@ pub fn signal(kind: FaultKind, slots: &[Slot], rng: &mut Rng) -> Plan {
 
 /// What supervision does with a process that is not running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Revival {
+pub(super) enum Revival {
     /// Its restart is due: start it.
     Start,
     /// Its restart is planned for later.
@@ -391,7 +391,7 @@ pub enum Revival {
 }
 
 /// The revival of a process that is not running, whose restart was planned for `restart_at`.
-pub fn revival(restart_at: Option<Instant>, now: Instant, rng: &mut Rng) -> Revival {
+pub(super) fn revival(restart_at: Option<Instant>, now: Instant, rng: &mut Rng) -> Revival {
     match restart_at {
         Some(t) if now >= t => Revival::Start,
         Some(_) => Revival::Wait,
@@ -400,22 +400,22 @@ pub fn revival(restart_at: Option<Instant>, now: Instant, rng: &mut Rng) -> Revi
 }
 
 /// When the next round of hostile rows comes: in 20 to 40 s.
-pub fn hostile_interval(rng: &mut Rng) -> Duration {
+pub(super) fn hostile_interval(rng: &mut Rng) -> Duration {
     rng.between(Duration::from_secs(20), Duration::from_secs(40))
 }
 
 /// When the outbox's pending rows are locked next: in 20 to 40 s.
-pub fn lock_interval(rng: &mut Rng) -> Duration {
+pub(super) fn lock_interval(rng: &mut Rng) -> Duration {
     rng.between(Duration::from_secs(20), Duration::from_secs(40))
 }
 
 /// How long a lock of the outbox's pending rows is held before its waiters are terminated.
-pub fn lock_hold(rng: &mut Rng) -> Duration {
+pub(super) fn lock_hold(rng: &mut Rng) -> Duration {
     rng.between(Duration::from_secs(1), Duration::from_secs(4))
 }
 
 /// The role of the processes that reach `point`.
-pub fn role_of_point(point: &str) -> Role {
+pub(super) fn role_of_point(point: &str) -> Role {
     if point.starts_with("relay.") || point.starts_with("cdc.") {
         Role::Relay
     } else if point.starts_with("consumer.") {
@@ -426,7 +426,7 @@ pub fn role_of_point(point: &str) -> Role {
 }
 
 /// The crash point whose window a broken mechanism turns into a violation.
-pub fn window_of(mechanism: &str) -> Option<&'static str> {
+pub(super) fn window_of(mechanism: &str) -> Option<&'static str> {
     match mechanism {
         c::BREAK_MARK_BEFORE_REPORT => Some(c::RELAY_AFTER_CLAIM_BEFORE_PUBLISH),
         c::BREAK_OFFSET_BEFORE_COMMIT => Some(c::CONSUMER_AFTER_DEDUP_BEFORE_HANDLER),
@@ -438,7 +438,7 @@ pub fn window_of(mechanism: &str) -> Option<&'static str> {
 }
 
 /// Whether a `faults` key counts a broker fault.
-pub fn is_broker_fault(kind: &str) -> bool {
+pub(super) fn is_broker_fault(kind: &str) -> bool {
     matches!(
         kind,
         "broker_kill" | "broker_pause" | "leader_kill" | "follower_pause"

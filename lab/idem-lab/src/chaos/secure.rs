@@ -26,7 +26,7 @@ const MECHANISM: SaslMechanism = SaslMechanism::ScramSha512;
 
 /// The role the processes reach PostgreSQL as, and its password.
 #[derive(Clone, Debug)]
-pub struct DbRole {
+pub(super) struct DbRole {
     /// The role's name (an SQL identifier: letters, digits, `_`).
     pub name: String,
     password: Secret,
@@ -34,7 +34,7 @@ pub struct DbRole {
 
 impl DbRole {
     /// Role `name` with the password held in `password_file` (one trailing newline dropped).
-    pub fn new(name: &str, password_file: &Path) -> anyhow::Result<DbRole> {
+    pub(super) fn new(name: &str, password_file: &Path) -> anyhow::Result<DbRole> {
         let identifier = name
             .chars()
             .next()
@@ -54,7 +54,7 @@ impl DbRole {
 
     /// The URL of this role on database `db` of the server of `admin` (its host, port and query
     /// parameters: `sslmode`, `sslrootcert`), the password percent-encoded in it.
-    pub fn url(&self, admin: &str, db: &str) -> anyhow::Result<String> {
+    pub(super) fn url(&self, admin: &str, db: &str) -> anyhow::Result<String> {
         let server = idem_sql::PgUrl::parse(admin)?;
         let host = if server.host.contains(':') {
             format!("[{}]", server.host)
@@ -88,7 +88,7 @@ fn percent_encoded(s: &str) -> String {
 }
 
 /// Refuses a `--db` that `--tls` cannot use: it must verify the server fully.
-pub fn check_admin_url(admin: &str) -> anyhow::Result<()> {
+pub(super) fn check_admin_url(admin: &str) -> anyhow::Result<()> {
     let url = idem_sql::PgUrl::parse(admin)?;
     if url.tls.mode != idem_sql::SslMode::VerifyFull {
         bail!(
@@ -102,7 +102,7 @@ pub fn check_admin_url(admin: &str) -> anyhow::Result<()> {
 
 /// What the processes of a secured run are given, and what the run checks afterwards.
 #[derive(Clone, Debug)]
-pub struct Secured {
+pub(super) struct Secured {
     /// The `IDEM_KAFKA_*` settings of the processes that use Kafka (the password in a file).
     pub kafka_env: Vec<(&'static str, String)>,
     /// The files holding the orders, settlement and points URLs (with the role's password):
@@ -128,7 +128,7 @@ impl Secured {
     /// The secured run over the Kafka prepared in `kafka_dir` (`scripts/kafka prepare
     /// --security sasl_ssl`) and the databases `urls` of `role`; its secret files go to
     /// `dir/secrets`. Returns it and the runner's own Kafka connection.
-    pub fn new(
+    pub(super) fn new(
         kafka_dir: &Path,
         bootstrap: &str,
         dir: &Path,
@@ -220,7 +220,7 @@ impl Secured {
 
     /// The backends on the run's databases now: how many, how many in clear, how many not of
     /// the run's role (`pg_stat_ssl`, read as the role: it sees its own backends' TLS state).
-    pub async fn backends(&self, dbs: &Databases) -> anyhow::Result<Backends> {
+    pub(super) async fn backends(&self, dbs: &Databases) -> anyhow::Result<Backends> {
         let sql = "SELECT count(*)::bigint, \
                           count(*) FILTER (WHERE s.ssl IS NOT TRUE)::bigint, \
                           count(*) FILTER (WHERE a.usename IS DISTINCT FROM $1)::bigint \
@@ -245,7 +245,7 @@ impl Secured {
 
     /// Whether a broker's log names the SCRAM principal (`User:<user>`): the broker
     /// authorized requests of that login.
-    pub fn principal_logged(&self) -> bool {
+    pub(super) fn principal_logged(&self) -> bool {
         let principal = format!("User:{}", self.scram_user);
         self.broker_logs
             .iter()
@@ -254,7 +254,13 @@ impl Secured {
 
     /// The report of the secured run: what was secured how, what `pg_stat_ssl` showed, and
     /// the search of every log in `dir` for every password of the run.
-    pub fn report(&self, kafka: &Connection, api: &str, backends: Backends, dir: &Path) -> Tls {
+    pub(super) fn report(
+        &self,
+        kafka: &Connection,
+        api: &str,
+        backends: Backends,
+        dir: &Path,
+    ) -> Tls {
         Tls {
             kafka: format!(
                 "{} {} as {}",
@@ -284,7 +290,7 @@ fn write_secret(path: &Path, value: &str) -> anyhow::Result<()> {
 
 /// The backends of the run's databases, as `pg_stat_ssl` showed them.
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
-pub struct Backends {
+pub(crate) struct Backends {
     /// Every backend.
     pub all: u64,
     /// Backends without TLS.
@@ -295,7 +301,7 @@ pub struct Backends {
 
 /// The search of a run's logs for its secrets.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
-pub struct LogSearch {
+pub(crate) struct LogSearch {
     /// Secrets searched for.
     pub secrets: usize,
     /// Log files searched.
@@ -308,7 +314,7 @@ pub struct LogSearch {
 
 /// What a secured run reports.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct Tls {
+pub(crate) struct Tls {
     /// How Kafka was reached: `SASL_SSL SCRAM-SHA-512 as <user>`.
     pub kafka: String,
     /// How PostgreSQL was reached: `verify-full as <role>`.
@@ -324,7 +330,7 @@ pub struct Tls {
 }
 
 /// Why a secured run's connections or logs fail it; none: secured as it should be.
-pub fn shortfalls(tls: &Tls) -> Vec<String> {
+pub(super) fn shortfalls(tls: &Tls) -> Vec<String> {
     let mut out = vec![];
     let b = tls.pg_backends;
     if b.all == 0 {
@@ -357,7 +363,7 @@ pub fn shortfalls(tls: &Tls) -> Vec<String> {
 /// Searches every log under `dir` — the processes' logs, `faults.log`, `crashes.log`,
 /// `diagnosis.txt`, the brokers' logs — for each of `secrets`. The brokers' data and the
 /// run's PKI and secret files are not logs and are left out.
-pub fn search(dir: &Path, secrets: &[Secret]) -> LogSearch {
+pub(super) fn search(dir: &Path, secrets: &[Secret]) -> LogSearch {
     let mut out = LogSearch {
         secrets: secrets.len(),
         ..LogSearch::default()

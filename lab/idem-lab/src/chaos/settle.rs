@@ -15,7 +15,7 @@ const QUIET_CHECKS: u32 = 5;
 
 /// What moves while the pipeline settles: when none of it changes, nothing will.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Progress {
+pub(super) struct Progress {
     /// Missing effects (quick verification).
     pub lost: u64,
     /// Duplicate effects (quick verification).
@@ -32,7 +32,7 @@ pub struct Progress {
 
 /// What one settle check found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SettleStep {
+pub(super) enum SettleStep {
     /// Still moving (or not quiet long enough): check again.
     Moving,
     /// Nothing moved for [`QUIET_CHECKS`] checks and nothing is pending: settled, unless some
@@ -44,19 +44,19 @@ pub enum SettleStep {
 
 /// The settle condition: clean, or quiet with nothing waiting.
 #[derive(Debug, Default)]
-pub struct Settler {
+pub(super) struct Settler {
     last: Option<Progress>,
     stable: u32,
 }
 
 impl Settler {
     /// A clean verification with every hostile row contained has settled.
-    pub fn clean(verify_clean: bool, hostile_open: usize) -> bool {
+    pub(super) fn clean(verify_clean: bool, hostile_open: usize) -> bool {
         verify_clean && hostile_open == 0
     }
 
     /// One check of a pipeline that is not clean yet.
-    pub fn observe(&mut self, p: Progress) -> SettleStep {
+    pub(super) fn observe(&mut self, p: Progress) -> SettleStep {
         if self.last == Some(p) {
             self.stable += 1;
         } else {
@@ -74,7 +74,7 @@ impl Settler {
     /// topic for a group that has not consumed them. A consumer coming back from a broker fault
     /// (reconnect backoff, session and poll timeouts of 10 s each) can take longer than the
     /// quiet checks: then wait on, up to the deadline.
-    pub fn waiting(&mut self, waiting: u64) -> SettleStep {
+    pub(super) fn waiting(&mut self, waiting: u64) -> SettleStep {
         if waiting == 0 {
             SettleStep::Settled
         } else {
@@ -86,7 +86,7 @@ impl Settler {
 
 /// Stops injecting: closes the windows, resumes the paused, stops the writers, restarts the
 /// dead.
-pub async fn stop_faults(windows: &mut Windows, procs: &mut [Proc]) -> anyhow::Result<()> {
+pub(super) async fn stop_faults(windows: &mut Windows, procs: &mut [Proc]) -> anyhow::Result<()> {
     eprintln!("idem chaos: faults stopped; waiting for the pipeline to settle");
     windows.close(procs).await?;
     for p in procs.iter_mut() {
@@ -111,7 +111,7 @@ fn restart_dead(procs: &mut [Proc]) -> anyhow::Result<()> {
 }
 
 /// The run's pipeline, as the settle phase sees it.
-pub struct Pipeline<'a> {
+pub(super) struct Pipeline<'a> {
     /// The databases.
     pub dbs: &'a Databases,
     /// The brokers' bootstrap address and security.
@@ -127,7 +127,7 @@ pub struct Pipeline<'a> {
 }
 
 /// How settling ended.
-pub struct Settled {
+pub(super) struct Settled {
     /// It settled before the deadline.
     pub live: bool,
     /// How long it took (or the deadline).
@@ -137,7 +137,7 @@ pub struct Settled {
 }
 
 /// Waits until the pipeline settles, up to `deadline`.
-pub async fn settle(
+pub(super) async fn settle(
     pipe: &Pipeline<'_>,
     procs: &mut [Proc],
     deadline: Duration,

@@ -12,7 +12,7 @@ use crate::demo::world::Databases;
 use idem_sql::AnyPool;
 
 /// Copies in the topic beyond the first per event id (`ce_id`).
-pub fn duplicates(records: &[Record]) -> i64 {
+pub(super) fn duplicates(records: &[Record]) -> i64 {
     let ids: std::collections::HashSet<&str> = records
         .iter()
         .filter_map(|r| r.header(idem_core::wire::CE_ID))
@@ -21,7 +21,7 @@ pub fn duplicates(records: &[Record]) -> i64 {
 }
 
 /// Every record of the run's topic (an error when the topic cannot be read).
-pub async fn read(
+pub(super) async fn read(
     kafka: &Connection,
     topic: &str,
 ) -> anyhow::Result<idem_core::Result<Vec<Record>>> {
@@ -34,7 +34,7 @@ pub async fn read(
 
 /// Per check, the missing effects whose events their group has not consumed yet. A points
 /// award is downstream of the settlement group (the settlement handler records its intent).
-pub async fn unconsumed(
+pub(super) async fn unconsumed(
     kafka: &Connection,
     topic: &str,
     records: &[Record],

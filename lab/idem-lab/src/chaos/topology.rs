@@ -16,7 +16,7 @@ use super::windows;
 
 /// What the processes of a run connect to.
 #[derive(Clone, Debug)]
-pub struct Topology {
+pub(super) struct Topology {
     /// The orders database (writers, relays).
     pub orders_url: String,
     /// The settlement database (consumers, dispatcher).
@@ -45,17 +45,17 @@ pub struct Topology {
 
 impl Topology {
     /// The topic of the burst written before the relays start (no consumer reads it).
-    pub fn burst_topic(&self) -> String {
+    pub(super) fn burst_topic(&self) -> String {
         format!("{}{}", self.prefix, super::burst::AGGREGATE_TYPE)
     }
 
     /// The crash points of this run's pipeline.
-    pub fn points(&self) -> &'static [&'static str] {
+    pub(super) fn points(&self) -> &'static [&'static str] {
         super::schedule::run_points(self.cdc_slot.is_some())
     }
 
     /// The points API's base URL: HTTPS in a secured run.
-    pub fn api_base(&self) -> String {
+    pub(super) fn api_base(&self) -> String {
         let scheme = if self.secure.is_some() {
             "https"
         } else {
@@ -67,7 +67,7 @@ impl Topology {
 
 /// One process to supervise: `{n}` in its arguments becomes its incarnation.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Spec {
+pub(super) struct Spec {
     /// Its role.
     pub role: Role,
     /// Its name (and its log's).
@@ -85,7 +85,7 @@ fn strings(v: &[&str]) -> Vec<String> {
 /// The pipeline's processes, brokers aside, in the order the schedule indexes them: the points
 /// API, two order writers, two relays, two settlement consumers, the audit consumer, the effect
 /// dispatcher. In a secured run each is then [`secured`].
-pub fn specs(t: &Topology) -> Vec<Spec> {
+pub(super) fn specs(t: &Topology) -> Vec<Spec> {
     let spec = |role, name: String, argv| Spec {
         role,
         name,
@@ -276,7 +276,7 @@ fn dispatcher(t: &Topology) -> Vec<String> {
 }
 
 /// A free loopback port.
-pub fn free_port() -> anyhow::Result<u16> {
+pub(super) fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
@@ -296,7 +296,11 @@ fn idem_cmd(args: &[&str], env: &[(&str, String)]) -> anyhow::Result<Command> {
 }
 
 /// A supervised process of `spec`, every incarnation with `env`.
-pub fn spawn(spec: Spec, dir: &Path, env: &[(&'static str, String)]) -> anyhow::Result<Proc> {
+pub(super) fn spawn(
+    spec: Spec,
+    dir: &Path,
+    env: &[(&'static str, String)],
+) -> anyhow::Result<Proc> {
     // Fail now on an unusable binary path rather than inside the closure.
     idem_cmd(&[], &[])?;
     let Spec {
@@ -325,7 +329,7 @@ pub fn spawn(spec: Spec, dir: &Path, env: &[(&'static str, String)]) -> anyhow::
 /// Starts the brokers, waits for them, creates the topics (the events' and the burst's,
 /// replicated as production topics should be: min(3, nodes) copies), then starts everything
 /// else.
-pub async fn start(
+pub(super) async fn start(
     procs: &mut [Proc],
     t: &Topology,
     nodes: usize,

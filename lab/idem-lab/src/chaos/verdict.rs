@@ -9,7 +9,7 @@ use super::hostile;
 
 /// The numbers a verdict is drawn from.
 #[derive(Debug, Default)]
-pub struct Numbers {
+pub(super) struct Numbers {
     /// The pipeline settled before the deadline.
     pub live: bool,
     /// The settle deadline.
@@ -47,7 +47,7 @@ pub struct Numbers {
 
 impl Numbers {
     /// Missing effects that are not merely unconsumed: lost.
-    pub fn lost(&self) -> u64 {
+    pub(super) fn lost(&self) -> u64 {
         self.verify_lost.saturating_sub(self.unconsumed_total())
     }
 
@@ -58,7 +58,7 @@ impl Numbers {
 
 /// Why a chaos run failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Failure {
+pub(super) enum Failure {
     /// The pipeline did not settle within the deadline after the faults stopped.
     NotSettled(Duration),
     /// Executions of one Idempotency-Key overlapped.
@@ -137,7 +137,7 @@ impl fmt::Display for Failure {
 const FULL_RUN_SECONDS: u64 = 120;
 
 /// The failures of a run, in the order the report lists them; none: it passed.
-pub fn verdict(n: &Numbers) -> Vec<Failure> {
+pub(super) fn verdict(n: &Numbers) -> Vec<Failure> {
     let mut failures = vec![];
     if !n.live {
         failures.push(Failure::NotSettled(n.settle_deadline));
@@ -178,7 +178,7 @@ pub fn verdict(n: &Numbers) -> Vec<Failure> {
 
 /// Violations of a verification other than missing effects: duplicates, amount mismatches,
 /// unexpected rows, duplicated unique keys.
-pub fn other_violations(verify: &idem_verify::Report) -> u64 {
+pub(super) fn other_violations(verify: &idem_verify::Report) -> u64 {
     verify
         .checks
         .iter()
@@ -190,7 +190,7 @@ pub fn other_violations(verify: &idem_verify::Report) -> u64 {
 
 /// Where each stored hostile row ended (keyed by name and event id), and the rows not
 /// contained, as violations.
-pub fn hostile_rows(
+pub(super) fn hostile_rows(
     fates: &[(hostile::Accepted, hostile::Fate)],
 ) -> (BTreeMap<String, String>, Vec<String>) {
     let mut rows = BTreeMap::new();

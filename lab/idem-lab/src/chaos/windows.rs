@@ -37,24 +37,24 @@ use super::procs::{Proc, Role};
 use idem_sql::AnyPool;
 
 /// How long a slow award takes in a slow window.
-pub const AWARD_DELAY: &str = "10s";
+pub(super) const AWARD_DELAY: &str = "10s";
 /// One key in this many is slow: the API keeps up with the rest, so a slow award's retries
 /// come within a second or two of the dispatcher's timeout instead of queueing behind a
 /// backlog of slow awards (which made the negative control miss: retries after the first
 /// execution ended found its stored response).
-pub const SLOW_ONE_IN: &str = "8";
+pub(super) const SLOW_ONE_IN: &str = "8";
 /// The points API's key lock in a slow window (renewed every third of it).
-pub const KEY_LOCK: &str = "2s";
+pub(super) const KEY_LOCK: &str = "2s";
 /// How long a slow window lasts.
 const SLOW_FOR: Duration = Duration::from_secs(15);
 /// How long the settlements table stays locked: under the consumers' 10 s
 /// `max.poll.interval.ms`, so a stalled member keeps its partitions.
 const LOCK_HOLD: Duration = Duration::from_secs(5);
 /// The settlement consumers' `--lock-timeout-ms`.
-pub const LOCK_TIMEOUT_MS: &str = "50";
+pub(super) const LOCK_TIMEOUT_MS: &str = "50";
 /// Transient handler failures a long lock must cause to have tested anything: one event
 /// failing past the `transient-dead-letters` negative control's budget.
-pub const LOCK_FAILURES_WANTED: f64 = (idem_core::crash::BROKEN_TRANSIENT_BUDGET + 1) as f64;
+pub(super) const LOCK_FAILURES_WANTED: f64 = (idem_core::crash::BROKEN_TRANSIENT_BUDGET + 1) as f64;
 /// How long a due long lock holds other faults back while it waits for the pipeline.
 const QUIESCE: Duration = Duration::from_secs(20);
 /// How far apart the samples are that tell events reach the settlement handlers.
@@ -63,7 +63,7 @@ const FLOW_SAMPLE: Duration = Duration::from_millis(500);
 const RETRIES: &str = "idem_consumer_retry_total";
 const PROCESSED: &str = "idem_consumer_processed_total";
 
-pub struct Windows {
+pub(super) struct Windows {
     next_slow: Instant,
     slow_until: Option<Instant>,
     next_lock: Instant,
@@ -79,7 +79,7 @@ pub struct Windows {
 }
 
 impl Windows {
-    pub fn new(started: Instant, timeline: PathBuf) -> Self {
+    pub(super) fn new(started: Instant, timeline: PathBuf) -> Self {
         Windows {
             next_slow: started + Duration::from_secs(8),
             slow_until: None,
@@ -93,7 +93,7 @@ impl Windows {
     }
 
     /// Opens and closes windows that are due; `end` is when faults stop (no window outlives it).
-    pub async fn tick(
+    pub(super) async fn tick(
         &mut self,
         now: Instant,
         end: Instant,
@@ -194,7 +194,7 @@ impl Windows {
     /// reaching the settlement handlers and fail on the lock for the whole window (a broker
     /// killed or a consumer paused during it would leave the `transient-dead-letters` negative
     /// control nothing to dead-letter, and the run would miss it).
-    pub fn lock_open(&self) -> bool {
+    pub(super) fn lock_open(&self) -> bool {
         self.lock.is_some()
     }
 
@@ -202,13 +202,13 @@ impl Windows {
     /// it is due (it opens once the pipeline is up and events flow, which faults injected
     /// meanwhile would keep putting off: under the schedule's pace some process is always
     /// paused, killed or armed). Past that, faults resume and the lock opens when it can.
-    pub fn holds_faults(&self, now: Instant, end: Instant) -> bool {
+    pub(super) fn holds_faults(&self, now: Instant, end: Instant) -> bool {
         self.lock_open()
             || (now >= self.next_lock && now < self.next_lock + QUIESCE && now + LOCK_HOLD < end)
     }
 
     /// Ends every open window (the API back to normal speed, the lock released).
-    pub async fn close(&mut self, procs: &mut [Proc]) -> anyhow::Result<()> {
+    pub(super) async fn close(&mut self, procs: &mut [Proc]) -> anyhow::Result<()> {
         if self.slow_until.is_some() {
             self.close_slow(procs)?;
         }
@@ -289,7 +289,7 @@ async fn hold_lock(pool: sqlx::PgPool, hold: Duration) -> anyhow::Result<()> {
 }
 
 /// Executions of one Idempotency-Key that overlapped in the points API (slow windows only).
-pub async fn overlapping_executions(points: &AnyPool) -> anyhow::Result<i64> {
+pub(super) async fn overlapping_executions(points: &AnyPool) -> anyhow::Result<i64> {
     Ok(points
         .scalar("SELECT count(*) FROM points_lab_overlaps")
         .await?)

@@ -20,7 +20,7 @@ use super::supervise::{Ctl, supervise};
 
 /// The spawned components, by name, in the order they stop.
 #[derive(Default)]
-pub struct Tasks(Vec<(&'static str, JoinHandle<anyhow::Result<()>>)>);
+pub(super) struct Tasks(Vec<(&'static str, JoinHandle<anyhow::Result<()>>)>);
 
 impl Tasks {
     fn push(&mut self, name: &'static str, task: JoinHandle<anyhow::Result<()>>) {
@@ -28,7 +28,7 @@ impl Tasks {
     }
 
     /// Waits for each component to stop (they were told to), 30 s at most each.
-    pub async fn join(self) -> anyhow::Result<()> {
+    pub(super) async fn join(self) -> anyhow::Result<()> {
         for (name, task) in self.0 {
             match tokio::time::timeout(Duration::from_secs(30), task).await {
                 Ok(Ok(Ok(()))) => {}
@@ -42,7 +42,7 @@ impl Tasks {
 }
 
 /// Serves the points API on a loopback port until `ctl` stops; returns its awards URL.
-pub async fn points_api(
+pub(super) async fn points_api(
     tasks: &mut Tasks,
     ctl: &Ctl,
     points: &AnyPool,
@@ -83,7 +83,7 @@ fn relay_config(i: usize, prefix: &str) -> RelayConfig {
 }
 
 /// Starts `count` relays over the orders database, publishing through `publisher`.
-pub fn relays(
+pub(super) fn relays(
     tasks: &mut Tasks,
     ctl: &Ctl,
     count: usize,
@@ -122,7 +122,7 @@ pub fn relays(
 /// mock's first join, which waits 3 s (its `group.initial.rebalance.delay.ms`): with 1.5 s no
 /// member ever got an assignment. Static membership would not help there, as the mock keeps a
 /// static member that closed until its session times out.
-pub fn consumer_settings(embedded: bool) -> Vec<(String, String)> {
+pub(super) fn consumer_settings(embedded: bool) -> Vec<(String, String)> {
     if !embedded {
         return vec![];
     }
@@ -141,7 +141,7 @@ pub fn consumer_settings(embedded: bool) -> Vec<(String, String)> {
 /// groups); the inbox's group is "settlement", as `idem verify`'s reference configuration
 /// expects, in databases that are this run's alone.
 #[allow(clippy::too_many_arguments)]
-pub fn consumers(
+pub(super) fn consumers(
     tasks: &mut Tasks,
     ctl: &Ctl,
     count: usize,
@@ -193,7 +193,12 @@ fn dispatcher_config() -> DispatcherConfig {
 
 /// Starts the effect dispatcher over the settlement database's intents. Its metrics outlive
 /// each restart.
-pub fn dispatcher(tasks: &mut Tasks, ctl: &Ctl, settlement: &AnyStore, metrics: &EffectMetrics) {
+pub(super) fn dispatcher(
+    tasks: &mut Tasks,
+    ctl: &Ctl,
+    settlement: &AnyStore,
+    metrics: &EffectMetrics,
+) {
     let (ctl2, metrics, settle) = (ctl.clone(), metrics.clone(), settlement.clone());
     let config = dispatcher_config();
     let task = supervise(ctl.clone(), "dispatcher", move || {

@@ -21,7 +21,7 @@ const COUNT_SETTLED: &str = "SELECT count(*) FROM settlements";
 const COUNT_DEAD: &str = "SELECT count(*) FROM idem_dead_letters";
 
 /// The injector's state across steps.
-pub struct Injector<'a> {
+pub(super) struct Injector<'a> {
     /// What to inject.
     pub targets: Targets,
     /// What has been injected.
@@ -39,7 +39,7 @@ pub struct Injector<'a> {
 impl<'a> Injector<'a> {
     /// An injector writing to `orders` (the orders database's store), watching `settlement`
     /// and forging onto `topic`.
-    pub fn new(
+    pub(super) fn new(
         targets: Targets,
         orders: AnyStore,
         settlement: AnyPool,
@@ -61,7 +61,7 @@ impl<'a> Injector<'a> {
 
     /// Steps until the pipeline settles; past `deadline` (from `started`), stops the components
     /// and fails (a liveness failure).
-    pub async fn until_settled(
+    pub(super) async fn until_settled(
         &mut self,
         ctl: &Ctl,
         stop: &Stop,

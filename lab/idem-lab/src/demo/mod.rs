@@ -37,7 +37,7 @@ use supervise::Ctl;
 use world::Databases;
 
 #[derive(Args, Debug, Clone)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     /// Paid orders to write (each one transaction: order row + order.paid event).
     #[arg(long, default_value_t = 10_000)]
     pub orders: u64,
@@ -95,7 +95,7 @@ fn run_id() -> String {
         .collect()
 }
 
-pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     if !crash::ENABLED {
         bail!("this idem binary was built without crash points (the `failpoints` feature)");
     }

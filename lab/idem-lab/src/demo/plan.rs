@@ -6,7 +6,7 @@ use std::time::Duration;
 
 /// What the demo was asked to inject.
 #[derive(Clone, Copy, Debug)]
-pub struct Targets {
+pub(super) struct Targets {
     /// Paid orders to write (at least).
     pub orders: u64,
     /// How many times each crash point must fire.
@@ -19,7 +19,7 @@ pub struct Targets {
 
 /// What has been injected so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Tally {
+pub(super) struct Tally {
     /// Orders written.
     pub written: u64,
     /// Published events made pending again.
@@ -30,14 +30,14 @@ pub struct Tally {
 
 impl Tally {
     /// Orders written, as the databases count them.
-    pub fn written_i64(&self) -> i64 {
+    pub(super) fn written_i64(&self) -> i64 {
         i64::try_from(self.written).unwrap_or(i64::MAX)
     }
 }
 
 /// What the databases show after a step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Counts {
+pub(super) struct Counts {
     /// Outbox rows not (or no longer) published.
     pub pending: i64,
     /// Settlement rows.
@@ -58,7 +58,7 @@ const REPUBLISH_BATCH: u64 = 20;
 /// The generator that picks the hit on which an armed crash point fires: one run's crashes
 /// are the same from run to run.
 #[derive(Clone, Copy, Debug)]
-pub struct Seed(u64);
+pub(super) struct Seed(u64);
 
 impl Default for Seed {
     fn default() -> Self {
@@ -68,7 +68,7 @@ impl Default for Seed {
 
 impl Seed {
     /// The next hit to fire on: 1 to 4.
-    pub fn next_fire_on(&mut self) -> u64 {
+    pub(super) fn next_fire_on(&mut self) -> u64 {
         self.0 = self
             .0
             .wrapping_mul(6_364_136_223_846_793_005)
@@ -78,11 +78,11 @@ impl Seed {
 }
 
 /// One crash point as the demo sees it: its name, how often it fired, whether it is armed.
-pub type PointState = (&'static str, u64, bool);
+pub(super) type PointState = (&'static str, u64, bool);
 
 /// The crash points to arm (error mode) and the hit each fires on: each one that has fired
 /// fewer than `target` times and is not armed.
-pub fn crash_arming(
+pub(super) fn crash_arming(
     points: &[PointState],
     target: u64,
     seed: &mut Seed,
@@ -95,14 +95,20 @@ pub fn crash_arming(
 }
 
 /// Whether every crash point in `fired` has fired `target` times.
-pub fn faults_done(fired: &[(&'static str, u64)], target: u64) -> bool {
+pub(super) fn faults_done(fired: &[(&'static str, u64)], target: u64) -> bool {
     fired.iter().all(|(_, n)| *n >= target)
 }
 
 /// Orders to write in this step: the requested number (200 at a time), then a few more while
 /// crash points still wait for work to pass through them (only when everything else is idle:
 /// nothing unpublished and every written order's effect done).
-pub fn order_batch(t: &Targets, tally: &Tally, faults_done: bool, pending: i64, idle: bool) -> u64 {
+pub(super) fn order_batch(
+    t: &Targets,
+    tally: &Tally,
+    faults_done: bool,
+    pending: i64,
+    idle: bool,
+) -> u64 {
     if tally.written < t.orders {
         (t.orders - tally.written).min(ORDER_BATCH)
     } else if !faults_done && pending == 0 && idle {
@@ -114,19 +120,19 @@ pub fn order_batch(t: &Targets, tally: &Tally, faults_done: bool, pending: i64, 
 
 /// Published rows to make pending again in this step, once a quarter of the orders are
 /// written.
-pub fn republish_batch(t: &Targets, tally: &Tally) -> Option<u64> {
+pub(super) fn republish_batch(t: &Targets, tally: &Tally) -> Option<u64> {
     (tally.republished < t.republish && tally.written >= t.orders / 4)
         .then(|| (t.republish - tally.republished).min(REPUBLISH_BATCH))
 }
 
 /// Whether to forge a conflict in this step, once half the orders are written.
-pub fn conflict_due(t: &Targets, tally: &Tally) -> bool {
+pub(super) fn conflict_due(t: &Targets, tally: &Tally) -> bool {
     tally.conflicts < t.conflicts && tally.written >= t.orders / 2
 }
 
 /// Whether the pipeline has settled: everything injected, nothing unpublished, every order
 /// settled and awarded, and a dead letter for each conflict.
-pub fn settled(t: &Targets, tally: &Tally, faults_done: bool, c: &Counts) -> bool {
+pub(super) fn settled(t: &Targets, tally: &Tally, faults_done: bool, c: &Counts) -> bool {
     let w = tally.written_i64();
     tally.written >= t.orders
         && faults_done
@@ -139,7 +145,7 @@ pub fn settled(t: &Targets, tally: &Tally, faults_done: bool, c: &Counts) -> boo
 }
 
 /// The pause before the next step: none after writing orders.
-pub fn pause(batch: u64) -> Duration {
+pub(super) fn pause(batch: u64) -> Duration {
     Duration::from_millis(if batch > 0 { 0 } else { 100 })
 }
 

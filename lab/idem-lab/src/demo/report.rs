@@ -8,7 +8,7 @@ use super::world::Databases;
 
 /// What the demo shows at the end.
 #[derive(Debug, Serialize)]
-pub struct DemoReport {
+pub(super) struct DemoReport {
     pub ok: bool,
     pub failures: Vec<Failure>,
     pub databases: String,
@@ -38,7 +38,7 @@ pub struct DemoReport {
 
 /// Why a run failed; shown (and serialised) as its sentence.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Failure {
+pub(super) enum Failure {
     /// `idem verify` was not clean.
     Violations,
     /// A crash point fired fewer times than asked.
@@ -91,7 +91,7 @@ impl Serialize for Failure {
 }
 
 /// What the verdict is drawn from.
-pub struct Evidence<'a> {
+pub(super) struct Evidence<'a> {
     /// `idem verify` found nothing.
     pub verify_clean: bool,
     /// How often each crash point fired.
@@ -104,7 +104,7 @@ pub struct Evidence<'a> {
 
 /// The verdict: every crash point fired `target_fires` times, duplicates happened, each of the
 /// `conflicts_sent` conflicts was counted, and `idem verify` is clean. Empty means OK.
-pub fn verdict(e: &Evidence<'_>, target_fires: u64, conflicts_sent: u64) -> Vec<Failure> {
+pub(super) fn verdict(e: &Evidence<'_>, target_fires: u64, conflicts_sent: u64) -> Vec<Failure> {
     let mut failures = vec![];
     if !e.verify_clean {
         failures.push(Failure::Violations);
@@ -131,7 +131,7 @@ pub fn verdict(e: &Evidence<'_>, target_fires: u64, conflicts_sent: u64) -> Vec<
 }
 
 /// The sum of counter `name` over `registries`.
-pub fn registry_sum(registries: &[&prometheus::Registry], name: &str) -> u64 {
+pub(super) fn registry_sum(registries: &[&prometheus::Registry], name: &str) -> u64 {
     registries
         .iter()
         .flat_map(|r| r.gather())
@@ -142,7 +142,7 @@ pub fn registry_sum(registries: &[&prometheus::Registry], name: &str) -> u64 {
 }
 
 /// What the databases hold at the end.
-pub struct Rows {
+pub(super) struct Rows {
     pub orders: i64,
     pub events_published: i64,
     pub dead_letters: i64,
@@ -152,7 +152,7 @@ pub struct Rows {
 
 impl Rows {
     /// Counts them.
-    pub async fn count(dbs: &Databases) -> anyhow::Result<Rows> {
+    pub(super) async fn count(dbs: &Databases) -> anyhow::Result<Rows> {
         let (o, s) = (&dbs.orders, &dbs.settlement);
         Ok(Rows {
             orders: o.scalar("SELECT count(*) FROM orders").await?,
@@ -211,7 +211,7 @@ fn rows(r: &DemoReport) -> [(&'static str, String); 17] {
 }
 
 /// Prints the report for a person.
-pub fn print_report(r: &DemoReport) {
+pub(super) fn print_report(r: &DemoReport) {
     println!();
     println!(
         "idem demo: {}",

@@ -9,28 +9,28 @@ use idem_core::Error;
 use tokio::sync::watch;
 
 /// The components that restart, as counted in the report.
-pub const COMPONENTS: [&str; 3] = ["relay", "settlement", "dispatcher"];
+pub(super) const COMPONENTS: [&str; 3] = ["relay", "settlement", "dispatcher"];
 
 /// Shared stop signal and restart counters.
 #[derive(Clone)]
-pub struct Ctl {
+pub(super) struct Ctl {
     stop: watch::Receiver<bool>,
     restarts: Arc<BTreeMap<&'static str, AtomicU64>>,
 }
 
 /// Stops every component of the [`Ctl`] it came with.
-pub struct Stop(watch::Sender<bool>);
+pub(super) struct Stop(watch::Sender<bool>);
 
 impl Stop {
     /// Tells every component to stop.
-    pub fn stop(&self) {
+    pub(super) fn stop(&self) {
         let _ = self.0.send(true);
     }
 }
 
 impl Ctl {
     /// A running control and its stop switch; restarts are counted per [`COMPONENTS`].
-    pub fn new() -> (Ctl, Stop) {
+    pub(super) fn new() -> (Ctl, Stop) {
         let (tx, stop) = watch::channel(false);
         let restarts = COMPONENTS.iter().map(|c| (*c, AtomicU64::new(0))).collect();
         let ctl = Ctl {
@@ -41,7 +41,7 @@ impl Ctl {
     }
 
     /// Completes when the components are told to stop.
-    pub fn shutdown(&self) -> impl Future<Output = ()> + Send + use<> {
+    pub(super) fn shutdown(&self) -> impl Future<Output = ()> + Send + use<> {
         let mut rx = self.stop.clone();
         async move {
             let _ = rx.wait_for(|v| *v).await;
@@ -59,7 +59,7 @@ impl Ctl {
     }
 
     /// Restarts so far, all components together.
-    pub fn total_restarts(&self) -> u64 {
+    pub(super) fn total_restarts(&self) -> u64 {
         self.restarts
             .values()
             .map(|c| c.load(Ordering::Relaxed))
@@ -67,7 +67,7 @@ impl Ctl {
     }
 
     /// Restarts so far per component.
-    pub fn restarts(&self) -> BTreeMap<String, u64> {
+    pub(super) fn restarts(&self) -> BTreeMap<String, u64> {
         self.restarts
             .iter()
             .map(|(k, v)| ((*k).to_owned(), v.load(Ordering::Relaxed)))
@@ -81,7 +81,7 @@ impl Ctl {
 /// which its supervisor restarts: here it is logged and the component restarts after a short
 /// pause, as a new process would, instead of the demo waiting out its deadline with a stage
 /// silently gone.
-pub async fn supervise<F, Fut>(
+pub(super) async fn supervise<F, Fut>(
     ctl: Ctl,
     component: &'static str,
     mut attempt: F,

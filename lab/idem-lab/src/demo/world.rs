@@ -8,7 +8,7 @@ use idem_core::TableNames;
 use idem_sql::{AnyPool, Scheme};
 
 /// The three databases.
-pub struct Databases {
+pub(crate) struct Databases {
     pub orders: AnyPool,
     pub settlement: AnyPool,
     pub points: AnyPool,
@@ -50,7 +50,7 @@ fn pg_url_with_db(server: &str, db: &str) -> anyhow::Result<String> {
 
 /// Whom a run's PostgreSQL databases are given to: a role, and the URL of that role on a
 /// database (by name).
-pub struct Owner<'a> {
+pub(crate) struct Owner<'a> {
     /// The role.
     pub role: &'a str,
     /// The role's URL on a database.
@@ -60,7 +60,7 @@ pub struct Owner<'a> {
 impl Databases {
     /// Fresh databases: SQLite files under `dir` (or a temporary directory), or three new
     /// databases on the PostgreSQL server of `pg`.
-    pub async fn create(
+    pub(crate) async fn create(
         pg: Option<&str>,
         dir: Option<PathBuf>,
         run: &str,
@@ -81,7 +81,7 @@ impl Databases {
     /// them; with an `owner` — a role and the URL of that role on a database — each is given
     /// to the role (`ALTER DATABASE … OWNER TO`), then migrated and used through the role's URL,
     /// so that the role owns every table.
-    pub async fn create_postgres_for(
+    pub(crate) async fn create_postgres_for(
         server: &str,
         run: &str,
         tables: &TableNames,
@@ -190,7 +190,7 @@ impl Databases {
     }
 
     /// Drops the PostgreSQL databases (SQLite files go with their temporary directory).
-    pub async fn cleanup(self, keep: bool) -> anyhow::Result<()> {
+    pub(crate) async fn cleanup(self, keep: bool) -> anyhow::Result<()> {
         for p in [&self.orders, &self.settlement, &self.points] {
             p.close().await;
         }

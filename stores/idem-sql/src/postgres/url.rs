@@ -238,7 +238,7 @@ impl PgUrl {
 
 /// Makes ring the process's rustls provider unless one is installed (idempotent: a second
 /// install is refused and ignored).
-pub fn install_crypto_provider() {
+pub(crate) fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 /// The repository's root (the folder holding `Cargo.lock`).
-pub fn root() -> PathBuf {
+pub(crate) fn root() -> PathBuf {
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     here.ancestors()
         .find(|p| p.join("Cargo.lock").is_file())
