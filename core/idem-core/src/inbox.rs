@@ -383,9 +383,10 @@ pub trait Source: Send + Sync {
     }
 
     /// The consumer group this source reads as (Kafka's `group.id`), if it has one: the
-    /// consumer's builder takes its group from it, and a consumer whose inbox group differs
-    /// from it refuses to run (its inbox rows and its offsets would belong to two groups).
-    /// Default: none.
+    /// consumer's builder takes its group from it and refuses a config naming another (the
+    /// inbox rows and the offsets of one consumer belong to one group; `Consumer::new` takes
+    /// any pair, for a deliberate split such as a new Kafka group over the same inbox).
+    /// A source that wraps another forwards it. Default: none.
     fn group(&self) -> Option<&str> {
         None
     }

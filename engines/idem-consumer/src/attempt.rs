@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use idem_core::crash::{self, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER};
-use idem_core::{Dedup, Error, EventId, InboundEvent, InboxStore, Source};
+use idem_core::{Dedup, Error, ErrorKind, EventId, InboundEvent, InboxStore, Source};
 
 use crate::Consumer;
 use crate::batch::{Batch, Unique, apply_order};
@@ -143,7 +143,7 @@ where
         self.inbox
             .record_effects(&mut *tx, &posted)
             .await
-            .map_err(db)?;
+            .map_err(effects_failure)?;
         if !refused.is_empty() {
             let ids: Vec<EventId> = refused.iter().map(|(id, _)| *id).collect();
             self.inbox
@@ -202,22 +202,23 @@ where
         match outcome {
             Ok(Outcome::Applied) => {
                 // Reported success, but did it leave the transaction usable?
-                let usable = match self.inbox.check_usable(&mut *tx).await {
-                    Ok(()) => {
-                        let posted = kept(posted, |e| *e == id);
-                        self.inbox
-                            .record_effects(&mut *tx, &posted)
-                            .await
-                            .map(|_| ())
-                    }
-                    Err(e) => Err(e),
-                };
-                if let Err(e) = usable {
+                if let Err(e) = self.inbox.check_usable(&mut *tx).await {
                     self.inbox
                         .rollback_to_savepoint(&mut *tx)
                         .await
                         .map_err(db)?;
                     return Err(Attempt::Transient(Some(id), e));
+                }
+                let posted = kept(posted, |e| *e == id);
+                if let Err(e) = self.inbox.record_effects(&mut *tx, &posted).await {
+                    self.inbox
+                        .rollback_to_savepoint(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    return match effects_failure(e) {
+                        Attempt::Refused(reason) => Ok(Some(reason)),
+                        other => Err(other.charged_to(id)),
+                    };
                 }
                 self.inbox.release_savepoint(&mut *tx).await.map_err(db)?;
                 Ok(None)
@@ -260,6 +261,28 @@ fn validated<'b, 'a, C, H: Handler<C>>(
         })
         .collect();
     (valid, refused)
+}
+
+/// What a failure to record the posted effects means: the database refusing an intent for
+/// its data (a NUL byte in a URL, a body it cannot store) refuses the event that posted it, as
+/// any permanent failure of its handler would; anything else is transient.
+fn effects_failure(e: Error) -> Attempt {
+    match e.kind() {
+        ErrorKind::Invalid | ErrorKind::Conflict => {
+            Attempt::Refused(format!("its effects cannot be recorded: {e}"))
+        }
+        _ => Attempt::Transient(None, e),
+    }
+}
+
+impl Attempt {
+    /// A transient failure no event was charged with, charged to `id`.
+    fn charged_to(self, id: EventId) -> Attempt {
+        match self {
+            Attempt::Transient(None, e) => Attempt::Transient(Some(id), e),
+            other => other,
+        }
+    }
 }
 
 /// What a failed [`Handler::handle_batch`] of a whole batch means for the attempt.

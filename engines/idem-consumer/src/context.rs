@@ -63,6 +63,8 @@ impl<'a, C> HandlerContext<'a, C> {
         BatchContext {
             conn: self.conn,
             posted: self.posted,
+            // The handler runs in the event's span already: its effects carry that one.
+            spans: false,
         }
     }
 
@@ -82,12 +84,22 @@ impl<'a, C> HandlerContext<'a, C> {
 pub struct BatchContext<'a, C> {
     conn: &'a mut C,
     posted: &'a mut Posted,
+    /// Whether [`BatchContext::effects`] makes the event's span for the trace context (the
+    /// runtime's batch, outside the events' spans) or takes the current one ([`as_batch`],
+    /// inside the handler's span).
+    ///
+    /// [`as_batch`]: HandlerContext::as_batch
+    spans: bool,
 }
 
 impl<'a, C> BatchContext<'a, C> {
     /// A context over `conn` whose effects collect in `posted` (see [`HandlerContext::new`]).
     pub fn new(conn: &'a mut C, posted: &'a mut Vec<EffectIntent>) -> Self {
-        BatchContext { conn, posted }
+        BatchContext {
+            conn,
+            posted,
+            spans: true,
+        }
     }
 
     /// The connection of the consumer's transaction: write through it, never commit it.
@@ -101,13 +113,14 @@ impl<'a, C> BatchContext<'a, C> {
         Effects {
             event,
             posted: self.posted,
-            in_event_span: true,
+            in_event_span: self.spans,
         }
     }
 
     /// The context of one event of the batch, for handling it as
-    /// [`Handler::handle`](crate::Handler::handle) does (the default `handle_batch` calls
-    /// `handle` with it).
+    /// [`Handler::handle`](crate::Handler::handle) does: the default `handle_batch` calls
+    /// `handle` with it inside [`event_span`]`(event)`, whose context the effects it posts
+    /// carry; an overriding `handle_batch` that calls `handle` instruments it the same way.
     pub fn for_event<'e>(&'e mut self, event: &'e InboundEvent) -> HandlerContext<'e, C> {
         HandlerContext {
             conn: self.conn,
@@ -138,7 +151,9 @@ impl Effects<'_> {
     /// by the inbox before the handler runs.
     ///
     /// An effect name that cannot make a key (empty, too long, characters outside the key's
-    /// alphabet) is a permanent failure: `?` dead-letters the event with the reason.
+    /// alphabet) is a permanent failure: `?` dead-letters the event with the reason. An
+    /// intent the database then refuses for its data (a NUL byte in the URL, which
+    /// PostgreSQL's text cannot hold) dead-letters the event as well, its writes rolled back.
     pub fn post(
         &mut self,
         effect: &str,

@@ -312,7 +312,7 @@ where
                     if outcome?.is_none() {
                         return Ok(()); // stopped while a failing batch backed off
                     }
-                    backoff = Duration::from_millis(100);
+                    backoff = FETCH_BACKOFF.first;
                 }
                 // A client that cannot recover would be retried forever while its partitions
                 // sit idle (librdkafka#3437: a static member can fence itself after a session
