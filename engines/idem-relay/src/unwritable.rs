@@ -7,10 +7,17 @@
 //! relay) or, since the CDC relay confirms nothing past an unacknowledged message, every later
 //! event of every aggregate and the slot's WAL. [`Unwritable`] wraps a relay's publisher: once
 //! messages to a topic have failed for `grace` without a success in between, it asks the
-//! cluster about the topic at each failed attempt; when the cluster answers twice in a row that
-//! the topic is missing or not writable, those failures become [`FailureKind::Unwritable`], so the relay parks the rows with the
-//! reason and the others flow. A cluster that does not answer is an outage, not a topic's
-//! problem: its failures stay transient and are retried without end.
+//! cluster about the topic at each failed attempt; when the cluster answers that the topic is
+//! missing or not writable, and answers so again [`CONFIRM_PAUSE`] later, those failures
+//! become [`FailureKind::Unwritable`], so the relay parks the rows with the reason and the
+//! others flow. A cluster that does not answer is an outage, not a topic's problem: its
+//! failures stay transient and are retried without end.
+//!
+//! The clock is this process's: with several relays taking turns at a failing row, each sees
+//! only its own attempts, so a row is parked at the first attempt of a relay that has seen
+//! the topic fail for `grace` — two of its own failures `grace` apart. Both answers are asked
+//! at that one attempt, so the number of relays adds turns of the retry backoff to the time a
+//! row takes to park, never a requirement that one relay win several turns in a row.
 //!
 //! A parked row keeps the whole event: `idem outbox retry` publishes it once the topic exists.
 //! The CDC relay's message mode has no table: there the record is dead-lettered whole, and
@@ -56,6 +63,14 @@ impl<P> Unwritable<P> {
     }
 }
 
+impl<P: Publisher> Unwritable<P> {
+    /// The cluster's answer about each of `topics`, asked all at once: an outage makes each
+    /// wait its timeout.
+    async fn ask(&self, topics: &[String]) -> Vec<TopicState> {
+        futures::future::join_all(topics.iter().map(|t| self.inner.topic_state(t))).await
+    }
+}
+
 impl<P: Publisher> Publisher for Unwritable<P> {
     async fn publish(&self, messages: &[Message]) -> Vec<Result<(), PublishError>> {
         let mut results = self.inner.publish(messages).await;
@@ -66,14 +81,18 @@ impl<P: Publisher> Publisher for Unwritable<P> {
             let mut failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
             failing_for(&mut failing, messages, &results, Instant::now(), grace)
         };
-        // One question per topic, all at once: an outage makes each wait its timeout.
-        let states = futures::future::join_all(due.iter().map(|t| self.inner.topic_state(t))).await;
-        let settled = {
-            let mut failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
-            confirmed(&mut failing, due.iter().zip(states))
-        };
-        for (topic, state) in settled {
-            set_aside(messages, &mut results, &topic, state, grace);
+        // The questions come after every delivery report: a lease they outlast fences only
+        // the mark (a republish the inbox absorbs), never the per-aggregate order.
+        let suspects = unwritable(&due, self.ask(&due).await);
+        if suspects.is_empty() {
+            return results;
+        }
+        tokio::time::sleep(CONFIRM_PAUSE).await;
+        let again = self.ask(&suspects).await;
+        for (topic, state) in suspects.into_iter().zip(again) {
+            if state.is_unwritable() {
+                set_aside(messages, &mut results, &topic, state, grace);
+            }
         }
         results
     }
@@ -99,36 +118,21 @@ const RUN_GAP: Duration = Duration::from_secs(300);
 struct Failing {
     since: Instant,
     last: Instant,
-    /// The cluster's answers in a row, since the grace, that the topic is unwritable.
-    unwritable: u32,
 }
 
-/// Answers in a row, at separate attempts, that a topic is unwritable before its messages are
-/// set aside: one answer may come from a broker whose metadata lags a topic just created or
-/// a write just granted.
-const ANSWERS: u32 = 2;
+/// The wait between the cluster's two answers about a topic before its messages are set
+/// aside: one answer may come from a broker whose metadata lags a topic just created or a
+/// write just granted.
+pub const CONFIRM_PAUSE: Duration = Duration::from_secs(1);
 
-/// Records the cluster's answers about the due topics; returns those whose last [`ANSWERS`]
-/// answers all said unwritable. Any other answer starts the count again.
-fn confirmed<'a>(
-    failing: &mut HashMap<String, Failing>,
-    answers: impl Iterator<Item = (&'a String, TopicState)>,
-) -> Vec<(String, TopicState)> {
-    let mut out = vec![];
-    for (topic, state) in answers {
-        let Some(run) = failing.get_mut(topic) else {
-            continue;
-        };
-        run.unwritable = if state.is_unwritable() {
-            run.unwritable + 1
-        } else {
-            0
-        };
-        if run.unwritable >= ANSWERS {
-            out.push((topic.clone(), state));
-        }
-    }
-    out
+/// The topics of `asked` the cluster answered are unwritable.
+fn unwritable(asked: &[String], answers: Vec<TopicState>) -> Vec<String> {
+    asked
+        .iter()
+        .zip(answers)
+        .filter(|(_, state)| state.is_unwritable())
+        .map(|(topic, _)| topic.clone())
+        .collect()
 }
 
 /// Whether `result` is a failure that says nothing of the message itself.
@@ -145,7 +149,7 @@ fn failing_for(
     results: &[Result<(), PublishError>],
     now: Instant,
     grace: Duration,
-) -> BTreeSet<String> {
+) -> Vec<String> {
     let mut ok = BTreeSet::new();
     let mut failed = BTreeSet::new();
     for (m, r) in messages.iter().zip(results) {
@@ -165,11 +169,9 @@ fn failing_for(
             let run = failing.entry((*t).to_owned()).or_insert(Failing {
                 since: now,
                 last: now,
-                unwritable: 0,
             });
             if now.duration_since(run.last) > RUN_GAP.max(grace) {
                 run.since = now;
-                run.unwritable = 0;
             }
             run.last = now;
             now.duration_since(run.since) >= grace
@@ -273,19 +275,20 @@ mod tests {
     }
 
     #[test]
-    fn a_topic_is_set_aside_only_after_two_unwritable_answers_in_a_row() {
-        let (grace, t0) = (Duration::ZERO, Instant::now());
-        let mut failing = HashMap::new();
-        let messages = [msg("t")];
-        let mut ask = |state: TopicState| {
-            let due = failing_for(&mut failing, &messages, &[transient()], t0, grace);
-            confirmed(&mut failing, due.iter().map(|t| (t, state))).len()
-        };
-        assert_eq!(ask(TopicState::Missing), 0, "one answer may lag");
-        assert_eq!(ask(TopicState::Unknown), 0, "another answer starts again");
-        assert_eq!(ask(TopicState::Missing), 0);
-        assert_eq!(ask(TopicState::NotAuthorized), 1);
-        assert_eq!(ask(TopicState::Missing), 1, "and stays set aside");
+    fn only_the_topics_the_cluster_calls_unwritable_are_suspects() {
+        let asked = [
+            "gone".to_owned(),
+            "denied".to_owned(),
+            "fine".to_owned(),
+            "down".to_owned(),
+        ];
+        let answers = vec![
+            TopicState::Missing,
+            TopicState::NotAuthorized,
+            TopicState::Writable,
+            TopicState::Unknown,
+        ];
+        assert_eq!(unwritable(&asked, answers), ["gone", "denied"]);
     }
 
     #[test]

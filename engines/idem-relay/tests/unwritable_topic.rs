@@ -11,7 +11,7 @@ use idem_conformance::kafka::{self, KafkaCluster};
 use idem_core::Event;
 use idem_core::publish::{Message, Publisher};
 use idem_kafka::KafkaPublisher;
-use idem_relay::{Relay, RelayConfig, TopicNaming};
+use idem_relay::{CycleReport, Relay, RelayConfig, TopicNaming};
 
 fn event(aggregate_type: &str, id: &str) -> Event {
     Event::builder(aggregate_type, id, format!("{aggregate_type}.happened"))
@@ -34,6 +34,46 @@ async fn create(brokers: &str, topic: &str) {
     };
     let sent = creator.publish(&[first]).await;
     assert!(sent.iter().all(Result::is_ok), "{sent:?}");
+}
+
+/// A relay with short timeouts and backoffs that parks rows of a topic failing for `grace`.
+fn relay(
+    pg: &Pg,
+    brokers: &str,
+    topics: TopicNaming,
+    grace: Duration,
+) -> Relay<<Pg as Backend>::Store, KafkaPublisher> {
+    let producer = idem_kafka::producer_config(
+        brokers,
+        &[("message.timeout.ms".to_owned(), "1000".to_owned())],
+    )
+    .unwrap();
+    let config = RelayConfig {
+        lease: Duration::from_secs(10),
+        retry_backoff: Duration::from_millis(100),
+        retry_backoff_max: Duration::from_millis(500),
+        unwritable_topic_grace: Some(grace),
+        topics,
+        prune: None,
+        ..RelayConfig::default()
+    };
+    Relay::builder(pg.store().clone(), KafkaPublisher::new(producer).unwrap())
+        .config(config)
+        .build()
+        .unwrap()
+}
+
+/// Runs `relay`'s cycles until one claims a row (a failed row waits out its backoff).
+async fn turn(relay: &Relay<<Pg as Backend>::Store, KafkaPublisher>) -> CycleReport {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let report = relay.run_once().await.unwrap();
+        if report.claimed > 0 {
+            return report;
+        }
+        assert!(Instant::now() < deadline, "no row claimable for 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 type Row = (String, String, Option<String>);
@@ -76,29 +116,12 @@ async fn rows_for_a_topic_that_does_not_exist_are_parked_and_the_others_flow() {
     tx.enqueue(&events).await.unwrap();
     tx.commit().await;
 
-    let producer = idem_kafka::producer_config(
-        cluster.brokers(),
-        &[("message.timeout.ms".to_owned(), "1000".to_owned())],
-    )
-    .unwrap();
     let mut topics = TopicNaming::default();
     topics.overrides.insert("order".to_owned(), orders);
     topics
         .overrides
         .insert("invoice".to_owned(), missing.clone());
-    let config = RelayConfig {
-        lease: Duration::from_secs(10),
-        retry_backoff: Duration::from_millis(100),
-        retry_backoff_max: Duration::from_millis(500),
-        unwritable_topic_grace: Some(Duration::from_secs(2)),
-        topics,
-        prune: None,
-        ..RelayConfig::default()
-    };
-    let relay = Relay::builder(pg.store().clone(), KafkaPublisher::new(producer).unwrap())
-        .config(config)
-        .build()
-        .unwrap();
+    let relay = relay(&pg, cluster.brokers(), topics, Duration::from_secs(2));
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         relay.run_once().await.unwrap();
@@ -117,4 +140,42 @@ async fn rows_for_a_topic_that_does_not_exist_are_parked_and_the_others_flow() {
         assert!(Instant::now() < deadline, "not settled in 60 s: {now:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Two relays taking turns at a row of a missing topic: the first to see the topic fail for
+/// its grace parks the row at that turn, whatever the other relay saw in between.
+#[tokio::test(flavor = "multi_thread")]
+async fn relays_taking_turns_park_the_row_at_the_first_turn_past_the_grace() {
+    let cluster = KafkaCluster::start_with(1, &[("auto.create.topics.enable", "false")]);
+    let missing = kafka::unique("relay-missing");
+    let pg = Pg::new().await;
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[event("invoice", "i-1")]).await.unwrap();
+    tx.commit().await;
+    let mut topics = TopicNaming::default();
+    topics
+        .overrides
+        .insert("invoice".to_owned(), missing.clone());
+    let grace = Duration::from_secs(1);
+    let (a, b) = (
+        relay(&pg, cluster.brokers(), topics.clone(), grace),
+        relay(&pg, cluster.brokers(), topics, grace),
+    );
+
+    let first = turn(&a).await;
+    let a_began = Instant::now();
+    assert_eq!((first.claimed, first.parked), (1, 0), "{first:?}");
+    let other = turn(&b).await;
+    assert_eq!((other.claimed, other.parked), (1, 0), "{other:?}");
+    // The grace is the relay's own clock: its end is the condition under test.
+    tokio::time::sleep_until((a_began + grace).into()).await;
+    let second = turn(&a).await;
+    assert_eq!(second.parked, 1, "{second:?}: {:?}", rows(&pg).await);
+    let (_, status, why) = &rows(&pg).await[0];
+    assert_eq!(status, "parked");
+    let why = why.as_deref().unwrap_or_default();
+    assert!(
+        why.contains(&format!("topic {missing} does not exist")),
+        "{why}"
+    );
 }

@@ -60,7 +60,7 @@ enum DeadLettersCommand {
 
 /// A parsed command line: a lab or operator command, or `dead-letters replay`.
 enum Parsed {
-    Cli(Cli),
+    Cli(Box<Cli>),
     Replay(reference_cmd::ReplayArgs),
 }
 
@@ -84,7 +84,7 @@ fn parse(matches: &clap::ArgMatches) -> Result<Parsed, clap::Error> {
         let DeadLettersCommand::Replay(args) = DeadLettersCommand::from_arg_matches(dl)?;
         return Ok(Parsed::Replay(args));
     }
-    Ok(Parsed::Cli(Cli::from_arg_matches(matches)?))
+    Ok(Parsed::Cli(Box::new(Cli::from_arg_matches(matches)?)))
 }
 
 fn main() -> std::process::ExitCode {

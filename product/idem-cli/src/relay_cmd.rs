@@ -36,9 +36,12 @@ pub struct RelayArgs {
     /// Permanent failures (too large, invalid topic) before a row is parked; transient ones never park.
     #[arg(long, default_value_t = 5)]
     max_attempts: i32,
-    /// Backoff after a failed attempt (doubles per attempt, at most 60s).
+    /// Backoff after a failed attempt (doubles per attempt, at most --retry-backoff-max).
     #[arg(long, default_value = "500ms", value_parser = parse_duration)]
     retry_backoff: Duration,
+    /// Longest backoff between attempts at a failing row.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    retry_backoff_max: Duration,
     /// How long messages to one topic may fail without a success before the relay asks the
     /// cluster about it; a topic it says does not exist or may not be written has its rows
     /// parked at once, with the reason (`idem outbox retry` once it is fixed).
@@ -115,6 +118,7 @@ pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
         idle_poll_max: args.idle_poll_max,
         max_attempts: args.max_attempts.max(1),
         retry_backoff: args.retry_backoff,
+        retry_backoff_max: args.retry_backoff_max.max(args.retry_backoff),
         unwritable_topic_grace: Some(args.unwritable_topic_grace),
         topics,
         source: args.source,

@@ -178,9 +178,14 @@ fn writer(t: &Topology, i: usize) -> Vec<String> {
 fn relay(t: &Topology) -> Vec<String> {
     let mut argv = match &t.cdc_slot {
         Some(slot) => strings(&["cdc", "relay", "--slot", slot, "--publication", slot]),
-        // A claim plus one publish (2 × 2 s) must fit: claims under load take seconds.
+        // A claim plus one publish (2 × 2 s) must fit: claims under load take seconds. The
+        // hostile row of a missing topic is parked at the first turn of a relay that saw it
+        // fail --unwritable-topic-grace earlier: backoffs of at most 5 s give the two relays
+        // enough turns to park it well inside the settle bound.
         None => strings(&[
             "relay",
+            "--retry-backoff-max",
+            "5s",
             "--lease",
             "8s",
             "--batch-size",
