@@ -18,7 +18,7 @@ pub const SESSION_OPTIONS: &str = "-c datestyle=ISO,YMD -c timezone=UTC -c extra
 pub const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The replication settings for `url` (a `postgres://user:password@host:port/db` URL, read as
-/// every pool reads it: [`idem_sql::PgUrl`]), reading `slot` through `publication`. Streaming
+/// every pool reads it: [`idem_sql::postgres::PgUrl`]), reading `slot` through `publication`. Streaming
 /// starts at the slot's confirmed position (`0/0` asks the server for it), and nothing is
 /// acknowledged before the relay says so. The session's TLS is the URL's: the walsender is
 /// encrypted and verified exactly as the relay's pool is.
@@ -27,7 +27,8 @@ pub fn replication_config(
     slot: &Name,
     publication: &Name,
 ) -> Result<ReplicationConfig, CdcError> {
-    let target = idem_sql::PgUrl::parse(url).map_err(|e| CdcError::Config(e.to_string()))?;
+    let target =
+        idem_sql::postgres::PgUrl::parse(url).map_err(|e| CdcError::Config(e.to_string()))?;
     Ok(ReplicationConfig::new(
         target.host.clone(),
         target.user.clone(),
@@ -53,8 +54,8 @@ pub fn replication_config(
 /// IP names (the client refuses `verify-full` to an IP unless the name to check is given), and
 /// without `sslrootcert` the system's CA bundle is trusted, as the pools trust the system's
 /// roots (the client would otherwise trust a compiled-in list).
-fn tls_config(target: &idem_sql::PgUrl) -> TlsConfig {
-    use idem_sql::SslMode as M;
+fn tls_config(target: &idem_sql::postgres::PgUrl) -> TlsConfig {
+    use idem_sql::postgres::SslMode as M;
     let roots = target.tls.root_cert.clone().or_else(|| {
         target
             .tls

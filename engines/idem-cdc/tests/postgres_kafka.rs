@@ -167,7 +167,7 @@ async fn a_row_deleted_in_the_transaction_that_inserted_it_is_still_published() 
     let mut running = spawn(relay);
     let before = w.streaming(&mut running).await;
     let gone = event("d-1", 1);
-    let outbox = idem_postgres::Outbox::new(w.pg.tables().clone());
+    let outbox = idem_sql::postgres::Outbox::new(w.pg.tables().clone());
     let table = w.pg.tables().qualified("outbox");
     let mut tx = w.pg.pool().begin().await.unwrap();
     outbox.enqueue(&mut tx, &gone).await.unwrap();
@@ -201,7 +201,7 @@ async fn what_the_cdc_relay_publishes_is_what_committed() {
     let mut running = spawn(relay);
     let before = w.streaming(&mut running).await;
     let table = w.pg.tables().qualified("outbox");
-    let outbox = idem_postgres::Outbox::new(w.pg.tables().clone());
+    let outbox = idem_sql::postgres::Outbox::new(w.pg.tables().clone());
     let flushed = event("u-1", 1);
     let mut tx = w.pg.pool().begin().await.unwrap();
     outbox.enqueue(&mut tx, &flushed).await.unwrap();

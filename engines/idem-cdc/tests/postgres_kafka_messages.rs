@@ -15,7 +15,7 @@ use idem_core::outbox::OutboxRecord;
 use idem_core::publish::{FailureKind, Message, PublishError, Publisher};
 use idem_kafka::KafkaPublisher;
 use idem_kafka::inspect::Record;
-use idem_sql::MessageOutbox;
+use idem_sql::postgres::MessageOutbox;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 

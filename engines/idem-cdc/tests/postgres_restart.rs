@@ -25,7 +25,7 @@ async fn pool(url: &str) -> sqlx::PgPool {
 }
 
 async fn commit(pool: &sqlx::PgPool, events: &[Event]) {
-    let outbox = idem_postgres::Outbox::new(TableNames::default());
+    let outbox = idem_sql::postgres::Outbox::new(TableNames::default());
     // A connection of the pool may have died with the server: retry until one works.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -70,7 +70,7 @@ async fn started(pg: &PrivatePg) -> Started {
 async fn started_on(pg: &PrivatePg, topic: String, create_slot: bool) -> Started {
     let url = pg.url();
     let control = pool(&url).await;
-    idem_postgres::migrate(&control, &TableNames::default())
+    idem_sql::postgres::migrate(&control, &TableNames::default())
         .await
         .unwrap();
     let brokers = kafka::shared();

@@ -50,7 +50,7 @@ async fn the_cdc_relay_streams_over_verify_full_tls_with_every_backend_encrypted
         .await
         .unwrap();
     let url = tls.verify_full_url(&db);
-    let pool = idem_sql::connect_postgres(&url, 4)
+    let pool = idem_sql::postgres::connect(&url, 4)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let producer = idem_kafka::producer_config(&w.brokers, &[]).unwrap();

@@ -163,7 +163,7 @@ async fn message_mode_dead_letters_the_whole_record_and_replays_it_once_the_topi
     let (o1, i1, o2) = (order("o-1"), invoice("i-1"), order("o-2"));
     for e in [&o1, &i1, &o2] {
         let mut tx = w.pg.pool().begin().await.unwrap();
-        idem_sql::MessageOutbox::default()
+        idem_sql::postgres::MessageOutbox::default()
             .enqueue_all(&mut tx, std::slice::from_ref(e))
             .await
             .unwrap();

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use idem_core::TableNames;
 use idem_core::crash::{Action, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER};
-use idem_sqlite::SqliteInbox;
+use idem_sql::sqlite::SqliteInbox;
 use sqlx::SqliteConnection;
 
 use super::*;
@@ -108,10 +108,11 @@ struct Fixture {
 
 async fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let pool = idem_sqlite::connect(&format!("sqlite://{}", dir.path().join("c.db").display()))
-        .await
-        .unwrap();
-    idem_sqlite::migrate(&pool, &TableNames::default())
+    let pool =
+        idem_sql::sqlite::connect(&format!("sqlite://{}", dir.path().join("c.db").display()))
+            .await
+            .unwrap();
+    idem_sql::sqlite::migrate(&pool, &TableNames::default())
         .await
         .unwrap();
     sqlx::query("CREATE TABLE effects (event_id TEXT NOT NULL)")
@@ -623,7 +624,7 @@ async fn a_database_outage_dead_letters_nothing_and_a_restart_applies_the_batch(
         "max_batch_retries (2) retries, then the error"
     );
     // The supervisor's restart: a new consumer over a reachable database.
-    let pool = idem_sqlite::connect(&format!("sqlite://{}", path.display()))
+    let pool = idem_sql::sqlite::connect(&format!("sqlite://{}", path.display()))
         .await
         .unwrap();
     let mut config = ConsumerConfig::new("settlement");

@@ -119,7 +119,7 @@ fn record(offset: i64, id: EventId, payload: &str) -> Delivery {
     delivery("t", offset, id, "order.paid", &aggregate, payload)
 }
 
-type Under = Consumer<idem_sqlite::SqliteInbox, SetHandler, NoSource>;
+type Under = Consumer<idem_sql::sqlite::SqliteInbox, SetHandler, NoSource>;
 
 async fn setup(mode: Mode) -> (Lite, SetHandler, Under) {
     let b = Lite::new().await;

@@ -70,7 +70,7 @@ async fn fill(pool: &PgPool, n: u64, target: &str) {
 /// Drains `n` intents: intents/s, WAL syncs per intent (the server's, other sessions'
 /// included) and transactions per intent (this database's, the dispatcher's only).
 async fn drain(pool: &PgPool, n: u64, concurrency: usize) -> (f64, f64, f64) {
-    let intents = idem_postgres::PgIntents::new(pool.clone(), TableNames::default());
+    let intents = idem_sql::postgres::PgIntents::new(pool.clone(), TableNames::default());
     let config = DispatcherConfig {
         concurrency,
         timeout: Duration::from_secs(10),
@@ -151,8 +151,8 @@ async fn main() {
         .execute(&mut conn)
         .await
         .unwrap();
-    let pool = idem_postgres::connect(&url, 8).await.unwrap();
-    idem_postgres::migrate(&pool, &TableNames::default())
+    let pool = idem_sql::postgres::connect(&url, 8).await.unwrap();
+    idem_sql::postgres::migrate(&pool, &TableNames::default())
         .await
         .unwrap();
     let target = fake_remote().await;

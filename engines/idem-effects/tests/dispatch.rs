@@ -164,7 +164,7 @@ struct World {
     server_pool: sqlx::SqlitePool,
     target: String,
     faults: Faults,
-    dispatcher: Dispatcher<idem_sqlite::SqliteIntents>,
+    dispatcher: Dispatcher<idem_sql::sqlite::SqliteIntents>,
 }
 
 async fn world() -> World {
@@ -578,7 +578,7 @@ fn patient(c: DispatcherConfig) -> DispatcherConfig {
 
 impl World {
     /// Another dispatcher over the same intents, settings and policy (a second process).
-    fn another_dispatcher(&self) -> Dispatcher<idem_sqlite::SqliteIntents> {
+    fn another_dispatcher(&self) -> Dispatcher<idem_sql::sqlite::SqliteIntents> {
         self.dispatcher_over(self.client_db.intents())
     }
 
@@ -757,9 +757,9 @@ async fn a_keyless_intent_is_not_probed_before_settle_from_a_send_its_dispatcher
 /// An intent store whose `finish_all` fails for a batch holding intent `fail`: a store error in
 /// the recording of a batch.
 fn fail_finish(
-    inner: idem_sqlite::SqliteIntents,
+    inner: idem_sql::sqlite::SqliteIntents,
     fail: i64,
-) -> support::HookedFinish<idem_sqlite::SqliteIntents> {
+) -> support::HookedFinish<idem_sql::sqlite::SqliteIntents> {
     support::HookedFinish {
         inner,
         hook: Arc::new(move |finished| {

@@ -252,7 +252,7 @@ fn config(tls: HttpTls) -> DispatcherConfig {
 struct Client {
     db: Lite,
     intent: EffectIntent,
-    dispatcher: Dispatcher<idem_sqlite::SqliteIntents>,
+    dispatcher: Dispatcher<idem_sql::sqlite::SqliteIntents>,
 }
 
 async fn client(target: &str, tls: HttpTls) -> Client {

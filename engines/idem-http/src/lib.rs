@@ -6,7 +6,7 @@
 //! use idem_http::{Idempotency, IdempotencyConfig};
 //! # async fn award() -> &'static str { "ok" }
 //! # async fn authenticate(req: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response { next.run(req).await }
-//! # fn demo(store: idem_sqlite::SqliteKeyStore) {
+//! # fn demo(store: idem_sql::sqlite::SqliteKeyStore) {
 //! let app: Router = Router::new()
 //!     .route("/awards", post(award))
 //!     .route_layer(Idempotency::new(store, IdempotencyConfig::default()).layer())

@@ -695,8 +695,8 @@ fn a_server_killed_between_the_award_and_the_completion_leaves_neither_on_sqlite
     let (held, written) = std::sync::mpsc::channel();
     let server = tokio::runtime::Runtime::new().unwrap();
     let keys = server.block_on(async {
-        let pool = idem_sqlite::connect(&url).await.unwrap();
-        idem_sqlite::SqliteKeyStore::new(pool, tables.clone())
+        let pool = idem_sql::sqlite::connect(&url).await.unwrap();
+        idem_sql::sqlite::SqliteKeyStore::new(pool, tables.clone())
     });
     let app = TxApp {
         hold: Some(Arc::new(std::sync::Mutex::new(held))),
@@ -709,8 +709,8 @@ fn a_server_killed_between_the_award_and_the_completion_leaves_neither_on_sqlite
     server.shutdown_background();
     main.block_on(async {
         assert_eq!(tx_awards(&lite).await, 0, "the award died with the server");
-        let pool = idem_sqlite::connect(&url).await.unwrap();
-        let keys = idem_sqlite::SqliteKeyStore::new(pool, tables);
+        let pool = idem_sql::sqlite::connect(&url).await.unwrap();
+        let keys = idem_sql::sqlite::SqliteKeyStore::new(pool, tables);
         let router = tx_router(keys, tx_award_sqlite, TxApp::default());
         let retry = call(&router, req("a", &["\"t4\""], r#"{"points":9}"#)).await;
         assert_eq!((retry.0, retry.1.as_deref()), (StatusCode::CREATED, None));

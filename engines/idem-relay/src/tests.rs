@@ -8,7 +8,7 @@ use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
 use idem_core::outbox::{ClaimOutcome, ClaimRequest};
 use idem_core::publish::{FailureKind, Message, PublishError};
 use idem_core::{Event, TableNames};
-use idem_sqlite::SqliteStore;
+use idem_sql::sqlite::SqliteStore;
 
 use super::*;
 use crate::cycle::produce_deadline;
@@ -79,8 +79,8 @@ struct Fixture {
 async fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
-    let pool = idem_sqlite::connect(&url).await.unwrap();
-    idem_sqlite::migrate(&pool, &TableNames::default())
+    let pool = idem_sql::sqlite::connect(&url).await.unwrap();
+    idem_sql::sqlite::migrate(&pool, &TableNames::default())
         .await
         .unwrap();
     Fixture {

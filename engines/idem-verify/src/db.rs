@@ -68,7 +68,7 @@ impl Pools {
         }
         let db = match Scheme::of(url) {
             Ok(Scheme::Postgres) => {
-                let target = idem_sql::PgUrl::parse(url).map_err(VerifyError::Connect)?;
+                let target = idem_sql::postgres::PgUrl::parse(url).map_err(VerifyError::Connect)?;
                 let opts = target.connect_options().map_err(VerifyError::Connect)?;
                 // Full-table reads are slow by design: do not log them as slow statements.
                 let opts = opts.log_slow_statements(log::LevelFilter::Off, Duration::ZERO);
@@ -78,7 +78,7 @@ impl Pools {
                         .connect_with(opts)
                         .await
                         .map_err(|e| {
-                            VerifyError::Connect(idem_sql::postgres_connect_error(&target, e))
+                            VerifyError::Connect(idem_sql::postgres::connect_error(&target, e))
                         })?,
                 )
             }

@@ -100,7 +100,7 @@ pub enum OrderError {
 /// Writes the order row and its `order.paid` event in one PostgreSQL transaction.
 pub async fn place_order_postgres(
     pool: &sqlx::PgPool,
-    outbox: &idem_postgres::Outbox,
+    outbox: &idem_sql::postgres::Outbox,
     order: &PaidOrder,
 ) -> Result<(), OrderError> {
     write_order(
@@ -118,7 +118,7 @@ pub async fn place_order_postgres(
 /// skew that an id-watermark relay would skip).
 pub async fn place_order_postgres_held(
     pool: &sqlx::PgPool,
-    outbox: &idem_postgres::Outbox,
+    outbox: &idem_sql::postgres::Outbox,
     order: &PaidOrder,
     hold: std::time::Duration,
 ) -> Result<(), OrderError> {
@@ -129,7 +129,7 @@ pub async fn place_order_postgres_held(
 /// row alone (what the service would cost without the outbox: `idem-lab bench` compares the two).
 pub async fn write_order_postgres(
     pool: &sqlx::PgPool,
-    outbox: Option<&idem_postgres::Outbox>,
+    outbox: Option<&idem_sql::postgres::Outbox>,
     order: &PaidOrder,
     event: &Event,
 ) -> Result<(), OrderError> {
@@ -139,7 +139,7 @@ pub async fn write_order_postgres(
 /// Writes the order row and its `order.paid` event in one SQLite transaction.
 pub async fn place_order_sqlite(
     pool: &sqlx::SqlitePool,
-    outbox: &idem_sqlite::Outbox,
+    outbox: &idem_sql::sqlite::Outbox,
     order: &PaidOrder,
 ) -> Result<(), OrderError> {
     write_order(

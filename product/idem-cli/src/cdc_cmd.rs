@@ -244,7 +244,7 @@ async fn pool(db: &DbArgs) -> anyhow::Result<sqlx::PgPool> {
     if !db.db.starts_with("postgres") {
         anyhow::bail!("the CDC relay reads PostgreSQL only: --db must be a postgres:// URL");
     }
-    Ok(idem_sql::connect_postgres(&db.db, 2).await?)
+    Ok(idem_sql::postgres::connect(&db.db, 2).await?)
 }
 
 /// Message mode with a valid prefix (`--messages [PREFIX]`), else table mode in `tables`.

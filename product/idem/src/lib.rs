@@ -41,12 +41,12 @@ pub mod sql {
 /// The PostgreSQL stores (production), under their PostgreSQL names (`PgStore`, …).
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use idem_postgres as postgres;
+pub use idem_sql::postgres;
 
 /// The SQLite stores (embedded default).
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
-pub use idem_sqlite as sqlite;
+pub use idem_sql::sqlite;
 
 /// The relay: claims outbox rows and publishes them, at least once.
 #[cfg(feature = "relay")]

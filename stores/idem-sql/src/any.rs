@@ -130,18 +130,18 @@ macro_rules! with_store {
 
 impl AnyPool {
     /// Connects to the database `url` names: PostgreSQL with up to `max_connections`
-    /// connections ([`connect_postgres`](crate::connect_postgres)), or SQLite with idem's settings
-    /// ([`connect_sqlite`](crate::connect_sqlite)).
+    /// connections ([`postgres::connect`](crate::postgres::connect)), or SQLite with idem's settings
+    /// ([`sqlite::connect`](crate::sqlite::connect)).
     pub async fn connect(url: &str, max_connections: u32) -> Result<AnyPool> {
         match Scheme::of(url)? {
             #[cfg(feature = "postgres")]
             Scheme::Postgres => Ok(AnyPool::Postgres(
-                crate::connect_postgres(url, max_connections).await?,
+                crate::postgres::connect(url, max_connections).await?,
             )),
             #[cfg(feature = "sqlite")]
             Scheme::Sqlite => {
                 let _ = max_connections;
-                Ok(AnyPool::Sqlite(crate::connect_sqlite(url).await?))
+                Ok(AnyPool::Sqlite(crate::sqlite::connect(url).await?))
             }
             #[allow(unreachable_patterns)]
             other => Err(other.not_compiled()),

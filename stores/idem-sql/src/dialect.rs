@@ -92,7 +92,9 @@ pub trait SqlConnection: sqlx::Connection + sealed::SealedConn {
 pub(crate) type Q<'q, DB> = sqlx::query::Query<'q, DB, <DB as Database>::Arguments<'q>>;
 
 /// The moment a statement runs at, as Rust sees it (used by dialects without a usable clock).
+/// PostgreSQL reads its own clock: only SQLite reads the time.
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub struct Now(pub(crate) i64);
 
 impl Now {
@@ -101,6 +103,7 @@ impl Now {
     }
 
     /// `d` from now, in Unix milliseconds.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn after(self, d: Duration) -> i64 {
         self.0.saturating_add(crate::millis(d))
     }

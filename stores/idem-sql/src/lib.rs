@@ -2,8 +2,10 @@
 //! SQLite (feature `sqlite`, the embedded default).
 //!
 //! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
-//! * `MessageOutbox` (feature `postgres`) writes events with no table, as transactional logical
-//!   decoding messages read by the CDC relay's message mode.
+//! * [`postgres`] and [`sqlite`] (features of the same names) hold the stores under their
+//!   dialect's names (`postgres::PgStore`, `sqlite::Outbox`, …), `connect` and `migrate`;
+//!   `postgres::MessageOutbox` writes events with no table, as transactional logical decoding
+//!   messages read by the CDC relay's message mode.
 //! * [`migrate()`] creates or upgrades idem's tables (the SQL lives in `migrations/<dialect>/`).
 //! * [`RelayStore`] is the relay's view of the outbox ([`idem_core::OutboxStore`]), [`Inbox`]
 //!   the consumer's ([`idem_core::InboxStore`]), [`KeyStore`] the server-side Idempotency-Key
@@ -57,9 +59,11 @@ mod relay_store;
 mod writer;
 
 #[cfg(feature = "postgres")]
-mod postgres;
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
 #[cfg(feature = "sqlite")]
-mod sqlite;
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub mod sqlite;
 
 pub use any::{AnyPool, AnyStore, Scheme, Store};
 pub use array::{Array, Element};
@@ -70,21 +74,6 @@ pub use keys::KeyStore;
 pub use migrate::{MigrationReport, migrate};
 pub use relay_store::{DEFAULT_CLAIM_TIMEOUT, RelayStore};
 pub use writer::Outbox;
-
-#[cfg(feature = "postgres")]
-pub use postgres::connect as connect_postgres;
-#[cfg(feature = "postgres")]
-pub use postgres::messages::MessageOutbox;
-#[cfg(feature = "postgres")]
-pub use postgres::url::{PgTls, PgUrl, SslMode};
-#[cfg(feature = "postgres")]
-pub use postgres::{
-    Refused, connect_error as postgres_connect_error, connect_to as connect_postgres_to,
-};
-#[cfg(feature = "sqlite")]
-pub use sqlite::connect as connect_sqlite;
-#[cfg(feature = "sqlite")]
-pub use sqlite::connect_with_pool_size as connect_sqlite_with_pool_size;
 
 /// `url` without its secrets, for messages: the password of its user part and the value of
 /// every query parameter whose name, percent-decoded, holds `password` (`?password=…`,
@@ -180,7 +169,7 @@ mod tests {
             "postgres://u@h/db?pass%77ord=s3cret",
             "postgres://u@h/db?sslmode=prefer&%70assword=s3cret",
         ] {
-            let u = PgUrl::parse(url).unwrap();
+            let u = crate::postgres::PgUrl::parse(url).unwrap();
             assert_eq!(u.password(), Some("s3cret"), "{url}");
             for shown in [u.redacted(), redact(url), format!("{u:?}")] {
                 assert!(!shown.contains("s3cret"), "{url}: {shown}");

@@ -15,7 +15,7 @@ use sqlx::PgPool;
 const REFUSED_WITHIN: Duration = Duration::from_secs(10);
 
 async fn connect(url: &str) -> idem_core::Result<PgPool> {
-    tokio::time::timeout(Duration::from_secs(30), idem_sql::connect_postgres(url, 2))
+    tokio::time::timeout(Duration::from_secs(30), idem_sql::postgres::connect(url, 2))
         .await
         .unwrap_or_else(|_| panic!("connecting to {} hung", idem_sql::redact(url)))
 }

@@ -16,7 +16,7 @@ use sqlx::Executor;
 async fn a_connection_released_inside_a_transaction_is_closed_not_reused_with_the_write_lock() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("pool.db").display());
-    let pool = idem_sql::connect_sqlite(&url).await.unwrap();
+    let pool = idem_sql::sqlite::connect(&url).await.unwrap();
     pool.execute("CREATE TABLE t (n integer NOT NULL)")
         .await
         .unwrap();
@@ -28,7 +28,7 @@ async fn a_connection_released_inside_a_transaction_is_closed_not_reused_with_th
 
     // Another process's writer: it waits (busy timeout, 5 s) until the lock is freed, and
     // failed with "database is locked" when the connection went back to the pool.
-    let other = idem_sql::connect_sqlite(&url).await.unwrap();
+    let other = idem_sql::sqlite::connect(&url).await.unwrap();
     other.execute("INSERT INTO t VALUES (2)").await.unwrap();
     // The released transaction was rolled back, not committed by a later user of the pool.
     for _ in 0..8 {

@@ -9,8 +9,8 @@ use idem_conformance::process::eventually;
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, total};
 use idem_core::{EventId, InboxStore, Message, Publisher, Source, TableNames};
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config};
-use idem_postgres::PgInbox;
 use idem_reference::{PaidOrder, Settlement};
+use idem_sql::postgres::PgInbox;
 use tokio::sync::watch;
 
 const TOPIC: &str = "outbox.event.order";

@@ -10,8 +10,8 @@ use idem_conformance::backend::{Backend, OpenTx, Pg};
 use idem_conformance::process::eventually;
 use idem_core::{Event, OutboxStore};
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, inspect};
-use idem_postgres::PgStore;
 use idem_relay::{Relay, RelayConfig, RelayMetrics};
+use idem_sql::postgres::PgStore;
 use sqlx::Row;
 use tokio::sync::watch;
 

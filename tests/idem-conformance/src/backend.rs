@@ -4,8 +4,8 @@ use std::future::Future;
 
 use idem_core::idempotency::{EffectIntent, IntentStore, TransactionalKeyStore};
 use idem_core::{Event, InboxStore, OutboxStore, TableNames};
-use idem_postgres::{PgInbox, PgIntents, PgKeyStore, PgStore};
-use idem_sqlite::{SqliteInbox, SqliteIntents, SqliteKeyStore, SqliteStore};
+use idem_sql::postgres::{PgInbox, PgIntents, PgKeyStore, PgStore};
+use idem_sql::sqlite::{SqliteInbox, SqliteIntents, SqliteKeyStore, SqliteStore};
 use sqlx::{Executor, PgPool, Postgres, Sqlite, SqlitePool, Transaction};
 
 use crate::pg::TestDb;
@@ -95,7 +95,7 @@ impl Pg {
 
 pub struct PgTx {
     tx: Transaction<'static, Postgres>,
-    outbox: idem_postgres::Outbox,
+    outbox: idem_sql::postgres::Outbox,
     intents: PgIntents,
 }
 
@@ -155,7 +155,7 @@ impl Backend for Pg {
         }
     }
     async fn migrate(&self) -> idem_core::Result<Vec<i64>> {
-        idem_postgres::migrate(self.pool(), &self.tables)
+        idem_sql::postgres::migrate(self.pool(), &self.tables)
             .await
             .map(|r| r.applied)
     }
@@ -223,7 +223,7 @@ impl Lite {
     pub async fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-        let pool = idem_sqlite::connect(&url).await.unwrap();
+        let pool = idem_sql::sqlite::connect(&url).await.unwrap();
         let tables = TableNames::default();
         let lite = Lite {
             dir: std::sync::Arc::new(dir),
@@ -245,7 +245,7 @@ impl Lite {
 
 pub struct LiteTx {
     tx: Transaction<'static, Sqlite>,
-    outbox: idem_sqlite::Outbox,
+    outbox: idem_sql::sqlite::Outbox,
     intents: SqliteIntents,
 }
 
@@ -306,7 +306,7 @@ impl Backend for Lite {
         }
     }
     async fn migrate(&self) -> idem_core::Result<Vec<i64>> {
-        idem_sqlite::migrate(&self.pool, &self.tables)
+        idem_sql::sqlite::migrate(&self.pool, &self.tables)
             .await
             .map(|r| r.applied)
     }

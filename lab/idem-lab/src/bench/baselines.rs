@@ -56,11 +56,11 @@ async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<(
                 format!("business_tx_plain_{suffix}_per_s"),
             ),
             (
-                OrderWrite::Message(idem_sql::MessageOutbox::default()),
+                OrderWrite::Message(idem_sql::postgres::MessageOutbox::default()),
                 format!("business_tx_message_{suffix}_per_s"),
             ),
             (
-                OrderWrite::MessageSeparate(idem_sql::MessageOutbox::default()),
+                OrderWrite::MessageSeparate(idem_sql::postgres::MessageOutbox::default()),
                 format!("business_tx_message_separate_{suffix}_per_s"),
             ),
         ] {

@@ -37,11 +37,11 @@ const TRUNCATE_APPLICATIONS: &str = include_str!("sql/truncate_applications.sql"
 /// The `application_name` of the bench's own sessions (the children's are never this).
 pub(super) const APPLICATION: &str = "idem-bench";
 
-/// The bench's connection options for `url`, read as idem reads it (`idem_sql::PgUrl`: the
+/// The bench's connection options for `url`, read as idem reads it (`idem_sql::postgres::PgUrl`: the
 /// same `sslmode`, root and client certificates as the system's pools), with its application
 /// name and no statement logging.
 pub(super) fn options(url: &str) -> anyhow::Result<PgConnectOptions> {
-    Ok(idem_sql::PgUrl::parse(url)?
+    Ok(idem_sql::postgres::PgUrl::parse(url)?
         .connect_options()
         .context("reading a bench database URL")?
         .application_name(APPLICATION)

@@ -54,7 +54,7 @@ type Outstanding = Arc<Mutex<HashMap<String, Instant>>>;
 pub(super) async fn open_loop(
     orders: &PgPool,
     settle: &PgPool,
-    outbox: &idem_postgres::Outbox,
+    outbox: &idem_sql::postgres::Outbox,
     prefix: &str,
     pad: usize,
     rate: f64,

@@ -289,7 +289,7 @@ pub(crate) struct Ctx<'a> {
     /// The `IDEM_KAFKA_…` environment of the child processes: the same security.
     child_env: Vec<(&'static str, String)>,
     /// The orders' outbox.
-    outbox: &'a idem_postgres::Outbox,
+    outbox: &'a idem_sql::postgres::Outbox,
     /// The ceilings' database (same schema as the system's, nothing else running on it).
     scratch: &'a sqlx::PgPool,
     /// Its URL.
@@ -374,7 +374,7 @@ async fn phases(
         .await?;
     report.environment("postgres", &version);
     report.environment("postgres_tls_bench", &pg::session_tls(&scratch).await?);
-    let outbox = idem_postgres::Outbox::default();
+    let outbox = idem_sql::postgres::Outbox::default();
     let mut c = Ctx {
         args,
         progress,

@@ -5,7 +5,7 @@
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::{Dedup, EventId, InboxEntry, InboxStore, Result, StoredDeadLetter};
 use idem_kafka::KafkaSource;
-use idem_postgres::PgInbox;
+use idem_sql::postgres::PgInbox;
 use sqlx::PgConnection;
 
 use crate::lab_consumer::LabConsumerArgs;
@@ -104,7 +104,7 @@ impl InboxStore for NoInbox {
 /// Runs until SIGTERM.
 pub(super) async fn run(args: LabConsumerArgs) -> anyhow::Result<()> {
     let shutdown = idem_cli::util::shutdown_signal()?;
-    let pool = idem_postgres::connect(&args.db, 4).await?;
+    let pool = idem_sql::postgres::connect(&args.db, 4).await?;
     idem_reference::ensure_schema_postgres(&pool).await?;
     let kafka = args.consumer_config()?;
     let source = KafkaSource::new(&kafka, std::slice::from_ref(&args.topic))?;

@@ -58,7 +58,7 @@ impl Databases {
         let name = format!("{}_{suffix}", self.prefix);
         let mut admin = super::ceilings::connect(&self.server)
             .await
-            .with_context(|| format!("connecting to {}", idem_postgres::redact(&self.server)))?;
+            .with_context(|| format!("connecting to {}", idem_sql::redact(&self.server)))?;
         sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
             .execute(&mut admin)
             .await?;
@@ -75,7 +75,7 @@ impl Databases {
             .max_connections(connections)
             .connect_with(options)
             .await?;
-        idem_postgres::migrate(&pool, &TableNames::default()).await?;
+        idem_sql::postgres::migrate(&pool, &TableNames::default()).await?;
         idem_reference::ensure_schema_postgres(&pool).await?;
         Ok((url, pool))
     }
@@ -245,14 +245,14 @@ pub(super) enum OrderWrite {
     /// The order row alone: no event.
     Alone,
     /// The order row and its event through idem's outbox (the reference service).
-    Outbox(idem_postgres::Outbox),
+    Outbox(idem_sql::postgres::Outbox),
     /// The order row and its event as a logical decoding message (the CDC relay's message
     /// mode), written in one statement with `MessageOutbox::enqueue_with`: no outbox row, no
     /// second round trip.
-    Message(idem_sql::MessageOutbox),
+    Message(idem_sql::postgres::MessageOutbox),
     /// The same with the message in a statement of its own after the order's
     /// (`MessageOutbox::enqueue`): what the second round trip costs.
-    MessageSeparate(idem_sql::MessageOutbox),
+    MessageSeparate(idem_sql::postgres::MessageOutbox),
     /// The order row and the same event JSON as a plain row of `bench_plain` (one index, no
     /// trigger, no constraint): what any second row costs, the outbox's physical floor.
     PlainRow,

@@ -436,7 +436,7 @@ impl Report {
                 "producer_config": idem_kafka::security::describe_settings(&args.producer_config),
                 "broker_security": args.broker_security.map(SecuredMode::as_str),
                 "kafka_security": security_json(security),
-                "postgres_sslmode": idem_sql::PgUrl::parse(&args.db)
+                "postgres_sslmode": idem_sql::postgres::PgUrl::parse(&args.db)
                     .map_or_else(|_| "unreadable".to_owned(), |u| u.tls.mode.to_string()),
             }),
             environment,

@@ -78,14 +78,14 @@ pub(crate) async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
         Some(url) => idem_reference::Settlement::with_points(url),
         None => idem_reference::Settlement::new(),
     };
-    let inbox = idem_postgres::PgInbox::new(pool.clone(), idem_core::TableNames::default());
+    let inbox = idem_sql::postgres::PgInbox::new(pool.clone(), idem_core::TableNames::default());
     consume(args, &pool, &inbox, &consumer, &producer, &handler).await
 }
 
 async fn consume<H: Handler<sqlx::PgConnection>>(
     args: &crate::lab_consumer::LabConsumerArgs,
     pool: &sqlx::PgPool,
-    inbox: &idem_postgres::PgInbox,
+    inbox: &idem_sql::postgres::PgInbox,
     consumer: &StreamConsumer,
     producer: &BaseProducer,
     handler: &H,

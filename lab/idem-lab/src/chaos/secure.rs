@@ -55,7 +55,7 @@ impl DbRole {
     /// The URL of this role on database `db` of the server of `admin` (its host, port and query
     /// parameters: `sslmode`, `sslrootcert`), the password percent-encoded in it.
     pub(super) fn url(&self, admin: &str, db: &str) -> anyhow::Result<String> {
-        let server = idem_sql::PgUrl::parse(admin)?;
+        let server = idem_sql::postgres::PgUrl::parse(admin)?;
         let host = if server.host.contains(':') {
             format!("[{}]", server.host)
         } else {
@@ -89,8 +89,8 @@ fn percent_encoded(s: &str) -> String {
 
 /// Refuses a `--db` that `--tls` cannot use: it must verify the server fully.
 pub(super) fn check_admin_url(admin: &str) -> anyhow::Result<()> {
-    let url = idem_sql::PgUrl::parse(admin)?;
-    if url.tls.mode != idem_sql::SslMode::VerifyFull {
+    let url = idem_sql::postgres::PgUrl::parse(admin)?;
+    if url.tls.mode != idem_sql::postgres::SslMode::VerifyFull {
         bail!(
             "with --tls, --db {} must use sslmode=verify-full (and sslrootcert=<the server's CA>): \
              the run's databases are created over it",
@@ -449,7 +449,7 @@ mod tests {
             url,
             format!("postgres://idem_tls:a%3Ab%40c%2Fd@127.0.0.1:5432/idem_demo_x_orders?{params}")
         );
-        let parsed = idem_sql::PgUrl::parse(&url).unwrap();
+        let parsed = idem_sql::postgres::PgUrl::parse(&url).unwrap();
         assert_eq!(parsed.password(), Some("a:b@c/d"));
         assert!(check_admin_url(&admin).is_ok());
         let plain = check_admin_url("postgres://postgres@127.0.0.1:5432/postgres").unwrap_err();

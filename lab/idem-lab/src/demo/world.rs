@@ -90,7 +90,7 @@ impl Databases {
         if Scheme::of(server).ok() != Some(Scheme::Postgres) {
             bail!("--db must be a postgres:// URL (the SQLite default needs no --db)");
         }
-        let admin = idem_postgres::connect(server, 1).await?;
+        let admin = idem_sql::postgres::connect(server, 1).await?;
         let mut names = vec![];
         let mut urls = vec![];
         for role in ROLES {
@@ -117,8 +117,8 @@ impl Databases {
         admin.close().await;
         let mut pools = vec![];
         for url in &urls {
-            let pool = idem_postgres::connect(url, 8).await?;
-            idem_postgres::migrate(&pool, tables).await?;
+            let pool = idem_sql::postgres::connect(url, 8).await?;
+            idem_sql::postgres::migrate(&pool, tables).await?;
             idem_reference::ensure_schema_postgres(&pool).await?;
             pools.push(AnyPool::Postgres(pool));
         }
@@ -152,8 +152,8 @@ impl Databases {
         for (role, size) in ROLES.into_iter().zip(SQLITE_POOLS) {
             let file = path.join(format!("{role}-{run}.db"));
             let url = format!("sqlite://{}", file.display());
-            let pool = idem_sqlite::connect_with_pool_size(&url, size).await?;
-            idem_sqlite::migrate(&pool, tables).await?;
+            let pool = idem_sql::sqlite::connect_with_pool_size(&url, size).await?;
+            idem_sql::sqlite::migrate(&pool, tables).await?;
             idem_reference::ensure_schema_sqlite(&pool).await?;
             pools.push(AnyPool::Sqlite(pool));
             urls.push(url);
@@ -204,7 +204,7 @@ impl Databases {
             return Ok(());
         }
         if let Some((server, names)) = self.drop_on_exit {
-            let admin = idem_postgres::connect(&server, 1).await?;
+            let admin = idem_sql::postgres::connect(&server, 1).await?;
             for name in names {
                 sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
                     .execute(&admin)

@@ -1,4 +1,44 @@
-//! PostgreSQL: the dialect's answers, and the statements whose shape is its own.
+//! PostgreSQL (production): idem's stores under their PostgreSQL names (`PgStore` is
+//! [`RelayStore<Postgres>`](crate::RelayStore), and so on), the connection, and the dialect.
+//!
+//! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
+//! * [`MessageOutbox`] writes events with no table, as transactional logical decoding messages
+//!   for the CDC relay's message mode (`idem cdc relay --messages`).
+//! * [`migrate`] creates or upgrades idem's tables (the SQL lives in
+//!   `stores/idem-sql/migrations/postgres/`).
+//! * [`PgStore`] is the relay's view of the outbox, [`PgInbox`] the consumer's, [`PgKeyStore`]
+//!   the server-side Idempotency-Key store and [`PgIntents`] the effect intents; their SQL lives
+//!   in `stores/idem-sql/sql/postgres/` and `sql/common/`, one statement per file.
+//! * [`connect`] opens a pool from a `postgres://` URL ([`PgUrl`]: `sslmode`, certificates).
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::Event;
+//! let outbox = idem_sql::postgres::Outbox::default();
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("INSERT INTO orders (id, amount_minor) VALUES ($1, $2)")
+//!     .bind("10042").bind(1250_i64).execute(&mut *tx).await?;
+//! let event = Event::builder("order", "10042", "order.paid")
+//!     .payload(&serde_json::json!({"order_id": "10042", "amount_minor": 1250}))
+//!     .build()?;
+//! outbox.enqueue(&mut *tx, &event).await?;
+//! tx.commit().await?; // both rows, or neither
+//! # Ok(()) }
+//! ```
+//!
+//! With the CDC relay in message mode there is no outbox table: [`MessageOutbox`] emits the
+//! events as transactional logical decoding messages, in the same transaction.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool, event: idem_core::Event) -> Result<(), Box<dyn std::error::Error>> {
+//! let outbox = idem_sql::postgres::MessageOutbox::default(); // prefix idem.outbox
+//! let mut tx = pool.begin().await?;
+//! outbox.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?; // published by `idem cdc relay --messages` once committed
+//! # Ok(()) }
+//! ```
+//!
+//! Commit order: see [the crate's page](crate#commit-order).
 
 use std::time::Duration;
 
@@ -20,6 +60,26 @@ mod refusal;
 mod relay;
 mod retention;
 pub(crate) mod url;
+
+pub use messages::MessageOutbox;
+pub use url::{PgTls, PgUrl, SslMode};
+
+/// Enqueues events in the caller's transaction ([`crate::Outbox`]). Cheap to clone.
+pub type Outbox = crate::Outbox<Postgres>;
+/// The relay's PostgreSQL store ([`crate::RelayStore`]).
+pub type PgStore = crate::RelayStore<Postgres>;
+/// The consumer's inbox and dead letters in PostgreSQL ([`crate::Inbox`]).
+pub type PgInbox = crate::Inbox<Postgres>;
+/// The server-side Idempotency-Key store in PostgreSQL ([`crate::KeyStore`]).
+pub type PgKeyStore = crate::KeyStore<Postgres>;
+/// Effect intents in PostgreSQL ([`crate::Intents`]).
+pub type PgIntents = crate::Intents<Postgres>;
+
+/// Creates or upgrades idem's tables. Safe to run concurrently (an advisory lock serializes
+/// migrators) and repeatedly (applied versions are recorded in `<prefix>schema_migrations`).
+pub async fn migrate(pool: &PgPool, tables: &TableNames) -> Result<crate::MigrationReport> {
+    crate::migrate(pool, tables).await
+}
 
 /// Table bases used in the SQL files.
 const BASES: &[&str] = &[

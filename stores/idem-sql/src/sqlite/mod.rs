@@ -1,4 +1,30 @@
-//! SQLite: the dialect's answers, and the statements whose shape is its own.
+//! SQLite (the embedded default): idem's stores under their SQLite names (`SqliteStore` is
+//! [`RelayStore<Sqlite>`](crate::RelayStore), and so on), the connection, and the dialect.
+//!
+//! * [`Outbox`] enqueues events inside the caller's own transaction: pass `&mut *tx`.
+//! * [`migrate`] creates or upgrades idem's tables (the SQL lives in
+//!   `stores/idem-sql/migrations/sqlite/`).
+//! * [`SqliteStore`] is the relay's view of the outbox, [`SqliteInbox`] the consumer's,
+//!   [`SqliteKeyStore`] the server-side Idempotency-Key store and [`SqliteIntents`] the effect
+//!   intents; their SQL lives in `stores/idem-sql/sql/sqlite/` and `sql/common/`.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::{Event, TableNames};
+//! let pool = idem_sql::sqlite::connect("sqlite://orders.db").await?;
+//! idem_sql::sqlite::migrate(&pool, &TableNames::default()).await?;
+//! let outbox = idem_sql::sqlite::Outbox::default();
+//! let mut tx = pool.begin().await?;
+//! let event = Event::builder("order", "10042", "order.paid")
+//!     .payload(&serde_json::json!({"order_id": "10042", "amount_minor": 1250}))
+//!     .build()?;
+//! outbox.enqueue(&mut *tx, &event).await?;
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! SQLite has one writer at a time, holding the database from its first write to its commit,
+//! so `id` order is commit order: the relay uses `id` as each aggregate's sequence.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -21,6 +47,22 @@ use crate::queries::{SqlSet, sql_set};
 
 mod relay;
 mod retention;
+
+/// Enqueues events in the caller's transaction ([`crate::Outbox`]). Cheap to clone.
+pub type Outbox = crate::Outbox<Sqlite>;
+/// The relay's SQLite store ([`crate::RelayStore`]).
+pub type SqliteStore = crate::RelayStore<Sqlite>;
+/// The consumer's inbox and dead letters in SQLite ([`crate::Inbox`]).
+pub type SqliteInbox = crate::Inbox<Sqlite>;
+/// The server-side Idempotency-Key store in SQLite ([`crate::KeyStore`]).
+pub type SqliteKeyStore = crate::KeyStore<Sqlite>;
+/// Effect intents in SQLite ([`crate::Intents`]).
+pub type SqliteIntents = crate::Intents<Sqlite>;
+
+/// Creates or upgrades idem's tables, in one `BEGIN IMMEDIATE` transaction.
+pub async fn migrate(pool: &SqlitePool, tables: &TableNames) -> Result<crate::MigrationReport> {
+    crate::migrate(pool, tables).await
+}
 
 const BASES: &[&str] = &[
     "outbox_archive",
