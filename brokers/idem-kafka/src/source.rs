@@ -1,4 +1,4 @@
-//! The consumer side: a Kafka consumer group as an [`idem_core::Source`].
+//! The consumer side: a Kafka consumer group as an [`idem_core::store::Source`].
 //!
 //! # Delivery semantics
 //!
@@ -38,7 +38,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_core::health::Health;
-use idem_core::{Delivery, Error, LagProbe, Result, Source};
+use idem_core::store::{Delivery, LagProbe, Source};
+use idem_core::{Error, Result};
 
 use crate::security::Connection;
 use rdkafka::consumer::{

@@ -6,8 +6,8 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use idem_core::Source;
 use idem_core::publish::{Message, Publisher};
+use idem_core::store::Source;
 use idem_core::wire::CE_ID;
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config, producer_config};
 

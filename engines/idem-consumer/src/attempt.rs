@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 
 use idem_core::crash::{self, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER};
-use idem_core::{Dedup, Error, ErrorKind, EventId, InboundEvent, InboxStore, Source};
+use idem_core::store::{Dedup, InboxStore, Source};
+use idem_core::{Error, ErrorKind, EventId, InboundEvent};
 
 use crate::Consumer;
 use crate::batch::{Batch, Unique, apply_order};

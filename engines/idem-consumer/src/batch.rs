@@ -5,8 +5,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, SystemTime};
 
+use idem_core::store::{DeadLetter, Dedup, Delivery, InboxEntry};
 use idem_core::wire::DecodeError;
-use idem_core::{DeadLetter, Dedup, Delivery, EventId, InboundEvent, InboxEntry};
+use idem_core::{EventId, InboundEvent};
 
 use crate::dead_letter::dead_letter_of;
 

@@ -3,7 +3,7 @@
 //!
 //! An effect a handler posts is an [`EffectIntent`] keyed by the event and the effect's name
 //! (`event-<event id>-<effect>`): the runtime records the intents of the events it applies
-//! through [`InboxStore::record_effects`](idem_core::InboxStore::record_effects), in the same
+//! through [`InboxStore::record_effects`](idem_core::store::InboxStore::record_effects), in the same
 //! transaction as the handler's writes and the inbox rows, so an intent commits exactly when
 //! its event counts as applied. A dispatcher delivers it later with that key on every attempt.
 
@@ -29,7 +29,7 @@ impl<'a, C> HandlerContext<'a, C> {
     /// A context over `conn` for `event`, whose effects collect in `posted`. The runtime makes
     /// one for each event it hands a handler; a caller outside the consumer (a test of one's
     /// handler) records `posted` itself, in `conn`'s transaction
-    /// ([`InboxStore::record_effects`](idem_core::InboxStore::record_effects)).
+    /// ([`InboxStore::record_effects`](idem_core::store::InboxStore::record_effects)).
     pub fn new(
         conn: &'a mut C,
         event: &'a InboundEvent,

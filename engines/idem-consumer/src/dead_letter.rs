@@ -2,8 +2,9 @@
 
 use std::collections::{HashMap, HashSet};
 
+use idem_core::store::{DeadLetter, Dedup, Delivery};
 use idem_core::wire::{self, storable};
-use idem_core::{DeadLetter, Dedup, Delivery, EventId, InboundEvent};
+use idem_core::{EventId, InboundEvent};
 
 use crate::batch::Batch;
 

@@ -283,7 +283,7 @@ impl From<idem_core::Error> for BatchError {
 /// statement aborts the whole transaction. A statement that may fail by design ("insert, and a
 /// duplicate key means done") belongs in a savepoint of the handler's own, or in
 /// `ON CONFLICT DO NOTHING`. The runtime checks that the transaction is still usable before it
-/// commits ([`idem_core::InboxStore::check_usable`]); when a handler has swallowed an error, the
+/// commits ([`idem_core::store::InboxStore::check_usable`]); when a handler has swallowed an error, the
 /// batch is retried one event at a time, the handler that left the transaction aborted is
 /// found, its event retried as a transient failure, and nothing of the batch is acknowledged
 /// meanwhile.

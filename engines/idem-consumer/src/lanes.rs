@@ -3,7 +3,7 @@
 //! partitions are applied concurrently, each on its own connection; the transactions of one
 //! lane run one after another, so a partition's records are applied in offset order. Pure.
 
-use idem_core::Delivery;
+use idem_core::store::Delivery;
 
 /// One partition's records of a fetched set, as the transactions that apply them in order.
 #[derive(Debug, PartialEq)]

@@ -18,7 +18,8 @@ use std::time::Duration;
 use idem_core::backoff::Backoff;
 use idem_core::crash::{self, CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT};
 use idem_core::health::Health;
-use idem_core::{Delivery, Error, EventId, InboundEvent, InboxEntry, InboxStore, Result, Source};
+use idem_core::store::{Delivery, InboxEntry, InboxStore, Source};
+use idem_core::{Error, EventId, InboundEvent, Result};
 
 use crate::attempt::AttemptCx;
 use crate::batch::{Batch, Unique, last_offsets};
@@ -643,7 +644,7 @@ where
     fn account(
         &self,
         batch: &Batch<'_>,
-        results: &[idem_core::Dedup],
+        results: &[idem_core::store::Dedup],
         retries: &Retries,
     ) -> BatchReport {
         let tally = batch.tally(results, &retries.poison, std::time::SystemTime::now());
@@ -746,7 +747,7 @@ enum Applied {
 /// How the attempts of one transaction ended ([`Consumer::apply`]).
 enum Applying {
     /// An attempt committed: the inbox's verdicts and the retry state.
-    Committed(Vec<idem_core::Dedup>, Retries),
+    Committed(Vec<idem_core::store::Dedup>, Retries),
     /// The partition was revoked: not applied.
     Revoked,
     /// Stopped while backing off: not applied.

@@ -244,7 +244,7 @@ impl ConsumerMetrics {
         }
     }
 
-    /// Sets `idem_consumer_lag` from a [`idem_core::LagProbe`] reading: the topics it lists get
+    /// Sets `idem_consumer_lag` from a [`idem_core::store::LagProbe`] reading: the topics it lists get
     /// their lag, topics shown before and now absent (no partition assigned) drop to 0.
     pub fn set_lag(&self, group: &str, lags: &[(String, i64)]) {
         let mut topics = self.lag_topics.lock().unwrap_or_else(|p| p.into_inner());

@@ -10,9 +10,8 @@
 //! stays open with the new reason. A letter that does not decode (no event id, a value that is
 //! not JSON) is reported and left alone.
 
-use idem_core::{
-    DeadLetter, Delivery, EventId, InboundEvent, InboxStore, OpenDeadLetter, ReplayOutcome, Result,
-};
+use idem_core::store::{DeadLetter, Delivery, InboxStore, OpenDeadLetter, ReplayOutcome};
+use idem_core::{EventId, InboundEvent, Result};
 
 use tracing::Instrument;
 

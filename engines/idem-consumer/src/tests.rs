@@ -159,7 +159,7 @@ impl Fixture {
             .await
             .unwrap()
     }
-    async fn dead_letters(&self) -> Vec<idem_core::StoredDeadLetter> {
+    async fn dead_letters(&self) -> Vec<idem_core::store::StoredDeadLetter> {
         self.consumer
             .inbox()
             .dead_letters("settlement", 100)

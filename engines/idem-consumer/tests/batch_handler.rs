@@ -15,7 +15,8 @@ use idem_consumer::{
     BatchContext, BatchError, Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext,
     HandlerError, Outcome,
 };
-use idem_core::{Delivery, EventId, InboundEvent, InboxStore};
+use idem_core::store::{Delivery, InboxStore};
+use idem_core::{EventId, InboundEvent};
 use sqlx::SqliteConnection;
 
 /// How the scripted batch handler misbehaves.

@@ -10,7 +10,8 @@ use idem_conformance::records::{NoSource, delivery};
 use idem_consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
 };
-use idem_core::{EventId, InboundEvent, InboxStore};
+use idem_core::store::InboxStore;
+use idem_core::{EventId, InboundEvent};
 
 /// Posts one effect per event, to the URL its payload names.
 struct PostsTo;

@@ -15,7 +15,8 @@ use idem_conformance::process::eventually;
 use idem_consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
 };
-use idem_core::{Delivery, EventId, InboundEvent, Result, Source};
+use idem_core::store::{Delivery, Source};
+use idem_core::{EventId, InboundEvent, Result};
 use tokio::sync::{Notify, watch};
 
 const TOPIC: &str = "outbox.event.order";

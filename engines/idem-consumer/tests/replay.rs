@@ -18,7 +18,8 @@ use idem_consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
 };
 use idem_core::crash::{BREAK_TRANSIENT_DEAD_LETTERS, BROKEN_TRANSIENT_BUDGET};
-use idem_core::{Delivery, EventId, InboundEvent, InboxStore};
+use idem_core::store::{Delivery, InboxStore};
+use idem_core::{EventId, InboundEvent};
 use tokio::sync::Semaphore;
 
 const GROUP: &str = "settlement";

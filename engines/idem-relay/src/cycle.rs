@@ -6,10 +6,11 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use idem_core::Result;
 use idem_core::crash::{self, RELAY_AFTER_CLAIM_BEFORE_PUBLISH, RELAY_AFTER_PUBLISH_BEFORE_MARK};
 use idem_core::outbox::{Claim, ClaimOutcome, ClaimRequest, Completed, OutboxRecord};
 use idem_core::publish::Publisher;
-use idem_core::{OutboxStore, Result};
+use idem_core::store::OutboxStore;
 
 use crate::message;
 use crate::outcome::{self, Backoff, Next, Policy, RowOutcome};

@@ -14,7 +14,8 @@ use idem_core::backoff::Backoff;
 use idem_core::health::Health;
 use idem_core::outbox::{Claim, PrunePolicy};
 use idem_core::publish::Publisher;
-use idem_core::{Error, OutboxStore, Result};
+use idem_core::store::OutboxStore;
+use idem_core::{Error, Result};
 use unwritable::Unwritable;
 
 pub use idem_core::wire::{DEFAULT_TOPIC_PREFIX, TopicNaming};
@@ -399,8 +400,8 @@ mod tests;
 
 /// A claimed row of aggregate `aggregate_type`/`aggregate_id`, first attempt, for unit tests.
 #[cfg(test)]
-fn test_row(id: i64, aggregate_type: &str, aggregate_id: &str) -> idem_core::OutboxRecord {
-    idem_core::OutboxRecord {
+fn test_row(id: i64, aggregate_type: &str, aggregate_id: &str) -> idem_core::store::OutboxRecord {
+    idem_core::store::OutboxRecord {
         id,
         event_id: idem_core::EventId::new(),
         aggregate_type: aggregate_type.into(),

@@ -32,7 +32,7 @@ pub struct RelayMetrics {
     /// taken over its expired lease.
     pub lease_lost: IntCounter,
     /// `idem_outbox_abandoned_total`: claimed rows not produced because the claim left less of
-    /// the lease than one publish can take ([`idem_core::Publisher::longest_publish`]); they
+    /// the lease than one publish can take ([`idem_core::publish::Publisher::longest_publish`]); they
     /// are claimed again after the lease expires.
     pub abandoned: IntCounter,
     /// `idem_outbox_pruned_total`: published rows deleted or archived.
@@ -40,7 +40,7 @@ pub struct RelayMetrics {
     /// `idem_outbox_relay_errors_total`: failed cycles (database or broker errors).
     pub errors: IntCounter,
     /// `idem_outbox_pending{aggregate_type}`: pending rows at the last status refresh
-    /// (every `status_interval`, from [`idem_core::OutboxStore::backlog`]). Every relay of an
+    /// (every `status_interval`, from [`idem_core::store::OutboxStore::backlog`]). Every relay of an
     /// outbox exports the same value: aggregate with `max`, not `sum`.
     pub pending: IntGaugeVec,
     /// `idem_outbox_parked{aggregate_type}`: parked rows at the last status refresh.
@@ -202,9 +202,9 @@ impl RelayMetrics {
         }
     }
 
-    /// Sets the backlog gauges from a [`idem_core::OutboxStore::backlog`] result: types it
+    /// Sets the backlog gauges from a [`idem_core::store::OutboxStore::backlog`] result: types it
     /// lists get their values, types shown before and now absent drop to 0.
-    pub fn set_backlog(&self, backlog: &[idem_core::Backlog]) {
+    pub fn set_backlog(&self, backlog: &[idem_core::store::Backlog]) {
         let mut seen = self
             .seen_aggregate_types
             .lock()

@@ -372,7 +372,8 @@ async fn two_relays_never_hold_the_same_aggregate() {
         lease: Duration::from_secs(60),
     };
     let one = f.store.claim(&req("one", 2)).await.unwrap();
-    let ids = |c: &idem_core::Claim| c.records.iter().map(|r| r.event_id).collect::<Vec<_>>();
+    let ids =
+        |c: &idem_core::store::Claim| c.records.iter().map(|r| r.event_id).collect::<Vec<_>>();
     assert_eq!(
         ids(&one),
         vec![a[0].id(), b[0].id()],

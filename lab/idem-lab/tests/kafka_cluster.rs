@@ -14,7 +14,8 @@ use idem_conformance::backend::{Backend, OpenTx, Pg};
 use idem_conformance::kafka::{self, KafkaCluster};
 use idem_conformance::process::{Proc, eventually, http_get, metric_value};
 use idem_conformance::scenarios::event;
-use idem_core::{Event, OutboxStore};
+use idem_core::Event;
+use idem_core::store::OutboxStore;
 use idem_kafka::{admin, inspect};
 
 fn relay(db: &str, brokers: &str, prefix: &str) -> Proc {

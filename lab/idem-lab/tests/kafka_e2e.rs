@@ -12,7 +12,8 @@ use idem_conformance::backend::{Backend, Lite, OpenTx, Pg};
 use idem_conformance::kafka;
 use idem_conformance::process::{Proc, eventually, http_get, metric_sum};
 use idem_conformance::scenarios::event;
-use idem_core::{Event, OutboxStore};
+use idem_core::Event;
+use idem_core::store::OutboxStore;
 use idem_kafka::inspect;
 
 /// The shared broker, with a topic of this test's own (`<prefix>order`, 3 partitions).

@@ -10,7 +10,8 @@ use std::time::Duration;
 use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_conformance::records::{self, NoSource};
 use idem_consumer::{BatchReport, Consumer, ConsumerConfig, ConsumerMetrics, Handler};
-use idem_core::{Delivery, EventId, InboxStore};
+use idem_core::EventId;
+use idem_core::store::{Delivery, InboxStore};
 use idem_reference::{PaidOrder, Settlement};
 
 const TARGET: &str = "http://127.0.0.1:8088/awards";

@@ -5,7 +5,8 @@
 use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_consumer::{Handler, HandlerContext};
 use idem_core::idempotency::IntentStore;
-use idem_core::{EventId, InboundEvent, InboxStore};
+use idem_core::store::InboxStore;
+use idem_core::{EventId, InboundEvent};
 use idem_reference::{PaidOrder, Settlement};
 
 const TARGET: &str = "http://127.0.0.1:8088/awards";

@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use clap::Args;
-use idem_core::InboxStore;
+use idem_core::store::InboxStore;
 
 use crate::DbArgs;
 use crate::db;

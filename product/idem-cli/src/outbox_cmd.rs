@@ -2,7 +2,8 @@
 
 use anyhow::bail;
 use clap::Subcommand;
-use idem_core::{Event, EventId, OutboxStore};
+use idem_core::store::OutboxStore;
+use idem_core::{Event, EventId};
 
 use crate::DbArgs;
 use crate::db;

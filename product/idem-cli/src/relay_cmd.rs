@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use idem_core::health::Health;
-use idem_core::{OutboxStore, PrunePolicy};
+use idem_core::store::{OutboxStore, PrunePolicy};
 use idem_kafka::{EMBEDDED, EmbeddedCluster, KafkaPublisher};
 use idem_relay::{Relay, RelayConfig, RelayMetrics};
 

@@ -4,7 +4,8 @@
 //! Run: `cargo run -p idem --example enqueue_sqlite`
 
 use idem::sqlite::{Outbox, SqliteStore};
-use idem::{Event, OutboxStore, TableNames};
+use idem::store::OutboxStore;
+use idem::{Event, TableNames};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -17,15 +17,18 @@
 //! | `verify` | `verify` | reconciliation |
 //! | `full` | | all of them |
 //!
-//! [`prelude`] holds what a handler is written with.
+//! [`prelude`] holds what a handler is written with. The root holds the types every stage
+//! shares: the [`Event`] a writer enqueues, the [`InboundEvent`] a handler reads, the
+//! [`Error`] every call returns, and the [`TableNames`] of idem's tables. [`store`] and
+//! [`publish`] hold what a store or a broker client implements (a user reaches their methods
+//! through them, `store::OutboxStore::status`); [`trace`] the W3C trace context carried from
+//! the writer to the handler.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_core::{
-    BoxError, Claim, ClaimOutcome, ClaimRequest, Completed, Disposition, Error, ErrorKind, Event,
-    EventBuilder, EventId, Failure, FailureKind, InboundEvent, Message, OutboxRecord, OutboxStatus,
-    OutboxStore, ParkedRow, PrunePolicy, PublishError, Publisher, Result, TableNames, crash, event,
-    trace,
+    BoxError, Error, ErrorKind, Event, EventBuilder, EventId, InboundEvent, Result, TableNames,
 };
+pub use idem_core::{publish, store, trace};
 
 pub mod prelude;
 
@@ -61,8 +64,9 @@ pub mod relay {
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
 pub mod consumer {
     pub use idem_consumer::*;
-    pub use idem_core::{
-        DeadLetter, Dedup, Delivery, InboundEvent, InboxEntry, InboxStore, LagProbe, Source,
+    pub use idem_core::InboundEvent;
+    pub use idem_core::store::{
+        DeadLetter, Dedup, Delivery, InboxEntry, InboxStore, LagProbe, Source,
     };
 }
 

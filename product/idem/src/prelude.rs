@@ -1,6 +1,7 @@
 //! What a handler, an enqueue or an effect is written with: `use idem::prelude::*;`.
 
-pub use idem_core::{Event, EventId, InboundEvent, OutboxStore, TableNames};
+pub use idem_core::store::OutboxStore;
+pub use idem_core::{Event, EventId, InboundEvent, TableNames};
 
 #[cfg(feature = "consumer")]
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]

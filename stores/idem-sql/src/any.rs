@@ -244,7 +244,7 @@ impl<DB: Dialect> Store<DB> {
 /// # async fn demo(url: &str) -> idem_core::Result<()> {
 /// use idem_sql::{AnyStore, Dialect, Store};
 /// async fn pending<DB: Dialect>(s: Store<DB>) -> idem_core::Result<i64> {
-///     use idem_core::OutboxStore;
+///     use idem_core::store::OutboxStore;
 ///     Ok(s.relay().status().await?.pending)
 /// }
 /// let store = AnyStore::connect(url, 4, idem_core::TableNames::default()).await?;

@@ -331,7 +331,7 @@ pub(crate) mod sealed {
             c: &'c mut Self::Connection,
             sql: &'c str,
             group: &'c str,
-            entries: &'c [idem_core::InboxEntry<'e>],
+            entries: &'c [idem_core::store::InboxEntry<'e>],
         ) -> BoxFuture<'c, Result<Vec<(i32, String)>>>;
         /// Marks the inbox rows of `ids` dead-lettered.
         fn inbox_dead_lettered<'c>(
@@ -345,7 +345,7 @@ pub(crate) mod sealed {
             c: &'c mut Self::Connection,
             sql: &'c str,
             group: &'c str,
-            letters: &'c [idem_core::DeadLetter],
+            letters: &'c [idem_core::store::DeadLetter],
         ) -> BoxFuture<'c, sqlx::Result<()>>;
         /// Fails when the handler's transaction can no longer commit.
         fn check_usable(c: &mut Self::Connection) -> BoxFuture<'_, Result<()>>;
@@ -379,7 +379,7 @@ pub(crate) mod sealed {
         ) -> BoxFuture<'a, Result<idem_core::outbox::Claim>>
         where
             Self: super::Dialect;
-        /// [`idem_core::OutboxStore::complete`].
+        /// [`idem_core::store::OutboxStore::complete`].
         fn complete<'a>(
             store: &'a crate::RelayStore<Self>,
             claim: &'a idem_core::outbox::Claim,
@@ -387,20 +387,20 @@ pub(crate) mod sealed {
         ) -> BoxFuture<'a, Result<idem_core::outbox::Completed>>
         where
             Self: super::Dialect;
-        /// [`idem_core::OutboxStore::prune`].
+        /// [`idem_core::store::OutboxStore::prune`].
         fn prune<'a>(
             store: &'a crate::RelayStore<Self>,
             policy: &'a idem_core::outbox::PrunePolicy,
         ) -> BoxFuture<'a, Result<u64>>
         where
             Self: super::Dialect;
-        /// [`idem_core::OutboxStore::status`].
+        /// [`idem_core::store::OutboxStore::status`].
         fn status(
             store: &crate::RelayStore<Self>,
         ) -> BoxFuture<'_, Result<idem_core::outbox::OutboxStatus>>
         where
             Self: super::Dialect;
-        /// [`idem_core::OutboxStore::backlog`].
+        /// [`idem_core::store::OutboxStore::backlog`].
         fn backlog(
             store: &crate::RelayStore<Self>,
         ) -> BoxFuture<'_, Result<Vec<idem_core::outbox::Backlog>>>

@@ -1,10 +1,11 @@
 //! The consumer's inbox and dead letters ([`InboxStore`]), written once.
 
 use idem_core::idempotency::{EffectIntent, IntentStore};
-use idem_core::{
-    DeadLetter, DeadLetterRow, Dedup, EventId, InboundEvent, InboxEntry, InboxStore,
-    OpenDeadLetter, ReplayOutcome, Result, StoredDeadLetter, TableNames,
+use idem_core::store::{
+    DeadLetter, DeadLetterRow, Dedup, InboxEntry, InboxStore, OpenDeadLetter, ReplayOutcome,
+    StoredDeadLetter,
 };
+use idem_core::{EventId, InboundEvent, Result, TableNames};
 use sqlx::{Pool, Transaction};
 
 use crate::Dialect;

@@ -7,8 +7,8 @@
 //!   `postgres::MessageOutbox` writes events with no table, as transactional logical decoding
 //!   messages read by the CDC relay's message mode.
 //! * [`migrate()`] creates or upgrades idem's tables (the SQL lives in `migrations/<dialect>/`).
-//! * [`RelayStore`] is the relay's view of the outbox ([`idem_core::OutboxStore`]), [`Inbox`]
-//!   the consumer's ([`idem_core::InboxStore`]), [`KeyStore`] the server-side Idempotency-Key
+//! * [`RelayStore`] is the relay's view of the outbox ([`idem_core::store::OutboxStore`]), [`Inbox`]
+//!   the consumer's ([`idem_core::store::InboxStore`]), [`KeyStore`] the server-side Idempotency-Key
 //!   store and [`Intents`] the effect intents.
 //! * [`AnyStore`] opens whichever database a URL names and hands all of them out.
 //!

@@ -1,4 +1,4 @@
-//! The relay's view of the outbox ([`idem_core::OutboxStore`]), written once; the claim, mark,
+//! The relay's view of the outbox ([`idem_core::store::OutboxStore`]), written once; the claim, mark,
 //! prune and status statements whose flow differs are the dialect's (`postgres/relay.rs`,
 //! `sqlite/relay.rs`).
 
@@ -7,7 +7,8 @@ use idem_core::outbox::{
     ParkedRow, PrunePolicy,
 };
 use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
-use idem_core::{Error, EventId, OutboxStore, Result, TableNames};
+use idem_core::store::OutboxStore;
+use idem_core::{Error, EventId, Result, TableNames};
 use sqlx::Pool;
 use std::time::Duration;
 
@@ -97,7 +98,7 @@ impl<DB: Dialect> RelayStore<DB> {
 }
 
 impl<DB: Dialect> RelayStore<DB> {
-    /// [`idem_core::OutboxStore::parked`], for both dialects: a row whose columns cannot be
+    /// [`idem_core::store::OutboxStore::parked`], for both dialects: a row whose columns cannot be
     /// read is reported as corrupt.
     async fn parked_rows(&self, limit: u32) -> Result<Vec<ParkedRow>> {
         let context = "listing parked rows";
@@ -114,7 +115,7 @@ impl<DB: Dialect> RelayStore<DB> {
         rows.iter().map(parked_row::<DB>).collect()
     }
 
-    /// [`idem_core::OutboxStore::retry_parked`], for both dialects.
+    /// [`idem_core::store::OutboxStore::retry_parked`], for both dialects.
     async fn retry_parked_rows(&self, event_ids: Option<&[EventId]>) -> Result<u64> {
         let context = "retrying parked rows";
         let mut conn = self.conn(context).await?;

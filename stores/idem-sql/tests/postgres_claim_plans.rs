@@ -15,8 +15,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use idem_conformance::backend::{Backend, Pg};
-use idem_core::OutboxStore;
 use idem_core::outbox::{ClaimOutcome, ClaimRequest};
+use idem_core::store::OutboxStore;
 
 /// Rows in the backlog; aggregates of `PER_AGGREGATE` events each.
 const ROWS: i64 = 100_000;

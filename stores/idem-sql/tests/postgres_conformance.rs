@@ -2,7 +2,8 @@
 
 use idem_conformance::backend::{Backend, OpenTx, Pg};
 use idem_conformance::scenarios;
-use idem_core::{OutboxStore, TableNames};
+use idem_core::TableNames;
+use idem_core::store::OutboxStore;
 
 idem_conformance::conformance_tests!(Pg::new().await);
 

@@ -12,8 +12,8 @@
 use std::time::Duration;
 
 use idem_conformance::backend::{Backend, Pg};
-use idem_core::OutboxStore;
 use idem_core::outbox::{ClaimOutcome, ClaimRequest};
+use idem_core::store::OutboxStore;
 use sqlx::PgConnection;
 
 const GUARD: &str = include_str!("../sql/postgres/claim_guard.sql");

@@ -7,8 +7,9 @@
 use std::time::Duration;
 
 use idem_conformance::pg::TestDb;
+use idem_core::TableNames;
 use idem_core::outbox::ClaimRequest;
-use idem_core::{OutboxStore, TableNames};
+use idem_core::store::OutboxStore;
 type PgStore = idem_sql::RelayStore<sqlx::Postgres>;
 
 const SQL_ASCII: &str = "ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0";

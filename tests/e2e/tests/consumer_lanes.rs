@@ -13,7 +13,8 @@ use idem_consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
 };
 use idem_core::crash::{self, Action};
-use idem_core::{EventId, InboundEvent, Message, Publisher};
+use idem_core::publish::{Message, Publisher};
+use idem_core::{EventId, InboundEvent};
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config};
 use tokio::sync::watch;
 

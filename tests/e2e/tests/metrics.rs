@@ -15,7 +15,8 @@ use idem_consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
 };
 use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
-use idem_core::{Error, Event, InboundEvent, Message, Publisher};
+use idem_core::publish::{Message, Publisher};
+use idem_core::{Error, Event, InboundEvent};
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config, inspect};
 use idem_reference::Settlement;
 use idem_relay::{Relay, RelayConfig, RelayMetrics};

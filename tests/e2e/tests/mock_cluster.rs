@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use idem_conformance::backend::{Backend, OpenTx, Pg};
 use idem_conformance::process::eventually;
-use idem_core::{Event, OutboxStore};
+use idem_core::Event;
+use idem_core::store::OutboxStore;
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, inspect};
 use idem_relay::{Relay, RelayConfig, RelayMetrics};
 use idem_sql::postgres::PgStore;

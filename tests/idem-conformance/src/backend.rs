@@ -3,7 +3,8 @@
 use std::future::Future;
 
 use idem_core::idempotency::{EffectIntent, IntentStore, TransactionalKeyStore};
-use idem_core::{Event, InboxStore, OutboxStore, TableNames};
+use idem_core::store::{InboxStore, OutboxStore};
+use idem_core::{Event, TableNames};
 use idem_sql::postgres::{PgInbox, PgIntents, PgKeyStore, PgStore};
 use idem_sql::sqlite::{SqliteInbox, SqliteIntents, SqliteKeyStore, SqliteStore};
 use sqlx::{Executor, PgPool, Postgres, Sqlite, SqlitePool, Transaction};

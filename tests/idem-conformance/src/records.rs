@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use idem_core::{Delivery, EventId, Result, Source};
+use idem_core::store::{Delivery, Source};
+use idem_core::{EventId, Result};
 
 /// A source that is never read: the tests hand batches to `Consumer::process`.
 pub struct NoSource;

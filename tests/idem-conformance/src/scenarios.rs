@@ -4,10 +4,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use idem_core::outbox::{Claim, ClaimOutcome, ClaimRequest, Disposition, Failure, PrunePolicy};
-use idem_core::{
-    DeadLetter, Dedup, Event, EventId, InboundEvent, InboxEntry, InboxStore, OutboxStore,
-    TableNames,
-};
+use idem_core::store::{DeadLetter, Dedup, InboxEntry, InboxStore, OutboxStore};
+use idem_core::{Event, EventId, InboundEvent, TableNames};
 
 use crate::backend::{Backend, OpenTx};
 

@@ -3,7 +3,8 @@
 //! uses it, to price the inbox ("consumer with dedup ÷ without"); it is not effectively-once.
 
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
-use idem_core::{Dedup, EventId, InboxEntry, InboxStore, Result, StoredDeadLetter};
+use idem_core::store::{Dedup, InboxEntry, InboxStore, StoredDeadLetter};
+use idem_core::{EventId, Result};
 use idem_kafka::KafkaSource;
 use idem_sql::postgres::PgInbox;
 use sqlx::PgConnection;
@@ -65,7 +66,7 @@ impl InboxStore for NoInbox {
         &self,
         conn: &mut PgConnection,
         group: &str,
-        letters: &[idem_core::DeadLetter],
+        letters: &[idem_core::store::DeadLetter],
     ) -> Result<()> {
         self.0.dead_letter(conn, group, letters).await
     }
@@ -78,7 +79,7 @@ impl InboxStore for NoInbox {
         after: i64,
         only: Option<i64>,
         limit: u32,
-    ) -> Result<Vec<idem_core::OpenDeadLetter>> {
+    ) -> Result<Vec<idem_core::store::OpenDeadLetter>> {
         self.0.open_dead_letters(group, after, only, limit).await
     }
     async fn claim_replay(
@@ -94,7 +95,7 @@ impl InboxStore for NoInbox {
         conn: &mut PgConnection,
         id: i64,
         by: &str,
-        outcome: idem_core::ReplayOutcome,
+        outcome: idem_core::store::ReplayOutcome,
         reason: Option<&str>,
     ) -> Result<bool> {
         self.0.finish_replay(conn, id, by, outcome, reason).await

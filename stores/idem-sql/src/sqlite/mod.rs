@@ -33,7 +33,8 @@ use chrono::{DateTime, Utc};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use idem_core::idempotency::FinishedAttempt;
-use idem_core::{DeadLetter, Error, Event, EventId, InboxEntry, Result, TableNames};
+use idem_core::store::{DeadLetter, InboxEntry};
+use idem_core::{Error, Event, EventId, Result, TableNames};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteRow, SqliteSynchronous,
