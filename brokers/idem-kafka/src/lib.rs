@@ -116,7 +116,7 @@ pub(crate) fn producer_config_for(
         check_message_timeout(k, v)?;
         if k == "bootstrap.servers" {
             return Err(Error::Config(
-                "set the brokers with --brokers, not bootstrap.servers".to_owned(),
+                "pass the brokers as the `brokers` argument, not as bootstrap.servers".to_owned(),
             ));
         }
         conn.check_override("producer", k, v)?;

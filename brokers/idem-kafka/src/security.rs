@@ -8,7 +8,8 @@
 //! [`Connection::client_config`] (the admin, metadata and inspection clients) all start from
 //! it, so the relays, the consumers, the topic tool, the bench and the chaos runner connect
 //! alike. [`KafkaSecurity::validate`] runs before any client exists and says what is wrong
-//! and which flag fixes it; [`Connection::check`] then connects once and turns librdkafka's
+//! and which setting fixes it, by its librdkafka name in backquotes (`` `sasl.username` ``: a
+//! command line maps it to its own flag); [`Connection::check`] then connects once and turns librdkafka's
 //! repeated log lines about a refused handshake or login into one error saying what to do.
 //!
 //! Secrets (passwords, the OIDC client secret, private keys) are held in [`Secret`]: its
@@ -234,18 +235,18 @@ impl FromStr for SaslMechanism {
     }
 }
 
-/// Why a Kafka security setting cannot be used; each message names the flag (and its
-/// environment variable) that fixes it, never a secret.
+/// Why a Kafka security setting cannot be used; each message names the setting that fixes it
+/// by its librdkafka name in backquotes (`` `security.protocol` ``), and no secret.
 #[derive(Debug, thiserror::Error)]
 pub enum SecurityError {
     /// An unknown `security.protocol`.
     #[error(
-        "unknown Kafka security protocol {0:?}: use PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL (--kafka-security-protocol, IDEM_KAFKA_SECURITY_PROTOCOL)"
+        "unknown Kafka security protocol {0:?}: use PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL (`security.protocol`)"
     )]
     UnknownProtocol(String),
     /// An unknown SASL mechanism.
     #[error(
-        "unknown SASL mechanism {0:?}: use PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (--kafka-sasl-mechanism, IDEM_KAFKA_SASL_MECHANISM)"
+        "unknown SASL mechanism {0:?}: use PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (`sasl.mechanism`)"
     )]
     UnknownMechanism(String),
     /// GSSAPI (Kerberos) is not built in.
@@ -267,12 +268,12 @@ pub enum SecurityError {
         reason: String,
     },
     /// A CA, certificate or key file that is missing or not PEM.
-    #[error("{what} {path} ({flag}): {reason}", path = path.display())]
+    #[error("{what} {path}, set by {setting}: {reason}", path = path.display())]
     File {
         /// What the file should hold (`the CA file`, …).
         what: &'static str,
-        /// The flag and environment variable that set it.
-        flag: &'static str,
+        /// The setting that names it, in backquotes.
+        setting: &'static str,
         /// The file.
         path: PathBuf,
         /// What is wrong and what to do.
@@ -344,31 +345,31 @@ impl KafkaSecurity {
     }
 
     /// Checks that the settings fit together and that the CA, certificate and key files exist
-    /// and are PEM; every error says which flag to change.
+    /// and are PEM; every error says which setting to change.
     pub fn validate(&self) -> Result<(), SecurityError> {
         let p = self.protocol;
         let invalid = |s: String| Err(SecurityError::Invalid(s));
         match (p.sasl(), self.mechanism) {
             (false, Some(m)) => {
                 return invalid(format!(
-                    "SASL mechanism {m} is set but the security protocol is {p}, which does not log in with SASL: set --kafka-security-protocol SASL_SSL (IDEM_KAFKA_SECURITY_PROTOCOL), or drop --kafka-sasl-mechanism"
+                    "SASL mechanism {m} is set but the security protocol is {p}, which does not log in with SASL: set `security.protocol` to SASL_SSL, or drop `sasl.mechanism`"
                 ));
             }
             (true, None) => {
                 return invalid(format!(
-                    "security protocol {p} needs a SASL mechanism: set --kafka-sasl-mechanism PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (IDEM_KAFKA_SASL_MECHANISM)"
+                    "security protocol {p} needs a SASL mechanism: set `sasl.mechanism` to PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER"
                 ));
             }
             _ => {}
         }
         if !p.sasl() && (self.username.is_some() || self.password.is_some()) {
             return invalid(format!(
-                "a SASL user or password is set but the security protocol is {p}: set --kafka-security-protocol SASL_SSL and --kafka-sasl-mechanism, or drop the SASL credentials"
+                "a SASL user or password is set but the security protocol is {p}: set `security.protocol` to SASL_SSL and `sasl.mechanism`, or drop the SASL credentials"
             ));
         }
         if !p.sasl() && self.oauth.is_some() {
             return invalid(format!(
-                "OAUTHBEARER settings are set but the security protocol is {p}: set --kafka-security-protocol SASL_SSL and --kafka-sasl-mechanism OAUTHBEARER"
+                "OAUTHBEARER settings are set but the security protocol is {p}: set `security.protocol` to SASL_SSL and `sasl.mechanism` to OAUTHBEARER"
             ));
         }
         if let Some(m) = self.mechanism {
@@ -378,32 +379,32 @@ impl KafkaSecurity {
             && (self.ca_file.is_some() || self.cert_file.is_some() || self.key_file.is_some())
         {
             return invalid(format!(
-                "TLS files (CA, certificate or key) are set but the security protocol is {p}, which does not use TLS: set --kafka-security-protocol SSL or SASL_SSL"
+                "TLS files (CA, certificate or key) are set but the security protocol is {p}, which does not use TLS: set `security.protocol` to SSL or SASL_SSL"
             ));
         }
         match (&self.cert_file, &self.key_file) {
             (None, Some(_)) => {
                 return invalid(
-                    "a TLS client key is set without its certificate: set --kafka-ssl-cert (IDEM_KAFKA_SSL_CERT) to the client certificate the key belongs to".to_owned(),
+                    "a TLS client key is set without its certificate: set `ssl.certificate.location` to the client certificate the key belongs to".to_owned(),
                 );
             }
             (Some(_), None) => {
                 return invalid(
-                    "a TLS client certificate is set without its private key: set --kafka-ssl-key (IDEM_KAFKA_SSL_KEY)".to_owned(),
+                    "a TLS client certificate is set without its private key: set `ssl.key.location`".to_owned(),
                 );
             }
             _ => {}
         }
         if self.key_password.is_some() && self.key_file.is_none() {
             return invalid(
-                "a TLS key password is set without a key: set --kafka-ssl-key, or drop --kafka-ssl-key-password".to_owned(),
+                "a TLS key password is set without a key: set `ssl.key.location`, or drop `ssl.key.password`".to_owned(),
             );
         }
         if let Some(ca) = &self.ca_file {
             check_pem(
                 ca,
                 "the CA file",
-                "--kafka-ssl-ca, IDEM_KAFKA_SSL_CA",
+                "`ssl.ca.location`",
                 "-----BEGIN CERTIFICATE-----",
                 "give the PEM file of the CA that signed the brokers' certificates",
             )?;
@@ -412,7 +413,7 @@ impl KafkaSecurity {
             check_pem(
                 cert,
                 "the client certificate",
-                "--kafka-ssl-cert, IDEM_KAFKA_SSL_CERT",
+                "`ssl.certificate.location`",
                 "-----BEGIN CERTIFICATE-----",
                 "give this client's PEM certificate",
             )?;
@@ -421,7 +422,7 @@ impl KafkaSecurity {
             check_pem(
                 key,
                 "the client key",
-                "--kafka-ssl-key, IDEM_KAFKA_SSL_KEY",
+                "`ssl.key.location`",
                 "PRIVATE KEY-----",
                 "give the PEM private key of the client certificate",
             )?;
@@ -435,47 +436,46 @@ impl KafkaSecurity {
         if m.takes_password() {
             if self.oauth.is_some() {
                 return invalid(format!(
-                    "OAUTHBEARER settings are set but the SASL mechanism is {m}: set --kafka-sasl-mechanism OAUTHBEARER, or drop the --kafka-oauth-* settings"
+                    "OAUTHBEARER settings are set but the SASL mechanism is {m}: set `sasl.mechanism` to OAUTHBEARER, or drop the `sasl.oauthbearer.*` settings"
                 ));
             }
             match (&self.username, &self.password) {
                 (None, Some(_)) => invalid(format!(
-                    "a SASL password is set but no user: set --kafka-sasl-username (IDEM_KAFKA_SASL_USERNAME) for {m}"
+                    "a SASL password is set but no user: set `sasl.username` for {m}"
                 )),
                 (None, None) => invalid(format!(
-                    "SASL mechanism {m} needs a user and a password: set --kafka-sasl-username and --kafka-sasl-password-file (IDEM_KAFKA_SASL_USERNAME, IDEM_KAFKA_SASL_PASSWORD or IDEM_KAFKA_SASL_PASSWORD_FILE)"
+                    "SASL mechanism {m} needs a user and a password: set `sasl.username` and `sasl.password`"
                 )),
                 (Some(u), None) => invalid(format!(
-                    "SASL user {u} has no password: set --kafka-sasl-password-file or IDEM_KAFKA_SASL_PASSWORD (or IDEM_KAFKA_SASL_PASSWORD_FILE)"
+                    "SASL user {u} has no password: set `sasl.password`"
                 )),
-                (Some(u), Some(_)) if u.is_empty() => invalid(
-                    "the SASL user is empty: set --kafka-sasl-username (IDEM_KAFKA_SASL_USERNAME)"
-                        .to_owned(),
-                ),
+                (Some(u), Some(_)) if u.is_empty() => {
+                    invalid("the SASL user is empty: set `sasl.username`".to_owned())
+                }
                 (Some(_), Some(_)) => Ok(()),
             }
         } else {
             if self.username.is_some() || self.password.is_some() {
                 return invalid(
-                    "OAUTHBEARER logs in with an OIDC client id and secret, not a SASL user and password: set --kafka-oauth-client-id and --kafka-oauth-client-secret-file instead".to_owned(),
+                    "OAUTHBEARER logs in with an OIDC client id and secret, not a SASL user and password: set `sasl.oauthbearer.client.id` and `sasl.oauthbearer.client.secret` instead".to_owned(),
                 );
             }
             let Some(o) = &self.oauth else {
                 return invalid(
-                    "SASL mechanism OAUTHBEARER needs an OIDC token endpoint, a client id and a client secret: set --kafka-oauth-token-endpoint, --kafka-oauth-client-id and --kafka-oauth-client-secret-file (IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT, IDEM_KAFKA_OAUTH_CLIENT_ID, IDEM_KAFKA_OAUTH_CLIENT_SECRET[_FILE])".to_owned(),
+                    "SASL mechanism OAUTHBEARER needs an OIDC token endpoint, a client id and a client secret: set `sasl.oauthbearer.token.endpoint.url`, `sasl.oauthbearer.client.id` and `sasl.oauthbearer.client.secret`".to_owned(),
                 );
             };
             if !(o.token_endpoint.starts_with("https://")
                 || o.token_endpoint.starts_with("http://"))
             {
                 return invalid(format!(
-                    "the OIDC token endpoint {:?} (--kafka-oauth-token-endpoint) is not an http(s):// URL",
+                    "the OIDC token endpoint {:?} (`sasl.oauthbearer.token.endpoint.url`) is not an http(s):// URL",
                     o.token_endpoint
                 ));
             }
             if o.client_id.is_empty() {
                 return invalid(
-                    "the OIDC client id is empty: set --kafka-oauth-client-id (IDEM_KAFKA_OAUTH_CLIENT_ID)".to_owned(),
+                    "the OIDC client id is empty: set `sasl.oauthbearer.client.id`".to_owned(),
                 );
             }
             Ok(())
@@ -533,9 +533,8 @@ impl KafkaSecurity {
         s
     }
 
-    /// Reads the security settings of a client configuration (`--producer-config
-    /// security.protocol=…` and the like) back into a [`KafkaSecurity`], to validate them
-    /// like the flags.
+    /// Reads the security settings of a client configuration (`security.protocol=…` and the
+    /// like) back into a [`KafkaSecurity`], to validate them alike.
     pub fn from_client_config(cfg: &ClientConfig) -> Result<Self, SecurityError> {
         let get = |k: &str| cfg.get(k).map(str::to_owned).filter(|v| !v.is_empty());
         let protocol = match get("security.protocol") {
@@ -564,7 +563,7 @@ impl KafkaSecurity {
             }),
             (Some(_), _) | (_, Some(_)) if oidc => {
                 return Err(SecurityError::Invalid(
-                    "sasl.oauthbearer.method=oidc needs sasl.oauthbearer.token.endpoint.url and sasl.oauthbearer.client.id (--kafka-oauth-token-endpoint, --kafka-oauth-client-id)".to_owned(),
+                    "sasl.oauthbearer.method=oidc needs sasl.oauthbearer.token.endpoint.url and sasl.oauthbearer.client.id".to_owned(),
                 ));
             }
             _ => None,
@@ -597,14 +596,14 @@ impl KafkaSecurity {
 fn check_pem(
     path: &Path,
     what: &'static str,
-    flag: &'static str,
+    setting: &'static str,
     marker: &str,
     todo: &str,
 ) -> Result<(), SecurityError> {
     let fail = |reason: String| {
         Err(SecurityError::File {
             what,
-            flag,
+            setting,
             path: path.to_owned(),
             reason,
         })
@@ -699,7 +698,7 @@ impl Connection {
         match ours.iter().find(|(k, _)| *k == key) {
             Some((_, v)) if v == value => Ok(()),
             _ => Err(idem_core::Error::Config(format!(
-                "{side} setting {key}={} conflicts with the --kafka-* security flags: set {key} with its --kafka-* flag only",
+                "{side} setting {key}={} conflicts with the security settings: set {key} through the security settings (`KafkaSecurity`) only",
                 redacted_value(key, value)
             ))),
         }
@@ -847,7 +846,7 @@ fn check_blocking(conn: &ClientConfig, timeout: Duration) -> Result<(), ConnectE
                 format!("no Kafka broker at {brokers} answered within {timeout:?}")
             };
             return Err(ConnectError::Unreachable(format!(
-                "{what} (last report: {last}): check --brokers and that the cluster runs and this host can reach it"
+                "{what} (last report: {last}): check the brokers (`bootstrap.servers`) and that the cluster runs and this host can reach it"
             )));
         }
     }
@@ -895,7 +894,7 @@ fn refusal(
             let who = security.username.as_deref().unwrap_or("(no user)");
             let m = security.mechanism.map_or("SASL", SaslMechanism::as_str);
             return Some(format!(
-                "the Kafka broker refused the {m} login of user {who}: {}; check --kafka-sasl-username and the password (--kafka-sasl-password-file, IDEM_KAFKA_SASL_PASSWORD[_FILE]) and that the user exists for {m} on the cluster",
+                "the Kafka broker refused the {m} login of user {who}: {}; check `sasl.username` and `sasl.password` and that the user exists for {m} on the cluster",
                 broker_said(r)
             ));
         }
@@ -907,7 +906,7 @@ fn refusal(
                 |c| c.display().to_string(),
             );
             return Some(format!(
-                "this client does not trust the Kafka broker's TLS certificate ({}): OpenSSL does not say which check failed, so check both: the certificate must be signed by a CA in --kafka-ssl-ca (IDEM_KAFKA_SSL_CA; now: {ca}), and it must name the host this client connects to (in --brokers and the broker's advertised listeners): connect by a host name the certificate names",
+                "this client does not trust the Kafka broker's TLS certificate ({}): OpenSSL does not say which check failed, so check both: the certificate must be signed by a CA in `ssl.ca.location`, now {ca}, and it must name the host this client connects to (in `bootstrap.servers` and the broker's advertised listeners): connect by a host name the certificate names",
                 broker_said(r)
             ));
         }
@@ -919,11 +918,11 @@ fn refusal(
             || r.contains("alert handshake failure")
         {
             let cert = security.cert_file.as_ref().map_or_else(
-                || "none given (--kafka-ssl-cert)".to_owned(),
+                || "none given (`ssl.certificate.location`)".to_owned(),
                 |c| c.display().to_string(),
             );
             return Some(format!(
-                "the Kafka broker refused this client's TLS certificate ({}): give --kafka-ssl-cert and --kafka-ssl-key a certificate that is valid now (not expired) and signed by a CA the broker trusts (certificate: {cert})",
+                "the Kafka broker refused this client's TLS certificate ({}): give `ssl.certificate.location` and `ssl.key.location` a certificate that is valid now (not expired) and signed by a CA the broker trusts (certificate: {cert})",
                 broker_said(r)
             ));
         }
@@ -931,7 +930,7 @@ fn refusal(
             || (p.tls() && r.contains("wrong version number"))
         {
             return Some(format!(
-                "the Kafka listener at {brokers} does not speak TLS but the security protocol is {p} ({}): point --brokers at the cluster's TLS listener, or set --kafka-security-protocol to PLAINTEXT or SASL_PLAINTEXT",
+                "the Kafka listener at {brokers} does not speak TLS but the security protocol is {p} ({}): point `bootstrap.servers` at the cluster's TLS listener, or set `security.protocol` to PLAINTEXT or SASL_PLAINTEXT",
                 broker_said(r)
             ));
         }
@@ -959,7 +958,7 @@ fn refusal(
         .any(|(_, r)| r.contains("Connection refused"));
     if dropped >= 2 && !p.tls() && !refused_tcp {
         return Some(format!(
-            "the Kafka broker at {brokers} closed every connection during the first request: its listener most likely expects TLS or SASL while the security protocol is {p}; set --kafka-security-protocol to SSL or SASL_SSL (IDEM_KAFKA_SECURITY_PROTOCOL) as the listener requires"
+            "the Kafka broker at {brokers} closed every connection during the first request: its listener most likely expects TLS or SASL while the security protocol is {p}; set `security.protocol` to SSL or SASL_SSL as the listener requires"
         ));
     }
     None
@@ -981,7 +980,7 @@ fn oauth_refusal(report: &str, o: &OAuthBearer) -> String {
     if let Some(i) = report.find(NO_TOKEN) {
         let said = hide(report[i + NO_TOKEN.len()..].trim());
         return format!(
-            "the OIDC token endpoint {} gave client {} no token ({said}): check the client id (--kafka-oauth-client-id, IDEM_KAFKA_OAUTH_CLIENT_ID) and the client secret (--kafka-oauth-client-secret-file, IDEM_KAFKA_OAUTH_CLIENT_SECRET[_FILE]) with the identity provider, and that --kafka-oauth-token-endpoint (IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT) is its token URL",
+            "the OIDC token endpoint {} gave client {} no token ({said}): check the client id `sasl.oauthbearer.client.id` and the client secret `sasl.oauthbearer.client.secret` with the identity provider, and that `sasl.oauthbearer.token.endpoint.url` is its token URL",
             o.token_endpoint, o.client_id
         );
     }
@@ -1035,7 +1034,7 @@ mod tests {
     }
 
     #[test]
-    fn incoherent_settings_are_refused_with_the_flag_that_fixes_them() {
+    fn incoherent_settings_are_refused_with_the_setting_that_fixes_them() {
         assert_eq!(message(&scram()), "valid");
         let m = message(&KafkaSecurity {
             protocol: SecurityProtocol::Ssl,
@@ -1050,7 +1049,7 @@ mod tests {
             ..scram()
         });
         assert!(
-            m.starts_with("a SASL password is set but no user: set --kafka-sasl-username"),
+            m.starts_with("a SASL password is set but no user: set `sasl.username`"),
             "{m}"
         );
         let m = message(&KafkaSecurity {
@@ -1082,7 +1081,7 @@ mod tests {
             ..KafkaSecurity::default()
         });
         assert!(
-            m.contains("missing.pem (--kafka-ssl-ca, IDEM_KAFKA_SSL_CA): does not exist"),
+            m.contains("missing.pem, set by `ssl.ca.location`: does not exist"),
             "{m}"
         );
         let not_pem = pem(&dir, "ca.der", "\u{30}\u{82}binary");
@@ -1092,7 +1091,7 @@ mod tests {
             ..KafkaSecurity::default()
         });
         assert!(
-            m.contains("ca.der (--kafka-ssl-ca, IDEM_KAFKA_SSL_CA): is not PEM"),
+            m.contains("ca.der, set by `ssl.ca.location`: is not PEM"),
             "{m}"
         );
         let m = message(&KafkaSecurity {
@@ -1139,7 +1138,7 @@ mod tests {
             .check_override("producer", "sasl.password", "other-secret")
             .map_or_else(|e| e.to_string(), |()| String::new());
         assert!(
-            conflict.contains("conflicts with the --kafka-* security flags"),
+            conflict.contains("conflicts with the security settings"),
             "{conflict}"
         );
         assert!(!conflict.contains("other-secret"), "{conflict}");

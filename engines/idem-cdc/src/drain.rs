@@ -124,7 +124,7 @@ impl OutboxStore for DrainStore {
                 tracing::warn!(
                     error = %e,
                     rows = outcome.published.len(),
-                    "could not delete the drained rows (--delete-published); they stay published"
+                    "could not delete the drained rows (`delete_published`); they stay published"
                 );
             }
         }

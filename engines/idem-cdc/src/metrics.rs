@@ -119,7 +119,7 @@ impl CdcMetrics {
             )?,
             slots_created: c(
                 "idem_cdc_slots_created_total",
-                "Replication slots the CDC relay created (a first start, or --create-slot after a lost or missing slot)",
+                "Replication slots the CDC relay created (a first start, or `create_slot` after a lost or missing slot)",
             )?,
             slot_safe_wal_bytes: g(
                 "idem_cdc_slot_safe_wal_bytes",
@@ -131,7 +131,7 @@ impl CdcMetrics {
             )?,
             parts: c(
                 "idem_cdc_transaction_parts_total",
-                "Parts of transactions larger than --batch-size published before their commit arrived (each transaction is still confirmed whole)",
+                "Parts of transactions larger than the batch size published before their commit arrived (each transaction is still confirmed whole)",
             )?,
             standby: g(
                 "idem_cdc_standby",

@@ -342,7 +342,7 @@ impl<P: Publisher> CdcRelay<P> {
         self.metrics.slots_created.inc();
         self.metrics.slot_lost.set(0);
         if existed {
-            tracing::warn!(slot = %self.config.slot, lsn = ?state.confirmed_flush_lsn, "made replication slot again (--create-slot): it streams what commits from now on");
+            tracing::warn!(slot = %self.config.slot, lsn = ?state.confirmed_flush_lsn, "made replication slot again (`create_slot`): it streams what commits from now on");
         } else {
             tracing::info!(slot = %self.config.slot, lsn = ?state.confirmed_flush_lsn, "made replication slot");
         }

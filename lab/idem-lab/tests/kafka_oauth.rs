@@ -176,7 +176,7 @@ async fn oidc_refusals_stop_the_command_at_start_with_what_to_do() {
     oauth(&mut relay, k, &wrong, &dir.path().join("wrong-secret"));
     let log = refused("relay-wrong-secret", relay);
     let expected = format!(
-        "idem relay cannot use the Kafka cluster: the OIDC token endpoint {endpoint} gave client idem-relay no token ({{\"error\":\"invalid_client\",\"error_description\":\"client authentication failed\"}}): check the client id (--kafka-oauth-client-id, IDEM_KAFKA_OAUTH_CLIENT_ID) and the client secret (--kafka-oauth-client-secret-file, IDEM_KAFKA_OAUTH_CLIENT_SECRET[_FILE]) with the identity provider, and that --kafka-oauth-token-endpoint (IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT) is its token URL"
+        "idem relay cannot use the Kafka cluster: the OIDC token endpoint {endpoint} gave client idem-relay no token ({{\"error\":\"invalid_client\",\"error_description\":\"client authentication failed\"}}): check the client id --kafka-oauth-client-id (IDEM_KAFKA_OAUTH_CLIENT_ID) and the client secret --kafka-oauth-client-secret-file (IDEM_KAFKA_OAUTH_CLIENT_SECRET or IDEM_KAFKA_OAUTH_CLIENT_SECRET_FILE) with the identity provider, and that --kafka-oauth-token-endpoint (IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT) is its token URL"
     );
     assert!(log.contains(&expected), "{log}");
     assert_no_secret("relay's log", &log, "not-the-client-secret");

@@ -223,7 +223,7 @@ async fn sasl_ssl_refusals_stop_the_command_at_start_with_what_to_do() {
     relay.env("IDEM_KAFKA_SASL_PASSWORD_FILE", &wrong);
     let log = refused("relay", relay);
     let expected = format!(
-        "idem relay cannot use the Kafka cluster: the Kafka broker refused the SCRAM-SHA-512 login of user {user}: Authentication failed during authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512; check --kafka-sasl-username and the password (--kafka-sasl-password-file, IDEM_KAFKA_SASL_PASSWORD[_FILE]) and that the user exists for SCRAM-SHA-512 on the cluster"
+        "idem relay cannot use the Kafka cluster: the Kafka broker refused the SCRAM-SHA-512 login of user {user}: Authentication failed during authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512; check --kafka-sasl-username (IDEM_KAFKA_SASL_USERNAME) and --kafka-sasl-password-file (IDEM_KAFKA_SASL_PASSWORD or IDEM_KAFKA_SASL_PASSWORD_FILE) and that the user exists for SCRAM-SHA-512 on the cluster"
     );
     assert!(log.contains(&expected), "{log}");
     assert_no_secret(&log, "not-the-password");
@@ -234,7 +234,7 @@ async fn sasl_ssl_refusals_stop_the_command_at_start_with_what_to_do() {
         idem(&["topic", "create", "--brokers", k.brokers(), "--topic", "t"]),
     );
     let expected = format!(
-        "idem topic create cannot use the Kafka cluster: the Kafka broker at {} closed every connection during the first request: its listener most likely expects TLS or SASL while the security protocol is PLAINTEXT; set --kafka-security-protocol to SSL or SASL_SSL (IDEM_KAFKA_SECURITY_PROTOCOL) as the listener requires",
+        "idem topic create cannot use the Kafka cluster: the Kafka broker at {} closed every connection during the first request: its listener most likely expects TLS or SASL while the security protocol is PLAINTEXT; set --kafka-security-protocol (IDEM_KAFKA_SECURITY_PROTOCOL) to SSL or SASL_SSL as the listener requires",
         k.brokers()
     );
     assert!(log.contains(&expected), "{log}");
@@ -260,7 +260,7 @@ async fn tls_refusals_stop_the_command_at_start_with_what_to_do() {
         topic_dump(mtls_flags(k, "client.pem", "client.key", "other-ca.pem")),
     );
     let expected = format!(
-        "idem topic dump cannot use the Kafka cluster: this client does not trust the Kafka broker's TLS certificate (SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed (install ca-certificates package)): OpenSSL does not say which check failed, so check both: the certificate must be signed by a CA in --kafka-ssl-ca (IDEM_KAFKA_SSL_CA; now: {}), and it must name the host this client connects to (in --brokers and the broker's advertised listeners): connect by a host name the certificate names",
+        "idem topic dump cannot use the Kafka cluster: this client does not trust the Kafka broker's TLS certificate (SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed (install ca-certificates package)): OpenSSL does not say which check failed, so check both: the certificate must be signed by a CA in --kafka-ssl-ca (IDEM_KAFKA_SSL_CA), now {}, and it must name the host this client connects to (in --brokers and the broker's advertised listeners): connect by a host name the certificate names",
         k.pki("other-ca.pem").display()
     );
     assert!(log.contains(&expected), "{log}");
@@ -288,7 +288,7 @@ async fn tls_refusals_stop_the_command_at_start_with_what_to_do() {
         topic_dump(mtls_flags(k, "expired.pem", "expired.key", "ca.pem")),
     );
     let expected = format!(
-        "idem topic dump cannot use the Kafka cluster: the Kafka broker refused this client's TLS certificate (Receive failed: error:0A000416:SSL routines::ssl/tls alert certificate unknown: SSL alert number 46): give --kafka-ssl-cert and --kafka-ssl-key a certificate that is valid now (not expired) and signed by a CA the broker trusts (certificate: {})",
+        "idem topic dump cannot use the Kafka cluster: the Kafka broker refused this client's TLS certificate (Receive failed: error:0A000416:SSL routines::ssl/tls alert certificate unknown: SSL alert number 46): give --kafka-ssl-cert (IDEM_KAFKA_SSL_CERT) and --kafka-ssl-key (IDEM_KAFKA_SSL_KEY) a certificate that is valid now (not expired) and signed by a CA the broker trusts (certificate: {})",
         k.pki("expired.pem").display()
     );
     assert!(log.contains(&expected), "{log}");
@@ -296,7 +296,7 @@ async fn tls_refusals_stop_the_command_at_start_with_what_to_do() {
     // A plaintext client at the TLS listener.
     let log = refused("plaintext", topic_dump(vec![]));
     let expected = format!(
-        "idem topic dump cannot use the Kafka cluster: the Kafka broker at {} closed every connection during the first request: its listener most likely expects TLS or SASL while the security protocol is PLAINTEXT; set --kafka-security-protocol to SSL or SASL_SSL (IDEM_KAFKA_SECURITY_PROTOCOL) as the listener requires",
+        "idem topic dump cannot use the Kafka cluster: the Kafka broker at {} closed every connection during the first request: its listener most likely expects TLS or SASL while the security protocol is PLAINTEXT; set --kafka-security-protocol (IDEM_KAFKA_SECURITY_PROTOCOL) to SSL or SASL_SSL as the listener requires",
         k.brokers()
     );
     assert!(log.contains(&expected), "{log}");
@@ -378,7 +378,7 @@ fn incoherent_flags_are_refused_before_connecting_and_help_hides_secret_values()
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        log.contains("SASL mechanism SCRAM-SHA-512 is set but the security protocol is PLAINTEXT, which does not log in with SASL: set --kafka-security-protocol SASL_SSL (IDEM_KAFKA_SECURITY_PROTOCOL), or drop --kafka-sasl-mechanism"),
+        log.contains("SASL mechanism SCRAM-SHA-512 is set but the security protocol is PLAINTEXT, which does not log in with SASL: set --kafka-security-protocol (IDEM_KAFKA_SECURITY_PROTOCOL) to SASL_SSL, or drop --kafka-sasl-mechanism (IDEM_KAFKA_SASL_MECHANISM)"),
         "{log}"
     );
 

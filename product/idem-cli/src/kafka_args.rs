@@ -217,6 +217,7 @@ impl KafkaArgs {
         match idem_kafka::security::check_client(config.clone(), self.kafka_connect_timeout).await {
             Ok(()) => Ok(()),
             Err(ConnectError::Unreachable(e)) => {
+                let e = with_flag_names(&e);
                 eprintln!("{bin}: warning: {e}; going on, librdkafka keeps trying");
                 Ok(())
             }
@@ -224,6 +225,66 @@ impl KafkaArgs {
                 .with_context(|| format!("{bin} cannot use the Kafka cluster")),
         }
     }
+}
+
+/// The flag (and environment variables) that sets each setting the Kafka client's messages
+/// name in backquotes, by its librdkafka name.
+const FLAG_OF_SETTING: &[(&str, &str)] = &[
+    (
+        "`security.protocol`",
+        "--kafka-security-protocol (IDEM_KAFKA_SECURITY_PROTOCOL)",
+    ),
+    (
+        "`sasl.mechanism`",
+        "--kafka-sasl-mechanism (IDEM_KAFKA_SASL_MECHANISM)",
+    ),
+    (
+        "`sasl.username`",
+        "--kafka-sasl-username (IDEM_KAFKA_SASL_USERNAME)",
+    ),
+    (
+        "`sasl.password`",
+        "--kafka-sasl-password-file (IDEM_KAFKA_SASL_PASSWORD or IDEM_KAFKA_SASL_PASSWORD_FILE)",
+    ),
+    ("`ssl.ca.location`", "--kafka-ssl-ca (IDEM_KAFKA_SSL_CA)"),
+    (
+        "`ssl.certificate.location`",
+        "--kafka-ssl-cert (IDEM_KAFKA_SSL_CERT)",
+    ),
+    ("`ssl.key.location`", "--kafka-ssl-key (IDEM_KAFKA_SSL_KEY)"),
+    (
+        "`ssl.key.password`",
+        "--kafka-ssl-key-password-file (IDEM_KAFKA_SSL_KEY_PASSWORD or IDEM_KAFKA_SSL_KEY_PASSWORD_FILE)",
+    ),
+    (
+        "`sasl.oauthbearer.token.endpoint.url`",
+        "--kafka-oauth-token-endpoint (IDEM_KAFKA_OAUTH_TOKEN_ENDPOINT)",
+    ),
+    (
+        "`sasl.oauthbearer.client.id`",
+        "--kafka-oauth-client-id (IDEM_KAFKA_OAUTH_CLIENT_ID)",
+    ),
+    (
+        "`sasl.oauthbearer.client.secret`",
+        "--kafka-oauth-client-secret-file (IDEM_KAFKA_OAUTH_CLIENT_SECRET or IDEM_KAFKA_OAUTH_CLIENT_SECRET_FILE)",
+    ),
+    ("`sasl.oauthbearer.*`", "--kafka-oauth-*"),
+    ("`bootstrap.servers`", "--brokers"),
+    ("the `brokers` argument", "--brokers"),
+    (
+        "through the security settings (`KafkaSecurity`)",
+        "with its --kafka-* flag",
+    ),
+];
+
+/// `message` with each Kafka setting it names replaced by the flag that sets it on this
+/// command line: the library names settings, a person at a shell changes flags.
+pub fn with_flag_names(message: &str) -> String {
+    FLAG_OF_SETTING
+        .iter()
+        .fold(message.to_owned(), |m, (setting, flag)| {
+            m.replace(setting, flag)
+        })
 }
 
 /// Every `IDEM_KAFKA_…` environment variable these flags read: what a parent clears from a
@@ -373,5 +434,40 @@ mod tests {
             .chain(env.iter().flat_map(|(k, v)| [flag(k), v.clone()]));
         let cli = Cli::try_parse_from(argv).unwrap();
         assert_eq!(cli.kafka.security().unwrap(), security);
+    }
+
+    #[test]
+    fn the_settings_a_message_names_become_the_flags_that_set_them() {
+        let m = with_flag_names(
+            "SASL mechanism SCRAM-SHA-512 is set but the security protocol is PLAINTEXT, which \
+             does not log in with SASL: set `security.protocol` to SASL_SSL, or drop \
+             `sasl.mechanism`",
+        );
+        assert!(
+            m.ends_with(
+                "set --kafka-security-protocol (IDEM_KAFKA_SECURITY_PROTOCOL) to SASL_SSL, or \
+                 drop --kafka-sasl-mechanism (IDEM_KAFKA_SASL_MECHANISM)"
+            ),
+            "{m}"
+        );
+        let every: String = FLAG_OF_SETTING
+            .iter()
+            .map(|(s, _)| format!("{s} "))
+            .collect();
+        let flags = with_flag_names(&every);
+        assert!(!flags.contains('`'), "a setting left unnamed: {flags}");
+        let cmd = <KafkaArgs as Args>::augment_args(clap::Command::new("kafka"));
+        for (_, flag) in FLAG_OF_SETTING {
+            let name = flag
+                .split_whitespace()
+                .find(|w| w.starts_with("--"))
+                .unwrap_or_default();
+            let name = name.trim_start_matches("--").trim_end_matches("-*");
+            let known = name == "brokers"
+                || cmd
+                    .get_arguments()
+                    .any(|a| a.get_long().is_some_and(|l| l.starts_with(name)));
+            assert!(known, "{flag} is not a flag of this command line");
+        }
     }
 }

@@ -174,3 +174,95 @@ fn each_kind_of_history_is_found_and_present_tense_passes() {
 ";
     assert_eq!(history(present), vec![], "present tense passes");
 }
+
+/// The folders of the library crates: a program links them and gives them their settings, so
+/// their messages name settings, never the flags of idem's command line.
+const LIBRARIES: &[&str] = &["core", "stores", "brokers", "engines"];
+
+/// Where a line of library code puts a command-line flag (`--brokers`) in a string: (byte
+/// offset, the flag). A flag inside a backquoted command of another program (`` `idem outbox
+/// retry --all` ``, `` `kafka-configs --alter` ``) is advice to an operator, and passes.
+fn flags_in_strings(line: &str) -> Vec<(usize, String)> {
+    if line.trim_start().starts_with("//") {
+        return vec![];
+    }
+    let mut found = vec![];
+    for (at, _) in line.match_indices("--") {
+        let after = &line[at + 2..];
+        if !after.starts_with(|c: char| c.is_ascii_lowercase()) {
+            continue;
+        }
+        let before = &line[..at];
+        let in_string = before.matches('"').count() - before.matches("\\\"").count();
+        if in_string.is_multiple_of(2) {
+            continue;
+        }
+        let in_command = before.matches('`').count() % 2 == 1
+            && before
+                .rsplit('`')
+                .next()
+                .is_some_and(|span| span.starts_with("idem ") || span.starts_with("kafka-"));
+        if !in_command {
+            let flag: String = after
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            found.push((at, format!("--{flag}")));
+        }
+    }
+    found
+}
+
+/// The lines of `text` before its unit tests (`#[cfg(test)]`), which may spell what a command
+/// line prints.
+fn library_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    text.lines()
+        .enumerate()
+        .take_while(|(_, l)| l.trim() != "#[cfg(test)]")
+}
+
+#[test]
+fn no_library_message_names_a_command_line_flag() {
+    let root = root();
+    let mut offences = vec![];
+    for lib in LIBRARIES {
+        let mut files = vec![];
+        checked_files(&root.join(lib), &mut files);
+        for f in files.iter().filter(|f| {
+            f.extension().is_some_and(|e| e == "rs")
+                && f.components().any(|c| c.as_os_str() == "src")
+        }) {
+            let text = std::fs::read_to_string(f).unwrap();
+            let rel = f.strip_prefix(&root).unwrap_or(f).display().to_string();
+            for (i, line) in library_lines(&text) {
+                for (_, flag) in flags_in_strings(line) {
+                    offences.push(format!("{rel}:{}: {flag}", i + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        offences.is_empty(),
+        "a library message names the setting (`security.protocol`, a config field); the command \
+         line maps it to its flag:\n{}",
+        offences.join("\n")
+    );
+}
+
+#[test]
+fn a_flag_in_a_library_string_is_found_and_an_operator_command_passes() {
+    let planted = r#"    "check --brokers and that the cluster runs","#;
+    assert_eq!(
+        flags_in_strings(planted),
+        vec![(11, "--brokers".to_owned())]
+    );
+    for passes in [
+        r#"    "check the brokers (`bootstrap.servers`)","#,
+        r#"    format!("{note}; `idem effects retry --id {id}` sends it again"),"#,
+        r#"    "set min.insync.replicas=2 (`kafka-configs --alter --entity-type topics`)","#,
+        "    /// set with --brokers",
+        "    let x = a--b;",
+    ] {
+        assert_eq!(flags_in_strings(passes), vec![], "{passes}");
+    }
+}
