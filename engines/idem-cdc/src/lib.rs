@@ -52,7 +52,7 @@ pub mod slot;
 pub use error::CdcError;
 pub use metrics::CdcMetrics;
 pub use relay::{
-    CdcConfig, CdcRelay, CdcRelayBuilder, DEFAULT_MESSAGES_PUBLICATION, DEFAULT_SLOT,
-    DEFAULT_TABLE_PUBLICATION, Mode,
+    CdcConfig, CdcRelay, CdcRelayBuilder, DEFAULT_DEAD_LETTER_TOPIC, DEFAULT_MESSAGES_PUBLICATION,
+    DEFAULT_SLOT, DEFAULT_TABLE_PUBLICATION, Mode,
 };
 pub use slot::{Name, SlotState, drop_slot, forget_slot, slot_state, slots_here};

@@ -97,6 +97,8 @@ pub const DEFAULT_SLOT: &str = "idem_cdc";
 pub const DEFAULT_TABLE_PUBLICATION: &str = "idem_outbox_pub";
 /// The publication of message mode unless told otherwise.
 pub const DEFAULT_MESSAGES_PUBLICATION: &str = "idem_messages_pub";
+/// The topic events that cannot be published are dead-lettered to unless told otherwise.
+pub const DEFAULT_DEAD_LETTER_TOPIC: &str = "idem.cdc.dead_letters";
 
 impl Default for CdcConfig {
     /// Table mode over the default tables, slot [`DEFAULT_SLOT`], publication
@@ -124,7 +126,7 @@ impl CdcConfig {
             retry_backoff: Duration::from_millis(200),
             retry_backoff_max: Duration::from_secs(10),
             unwritable_topic_grace: Duration::from_secs(60),
-            dead_letter_topic: "idem.cdc.dead_letters".to_owned(),
+            dead_letter_topic: DEFAULT_DEAD_LETTER_TOPIC.to_owned(),
             poll: Duration::from_secs(1),
             delete_published: false,
             create_slot: false,

@@ -9,7 +9,7 @@ use clap::{Args, Subcommand};
 use idem_cdc::{CdcConfig, CdcError, CdcRelay, Mode, Name};
 
 use crate::db::{self, DbArgs};
-use crate::util::{parse_duration, shutdown_signal};
+use crate::util::{duration_text, parse_duration, shutdown_signal};
 
 /// What to do with the CDC relay.
 #[derive(Debug, Subcommand)]
@@ -55,7 +55,7 @@ pub struct ReplayArgs {
     #[arg(long, env = "IDEM_BROKERS")]
     brokers: String,
     /// The relay's dead-letter topic.
-    #[arg(long, default_value = "idem.cdc.dead_letters")]
+    #[arg(long, default_value = idem_cdc::DEFAULT_DEAD_LETTER_TOPIC)]
     dead_letter_topic: String,
     /// Replay only the records meant for this topic (repeatable; default: every topic).
     #[arg(long = "topic")]
@@ -97,10 +97,10 @@ pub struct CdcRelayArgs {
     #[arg(long, env = "IDEM_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
     /// Messages per publish call (a batch holds whole transactions).
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = CdcConfig::default().batch_size)]
     batch_size: usize,
     /// The longest a committed transaction waits for others before its batch is published.
-    #[arg(long, default_value = "2ms", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(CdcConfig::default().linger), value_parser = parse_duration)]
     linger: Duration,
     /// Topic prefix before the aggregate type.
     #[arg(long, default_value = idem_core::wire::DEFAULT_TOPIC_PREFIX)]
@@ -112,7 +112,7 @@ pub struct CdcRelayArgs {
     #[arg(long)]
     source: Option<String>,
     /// Where events that cannot be published are dead-lettered, with the reason in a header.
-    #[arg(long, default_value = "idem.cdc.dead_letters")]
+    #[arg(long, default_value = idem_cdc::DEFAULT_DEAD_LETTER_TOPIC)]
     dead_letter_topic: String,
     /// Table mode: delete the rows it published instead of marking them `published` (the table
     /// keeps only pending and parked rows; `idem outbox status` and `idem verify`'s locate no
@@ -123,7 +123,7 @@ pub struct CdcRelayArgs {
     /// cluster about it; a topic it says does not exist or may not be written has its rows
     /// parked (table mode) or its records dead-lettered whole (message mode: `idem cdc
     /// replay-dead-letters` once the topic takes records), so that the others flow.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(CdcConfig::default().unwritable_topic_grace), value_parser = parse_duration)]
     unwritable_topic_grace: Duration,
     #[command(flatten)]
     producer: crate::relay_cmd::ProducerArgs,
@@ -257,11 +257,12 @@ fn mode(messages: Option<&str>, tables: idem_core::TableNames) -> anyhow::Result
     })
 }
 
-async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
-    let shutdown = shutdown_signal()?;
-    let naming = crate::kafka_args::topic_naming(&args.topic_prefix, &args.topics)?;
-    let mode = mode(args.messages.as_deref(), db::tables(&args.db)?)?;
-    let pool = pool(&args.db).await?;
+/// The CDC relay's settings from its flags, whose defaults are [`CdcConfig::default`]'s.
+fn cdc_config(
+    args: &CdcRelayArgs,
+    mode: Mode,
+    topics: idem_core::wire::TopicNaming,
+) -> anyhow::Result<CdcConfig> {
     let default_publication = match mode {
         Mode::Table(_) => idem_cdc::DEFAULT_TABLE_PUBLICATION,
         Mode::Messages { .. } => idem_cdc::DEFAULT_MESSAGES_PUBLICATION,
@@ -274,7 +275,7 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
         )?,
         mode,
     );
-    config.topics = naming;
+    config.topics = topics;
     config.source = args.source.clone();
     config.batch_size = args.batch_size.max(1);
     config.linger = args.linger;
@@ -282,6 +283,15 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
     config.delete_published = args.delete_published;
     config.create_slot = args.create_slot;
     config.unwritable_topic_grace = args.unwritable_topic_grace;
+    Ok(config)
+}
+
+async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
+    let shutdown = shutdown_signal()?;
+    let naming = crate::kafka_args::topic_naming(&args.topic_prefix, &args.topics)?;
+    let mode = mode(args.messages.as_deref(), db::tables(&args.db)?)?;
+    let pool = pool(&args.db).await?;
+    let config = cdc_config(&args, mode, naming)?;
 
     let kafka =
         crate::relay_cmd::Kafka::connect(&args.brokers, &args.producer, "idem cdc relay").await?;
@@ -361,6 +371,22 @@ mod tests {
             CdcCommand::Relay(a) => a.messages,
             _ => panic!("not relay"),
         }
+    }
+
+    #[test]
+    fn the_flags_default_to_the_library_defaults() {
+        let base = ["idem", "relay", "--db", "postgres://h/db", "--brokers", "b"];
+        let cli = Cli::try_parse_from(base).unwrap();
+        let CdcCommand::Relay(args) = cli.command else {
+            panic!("not relay");
+        };
+        let topics = idem_core::wire::TopicNaming::default();
+        let tables = idem_core::TableNames::default();
+        let from_flags = cdc_config(&args, Mode::Table(tables), topics).unwrap();
+        assert_eq!(
+            format!("{from_flags:?}"),
+            format!("{:?}", CdcConfig::default())
+        );
     }
 
     #[test]

@@ -65,8 +65,13 @@ pub struct PolicyArgs {
     /// Requests in flight at once. A claim takes at most the free slots, and the dispatcher
     /// claims again as soon as half of them are free: a slow request holds only its own slot
     /// (until the timeout), never the others.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, default_value_t = default_concurrency(), value_parser = clap::value_parser!(u16).range(1..=1024))]
     concurrency: u16,
+}
+
+/// [`DispatcherConfig::default`]'s concurrency, as the flag reads it.
+fn default_concurrency() -> u16 {
+    u16::try_from(DispatcherConfig::default().concurrency).unwrap_or(u16::MAX)
 }
 
 /// A secret flag's value: its `Debug` never shows it.
@@ -177,7 +182,7 @@ pub enum EffectsCommand {
         #[command(flatten)]
         policy: PolicyArgs,
         /// Per-request timeout.
-        #[arg(long, default_value = "10s", value_parser = crate::util::parse_duration)]
+        #[arg(long, default_value = crate::util::duration_text(DispatcherConfig::default().timeout), value_parser = crate::util::parse_duration)]
         timeout: Duration,
         /// Serve Prometheus metrics on this address.
         #[arg(long)]

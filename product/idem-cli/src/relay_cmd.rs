@@ -12,7 +12,7 @@ use idem_relay::{Relay, RelayConfig, RelayMetrics};
 
 use crate::DbArgs;
 use crate::db;
-use crate::util::{parse_duration, shutdown_signal};
+use crate::util::{duration_text, parse_duration, shutdown_signal};
 
 #[derive(Args, Debug)]
 pub struct RelayArgs {
@@ -25,27 +25,27 @@ pub struct RelayArgs {
     #[arg(long, env = "IDEM_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
     /// Rows per claim; claim, produce and mark are each one round trip per batch.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = RelayConfig::default().batch_size)]
     batch_size: u32,
     /// How long a claim is exclusive to this relay (e.g. 60s). Must exceed twice message.timeout.ms.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(RelayConfig::default().lease), value_parser = parse_duration)]
     lease: Duration,
     /// Longest idle poll interval: the most latency an idle relay adds.
-    #[arg(long, default_value = "20ms", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(RelayConfig::default().idle_poll_max), value_parser = parse_duration)]
     idle_poll_max: Duration,
     /// Permanent failures (too large, invalid topic) before a row is parked; transient ones never park.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = RelayConfig::default().max_attempts)]
     max_attempts: i32,
     /// Backoff after a failed attempt (doubles per attempt, at most --retry-backoff-max).
-    #[arg(long, default_value = "500ms", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(RelayConfig::default().retry_backoff), value_parser = parse_duration)]
     retry_backoff: Duration,
     /// Longest backoff between attempts at a failing row.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(RelayConfig::default().retry_backoff_max), value_parser = parse_duration)]
     retry_backoff_max: Duration,
     /// How long messages to one topic may fail without a success before the relay asks the
     /// cluster about it; a topic it says does not exist or may not be written has its rows
     /// parked at once, with the reason (`idem outbox retry` once it is fixed).
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(RelayConfig::default().unwritable_topic_grace.unwrap_or_default()), value_parser = parse_duration)]
     unwritable_topic_grace: Duration,
     /// Topic prefix before the aggregate type.
     #[arg(long, default_value = idem_relay::DEFAULT_TOPIC_PREFIX)]
@@ -59,10 +59,10 @@ pub struct RelayArgs {
     #[command(flatten)]
     producer: ProducerArgs,
     /// Keep published rows this long before pruning.
-    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(PrunePolicy::default().retention), value_parser = parse_duration)]
     retention: Duration,
     /// How often to prune published rows.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, default_value = duration_text(default_prune_interval()), value_parser = parse_duration)]
     prune_interval: Duration,
     /// Move pruned rows to the PREFIXoutbox_archive table instead of deleting them.
     #[arg(long)]
@@ -73,6 +73,43 @@ pub struct RelayArgs {
     /// This relay's name in claimed_by (default relay-PID-RANDOM).
     #[arg(long)]
     relay_id: Option<String>,
+}
+
+/// How often [`RelayConfig::default`] prunes.
+fn default_prune_interval() -> Duration {
+    RelayConfig::default()
+        .prune
+        .map_or(Duration::from_secs(60), |(every, _)| every)
+}
+
+/// The relay's settings from its flags, whose defaults are [`RelayConfig::default`]'s.
+fn relay_config(args: &RelayArgs, topics: idem_relay::TopicNaming) -> RelayConfig {
+    RelayConfig {
+        relay_id: args
+            .relay_id
+            .clone()
+            .unwrap_or_else(idem_relay::default_relay_id),
+        batch_size: args.batch_size.max(1),
+        lease: args.lease,
+        idle_poll_max: args.idle_poll_max,
+        max_attempts: args.max_attempts.max(1),
+        retry_backoff: args.retry_backoff,
+        retry_backoff_max: args.retry_backoff_max.max(args.retry_backoff),
+        unwritable_topic_grace: Some(args.unwritable_topic_grace),
+        topics,
+        source: args.source.clone(),
+        prune: (!args.no_prune).then(|| {
+            (
+                args.prune_interval,
+                PrunePolicy {
+                    retention: args.retention,
+                    archive: args.archive,
+                    ..PrunePolicy::default()
+                },
+            )
+        }),
+        ..RelayConfig::default()
+    }
 }
 
 pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
@@ -111,29 +148,7 @@ pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
             crate::metrics_server::serve_with(addr, registry.clone(), health.clone()).await?;
         eprintln!("idem relay: metrics on http://{bound}/metrics (probes /healthz, /readyz)");
     }
-    let config = RelayConfig {
-        relay_id: args.relay_id.unwrap_or_else(idem_relay::default_relay_id),
-        batch_size: args.batch_size.max(1),
-        lease: args.lease,
-        idle_poll_max: args.idle_poll_max,
-        max_attempts: args.max_attempts.max(1),
-        retry_backoff: args.retry_backoff,
-        retry_backoff_max: args.retry_backoff_max.max(args.retry_backoff),
-        unwritable_topic_grace: Some(args.unwritable_topic_grace),
-        topics,
-        source: args.source,
-        prune: (!args.no_prune).then(|| {
-            (
-                args.prune_interval,
-                PrunePolicy {
-                    retention: args.retention,
-                    archive: args.archive,
-                    ..PrunePolicy::default()
-                },
-            )
-        }),
-        ..RelayConfig::default()
-    };
+    let config = relay_config(&args, topics);
     eprintln!(
         "idem relay {}: publishing {} to {brokers}",
         config.relay_id,
@@ -336,5 +351,35 @@ impl prometheus::core::Collector for TopicDurability {
         family.set_field_type(prometheus::proto::MetricType::GAUGE);
         family.set_metric(metrics);
         vec![family]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        relay: RelayArgs,
+    }
+
+    #[test]
+    fn the_flags_default_to_the_library_defaults() {
+        let cli = Cli::try_parse_from(["idem", "--db", "sqlite://x.db", "--brokers", "b:9092"])
+            .map_err(|e| e.to_string());
+        let args = cli.map(|c| c.relay);
+        let Ok(args) = args else {
+            panic!("{args:?}");
+        };
+        let topics = idem_relay::TopicNaming::default();
+        let from_flags = relay_config(&args, topics.clone());
+        let library = RelayConfig {
+            relay_id: from_flags.relay_id.clone(),
+            topics,
+            ..RelayConfig::default()
+        };
+        assert_eq!(format!("{from_flags:?}"), format!("{library:?}"));
     }
 }

@@ -30,6 +30,22 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(secs).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
+/// `d` as [`parse_duration`] reads it, in the largest unit that divides it (`500ms`, `60s`,
+/// `1h`, `7d`): how a flag shows a library default in `--help`.
+pub fn duration_text(d: Duration) -> String {
+    let ms = d.as_millis();
+    let secs = d.as_secs();
+    if d.subsec_nanos() != 0 || secs == 0 {
+        return format!("{ms}ms");
+    }
+    for (unit, size) in [("d", 86_400), ("h", 3600), ("m", 60)] {
+        if secs.is_multiple_of(size) {
+            return format!("{}{unit}", secs / size);
+        }
+    }
+    format!("{secs}s")
+}
+
 /// Installs the SIGTERM and SIGINT handlers now and returns a future that resolves on either.
 pub fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
@@ -45,8 +61,25 @@ pub fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>
 
 #[cfg(test)]
 mod tests {
-    use super::parse_duration;
+    use super::{duration_text, parse_duration};
     use std::time::Duration;
+
+    #[test]
+    fn a_duration_is_written_in_its_largest_unit_and_reads_back() {
+        for (d, text) in [
+            (Duration::from_millis(500), "500ms"),
+            (Duration::from_millis(2), "2ms"),
+            (Duration::from_secs(60), "1m"),
+            (Duration::from_secs(90), "90s"),
+            (Duration::from_secs(3600), "1h"),
+            (Duration::from_secs(14 * 86_400), "14d"),
+            (Duration::from_millis(1500), "1500ms"),
+            (Duration::ZERO, "0ms"),
+        ] {
+            assert_eq!(duration_text(d), text);
+            assert_eq!(parse_duration(text), Ok(d), "{text}");
+        }
+    }
 
     #[test]
     fn durations() {
