@@ -766,7 +766,7 @@ impl ClientContext for Reports {
     /// librdkafka's log lines are kept too: some refusals (a dropped connection while the
     /// first request is in flight) only show there. They are never printed.
     fn log(&self, level: rdkafka::config::RDKafkaLogLevel, _fac: &str, log_message: &str) {
-        if (level as i32) <= (rdkafka::config::RDKafkaLogLevel::Info as i32) {
+        if !matches!(level, rdkafka::config::RDKafkaLogLevel::Debug) {
             self.errors
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())

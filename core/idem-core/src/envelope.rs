@@ -421,6 +421,11 @@ mod tests {
         fn below(&mut self, n: u64) -> u64 {
             self.next() % n.max(1)
         }
+        /// Uniform index into `len` items (0 when there are none).
+        fn index(&mut self, len: usize) -> usize {
+            let n = self.below(u64::try_from(len).unwrap_or(u64::MAX));
+            usize::try_from(n).unwrap_or(0)
+        }
     }
 
     const TP: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
@@ -505,7 +510,7 @@ mod tests {
         let alphabet: Vec<char> = "ab\"\\/\n\r\t\u{1}\u{1f}\u{7f}é€😀 ".chars().collect();
         for _ in 0..2000 {
             let s: String = (0..rng.below(12))
-                .map(|_| alphabet[rng.below(alphabet.len() as u64) as usize])
+                .map(|_| alphabet[rng.index(alphabet.len())])
                 .collect();
             let mut out = String::new();
             json_string(&mut out, &s);
@@ -746,9 +751,9 @@ mod tests {
         for _ in 0..5000 {
             let mut m = valid.clone();
             for _ in 0..=rng.below(4) {
-                let at = rng.below(m.len() as u64) as usize;
+                let at = rng.index(m.len());
                 if let Some(b) = m.get_mut(at) {
-                    *b = (rng.next() >> 40) as u8;
+                    *b = rng.next().to_le_bytes()[5];
                 }
             }
             let _ = decode(1, 2, 0, &m);

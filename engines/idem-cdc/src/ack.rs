@@ -198,7 +198,9 @@ impl AckTracker {
         // At most u64::MAX transactions ever fit: a wrap would take centuries.
         TxnId {
             tracker: self.tracker,
-            seq: self.front_id.wrapping_add(self.queue.len() as u64),
+            seq: self
+                .front_id
+                .wrapping_add(u64::try_from(self.queue.len()).unwrap_or(u64::MAX)),
         }
     }
 
@@ -349,7 +351,7 @@ mod tests {
                 lsn += rng.below(1000) + 51;
                 let n = rng.below(4);
                 let id = push(&mut t, lsn, n);
-                reports.extend(std::iter::repeat_n(txns.len(), n as usize));
+                reports.extend(std::iter::repeat_n(txns.len(), usize::try_from(n).unwrap()));
                 txns.push((lsn, id, n));
                 // Deliver some reports now, in random order, before more commits arrive.
                 for _ in 0..rng.below(3) {
@@ -382,7 +384,7 @@ mod tests {
         if reports.is_empty() {
             return;
         }
-        let pick = rng.below(reports.len() as u64) as usize;
+        let pick = rng.index(reports.len());
         let txn = reports.swap_remove(pick);
         let entry = &mut txns[txn];
         entry.2 -= 1;

@@ -643,7 +643,7 @@ mod tests {
             assert!(a.message(true, 0x1000 + n, "idem.outbox", &big).is_none());
             n += 1;
         }
-        assert_eq!(n as usize, PART_BYTES.div_ceil(big.len()));
+        assert_eq!(usize::try_from(n).unwrap(), PART_BYTES.div_ceil(big.len()));
     }
 
     #[test]

@@ -798,6 +798,11 @@ pub(crate) mod tests {
         pub(crate) fn below(&mut self, n: u64) -> u64 {
             self.next() % n.max(1)
         }
+        /// Uniform index into `len` items (0 when there are none).
+        pub(crate) fn index(&mut self, len: usize) -> usize {
+            let n = self.below(u64::try_from(len).unwrap_or(u64::MAX));
+            usize::try_from(n).unwrap_or(0)
+        }
     }
 
     #[test]
@@ -812,18 +817,18 @@ pub(crate) mod tests {
             let mut d = decoder();
             let msg: Vec<u8> = if round % 2 == 0 {
                 let len = rng.below(64);
-                let mut m: Vec<u8> = (0..len).map(|_| (rng.next() >> 24) as u8).collect();
+                let mut m: Vec<u8> = (0..len).map(|_| rng.next().to_le_bytes()[3]).collect();
                 if let Some(first) = m.first_mut() {
-                    *first = b"RIUDTYO"[(rng.below(7)) as usize % 7];
+                    *first = b"RIUDTYO"[rng.index(7)];
                 }
                 m
             } else {
-                let pick = rng.below(3) as usize;
+                let pick = rng.index(valid.len());
                 let mut m = valid.get(pick).cloned().unwrap_or_default();
                 for _ in 0..=rng.below(3) {
-                    let at = rng.below(m.len() as u64) as usize;
+                    let at = rng.index(m.len());
                     if let Some(b) = m.get_mut(at) {
-                        *b = (rng.next() >> 32) as u8;
+                        *b = rng.next().to_le_bytes()[4];
                     }
                 }
                 m

@@ -441,7 +441,9 @@ fn parse_time(time: &str) -> Option<NaiveTime> {
     }
     let micros = match fraction {
         None => 0,
-        Some(f) if (1..=6).contains(&f.len()) => digits(f)? * 10u32.pow(6 - f.len() as u32),
+        Some(f) if (1..=6).contains(&f.len()) => {
+            digits(f)? * 10u32.pow(6 - u32::try_from(f.len()).ok()?)
+        }
         Some(_) => return None,
     };
     NaiveTime::from_hms_micro_opt(digits(h)?, digits(m)?, digits(s)?, micros)

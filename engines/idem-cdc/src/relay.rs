@@ -650,7 +650,7 @@ impl<P: Publisher> CdcRelay<P> {
                 let txn = assembler.commit(end_lsn.as_u64())?;
                 // Every item counts, refusals too: each is reported once it is published or
                 // its park or dead letter is durable.
-                let items = txn.items.len() as u64;
+                let items = u64::try_from(txn.items.len()).unwrap_or(u64::MAX);
                 let id = acks
                     .tracker
                     .commit(end_lsn.as_u64(), items)
@@ -743,7 +743,9 @@ impl<P: Publisher> CdcRelay<P> {
         }
         self.mark(&batch, acks).await?;
         let published = batch.messages.len().saturating_sub(refused_by_broker);
-        self.metrics.events.inc_by(published as u64);
+        self.metrics
+            .events
+            .inc_by(u64::try_from(published).unwrap_or(u64::MAX));
         for (id, items) in acks.batch.drain(..) {
             for _ in 0..items {
                 acks.tracker.delivered(id).map_err(ack_error)?;

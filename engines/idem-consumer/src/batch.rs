@@ -357,7 +357,7 @@ mod tests {
         let records: Vec<Delivery> = ids
             .iter()
             .enumerate()
-            .map(|(i, id)| record(i as i64, id, "{}"))
+            .map(|(i, id)| record(i64::try_from(i).unwrap(), id, "{}"))
             .collect();
         let decoded: Vec<_> = records.iter().map(idem_core::wire::decode).collect();
         let b = Batch::new(&records, &decoded);

@@ -282,10 +282,21 @@ pub fn total(v: &IntCounterVec) -> u64 {
         .flat_map(|mf| {
             mf.get_metric()
                 .iter()
-                .map(|m| m.get_counter().get_value() as u64)
+                .map(|m| whole(m.get_counter().get_value()))
                 .collect::<Vec<_>>()
         })
         .sum()
+}
+
+/// An integer counter's value, which the exposition format carries as a whole, non-negative
+/// `f64`.
+#[expect(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "an IntCounter only holds whole non-negative values below 2^53"
+)]
+fn whole(value: f64) -> u64 {
+    value as u64
 }
 
 fn reg_err(e: prometheus::Error) -> Error {

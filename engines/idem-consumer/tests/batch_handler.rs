@@ -143,8 +143,8 @@ fn batch(payload_of: impl Fn(i64) -> &'static str, n: i64) -> (Vec<EventId>, Vec
     let ids: Vec<EventId> = (0..n).map(|_| EventId::new()).collect();
     let records = ids
         .iter()
-        .enumerate()
-        .map(|(i, id)| record(i as i64, *id, payload_of(i as i64)))
+        .zip(0..)
+        .map(|(id, i)| record(i, *id, payload_of(i)))
         .collect();
     (ids, records)
 }

@@ -55,7 +55,7 @@ where
             let payload = format!(r#"{{"target":"{t}"}}"#);
             delivery(
                 "t",
-                i as i64,
+                i64::try_from(i).unwrap(),
                 *id,
                 "order.paid",
                 &format!("o-{i}"),

@@ -85,7 +85,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             // The lease could end while the batch is still being produced, and another relay
             // could then publish the same rows: produce nothing, let the lease expire.
             tracing::warn!(relay = %self.config.relay_id, "the claim left too little of the lease to publish the batch; abandoning it");
-            self.metrics.abandoned.inc_by(records.len() as u64);
+            self.metrics
+                .abandoned
+                .inc_by(u64::try_from(records.len()).unwrap_or(u64::MAX));
             return Ok(report);
         }
         let delivered = self.publisher.publish(&plan.messages).await;
@@ -188,7 +190,8 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         if let Some(max) = mark.published.iter().max() {
             self.watermark.fetch_max(*max, Ordering::Relaxed);
         }
-        report.parked = mark.failed.iter().filter(|f| f.disposition.parks()).count() as u64;
+        let parked = mark.failed.iter().filter(|f| f.disposition.parks()).count();
+        report.parked = u64::try_from(parked).unwrap_or(u64::MAX);
         report.retried = released.saturating_sub(report.parked);
         report.fenced = fenced;
         if fenced > 0 {

@@ -307,7 +307,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 Ok(r) if r.claimed > 0 => {
                     idle = self.config.idle_poll_min;
                     error_backoff = ERROR_BACKOFF.first;
-                    if r.claimed as u32 >= self.config.batch_size {
+                    if u32::try_from(r.claimed).unwrap_or(u32::MAX) >= self.config.batch_size {
                         Duration::ZERO
                     } else {
                         idle
@@ -362,7 +362,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             },
         };
         let size = claim.records.len() + claim.corrupt.len();
-        if size < self.config.batch_size as usize {
+        if size < usize::try_from(self.config.batch_size).unwrap_or(usize::MAX) {
             return (self.process(started, claim).await, None);
         }
         let (report, next) = tokio::join!(self.process(started, claim), self.claim_batch());

@@ -193,10 +193,9 @@ impl RelayMetrics {
     /// been attempted before.
     pub(crate) fn count_published(&self, labels: &[&str; 3], waited: TimeDelta, republish: bool) {
         self.published.with_label_values(labels).inc();
-        let micros = waited.num_microseconds().unwrap_or(i64::MAX);
         self.commit_to_publish
             .with_label_values(labels)
-            .observe((micros as f64 / 1e6).max(0.0));
+            .observe(waited.as_seconds_f64().max(0.0));
         if republish {
             self.republished.with_label_values(labels).inc();
         }
@@ -269,10 +268,21 @@ fn sum(v: &IntCounterVec) -> u64 {
         .flat_map(|mf| {
             mf.get_metric()
                 .iter()
-                .map(|m| m.get_counter().get_value() as u64)
+                .map(|m| whole(m.get_counter().get_value()))
                 .collect::<Vec<_>>()
         })
         .sum()
+}
+
+/// An integer counter's value, which the exposition format carries as a whole, non-negative
+/// `f64`.
+#[expect(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "an IntCounter only holds whole non-negative values below 2^53"
+)]
+fn whole(value: f64) -> u64 {
+    value as u64
 }
 
 fn reg_err(e: prometheus::Error) -> Error {

@@ -119,9 +119,9 @@ impl Tally {
                 event_type,
                 ..TypeTotals::default()
             });
-        t.source_rows += source.len() as u64;
+        t.source_rows += u64::try_from(source.len()).unwrap_or(u64::MAX);
         t.source_sum += s_sum;
-        t.target_rows += target.len() as u64;
+        t.target_rows += u64::try_from(target.len()).unwrap_or(u64::MAX);
         t.target_sum += t_sum;
         match (source.len(), target.len()) {
             (0, _) => {
@@ -154,7 +154,7 @@ impl Tally {
             if self.report.duplicates.len() < SAMPLES {
                 self.report.duplicates.push(Duplicate {
                     key: key.to_owned(),
-                    rows: target.len() as u64,
+                    rows: u64::try_from(target.len()).unwrap_or(u64::MAX),
                 });
             }
         }
@@ -229,7 +229,7 @@ pub(crate) async fn repeats(
     report: &mut crate::report::UniqueReport,
 ) -> Result<(), VerifyError> {
     while let Some(key) = cursor.peek().await?.map(str::to_owned) {
-        let rows = cursor.take(&key).await?.len() as u64;
+        let rows = u64::try_from(cursor.take(&key).await?.len()).unwrap_or(u64::MAX);
         report.rows += rows;
         if rows > 1 {
             report.duplicated_keys += 1;

@@ -6,7 +6,7 @@ use idem_verify::report::{CheckReport, TypeTotals, UniqueReport};
 use idem_verify::{GapGauge, Report};
 use prometheus::Registry;
 
-fn gauge_values(registry: &Registry) -> Vec<(String, String, String, i64)> {
+fn gauge_values(registry: &Registry) -> Vec<(String, String, String, f64)> {
     let mut out = Vec::new();
     for family in registry.gather() {
         if family.name() != "idem_reconciliation_gap" {
@@ -24,15 +24,15 @@ fn gauge_values(registry: &Registry) -> Vec<(String, String, String, i64)> {
                 label("check"),
                 label("event_type"),
                 label("kind"),
-                m.get_gauge().get_value() as i64,
+                m.get_gauge().get_value(),
             ));
         }
     }
-    out.sort();
+    out.sort_by(|a, b| (&a.0, &a.1, &a.2).cmp(&(&b.0, &b.1, &b.2)));
     out
 }
 
-fn value(registry: &Registry, check: &str, event_type: &str, kind: &str) -> Option<i64> {
+fn value(registry: &Registry, check: &str, event_type: &str, kind: &str) -> Option<f64> {
     gauge_values(registry)
         .into_iter()
         .find(|(c, t, k, _)| c == check && t == event_type && k == kind)
@@ -74,17 +74,17 @@ fn sum_gaps_and_duplicate_source_keys_are_exported() {
     }]));
     assert_eq!(
         value(&registry, "orders", "order.paid", "duplicate_source"),
-        Some(1),
+        Some(1.0),
         "{:?}",
         gauge_values(&registry)
     );
     assert_eq!(
         value(&registry, "orders", "order.paid", "sum"),
-        Some(7),
+        Some(7.0),
         "{:?}",
         gauge_values(&registry)
     );
-    assert_eq!(value(&registry, "apps", "", "duplicate"), Some(1));
+    assert_eq!(value(&registry, "apps", "", "duplicate"), Some(1.0));
 }
 
 #[test]
@@ -102,12 +102,15 @@ fn every_run_replaces_the_previous_values() {
     ]));
     assert_eq!(
         value(&registry, "orders", "order.refunded", "missing"),
-        Some(3)
+        Some(3.0)
     );
     // The next run no longer sees order.refunded at all (its rows were archived, or the check
     // was renamed): its series must go, not stay at 3 forever.
     gauge.set(&report(vec![gap("order.paid", 2)]));
-    assert_eq!(value(&registry, "orders", "order.paid", "missing"), Some(2));
+    assert_eq!(
+        value(&registry, "orders", "order.paid", "missing"),
+        Some(2.0)
+    );
     assert_eq!(
         value(&registry, "orders", "order.refunded", "missing"),
         None,

@@ -10,6 +10,7 @@ mod chaos;
 mod demo;
 mod faults;
 mod lab_consumer;
+mod num;
 mod reference_cmd;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};

@@ -111,7 +111,7 @@ async fn a_killed_leader_and_a_paused_follower_lose_nothing_acknowledged() {
     let status = cluster.kill(leader);
     assert_eq!(status.signal(), Some(9), "node {leader} was SIGKILLed");
     assert!(
-        before_kill < first.len() as i64,
+        before_kill < i64::try_from(first.len()).unwrap(),
         "the kill came mid-run ({before_kill} of {} published)",
         first.len()
     );
@@ -130,7 +130,7 @@ async fn a_killed_leader_and_a_paused_follower_lose_nothing_acknowledged() {
     eventually(
         "every row to be published without the killed node",
         Duration::from_secs(120),
-        || async { (published(&pg).await == first.len() as i64).then_some(()) },
+        || async { (published(&pg).await == i64::try_from(first.len()).unwrap()).then_some(()) },
     )
     .await;
 
@@ -158,7 +158,7 @@ async fn a_killed_leader_and_a_paused_follower_lose_nothing_acknowledged() {
     cluster.pause(follower);
     let second = events(1000, "b");
     enqueue(&pg, &second).await;
-    let total = (first.len() + second.len()) as i64;
+    let total = i64::try_from(first.len() + second.len()).unwrap();
     eventually(
         "the rows written while a follower is paused to be published",
         Duration::from_secs(120),

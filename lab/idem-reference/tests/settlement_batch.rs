@@ -243,11 +243,11 @@ async fn postgres_two_instances_on_the_same_payments_take_locks_in_one_order() {
     b.exec(idem_reference::POSTGRES_SCHEMA).await.unwrap();
     let (mut one, mut two) = (consumer(&b).await, consumer(&b).await);
     let forward: Vec<Delivery> = (0..100)
-        .map(|n| paid(n, &order(100 + n as u64)).1)
+        .map(|n| paid(n, &order(100 + n.unsigned_abs())).1)
         .collect();
     let backward: Vec<Delivery> = (0..100)
         .rev()
-        .map(|n| paid(99 - n, &order(100 + n as u64)).1)
+        .map(|n| paid(99 - n, &order(100 + n.unsigned_abs())).1)
         .collect();
     let (r1, r2) = tokio::join!(one.process(&forward), two.process(&backward));
     let (r1, r2) = (r1.unwrap(), r2.unwrap());

@@ -136,7 +136,7 @@ pub(crate) async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
             if count > 1 && event_id.is_some() {
                 bail!("--event-id and --count > 1 cannot be combined: event ids are unique");
             }
-            let mut events = Vec::with_capacity(count as usize);
+            let mut events = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
             for _ in 0..count.max(1) {
                 let mut b = Event::builder(&aggregate_type, &aggregate_id, &event_type)
                     .payload_json(payload.clone());

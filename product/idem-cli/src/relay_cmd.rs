@@ -286,6 +286,10 @@ impl prometheus::core::Collector for ProducerReplacements {
         vec![&self.desc]
     }
 
+    #[expect(
+        clippy::cast_precision_loss,
+        reason = "the exposition format carries counters as f64; replacements stay far below 2^53"
+    )]
     fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
         let mut counter = prometheus::proto::Counter::default();
         counter.set_value(self.publisher.replacements() as f64);

@@ -211,7 +211,8 @@ impl<DB: Dialect> RetentionStore for RelayStore<DB> {
 
 /// How many marks a stale claim lost: rows neither marked nor released.
 pub(crate) fn fenced(outcome: &idem_core::outbox::ClaimOutcome, marked: u64, released: u64) -> u64 {
-    let expected = (outcome.published.len() + outcome.failed.len()) as u64;
+    let expected =
+        u64::try_from(outcome.published.len() + outcome.failed.len()).unwrap_or(u64::MAX);
     expected.saturating_sub(marked + released)
 }
 

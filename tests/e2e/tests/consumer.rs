@@ -206,7 +206,7 @@ async fn poison_records_and_bad_money_are_dead_lettered_and_the_rest_settled() {
         || async {
             let done = scalar(&s, "SELECT count(*) FROM settlements").await
                 + scalar(&s, "SELECT count(*) FROM idem_dead_letters").await;
-            (done == 2 + cases.len() as i64).then_some(())
+            (done == 2 + i64::try_from(cases.len()).unwrap()).then_some(())
         },
     )
     .await;
@@ -246,7 +246,7 @@ async fn poison_records_and_bad_money_are_dead_lettered_and_the_rest_settled() {
     let next: i64 = committed.iter().map(|(_, o)| o).sum();
     assert_eq!(
         next,
-        batch.len() as i64,
+        i64::try_from(batch.len()).unwrap(),
         "committed offsets cover every record: {committed:?}"
     );
 }

@@ -115,7 +115,7 @@ async fn rebalance_and_kill(brokers: &str, topic: &str, settings: &[(String, Str
     let publisher =
         KafkaPublisher::new(idem_kafka::producer_config(brokers, &[]).unwrap()).unwrap();
     let all = events(24, 25, topic);
-    let total = all.len() as i64;
+    let total = i64::try_from(all.len()).unwrap();
     for chunk in all.chunks(100) {
         let acks = publisher.publish(chunk).await;
         assert!(acks.iter().all(Result::is_ok), "{acks:?}");

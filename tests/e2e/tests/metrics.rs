@@ -165,7 +165,7 @@ async fn the_exported_counters_equal_the_scripted_numbers() {
         ),
     ];
     assert!(publisher.publish(&extra).await.iter().all(Result::is_ok));
-    let in_topic = 2 * ORDERS as i64 + 3;
+    let in_topic = 2 * i64::try_from(ORDERS).unwrap() + 3;
 
     // The settlement consumer, whose handler fails twice before it settles anything.
     let consumer_registry = Registry::new();

@@ -126,7 +126,7 @@ async fn two_relays_and_concurrent_writers_keep_each_aggregate_in_commit_order()
     }
     assert_eq!(
         rows.len(),
-        published_by_relays as usize,
+        usize::try_from(published_by_relays).unwrap(),
         "every row was published once by the relays"
     );
     let written: usize = (0..4usize)

@@ -147,7 +147,7 @@ impl KafkaCluster {
                         .unwrap_or_else(|e| panic!("{}/{f}: {e}", node_dir.display()))
                 };
                 Node {
-                    id: i as i32,
+                    id: i32::try_from(i).unwrap(),
                     port: read("port").trim().parse().unwrap(),
                     argv: read("argv")
                         .lines()
@@ -163,7 +163,7 @@ impl KafkaCluster {
             bootstrap,
             _dir: dir,
         };
-        for id in 1..=n as i32 {
+        for id in 1..=i32::try_from(n).unwrap() {
             cluster.spawn(id);
         }
         wait_for_brokers(&cluster.bootstrap, n, Duration::from_secs(120));

@@ -64,7 +64,7 @@ pub(super) async fn round_trip_us(url: &str, duration: Duration) -> anyhow::Resu
         sqlx::query(ROUND_TRIP).execute(&mut conn).await?;
         n += 1;
     }
-    let us = start.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
+    let us = start.elapsed().as_secs_f64() * 1e6 / crate::num::float(n.max(1));
     conn.close().await?;
     Ok(us)
 }

@@ -40,13 +40,13 @@ pub(super) fn process_cpu(pid: u32) -> Option<Duration> {
 
 /// Microseconds of CPU per row: `cpu` spent on `rows`.
 pub(super) fn us_per_row(cpu: Duration, rows: u64) -> f64 {
-    cpu.as_secs_f64() * 1e6 / (rows.max(1) as f64)
+    cpu.as_secs_f64() * 1e6 / crate::num::float(rows.max(1))
 }
 
 /// The rate a machine of `cores` cores could reach at `us_per_row` of CPU per row, all busy.
 pub(super) fn bound_per_s(cores: usize, us_per_row: f64) -> f64 {
     match us_per_row > 0.0 {
-        true => cores as f64 * 1e6 / us_per_row,
+        true => crate::num::float(cores) * 1e6 / us_per_row,
         false => f64::NAN,
     }
 }

@@ -138,7 +138,7 @@ pub(super) async fn produce_rate(
         done += 1;
     }
     progress(done);
-    Ok(count as f64 / start.elapsed().as_secs_f64().max(1e-9))
+    Ok(crate::num::per_second(count, start.elapsed()))
 }
 
 type Report = <rdkafka::producer::DeliveryFuture as std::future::Future>::Output;
@@ -207,7 +207,10 @@ pub(super) async fn consume_rate(
     progress(seen);
     let elapsed = first.map_or(Duration::ZERO, |f| f.elapsed());
     tracing::debug!(bytes, "raw consume done");
-    Ok(seen.saturating_sub(1).max(1) as f64 / elapsed.as_secs_f64().max(1e-9))
+    Ok(crate::num::per_second(
+        seen.saturating_sub(1).max(1),
+        elapsed,
+    ))
 }
 
 #[cfg(test)]

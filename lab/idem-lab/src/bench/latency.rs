@@ -125,7 +125,7 @@ pub(super) async fn open_loop(
     for t in &left {
         h.saturating_record(micros(now.duration_since(*t)));
     }
-    let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    let ms = |q: f64| crate::num::float(h.value_at_quantile(q)) / 1000.0;
     let (relay_stage_ms, consumer_stage_ms) = stages(orders, settle, prefix).await?;
     let order_tx_ms = percentiles(&mut lock(&order_tx));
     Ok(LatencyRun {
@@ -135,11 +135,11 @@ pub(super) async fn open_loop(
         target_rate: rate,
         achieved_rate,
         samples: h.len(),
-        unsettled: left.len() as u64,
+        unsettled: u64::try_from(left.len()).unwrap_or(u64::MAX),
         p50_ms: ms(0.5),
         p99_ms: ms(0.99),
         p999_ms: ms(0.999),
-        max_ms: h.max() as f64 / 1000.0,
+        max_ms: crate::num::float(h.max()) / 1000.0,
     })
 }
 
@@ -179,7 +179,7 @@ fn percentiles(v: &mut [f64]) -> (f64, f64) {
         return (f64::NAN, f64::NAN);
     }
     v.sort_by(f64::total_cmp);
-    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    let at = |q: f64| v[crate::num::rank(v.len(), q)];
     (at(0.5), at(0.99))
 }
 

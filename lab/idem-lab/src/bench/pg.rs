@@ -361,7 +361,10 @@ where
     for t in tasks {
         t.await??;
     }
-    Ok(done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
+    Ok(crate::num::per_second(
+        done.load(Ordering::Relaxed),
+        start.elapsed(),
+    ))
 }
 
 /// Durable single-row inserts (autocommit, `synchronous_commit` as the server has it) on
@@ -409,8 +412,10 @@ pub(super) async fn stamped_rate(
     .fetch_one(pool)
     .await?;
     match span {
-        Some(s) if s > 0.001 && count > first_count => Ok((count - first_count) as f64 / s),
-        _ => Ok(count as f64 / fallback.as_secs_f64().max(1e-9)),
+        Some(s) if s > 0.001 && count > first_count => {
+            Ok(crate::num::float(count - first_count) / s)
+        }
+        _ => Ok(crate::num::per_second(count, fallback)),
     }
 }
 

@@ -384,7 +384,7 @@ pub(super) fn consumer_args(
 
 /// Events per second: `delta` over `elapsed` (never a division by zero).
 pub(super) fn rate(delta: u64, elapsed: Duration) -> f64 {
-    delta as f64 / elapsed.as_secs_f64().max(1e-9)
+    crate::num::per_second(delta, elapsed)
 }
 
 /// The open-loop arrival rates: each load of [`LOADS`] and its share of `sustained`.

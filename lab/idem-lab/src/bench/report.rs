@@ -484,7 +484,7 @@ impl Report {
 
     /// Records a peak RSS in bytes as MiB (NaN if it could not be read).
     pub(super) fn peak(&mut self, key: &str, bytes: Option<u64>) {
-        self.figure(key, bytes.map_or(f64::NAN, |b| b as f64 / 1048576.0));
+        self.figure(key, bytes.map_or(f64::NAN, crate::num::mib));
     }
 
     /// Records one latency run.
@@ -496,8 +496,8 @@ impl Report {
             ("p99_ms", run.p99_ms),
             ("p999_ms", run.p999_ms),
             ("max_ms", run.max_ms),
-            ("samples", run.samples as f64),
-            ("unsettled", run.unsettled as f64),
+            ("samples", crate::num::float(run.samples)),
+            ("unsettled", crate::num::float(run.unsettled)),
             ("relay_stage_p50_ms", run.relay_stage_ms.0),
             ("relay_stage_p99_ms", run.relay_stage_ms.1),
             ("consumer_stage_p50_ms", run.consumer_stage_ms.0),

@@ -37,7 +37,7 @@ pub(super) async fn run(args: VerifyBenchArgs) -> anyhow::Result<()> {
         tracing::warn!(error = %e, "could not drop the bench database");
     }
     let (elapsed, peak) = result?;
-    let mib = peak as f64 / 1048576.0;
+    let mib = crate::num::mib(peak);
     let met = peak <= VERIFY_RSS_TARGET;
     if args.json {
         println!(
@@ -46,7 +46,7 @@ pub(super) async fn run(args: VerifyBenchArgs) -> anyhow::Result<()> {
                 "rows_per_side": args.rows,
                 "figures": {
                     "verify_seconds": elapsed.as_secs_f64(),
-                    "verify_rows_per_s": (2 * args.rows) as f64 / elapsed.as_secs_f64().max(1e-9),
+                    "verify_rows_per_s": crate::num::per_second(2 * args.rows, elapsed),
                     "verify_peak_rss_mib": mib,
                 },
                 "ratios": {
@@ -59,7 +59,7 @@ pub(super) async fn run(args: VerifyBenchArgs) -> anyhow::Result<()> {
         println!("  elapsed        {:>10.1} s", elapsed.as_secs_f64());
         println!(
             "  rows/s         {:>10.0}   (both sides)",
-            (2 * args.rows) as f64 / elapsed.as_secs_f64().max(1e-9)
+            crate::num::per_second(2 * args.rows, elapsed)
         );
         println!(
             "  peak RSS       {:>10.1} MiB   target <= 100 MiB: {}",

@@ -283,9 +283,15 @@ impl Rng {
         self.next() % n.max(1)
     }
 
+    /// Uniform index into `len` items (0 when there are none).
+    pub(super) fn index(&mut self, len: usize) -> usize {
+        let n = self.below(u64::try_from(len).unwrap_or(u64::MAX));
+        usize::try_from(n).unwrap_or(0)
+    }
+
     /// Uniform duration in `lo..hi`.
     pub(super) fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
-        let span = hi.saturating_sub(lo).as_millis() as u64;
+        let span = u64::try_from(hi.saturating_sub(lo).as_millis()).unwrap_or(u64::MAX);
         lo + Duration::from_millis(self.below(span.max(1)))
     }
 }

@@ -152,7 +152,7 @@ async fn exact(
         .flat_map(|p| p.unexpected_exits.iter().cloned())
         .collect();
     let overlapping_executions = windows::overlapping_executions(&dbs.points).await?;
-    let sum = |name: &str| -> u64 { procs.iter().map(|p| p.total(name)).sum::<f64>() as u64 };
+    let sum = |name: &str| crate::num::whole(procs.iter().map(|p| p.total(name)).sum::<f64>());
     Ok(Exact {
         inbox_duplicate_deliveries,
         topic_duplicates,

@@ -195,7 +195,7 @@ impl Schedule {
         if candidates.is_empty() {
             return Plan::Retry { after: None };
         }
-        let proc = candidates[rng.below(candidates.len() as u64) as usize];
+        let proc = candidates[rng.index(candidates.len())];
         let hit = 1 + rng.below(3);
         Plan::Arm { proc, point, hit }
     }
@@ -237,7 +237,7 @@ const CDC_RUN_POINTS: &[&str] = &[
 pub(super) fn first_round(rng: &mut Rng, points: &'static [&'static str]) -> Vec<&'static str> {
     let mut round: Vec<&'static str> = points.to_vec();
     for i in (1..round.len()).rev() {
-        round.swap(i, rng.below(i as u64 + 1) as usize);
+        round.swap(i, rng.index(i + 1));
     }
     round
 }
@@ -304,7 +304,7 @@ fn choose_point(
     match focus {
         Some(f) if unfired.is_empty() || rng.below(2) == 0 => f,
         _ => {
-            let fallback = points[rng.below(points.len() as u64) as usize];
+            let fallback = points[rng.index(points.len())];
             unfired
                 .iter()
                 .copied()
@@ -333,10 +333,7 @@ pub(super) fn broker(
     first: bool,
     rng: &mut Rng,
 ) -> Plan {
-    let partition = partitions.and_then(|parts| {
-        let n = parts.len().max(1) as u64;
-        parts.get(rng.below(n) as usize)
-    });
+    let partition = partitions.and_then(|parts| parts.get(rng.index(parts.len().max(1))));
     let Some(fault) = kafka::choose(nodes, rng.next(), first, partition).filter(|_| all_up) else {
         return Plan::Retry {
             after: Some(Duration::from_millis(500)),
@@ -359,7 +356,7 @@ pub(super) fn signal(kind: FaultKind, slots: &[Slot], rng: &mut Rng) -> Plan {
     let others: Vec<usize> = (0..slots.len())
         .filter(|i| slots[*i].role != Role::Broker)
         .collect();
-    let proc = others[rng.below(others.len() as u64) as usize];
+    let proc = others[rng.index(others.len())];
     let s = slots[proc];
     if !s.running || s.paused || s.armed {
         return Plan::Retry {

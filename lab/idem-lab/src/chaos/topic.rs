@@ -17,7 +17,7 @@ pub(super) fn duplicates(records: &[Record]) -> i64 {
         .iter()
         .filter_map(|r| r.header(idem_core::wire::CE_ID))
         .collect();
-    records.len() as i64 - ids.len() as i64
+    i64::try_from(records.len() - ids.len()).unwrap_or(i64::MAX)
 }
 
 /// Every record of the run's topic (an error when the topic cannot be read).

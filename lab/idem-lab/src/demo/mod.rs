@@ -84,12 +84,13 @@ fn run_id() -> String {
     let mut n = u64::from(std::process::id())
         ^ std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
             .unwrap_or(0);
     (0..8)
         .map(|_| {
-            let c = RUN_ALPHABET[(n % RUN_ALPHABET.len() as u64) as usize];
-            n /= RUN_ALPHABET.len() as u64;
+            let base = u64::try_from(RUN_ALPHABET.len()).unwrap_or(1);
+            let c = RUN_ALPHABET[usize::try_from(n % base).unwrap_or(0)];
+            n /= base;
             char::from(c)
         })
         .collect()

@@ -137,7 +137,7 @@ pub(super) fn registry_sum(registries: &[&prometheus::Registry], name: &str) -> 
         .flat_map(|r| r.gather())
         .filter(|f| f.name() == name)
         .flat_map(|f| f.get_metric().to_vec())
-        .map(|m| m.get_counter().get_value() as u64)
+        .map(|m| crate::num::whole(m.get_counter().get_value()))
         .sum()
 }
 

@@ -204,7 +204,7 @@ impl RelayOps for Sqlite {
             let age = match oldest {
                 Some(ts) => {
                     let at = parse_ts(&ts).map_err(Error::Config)?;
-                    Some((Utc::now() - at).num_milliseconds() as f64 / 1000.0)
+                    Some((Utc::now() - at).as_seconds_f64())
                 }
                 None => None,
             };
@@ -232,7 +232,7 @@ impl RelayOps for Sqlite {
                     let oldest_pending_age_seconds = match oldest {
                         Some(ts) => {
                             let at = parse_ts(&ts).map_err(Error::Config)?;
-                            Some((now - at).num_milliseconds() as f64 / 1000.0)
+                            Some((now - at).as_seconds_f64())
                         }
                         None => None,
                     };
