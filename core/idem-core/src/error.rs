@@ -20,7 +20,9 @@ pub enum ErrorKind {
     NotMigrated,
     /// Retrying later may succeed: a connection, a lock, a broker that does not answer.
     Transient,
-    /// A setting is unusable: the configuration must change.
+    /// A setting, or an argument the program passes, is unusable: the configuration or the
+    /// program must change. The input (an event) is not at fault, so a consumer keeps it and
+    /// retries rather than dead-lettering it.
     Config,
     /// The component's client is broken for good: stop it and start a new one.
     Fatal,
@@ -62,9 +64,33 @@ pub enum Error {
         reason: &'static str,
     },
 
-    /// A configuration value is unusable.
+    /// A configuration value is unusable: the setting must change. Only settings (a URL, a
+    /// topic, a file path, a duration) are reported here; what fails at run time has its own
+    /// variant.
     #[error("configuration error: {0}")]
     Config(String),
+
+    /// An argument a program passed is unusable (a statement without a placeholder): the
+    /// calling code must change. Its kind is [`ErrorKind::Config`]: the event being handled is
+    /// not at fault.
+    #[error("invalid {argument}: {reason}")]
+    InvalidArgument {
+        /// Which argument (`business statement`, ...).
+        argument: &'static str,
+        /// Why it was refused, with the allowed form.
+        reason: String,
+    },
+
+    /// A component could not be set up: its metrics could not be registered (a registry that
+    /// already holds them), its HTTP client could not be built.
+    #[error("{what}: {source}")]
+    Setup {
+        /// What was being set up (`registering relay metrics`, ...).
+        what: &'static str,
+        /// The library's error.
+        #[source]
+        source: BoxError,
+    },
 
     /// The database refused or failed an operation.
     #[error("database error while {context}: {source}")]
@@ -160,7 +186,9 @@ impl Error {
             | Error::InvalidIdentifier { .. }
             | Error::CorruptRow { .. } => ErrorKind::Invalid,
             Error::Conflict { .. } => ErrorKind::Conflict,
-            Error::Config(_) => ErrorKind::Config,
+            Error::Config(_) | Error::Setup { .. } | Error::InvalidArgument { .. } => {
+                ErrorKind::Config
+            }
             Error::Database { kind, .. } => *kind,
             Error::SchemaTooNew { .. } => ErrorKind::NotMigrated,
             // A crash point in error mode stands for a failure at that point, which is retried.
@@ -196,6 +224,15 @@ impl Error {
         self.kind() == ErrorKind::Fatal
     }
 
+    /// Wraps a failure to set a component up (its metrics, its client) with what was being set
+    /// up.
+    pub fn setup(what: &'static str, source: impl Into<BoxError>) -> Self {
+        Error::Setup {
+            what,
+            source: source.into(),
+        }
+    }
+
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidEvent {
             field,
@@ -224,6 +261,14 @@ mod tests {
                 ErrorKind::Conflict,
             ),
             (Error::Config("x".into()), ErrorKind::Config),
+            (Error::setup("registering metrics", io()), ErrorKind::Config),
+            (
+                Error::InvalidArgument {
+                    argument: "business statement",
+                    reason: "x".into(),
+                },
+                ErrorKind::Config,
+            ),
             (Error::database("claiming", io()), ErrorKind::Transient),
             (
                 Error::database_as(ErrorKind::NotMigrated, "claiming", io()),

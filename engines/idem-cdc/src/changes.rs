@@ -98,7 +98,7 @@ impl Assembler {
             bytes: 0,
         };
         if self.open.replace(open).is_some() {
-            return Err(stream("?", "a transaction began inside another one"));
+            return Err(stream(None, "a transaction began inside another one"));
         }
         Ok(())
     }
@@ -126,7 +126,7 @@ impl Assembler {
         let change = self
             .decoder
             .decode(data)
-            .map_err(|e| stream(&show_lsn(lsn), &e.to_string()))?;
+            .map_err(|e| stream(Some(lsn), &e.to_string()))?;
         match change {
             Change::Relation(r) => {
                 self.columns.remove(&r.oid);
@@ -137,7 +137,7 @@ impl Assembler {
                 let open = self
                     .open
                     .as_mut()
-                    .ok_or_else(|| stream(&show_lsn(lsn), "an insert outside a transaction"))?;
+                    .ok_or_else(|| stream(Some(lsn), "an insert outside a transaction"))?;
                 if let Some(item) = item {
                     open.bytes += item_bytes(&item);
                     open.pending.push(Pending::Item(item));
@@ -191,9 +191,7 @@ impl Assembler {
         match (e.action(), &e.problem) {
             (RowAction::Park, _) => Ok(Some(refuse(e.id, e.to_string()))),
             (RowAction::Skip, _) => Ok(None),
-            (RowAction::Stop, ValueProblem::NotIso(_)) => {
-                Err(stream(&show_lsn(lsn), &e.to_string()))
-            }
+            (RowAction::Stop, ValueProblem::NotIso(_)) => Err(stream(Some(lsn), &e.to_string())),
             (RowAction::Stop, _) => Ok(Some(refuse(None, e.to_string()))),
         }
     }
@@ -264,7 +262,7 @@ impl Assembler {
         let mut open = self
             .open
             .take()
-            .ok_or_else(|| stream(&show_lsn(end_lsn), "a commit without a transaction"))?;
+            .ok_or_else(|| stream(Some(end_lsn), "a commit without a transaction"))?;
         Ok(Committed {
             end_lsn,
             items: open.take(),
@@ -365,9 +363,9 @@ pub fn show_lsn(lsn: u64) -> String {
     format!("{:X}/{:X}", lsn >> 32, lsn & 0xFFFF_FFFF)
 }
 
-fn stream(lsn: &str, reason: &str) -> CdcError {
+fn stream(lsn: Option<u64>, reason: &str) -> CdcError {
     CdcError::Stream {
-        lsn: lsn.to_owned(),
+        lsn,
         reason: reason.to_owned(),
     }
 }

@@ -204,10 +204,11 @@ fn drain_error(context: &str, e: sqlx::Error) -> CdcError {
         .and_then(|d| d.code())
         .is_some_and(|c| c == "42703");
     if undefined_column {
-        return CdcError::Config(format!(
-            "{context}: the outbox has no written_lsn column; run `idem migrate` \
-             (schema version 14) before starting the CDC relay ({e})"
-        ));
+        return CdcError::NotMigrated {
+            context: context.to_owned(),
+            missing: "written_lsn",
+            source: e,
+        };
     }
     CdcError::db(context, e)
 }

@@ -4,9 +4,44 @@
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CdcError {
-    /// A setting or an existing object (slot, publication) the relay cannot use.
+    /// A setting or an existing object (slot, publication) the relay cannot use: the
+    /// configuration must change. The relay refuses to start, or stops.
     #[error("{0}")]
     Config(String),
+    /// The database's outbox lacks what this build needs: run `idem migrate`.
+    #[error(
+        "{context}: the outbox has no {missing} column; run `idem migrate` before starting the CDC relay ({source})"
+    )]
+    NotMigrated {
+        /// What the relay was doing.
+        context: String,
+        /// The column it needs.
+        missing: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The relay's metrics could not be registered (a registry that already holds them).
+    #[error("registering the CDC relay's metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// The dead-letter topic refuses a record for good: the relay stops without confirming the
+    /// refused event, so nothing after it is lost.
+    #[error(
+        "the dead-letter topic {topic:?} refuses a record for good ({reason}): fix the topic \
+         (its name, its ACLs, max.message.bytes) or choose another dead-letter topic, then \
+         restart; nothing after the refused event was confirmed, so nothing is lost"
+    )]
+    DeadLetterRefused {
+        /// The dead-letter topic.
+        topic: String,
+        /// The broker's answer.
+        reason: String,
+    },
+    /// The replication session ended before a stop was asked (the server closed the stream, a
+    /// background task failed): the relay starts a new session from the slot's confirmed
+    /// position.
+    #[error("the replication session ended: {0}")]
+    SessionEnded(String),
     /// A statement on the control-plane connection failed.
     #[error("{context}: {source}")]
     Database {
@@ -58,13 +93,19 @@ pub enum CdcError {
     Core(#[from] idem_core::Error),
     /// The stream carried something the relay cannot read (a malformed pgoutput message): the
     /// relay stops without confirming it, so that nothing is skipped.
-    #[error("undecodable replication stream at {lsn}: {reason}")]
+    #[error("undecodable replication stream{}: {reason}", at(*.lsn))]
     Stream {
-        /// Where.
-        lsn: String,
+        /// Where, when the message carried a position.
+        lsn: Option<u64>,
         /// What was wrong.
         reason: String,
     },
+}
+
+/// " at 16/B374D848", or nothing when the position is unknown.
+fn at(lsn: Option<u64>) -> String {
+    lsn.map(|l| format!(" at {}", crate::changes::show_lsn(l)))
+        .unwrap_or_default()
 }
 
 impl CdcError {

@@ -237,8 +237,7 @@ impl<P: Publisher> CdcRelayBuilder<P> {
             (Some(m), _) => Ok(m),
             (None, Some(registry)) => CdcMetrics::new(registry),
             (None, None) => CdcMetrics::unregistered(),
-        }
-        .map_err(|e| CdcError::Config(format!("registering the CDC relay's metrics: {e}")))?;
+        }?;
         let relay = CdcRelay::new(&self.url, self.pool, self.publisher, self.config, metrics);
         Ok(match self.health {
             Some(h) => relay.health(h),
@@ -451,7 +450,9 @@ impl<P: Publisher> CdcRelay<P> {
                 Err(
                     e @ (CdcError::SlotLost { .. }
                     | CdcError::SlotMissing { .. }
-                    | CdcError::Config(_)),
+                    | CdcError::Config(_)
+                    | CdcError::NotMigrated { .. }
+                    | CdcError::DeadLetterRefused { .. }),
                 ) => return Err(e),
                 Err(e) => {
                     self.metrics.sessions_failed.inc();
@@ -581,10 +582,9 @@ impl<P: Publisher> CdcRelay<P> {
                 }
                 ev = client.recv() => {
                     let Some(ev) = ev? else {
-                        return Err(CdcError::Stream {
-                            lsn: "?".to_owned(),
-                            reason: "the server ended the replication stream".to_owned(),
-                        });
+                        return Err(CdcError::SessionEnded(
+                            "the server ended the replication stream".to_owned(),
+                        ));
                     };
                     self.event(ev, &mut assembler, &mut batch, &mut acks, &client)?;
                     if assembler.part_due(self.config.batch_size) {
@@ -815,13 +815,10 @@ impl<P: Publisher> CdcRelay<P> {
                     );
                 }
                 Err(e) if e.kind.is_permanent() => {
-                    return Err(CdcError::Config(format!(
-                        "the dead-letter topic {:?} refuses a record for good ({}): fix the topic \
-                         (its name, its ACLs, max.message.bytes) or choose another dead-letter \
-                         topic, then restart; nothing after the refused event was \
-                         confirmed, so nothing is lost",
-                        self.config.dead_letter_topic, e.reason
-                    )));
+                    return Err(CdcError::DeadLetterRefused {
+                        topic: self.config.dead_letter_topic.clone(),
+                        reason: e.reason,
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(reason = %e.reason, "dead-lettering a refused CDC event failed; retrying");
@@ -900,9 +897,8 @@ impl Acks {
     async fn marks_done(&mut self) -> Result<(), CdcError> {
         match self.marking.take() {
             None => Ok(()),
-            Some(m) => m.await.map_err(|e| CdcError::Stream {
-                lsn: "?".to_owned(),
-                reason: format!("the task marking published rows stopped: {e}"),
+            Some(m) => m.await.map_err(|e| {
+                CdcError::SessionEnded(format!("the task marking published rows stopped: {e}"))
             })?,
         }
     }
@@ -952,10 +948,7 @@ async fn mark_until_it_lands(
 }
 
 fn ack_error(e: crate::ack::AckError) -> CdcError {
-    CdcError::Stream {
-        lsn: "?".to_owned(),
-        reason: e.to_string(),
-    }
+    CdcError::SessionEnded(e.to_string())
 }
 
 /// An LSN as a gauge value (saturating: a gauge is an i64).

@@ -202,8 +202,8 @@ pub async fn create_slot(pool: &PgPool, slot: &Name) -> Result<SlotState, CdcErr
         return Err(CdcError::db(format!("creating replication slot {slot}"), e));
     }
     let state = slot_state(pool, slot).await?.ok_or_else(|| {
-        CdcError::Config(format!(
-            "replication slot {slot} vanished right after its creation"
+        CdcError::SessionEnded(format!(
+            "replication slot {slot} vanished right after its creation (another client dropped it)"
         ))
     })?;
     usable(state)

@@ -585,7 +585,7 @@ async fn a_dead_letter_topic_that_refuses_records_stops_the_relay_and_loses_noth
         .unwrap();
     let err = ended.unwrap_err();
     assert!(
-        matches!(&err, idem_cdc::CdcError::Config(m) if m.contains(&w.dead_letters)),
+        matches!(&err, idem_cdc::CdcError::DeadLetterRefused { topic, .. } if *topic == w.dead_letters),
         "{err}"
     );
     let mut running = started(&w, CdcMetrics::unregistered().unwrap()).await;

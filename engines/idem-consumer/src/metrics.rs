@@ -300,5 +300,5 @@ fn whole(value: f64) -> u64 {
 }
 
 fn reg_err(e: prometheus::Error) -> Error {
-    Error::Config(format!("registering consumer metrics: {e}"))
+    Error::setup("registering consumer metrics", e)
 }

@@ -289,7 +289,7 @@ impl<S: IntentStore> Dispatcher<S> {
         let client = tls
             .apply(reqwest::Client::builder().timeout(config.timeout))
             .build()
-            .map_err(|e| idem_core::Error::Config(format!("building the HTTP client: {e}")))?;
+            .map_err(|e| idem_core::Error::setup("building the HTTP client", e))?;
         Ok(Dispatcher {
             store,
             client,

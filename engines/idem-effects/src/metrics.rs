@@ -44,7 +44,7 @@ pub struct EffectMetrics {
 }
 
 fn config_error(e: prometheus::Error) -> idem_core::Error {
-    idem_core::Error::Config(format!("registering effect metrics: {e}"))
+    idem_core::Error::setup("registering effect metrics", e)
 }
 
 impl EffectMetrics {

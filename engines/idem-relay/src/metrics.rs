@@ -286,5 +286,23 @@ fn whole(value: f64) -> u64 {
 }
 
 fn reg_err(e: prometheus::Error) -> Error {
-    Error::Config(format!("registering relay metrics: {e}"))
+    Error::setup("registering relay metrics", e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registering_twice_is_a_setup_error_of_the_config_kind() {
+        let registry = Registry::new();
+        assert!(RelayMetrics::new(&registry).is_ok());
+        let again = RelayMetrics::new(&registry).map(|_| ()).unwrap_err();
+        assert!(matches!(again, Error::Setup { .. }), "{again:?}");
+        assert_eq!(again.kind(), idem_core::ErrorKind::Config);
+        assert!(
+            again.to_string().starts_with("registering relay metrics: "),
+            "{again}"
+        );
+    }
 }

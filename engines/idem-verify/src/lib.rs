@@ -25,6 +25,15 @@ pub enum VerifyError {
     /// The configuration is unusable.
     #[error("verify config: {0}")]
     Config(String),
+    /// The gauge's metrics could not be registered (a registry that already holds them).
+    #[error("registering {what}: {source}")]
+    Metrics {
+        /// The metric.
+        what: &'static str,
+        /// The registry's error.
+        #[source]
+        source: prometheus::Error,
+    },
     /// A database refused a query or a connection.
     #[error("{context} on {db}: {source}")]
     Database {

@@ -45,8 +45,8 @@ pub fn gap_values(report: &Report) -> BTreeMap<GapLabels, i64> {
     out
 }
 
-fn registration(what: &str) -> impl Fn(prometheus::Error) -> VerifyError + '_ {
-    move |e| VerifyError::Config(format!("registering {what}: {e}"))
+fn registration(what: &'static str) -> impl Fn(prometheus::Error) -> VerifyError {
+    move |source| VerifyError::Metrics { what, source }
 }
 
 /// `idem_reconciliation_gap{check,event_type,kind}`: the findings of the last successful run.

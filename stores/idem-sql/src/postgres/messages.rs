@@ -131,7 +131,12 @@ fn emit_statement(n: usize) -> &'static str {
 /// idem's statement around the business write `business`, which binds `bound` values, for
 /// `events` envelopes.
 fn joined_statement(business: &str, bound: usize, events: usize) -> Result<String> {
-    let refuse = |reason: String| Err(Error::Config(format!("enqueue_with: {reason}")));
+    let refuse = |reason: String| {
+        Err(Error::InvalidArgument {
+            argument: "business statement of enqueue_with",
+            reason,
+        })
+    };
     let trimmed = business.trim_end();
     if trimmed.ends_with(';') {
         return refuse("the business write must be one statement without a final ';'".into());
@@ -276,7 +281,7 @@ mod tests {
         assert!(eleven.contains("$12::text, $13::text)"), "{eleven}");
         assert!(!one.contains("unnest"), "{one}");
         let refused = |sql: &str, bound: usize| match joined_statement(sql, bound, 1) {
-            Err(Error::Config(m)) => m,
+            Err(Error::InvalidArgument { reason, .. }) => reason,
             other => panic!("{sql:?}: {other:?}"),
         };
         assert!(refused("INSERT INTO t VALUES ($1, $2)", 1).contains("names $2 but binds 1"));

@@ -20,6 +20,7 @@ use crate::RelayStore;
 use crate::dialect::sealed::RelayOps;
 use crate::millis;
 use crate::relay_store::fenced;
+use idem_core::ErrorKind;
 
 type SqliteStore = RelayStore<Sqlite>;
 
@@ -203,7 +204,7 @@ impl RelayOps for Sqlite {
                 .map_err(|e| crate::dialect::db_error("decoding status", e))?;
             let age = match oldest {
                 Some(ts) => {
-                    let at = parse_ts(&ts).map_err(Error::Config)?;
+                    let at = parse_ts(&ts).map_err(oldest_pending)?;
                     Some((Utc::now() - at).as_seconds_f64())
                 }
                 None => None,
@@ -231,7 +232,7 @@ impl RelayOps for Sqlite {
                     let oldest: Option<String> = r.try_get("oldest_pending").map_err(dec)?;
                     let oldest_pending_age_seconds = match oldest {
                         Some(ts) => {
-                            let at = parse_ts(&ts).map_err(Error::Config)?;
+                            let at = parse_ts(&ts).map_err(oldest_pending)?;
                             Some((now - at).as_seconds_f64())
                         }
                         None => None,
@@ -261,4 +262,13 @@ impl RelayOps for Sqlite {
     fn prune_counters(_store: &SqliteStore, _batch: u32) -> BoxFuture<'_, Result<u64>> {
         async { Ok(0) }.boxed()
     }
+}
+
+/// A stored `created_at` that is not a timestamp: the row is unreadable, not the setting.
+fn oldest_pending(reason: String) -> Error {
+    Error::database_as(
+        ErrorKind::Invalid,
+        "decoding the oldest pending row's created_at",
+        reason,
+    )
 }
