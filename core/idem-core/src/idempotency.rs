@@ -471,6 +471,65 @@ pub struct FinishedAttempt {
     pub outcome: IntentOutcome,
 }
 
+/// Where an effect intent is in its life; stored as its [`IntentStatus::as_str`] text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IntentStatus {
+    /// Waiting for (another) attempt.
+    Pending,
+    /// Delivered; the response is stored.
+    Done,
+    /// Stopped for a person (a 422, another 4xx, a remote that kept refusing).
+    Parked,
+    /// Nobody can tell whether the effect happened (a remote that ignores keys).
+    Unknown,
+}
+
+impl IntentStatus {
+    /// The stored text: `pending`, `done`, `parked`, `unknown`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IntentStatus::Pending => "pending",
+            IntentStatus::Done => "done",
+            IntentStatus::Parked => "parked",
+            IntentStatus::Unknown => "unknown",
+        }
+    }
+
+    /// Parked or unknown: settled only by a person or a compensation.
+    pub fn is_stuck(self) -> bool {
+        matches!(self, IntentStatus::Parked | IntentStatus::Unknown)
+    }
+}
+
+impl fmt::Display for IntentStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A stored status that is none of `pending`, `done`, `parked`, `unknown`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the effect intent status {0:?} is not one of pending, done, parked, unknown: \
+     was the table written by a newer idem? run the matching `idem migrate`"
+)]
+pub struct UnknownStatus(pub String);
+
+impl std::str::FromStr for IntentStatus {
+    type Err = UnknownStatus;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "pending" => Ok(IntentStatus::Pending),
+            "done" => Ok(IntentStatus::Done),
+            "parked" => Ok(IntentStatus::Parked),
+            "unknown" => Ok(IntentStatus::Unknown),
+            other => Err(UnknownStatus(other.to_owned())),
+        }
+    }
+}
+
 /// A parked or unknown intent, for `idem effects parked`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct StuckIntent {
@@ -480,8 +539,8 @@ pub struct StuckIntent {
     pub key: String,
     /// Effect name.
     pub effect: String,
-    /// `parked` or `unknown`.
-    pub status: String,
+    /// [`IntentStatus::Parked`] or [`IntentStatus::Unknown`].
+    pub status: IntentStatus,
     /// Attempts made.
     pub attempts: i32,
     /// Why it stopped.
@@ -585,11 +644,11 @@ pub trait IntentStore: Clone + Send + Sync + 'static {
         ids: Option<&[i64]>,
     ) -> impl std::future::Future<Output = crate::Result<u64>> + Send;
 
-    /// Reads intent `id` and its status (`pending`, `done`, `parked`, `unknown`).
+    /// Reads intent `id` and its status.
     fn get(
         &self,
         id: i64,
-    ) -> impl std::future::Future<Output = crate::Result<Option<(ClaimedIntent, String)>>> + Send;
+    ) -> impl std::future::Future<Output = crate::Result<Option<(ClaimedIntent, IntentStatus)>>> + Send;
 
     /// Settles a parked or unknown intent by a decision made outside the dispatcher (a person,
     /// or a compensation that ran): `resolution` is its new state and `note` is kept as its
@@ -670,58 +729,12 @@ pub enum Resolution {
 }
 
 impl Resolution {
-    /// The stored status.
-    pub fn status(self) -> &'static str {
+    /// The status it gives the intent.
+    pub fn status(self) -> IntentStatus {
         match self {
-            Resolution::Applied => "done",
-            Resolution::Pending => "pending",
-            Resolution::Parked => "parked",
-        }
-    }
-}
-
-/// How an [`IntentOutcome`] is stored: the columns every intent store writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct OutcomeColumns<'a> {
-    /// New status (`done`, `pending`, `parked`, `unknown`).
-    pub status: &'static str,
-    /// Response status, when done.
-    pub response_status: Option<u16>,
-    /// Response body, when done.
-    pub response_body: Option<&'a str>,
-    /// Why it did not succeed.
-    pub error: Option<&'a str>,
-    /// Wait this long before the next attempt.
-    pub backoff: std::time::Duration,
-}
-
-impl IntentOutcome {
-    /// The stored form of this outcome.
-    pub fn columns(&self) -> OutcomeColumns<'_> {
-        fn stop<'a>(
-            status: &'static str,
-            reason: &'a str,
-            backoff: std::time::Duration,
-        ) -> OutcomeColumns<'a> {
-            OutcomeColumns {
-                status,
-                response_status: None,
-                response_body: None,
-                error: Some(reason),
-                backoff,
-            }
-        }
-        match self {
-            IntentOutcome::Done { status, body } => OutcomeColumns {
-                status: "done",
-                response_status: Some(*status),
-                response_body: Some(body.as_str()),
-                error: None,
-                backoff: std::time::Duration::ZERO,
-            },
-            IntentOutcome::Retry { after, reason } => stop("pending", reason, *after),
-            IntentOutcome::Park { reason } => stop("parked", reason, std::time::Duration::ZERO),
-            IntentOutcome::Unknown { reason } => stop("unknown", reason, std::time::Duration::ZERO),
+            Resolution::Applied => IntentStatus::Done,
+            Resolution::Pending => IntentStatus::Pending,
+            Resolution::Parked => IntentStatus::Parked,
         }
     }
 }

@@ -21,8 +21,8 @@ use crate::classify::{
 use crate::metrics::EffectMetrics;
 use crate::pipeline::{Buffered, OutcomeBuffer, claim_size, may_claim, store_backoff};
 use crate::remote::{CompensationError, EffectPolicy, Policies};
-use crate::status::{IntentStatus, UnknownStatus};
 use crate::tls::{HttpTls, LoadedTls, answered_not_http, diagnose, tls_failure};
+use idem_core::idempotency::IntentStatus;
 
 /// Dispatcher settings. Its `Debug` never shows the `authorization` value.
 #[derive(Clone)]
@@ -134,15 +134,6 @@ pub enum CompensateError {
     Changed {
         /// The intent.
         id: i64,
-    },
-    /// The store holds a status this dispatcher does not know.
-    #[error("effect intent {id}: {source}")]
-    Status {
-        /// The intent.
-        id: i64,
-        /// The status text.
-        #[source]
-        source: UnknownStatus,
     },
     /// The effect has no compensation configured.
     #[error("effect {0:?} has no compensation configured")]
@@ -583,9 +574,6 @@ impl<S: IntentStore> Dispatcher<S> {
             .get(id)
             .await?
             .ok_or(CompensateError::NotFound(id))?;
-        let status: IntentStatus = status
-            .parse()
-            .map_err(|source| CompensateError::Status { id, source })?;
         if !status.is_stuck() {
             return Err(CompensateError::NotStuck { id, status });
         }

@@ -52,7 +52,6 @@ mod dispatcher;
 mod metrics;
 pub mod pipeline;
 pub mod remote;
-mod status;
 pub mod tls;
 
 pub use classify::{
@@ -60,11 +59,11 @@ pub use classify::{
     predecessor_outcome,
 };
 pub use dispatcher::{CompensateError, DATABASE, Dispatcher, DispatcherBuilder, DispatcherConfig};
+pub use idem_core::idempotency::{IntentStatus, UnknownStatus};
 pub use metrics::EffectMetrics;
 pub use pipeline::{claim_size, may_claim, store_backoff};
 pub use remote::{
     AppliedWhen, Compensation, CompensationError, EffectPolicy, HttpCompensation, HttpStatusProbe,
     Probe, StatusProbe, TemplateError,
 };
-pub use status::{IntentStatus, UnknownStatus};
 pub use tls::{HttpTls, LoadedTls, TlsConfigError, TlsFailure, tls_failure};

@@ -421,7 +421,7 @@ impl World {
         let stuck = self.client_db.intents().stuck(10).await.unwrap();
         match stuck.as_slice() {
             [] => "not stuck".to_owned(),
-            [one] => one.status.clone(),
+            [one] => one.status.to_string(),
             many => panic!("{many:?}"),
         }
     }
@@ -635,7 +635,14 @@ impl World {
     }
 
     async fn status_of(&self, id: i64) -> String {
-        self.client_db.intents().get(id).await.unwrap().unwrap().1
+        self.client_db
+            .intents()
+            .get(id)
+            .await
+            .unwrap()
+            .unwrap()
+            .1
+            .to_string()
     }
 
     /// Sends the intent; the remote applies it and holds the response, and the dispatcher dies

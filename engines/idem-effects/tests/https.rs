@@ -17,7 +17,7 @@ use axum::response::Response;
 use idem_conformance::backend::{Backend, Lite, OpenTx};
 use idem_core::EventId;
 use idem_core::idempotency::{EffectIntent, IntentStore};
-use idem_effects::{Dispatcher, DispatcherConfig, EffectMetrics, HttpTls};
+use idem_effects::{Dispatcher, DispatcherConfig, EffectMetrics, HttpTls, IntentStatus};
 use idem_reference::points::https::{ServerTls, serve};
 use idem_reference::points::{PointsDb, router};
 use rcgen::{
@@ -292,7 +292,7 @@ impl Client {
         n
     }
 
-    async fn status(&self) -> String {
+    async fn status(&self) -> IntentStatus {
         let (_, status) = self.db.intents().get(1).await.unwrap().unwrap();
         status
     }
@@ -311,7 +311,7 @@ impl Client {
             .await
             .unwrap_or(None);
         assert_eq!(stuck.len(), 1, "{status}: {last:?}");
-        assert_eq!(stuck[0].status, "parked");
+        assert_eq!(stuck[0].status, IntentStatus::Parked);
         assert_eq!(stuck[0].attempts, 1, "one attempt, not a retry loop");
         assert_eq!(stuck[0].reason.as_deref(), Some(reason));
         assert_eq!(self.dispatch_once().await, 0, "parked: never claimed again");
@@ -336,7 +336,7 @@ impl Client {
     /// The intent is done, the remote saw one request with the intent's key and applied it.
     async fn assert_done(&self, remote: &Remote) {
         assert_eq!(self.dispatch_once().await, 1);
-        assert_eq!(self.status().await, "done");
+        assert_eq!(self.status().await, IntentStatus::Done);
         assert_eq!(
             *remote.seen.keys.lock().unwrap(),
             vec![self.intent.key().unwrap().header_value()],
@@ -361,7 +361,7 @@ async fn a_remote_trusted_by_the_ca_bundle_ends_done_with_the_intents_key() {
     };
     let second = client(&remote.target, only).await;
     assert_eq!(second.dispatch_once().await, 1);
-    assert_eq!(second.status().await, "done");
+    assert_eq!(second.status().await, IntentStatus::Done);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -572,7 +572,11 @@ async fn an_https_target_that_refuses_connections_is_retried_not_parked() {
     let target = format!("https://127.0.0.1:{port}/awards");
     let c = client(&target, pki.trusting()).await;
     assert_eq!(c.dispatch_once().await, 1);
-    assert_eq!(c.status().await, "pending", "a connection error is retried");
+    assert_eq!(
+        c.status().await,
+        IntentStatus::Pending,
+        "a connection error is retried"
+    );
     assert!(c.db.intents().stuck(10).await.unwrap().is_empty());
     let m = c.dispatcher.metrics();
     let labels = ["points.award", &format!("127.0.0.1:{port}")];
@@ -632,5 +636,5 @@ async fn an_http_target_with_nothing_listening_is_retried() {
         .port();
     let c = client(&format!("http://127.0.0.1:{port}/awards"), pki.trusting()).await;
     assert_eq!(c.dispatch_once().await, 1);
-    assert_eq!(c.status().await, "pending");
+    assert_eq!(c.status().await, IntentStatus::Pending);
 }

@@ -16,7 +16,7 @@ use idem_conformance::backend::{Backend, Lite, OpenTx, Pg};
 use idem_conformance::process::eventually;
 use idem_core::EventId;
 use idem_core::idempotency::{EffectIntent, IntentStore};
-use idem_effects::{Dispatcher, DispatcherConfig, EffectMetrics};
+use idem_effects::{Dispatcher, DispatcherConfig, EffectMetrics, IntentStatus};
 use idem_reference::points::{PointsDb, router};
 
 mod support;
@@ -386,10 +386,10 @@ async fn an_outcome_of_a_taken_over_attempt_is_fenced_and_counted() {
     for id in [victim, victim + 1, victim + 2] {
         statuses.insert((id, w.client.intents().get(id).await.unwrap().unwrap().1));
     }
-    let expected: HashSet<(i64, String)> = [
-        (victim, "pending".to_owned()),
-        (victim + 1, "done".to_owned()),
-        (victim + 2, "done".to_owned()),
+    let expected: HashSet<(i64, IntentStatus)> = [
+        (victim, IntentStatus::Pending),
+        (victim + 1, IntentStatus::Done),
+        (victim + 2, IntentStatus::Done),
     ]
     .into_iter()
     .collect();

@@ -4,8 +4,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use idem_core::idempotency::{
-    ClaimedIntent, ClaimedRow, EffectIntent, FinishedAttempt, IdempotencyKey, IntentStore,
-    Resolution, StuckIntent, park_undecodable,
+    ClaimedIntent, ClaimedRow, EffectIntent, FinishedAttempt, IdempotencyKey, IntentOutcome,
+    IntentStatus, IntentStore, Resolution, StuckIntent, UnknownStatus, park_undecodable,
 };
 use idem_core::{Error, Result, TableNames};
 use sqlx::Pool;
@@ -109,12 +109,18 @@ fn first_inserted(keys: &[String], inserted: &HashSet<String>) -> Vec<bool> {
         .collect()
 }
 
+/// A stored status text as an [`IntentStatus`]; another text is a decode error of its row.
+fn stored_status(text: String) -> sqlx::Result<IntentStatus> {
+    text.parse()
+        .map_err(|e: UnknownStatus| sqlx::Error::Decode(Box::new(e)))
+}
+
 fn decode_stuck<DB: Dialect>(r: &DB::Row) -> sqlx::Result<StuckIntent> {
     Ok(StuckIntent {
         id: get::<DB, _>(r, "id")?,
         key: get::<DB, _>(r, "idem_key")?,
         effect: get::<DB, _>(r, "effect")?,
-        status: get::<DB, _>(r, "status")?,
+        status: stored_status(get::<DB, String>(r, "status")?)?,
         attempts: get::<DB, _>(r, "attempts")?,
         reason: get::<DB, _>(r, "last_error")?,
     })
@@ -256,7 +262,7 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
         w.finish(n, context).await
     }
 
-    async fn get(&self, id: i64) -> Result<Option<(ClaimedIntent, String)>> {
+    async fn get(&self, id: i64) -> Result<Option<(ClaimedIntent, IntentStatus)>> {
         let context = "reading an effect intent";
         let mut c = self.0.conn(context).await?;
         let row = Stmt::<DB>::new(&self.0.queries.intent_get)
@@ -267,7 +273,8 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
         match row {
             None => Ok(None),
             Some(r) => {
-                let status: String = get::<DB, _>(&r, "status")
+                let status = get::<DB, String>(&r, "status")
+                    .and_then(stored_status)
                     .map_err(|e| crate::dialect::db_error("decoding an effect intent", e))?;
                 Ok(Some((decode_intent::<DB>(&r)?, status)))
             }
@@ -277,8 +284,62 @@ impl<DB: Dialect> IntentStore for Intents<DB> {
     async fn resolve(&self, id: i64, resolution: Resolution, note: &str) -> Result<bool> {
         let stmt = Stmt::<DB>::new(&self.0.queries.intent_resolve)
             .bind(id)
-            .bind(resolution.status())
+            .bind(resolution.status().as_str())
             .bind(note);
         Ok(self.changed("resolving an effect intent", stmt).await? == 1)
+    }
+}
+
+/// How an [`IntentOutcome`] is stored: the columns every intent store writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct OutcomeColumns<'a> {
+    /// New status.
+    pub(crate) status: &'static str,
+    /// Response status, when done.
+    pub(crate) response_status: Option<u16>,
+    /// Response body, when done.
+    pub(crate) response_body: Option<&'a str>,
+    /// Why it did not succeed.
+    pub(crate) error: Option<&'a str>,
+    /// Wait this long before the next attempt.
+    pub(crate) backoff: std::time::Duration,
+}
+
+/// The stored form of `outcome`.
+pub(crate) fn columns(outcome: &IntentOutcome) -> OutcomeColumns<'_> {
+    fn stop<'a>(
+        status: &'static str,
+        reason: &'a str,
+        backoff: std::time::Duration,
+    ) -> OutcomeColumns<'a> {
+        OutcomeColumns {
+            status,
+            response_status: None,
+            response_body: None,
+            error: Some(reason),
+            backoff,
+        }
+    }
+    match outcome {
+        IntentOutcome::Done { status, body } => OutcomeColumns {
+            status: IntentStatus::Done.as_str(),
+            response_status: Some(*status),
+            response_body: Some(body.as_str()),
+            error: None,
+            backoff: std::time::Duration::ZERO,
+        },
+        IntentOutcome::Retry { after, reason } => {
+            stop(IntentStatus::Pending.as_str(), reason, *after)
+        }
+        IntentOutcome::Park { reason } => stop(
+            IntentStatus::Parked.as_str(),
+            reason,
+            std::time::Duration::ZERO,
+        ),
+        IntentOutcome::Unknown { reason } => stop(
+            IntentStatus::Unknown.as_str(),
+            reason,
+            std::time::Duration::ZERO,
+        ),
     }
 }

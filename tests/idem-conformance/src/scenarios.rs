@@ -1200,7 +1200,7 @@ pub async fn a_claim_waits_for_the_transaction_holding_the_key<B: Backend>(b: &B
 
 // ---- client-side effect intents -------------------------------------------------------------
 
-use idem_core::idempotency::{EffectIntent, IntentOutcome, IntentStore};
+use idem_core::idempotency::{EffectIntent, IntentOutcome, IntentStatus, IntentStore};
 
 fn intent(event: EventId) -> EffectIntent {
     EffectIntent {
@@ -1360,7 +1360,11 @@ pub async fn a_batch_of_outcomes_is_fenced_per_attempt<B: Backend>(b: &B) {
         "the stale attempt is fenced, the others recorded"
     );
     let (_, status) = store.get(stale.id).await.unwrap().unwrap();
-    assert_eq!(status, "pending", "the fenced outcome changed nothing");
+    assert_eq!(
+        status,
+        IntentStatus::Pending,
+        "the fenced outcome changed nothing"
+    );
     assert!(store.finish_all(&[]).await.unwrap().is_empty());
     assert_eq!(
         store.finish_all(&batch).await.unwrap(),
@@ -1374,7 +1378,7 @@ pub async fn a_batch_of_outcomes_is_fenced_per_attempt<B: Backend>(b: &B) {
     assert_eq!(again, vec![stale.id], "the live attempt records");
     for c in &claimed {
         let (_, status) = store.get(c.id).await.unwrap().unwrap();
-        assert_eq!(status, "done", "{}", c.id);
+        assert_eq!(status, IntentStatus::Done, "{}", c.id);
     }
 }
 
@@ -1446,7 +1450,10 @@ pub async fn unknown_intents_are_read_and_resolved_by_a_decision<B: Backend>(b: 
             .unwrap(),
         "a done intent is not reopened"
     );
-    assert_eq!(store.get(a.id).await.unwrap().unwrap().1, "done");
+    assert_eq!(
+        store.get(a.id).await.unwrap().unwrap().1,
+        IntentStatus::Done
+    );
     assert!(
         store
             .resolve(r.id, Resolution::Pending, "compensated")
@@ -1532,7 +1539,7 @@ pub async fn an_undecodable_intent_is_parked_and_the_others_are_claimed<B: Backe
     assert_eq!(claimed[0].intent, good);
     let stuck = store.stuck(10).await.unwrap();
     assert_eq!(stuck.len(), 1, "{stuck:?}");
-    assert_eq!(stuck[0].status, "parked");
+    assert_eq!(stuck[0].status, IntentStatus::Parked);
     assert!(
         stuck[0]
             .reason

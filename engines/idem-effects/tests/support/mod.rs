@@ -47,7 +47,10 @@ impl<S: IntentStore> IntentStore for HookedFinish<S> {
     async fn retry_stuck(&self, ids: Option<&[i64]>) -> idem_core::Result<u64> {
         self.inner.retry_stuck(ids).await
     }
-    async fn get(&self, id: i64) -> idem_core::Result<Option<(ClaimedIntent, String)>> {
+    async fn get(
+        &self,
+        id: i64,
+    ) -> idem_core::Result<Option<(ClaimedIntent, idem_effects::IntentStatus)>> {
         self.inner.get(id).await
     }
     async fn resolve(&self, id: i64, r: Resolution, note: &str) -> idem_core::Result<bool> {

@@ -347,7 +347,10 @@ impl Batches for Postgres {
         _now: Now,
         finished: &'c [FinishedAttempt],
     ) -> BoxFuture<'c, sqlx::Result<Vec<i64>>> {
-        let cols: Vec<_> = finished.iter().map(|f| f.outcome.columns()).collect();
+        let cols: Vec<_> = finished
+            .iter()
+            .map(|f| crate::intents::columns(&f.outcome))
+            .collect();
         let q = sqlx::query_scalar::<_, i64>(sql)
             .bind(finished.iter().map(|f| f.id).collect::<Vec<_>>())
             .bind(finished.iter().map(|f| f.attempt).collect::<Vec<_>>())

@@ -345,7 +345,7 @@ impl Batches for Sqlite {
         async move {
             let mut recorded = Vec::with_capacity(finished.len());
             for f in finished {
-                let col = f.outcome.columns();
+                let col = crate::intents::columns(&f.outcome);
                 let n = sqlx::query(sql)
                     .bind(f.id)
                     .bind(f.attempt)
