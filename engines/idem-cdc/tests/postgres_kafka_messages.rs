@@ -700,7 +700,11 @@ async fn enqueue_with_writes_the_row_and_the_events_in_one_statement_or_neither(
         .enqueue_with(&mut tx, short, std::slice::from_ref(&lost))
         .await;
     assert!(
-        matches!(&refused, Err(idem_core::Error::Config(m)) if m.contains("$2")),
+        matches!(
+            &refused,
+            Err(idem_core::Error::InvalidArgument { argument: "business statement of enqueue_with", reason })
+                if reason.contains("$2")
+        ),
         "{refused:?}"
     );
     let one: i32 = sqlx::query_scalar("SELECT 1")
