@@ -377,8 +377,8 @@ pub async fn park(
     id: i64,
     reason: &str,
 ) -> Result<(), CdcError> {
-    let sql = tables.render(include_str!("../sql/park.sql"), &["outbox"]);
-    sqlx::query(&sql)
+    let statements = idem_sql::postgres::CdcStatements::shared(tables);
+    sqlx::query(&statements.park)
         .bind(id)
         .bind(reason)
         .execute(pool)
@@ -397,12 +397,12 @@ pub async fn mark_published(
     if ids.is_empty() {
         return Ok(());
     }
+    let statements = idem_sql::postgres::CdcStatements::shared(tables);
     let sql = match delete {
-        false => include_str!("../sql/mark_published.sql"),
-        true => include_str!("../sql/delete_published.sql"),
+        false => &statements.mark_published,
+        true => &statements.delete_published,
     };
-    let sql = tables.render(sql, &["outbox"]);
-    sqlx::query(&sql)
+    sqlx::query(sql)
         .bind(ids)
         .execute(pool)
         .await

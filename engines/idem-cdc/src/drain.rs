@@ -76,9 +76,11 @@ pub async fn drain<P: Publisher>(
     let metrics = RelayMetrics::unregistered()?;
     let store = DrainStore {
         inner: idem_sql::RelayStore::<Postgres>::new(pool.clone(), tables.clone()),
-        delete: config
-            .delete_published
-            .then(|| tables.render(include_str!("../sql/delete_drained.sql"), &["outbox"])),
+        delete: config.delete_published.then(|| {
+            idem_sql::postgres::CdcStatements::shared(tables)
+                .delete_drained
+                .clone()
+        }),
     };
     let relay = Relay::new(store, publisher, relay_config, metrics);
     let mut published = 0;
@@ -153,8 +155,8 @@ impl OutboxStore for DrainStore {
 }
 
 async fn release_own_leases(pool: &PgPool, tables: &TableNames, id: &str) -> Result<(), CdcError> {
-    let sql = tables.render(include_str!("../sql/release_drain_leases.sql"), &["outbox"]);
-    let released = sqlx::query(&sql)
+    let statements = idem_sql::postgres::CdcStatements::shared(tables);
+    let released = sqlx::query(&statements.release_drain_leases)
         .bind(id)
         .execute(pool)
         .await
@@ -174,8 +176,8 @@ async fn pending_max(
     tables: &TableNames,
     confirmed: Option<&str>,
 ) -> Result<Option<i64>, CdcError> {
-    let sql = tables.render(include_str!("../sql/pending_max.sql"), &["outbox"]);
-    sqlx::query_scalar(&sql)
+    let statements = idem_sql::postgres::CdcStatements::shared(tables);
+    sqlx::query_scalar(&statements.pending_max)
         .bind(confirmed)
         .fetch_one(pool)
         .await
@@ -188,8 +190,8 @@ async fn pending_up_to(
     id: i64,
     confirmed: Option<&str>,
 ) -> Result<i64, CdcError> {
-    let sql = tables.render(include_str!("../sql/pending_up_to.sql"), &["outbox"]);
-    sqlx::query_scalar(&sql)
+    let statements = idem_sql::postgres::CdcStatements::shared(tables);
+    sqlx::query_scalar(&statements.pending_up_to)
         .bind(id)
         .bind(confirmed)
         .fetch_one(pool)

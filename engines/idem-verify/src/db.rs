@@ -232,52 +232,12 @@ async fn read_snapshot(
     Ok(())
 }
 
-/// The rendered lookup and count statements of one dialect.
-pub(crate) struct Lookups {
-    pub outbox_row: String,
-    pub archive_row: String,
-    pub inbox_row: String,
-    pub dead_letter_row: String,
-    pub intent_row: String,
-    pub outbox_stats: String,
-    pub inbox_stats: String,
-    pub intent_stats: String,
-}
+/// The rendered lookup and count statements of one database (`idem_sql`'s).
+pub(crate) type Lookups = idem_sql::VerifyStatements;
 
-const BASES: &[&str] = &[
-    "outbox_archive",
-    "outbox",
-    "inbox",
-    "dead_letters",
-    "effect_intents",
-];
-
-impl Lookups {
-    pub(crate) fn for_db(db: &Db, tables: &TableNames) -> Lookups {
-        let r = |sql: &str| tables.render(sql, BASES);
-        match db.scheme() {
-            Scheme::Postgres => Lookups {
-                outbox_row: r(include_str!("../sql/postgres/outbox_row.sql")),
-                archive_row: r(include_str!("../sql/postgres/archive_row.sql")),
-                inbox_row: r(include_str!("../sql/postgres/inbox_row.sql")),
-                dead_letter_row: r(include_str!("../sql/postgres/dead_letter_row.sql")),
-                intent_row: r(include_str!("../sql/postgres/intent_row.sql")),
-                outbox_stats: r(include_str!("../sql/postgres/outbox_stats.sql")),
-                inbox_stats: r(include_str!("../sql/postgres/inbox_stats.sql")),
-                intent_stats: r(include_str!("../sql/postgres/intent_stats.sql")),
-            },
-            Scheme::Sqlite => Lookups {
-                outbox_row: r(include_str!("../sql/sqlite/outbox_row.sql")),
-                archive_row: r(include_str!("../sql/sqlite/archive_row.sql")),
-                inbox_row: r(include_str!("../sql/sqlite/inbox_row.sql")),
-                dead_letter_row: r(include_str!("../sql/sqlite/dead_letter_row.sql")),
-                intent_row: r(include_str!("../sql/sqlite/intent_row.sql")),
-                outbox_stats: r(include_str!("../sql/sqlite/outbox_stats.sql")),
-                inbox_stats: r(include_str!("../sql/sqlite/inbox_stats.sql")),
-                intent_stats: r(include_str!("../sql/sqlite/intent_stats.sql")),
-            },
-        }
-    }
+/// The statements for `db`'s dialect over `tables`.
+pub(crate) fn lookups_for(db: &Db, tables: &TableNames) -> Lookups {
+    idem_sql::VerifyStatements::new(db.scheme(), tables)
 }
 
 /// Runs a lookup returning at most one row of `n` text columns.

@@ -201,8 +201,8 @@ async fn locate(
         None => None,
     };
     let (oq, iq) = (
-        db::Lookups::for_db(&outbox, tables),
-        db::Lookups::for_db(&inbox, tables),
+        db::lookups_for(&outbox, tables),
+        db::lookups_for(&inbox, tables),
     );
     for mut loss in std::mem::take(&mut checked.losses) {
         let Some(aggregate_id) = loss.aggregate_id.clone() else {
@@ -281,7 +281,7 @@ async fn after_publish(
             let Some(key) = key else {
                 return Ok((Stage::ProcessedWithoutEffect, None));
             };
-            let q = db::Lookups::for_db(db, tables);
+            let q = db::lookups_for(db, tables);
             let row = lookup_text(db, url, &q.intent_row, &[key.as_str()], 2).await?;
             Ok(match row {
                 None => (
@@ -316,7 +316,7 @@ async fn attempts(
         if !out.outbox.iter().any(|o| {
             o.db == name && o.aggregate_type == l.aggregate_type && o.event_type == l.event_type
         }) {
-            let q = db::Lookups::for_db(&db, tables);
+            let q = db::lookups_for(&db, tables);
             let c = counts(
                 &db,
                 outbox_url,
@@ -342,7 +342,7 @@ async fn attempts(
             .iter()
             .any(|i| i.db == name && i.consumer_group == l.consumer_group)
         {
-            let q = db::Lookups::for_db(&db, tables);
+            let q = db::lookups_for(&db, tables);
             let c = counts(&db, &l.inbox_db, &q.inbox_stats, &[&l.consumer_group], 3).await?;
             out.inbox.push(InboxAttempts {
                 db: name,
@@ -360,7 +360,7 @@ async fn attempts(
                 .iter()
                 .any(|e| e.db == name && &e.effect == effect)
             {
-                let q = db::Lookups::for_db(&db, tables);
+                let q = db::lookups_for(&db, tables);
                 let c = counts(&db, url, &q.intent_stats, &[effect], 6).await?;
                 out.effects.push(EffectAttempts {
                     db: name,

@@ -13,7 +13,9 @@
 //! * [`AnyStore`] opens whichever database a URL names and hands all of them out.
 //!
 //! The statements live in `sql/<dialect>/`, one per file, and in `sql/common/` where both
-//! dialects run the same text (sqlx-sqlite accepts `$N` placeholders). They are rendered once
+//! dialects run the same text (sqlx-sqlite accepts `$N` placeholders; `{::text}`-style tokens
+//! are the casts only PostgreSQL needs). Every statement over idem's tables is here, the CDC
+//! relay's (`postgres::CdcStatements`) and `idem verify`'s ([`VerifyStatements`]) included. They are rendered once
 //! per [`TableNames`](idem_core::TableNames) and shared by every store over those tables.
 //!
 //! ```no_run
@@ -56,6 +58,7 @@ mod keys;
 mod migrate;
 mod queries;
 mod relay_store;
+mod verify;
 mod writer;
 
 #[cfg(feature = "postgres")]
@@ -73,6 +76,7 @@ pub use intents::Intents;
 pub use keys::KeyStore;
 pub use migrate::{MigrationReport, migrate};
 pub use relay_store::{DEFAULT_CLAIM_TIMEOUT, RelayStore};
+pub use verify::VerifyStatements;
 pub use writer::Outbox;
 
 /// `url` without its secrets, for messages: the password of its user part and the value of

@@ -1,6 +1,7 @@
 //! The statements of a dialect, rendered once per [`TableNames`] and shared.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use idem_core::{Result, TableNames};
@@ -181,15 +182,38 @@ pub(crate) fn shared<DB: Dialect>(tables: &TableNames) -> Arc<Queries> {
         tables.schema().map(str::to_owned),
         tables.prefix().to_owned(),
     );
-    let mut cache = CACHE
-        .get_or_init(Cache::default)
+    memoized(&CACHE, key, || {
+        Queries::render(DB::sql(), tables, DB::bases())
+    })
+}
+
+/// The value cached under `key`, made by `make` on first use and shared after: statement sets
+/// are rendered once per process and table names.
+pub(crate) fn memoized<K: Eq + Hash, T>(
+    cache: &OnceLock<Mutex<HashMap<K, Arc<T>>>>,
+    key: K,
+    make: impl FnOnce() -> T,
+) -> Arc<T> {
+    let mut cache = cache
+        .get_or_init(Mutex::default)
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    Arc::clone(
-        cache
-            .entry(key)
-            .or_insert_with(|| Arc::new(Queries::render(DB::sql(), tables, DB::bases()))),
-    )
+    Arc::clone(cache.entry(key).or_insert_with(|| Arc::new(make())))
+}
+
+/// `sql` with its dialect tokens replaced: `{::text}`, `{::uuid}` and `{::bigint}` are casts on
+/// PostgreSQL and nothing on SQLite (whose values carry their own type), so that statements
+/// that differ only by a cast are one file in `sql/common/`.
+pub(crate) fn for_scheme(sql: &str, scheme: crate::Scheme) -> String {
+    let mut out = sql.to_owned();
+    for token in ["::text", "::uuid", "::bigint"] {
+        let cast = match scheme {
+            crate::Scheme::Postgres => token,
+            crate::Scheme::Sqlite => "",
+        };
+        out = out.replace(&format!("{{{token}}}"), cast);
+    }
+    out
 }
 
 /// `sql` without its comment lines (a line whose first non-blank characters are `--`): the

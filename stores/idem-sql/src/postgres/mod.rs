@@ -56,12 +56,14 @@ use crate::dialect::{Decoded, Dialect, Now, Param, Q, SqlConnection, WriteTx};
 use crate::migrate::{Migrations, migrations};
 use crate::queries::{SqlSet, sql_set};
 
+mod cdc;
 pub(crate) mod messages;
 mod refusal;
 mod relay;
 mod retention;
 pub(crate) mod url;
 
+pub use cdc::CdcStatements;
 pub use messages::MessageOutbox;
 pub use url::{PgTls, PgUrl, SslMode};
 

@@ -1,1 +1,0 @@
-SELECT reason FROM {dead_letters} WHERE consumer_group = $1 AND event_id = $2::uuid ORDER BY id DESC LIMIT 1

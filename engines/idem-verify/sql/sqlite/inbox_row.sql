@@ -1,1 +1,0 @@
-SELECT status FROM {inbox} WHERE consumer_group = ?1 AND event_id = ?2
