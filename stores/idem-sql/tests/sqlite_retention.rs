@@ -1,12 +1,8 @@
 //! Retention of the inbox and of done effect intents on a real database.
 
 use idem_conformance::backend::Lite;
-use idem_conformance::retention;
 
-#[tokio::test]
-async fn retention_prunes_old_rows_and_keeps_young_ones() {
-    retention::retention_prunes_old_rows_and_keeps_young_ones(&Lite::new().await).await;
-}
+idem_conformance::retention_scenarios!(Lite::new().await);
 
 /// SQLite keeps no per-aggregate counters (`aggregate_seq` is the row id): the counter prune
 /// deletes nothing, and the numbering still increases within an aggregate afterwards.

@@ -1,5 +1,7 @@
-//! The retention scenario, run on both stores: old processed inbox rows and old done intents go,
-//! young ones, recently redelivered ones, dead letters and unfinished intents stay, in batches.
+//! Retention ([`RetentionStore`], idem-sql's `postgres/retention.rs` and `sqlite/retention.rs`),
+//! run on both stores by their retention test binaries: old processed inbox rows and old done
+//! intents go, young ones, recently redelivered ones, dead letters and unfinished intents stay,
+//! in batches.
 
 use std::future::Future;
 use std::time::Duration;
@@ -7,6 +9,11 @@ use std::time::Duration;
 use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
 
 use crate::backend::Backend;
+
+scenarios! {
+    retention_scenarios;
+    retention_prunes_old_rows_and_keeps_young_ones,
+}
 
 const DAY: Duration = Duration::from_secs(86_400);
 /// Far older than any window below, in a text form both engines read.
