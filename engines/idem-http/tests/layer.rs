@@ -13,7 +13,12 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_core::idempotency::IdempotencyStore;
-use idem_http::{ClientScope, Idempotency, IdempotencyConfig, ScopeSource};
+use idem_http::{
+    ClientScope, Idempotency, IdempotencyConfig, IdempotencyLayer, ScopeSource,
+    TransactionalIdempotencyLayer,
+};
+use idem_sql::sqlite::SqliteKeyStore;
+use prometheus::Registry;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
@@ -101,6 +106,16 @@ fn bare_app<S: IdempotencyStore>(store: S, state: App, config: IdempotencyConfig
 fn app_with<S: IdempotencyStore>(store: S, state: App, config: IdempotencyConfig) -> (Router, App) {
     let router =
         bare_app(store, state.clone(), config).route_layer(axum::middleware::from_fn(authenticate));
+    (router, state)
+}
+
+/// The route behind `layer`, inside the authentication layer.
+fn app_with_layer<S: IdempotencyStore>(layer: Idempotency<S>, state: App) -> (Router, App) {
+    let router = Router::new()
+        .route("/awards", post(award))
+        .route_layer(layer.layer())
+        .with_state(state.clone())
+        .route_layer(axum::middleware::from_fn(authenticate));
     (router, state)
 }
 
@@ -458,12 +473,10 @@ async fn scoping_by_credential_is_opt_in_and_per_credential() {
     assert_eq!(call(&router, anonymous).await.0, StatusCode::UNAUTHORIZED);
 }
 
-/// A request whose claim was taken from it (here: another token written over it, as a retry's
-/// takeover would) stores nothing over the new claim, and the layer counts the loss.
-async fn a_request_that_lost_its_claim_changes_nothing_and_is_counted<B: Backend>(b: &B) {
+/// Runs one request under `layer` whose claim is taken from it while its handler runs (another
+/// token written over it, as a retry's takeover would); returns its status and the router.
+async fn lose_the_claim<B: Backend>(b: &B, layer: Idempotency<B::Keys>) -> (StatusCode, Router) {
     let state = new_app(0, false);
-    let layer = Idempotency::new(b.keys(), IdempotencyConfig::default());
-    let stats = layer.stats();
     let router = Router::new()
         .route("/awards", post(award))
         .route_layer(layer.layer())
@@ -478,7 +491,16 @@ async fn a_request_that_lost_its_claim_changes_nothing_and_is_counted<B: Backend
         .unwrap();
     assert_eq!(taken, 1);
     state.gate.add_permits(10);
-    assert_eq!(a.await.unwrap().0, StatusCode::CREATED, "A's own answer");
+    (a.await.unwrap().0, router)
+}
+
+/// A request whose claim was taken from it (here: another token written over it, as a retry's
+/// takeover would) stores nothing over the new claim, and the layer counts the loss.
+async fn a_request_that_lost_its_claim_changes_nothing_and_is_counted<B: Backend>(b: &B) {
+    let layer = Idempotency::new(b.keys(), IdempotencyConfig::default());
+    let stats = layer.stats();
+    let (status, router) = lose_the_claim(b, layer).await;
+    assert_eq!(status, StatusCode::CREATED, "A's own answer");
     assert_eq!(
         stats.claims_lost.load(Ordering::SeqCst),
         1,
@@ -490,6 +512,83 @@ async fn a_request_that_lost_its_claim_changes_nothing_and_is_counted<B: Backend
         StatusCode::CONFLICT,
         "the other request's claim is still in flight, not overwritten by A's response"
     );
+}
+
+/// The loss of a claim is exported as `idem_http_claims_lost_total`, once, beside the stats.
+async fn a_lost_claim_is_exported_as_a_metric<B: Backend>(b: &B) {
+    let registry = Registry::new();
+    let layer = Idempotency::new(b.keys(), IdempotencyConfig::default())
+        .registry(&registry)
+        .unwrap();
+    let stats = layer.stats();
+    let (status, _) = lose_the_claim(b, layer).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(counted(&registry, "idem_http_claims_lost_total", None), 1.0);
+    assert_eq!(stats.claims_lost.load(Ordering::SeqCst), 1);
+    assert_eq!(counted(&registry, "idem_http_replays_total", None), 0.0);
+}
+
+/// The value of counter `name` in `registry` (of its series with `reason`, when given).
+fn counted(registry: &Registry, name: &str, reason: Option<&str>) -> f64 {
+    let families = registry.gather();
+    let family = families
+        .iter()
+        .find(|f| f.name() == name)
+        .unwrap_or_else(|| panic!("{name} is not registered"));
+    family
+        .get_metric()
+        .iter()
+        .find(|m| reason.is_none_or(|r| m.get_label().iter().any(|l| l.value() == r)))
+        .unwrap_or_else(|| panic!("{name} has no series {reason:?}"))
+        .get_counter()
+        .get_value()
+}
+
+/// Replays, 409s, other rejections and an omitted body, each counted under its own name.
+async fn the_metrics_count_what_the_layer_answered<B: Backend>(b: &B) {
+    let registry = Registry::new();
+    let config = IdempotencyConfig {
+        max_body: BIG / 4,
+        ..IdempotencyConfig::default()
+    };
+    let layer = Idempotency::new(b.keys(), config)
+        .registry(&registry)
+        .unwrap();
+    let (router, app) = app_with_layer(layer, new_app(0, false));
+    let body = r#"{"points":5}"#;
+    let r = router.clone();
+    let a = tokio::spawn(async move { call(&r, req("a", &["\"k\""], body)).await });
+    app.entered(1).await;
+    let conflict = call(&router, req("a", &["\"k\""], body)).await;
+    app.gate.add_permits(100);
+    assert_eq!(
+        (conflict.0, a.await.unwrap().0),
+        (StatusCode::CONFLICT, StatusCode::CREATED)
+    );
+    let replay = call(&router, req("a", &["\"k\""], body)).await;
+    assert_eq!(replay.1.as_deref(), Some("true"));
+    let mismatch = call(&router, req("a", &["\"k\""], r#"{"points":6}"#)).await;
+    let missing = call(&router, req("a", &[], body)).await;
+    assert_eq!(
+        (mismatch.0, missing.0),
+        (StatusCode::UNPROCESSABLE_ENTITY, StatusCode::BAD_REQUEST)
+    );
+    let big = call(&router, req("a", &["\"big\""], r#"{"big":1}"#)).await;
+    assert_eq!((big.0, big.2.as_str()), (StatusCode::CREATED, ""));
+    let expected = [
+        ("idem_http_replays_total", None, 1.0),
+        ("idem_http_conflicts_total", None, 1.0),
+        ("idem_http_bodies_omitted_total", None, 1.0),
+        ("idem_http_claims_lost_total", None, 0.0),
+        ("idem_http_renewal_failures_total", None, 0.0),
+        ("idem_http_rejections_total", Some("in_flight"), 1.0),
+        ("idem_http_rejections_total", Some("mismatch"), 1.0),
+        ("idem_http_rejections_total", Some("bad_key"), 1.0),
+        ("idem_http_rejections_total", Some("store"), 0.0),
+    ];
+    for (name, reason, want) in expected {
+        assert_eq!(counted(&registry, name, reason), want, "{name} {reason:?}");
+    }
 }
 
 /// One test per key store (SQLite, PostgreSQL) for each scenario `f(&backend)`.
@@ -512,7 +611,116 @@ on_both_stores! {
     a_request_slower_than_the_lock_is_not_taken_over_on_sqlite, a_request_slower_than_the_lock_is_not_taken_over_on_postgres => a_slow_request_that_completes_is_executed_once;
     a_slow_failure_never_releases_a_retry_s_claim_on_sqlite, a_slow_failure_never_releases_a_retry_s_claim_on_postgres => a_slow_request_that_fails_never_runs_beside_a_retry;
     a_lost_claim_changes_nothing_and_is_counted_on_sqlite, a_lost_claim_changes_nothing_and_is_counted_on_postgres => a_request_that_lost_its_claim_changes_nothing_and_is_counted;
+    a_lost_claim_is_exported_on_sqlite, a_lost_claim_is_exported_on_postgres => a_lost_claim_is_exported_as_a_metric;
+    the_metrics_count_what_the_layer_answered_on_sqlite, the_metrics_count_what_the_layer_answered_on_postgres => the_metrics_count_what_the_layer_answered;
     an_oversized_success_is_replayed_on_sqlite, an_oversized_success_is_replayed_on_postgres => an_oversized_success_is_replayed_not_executed_again;
+}
+
+/// A renewal that fails (the key store's table is gone for a while) is counted and tried again;
+/// the request is not interrupted, keeps its claim and stores its response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_renewal_is_counted_and_the_request_completes_on_sqlite() {
+    let lite = Lite::new().await;
+    let registry = Registry::new();
+    let layer = Idempotency::new(lite.keys(), slow_config())
+        .registry(&registry)
+        .unwrap();
+    let stats = layer.stats();
+    let (router, app) = app_with_layer(layer, new_app(0, false));
+    let r = router.clone();
+    let a = tokio::spawn(async move { call(&r, req("a", &["\"k\""], "{}")).await });
+    app.entered(1).await;
+    lite.exec("ALTER TABLE idem_idempotency_keys RENAME TO idem_keys_away")
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while stats.renewal_failures.load(Ordering::SeqCst) == 0 {
+        assert!(std::time::Instant::now() < deadline, "no renewal failed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    lite.exec("ALTER TABLE idem_keys_away RENAME TO idem_idempotency_keys")
+        .await
+        .unwrap();
+    app.gate.add_permits(10);
+    let first = a.await.unwrap();
+    let retry = call(&router, req("a", &["\"k\""], "{}")).await;
+    assert_eq!((first.0, first.1.as_deref()), (StatusCode::CREATED, None));
+    assert_eq!(
+        (retry.0, retry.1.as_deref(), retry.2),
+        (StatusCode::CREATED, Some("true"), first.2),
+        "the claim survived the failed renewal and its response was stored"
+    );
+    let failures = stats.renewal_failures.load(Ordering::SeqCst);
+    assert_eq!(
+        counted(&registry, "idem_http_renewal_failures_total", None),
+        f64::from(u32::try_from(failures).unwrap())
+    );
+    assert_eq!(counted(&registry, "idem_http_claims_lost_total", None), 0.0);
+    assert_eq!(app.executions.load(Ordering::SeqCst), 1);
+}
+
+// ---- the layers are named tower layers ----------------------------------------------------------
+
+/// A service can name the layer it applies.
+fn named_layer(keys: SqliteKeyStore, registry: &Registry) -> IdempotencyLayer<SqliteKeyStore> {
+    Idempotency::new(keys, IdempotencyConfig::default())
+        .registry(registry)
+        .unwrap()
+        .layer()
+}
+
+/// A service can name the transactional layer it applies.
+fn named_transactional_layer(
+    keys: SqliteKeyStore,
+    registry: &Registry,
+) -> TransactionalIdempotencyLayer<SqliteKeyStore> {
+    Idempotency::new(keys, IdempotencyConfig::default())
+        .registry(registry)
+        .unwrap()
+        .transactional_layer()
+}
+
+#[tokio::test]
+async fn the_named_layer_wraps_routes_with_route_layer() {
+    let lite = Lite::new().await;
+    let registry = Registry::new();
+    let state = new_app(100, false);
+    let router: Router = Router::new()
+        .route("/awards", post(award))
+        .route_layer(named_layer(lite.keys(), &registry))
+        .with_state(state.clone())
+        .route_layer(axum::middleware::from_fn(authenticate));
+    let first = call(&router, req("a", &["\"n\""], "{}")).await;
+    let retry = call(&router, req("a", &["\"n\""], "{}")).await;
+    assert_eq!(
+        (retry.0, retry.1.as_deref(), retry.2),
+        (first.0, Some("true"), first.2)
+    );
+    assert_eq!(state.executions.load(Ordering::SeqCst), 1);
+    assert_eq!(counted(&registry, "idem_http_replays_total", None), 1.0);
+}
+
+#[tokio::test]
+async fn the_named_layer_wraps_any_tower_service_that_answers() {
+    use tower::Layer as _;
+    let lite = Lite::new().await;
+    let executions = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&executions);
+    let inner = tower::service_fn(move |_req: axum::extract::Request| {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        async move { Ok::<_, std::convert::Infallible>((StatusCode::CREATED, format!("{n}"))) }
+    });
+    let service = named_layer(lite.keys(), &Registry::new()).layer(inner);
+    let keyed = || {
+        let mut r = req("a", &["\"s\""], "{}");
+        r.extensions_mut().insert(ClientScope("a".to_owned()));
+        r
+    };
+    let first = service.clone().oneshot(keyed()).await.unwrap();
+    let retry = service.clone().oneshot(keyed()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
 }
 
 // ---- the transactional layer: claim, handler's writes and response in one transaction -----------
@@ -638,6 +846,23 @@ async fn a_transactional_handler_s_writes_commit_with_its_key_on_sqlite() {
     let lite = with_tx_table(Lite::new().await).await;
     let router = tx_router(lite.keys(), tx_award_sqlite, TxApp::default());
     writes_commit_with_the_key(&lite, &router).await;
+}
+
+#[tokio::test]
+async fn the_named_transactional_layer_wraps_routes_with_route_layer() {
+    let lite = with_tx_table(Lite::new().await).await;
+    let registry = Registry::new();
+    let router: Router = Router::new()
+        .route("/awards", post(tx_award_sqlite))
+        .route_layer(named_transactional_layer(lite.keys(), &registry))
+        .route_layer(axum::middleware::from_fn(authenticate))
+        .with_state(TxApp::default());
+    writes_commit_with_the_key(&lite, &router).await;
+    assert_eq!(counted(&registry, "idem_http_replays_total", None), 1.0);
+    assert_eq!(
+        counted(&registry, "idem_http_rejections_total", Some("mismatch")),
+        1.0
+    );
 }
 
 #[tokio::test]
