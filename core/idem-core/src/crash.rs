@@ -1,9 +1,9 @@
 //! Named crash points and negative controls: the fault seam of the engines.
 //!
-//! A crash point marks a place where a crash leaves a duplicate window open, for example
+//! A crash point ([`CrashPoint`]) marks a place where a crash leaves a duplicate window open, for example
 //! between a Kafka delivery report and the outbox `UPDATE` that records it. Tests and the chaos
 //! runner arm a point to prove that the window is absorbed downstream. A negative control
-//! ([`BREAKABLE`]) switches one at-least-once mechanism off on purpose, to prove that the harness
+//! ([`Mechanism`]) switches one at-least-once mechanism off on purpose, to prove that the harness
 //! notices.
 //!
 //! Both are compiled in only with the `failpoints` cargo feature, which the product binary `idem`
@@ -17,107 +17,192 @@
 //! fired` to standard error, appends `NAME` to the crash log set by [`set_crash_log`] (synced, so
 //! a test can prove the crash happened), and calls [`std::process::abort`].
 
+use std::fmt;
+use std::str::FromStr;
+
 use crate::error::{Error, Result};
 
-/// Every crash point idem defines. Arming any other name is an error.
-pub const CRASH_POINTS: &[&str] = &[
-    RELAY_AFTER_CLAIM_BEFORE_PUBLISH,
-    RELAY_AFTER_PUBLISH_BEFORE_MARK,
-    CONSUMER_AFTER_DEDUP_BEFORE_HANDLER,
-    CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT,
-    EFFECT_BEFORE_HTTP,
-    EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
-];
+/// Declares a fieldless enum whose variants each have one name: `as_str`, `Display`, `FromStr`
+/// (refusing an unknown name with the known ones) and `ALL`, in declaration order. `Debug` (and
+/// so `Error`'s messages) go through `shown`, which names nothing in a build without the
+/// `failpoints` feature: the operator binary holds no fault name (`scripts/test` checks).
+macro_rules! named {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident as $what:literal {
+            $( $(#[$vmeta:meta])* $variant:ident = $text:literal, )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name {
+            $( $(#[$vmeta])* $variant, )+
+        }
 
-/// Crash points of the CDC relay (`idem cdc relay`), kept apart from [`CRASH_POINTS`] while
-/// the chaos runner and the demo, which fire every point of that list, run the polling relay.
-pub const CDC_CRASH_POINTS: &[&str] = &[CDC_AFTER_PUBLISH_BEFORE_CONFIRM];
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
 
-/// The CDC relay published a batch of whole transactions and Kafka acknowledged every message;
-/// the batch's `end_lsn` is not confirmed to the slot. Recovery: the next session streams from
-/// the slot's confirmed position, so the batch is published again (duplicates in Kafka that the
-/// consumer inbox absorbs).
-pub const CDC_AFTER_PUBLISH_BEFORE_CONFIRM: &str = "cdc.after_publish_before_confirm";
+            /// The name a person writes (`IDEM_CRASH_POINTS`, `IDEM_BREAK`, the crash log).
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text,)+
+                }
+            }
 
-/// The relay has claimed a batch but produced nothing yet. Recovery: the lease expires and
-/// another claim takes the rows again (attempt number + 1, no duplicate in Kafka).
-pub const RELAY_AFTER_CLAIM_BEFORE_PUBLISH: &str = "relay.after_claim_before_publish";
-/// Kafka acknowledged the batch but the rows are not marked published. Recovery: the rows are
-/// published again (a republish, a duplicate in Kafka that the consumer inbox absorbs).
-pub const RELAY_AFTER_PUBLISH_BEFORE_MARK: &str = "relay.after_publish_before_mark";
+            /// Its name in an error or a debug print: the name with the `failpoints` feature;
+            /// without it nothing can fire, and no name reaches the binary.
+            pub(crate) fn shown(self) -> &'static str {
+                #[cfg(feature = "failpoints")]
+                {
+                    self.as_str()
+                }
+                #[cfg(not(feature = "failpoints"))]
+                {
+                    let _ = self;
+                    "(a fault this build does not have)"
+                }
+            }
 
-/// The consumer recorded the batch in the inbox, inside its open transaction, and has not run
-/// the handler. Recovery: the transaction rolls back with the process; the offset was not
-/// committed, so the batch is delivered again and processed as new.
-pub const CONSUMER_AFTER_DEDUP_BEFORE_HANDLER: &str = "consumer.after_dedup_before_handler";
-/// The consumer's transaction (inbox rows and business writes) committed; the Kafka offset is
-/// not committed. Recovery: the batch is delivered again, every event is a duplicate in the
-/// inbox and is skipped (`idem_duplicate_skip_total`), then the offset moves on.
-pub const CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT: &str =
-    "consumer.after_db_commit_before_offset_commit";
+            /// Its position in [`Self::ALL`].
+            #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
+            const fn index(self) -> usize {
+                self as usize
+            }
+        }
 
-/// The dispatcher claimed an intent and has not sent it. Recovery: after the lease, the intent
-/// is sent with the same key.
-pub const EFFECT_BEFORE_HTTP: &str = "effect.before_http";
-/// The remote answered 2xx; the outcome is not recorded. Recovery: the intent is sent again with
-/// the same key and the remote replays its stored response (one effect).
-pub const EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD: &str = "effect.after_http_success_before_record";
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.shown())
+            }
+        }
 
-/// Negative controls: mechanisms the chaos runner breaks on purpose, one at a time, to prove
-/// that it notices (a harness that cannot fail proves nothing). Broken with
-/// [`break_mechanism`]; honoured only by builds with the `failpoints` feature.
-pub const BREAKABLE: &[&str] = &[
-    BREAK_MARK_BEFORE_REPORT,
-    BREAK_OFFSET_BEFORE_COMMIT,
-    BREAK_SELECT_THEN_INSERT,
-    BREAK_NEW_KEY_PER_RETRY,
-    BREAK_INBOX_IGNORES_GROUP,
-    BREAK_ID_WATERMARK,
-    BREAK_KAFKA_TRANSACTIONS,
-    BREAK_NEVER_PARK,
-    BREAK_KEY_LOCK_RENEWAL,
-    BREAK_TRANSIENT_DEAD_LETTERS,
-    BREAK_SKIP_SENDING_MARK,
-];
-/// The relay marks a batch published right after claiming it, before any delivery report.
-pub const BREAK_MARK_BEFORE_REPORT: &str = "mark-before-report";
-/// The consumer commits the batch's offsets before its database transaction.
-pub const BREAK_OFFSET_BEFORE_COMMIT: &str = "offset-before-commit";
-/// The consumer checks the inbox before the transaction and records it after the commit.
-pub const BREAK_SELECT_THEN_INSERT: &str = "select-then-insert";
-/// The effect dispatcher sends a new idempotency key on every retry.
-pub const BREAK_NEW_KEY_PER_RETRY: &str = "new-key-per-retry";
-/// The inbox is keyed by event id alone, not by (consumer group, event id).
-pub const BREAK_INBOX_IGNORES_GROUP: &str = "inbox-ignores-group";
-/// The relay keeps an id watermark and treats rows below it as already published.
-pub const BREAK_ID_WATERMARK: &str = "id-watermark";
-/// The effect dispatcher sends to a remote that ignores keys without the durable sending mark, so
-/// an attempt that died after sending is sent again blindly.
-pub const BREAK_SKIP_SENDING_MARK: &str = "skip-sending-mark";
-/// Kafka transactions instead of the inbox: only the lab's `idem-lab kafka-txn-settlement` has this
-/// mechanism (read_committed, no inbox, offsets committed in a Kafka transaction after the
-/// database commit), and it refuses to run unless it is named here.
-pub const BREAK_KAFKA_TRANSACTIONS: &str = "kafka-transactions";
-/// The Idempotency-Key layer (`idem-http`) never renews a claim's lock while the handler runs,
-/// so a request slower than the lock is taken over by a retry and executes beside it.
-pub const BREAK_KEY_LOCK_RENEWAL: &str = "key-lock-renewal";
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
 
-/// The relay never parks a row that fails permanently (too large, unpublishable): it retries
-/// it forever, so a foreign writer's hostile row wedges its aggregate.
-pub const BREAK_NEVER_PARK: &str = "never-park";
+        impl FromStr for $name {
+            type Err = Error;
 
-/// The consumer dead-letters an event after a few transient failures of its handler, so that a
-/// lock held on the business tables for seconds loses events.
-/// The chaos runner's long-lock window (`idem-lab settlement --lock-timeout-ms` and a lock held on
-/// `settlements`) makes it visible.
-pub const BREAK_TRANSIENT_DEAD_LETTERS: &str = "transient-dead-letters";
+            fn from_str(name: &str) -> Result<Self> {
+                $name::ALL
+                    .iter()
+                    .copied()
+                    .find(|v| v.as_str() == name)
+                    .ok_or_else(|| Error::InvalidArgument {
+                        argument: $what,
+                        reason: format!(
+                            "{name:?} is none of {}",
+                            $name::ALL
+                                .iter()
+                                .map(|v| v.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    })
+            }
+        }
+    };
+}
 
-/// Transient failures of one event after which [`BREAK_TRANSIENT_DEAD_LETTERS`] dead-letters it.
+named! {
+    /// A named crash point: a place where a crash leaves a duplicate window open, and the
+    /// mechanism that absorbs it (in each variant's documentation).
+    pub enum CrashPoint as "crash point" {
+        /// The relay has claimed a batch but produced nothing yet. Recovery: the lease expires
+        /// and another claim takes the rows again (attempt number + 1, no duplicate in Kafka).
+        RelayAfterClaimBeforePublish = "relay.after_claim_before_publish",
+        /// Kafka acknowledged the batch but the rows are not marked published. Recovery: the
+        /// rows are published again (a republish, a duplicate in Kafka that the consumer inbox
+        /// absorbs).
+        RelayAfterPublishBeforeMark = "relay.after_publish_before_mark",
+        /// The consumer recorded the batch in the inbox, inside its open transaction, and has
+        /// not run the handler. Recovery: the transaction rolls back with the process; the
+        /// offset was not committed, so the batch is delivered again and processed as new.
+        ConsumerAfterDedupBeforeHandler = "consumer.after_dedup_before_handler",
+        /// The consumer's transaction (inbox rows and business writes) committed; the Kafka
+        /// offset is not committed. Recovery: the batch is delivered again, every event is a
+        /// duplicate in the inbox and is skipped (`idem_duplicate_skip_total`), then the offset
+        /// moves on.
+        ConsumerAfterDbCommitBeforeOffsetCommit = "consumer.after_db_commit_before_offset_commit",
+        /// The dispatcher claimed an intent and has not sent it. Recovery: after the lease, the
+        /// intent is sent with the same key.
+        EffectBeforeHttp = "effect.before_http",
+        /// The remote answered 2xx; the outcome is not recorded. Recovery: the intent is sent
+        /// again with the same key and the remote replays its stored response (one effect).
+        EffectAfterHttpSuccessBeforeRecord = "effect.after_http_success_before_record",
+        /// The CDC relay published a batch of whole transactions and Kafka acknowledged every
+        /// message; the batch's `end_lsn` is not confirmed to the slot. Recovery: the next
+        /// session streams from the slot's confirmed position, so the batch is published again
+        /// (duplicates in Kafka that the consumer inbox absorbs).
+        CdcAfterPublishBeforeConfirm = "cdc.after_publish_before_confirm",
+    }
+}
+
+impl CrashPoint {
+    /// The points of the pipeline with the polling relay, which the chaos runner and the demo
+    /// fire: every point but the CDC relay's.
+    pub const POLLING_PIPELINE: &'static [CrashPoint] = &[
+        CrashPoint::RelayAfterClaimBeforePublish,
+        CrashPoint::RelayAfterPublishBeforeMark,
+        CrashPoint::ConsumerAfterDedupBeforeHandler,
+        CrashPoint::ConsumerAfterDbCommitBeforeOffsetCommit,
+        CrashPoint::EffectBeforeHttp,
+        CrashPoint::EffectAfterHttpSuccessBeforeRecord,
+    ];
+}
+
+named! {
+    /// Negative controls: mechanisms the chaos runner breaks on purpose, one at a time, to prove
+    /// that it notices (a harness that cannot fail proves nothing). Broken with
+    /// [`break_mechanism`]; honoured only by builds with the `failpoints` feature.
+    pub enum Mechanism as "mechanism" {
+        /// The relay marks a batch published right after claiming it, before any delivery
+        /// report.
+        MarkBeforeReport = "mark-before-report",
+        /// The consumer commits the batch's offsets before its database transaction.
+        OffsetBeforeCommit = "offset-before-commit",
+        /// The consumer checks the inbox before the transaction and records it after the
+        /// commit.
+        SelectThenInsert = "select-then-insert",
+        /// The effect dispatcher sends a new idempotency key on every retry.
+        NewKeyPerRetry = "new-key-per-retry",
+        /// The inbox is keyed by event id alone, not by (consumer group, event id).
+        InboxIgnoresGroup = "inbox-ignores-group",
+        /// The relay keeps an id watermark and treats rows below it as already published.
+        IdWatermark = "id-watermark",
+        /// Kafka transactions instead of the inbox: only the lab's `idem-lab
+        /// kafka-txn-settlement` has this mechanism (read_committed, no inbox, offsets committed
+        /// in a Kafka transaction after the database commit), and it refuses to run unless it is
+        /// named here.
+        KafkaTransactions = "kafka-transactions",
+        /// The relay never parks a row that fails permanently (too large, unpublishable): it
+        /// retries it forever, so a foreign writer's hostile row wedges its aggregate.
+        NeverPark = "never-park",
+        /// The Idempotency-Key layer (`idem-http`) never renews a claim's lock while the handler
+        /// runs, so a request slower than the lock is taken over by a retry and executes beside
+        /// it.
+        KeyLockRenewal = "key-lock-renewal",
+        /// The consumer dead-letters an event after a few transient failures of its handler
+        /// ([`BROKEN_TRANSIENT_BUDGET`]), so that a lock held on the business tables for seconds
+        /// loses events. The chaos runner's long-lock window (`idem-lab settlement
+        /// --lock-timeout-ms` and a lock held on `settlements`) makes it visible.
+        TransientDeadLetters = "transient-dead-letters",
+        /// The effect dispatcher sends to a remote that ignores keys without the durable
+        /// sending mark, so an attempt that died after sending is sent again blindly.
+        SkipSendingMark = "skip-sending-mark",
+    }
+}
+
+/// Transient failures of one event after which [`Mechanism::TransientDeadLetters`]
+/// dead-letters it.
 pub const BROKEN_TRANSIENT_BUDGET: u32 = 3;
 
 /// Is `mechanism` deliberately broken in this process (see [`break_mechanism`])?
 #[inline(always)]
-pub fn broken(mechanism: &str) -> bool {
+pub fn broken(mechanism: Mechanism) -> bool {
     #[cfg(feature = "failpoints")]
     {
         imp::broken(mechanism)
@@ -129,22 +214,19 @@ pub fn broken(mechanism: &str) -> bool {
     }
 }
 
-/// Breaks `mechanism` (one of [`BREAKABLE`]) in this process from now on: a negative control.
+/// Breaks `mechanism` in this process from now on: a negative control.
 ///
-/// Fails on an unknown name, or when the build has no `failpoints` feature.
-pub fn break_mechanism(mechanism: &str) -> Result<()> {
-    let index = breakable(mechanism)?;
+/// Fails when the build has no `failpoints` feature.
+pub fn break_mechanism(mechanism: Mechanism) -> Result<()> {
     #[cfg(feature = "failpoints")]
     {
-        imp::break_mechanism(index);
+        imp::break_mechanism(mechanism);
         Ok(())
     }
     #[cfg(not(feature = "failpoints"))]
     {
-        let _ = index;
-        Err(Error::Config(
-            "negative controls are not compiled in; build with the `failpoints` feature".to_owned(),
-        ))
+        let _ = mechanism;
+        Err(not_compiled_in("breaking a mechanism", "negative controls"))
     }
 }
 
@@ -162,16 +244,13 @@ pub fn set_crash_log(path: Option<std::path::PathBuf>) {
     let _ = path;
 }
 
-fn breakable(mechanism: &str) -> Result<usize> {
-    BREAKABLE
-        .iter()
-        .position(|b| *b == mechanism)
-        .ok_or_else(|| {
-            Error::Config(format!(
-                "unknown mechanism {mechanism:?}; known: {}",
-                BREAKABLE.join(", ")
-            ))
-        })
+/// The refusal to arm `what` in a build without the `failpoints` feature.
+#[cfg(not(feature = "failpoints"))]
+fn not_compiled_in(doing: &'static str, what: &str) -> Error {
+    Error::setup(
+        doing,
+        format!("{what} are not compiled in; build with the `failpoints` feature"),
+    )
 }
 
 /// What an armed crash point does when it fires.
@@ -189,12 +268,12 @@ pub const ENABLED: bool = cfg!(feature = "failpoints");
 #[cfg(feature = "failpoints")]
 mod imp {
     use super::*;
-    use std::collections::HashMap;
     use std::io::Write;
     use std::path::PathBuf;
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+    #[derive(Clone, Copy)]
     struct Armed {
         action: Action,
         /// Fire on this hit (1 = first).
@@ -202,30 +281,34 @@ mod imp {
         hits: u64,
     }
 
-    static ARMED: Mutex<Option<HashMap<&'static str, Armed>>> = Mutex::new(None);
+    /// The arming of each point, in [`CrashPoint::ALL`] order.
+    static ARMED: Mutex<[Option<Armed>; CrashPoint::ALL.len()]> =
+        Mutex::new([None; CrashPoint::ALL.len()]);
     /// Set while any point is armed: unarmed builds pay one relaxed load per pass.
     static ANY_ARMED: AtomicBool = AtomicBool::new(false);
-    /// Fires per point, in [`CRASH_POINTS`] order.
-    static FIRED: [AtomicU64; CRASH_POINTS.len()] =
-        [const { AtomicU64::new(0) }; CRASH_POINTS.len()];
+    /// Fires per point, in [`CrashPoint::ALL`] order.
+    static FIRED: [AtomicU64; CrashPoint::ALL.len()] =
+        [const { AtomicU64::new(0) }; CrashPoint::ALL.len()];
 
-    /// Bit `i` set: [`BREAKABLE`]`[i]` is broken.
+    /// Bit `i` set: [`Mechanism::ALL`]`[i]` is broken.
     static BROKEN: AtomicU32 = AtomicU32::new(0);
-    const _: () = assert!(BREAKABLE.len() <= 32, "BROKEN holds one bit per mechanism");
+    const _: () = assert!(
+        Mechanism::ALL.len() <= 32,
+        "BROKEN holds one bit per mechanism"
+    );
     /// Where an aborting crash point records its name.
     static CRASH_LOG: Mutex<Option<PathBuf>> = Mutex::new(None);
 
-    pub(super) fn broken(mechanism: &str) -> bool {
-        let mask = BROKEN.load(Ordering::Acquire);
-        mask != 0
-            && BREAKABLE
-                .iter()
-                .position(|b| *b == mechanism)
-                .is_some_and(|i| mask & (1 << i) != 0)
+    fn bit(mechanism: Mechanism) -> u32 {
+        1 << mechanism.index()
     }
 
-    pub(super) fn break_mechanism(index: usize) {
-        BROKEN.fetch_or(1 << index, Ordering::AcqRel);
+    pub(super) fn broken(mechanism: Mechanism) -> bool {
+        BROKEN.load(Ordering::Acquire) & bit(mechanism) != 0
+    }
+
+    pub(super) fn break_mechanism(mechanism: Mechanism) {
+        BROKEN.fetch_or(bit(mechanism), Ordering::AcqRel);
     }
 
     pub(super) fn repair_all() {
@@ -240,77 +323,67 @@ mod imp {
         CRASH_LOG.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    pub(super) fn fired() -> Vec<(&'static str, u64)> {
-        CRASH_POINTS
+    pub(super) fn fired() -> Vec<(CrashPoint, u64)> {
+        CrashPoint::ALL
             .iter()
             .zip(FIRED.iter())
-            .map(|(n, c)| (*n, c.load(Ordering::Relaxed)))
+            .map(|(p, c)| (*p, c.load(Ordering::Relaxed)))
             .collect()
     }
 
-    pub(super) fn arm(name: &str, action: Action, fire_on: u64) -> Result<()> {
-        let known = known(name)?;
-        let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
-        guard.get_or_insert_with(HashMap::new).insert(
-            known,
-            Armed {
-                action,
-                fire_on: fire_on.max(1),
-                hits: 0,
-            },
-        );
+    pub(super) fn arm(point: CrashPoint, action: Action, fire_on: u64) {
+        let mut armed = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+        armed[point.index()] = Some(Armed {
+            action,
+            fire_on: fire_on.max(1),
+            hits: 0,
+        });
         ANY_ARMED.store(true, Ordering::Release);
-        Ok(())
     }
 
-    pub(super) fn is_armed(name: &str) -> bool {
-        let guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
-        guard.as_ref().is_some_and(|m| m.contains_key(name))
+    pub(super) fn is_armed(point: CrashPoint) -> bool {
+        ARMED.lock().unwrap_or_else(|p| p.into_inner())[point.index()].is_some()
     }
 
     pub(super) fn disarm_all() {
-        let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
-        *guard = None;
+        let mut armed = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+        *armed = [None; CrashPoint::ALL.len()];
         ANY_ARMED.store(false, Ordering::Release);
     }
 
-    pub(super) fn crash_point(name: &'static str) -> Result<()> {
+    /// The action `point` takes on this hit, if it fires now (disarming it).
+    fn hit(point: CrashPoint) -> Option<Action> {
+        let mut all = ARMED.lock().unwrap_or_else(|p| p.into_inner());
+        let armed = all[point.index()].as_mut()?;
+        armed.hits += 1;
+        if armed.hits != armed.fire_on {
+            return None;
+        }
+        let action = armed.action;
+        all[point.index()] = None;
+        if all.iter().all(Option::is_none) {
+            ANY_ARMED.store(false, Ordering::Release);
+        }
+        FIRED[point.index()].fetch_add(1, Ordering::Relaxed);
+        Some(action)
+    }
+
+    pub(super) fn crash_point(point: CrashPoint) -> Result<()> {
         if !ANY_ARMED.load(Ordering::Acquire) {
             return Ok(());
         }
-        let action = {
-            let mut guard = ARMED.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(map) = guard.as_mut() else {
-                return Ok(());
-            };
-            let Some(armed) = map.get_mut(name) else {
-                return Ok(());
-            };
-            armed.hits += 1;
-            if armed.hits != armed.fire_on {
-                return Ok(());
-            }
-            let action = armed.action;
-            map.remove(name);
-            if map.is_empty() {
-                ANY_ARMED.store(false, Ordering::Release);
-            }
-            if let Some(i) = CRASH_POINTS.iter().position(|p| *p == name) {
-                FIRED[i].fetch_add(1, Ordering::Relaxed);
-            }
-            action
-        };
-        match action {
-            Action::Error => Err(Error::CrashPoint(name)),
-            Action::Abort => {
-                eprintln!("idem: crash point {name} fired");
+        match hit(point) {
+            None => Ok(()),
+            Some(Action::Error) => Err(Error::CrashPoint(point)),
+            Some(Action::Abort) => {
+                eprintln!("idem: crash point {point} fired");
                 if let Some(path) = crash_log()
                     && let Ok(mut f) = std::fs::OpenOptions::new()
                         .create(true)
                         .append(true)
                         .open(path)
                 {
-                    let _ = writeln!(f, "{name}");
+                    let _ = writeln!(f, "{point}");
                     let _ = f.sync_all();
                 }
                 std::process::abort()
@@ -319,35 +392,19 @@ mod imp {
     }
 }
 
-fn known(name: &str) -> Result<&'static str> {
-    CRASH_POINTS
-        .iter()
-        .chain(CDC_CRASH_POINTS)
-        .copied()
-        .find(|p| *p == name)
-        .ok_or_else(|| {
-            Error::Config(format!(
-                "unknown crash point {name:?}; known points: {}, {}",
-                CRASH_POINTS.join(", "),
-                CDC_CRASH_POINTS.join(", ")
-            ))
-        })
-}
-
-/// Arms `name` to perform `action` on its `fire_on`-th hit (1 = first).
+/// Arms `point` to perform `action` on its `fire_on`-th hit (1 = first).
 ///
-/// Fails on an unknown name, or when the build has no `failpoints` feature.
-pub fn arm(name: &str, action: Action, fire_on: u64) -> Result<()> {
+/// Fails when the build has no `failpoints` feature.
+pub fn arm(point: CrashPoint, action: Action, fire_on: u64) -> Result<()> {
     #[cfg(feature = "failpoints")]
     {
-        imp::arm(name, action, fire_on)
+        imp::arm(point, action, fire_on);
+        Ok(())
     }
     #[cfg(not(feature = "failpoints"))]
     {
-        let _ = (known(name)?, action, fire_on);
-        Err(Error::Config(
-            "crash points are not compiled in; build with the `failpoints` feature".to_owned(),
-        ))
+        let _ = (point, action, fire_on);
+        Err(not_compiled_in("arming a crash point", "crash points"))
     }
 }
 
@@ -357,42 +414,75 @@ pub fn disarm_all() {
     imp::disarm_all();
 }
 
-/// How many times each point has fired in this process (all zero without `failpoints`).
-pub fn fired() -> Vec<(&'static str, u64)> {
+/// How many times each point has fired in this process, in [`CrashPoint::ALL`] order (all zero
+/// without `failpoints`).
+pub fn fired() -> Vec<(CrashPoint, u64)> {
     #[cfg(feature = "failpoints")]
     {
         imp::fired()
     }
     #[cfg(not(feature = "failpoints"))]
     {
-        CRASH_POINTS.iter().map(|n| (*n, 0)).collect()
+        CrashPoint::ALL.iter().map(|p| (*p, 0)).collect()
     }
 }
 
-/// Is `name` armed right now? (For a supervisor re-arming points between restarts.)
-pub fn is_armed(name: &str) -> bool {
+/// Is `point` armed right now? (For a supervisor re-arming points between restarts.)
+pub fn is_armed(point: CrashPoint) -> bool {
     #[cfg(feature = "failpoints")]
     {
-        imp::is_armed(name)
+        imp::is_armed(point)
     }
     #[cfg(not(feature = "failpoints"))]
     {
-        let _ = name;
+        let _ = point;
         false
     }
 }
 
-/// Passes through crash point `name`: does nothing unless the point is armed.
+/// Passes through `point`: does nothing unless the point is armed.
 #[inline(always)]
-pub fn crash_point(name: &'static str) -> Result<()> {
+pub fn crash_point(point: CrashPoint) -> Result<()> {
     #[cfg(feature = "failpoints")]
     {
-        imp::crash_point(name)
+        imp::crash_point(point)
     }
     #[cfg(not(feature = "failpoints"))]
     {
-        let _ = name;
+        let _ = point;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod names {
+    use super::*;
+
+    #[test]
+    fn every_name_reads_back_as_its_value_and_an_unknown_one_lists_the_known() {
+        for p in CrashPoint::ALL {
+            assert_eq!(p.as_str().parse::<CrashPoint>().unwrap(), *p);
+        }
+        for m in Mechanism::ALL {
+            assert_eq!(m.to_string().parse::<Mechanism>().unwrap(), *m);
+        }
+        let e = "relay.nowhere".parse::<CrashPoint>().unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Config);
+        let e = e.to_string();
+        assert!(
+            e.contains("invalid crash point: \"relay.nowhere\" is none of")
+                && e.contains(CrashPoint::CdcAfterPublishBeforeConfirm.as_str()),
+            "{e}"
+        );
+        let e = "no-such-thing"
+            .parse::<Mechanism>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("invalid mechanism: \"no-such-thing\"")
+                && e.contains(Mechanism::NeverPark.as_str()),
+            "{e}"
+        );
     }
 }
 
@@ -402,36 +492,22 @@ mod tests {
 
     #[test]
     fn error_mode_fires_on_the_chosen_hit_once() {
-        arm(RELAY_AFTER_CLAIM_BEFORE_PUBLISH, Action::Error, 2).unwrap();
-        assert!(crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH).is_ok());
-        assert!(matches!(
-            crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH),
-            Err(Error::CrashPoint(RELAY_AFTER_CLAIM_BEFORE_PUBLISH))
-        ));
-        assert!(crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH).is_ok());
+        let point = CrashPoint::RelayAfterClaimBeforePublish;
+        arm(point, Action::Error, 2).unwrap();
+        assert!(is_armed(point));
+        assert!(crash_point(point).is_ok());
+        assert!(matches!(crash_point(point), Err(Error::CrashPoint(p)) if p == point));
+        assert!(!is_armed(point));
+        assert!(crash_point(point).is_ok());
     }
 
     #[test]
     fn a_broken_mechanism_stays_broken_until_repaired() {
-        assert!(!broken(BREAK_NEVER_PARK));
-        break_mechanism(BREAK_NEVER_PARK).unwrap();
-        assert!(broken(BREAK_NEVER_PARK));
-        assert!(!broken(BREAK_ID_WATERMARK), "only the named mechanism");
+        assert!(!broken(Mechanism::NeverPark));
+        break_mechanism(Mechanism::NeverPark).unwrap();
+        assert!(broken(Mechanism::NeverPark));
+        assert!(!broken(Mechanism::IdWatermark), "only the named mechanism");
         repair_all();
-        assert!(!broken(BREAK_NEVER_PARK));
-    }
-
-    #[test]
-    fn unknown_mechanisms_are_refused() {
-        let e = break_mechanism("no-such-thing").unwrap_err().to_string();
-        assert!(
-            e.contains("unknown mechanism") && e.contains(BREAK_NEVER_PARK),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn unknown_points_are_refused() {
-        assert!(arm("relay.nowhere", Action::Error, 1).is_err());
+        assert!(!broken(Mechanism::NeverPark));
     }
 }

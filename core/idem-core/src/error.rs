@@ -153,8 +153,8 @@ pub enum Error {
     },
 
     /// A named crash point fired in error mode (in-process fault injection).
-    #[error("crash point {0} fired")]
-    CrashPoint(&'static str),
+    #[error("crash point {} fired", .0.shown())]
+    CrashPoint(crate::crash::CrashPoint),
 }
 
 impl Error {

@@ -737,7 +737,7 @@ impl<P: Publisher> CdcRelay<P> {
             }
             backoff = self.config.backoff().next(backoff);
         }
-        idem_core::crash::crash_point(idem_core::crash::CDC_AFTER_PUBLISH_BEFORE_CONFIRM)?;
+        idem_core::crash::crash_point(idem_core::crash::CrashPoint::CdcAfterPublishBeforeConfirm)?;
         if !self.refuse(&batch.refused, shutdown).await? {
             return Ok(false);
         }

@@ -351,7 +351,7 @@ async fn rolled_back_transactions_are_never_published() {
 /// `ce_id`, which the consumer's inbox absorbs.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_relay_stopped_after_publishing_and_before_confirming_publishes_the_batch_again() {
-    use idem_core::crash::{self, Action, CDC_AFTER_PUBLISH_BEFORE_CONFIRM};
+    use idem_core::crash::{self, Action, CrashPoint};
     let w = World::new().await;
     let metrics = CdcMetrics::unregistered().unwrap();
     let relay = w.relay(metrics.clone());
@@ -359,7 +359,7 @@ async fn a_relay_stopped_after_publishing_and_before_confirming_publishes_the_ba
     let mut running = spawn(relay);
     let before = w.streaming(&mut running).await;
     let events: Vec<Event> = (0..5).map(|i| event(&format!("c-{i}"), i)).collect();
-    crash::arm(CDC_AFTER_PUBLISH_BEFORE_CONFIRM, Action::Error, 1).unwrap();
+    crash::arm(CrashPoint::CdcAfterPublishBeforeConfirm, Action::Error, 1).unwrap();
     w.commit(&events).await;
     // Published once, then (not confirmed) by the next session's stream: copies with one
     // ce_id each (written after the confirmed position, the rows are not drained).
@@ -533,7 +533,7 @@ async fn a_second_relay_waits_for_the_slot_and_takes_over_when_the_first_dies() 
 /// and the confirmation lands only after the rest.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transaction_larger_than_a_batch_goes_out_in_parts_and_is_confirmed_whole() {
-    use idem_core::crash::{self, Action, CDC_AFTER_PUBLISH_BEFORE_CONFIRM};
+    use idem_core::crash::{self, Action, CrashPoint};
     let w = World::new().await;
     let metrics = CdcMetrics::unregistered().unwrap();
     let mut config = w.config();
@@ -543,7 +543,7 @@ async fn a_transaction_larger_than_a_batch_goes_out_in_parts_and_is_confirmed_wh
     let mut running = spawn(relay);
     let before = w.streaming(&mut running).await;
     let big: Vec<Event> = (0..35).map(|i| event(&format!("p-{}", i % 3), i)).collect();
-    crash::arm(CDC_AFTER_PUBLISH_BEFORE_CONFIRM, Action::Error, 2).unwrap();
+    crash::arm(CrashPoint::CdcAfterPublishBeforeConfirm, Action::Error, 2).unwrap();
     w.commit(&big).await;
     // At or past the big transaction's commit record: confirmed only once it is, whole.
     let committed = w.wal_position().await;

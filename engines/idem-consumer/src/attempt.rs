@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use idem_core::crash::{self, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER};
+use idem_core::crash::{self, CrashPoint};
 use idem_core::store::{Dedup, InboxStore, Source};
 use idem_core::{Error, ErrorKind, EventId, InboundEvent};
 
@@ -71,7 +71,7 @@ where
     /// One transaction for the batch: committed when [`Consumer::attempt_in`] succeeds, rolled
     /// back otherwise.
     pub(crate) async fn attempt(&self, cx: AttemptCx<'_, '_>) -> Result<Attempted, Attempt> {
-        let selected = if crash::broken(crash::BREAK_SELECT_THEN_INSERT) {
+        let selected = if crash::broken(crash::Mechanism::SelectThenInsert) {
             // Negative control: "is it new?" asked in a transaction of its own, rolled back.
             let mut probe = self.inbox.begin().await.map_err(db)?;
             let entries = cx.batch.inbox_entries(cx.poison);
@@ -117,7 +117,7 @@ where
                 .await
                 .map_err(db)?,
         };
-        crash::crash_point(CONSUMER_AFTER_DEDUP_BEFORE_HANDLER).map_err(Attempt::Fatal)?;
+        crash::crash_point(CrashPoint::ConsumerAfterDedupBeforeHandler).map_err(Attempt::Fatal)?;
 
         let apply = apply_order(&cx.batch.uniques, &results, cx.poison, |e| {
             self.handler.business_key(e)

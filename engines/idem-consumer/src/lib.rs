@@ -16,7 +16,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use idem_core::backoff::Backoff;
-use idem_core::crash::{self, CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT};
+use idem_core::crash::{self, CrashPoint};
 use idem_core::health::Health;
 use idem_core::store::{Delivery, InboxEntry, InboxStore, Source};
 use idem_core::{Error, EventId, InboundEvent, Result};
@@ -392,7 +392,7 @@ where
     /// The group the inbox is keyed by (a fixed one under the `inbox-ignores-group` negative
     /// control).
     fn inbox_group(&self) -> &str {
-        if crash::broken(crash::BREAK_INBOX_IGNORES_GROUP) {
+        if crash::broken(crash::Mechanism::InboxIgnoresGroup) {
             "*"
         } else {
             &self.config.group
@@ -518,7 +518,7 @@ where
         epoch: u64,
         stopped: &mut tokio::sync::watch::Receiver<bool>,
     ) -> Result<Applied> {
-        if crash::broken(crash::BREAK_OFFSET_BEFORE_COMMIT) {
+        if crash::broken(crash::Mechanism::OffsetBeforeCommit) {
             // Negative control: the offsets move on before anything is applied.
             self.source.commit(&last_offsets(records)).await?;
         }
@@ -533,8 +533,8 @@ where
         let mut report = self.account(&batch, &results, &retries);
         report.records = records.len();
 
-        crash::crash_point(CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT)?;
-        if crash::broken(crash::BREAK_SELECT_THEN_INSERT) {
+        crash::crash_point(CrashPoint::ConsumerAfterDbCommitBeforeOffsetCommit)?;
+        if crash::broken(crash::Mechanism::SelectThenInsert) {
             // Negative control: the inbox rows are written only now, after the business
             // commit, in a transaction of their own.
             self.record_late(&batch).await?;
@@ -806,7 +806,7 @@ impl BatchReport {
 /// Under the `transient-dead-letters` negative control, the reason to dead-letter an event after
 /// its `n`th transient failure.
 fn broken_transient_budget(n: u32, e: &Error) -> Option<String> {
-    (n > crash::BROKEN_TRANSIENT_BUDGET && crash::broken(crash::BREAK_TRANSIENT_DEAD_LETTERS))
+    (n > crash::BROKEN_TRANSIENT_BUDGET && crash::broken(crash::Mechanism::TransientDeadLetters))
         .then(|| format!("gave up after {n} transient failures; last: {e}"))
 }
 

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use idem_core::TableNames;
-use idem_core::crash::{Action, CONSUMER_AFTER_DEDUP_BEFORE_HANDLER};
+use idem_core::crash::{Action, CrashPoint};
 use idem_sql::sqlite::SqliteInbox;
 use sqlx::SqliteConnection;
 
@@ -392,7 +392,12 @@ async fn a_trigger_that_raises_abort_in_sqlite_dead_letters_its_event_with_the_m
 async fn crash_after_dedup_before_handler_commits_nothing() {
     let mut f = fixture().await;
     let id = EventId::new();
-    crash::arm(CONSUMER_AFTER_DEDUP_BEFORE_HANDLER, Action::Error, 1).unwrap();
+    crash::arm(
+        CrashPoint::ConsumerAfterDedupBeforeHandler,
+        Action::Error,
+        1,
+    )
+    .unwrap();
     let err = f
         .consumer
         .process(&[record(0, id, "{}")])
@@ -400,7 +405,7 @@ async fn crash_after_dedup_before_handler_commits_nothing() {
         .unwrap_err();
     assert!(matches!(
         err,
-        Error::CrashPoint(CONSUMER_AFTER_DEDUP_BEFORE_HANDLER)
+        Error::CrashPoint(CrashPoint::ConsumerAfterDedupBeforeHandler)
     ));
     assert!(
         f.source.commits.lock().unwrap().is_empty(),
@@ -425,7 +430,7 @@ async fn offsets_are_committed_only_after_the_database_commit() {
     let mut f = fixture().await;
     let id = EventId::new();
     crash::arm(
-        CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT,
+        CrashPoint::ConsumerAfterDbCommitBeforeOffsetCommit,
         Action::Error,
         1,
     )

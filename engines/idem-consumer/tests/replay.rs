@@ -17,7 +17,7 @@ use idem_consumer::replay::{ReplayRequest, ReplayResult, replay};
 use idem_consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
 };
-use idem_core::crash::{BREAK_TRANSIENT_DEAD_LETTERS, BROKEN_TRANSIENT_BUDGET};
+use idem_core::crash::{BROKEN_TRANSIENT_BUDGET, Mechanism};
 use idem_core::store::{Delivery, InboxStore};
 use idem_core::{EventId, InboundEvent};
 use tokio::sync::Semaphore;
@@ -464,8 +464,8 @@ fn the_transient_dead_letters_control_brings_back_the_defect() {
 #[tokio::test]
 #[ignore = "run by the_transient_dead_letters_control_brings_back_the_defect in a child process"]
 async fn broken_run() {
-    idem_core::crash::break_mechanism(BREAK_TRANSIENT_DEAD_LETTERS).unwrap();
-    assert!(idem_core::crash::broken(BREAK_TRANSIENT_DEAD_LETTERS));
+    idem_core::crash::break_mechanism(Mechanism::TransientDeadLetters).unwrap();
+    assert!(idem_core::crash::broken(Mechanism::TransientDeadLetters));
     let b = Lite::new().await;
     let mut config = ConsumerConfig::new(GROUP);
     config.retry_backoff = Duration::ZERO;

@@ -643,7 +643,7 @@ impl<S: IntentStore> Dispatcher<S> {
         if let Some(verdict) = self.before_send(c, policy, lease_end, labels).await {
             return Ok(Some(self.count(verdict, labels)));
         }
-        idem_core::crash::crash_point(idem_core::crash::EFFECT_BEFORE_HTTP)?;
+        idem_core::crash::crash_point(idem_core::crash::CrashPoint::EffectBeforeHttp)?;
         if !self.mark_sending(c, policy).await? {
             return Ok(None);
         }
@@ -708,7 +708,7 @@ impl<S: IntentStore> Dispatcher<S> {
     /// lease is lost or too short, do not send.
     async fn mark_sending(&self, c: &ClaimedIntent, policy: Option<&EffectPolicy>) -> Result<bool> {
         if !policy.is_some_and(|p| p.remote_ignores_keys)
-            || idem_core::crash::broken(idem_core::crash::BREAK_SKIP_SENDING_MARK)
+            || idem_core::crash::broken(idem_core::crash::Mechanism::SkipSendingMark)
         {
             return Ok(true);
         }
@@ -731,7 +731,7 @@ impl<S: IntentStore> Dispatcher<S> {
         if matches!(verdict, Verdict::Done { .. }) {
             self.metrics.successes.with_label_values(&labels).inc();
             idem_core::crash::crash_point(
-                idem_core::crash::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
+                idem_core::crash::CrashPoint::EffectAfterHttpSuccessBeforeRecord,
             )?;
             return Ok(verdict);
         }
@@ -740,7 +740,7 @@ impl<S: IntentStore> Dispatcher<S> {
 
     /// POSTs the intent's body with its stored key (and trace context, authorization).
     async fn post(&self, c: &ClaimedIntent) -> Reply {
-        let key = if idem_core::crash::broken(idem_core::crash::BREAK_NEW_KEY_PER_RETRY)
+        let key = if idem_core::crash::broken(idem_core::crash::Mechanism::NewKeyPerRetry)
             && c.attempt > 1
         {
             // Negative control: a new key per retry (what idem never does).

@@ -35,7 +35,7 @@ impl<S: IdempotencyStore> Held<S> {
 
     /// Renews the lock every third of it; returns only when the claim is lost.
     async fn heartbeat(&self) {
-        if idem_core::crash::broken(idem_core::crash::BREAK_KEY_LOCK_RENEWAL) {
+        if idem_core::crash::broken(idem_core::crash::Mechanism::KeyLockRenewal) {
             return std::future::pending().await;
         }
         let every =

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use idem_core::Result;
-use idem_core::crash::{self, RELAY_AFTER_CLAIM_BEFORE_PUBLISH, RELAY_AFTER_PUBLISH_BEFORE_MARK};
+use idem_core::crash::{self, CrashPoint};
 use idem_core::outbox::{Claim, ClaimOutcome, ClaimRequest, Completed, OutboxRecord};
 use idem_core::publish::Publisher;
 use idem_core::store::OutboxStore;
@@ -76,7 +76,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             return Ok(report);
         }
         let records = self.negative_controls(&claim).await?;
-        crash::crash_point(RELAY_AFTER_CLAIM_BEFORE_PUBLISH)?;
+        crash::crash_point(CrashPoint::RelayAfterClaimBeforePublish)?;
 
         let plan = message::plan(&records, &self.config.topics, self.config.source.as_deref());
         if Instant::now()
@@ -93,9 +93,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         let delivered = self.publisher.publish(&plan.messages).await;
         let reported_at = Utc::now();
         let results = plan.results(delivered);
-        crash::crash_point(RELAY_AFTER_PUBLISH_BEFORE_MARK)?;
+        crash::crash_point(CrashPoint::RelayAfterPublishBeforeMark)?;
 
-        let never_park = || crash::broken(crash::BREAK_NEVER_PARK);
+        let never_park = || crash::broken(crash::Mechanism::NeverPark);
         let policy = Policy {
             max_attempts: self.config.max_attempts,
             never_park: &never_park,
@@ -122,10 +122,10 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         }
     }
 
-    /// Negative controls (chaos runs only): see `idem_core::crash::BREAKABLE`. Returns the rows
+    /// Negative controls (chaos runs only): see `idem_core::crash::Mechanism`. Returns the rows
     /// to publish: all the claim's, unless the `id-watermark` control skipped some.
     async fn negative_controls<'c>(&self, claim: &'c Claim) -> Result<Cow<'c, [OutboxRecord]>> {
-        let records: Cow<'c, [OutboxRecord]> = if crash::broken(crash::BREAK_ID_WATERMARK) {
+        let records: Cow<'c, [OutboxRecord]> = if crash::broken(crash::Mechanism::IdWatermark) {
             let mark = self.watermark.load(Ordering::Relaxed);
             let (below, above): (Vec<_>, Vec<_>) =
                 claim.records.iter().cloned().partition(|r| r.id < mark);
@@ -138,7 +138,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         } else {
             Cow::Borrowed(&claim.records)
         };
-        if crash::broken(crash::BREAK_MARK_BEFORE_REPORT) {
+        if crash::broken(crash::Mechanism::MarkBeforeReport) {
             let early = ClaimOutcome {
                 published: records.iter().map(|r| r.id).collect(),
                 failed: vec![],

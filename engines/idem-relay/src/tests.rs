@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
+use idem_core::crash::{self, CrashPoint};
 use idem_core::outbox::{ClaimOutcome, ClaimRequest};
 use idem_core::publish::{FailureKind, Message, PublishError};
 use idem_core::{Event, TableNames};
@@ -408,10 +408,18 @@ async fn crash_point_after_publish_before_mark_leads_to_a_counted_republish() {
     let f = fixture().await;
     let a = f.enqueue("a", 1).await;
     let relay = f.relay(fast());
-    crash::arm(RELAY_AFTER_PUBLISH_BEFORE_MARK, crash::Action::Error, 1).unwrap();
+    crash::arm(
+        CrashPoint::RelayAfterPublishBeforeMark,
+        crash::Action::Error,
+        1,
+    )
+    .unwrap();
     let err = relay.run_once().await.unwrap_err();
     assert!(
-        matches!(err, Error::CrashPoint(RELAY_AFTER_PUBLISH_BEFORE_MARK)),
+        matches!(
+            err,
+            Error::CrashPoint(CrashPoint::RelayAfterPublishBeforeMark)
+        ),
         "{err}"
     );
     assert_eq!(
@@ -442,7 +450,12 @@ async fn backlog_gauges_follow_each_aggregate_type_and_marked_rows_are_timed() {
     assert!((0.0..60.0).contains(&age), "age {age}");
 
     // A crash before the mark: nothing is timed, the republish is.
-    crash::arm(RELAY_AFTER_PUBLISH_BEFORE_MARK, crash::Action::Error, 1).unwrap();
+    crash::arm(
+        CrashPoint::RelayAfterPublishBeforeMark,
+        crash::Action::Error,
+        1,
+    )
+    .unwrap();
     relay.run_once().await.unwrap_err();
     let timed =
         m.commit_to_publish

@@ -131,7 +131,7 @@ async fn rebalance_and_kill(brokers: &str, topic: &str, settings: &[(String, Str
     let b = member(&pg, brokers, &group, topic, settings, &stop);
     // Whichever member commits a transaction next crashes before storing its offsets.
     crash::arm(
-        idem_core::crash::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT,
+        idem_core::crash::CrashPoint::ConsumerAfterDbCommitBeforeOffsetCommit,
         Action::Error,
         1,
     )
@@ -240,7 +240,7 @@ async fn on_kafka_an_offset_is_committed_only_after_its_transaction_committed() 
     };
 
     crash::arm(
-        idem_core::crash::CONSUMER_AFTER_DEDUP_BEFORE_HANDLER,
+        idem_core::crash::CrashPoint::ConsumerAfterDedupBeforeHandler,
         Action::Error,
         1,
     )

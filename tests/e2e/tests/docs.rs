@@ -244,7 +244,7 @@ fn the_readme_layout_matches_the_tree() {
 fn every_crash_point_and_negative_control_is_documented() {
     let crash_doc = read("docs/reference/crash-points.md");
     let windows = read("docs/concepts/duplicate-windows.md");
-    for point in idem_core::crash::CRASH_POINTS {
+    for point in idem_core::crash::CrashPoint::ALL.iter().map(|p| p.as_str()) {
         assert!(
             crash_doc.contains(point),
             "docs/reference/crash-points.md does not list {point}"
@@ -255,7 +255,7 @@ fn every_crash_point_and_negative_control_is_documented() {
         );
     }
     let lab = read("docs/internals/demo-and-chaos.md");
-    for control in idem_core::crash::BREAKABLE {
+    for control in idem_core::crash::Mechanism::ALL {
         assert!(
             lab.contains(&format!("`{control}`")),
             "docs/internals/demo-and-chaos.md does not describe the negative control {control}"
@@ -263,8 +263,21 @@ fn every_crash_point_and_negative_control_is_documented() {
     }
 }
 
+/// The variant name of a crash point's name: `relay.after_claim` is `RelayAfterClaim`.
+fn camel_case(name: &str) -> String {
+    name.split(['.', '_'])
+        .flat_map(|word| {
+            let mut c = word.chars();
+            c.next()
+                .map(|first| first.to_ascii_uppercase())
+                .into_iter()
+                .chain(c)
+        })
+        .collect()
+}
+
 /// Each row of the crash points' table names the file (and the function, where it names one)
-/// that fires the point: the file calls `crash_point` with the point's constant.
+/// that fires the point: the file calls `crash_point` with the point's variant.
 #[test]
 fn every_crash_point_is_fired_where_its_row_says() {
     let doc = read("docs/reference/crash-points.md");
@@ -278,10 +291,13 @@ fn every_crash_point_is_fired_where_its_row_says() {
         let quoted: Vec<&str> = cells[1].split('`').skip(1).step_by(2).collect();
         let file = quoted[0];
         let code = read(file);
-        let constant = point.to_uppercase().replace('.', "_");
+        if let Err(e) = point.parse::<idem_core::crash::CrashPoint>() {
+            panic!("docs/reference/crash-points.md: {e}");
+        }
+        let variant = format!("CrashPoint::{}", camel_case(point));
         assert!(
-            code.contains("crash_point(") && code.contains(&constant),
-            "{point}: {file} does not fire {constant}"
+            code.contains("crash_point(") && code.contains(&variant),
+            "{point}: {file} does not fire {variant}"
         );
         if let Some(function) = quoted.get(1).and_then(|f| f.rsplit("::").next()) {
             assert!(
@@ -293,7 +309,7 @@ fn every_crash_point_is_fired_where_its_row_says() {
     }
     assert_eq!(
         rows,
-        idem_core::crash::CRASH_POINTS.len() + idem_core::crash::CDC_CRASH_POINTS.len(),
+        idem_core::crash::CrashPoint::ALL.len(),
         "one row per crash point"
     );
 }

@@ -14,7 +14,7 @@ use idem_conformance::process::{eventually, metric_value as value};
 use idem_consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
 };
-use idem_core::crash::{self, RELAY_AFTER_PUBLISH_BEFORE_MARK};
+use idem_core::crash::{self, CrashPoint};
 use idem_core::publish::{Message, Publisher};
 use idem_core::{Error, Event, InboundEvent};
 use idem_kafka::{EmbeddedCluster, KafkaPublisher, KafkaSource, consumer_config, inspect};
@@ -118,7 +118,12 @@ async fn the_exported_counters_equal_the_scripted_numbers() {
         },
         RelayMetrics::new(&relay_registry).unwrap(),
     );
-    crash::arm(RELAY_AFTER_PUBLISH_BEFORE_MARK, crash::Action::Error, 1).unwrap();
+    crash::arm(
+        CrashPoint::RelayAfterPublishBeforeMark,
+        crash::Action::Error,
+        1,
+    )
+    .unwrap();
     let crashed = relay.run_once().await.unwrap_err();
     assert!(matches!(crashed, Error::CrashPoint(_)), "{crashed}");
     pg.expire_leases().await;

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use idem_core::crash::Mechanism;
 
 use super::kafka::BrokerFault;
 use super::procs::{Proc, Rng, Role};
@@ -86,7 +87,7 @@ struct Timers {
 pub(super) async fn inject(
     w: &mut World<'_>,
     seconds: u64,
-    mechanism: Option<&str>,
+    mechanism: Option<Mechanism>,
     rng: &mut Rng,
 ) -> anyhow::Result<Injected> {
     let started = Instant::now();

@@ -37,7 +37,7 @@ pub(crate) struct KafkaTxnArgs {
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub(crate) async fn run(all: KafkaTxnArgs) -> anyhow::Result<()> {
-    if !crash::broken(crash::BREAK_KAFKA_TRANSACTIONS) {
+    if !crash::broken(crash::Mechanism::KafkaTransactions) {
         anyhow::bail!(
             "idem-lab kafka-txn-settlement is the chaos runner's negative control: it applies \
              effects twice on purpose, so it runs only under `idem-lab chaos --break \
@@ -137,7 +137,7 @@ async fn consume<H: Handler<sqlx::PgConnection>>(
             }
         }
         tx.commit().await?;
-        crash::crash_point(crash::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT)?;
+        crash::crash_point(crash::CrashPoint::ConsumerAfterDbCommitBeforeOffsetCommit)?;
         let mut next: std::collections::BTreeMap<(&str, i32), i64> = Default::default();
         for d in &batch {
             let o = next.entry((d.topic.as_str(), d.partition)).or_default();

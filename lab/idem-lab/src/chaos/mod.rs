@@ -37,7 +37,7 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::Args;
 use idem_core::TableNames;
-use idem_core::crash::{BREAK_KAFKA_TRANSACTIONS, BREAKABLE};
+use idem_core::crash::{CrashPoint, Mechanism};
 use serde::Serialize;
 
 use crate::demo::world::{Databases, Owner};
@@ -71,7 +71,7 @@ pub(crate) struct ChaosArgs {
     /// Its variable is `IDEM_CHAOS_BREAK`: `IDEM_BREAK` is the fault the runner hands its
     /// processes.
     #[arg(long = "break", env = "IDEM_CHAOS_BREAK", value_parser = negative_controls())]
-    pub break_mechanism: Option<String>,
+    pub break_mechanism: Option<Mechanism>,
     /// How long the pipeline may take to settle after the faults stop.
     #[arg(long, default_value = "180s", value_parser = idem_cli::util::parse_duration)]
     pub settle_deadline: Duration,
@@ -174,19 +174,20 @@ pub(crate) struct ChaosReport {
 }
 
 /// The negative controls: the mechanisms idem can break (`IDEM_BREAK`). One of them,
-/// [`BREAK_KAFKA_TRANSACTIONS`], replaces the settlement consumers' inbox with Kafka transactions
+/// [`Mechanism::KafkaTransactions`], replaces the settlement consumers' inbox with Kafka transactions
 /// (read_committed, offsets committed in a transaction after the database commit): "we turned
 /// on Kafka exactly-once" does not make a database side effect happen once.
 ///
 /// `skip-sending-mark` is left out: the run's points route honours keys, so breaking the mark
 /// for keyless remotes would go unnoticed — a control that cannot fail. The battery catches it
 /// (`without_the_sending_mark_the_same_crash_awards_twice`, real processes killed).
-fn negative_controls() -> Vec<&'static str> {
-    BREAKABLE
+fn negative_controls() -> impl clap::builder::TypedValueParser<Value = Mechanism> {
+    use clap::builder::TypedValueParser as _;
+    let names = Mechanism::ALL
         .iter()
-        .copied()
-        .filter(|b| *b != idem_core::crash::BREAK_SKIP_SENDING_MARK)
-        .collect()
+        .filter(|m| **m != Mechanism::SkipSendingMark)
+        .map(|m| m.as_str());
+    clap::builder::PossibleValuesParser::new(names).try_map(|name| name.parse::<Mechanism>())
 }
 
 fn parse_nodes(s: &str) -> Result<usize, String> {
@@ -199,13 +200,13 @@ fn parse_nodes(s: &str) -> Result<usize, String> {
 
 /// Per crash point, how often it fired, from the log the armed processes write (none yet when
 /// it cannot be read).
-fn crash_counts(log: &Path, points: &[&str]) -> BTreeMap<String, u64> {
+fn crash_counts(log: &Path, points: &[CrashPoint]) -> BTreeMap<String, u64> {
     fired(&std::fs::read_to_string(log).unwrap_or_default(), points)
 }
 
 /// Per crash point, how often the crash log `text` (one fired point a line) says it fired.
-fn fired(text: &str, points: &[&str]) -> BTreeMap<String, u64> {
-    let mut out: BTreeMap<String, u64> = points.iter().map(|p| ((*p).to_owned(), 0)).collect();
+fn fired(text: &str, points: &[CrashPoint]) -> BTreeMap<String, u64> {
+    let mut out: BTreeMap<String, u64> = points.iter().map(|p| (p.to_string(), 0)).collect();
     for line in text.lines() {
         if let Some(n) = out.get_mut(line.trim()) {
             *n += 1;
@@ -303,7 +304,7 @@ fn secured_role(args: &ChaosArgs) -> anyhow::Result<Option<secure::DbRole>> {
     if args.kafka_nodes != 1 {
         bail!("--tls runs one Kafka node (scripts/kafka secures single-node clusters only)");
     }
-    if args.break_mechanism.as_deref() == Some(BREAK_KAFKA_TRANSACTIONS) {
+    if args.break_mechanism == Some(Mechanism::KafkaTransactions) {
         bail!(
             "--tls cannot run the kafka-transactions control: its consumer connects in plain text"
         );
@@ -408,7 +409,6 @@ async fn drive(
             )),
         dir.display(),
         args.break_mechanism
-            .as_deref()
             .map(|b| format!("; NEGATIVE CONTROL: {b} broken"))
             .unwrap_or_default()
     );
@@ -423,7 +423,7 @@ async fn drive(
         failover: args.pg_failover,
         burst: (&burst_prefix, burst_rows),
     };
-    let mechanism = args.break_mechanism.as_deref();
+    let mechanism = args.break_mechanism;
     let mut injected = inject::inject(&mut world, args.seconds, mechanism, &mut rng).await?;
     settle::stop_faults(&mut injected.windows, &mut procs).await?;
     let config = verify_config(&dbs.urls);
@@ -489,7 +489,7 @@ fn topology_of(
         topic: format!("{prefix}order"),
         prefix,
         rate: args.rate,
-        kafka_transactions: args.break_mechanism.as_deref() == Some(BREAK_KAFKA_TRANSACTIONS),
+        kafka_transactions: args.break_mechanism == Some(Mechanism::KafkaTransactions),
         cdc_slot: args.cdc.then(|| format!("idem_chaos_{run}")),
         secure: None,
     }
@@ -506,8 +506,8 @@ fn processes(
 ) -> anyhow::Result<Vec<Proc>> {
     let mut env: Vec<(&'static str, String)> =
         vec![("IDEM_CRASH_LOG", crash_log.display().to_string())];
-    if let Some(b) = &args.break_mechanism {
-        env.push(("IDEM_BREAK", b.clone()));
+    if let Some(b) = args.break_mechanism {
+        env.push(("IDEM_BREAK", b.to_string()));
     }
     let mut procs = brokers;
     for spec in topology::specs(topology) {
@@ -519,14 +519,15 @@ fn processes(
 #[cfg(test)]
 mod tests {
     use super::fired;
-    use idem_core::crash::CRASH_POINTS;
+    use idem_core::crash::CrashPoint;
 
     #[test]
     fn the_crash_log_counts_every_point_and_ignores_other_lines() {
-        let text = format!("{p}\n  {p}  \nnot a point\n", p = CRASH_POINTS[0]);
-        let counts = fired(&text, CRASH_POINTS);
-        assert_eq!(counts.len(), CRASH_POINTS.len());
-        assert_eq!(counts[CRASH_POINTS[0]], 2);
+        let points = CrashPoint::POLLING_PIPELINE;
+        let text = format!("{p}\n  {p}  \nnot a point\n", p = points[0]);
+        let counts = fired(&text, points);
+        assert_eq!(counts.len(), points.len());
+        assert_eq!(counts[points[0].as_str()], 2);
         assert_eq!(counts.values().sum::<u64>(), 2);
     }
 }

@@ -95,7 +95,7 @@ pub(super) async fn report(
         seed: args.seed,
         seconds: args.seconds,
         kafka_nodes: args.kafka_nodes,
-        negative_control: args.break_mechanism.clone(),
+        negative_control: args.break_mechanism.map(|m| m.to_string()),
         orders: pipe
             .dbs
             .orders

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use idem_core::crash::{self as c, CRASH_POINTS};
+use idem_core::crash::{CrashPoint, Mechanism};
 use idem_kafka::admin::PartitionInfo;
 
 use super::kafka::{self, BrokerFault};
@@ -66,7 +66,7 @@ pub(super) enum Plan {
         /// Index of the process.
         proc: usize,
         /// The crash point.
-        point: &'static str,
+        point: CrashPoint,
         /// The reach at which it fires (1 to 3).
         hit: u64,
     },
@@ -106,11 +106,11 @@ pub(super) enum Plan {
 /// The schedule's state between faults.
 pub(super) struct Schedule {
     /// The crash points this run arms.
-    points: &'static [&'static str],
+    points: &'static [CrashPoint],
     /// Every crash point, in a seeded order: each is armed early until it has fired once.
-    first_round: Vec<&'static str>,
+    first_round: Vec<CrashPoint>,
     /// The window a negative control's broken mechanism opens, aimed at every other time.
-    focus: Option<&'static str>,
+    focus: Option<CrashPoint>,
     /// Faults planned so far.
     tick: u64,
     /// When the next fault is due.
@@ -121,17 +121,17 @@ pub(super) struct Schedule {
 impl Schedule {
     /// The schedule of a run started at `started`, breaking `mechanism` if any.
     #[cfg(test)]
-    pub(super) fn new(started: Instant, mechanism: Option<&str>, rng: &mut Rng) -> Self {
-        Self::with_points(started, mechanism, rng, CRASH_POINTS)
+    pub(super) fn new(started: Instant, mechanism: Option<Mechanism>, rng: &mut Rng) -> Self {
+        Self::with_points(started, mechanism, rng, CrashPoint::POLLING_PIPELINE)
     }
 
     /// A schedule arming `points` (the crash points of the pipeline the run has:
     /// [`run_points`]).
     pub(super) fn with_points(
         started: Instant,
-        mechanism: Option<&str>,
+        mechanism: Option<Mechanism>,
         rng: &mut Rng,
-        points: &'static [&'static str],
+        points: &'static [CrashPoint],
     ) -> Self {
         Schedule {
             points,
@@ -149,11 +149,11 @@ impl Schedule {
     }
 
     /// The crash points of the first round that have not fired yet.
-    pub(super) fn unfired(&self, fired: &BTreeMap<String, u64>) -> Vec<&'static str> {
+    pub(super) fn unfired(&self, fired: &BTreeMap<String, u64>) -> Vec<CrashPoint> {
         self.first_round
             .iter()
             .copied()
-            .filter(|p| fired.get(*p).copied().unwrap_or(0) == 0)
+            .filter(|p| fired.get(p.as_str()).copied().unwrap_or(0) == 0)
             .collect()
     }
 
@@ -161,7 +161,7 @@ impl Schedule {
     pub(super) fn kind(
         &mut self,
         now: Instant,
-        unfired: &[&str],
+        unfired: &[CrashPoint],
         faults: &BTreeMap<String, u64>,
         rng: &mut Rng,
     ) -> FaultKind {
@@ -182,7 +182,7 @@ impl Schedule {
     /// window every other time), in a process of its role that has none armed.
     pub(super) fn crash_point(
         &self,
-        unfired: &[&'static str],
+        unfired: &[CrashPoint],
         faults: &BTreeMap<String, u64>,
         slots: &[Slot],
         rng: &mut Rng,
@@ -220,22 +220,26 @@ impl Schedule {
 
 /// The crash points of a run's pipeline: the polling relay's and the rest, or with `cdc` the
 /// CDC relay's instead of the polling relay's.
-pub(super) fn run_points(cdc: bool) -> &'static [&'static str] {
-    if cdc { CDC_RUN_POINTS } else { CRASH_POINTS }
+pub(super) fn run_points(cdc: bool) -> &'static [CrashPoint] {
+    if cdc {
+        CDC_RUN_POINTS
+    } else {
+        CrashPoint::POLLING_PIPELINE
+    }
 }
 
 /// [`run_points`] of a run with CDC relays.
-const CDC_RUN_POINTS: &[&str] = &[
-    c::CDC_AFTER_PUBLISH_BEFORE_CONFIRM,
-    c::CONSUMER_AFTER_DEDUP_BEFORE_HANDLER,
-    c::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT,
-    c::EFFECT_BEFORE_HTTP,
-    c::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD,
+const CDC_RUN_POINTS: &[CrashPoint] = &[
+    CrashPoint::CdcAfterPublishBeforeConfirm,
+    CrashPoint::ConsumerAfterDedupBeforeHandler,
+    CrashPoint::ConsumerAfterDbCommitBeforeOffsetCommit,
+    CrashPoint::EffectBeforeHttp,
+    CrashPoint::EffectAfterHttpSuccessBeforeRecord,
 ];
 
 /// Every crash point of `points`, shuffled by the seed (Fisher–Yates).
-pub(super) fn first_round(rng: &mut Rng, points: &'static [&'static str]) -> Vec<&'static str> {
-    let mut round: Vec<&'static str> = points.to_vec();
+pub(super) fn first_round(rng: &mut Rng, points: &'static [CrashPoint]) -> Vec<CrashPoint> {
+    let mut round: Vec<CrashPoint> = points.to_vec();
     for i in (1..round.len()).rev() {
         round.swap(i, rng.index(i + 1));
     }
@@ -295,12 +299,12 @@ pub(super) fn choose_kind(
 /// The crash point to arm. Draws exactly as the schedule always has: the focus coin only while
 /// some point never fired, and the fallback point whenever the focus is not taken.
 fn choose_point(
-    focus: Option<&'static str>,
-    unfired: &[&'static str],
+    focus: Option<CrashPoint>,
+    unfired: &[CrashPoint],
     faults: &BTreeMap<String, u64>,
-    points: &'static [&'static str],
+    points: &'static [CrashPoint],
     rng: &mut Rng,
-) -> &'static str {
+) -> CrashPoint {
     match focus {
         Some(f) if unfired.is_empty() || rng.below(2) == 0 => f,
         _ => {
@@ -308,19 +312,19 @@ fn choose_point(
             unfired
                 .iter()
                 .copied()
-                .min_by_key(|p| armed_count(faults, p))
+                .min_by_key(|p| armed_count(faults, *p))
                 .unwrap_or(fallback)
         }
     }
 }
 
 /// How often `point` was armed so far.
-fn armed_count(faults: &BTreeMap<String, u64>, point: &str) -> u64 {
+fn armed_count(faults: &BTreeMap<String, u64>, point: CrashPoint) -> u64 {
     faults.get(&armed_key(point)).copied().unwrap_or(0)
 }
 
 /// The `faults` key counting how often `point` was armed.
-pub(super) fn armed_key(point: &str) -> String {
+pub(super) fn armed_key(point: CrashPoint) -> String {
     format!("crash_point_armed:{point}")
 }
 
@@ -412,25 +416,34 @@ pub(super) fn lock_hold(rng: &mut Rng) -> Duration {
 }
 
 /// The role of the processes that reach `point`.
-pub(super) fn role_of_point(point: &str) -> Role {
-    if point.starts_with("relay.") || point.starts_with("cdc.") {
-        Role::Relay
-    } else if point.starts_with("consumer.") {
-        Role::Settlement
-    } else {
-        Role::Dispatcher
+pub(super) fn role_of_point(point: CrashPoint) -> Role {
+    match point {
+        CrashPoint::RelayAfterClaimBeforePublish
+        | CrashPoint::RelayAfterPublishBeforeMark
+        | CrashPoint::CdcAfterPublishBeforeConfirm => Role::Relay,
+        CrashPoint::ConsumerAfterDedupBeforeHandler
+        | CrashPoint::ConsumerAfterDbCommitBeforeOffsetCommit => Role::Settlement,
+        CrashPoint::EffectBeforeHttp | CrashPoint::EffectAfterHttpSuccessBeforeRecord => {
+            Role::Dispatcher
+        }
     }
 }
 
 /// The crash point whose window a broken mechanism turns into a violation.
-pub(super) fn window_of(mechanism: &str) -> Option<&'static str> {
+pub(super) fn window_of(mechanism: Mechanism) -> Option<CrashPoint> {
     match mechanism {
-        c::BREAK_MARK_BEFORE_REPORT => Some(c::RELAY_AFTER_CLAIM_BEFORE_PUBLISH),
-        c::BREAK_OFFSET_BEFORE_COMMIT => Some(c::CONSUMER_AFTER_DEDUP_BEFORE_HANDLER),
-        c::BREAK_SELECT_THEN_INSERT => Some(c::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT),
-        c::BREAK_NEW_KEY_PER_RETRY => Some(c::EFFECT_AFTER_HTTP_SUCCESS_BEFORE_RECORD),
-        c::BREAK_KAFKA_TRANSACTIONS => Some(c::CONSUMER_AFTER_DB_COMMIT_BEFORE_OFFSET_COMMIT),
-        _ => None,
+        Mechanism::MarkBeforeReport => Some(CrashPoint::RelayAfterClaimBeforePublish),
+        Mechanism::OffsetBeforeCommit => Some(CrashPoint::ConsumerAfterDedupBeforeHandler),
+        Mechanism::SelectThenInsert | Mechanism::KafkaTransactions => {
+            Some(CrashPoint::ConsumerAfterDbCommitBeforeOffsetCommit)
+        }
+        Mechanism::NewKeyPerRetry => Some(CrashPoint::EffectAfterHttpSuccessBeforeRecord),
+        Mechanism::InboxIgnoresGroup
+        | Mechanism::IdWatermark
+        | Mechanism::NeverPark
+        | Mechanism::KeyLockRenewal
+        | Mechanism::TransientDeadLetters
+        | Mechanism::SkipSendingMark => None,
     }
 }
 
@@ -473,7 +486,7 @@ mod tests {
     }
 
     /// Plans `n` faults against processes that stay up, as the runner would.
-    fn plans(seed: u64, mechanism: Option<&str>, n: usize) -> Vec<(FaultKind, Plan)> {
+    fn plans(seed: u64, mechanism: Option<Mechanism>, n: usize) -> Vec<(FaultKind, Plan)> {
         let mut rng = Rng::new(seed);
         let started = Instant::now();
         let mut s = Schedule::new(started, mechanism, &mut rng);
@@ -502,16 +515,16 @@ mod tests {
         assert_eq!(plans(7, None, 200), plans(7, None, 200));
         assert_ne!(plans(7, None, 200), plans(8, None, 200));
         assert_eq!(
-            first_round(&mut Rng::new(3), CRASH_POINTS),
-            first_round(&mut Rng::new(3), CRASH_POINTS)
+            first_round(&mut Rng::new(3), CrashPoint::POLLING_PIPELINE),
+            first_round(&mut Rng::new(3), CrashPoint::POLLING_PIPELINE)
         );
     }
 
     #[test]
     fn the_first_round_is_every_crash_point_once() {
-        let mut round = first_round(&mut Rng::new(11), CRASH_POINTS);
+        let mut round = first_round(&mut Rng::new(11), CrashPoint::POLLING_PIPELINE);
         round.sort_unstable();
-        let mut all = CRASH_POINTS.to_vec();
+        let mut all = CrashPoint::POLLING_PIPELINE.to_vec();
         all.sort_unstable();
         assert_eq!(round, all);
     }
@@ -586,7 +599,7 @@ mod tests {
 
     #[test]
     fn a_negative_control_aims_at_its_window_once_every_point_fired() {
-        let mechanism = c::BREAK_MARK_BEFORE_REPORT;
+        let mechanism = Mechanism::MarkBeforeReport;
         let mut rng = Rng::new(9);
         let s = Schedule::new(Instant::now(), Some(mechanism), &mut rng);
         for _ in 0..20 {
@@ -601,11 +614,22 @@ mod tests {
     #[test]
     fn the_least_armed_unfired_point_comes_first() {
         let mut rng = Rng::new(1);
-        let unfired = [CRASH_POINTS[0], CRASH_POINTS[1]];
-        let faults = [(armed_key(CRASH_POINTS[0]), 2)].into_iter().collect();
+        let unfired = [
+            CrashPoint::POLLING_PIPELINE[0],
+            CrashPoint::POLLING_PIPELINE[1],
+        ];
+        let faults = [(armed_key(CrashPoint::POLLING_PIPELINE[0]), 2)]
+            .into_iter()
+            .collect();
         assert_eq!(
-            choose_point(None, &unfired, &faults, CRASH_POINTS, &mut rng),
-            CRASH_POINTS[1]
+            choose_point(
+                None,
+                &unfired,
+                &faults,
+                CrashPoint::POLLING_PIPELINE,
+                &mut rng
+            ),
+            CrashPoint::POLLING_PIPELINE[1]
         );
     }
 
@@ -665,8 +689,8 @@ mod tests {
 
     #[test]
     fn every_crash_point_has_a_process_that_reaches_it() {
-        for p in CRASH_POINTS {
-            let role = role_of_point(p);
+        for p in CrashPoint::ALL {
+            let role = role_of_point(*p);
             assert!(matches!(
                 role,
                 Role::Relay | Role::Settlement | Role::Dispatcher

@@ -50,7 +50,7 @@ impl Topology {
     }
 
     /// The crash points of this run's pipeline.
-    pub(super) fn points(&self) -> &'static [&'static str] {
+    pub(super) fn points(&self) -> &'static [idem_core::crash::CrashPoint] {
         super::schedule::run_points(self.cdc_slot.is_some())
     }
 

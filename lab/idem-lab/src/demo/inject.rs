@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use idem_core::crash::{self, Action, CRASH_POINTS};
+use idem_core::crash::{self, Action, CrashPoint};
 use idem_core::publish::{Message, Publisher};
 use idem_core::wire;
 use idem_kafka::KafkaPublisher;
@@ -75,7 +75,7 @@ impl<'a> Injector<'a> {
                 bail!(
                     "liveness: the pipeline did not settle within {deadline:?} (orders written {}, crash points {:?})",
                     self.tally.written,
-                    crash::fired()
+                    pipeline_fired()
                 );
             }
             let (batch, counts) = self.step().await?;
@@ -83,7 +83,7 @@ impl<'a> Injector<'a> {
                 self.progress_line(started, &counts, ctl);
                 last_progress = Instant::now();
             }
-            let done = plan::faults_done(&crash::fired(), self.targets.crashes);
+            let done = plan::faults_done(&pipeline_fired(), self.targets.crashes);
             if plan::settled(&self.targets, &self.tally, done, &counts) {
                 return Ok(());
             }
@@ -98,7 +98,7 @@ impl<'a> Injector<'a> {
         let (settle, orders) = (&self.settlement, &self.orders_pool);
         let idle = settle.scalar(COUNT_DONE).await? >= self.tally.written_i64();
         let pending = orders.scalar(COUNT_PENDING).await?;
-        let faults_done = plan::faults_done(&crash::fired(), self.targets.crashes);
+        let faults_done = plan::faults_done(&pipeline_fired(), self.targets.crashes);
         let batch = plan::order_batch(&self.targets, &self.tally, faults_done, pending, idle);
         let first = self.tally.written + 1;
         with_store!(&self.orders, s => write_orders(s, first, batch).await?);
@@ -123,13 +123,9 @@ impl<'a> Injector<'a> {
     /// Keeps each crash point armed (error mode, on one of its next few hits) until it has
     /// fired often enough.
     fn arm_crash_points(&mut self) -> anyhow::Result<()> {
-        let fired = crash::fired();
-        let states: Vec<PointState> = CRASH_POINTS
-            .iter()
-            .map(|p| {
-                let n = fired.iter().find(|(n, _)| n == p).map_or(0, |(_, c)| *c);
-                (*p, n, crash::is_armed(p))
-            })
+        let states: Vec<PointState> = pipeline_fired()
+            .into_iter()
+            .map(|(p, n)| (p, n, crash::is_armed(p)))
             .collect();
         for (p, fire_on) in plan::crash_arming(&states, self.targets.crashes, &mut self.seed) {
             crash::arm(p, Action::Error, fire_on)?;
@@ -138,7 +134,7 @@ impl<'a> Injector<'a> {
     }
 
     fn progress_line(&self, started: Instant, c: &Counts, ctl: &Ctl) {
-        let fired: u64 = crash::fired().iter().map(|(_, n)| *n).sum();
+        let fired: u64 = pipeline_fired().iter().map(|(_, n)| *n).sum();
         let t = &self.tally;
         eprintln!(
             "idem demo: {:>5.1}s  orders {}  unpublished {}  settled {}  awarded {}  crash points fired {fired}/{}  republished {}  conflicts {}  restarts {}",
@@ -147,7 +143,7 @@ impl<'a> Injector<'a> {
             c.pending,
             c.settled,
             c.done,
-            CRASH_POINTS.len() as u64 * self.targets.crashes,
+            CrashPoint::POLLING_PIPELINE.len() as u64 * self.targets.crashes,
             t.republished,
             t.conflicts,
             ctl.total_restarts()
@@ -243,6 +239,14 @@ fn forged(topic: &str, event_id: &str, order_id: &str) -> Message {
             h(wire::IDEM_AGGREGATE_ID, order_id),
         ],
     }
+}
+
+/// How often each point of the demo's pipeline (the polling relay's) has fired in this process.
+pub(super) fn pipeline_fired() -> Vec<(CrashPoint, u64)> {
+    crash::fired()
+        .into_iter()
+        .filter(|(p, _)| CrashPoint::POLLING_PIPELINE.contains(p))
+        .collect()
 }
 
 #[cfg(test)]

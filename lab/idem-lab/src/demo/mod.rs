@@ -282,9 +282,9 @@ impl End<'_> {
             settlements: rows.settlements,
             points_awards: rows.points_awards,
             effect_attempts: effects.attempts,
-            crash_points_fired: crash::fired()
+            crash_points_fired: inject::pipeline_fired()
                 .into_iter()
-                .map(|(n, c)| (n.to_owned(), c))
+                .map(|(p, c)| (p.to_string(), c))
                 .collect(),
             restarts: self.ctl.restarts(),
             lost: verify.lost(),

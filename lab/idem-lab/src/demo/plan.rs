@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use idem_core::crash::CrashPoint;
+
 /// What the demo was asked to inject.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Targets {
@@ -78,7 +80,7 @@ impl Seed {
 }
 
 /// One crash point as the demo sees it: its name, how often it fired, whether it is armed.
-pub(super) type PointState = (&'static str, u64, bool);
+pub(super) type PointState = (CrashPoint, u64, bool);
 
 /// The crash points to arm (error mode) and the hit each fires on: each one that has fired
 /// fewer than `target` times and is not armed.
@@ -86,7 +88,7 @@ pub(super) fn crash_arming(
     points: &[PointState],
     target: u64,
     seed: &mut Seed,
-) -> Vec<(&'static str, u64)> {
+) -> Vec<(CrashPoint, u64)> {
     points
         .iter()
         .filter(|(_, fired, armed)| *fired < target && !armed)
@@ -95,7 +97,7 @@ pub(super) fn crash_arming(
 }
 
 /// Whether every crash point in `fired` has fired `target` times.
-pub(super) fn faults_done(fired: &[(&'static str, u64)], target: u64) -> bool {
+pub(super) fn faults_done(fired: &[(CrashPoint, u64)], target: u64) -> bool {
     fired.iter().all(|(_, n)| *n >= target)
 }
 
@@ -153,6 +155,11 @@ pub(super) fn pause(batch: u64) -> Duration {
 mod tests {
     use super::*;
 
+    const A: CrashPoint = CrashPoint::RelayAfterClaimBeforePublish;
+    const B: CrashPoint = CrashPoint::RelayAfterPublishBeforeMark;
+    const C: CrashPoint = CrashPoint::ConsumerAfterDedupBeforeHandler;
+    const D: CrashPoint = CrashPoint::EffectBeforeHttp;
+
     const T: Targets = Targets {
         orders: 1000,
         crashes: 3,
@@ -171,25 +178,21 @@ mod tests {
 
     #[test]
     fn only_points_short_of_the_target_and_unarmed_are_armed() {
-        let points = [
-            ("a", 0, false),
-            ("b", 3, false),
-            ("c", 1, true),
-            ("d", 2, false),
-        ];
+        let [a, b, c, d] = [A, B, C, D];
+        let points = [(a, 0, false), (b, 3, false), (c, 1, true), (d, 2, false)];
         let mut seed = Seed::default();
         let armed = crash_arming(&points, 3, &mut seed);
         let mut again = Seed::default();
         assert_eq!(
             armed,
-            vec![("a", again.next_fire_on()), ("d", again.next_fire_on())]
+            vec![(a, again.next_fire_on()), (d, again.next_fire_on())]
         );
     }
 
     #[test]
     fn faults_are_done_when_every_point_reached_the_target() {
-        assert!(faults_done(&[("a", 3), ("b", 4)], 3));
-        assert!(!faults_done(&[("a", 3), ("b", 2)], 3));
+        assert!(faults_done(&[(A, 3), (B, 4)], 3));
+        assert!(!faults_done(&[(A, 3), (B, 2)], 3));
     }
 
     #[test]

@@ -96,7 +96,7 @@ where
             Err(Error::CrashPoint(point)) => {
                 tracing::info!(
                     component,
-                    point,
+                    point = point.as_str(),
                     "crash point fired; restarting the component"
                 );
                 ctl.restarted(component);
