@@ -72,13 +72,13 @@ pub enum CdcError {
     },
     /// The slot is missing although its publication records that it existed: it was dropped,
     /// or this server took over from one that had it. The relay never makes a new slot by
-    /// itself then (`--create-slot` does, once).
+    /// itself then (`CdcConfig::create_slot` does, once).
     #[error(
         "replication slot {slot} is missing, but it existed (publication {publication} records \
          it, or this relay read it): it was dropped, or this server took over from one that had \
          it (a failover: \
          PostgreSQL 15 keeps no logical slot on a standby). {consequence} Start the relay once \
-         with --create-slot to make a new slot"
+         with `CdcConfig::create_slot` to make a new slot"
     )]
     SlotMissing {
         /// The slot.

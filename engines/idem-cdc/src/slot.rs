@@ -105,7 +105,7 @@ pub async fn ensure_publication(
     if !pubinsert || (matches!(publishes, Publishes::Table { .. }) && !has_table) {
         return Err(CdcError::Config(format!(
             "publication {publication} exists but does not publish the inserts of {schema}.{table}: \
-             drop it or name another with --publication"
+             drop it or name another with `CdcConfig::publication`"
         )));
     }
     Ok(())
@@ -154,7 +154,7 @@ pub async fn slot_state(pool: &PgPool, slot: &Name) -> Result<Option<SlotState>,
     if kind != "logical" || plugin.as_deref() != Some("pgoutput") {
         return Err(CdcError::Config(format!(
             "slot {slot} exists but is a {kind} slot of plugin {plugin:?}, not a logical pgoutput \
-             slot: name another with --slot"
+             slot: name another with `CdcConfig::slot`"
         )));
     }
     Ok(Some(SlotState {

@@ -776,7 +776,10 @@ async fn a_slot_gone_between_sessions_stops_the_relay_instead_of_being_made_agai
         matches!(err, idem_cdc::CdcError::SlotMissing { .. }),
         "{err}"
     );
-    assert!(err.to_string().contains("--create-slot"), "{err}");
+    assert!(
+        err.to_string().contains("`CdcConfig::create_slot`"),
+        "{err}"
+    );
     assert!(err.to_string().contains("in no stream"), "{err}");
     assert_eq!(metrics.slot_lost.get(), 1);
     assert_eq!(metrics.slots_created.get(), 1, "the first start's only");

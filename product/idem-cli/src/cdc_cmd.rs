@@ -341,9 +341,10 @@ async fn relay(args: CdcRelayArgs) -> anyhow::Result<()> {
 /// ready, saying why) until it is told to stop, so that the alert on the gauge fires; a process
 /// that exited at once would take the gauge with it.
 async fn hold_for_operator(e: CdcError, health: &idem_core::health::Health) -> anyhow::Error {
-    health.failed(idem_cdc::relay::SLOT, &e);
+    let shown = with_flag_names(&e.to_string());
+    health.failed(idem_cdc::relay::SLOT, &shown);
     eprintln!(
-        "idem cdc relay: {e}\nidem cdc relay: stopped streaming; serving /metrics \
+        "idem cdc relay: {shown}\nidem cdc relay: stopped streaming; serving /metrics \
          (idem_cdc_slot_lost 1) and /readyz until told to stop"
     );
     match shutdown_signal() {
@@ -351,6 +352,23 @@ async fn hold_for_operator(e: CdcError, health: &idem_core::health::Health) -> a
         Err(err) => return anyhow::Error::new(e).context(format!("waiting for a signal: {err}")),
     }
     anyhow::Error::new(e)
+}
+
+/// The CDC relay's settings its messages name, and the flags that set them here.
+const FLAG_OF_SETTING: &[(&str, &str)] = &[
+    ("`CdcConfig::create_slot`", "--create-slot"),
+    ("`CdcConfig::publication`", "--publication"),
+    ("`CdcConfig::slot`", "--slot"),
+];
+
+/// `message` with each CDC relay setting it names replaced by the flag that sets it on this
+/// command line.
+pub(crate) fn with_flag_names(message: &str) -> String {
+    FLAG_OF_SETTING
+        .iter()
+        .fold(message.to_owned(), |m, (setting, flag)| {
+            m.replace(setting, flag)
+        })
 }
 
 #[cfg(test)]
@@ -387,6 +405,30 @@ mod tests {
             format!("{from_flags:?}"),
             format!("{:?}", CdcConfig::default())
         );
+    }
+
+    #[test]
+    fn the_cdc_settings_a_message_names_become_the_flags_that_set_them() {
+        let library = [
+            include_str!("../../../engines/idem-cdc/src/error.rs"),
+            include_str!("../../../engines/idem-cdc/src/slot.rs"),
+        ]
+        .concat();
+        let named: Vec<&str> = library
+            .split("`CdcConfig::")
+            .skip(1)
+            .filter_map(|rest| rest.split_once('`').map(|(field, _)| field))
+            .collect();
+        assert!(named.contains(&"create_slot"), "{named:?}");
+        let cmd = <CdcRelayArgs as clap::Args>::augment_args(clap::Command::new("relay"));
+        for field in named {
+            let shown = with_flag_names(&format!("`CdcConfig::{field}`"));
+            let flag = shown.trim_start_matches("--");
+            assert!(
+                shown.starts_with("--") && cmd.get_arguments().any(|a| a.get_long() == Some(flag)),
+                "`CdcConfig::{field}` has no flag of `idem cdc relay`: {shown}"
+            );
+        }
     }
 
     #[test]

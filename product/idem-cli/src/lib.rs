@@ -138,7 +138,7 @@ where
 fn error_message(e: &anyhow::Error) -> String {
     let mut msg = String::new();
     for cause in e.chain() {
-        let text = kafka_args::with_flag_names(&cause.to_string());
+        let text = cdc_cmd::with_flag_names(&kafka_args::with_flag_names(&cause.to_string()));
         if !msg.contains(&text) {
             if !msg.is_empty() {
                 msg.push_str(": ");
