@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::ceilings;
 use super::cpu;
+use super::figures::Figure;
 use super::kafka;
 use super::pg::{self, OrderWrite};
 use super::plan::{self, Phase, drain_timeout};
@@ -16,57 +17,64 @@ use super::{Ctx, Ticker};
 /// reported and the run goes on.
 pub(super) async fn run(c: &mut Ctx<'_>) {
     c.guarded(Phase::Inserts1, async |c| {
-        inserts(c, 1, "pg_insert_1conn_per_s").await
+        inserts(c, 1, Figure::PgInsert1).await
     })
     .await;
     let n = c.n;
     c.guarded(Phase::InsertsN, async |c| {
-        inserts(c, n, "pg_insert_nconn_per_s").await
+        inserts(c, n, Figure::PgInsertN).await
     })
     .await;
-    c.guarded(Phase::Business1, async |c| business(c, 1, "1conn").await)
+    c.guarded(Phase::Business1, async |c| business(c, 1, BUSINESS_1).await)
         .await;
-    c.guarded(Phase::BusinessN, async |c| business(c, n, "nconn").await)
+    c.guarded(Phase::BusinessN, async |c| business(c, n, BUSINESS_N).await)
         .await;
 }
 
-async fn inserts(c: &mut Ctx<'_>, conns: u32, key: &str) -> anyhow::Result<()> {
+async fn inserts(c: &mut Ctx<'_>, conns: u32, figure: Figure) -> anyhow::Result<()> {
     let v = pg::insert_rate(c.scratch, conns, c.secs, c.args.message_size).await?;
-    c.report.figure(key, v);
+    c.report.figure(figure, v);
     Ok(())
 }
+
+/// The figures of [`business`] on one connection, in the order of its writes.
+const BUSINESS_1: [Figure; 5] = [
+    Figure::BusinessTx1,
+    Figure::BusinessTxOutbox1,
+    Figure::BusinessTxPlain1,
+    Figure::BusinessTxMessage1,
+    Figure::BusinessTxMessageSeparate1,
+];
+/// The same on `--connections`.
+const BUSINESS_N: [Figure; 5] = [
+    Figure::BusinessTxN,
+    Figure::BusinessTxOutboxN,
+    Figure::BusinessTxPlainN,
+    Figure::BusinessTxMessageN,
+    Figure::BusinessTxMessageSeparateN,
+];
 
 /// Business transactions alone, with the outbox, with a plain second row and with a logical
 /// decoding message (the CDC relay's message mode; in the order's statement, and in one of its
 /// own) on `conns` connections, alternating for `--ceiling-runs` rounds (each kind `--seconds`
 /// in all), so a swing of the flush cost hits the five alike.
-async fn business(c: &mut Ctx<'_>, conns: u32, suffix: &str) -> anyhow::Result<()> {
+async fn business(c: &mut Ctx<'_>, conns: u32, figures: [Figure; 5]) -> anyhow::Result<()> {
     sqlx::query(pg::PLAIN_TABLE).execute(c.scratch).await?;
     let rounds = plan::ceiling_runs(c.args);
     let secs = c.secs / rounds;
     for round in 0..rounds {
-        for (how, key) in [
-            (OrderWrite::Alone, format!("business_tx_{suffix}_per_s")),
-            (
-                OrderWrite::Outbox(c.outbox.clone()),
-                format!("business_tx_outbox_{suffix}_per_s"),
-            ),
-            (
-                OrderWrite::PlainRow,
-                format!("business_tx_plain_{suffix}_per_s"),
-            ),
-            (
-                OrderWrite::Message(idem_sql::postgres::MessageOutbox::default()),
-                format!("business_tx_message_{suffix}_per_s"),
-            ),
-            (
-                OrderWrite::MessageSeparate(idem_sql::postgres::MessageOutbox::default()),
-                format!("business_tx_message_separate_{suffix}_per_s"),
-            ),
-        ] {
-            let prefix = format!("{key}-{round}-");
+        let message = idem_sql::postgres::MessageOutbox::default;
+        let writes = [
+            OrderWrite::Alone,
+            OrderWrite::Outbox(c.outbox.clone()),
+            OrderWrite::PlainRow,
+            OrderWrite::Message(message()),
+            OrderWrite::MessageSeparate(message()),
+        ];
+        for (how, figure) in writes.into_iter().zip(figures) {
+            let prefix = format!("{}-{round}-", figure.key());
             let v = business_rate(c, c.scratch, how, conns, secs, &prefix).await?;
-            c.report.sample(&key, v);
+            c.report.sample(figure, v);
         }
     }
     Ok(())
@@ -94,7 +102,7 @@ async fn business_rate(
 async fn round_trip(c: &mut Ctx<'_>) -> anyhow::Result<()> {
     let secs = c.secs.min(Duration::from_secs(1));
     let us = ceilings::round_trip_us(c.scratch_url, secs).await?;
-    c.report.sample("round_trip_us", us);
+    c.report.sample(Figure::RoundTrip, us);
     Ok(())
 }
 
@@ -115,8 +123,8 @@ pub(super) async fn relay(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
             tick.every_second(|| progress.note(&format!("claimed and marked {rows} rows")));
         })
         .await?;
-        c.report.sample("ceiling_relay_per_s", v);
-        raw_produce(c, "kafka_produce_per_s", None).await?;
+        c.report.sample(Figure::CeilingRelay, v);
+        raw_produce(c, Figure::KafkaProduce, None).await?;
     }
     Ok(())
 }
@@ -139,16 +147,16 @@ pub(super) async fn cdc(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
             async || pg::fill_backlog_in_transactions(pool, &prefix, backlog, per_tx, pad).await;
         let v =
             ceilings::decode_rate(c.scratch_url, &slot, "idem_bench_decode", backlog, fill).await?;
-        c.report.sample("ceiling_cdc_decode_per_s", v);
-        let cpu = Some("ceiling_cdc_produce_cpu_us_per_row");
-        raw_produce(c, "ceiling_cdc_produce_per_s", cpu).await?;
+        c.report.sample(Figure::CeilingCdcDecode, v);
+        let cpu = Some(Figure::CeilingCdcProduceCpu);
+        raw_produce(c, Figure::CeilingCdcProduce, cpu).await?;
     }
     Ok(())
 }
 
-/// One sample of `key`: a raw produce of `--backlog` relay-like records; with `cpu_key`, one
+/// One sample of `figure`: a raw produce of `--backlog` relay-like records; with `cpu`, one
 /// of the machine's CPU time per record too (every core: the client and the broker).
-async fn raw_produce(c: &mut Ctx<'_>, key: &str, cpu_key: Option<&str>) -> anyhow::Result<()> {
+async fn raw_produce(c: &mut Ctx<'_>, figure: Figure, cpu: Option<Figure>) -> anyhow::Result<()> {
     let payload = pg::order_event("b-", 1, c.pad)?
         .1
         .payload()
@@ -161,9 +169,9 @@ async fn raw_produce(c: &mut Ctx<'_>, key: &str, cpu_key: Option<&str>) -> anyho
         tick.every_second(|| progress.note(&format!("{done} records acknowledged")));
     })
     .await?;
-    c.report.sample(key, v);
-    if let Some((cpu_key, busy)) = cpu_key.zip(machine.and_then(|m| m.busy_since())) {
-        c.report.sample(cpu_key, cpu::us_per_row(busy, backlog));
+    c.report.sample(figure, v);
+    if let Some((cpu_figure, busy)) = cpu.zip(machine.and_then(|m| m.busy_since())) {
+        c.report.sample(cpu_figure, cpu::us_per_row(busy, backlog));
     }
     Ok(())
 }
@@ -176,7 +184,7 @@ pub(super) async fn raw_consume(c: &mut Ctx<'_>) -> anyhow::Result<()> {
         tick.every_second(|| progress.note(&format!("{done} records consumed")));
     })
     .await?;
-    c.report.figure("kafka_consume_per_s", v);
+    c.report.figure(Figure::KafkaConsume, v);
     Ok(())
 }
 
@@ -186,16 +194,16 @@ pub(super) async fn consumer(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
     round_trip(c).await?;
     let parts = plan::partitions(c.args);
     for run in 0..plan::ceiling_runs(c.args) {
-        for (conns, key) in [
-            (1, "ceiling_consumer_1conn_per_s"),
-            (parts, "ceiling_consumer_partitions_per_s"),
+        for (conns, figure) in [
+            (1, Figure::CeilingConsumer1),
+            (parts, Figure::CeilingConsumerPartitions),
         ] {
             let prefix = format!("k{tag}{run}x{conns}-");
             ceilings::reset_consumer_tables(c.scratch_url).await?;
             let v =
                 ceilings::consumer_rate(c.scratch_url, conns, c.args.batch_size, c.secs, &prefix)
                     .await?;
-            c.report.sample(key, v);
+            c.report.sample(figure, v);
         }
     }
     Ok(())
@@ -210,7 +218,7 @@ pub(super) async fn writers(c: &mut Ctx<'_>, tag: &str) -> anyhow::Result<()> {
         let prefix = format!("w{tag}{run}-");
         let how = OrderWrite::Outbox(c.outbox.clone());
         let v = business_rate(c, c.writers, how, c.n, c.secs, &prefix).await?;
-        c.report.sample("ceiling_writers_per_s", v);
+        c.report.sample(Figure::CeilingWriters, v);
     }
     Ok(())
 }

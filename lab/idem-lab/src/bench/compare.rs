@@ -9,7 +9,8 @@ use anyhow::Context;
 use clap::Args;
 use serde_json::{Map, Value, json};
 
-use super::report::{FIGURES, fmt, number};
+use super::figures::Figure;
+use super::report::{fmt, number};
 
 /// `idem-lab bench compare`.
 #[derive(Args, Debug)]
@@ -124,7 +125,7 @@ fn label(text: &str, config: &Value) -> String {
         .replace("{p}", &get("partitions"))
 }
 
-/// The comparison as text: the figures of [`FIGURES`] both runs have, then the ratios.
+/// The comparison as text: the figures of [`Figure::ALL`] both runs have, then the ratios.
 pub(super) fn table(c: &Value) -> String {
     use std::fmt::Write as _;
     let (bl, ol) = (
@@ -158,8 +159,9 @@ pub(super) fn table(c: &Value) -> String {
         v.as_f64()
             .map_or_else(|| "-".to_owned(), |v| format!("{v:.3}"))
     };
-    for (key, text, unit) in FIGURES {
-        let f = &c["figures"][*key];
+    for &figure in Figure::ALL {
+        let (text, unit) = (figure.label(), figure.unit());
+        let f = &c["figures"][figure.key()];
         if f.is_null() {
             continue;
         }

@@ -13,6 +13,7 @@ mod ceilings;
 mod child;
 mod compare;
 mod cpu;
+mod figures;
 mod kafka;
 mod latency;
 mod noinbox;

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::RunArgs;
-use super::report::LOADS;
+use super::figures::LOADS;
 
 /// One step of a run, in the order [`PHASES`] runs them. A ceiling runs just before and just
 /// after the system phase it bounds.

@@ -8,376 +8,11 @@ use serde_json::{Value, json};
 use std::time::Duration;
 
 use super::RunArgs;
+use super::figures::{Figure, LOADS, Of, RATIOS, Target};
 use super::latency::LatencyRun;
 use super::plan::Phase;
 use super::spread::{Outcome, Spread};
 use crate::broker::SecuredMode;
-
-/// Every figure of a full run: key, label, unit. `{n}`, `{b}`, `{r}` and `{p}` stand for the
-/// connections, the consumer batch size, the relay batch size and the partitions. The
-/// ceilings (keys starting `ceiling_`, `kafka_produce`, `round_trip`) and the business
-/// transactions are sampled: the figure is their median, `spread` has min, median and max.
-pub(super) const FIGURES: &[(&str, &str, &str)] = &[
-    (
-        "round_trip_us",
-        "round trip of one statement (SELECT 1, 1 connection)",
-        "µs",
-    ),
-    (
-        "pg_insert_1conn_per_s",
-        "PostgreSQL durable single-row insert, 1 connection",
-        "rows/s",
-    ),
-    (
-        "pg_insert_nconn_per_s",
-        "PostgreSQL durable single-row insert, {n} connections",
-        "rows/s",
-    ),
-    (
-        "business_tx_1conn_per_s",
-        "business transaction, 1 connection",
-        "tx/s",
-    ),
-    (
-        "business_tx_outbox_1conn_per_s",
-        "business transaction + outbox insert, 1 connection",
-        "tx/s",
-    ),
-    (
-        "business_tx_plain_1conn_per_s",
-        "business transaction + plain second row, 1 connection",
-        "tx/s",
-    ),
-    (
-        "business_tx_message_1conn_per_s",
-        "business transaction + logical decoding message in the order's statement (CDC message mode, enqueue_with), 1 connection",
-        "tx/s",
-    ),
-    (
-        "business_tx_message_separate_1conn_per_s",
-        "business transaction + logical decoding message in a statement of its own (enqueue), 1 connection",
-        "tx/s",
-    ),
-    (
-        "business_tx_nconn_per_s",
-        "business transaction, {n} connections",
-        "tx/s",
-    ),
-    (
-        "business_tx_outbox_nconn_per_s",
-        "business transaction + outbox insert, {n} connections",
-        "tx/s",
-    ),
-    (
-        "business_tx_plain_nconn_per_s",
-        "business transaction + plain second row, {n} connections",
-        "tx/s",
-    ),
-    (
-        "business_tx_message_nconn_per_s",
-        "business transaction + logical decoding message in the order's statement (CDC message mode, enqueue_with), {n} connections",
-        "tx/s",
-    ),
-    (
-        "business_tx_message_separate_nconn_per_s",
-        "business transaction + logical decoding message in a statement of its own (enqueue), {n} connections",
-        "tx/s",
-    ),
-    (
-        "ceiling_relay_per_s",
-        "ceiling: lean claim-and-mark, batch {r}, 1 connection",
-        "rows/s",
-    ),
-    (
-        "kafka_produce_per_s",
-        "ceiling: raw rdkafka produce (idempotent, acks=all)",
-        "records/s",
-    ),
-    (
-        "relay_drain_per_s",
-        "relay drain of the backlog (idem relay)",
-        "rows/s",
-    ),
-    ("relay_peak_rss_mib", "relay peak RSS while draining", "MiB"),
-    (
-        "ceiling_cdc_produce_per_s",
-        "ceiling: raw rdkafka produce, on each side of the CDC drain",
-        "records/s",
-    ),
-    (
-        "ceiling_cdc_decode_per_s",
-        "ceiling: the server's pgoutput decoding of the backlog (one statement, no client)",
-        "rows/s",
-    ),
-    (
-        "cdc_drain_per_s",
-        "CDC relay drain of a backlog from its slot (idem cdc relay)",
-        "rows/s",
-    ),
-    (
-        "cdc_peak_rss_mib",
-        "CDC relay peak RSS while draining",
-        "MiB",
-    ),
-    (
-        "ceiling_cdc_produce_cpu_us_per_row",
-        "ceiling: raw produce's CPU time per record, every core (client and broker)",
-        "µs",
-    ),
-    (
-        "cdc_drain_cpu_us_per_row",
-        "CDC relay drain's CPU time per row, every core (relay, walsender, broker, marks, the bench's polling)",
-        "µs",
-    ),
-    (
-        "cdc_relay_cpu_us_per_row",
-        "of which the relay process",
-        "µs",
-    ),
-    (
-        "cdc_walsender_cpu_us_per_row",
-        "of which the walsender",
-        "µs",
-    ),
-    (
-        "cdc_drain_cpu_bound_per_s",
-        "CDC relay drain's bound on this machine: its cores ÷ the drain's CPU per row",
-        "rows/s",
-    ),
-    ("kafka_consume_per_s", "raw rdkafka consume", "records/s"),
-    (
-        "ceiling_consumer_1conn_per_s",
-        "ceiling: set-based inbox + settlement, batch {b}, 1 connection",
-        "events/s",
-    ),
-    (
-        "ceiling_consumer_partitions_per_s",
-        "ceiling: the same on {p} connections (one per partition)",
-        "events/s",
-    ),
-    (
-        "consumer_drain_per_s",
-        "consumer drain of the backlog (idem-lab settlement)",
-        "events/s",
-    ),
-    (
-        "consumer_peak_rss_mib",
-        "consumer peak RSS while draining",
-        "MiB",
-    ),
-    (
-        "consumer_no_inbox_drain_per_s",
-        "consumer drain without the inbox",
-        "events/s",
-    ),
-    (
-        "duplicates_drain_per_s",
-        "consumer drain of 100 % redelivered duplicates",
-        "events/s",
-    ),
-    (
-        "ceiling_writers_per_s",
-        "ceiling: {n} writers alone (business tx + outbox, no events flowing)",
-        "orders/s",
-    ),
-    (
-        "e2e_writers_per_s",
-        "orders written during the sustained run ({n} writers)",
-        "orders/s",
-    ),
-    (
-        "e2e_sustained_per_s",
-        "sustained end to end (order committed → settled)",
-        "orders/s",
-    ),
-];
-
-/// Load levels of the latency runs, percent of the sustained rate.
-pub(super) const LOADS: [u32; 3] = [25, 50, 80];
-
-#[derive(Clone, Copy, Debug)]
-enum Target {
-    AtLeast(f64),
-    AtMost(f64),
-    /// Explains another figure; no target.
-    Info,
-}
-
-impl Target {
-    fn met(self, v: f64) -> bool {
-        match self {
-            Target::AtLeast(t) => v >= t,
-            Target::AtMost(t) => v <= t,
-            Target::Info => true,
-        }
-    }
-
-    fn text(self) -> String {
-        match self {
-            Target::AtLeast(t) => format!(">= {t}"),
-            Target::AtMost(t) => format!("<= {t}"),
-            Target::Info => "-".to_owned(),
-        }
-    }
-}
-
-/// A ratio: its key, what it is, what it divides by, its target.
-struct RatioDef {
-    key: &'static str,
-    what: &'static str,
-    bound: &'static str,
-    target: Target,
-}
-
-const fn ratio(
-    key: &'static str,
-    what: &'static str,
-    bound: &'static str,
-    target: Target,
-) -> RatioDef {
-    RatioDef {
-        key,
-        what,
-        bound,
-        target,
-    }
-}
-
-/// The ratios. A bound that is a ceiling is the median of its samples.
-const RATIOS: &[RatioDef] = &[
-    ratio(
-        "consumer_drain_vs_ceiling",
-        "consumer drain / its ceiling at batch {b}, 1 connection",
-        "median of ceiling_consumer_1conn_per_s",
-        Target::AtLeast(0.5),
-    ),
-    ratio(
-        "consumer_drain_vs_ceiling_partitions",
-        "consumer drain / its ceiling at batch {b}, {p} connections (one per partition)",
-        "median of ceiling_consumer_partitions_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "relay_drain_vs_ceiling",
-        "relay drain / min(lean claim-and-mark, raw produce) at batch {r}",
-        "min(median of ceiling_relay_per_s, median of kafka_produce_per_s)",
-        Target::AtLeast(0.5),
-    ),
-    ratio(
-        "cdc_drain_vs_produce",
-        "CDC relay drain / raw produce",
-        "median of ceiling_cdc_produce_per_s",
-        Target::AtLeast(0.8),
-    ),
-    ratio(
-        "cdc_drain_vs_ceiling",
-        "CDC relay drain / min(pgoutput decode, raw produce)",
-        "min(median of ceiling_cdc_decode_per_s, median of ceiling_cdc_produce_per_s)",
-        Target::Info,
-    ),
-    ratio(
-        "cdc_cpu_bound_vs_produce",
-        "CDC drain's CPU bound on this machine / raw produce: the most CDC drain / raw produce can be here",
-        "median of ceiling_cdc_produce_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "cdc_floor_vs_produce",
-        "a CDC relay costing nothing on this machine / raw produce: cores ÷ (raw produce's CPU per record + the server's decode per row), the most any CDC drain / raw produce can be here",
-        "median of ceiling_cdc_produce_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "cdc_drain_vs_cpu_bound",
-        "CDC relay drain / its CPU bound on this machine",
-        "cdc_drain_cpu_bound_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "message_tx_nconn",
-        "business tx with a logical decoding message in the order's statement / order alone, {n} connections",
-        "median of business_tx_nconn_per_s",
-        Target::AtLeast(0.9),
-    ),
-    ratio(
-        "sustained_vs_writers_alone",
-        "sustained end to end / {n} writers alone",
-        "median of ceiling_writers_per_s",
-        Target::AtLeast(0.9),
-    ),
-    ratio(
-        "outbox_tx_nconn",
-        "business tx with outbox / order alone, {n} connections",
-        "median of business_tx_nconn_per_s",
-        Target::AtLeast(0.75),
-    ),
-    ratio(
-        "latency_p99_at_50pct_ms",
-        "commit → settlement p99 at 50 % load, ms",
-        "-",
-        Target::AtMost(50.0),
-    ),
-    ratio(
-        "relay_peak_rss_mib",
-        "relay peak RSS while draining, MiB",
-        "-",
-        Target::AtMost(150.0),
-    ),
-    ratio(
-        "consumer_peak_rss_mib",
-        "consumer peak RSS while draining, MiB",
-        "-",
-        Target::AtMost(150.0),
-    ),
-    ratio(
-        "cdc_peak_rss_mib",
-        "CDC relay peak RSS while draining, MiB",
-        "-",
-        Target::AtMost(150.0),
-    ),
-    ratio(
-        "message_tx_1conn",
-        "business tx with a logical decoding message / order alone, 1 connection",
-        "median of business_tx_1conn_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "message_separate_tx_nconn",
-        "business tx with the message in a statement of its own / order alone, {n} connections",
-        "median of business_tx_nconn_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "outbox_tx_1conn",
-        "business tx with outbox / order alone, 1 connection",
-        "median of business_tx_1conn_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "outbox_vs_plain_row_1conn",
-        "business tx with outbox / with a plain second row, 1 connection",
-        "median of business_tx_plain_1conn_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "outbox_vs_plain_row_nconn",
-        "business tx with outbox / with a plain second row, {n} connections",
-        "median of business_tx_plain_nconn_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "dedup_vs_no_dedup",
-        "consumer drain with inbox / without (what the inbox costs)",
-        "consumer_no_inbox_drain_per_s",
-        Target::Info,
-    ),
-    ratio(
-        "duplicates_vs_drain",
-        "consumer drain of duplicates / of new events",
-        "consumer_drain_per_s",
-        Target::Info,
-    ),
-];
 
 /// How the run's Kafka clients connect, without a secret: the protocol, the SASL mechanism
 /// and user, the CA and client certificate files.
@@ -393,14 +28,16 @@ fn security_json(s: &idem_kafka::KafkaSecurity) -> Value {
 }
 
 /// A computed ratio: key, what it is, its bound, value, target.
-type Ratio = (&'static str, String, &'static str, Option<f64>, Target);
+type Ratio = (&'static str, String, String, Option<f64>, Target);
 
 /// What a run measured.
 pub(super) struct Report {
     config: Value,
     environment: serde_json::Map<String, Value>,
-    figures: Vec<(String, f64)>,
-    samples: Vec<(String, Vec<f64>)>,
+    figures: Vec<(Figure, f64)>,
+    samples: Vec<(Figure, Vec<f64>)>,
+    /// The latency runs' figures: load (percent), what, value.
+    latency: Vec<(u32, &'static str, f64)>,
     phases: Vec<(Phase, Outcome, f64)>,
     ratios: Vec<Ratio>,
     n: u32,
@@ -442,6 +79,7 @@ impl Report {
             environment,
             figures: vec![],
             samples: vec![],
+            latency: vec![],
             phases: vec![],
             ratios: vec![],
             n: args.connections,
@@ -457,15 +95,17 @@ impl Report {
     }
 
     /// Records a figure measured once.
-    pub(super) fn figure(&mut self, key: &str, value: f64) {
-        self.figures.push((key.to_owned(), value));
+    pub(super) fn figure(&mut self, figure: Figure, value: f64) {
+        debug_assert!(!figure.sampled(), "{figure:?} is sampled");
+        self.figures.push((figure, value));
     }
 
     /// Records one sample of a sampled figure (a ceiling, a business transaction rate).
-    pub(super) fn sample(&mut self, key: &str, value: f64) {
-        match self.samples.iter_mut().find(|(k, _)| k == key) {
+    pub(super) fn sample(&mut self, figure: Figure, value: f64) {
+        debug_assert!(figure.sampled(), "{figure:?} is measured once");
+        match self.samples.iter_mut().find(|(f, _)| *f == figure) {
             Some((_, v)) => v.push(value),
-            None => self.samples.push((key.to_owned(), vec![value])),
+            None => self.samples.push((figure, vec![value])),
         }
     }
 
@@ -483,8 +123,8 @@ impl Report {
     }
 
     /// Records a peak RSS in bytes as MiB (NaN if it could not be read).
-    pub(super) fn peak(&mut self, key: &str, bytes: Option<u64>) {
-        self.figure(key, bytes.map_or(f64::NAN, crate::num::mib));
+    pub(super) fn peak(&mut self, figure: Figure, bytes: Option<u64>) {
+        self.figure(figure, bytes.map_or(f64::NAN, crate::num::mib));
     }
 
     /// Records one latency run.
@@ -505,23 +145,32 @@ impl Report {
             ("order_tx_p50_ms", run.order_tx_ms.0),
             ("order_tx_p99_ms", run.order_tx_ms.1),
         ] {
-            self.figure(&format!("latency_{pct}pct_{suffix}"), value);
+            self.latency.push((pct, suffix, value));
         }
     }
 
+    /// A latency run's figure: `what` at `pct` percent of the sustained rate.
+    fn latency_figure(&self, pct: u32, what: &str) -> Option<f64> {
+        self.latency
+            .iter()
+            .find(|(p, w, _)| *p == pct && *w == what)
+            .map(|(_, _, v)| *v)
+    }
+
     /// Every figure: those measured once, and the median of each sampled one.
-    fn all_figures(&self) -> Vec<(String, f64)> {
+    fn all_figures(&self) -> Vec<(Figure, f64)> {
         let medians = self
             .samples
             .iter()
-            .map(|(k, v)| (k.clone(), Spread::of(v).map_or(f64::NAN, |s| s.median)));
-        self.figures.iter().cloned().chain(medians).collect()
+            .map(|(f, v)| (*f, Spread::of(v).map_or(f64::NAN, |s| s.median)));
+        self.figures.iter().copied().chain(medians).collect()
     }
 
-    fn get(&self, key: &str) -> Option<f64> {
+    /// A figure's value (a sampled one's median), if it was measured and is finite.
+    fn get(&self, figure: Figure) -> Option<f64> {
         self.all_figures()
             .into_iter()
-            .find(|(k, _)| k == key)
+            .find(|(f, _)| *f == figure)
             .map(|(_, v)| v)
             .filter(|v| v.is_finite())
     }
@@ -545,89 +194,55 @@ impl Report {
     /// decoding (one core at `ceiling_cdc_decode_per_s` rows a second).
     fn cdc_floor(&self) -> Option<f64> {
         let cores = self.environment.get("cores")?.as_f64()?;
-        let produce_us = self.get("ceiling_cdc_produce_cpu_us_per_row")?;
-        let decode_us = 1e6 / self.get("ceiling_cdc_decode_per_s")?;
+        let produce_us = self.get(Figure::CeilingCdcProduceCpu)?;
+        let decode_us = 1e6 / self.get(Figure::CeilingCdcDecode)?;
         (produce_us + decode_us > 0.0).then(|| cores * 1e6 / (produce_us + decode_us))
     }
 
-    /// Each of [`RATIOS`] from the figures: `None` where a figure is missing or a divisor is
-    /// not positive.
-    fn ratios(&self) -> Vec<Ratio> {
-        let g = |k: &str| self.get(k);
-        let div = |a: &str, b: Option<f64>| match (g(a), b) {
+    /// The value of a ratio: `None` where a figure is missing or a divisor is not positive.
+    fn value(&self, of: Of) -> Option<f64> {
+        let div = |a: Option<f64>, b: Option<f64>| match (a, b) {
             (Some(a), Some(b)) if b > 0.0 => Some(a / b),
             _ => None,
         };
-        let relay_bound = match (g("ceiling_relay_per_s"), g("kafka_produce_per_s")) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            _ => None,
-        };
-        let cdc_bound = match (
-            g("ceiling_cdc_decode_per_s"),
-            g("ceiling_cdc_produce_per_s"),
-        ) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            _ => None,
-        };
-        let drain = "consumer_drain_per_s";
-        let (outbox_1, outbox_n) = (
-            "business_tx_outbox_1conn_per_s",
-            "business_tx_outbox_nconn_per_s",
-        );
-        let values = [
-            div(drain, g("ceiling_consumer_1conn_per_s")),
-            div(drain, g("ceiling_consumer_partitions_per_s")),
-            div("relay_drain_per_s", relay_bound),
-            div("cdc_drain_per_s", g("ceiling_cdc_produce_per_s")),
-            div("cdc_drain_per_s", cdc_bound),
-            div("cdc_drain_cpu_bound_per_s", g("ceiling_cdc_produce_per_s")),
-            self.cdc_floor()
-                .zip(g("ceiling_cdc_produce_per_s"))
-                .map(|(floor, produce)| floor / produce),
-            div("cdc_drain_per_s", g("cdc_drain_cpu_bound_per_s")),
-            div(
-                "business_tx_message_nconn_per_s",
-                g("business_tx_nconn_per_s"),
-            ),
-            div("e2e_sustained_per_s", g("ceiling_writers_per_s")),
-            div(outbox_n, g("business_tx_nconn_per_s")),
-            g("latency_50pct_p99_ms"),
-            g("relay_peak_rss_mib"),
-            g("consumer_peak_rss_mib"),
-            g("cdc_peak_rss_mib"),
-            div(
-                "business_tx_message_1conn_per_s",
-                g("business_tx_1conn_per_s"),
-            ),
-            div(
-                "business_tx_message_separate_nconn_per_s",
-                g("business_tx_nconn_per_s"),
-            ),
-            div(outbox_1, g("business_tx_1conn_per_s")),
-            div(outbox_1, g("business_tx_plain_1conn_per_s")),
-            div(outbox_n, g("business_tx_plain_nconn_per_s")),
-            div(drain, g("consumer_no_inbox_drain_per_s")),
-            div("duplicates_drain_per_s", g(drain)),
-        ];
+        let min = |a: Figure, b: Figure| Some(self.get(a)?.min(self.get(b)?));
+        match of {
+            Of::Div(a, b) => div(self.get(a), self.get(b)),
+            Of::DivMin(a, b, c) => div(self.get(a), min(b, c)),
+            Of::Plain(f) => self.get(f),
+            Of::LatencyP99(pct) => self.latency_figure(pct, "p99_ms").filter(|v| v.is_finite()),
+            Of::CdcFloorVsProduce => div(self.cdc_floor(), self.get(Figure::CeilingCdcProduce)),
+        }
+    }
+
+    /// Each of [`RATIOS`] from the figures.
+    fn ratios(&self) -> Vec<Ratio> {
         RATIOS
             .iter()
-            .zip(values)
-            .map(|(d, v)| (d.key, self.label(d.what), d.bound, v, d.target))
+            .map(|d| {
+                let value = self.value(d.of);
+                (d.key, self.label(d.what), d.of.bound(), value, d.target)
+            })
             .collect()
     }
 
     /// The report as JSON: config, environment, phases (how each ended), figures, the
     /// sampled figures' spread, ratios (value, bound, target, met).
     pub(super) fn json(&self) -> Value {
+        let latency = self
+            .latency
+            .iter()
+            .map(|(pct, what, v)| (format!("latency_{pct}pct_{what}"), number(*v)));
         let figures: serde_json::Map<String, Value> = self
             .all_figures()
             .into_iter()
-            .map(|(k, v)| (k, number(v)))
+            .map(|(f, v)| (f.key().to_owned(), number(v)))
+            .chain(latency)
             .collect();
         let spread: serde_json::Map<String, Value> = self
             .samples
             .iter()
-            .map(|(k, v)| (k.clone(), spread_json(v)))
+            .map(|(f, v)| (f.key().to_owned(), spread_json(v)))
             .collect();
         let phases: serde_json::Map<String, Value> = self
             .phases
@@ -704,12 +319,12 @@ impl Report {
     }
 
     fn table_figures(&self, out: &mut String) {
-        let all = self.all_figures();
-        for (key, label, unit) in FIGURES {
+        for &figure in Figure::ALL {
+            let (label, unit) = (figure.label(), figure.unit());
             let spread = self
                 .samples
                 .iter()
-                .find(|(k, _)| k == key)
+                .find(|(f, _)| *f == figure)
                 .and_then(|(_, v)| Spread::of(v).map(|s| (s, v.len())));
             if let Some((s, n)) = spread {
                 let label = format!("{} [{n}]", self.label(label));
@@ -720,7 +335,7 @@ impl Report {
                     fmt(s.median),
                     fmt(s.max)
                 );
-            } else if let Some((_, v)) = all.iter().find(|(k, _)| k == key) {
+            } else if let Some((_, v)) = self.figures.iter().find(|(f, _)| *f == figure) {
                 let _ = writeln!(
                     out,
                     "  {:<72} {:>10} {:>10} {:>10} {unit}",
@@ -740,12 +355,7 @@ impl Report {
             "  commit → settlement latency, open loop   rate/s      p50      p99    p99.9      max   samples  order tx p99"
         );
         for pct in LOADS {
-            let g = |s: &str| {
-                self.figures
-                    .iter()
-                    .find(|(k, _)| *k == format!("latency_{pct}pct_{s}"))
-                    .map_or(f64::NAN, |(_, v)| *v)
-            };
+            let g = |what: &str| self.latency_figure(pct, what).unwrap_or(f64::NAN);
             let _ = writeln!(
                 out,
                 "  at {pct:>2} % of sustained                  {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>13}",
@@ -851,26 +461,26 @@ mod tests {
             &Default::default(),
         );
         for (k, v) in [
-            ("consumer_drain_per_s", 800.0),
-            ("relay_drain_per_s", 450.0),
-            ("consumer_no_inbox_drain_per_s", 0.0),
-            ("latency_50pct_p99_ms", 12.5),
-            ("e2e_sustained_per_s", 900.0),
+            (Figure::ConsumerDrain, 800.0),
+            (Figure::RelayDrain, 450.0),
+            (Figure::ConsumerNoInboxDrain, 0.0),
+            (Figure::E2eSustained, 900.0),
         ] {
             r.figure(k, v);
         }
+        r.latency.push((50, "p99_ms", 12.5));
         // The ceiling swings; the ratio takes its median, not its best or worst sample.
         for v in [1000.0, 4000.0, 1600.0] {
-            r.sample("ceiling_consumer_1conn_per_s", v);
+            r.sample(Figure::CeilingConsumer1, v);
         }
         for v in [600.0, 700.0] {
-            r.sample("ceiling_relay_per_s", v);
+            r.sample(Figure::CeilingRelay, v);
         }
-        r.sample("kafka_produce_per_s", 500.0);
-        r.sample("ceiling_writers_per_s", 1000.0);
-        r.figure("cdc_drain_per_s", 400.0);
+        r.sample(Figure::KafkaProduce, 500.0);
+        r.sample(Figure::CeilingWriters, 1000.0);
+        r.figure(Figure::CdcDrain, 400.0);
         for v in [450.0, 500.0, 550.0] {
-            r.sample("ceiling_cdc_produce_per_s", v);
+            r.sample(Figure::CeilingCdcProduce, v);
         }
         assert_eq!(ratio(&r, "consumer_drain_vs_ceiling"), Some(0.5));
         // The relay is bounded by the slower of its ceiling and the raw produce.
@@ -882,14 +492,15 @@ mod tests {
         assert_eq!(ratio(&r, "dedup_vs_no_dedup"), None);
         assert_eq!(ratio(&r, "outbox_tx_1conn"), None);
         let labels: Vec<String> = r.ratios().into_iter().map(|(_, l, ..)| l).collect();
+        let json = r.json();
         assert_eq!(labels.len(), RATIOS.len());
+        assert_eq!(json["figures"]["latency_50pct_p99_ms"], 12.5);
         assert!(
             labels.contains(&"consumer drain / its ceiling at batch 200, 1 connection".to_owned())
         );
         assert!(
             labels.contains(&"business tx with outbox / order alone, 4 connections".to_owned())
         );
-        let json = r.json();
         assert_eq!(json["figures"]["ceiling_consumer_1conn_per_s"], 1600.0);
         let s = &json["spread"]["ceiling_consumer_1conn_per_s"];
         assert_eq!(
@@ -908,14 +519,14 @@ mod tests {
         );
         r.environment.insert("cores".into(), json!(2));
         assert_eq!(ratio(&r, "cdc_floor_vs_produce"), None, "no figures yet");
-        r.sample("ceiling_cdc_produce_per_s", 200_000.0);
+        r.sample(Figure::CeilingCdcProduce, 200_000.0);
         // 6 µs a record on every core, 4 µs a row of decoding: 10 µs, two cores: 200k rows/s.
-        r.sample("ceiling_cdc_produce_cpu_us_per_row", 6.0);
-        r.sample("ceiling_cdc_decode_per_s", 250_000.0);
+        r.sample(Figure::CeilingCdcProduceCpu, 6.0);
+        r.sample(Figure::CeilingCdcDecode, 250_000.0);
         assert_eq!(r.cdc_floor(), Some(200_000.0));
         assert_eq!(ratio(&r, "cdc_floor_vs_produce"), Some(1.0));
-        r.figure("cdc_drain_per_s", 50_000.0);
-        r.figure("cdc_drain_cpu_bound_per_s", 62_500.0);
+        r.figure(Figure::CdcDrain, 50_000.0);
+        r.figure(Figure::CdcDrainCpuBound, 62_500.0);
         assert_eq!(ratio(&r, "cdc_drain_vs_cpu_bound"), Some(0.8));
         assert_eq!(ratio(&r, "cdc_cpu_bound_vs_produce"), Some(0.3125));
     }

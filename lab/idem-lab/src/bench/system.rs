@@ -11,6 +11,7 @@ use anyhow::bail;
 use sqlx::PgPool;
 
 use super::child::Child;
+use super::figures::Figure;
 use super::kafka::TempDir;
 use super::pg::{self, OrderWrite};
 use super::plan::{self, Phase, drain_timeout};
@@ -177,18 +178,18 @@ async fn relay_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()>
         label: "rows published",
     };
     let (relay, elapsed) = drain(c, dbs.logs, "relay", &relay_args, &published, &mut []).await?;
-    let keys = ("relay_peak_rss_mib", "relay_drain_per_s");
+    let keys = (Figure::RelayPeakRss, Figure::RelayDrain);
     drained(c, relay, &dbs.orders, elapsed, keys).await
 }
 
 /// A relay that drained the backlog of `pool` in `elapsed`: its peak RSS and its rate from the
-/// rows' publication stamps under `keys` (RSS, rate); then it is stopped.
+/// rows' publication stamps as the two figures (RSS, rate); then it is stopped.
 async fn drained(
     c: &mut Ctx<'_>,
     relay: Child,
     pool: &PgPool,
     elapsed: Duration,
-    (rss, rate): (&str, &str),
+    (rss, rate): (Figure, Figure),
 ) -> anyhow::Result<()> {
     c.report.peak(rss, relay.peak_rss());
     relay.stop().await?;
@@ -233,7 +234,7 @@ async fn cdc_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<()> {
     cdc_cpu(c, &dbs.cdc, &names.cdc_slot, &relay, machine).await?;
     let census = pg::tls_census(&dbs.cdc, dbs.db_prefix).await?;
     c.report.environment("postgres_tls_cdc_drain", &census);
-    let keys = ("cdc_peak_rss_mib", "cdc_drain_per_s");
+    let keys = (Figure::CdcPeakRss, Figure::CdcDrain);
     drained(c, relay, &dbs.cdc, elapsed, keys).await
 }
 
@@ -258,16 +259,15 @@ async fn cdc_cpu(
     let walsender = walsender.and_then(|p| u32::try_from(p).ok());
     let per_row = |d: Option<Duration>| d.map_or(f64::NAN, |d| cpu::us_per_row(d, rows));
     let all = per_row(machine.and_then(|m| m.busy_since()));
-    c.report.figure("cdc_drain_cpu_us_per_row", all);
+    c.report.figure(Figure::CdcDrainCpu, all);
     c.report.figure(
-        "cdc_drain_cpu_bound_per_s",
+        Figure::CdcDrainCpuBound,
         cpu::bound_per_s(cpu::cores(), all),
     );
     let relay_cpu = per_row(relay.pid().and_then(cpu::process_cpu));
-    c.report.figure("cdc_relay_cpu_us_per_row", relay_cpu);
+    c.report.figure(Figure::CdcRelayCpu, relay_cpu);
     let walsender_cpu = per_row(walsender.and_then(cpu::process_cpu));
-    c.report
-        .figure("cdc_walsender_cpu_us_per_row", walsender_cpu);
+    c.report.figure(Figure::CdcWalsenderCpu, walsender_cpu);
     Ok(())
 }
 
@@ -301,10 +301,10 @@ async fn consumer_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<
     )
     .await?;
     c.report
-        .peak("consumer_peak_rss_mib", settlement.peak_rss());
+        .peak(Figure::ConsumerPeakRss, settlement.peak_rss());
     settlement.stop().await?;
     let v = pg::stamped_rate(&dbs.settle, "settlements", "settled_at", "true", elapsed).await?;
-    c.report.figure("consumer_drain_per_s", v);
+    c.report.figure(Figure::ConsumerDrain, v);
     Ok(())
 }
 
@@ -334,7 +334,7 @@ async fn no_inbox_drain(c: &mut Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<
         settle_drain(c, dbs.logs, "no-inbox-consumer", &bare_args, &dbs.noinbox).await?;
     bare.stop().await?;
     let v = pg::stamped_rate(&dbs.noinbox, "settlements", "settled_at", "true", elapsed).await?;
-    c.report.figure("consumer_no_inbox_drain_per_s", v);
+    c.report.figure(Figure::ConsumerNoInboxDrain, v);
     Ok(())
 }
 
@@ -425,7 +425,7 @@ async fn duplicates_drain(
         elapsed,
     )
     .await?;
-    c.report.figure("duplicates_drain_per_s", v);
+    c.report.figure(Figure::DuplicatesDrain, v);
     Ok(settlement)
 }
 
@@ -474,8 +474,8 @@ async fn sustained(
         // No latency run can be paced by a rate of zero.
         bail!("no order was settled during the sustained run ({writers:.0} written per second)");
     }
-    c.report.figure("e2e_writers_per_s", writers);
-    c.report.figure("e2e_sustained_per_s", sustained);
+    c.report.figure(Figure::E2eWriters, writers);
+    c.report.figure(Figure::E2eSustained, sustained);
     let expected = pg::count(&dbs.live.orders, "orders").await?;
     let label = "settled (draining what the writers left)";
     settled_on_live(c, dbs, running, expected, label).await?;
