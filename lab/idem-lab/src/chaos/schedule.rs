@@ -14,6 +14,11 @@ use super::procs::{Rng, Role};
 
 /// A broker fault is due this long after the last one.
 const BROKER_EVERY: Duration = Duration::from_secs(15);
+/// The first broker fault is due this long after the start: before the first long-lock window
+/// ([`super::windows::FIRST_LOCK`]), which holds every other fault back while it waits for the
+/// pipeline and then the PostgreSQL restarts that were put off, so that a short run under load
+/// still has one.
+pub(super) const FIRST_BROKER_FAULT: Duration = Duration::from_secs(8);
 
 /// The kind of the next fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,7 +120,8 @@ pub(super) struct Schedule {
     tick: u64,
     /// When the next fault is due.
     pub next_fault: Instant,
-    last_broker_fault: Instant,
+    /// When a broker fault is next due.
+    next_broker_fault: Instant,
 }
 
 impl Schedule {
@@ -139,7 +145,7 @@ impl Schedule {
             focus: mechanism.and_then(window_of),
             tick: 0,
             next_fault: started + Duration::from_secs(2),
-            last_broker_fault: started,
+            next_broker_fault: started + FIRST_BROKER_FAULT,
         }
     }
 
@@ -167,7 +173,7 @@ impl Schedule {
     ) -> FaultKind {
         self.tick += 1;
         let roll = rng.below(100);
-        let broker_due = now >= self.last_broker_fault + BROKER_EVERY;
+        let broker_due = now >= self.next_broker_fault;
         let kind = choose_kind(
             roll,
             self.tick,
@@ -204,7 +210,7 @@ impl Schedule {
     /// the next one is due.
     pub(super) fn done(&mut self, now: Instant, broker: bool, rng: &mut Rng) {
         if broker {
-            self.last_broker_fault = now;
+            self.next_broker_fault = now + BROKER_EVERY;
         }
         self.next_fault =
             now + rng.between(Duration::from_millis(400), Duration::from_millis(1600));
@@ -543,6 +549,20 @@ mod tests {
         faults.insert("sigterm_restart".to_owned(), 1);
         for kind in EVERY_RUN_SIGNALS {
             assert_eq!(first_of_each_signal(kind, &faults), kind, "the dice again");
+        }
+    }
+
+    #[test]
+    fn the_first_broker_fault_is_planned_before_the_first_long_lock_is_due() {
+        // The long lock holds every fault back once it is due; a run whose first broker
+        // fault came due only then could end without one.
+        assert!(FIRST_BROKER_FAULT < super::super::windows::FIRST_LOCK);
+        for seed in 0..50 {
+            let first = plans(seed, None, 10)
+                .iter()
+                .position(|(_, p)| matches!(p, Plan::Broker { .. }));
+            // `plans` ticks every 2 s: the tick at 8 s is the fifth.
+            assert_eq!(first, Some(4), "seed {seed}");
         }
     }
 

@@ -57,6 +57,8 @@ pub(super) const LOCK_TIMEOUT_MS: &str = "50";
 pub(super) const LOCK_FAILURES_WANTED: f64 = (idem_core::crash::BROKEN_TRANSIENT_BUDGET + 1) as f64;
 /// How long a due long lock holds other faults back while it waits for the pipeline.
 const QUIESCE: Duration = Duration::from_secs(20);
+/// When the first long lock is due, after the start.
+pub(super) const FIRST_LOCK: Duration = Duration::from_secs(12);
 /// How far apart the samples are that tell events reach the settlement handlers.
 const FLOW_SAMPLE: Duration = Duration::from_millis(500);
 /// The settlement consumers' counters a long lock is judged by.
@@ -83,7 +85,7 @@ impl Windows {
         Windows {
             next_slow: started + Duration::from_secs(8),
             slow_until: None,
-            next_lock: started + Duration::from_secs(12),
+            next_lock: started + FIRST_LOCK,
             lock: None,
             lock_baseline: (0.0, 0.0),
             lock_incarnations: Vec::new(),
