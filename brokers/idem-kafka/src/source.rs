@@ -332,6 +332,8 @@ pub struct KafkaSource {
     batch_epoch: AtomicU64,
     /// The `group.id` it joined.
     group: Option<String>,
+    /// The topics it subscribed to.
+    topics: Vec<String>,
 }
 
 impl std::fmt::Debug for KafkaSource {
@@ -377,6 +379,7 @@ impl KafkaSource {
             transient_errors: Arc::default(),
             batch_epoch: AtomicU64::new(0),
             group: config.get("group.id").map(str::to_owned),
+            topics: topics.to_vec(),
         })
     }
 
@@ -526,6 +529,40 @@ impl KafkaSource {
     }
 }
 
+/// How long a consumer looks at start for a subscribed topic the cluster does not know (one
+/// being created as the consumer starts), before it refuses to run.
+const TOPIC_WAIT: Duration = Duration::from_secs(10);
+
+/// The subscribed topics the cluster does not have after [`TOPIC_WAIT`] (patterns, `^…`, left
+/// out), or `None` when the cluster did not answer: a broker that is down is waited for by the
+/// run, not refused.
+fn missing_topics(
+    consumer: &StreamConsumer<RebalanceContext>,
+    topics: &[String],
+) -> Option<Vec<String>> {
+    let deadline = std::time::Instant::now() + TOPIC_WAIT;
+    loop {
+        let mut missing = vec![];
+        for topic in topics.iter().filter(|t| !t.starts_with('^')) {
+            let metadata = consumer.fetch_metadata(Some(topic), TOPIC_WAIT).ok()?;
+            let unknown = metadata.topics().iter().all(|m| {
+                m.name() != topic
+                    || m.error()
+                        == Some(
+                            rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART,
+                        )
+            });
+            if unknown {
+                missing.push(topic.clone());
+            }
+        }
+        if missing.is_empty() || std::time::Instant::now() >= deadline {
+            return Some(missing);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 /// Whether librdkafka marked this consumer error fatal: the client cannot consume again.
 fn is_fatal(e: &KafkaError) -> bool {
     matches!(e, KafkaError::MessageConsumptionFatal(_))
@@ -534,6 +571,31 @@ fn is_fatal(e: &KafkaError) -> bool {
 impl Source for KafkaSource {
     fn group(&self) -> Option<&str> {
         self.group.as_deref()
+    }
+
+    async fn check_topics(&self) -> Result<()> {
+        let (consumer, topics) = (Arc::clone(&self.consumer), self.topics.clone());
+        let missing = tokio::task::spawn_blocking(move || missing_topics(&consumer, &topics))
+            .await
+            .map_err(|e| Error::broker("looking up the subscribed topics", e))?;
+        match missing {
+            Some(missing) if !missing.is_empty() => Err(Error::InvalidArgument {
+                argument: "topics",
+                reason: format!(
+                    "the cluster has no topic {} (looked for {} s): create it (`idem topic \
+                     create --topic …`) or correct the consumer's topics",
+                    missing.join(", "),
+                    TOPIC_WAIT.as_secs()
+                ),
+            }),
+            Some(_) => Ok(()),
+            None => {
+                tracing::warn!(
+                    "the cluster did not answer a metadata request at start; the subscribed topics are not checked"
+                );
+                Ok(())
+            }
+        }
     }
 
     async fn next_batch(&self, max: usize, linger: Duration) -> Result<Vec<Delivery>> {

@@ -116,6 +116,19 @@ pub enum Error {
         supported: i64,
     },
 
+    /// The database holds an older schema than this build needs (version 0: idem's tables
+    /// were never created).
+    #[error(
+        "the database schema is at version {found}, older than the {needed} this idem build \
+         needs; migrate the database first (`idem migrate`, or `idem_sql::migrate`)"
+    )]
+    SchemaTooOld {
+        /// Version found in the migrations table (0 when there is none).
+        found: i64,
+        /// Highest version this build ships.
+        needed: i64,
+    },
+
     /// A row read back from the outbox could not be decoded.
     #[error("outbox row {id} is corrupt: {reason}")]
     CorruptRow {
@@ -190,7 +203,7 @@ impl Error {
                 ErrorKind::Config
             }
             Error::Database { kind, .. } => *kind,
-            Error::SchemaTooNew { .. } => ErrorKind::NotMigrated,
+            Error::SchemaTooNew { .. } | Error::SchemaTooOld { .. } => ErrorKind::NotMigrated,
             // A crash point in error mode stands for a failure at that point, which is retried.
             Error::Broker { .. } | Error::CrashPoint(_) => ErrorKind::Transient,
             Error::BrokerFatal { .. } => ErrorKind::Fatal,
@@ -278,6 +291,13 @@ mod tests {
                 Error::SchemaTooNew {
                     found: 99,
                     supported: 21,
+                },
+                ErrorKind::NotMigrated,
+            ),
+            (
+                Error::SchemaTooOld {
+                    found: 0,
+                    needed: 21,
                 },
                 ErrorKind::NotMigrated,
             ),

@@ -260,6 +260,14 @@ pub trait InboxStore: Send + Sync + 'static {
     /// handler call it isolates. Stores whose transactions survive a failed statement (SQLite)
     /// answer `Ok`.
     fn check_usable(&self, conn: &mut Self::Conn) -> impl Future<Output = Result<()>> + Send;
+    /// Fails when the store's tables are not ready for this build (not migrated, or migrated
+    /// to an older schema: [`ErrorKind::NotMigrated`](crate::ErrorKind::NotMigrated)). The
+    /// consumer asks once before it reads a record, so that a database nobody migrated stops
+    /// it at start with the reason instead of failing every batch. The default answers `Ok`
+    /// (a store without a schema).
+    fn check_schema(&self) -> impl Future<Output = Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
 
     /// Records the effect intents the handler posted for the events it applied, in the
     /// transaction `conn` belongs to: they commit with the handler's writes and the inbox rows,
@@ -374,6 +382,15 @@ pub trait Source: Send + Sync {
     /// Commits what [`Source::commit`] stored and not yet committed, waiting for the answer;
     /// called once when the runtime stops. Default: nothing to do.
     fn close(&self) -> impl Future<Output = Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
+
+    /// Fails when a topic the source reads does not exist (a typo, a topic nobody created on a
+    /// cluster that creates none on its own): the consumer asks once before it reads, so that
+    /// such a source stops it at start with the reason ([`ErrorKind::Config`](crate::ErrorKind::Config))
+    /// instead of waiting for records that never come. A cluster that does not answer yet is
+    /// not a refusal. Default: `Ok` (a source without topics).
+    fn check_topics(&self) -> impl Future<Output = Result<()>> + Send {
         std::future::ready(Ok(()))
     }
 

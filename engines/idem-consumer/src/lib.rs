@@ -260,6 +260,7 @@ where
     /// ([`Source::close`]) before it returns.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
+        self.check_start().await?;
         let _lag = self.spawn_lag_gauge();
         let result = tokio::select! {
             biased;
@@ -270,6 +271,24 @@ where
             tracing::warn!(error = %e, "committing the stored offsets at the end of the run failed; the last batches may be delivered again and skipped");
         }
         result
+    }
+
+    /// Refuses to start on a database whose tables are not migrated for this build
+    /// ([`InboxStore::check_schema`]) or on topics the cluster does not have
+    /// ([`Source::check_topics`]), before any record is read. A database or a cluster that
+    /// does not answer yet is left to the run, which waits for it as for any transient failure.
+    async fn check_start(&self) -> Result<()> {
+        let (schema, topics) = tokio::join!(self.inbox.check_schema(), self.source.check_topics());
+        for checked in [schema, topics] {
+            match checked {
+                Err(e) if e.kind() != idem_core::ErrorKind::Transient => return Err(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a check at start could not be made; starting, and retrying as the database and the cluster allow");
+                }
+                Ok(()) => {}
+            }
+        }
+        Ok(())
     }
 
     /// The fetch/apply loop of [`Consumer::run`]: one fetch is always in flight beside the

@@ -110,6 +110,10 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
             .map_err(|e| crate::dialect::db_error("beginning a consumer transaction", e))
     }
 
+    async fn check_schema(&self) -> Result<()> {
+        crate::migrate::check_schema_with(&self.0.pool, &self.0.queries).await
+    }
+
     async fn commit(&self, tx: Self::Tx) -> Result<()> {
         tx.commit()
             .await

@@ -74,7 +74,7 @@ pub use dialect::{Decoded, Dialect, Param, SqlConnection, Statement, get, is_uni
 pub use inbox::Inbox;
 pub use intents::Intents;
 pub use keys::KeyStore;
-pub use migrate::{MigrationReport, migrate};
+pub use migrate::{MigrationReport, check_schema, migrate};
 pub use relay_store::{DEFAULT_CLAIM_TIMEOUT, RelayStore};
 pub use verify::VerifyStatements;
 pub use writer::Outbox;

@@ -267,6 +267,50 @@ pub async fn migrate<DB: Dialect>(pool: &Pool<DB>, tables: &TableNames) -> Resul
     Ok(report)
 }
 
+/// Checks, before a component starts its work, that idem's tables are migrated: at least at
+/// the version this build ships ([`Error::SchemaTooOld`] below it, version 0 when no migration
+/// ever ran). A newer schema passes: migrations keep the tables an older build uses, so its
+/// processes go on through a rolling upgrade (only [`migrate`] refuses a schema newer than its
+/// build).
+pub async fn check_schema<DB: Dialect>(pool: &Pool<DB>, tables: &TableNames) -> Result<()> {
+    check_schema_with(pool, &crate::queries::shared::<DB>(tables)).await
+}
+
+/// [`check_schema`] with the statements of the tables already rendered.
+pub(crate) async fn check_schema_with<DB: Dialect>(
+    pool: &Pool<DB>,
+    queries: &crate::queries::Queries,
+) -> Result<()> {
+    let mut conn = pool
+        .acquire()
+        .await
+        .map_err(|e| crate::dialect::db_error("connecting to read the schema version", e))?;
+    let found = match Stmt::<DB>::new(&queries.schema_version)
+        .fetch_optional(&mut *conn)
+        .await
+    {
+        Ok(Some(row)) => get::<DB, Option<i64>>(&row, "version")
+            .map_err(|e| crate::dialect::db_error("reading the schema version", e))?
+            .unwrap_or(0),
+        Ok(None) => 0,
+        Err(e) => match crate::dialect::db_error("reading the schema version", e) {
+            // No migrations table: idem's tables were never created here.
+            e if e.kind() == idem_core::ErrorKind::NotMigrated => 0,
+            e => return Err(e),
+        },
+    };
+    old_schema(found, DB::migrations())
+}
+
+/// Refuses a schema at `found` older than the newest of `shipped`.
+fn old_schema(found: i64, shipped: Migrations) -> Result<()> {
+    let needed = shipped.last().map_or(0, |m| m.0);
+    if found < needed {
+        return Err(Error::SchemaTooOld { found, needed });
+    }
+    Ok(())
+}
+
 /// What to do at schema version `current`: refuse a schema newer than this build, or start
 /// the report there.
 fn plan(current: i64, shipped: Migrations) -> Result<MigrationReport> {
@@ -288,6 +332,29 @@ mod tests {
     use super::*;
 
     const SHIPPED: Migrations = &[(1, "a", ""), (2, "b", "")];
+
+    #[test]
+    fn a_component_refuses_an_older_schema_and_runs_on_a_newer_one() {
+        assert!(matches!(
+            old_schema(0, SHIPPED),
+            Err(Error::SchemaTooOld {
+                found: 0,
+                needed: 2
+            })
+        ));
+        assert!(matches!(
+            old_schema(1, SHIPPED),
+            Err(Error::SchemaTooOld {
+                found: 1,
+                needed: 2
+            })
+        ));
+        assert!(old_schema(2, SHIPPED).is_ok());
+        assert!(
+            old_schema(3, SHIPPED).is_ok(),
+            "a rolling upgrade's newer schema"
+        );
+    }
 
     #[test]
     fn a_newer_schema_is_refused_and_an_older_one_starts_where_it_is() {

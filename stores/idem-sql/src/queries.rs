@@ -75,6 +75,7 @@ statements!(
     intent_resolve,
     intent_mark_sending,
     intent_prune,
+    schema_version,
 );
 
 /// The statements of dialect directory `$dir` (`sql/$dir/*.sql`; identical text in
@@ -133,6 +134,7 @@ macro_rules! sql_set {
                 "/intent_mark_sending.sql"
             )),
             intent_prune: include_str!(concat!("../../sql/", $dir, "/intent_prune.sql")),
+            schema_version: include_str!("../../sql/common/schema_version.sql"),
         }
     };
 }

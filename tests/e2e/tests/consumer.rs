@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use idem_conformance::backend::Pg;
+use idem_conformance::backend::{Backend, Pg};
 use idem_conformance::process::eventually;
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics, total};
 use idem_core::publish::{Message, Publisher};
@@ -661,4 +661,131 @@ async fn an_unclassified_sqlstate_is_retried_a_bounded_number_of_times_then_dead
         "retried before the dead letter"
     );
     assert_eq!(total(&metrics.dead_lettered), 1);
+}
+
+/// How a consumer over `inbox` ends (at most 30 s).
+async fn stop_of<I>(brokers: &str, inbox: I) -> idem_core::Result<()>
+where
+    I: InboxStore,
+    Settlement: idem_consumer::Handler<I::Conn>,
+{
+    let source = KafkaSource::new(
+        &consumer_config(brokers, "unmigrated", &[]).unwrap(),
+        &[TOPIC.to_owned()],
+    )
+    .unwrap();
+    let consumer = Consumer::builder(inbox, Settlement::new(), source)
+        .build()
+        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.run(std::future::pending()),
+    )
+    .await
+    .expect("the consumer ran on instead of refusing the database")
+}
+
+/// A consumer given a database nobody migrated (PostgreSQL without idem's tables, SQLite, and
+/// one migrated to an older schema) stops at start with the reason, before it reads a record:
+/// it does not retry "relation does not exist" for every batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_refuses_a_database_not_migrated_at_start() {
+    let cluster = EmbeddedCluster::start(1).unwrap();
+    cluster.create_topic(TOPIC, 1).unwrap();
+    let brokers = cluster.bootstrap_servers();
+    let pg = idem_conformance::pg::TestDb::create().await;
+    let e = stop_of(
+        &brokers,
+        PgInbox::new(pg.pool().clone(), TableNames::default()),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), idem_core::ErrorKind::NotMigrated, "{e}");
+    assert!(e.to_string().contains("schema is at version 0"), "{e}");
+    // One migration behind what this build ships.
+    let old = Pg::new().await;
+    old.exec("DELETE FROM idem_schema_migrations WHERE version = (SELECT max(version) FROM idem_schema_migrations)")
+        .await
+        .unwrap();
+    let e = stop_of(
+        &brokers,
+        PgInbox::new(old.pool().clone(), TableNames::default()),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("older than the"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("none.db").display());
+    let lite = idem_sql::sqlite::connect(&url).await.unwrap();
+    let e = stop_of(
+        &brokers,
+        idem_sql::sqlite::SqliteInbox::new(lite, TableNames::default()),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), idem_core::ErrorKind::NotMigrated, "{e}");
+}
+
+/// A consumer subscribed to a topic the cluster does not have (a typo; a cluster that creates
+/// no topic on its own, as production clusters run) stops at start with the topic's name and
+/// what to do, instead of waiting for records that never come; the same consumer on a topic
+/// that exists runs until it is stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_refuses_a_topic_the_cluster_does_not_have() {
+    let brokers = idem_conformance::kafka::shared();
+    let pg = Pg::new().await;
+    idem_reference::ensure_schema_postgres(pg.pool())
+        .await
+        .unwrap();
+    let consumer = |topic: &str| {
+        let group = idem_conformance::kafka::unique("missing-topic");
+        let source = KafkaSource::new(
+            &consumer_config(&brokers, &group, &[]).unwrap(),
+            &[topic.to_owned()],
+        )
+        .unwrap();
+        let inbox = PgInbox::new(pg.pool().clone(), TableNames::default());
+        Consumer::builder(inbox, Settlement::new(), source)
+            .build()
+            .unwrap()
+    };
+    let missing = idem_conformance::kafka::unique("no-such-topic");
+    let e = tokio::time::timeout(
+        Duration::from_secs(60),
+        consumer(&missing).run(std::future::pending()),
+    )
+    .await
+    .expect("the consumer waited on a topic that does not exist")
+    .unwrap_err();
+    assert_eq!(e.kind(), idem_core::ErrorKind::Config, "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains(&missing) && text.contains("idem topic create"),
+        "{text}"
+    );
+    let present = idem_conformance::kafka::unique("present-topic");
+    idem_kafka::ensure_topics(&brokers, std::slice::from_ref(&present), 1, 1)
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(consumer(&present).run(async {
+        let _ = stopped.await;
+    }));
+    // It applies what the topic carries: it is past its checks and running.
+    let publisher =
+        KafkaPublisher::new(idem_kafka::producer_config(&brokers, &[]).unwrap()).unwrap();
+    let (_, mut order) = paid(1);
+    order.topic = present.clone();
+    assert!(publisher.publish(&[order]).await.iter().all(Result::is_ok));
+    eventually("the order settled", Duration::from_secs(60), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM settlements")
+            .fetch_one(pg.pool())
+            .await
+            .unwrap();
+        (n == 1).then_some(())
+    })
+    .await;
+    assert!(!run.is_finished());
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
 }
