@@ -188,7 +188,7 @@ named! {
         /// The consumer dead-letters an event after a few transient failures of its handler
         /// ([`BROKEN_TRANSIENT_BUDGET`]), so that a lock held on the business tables for seconds
         /// loses events. The chaos runner's long-lock window (`idem-lab settlement
-        /// --lock-timeout-ms` and a lock held on `settlements`) makes it visible.
+        /// --lock-timeout` and a lock held on `settlements`) makes it visible.
         TransientDeadLetters = "transient-dead-letters",
         /// The effect dispatcher sends to a remote that ignores keys without the durable
         /// sending mark, so an attempt that died after sending is sent again blindly.

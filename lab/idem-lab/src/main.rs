@@ -42,6 +42,9 @@ enum Command {
     Settlement(reference_cmd::SettlementArgs),
     /// Reference points API: awards points per request, behind the Idempotency-Key layer.
     PointsApi(reference_cmd::PointsApiArgs),
+    /// Create idem's tables and the reference tables in a database (the reference services
+    /// create none: they refuse a database not set up).
+    Setup(reference_cmd::SetupArgs),
     /// Write the reference pipeline's checks as a config for `idem verify --config` (TOML).
     VerifyConfig(reference_cmd::VerifyConfigArgs),
     /// Measure what idem costs on this hardware against same-run baselines (`bench verify`: memory of `idem verify`).
@@ -109,6 +112,7 @@ async fn run(parsed: Parsed) -> anyhow::Result<()> {
         Command::KafkaTxnSettlement(args) => chaos::kafka_txn::run(args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::VerifyConfig(args) => reference_cmd::verify_config(&args),
+        Command::Setup(args) => reference_cmd::setup(args).await,
         Command::Product(command) => idem_cli::run(command).await,
     }
 }

@@ -47,6 +47,22 @@ pub(crate) fn rank(len: usize, q: f64) -> usize {
     usize::try_from(whole(float(last) * q.clamp(0.0, 1.0))).map_or(last, |i| i.min(last))
 }
 
+/// A command-line duration (`500ms`, `40s`, `10m`, the one syntax of every flag) in seconds.
+pub(crate) fn seconds(text: &str) -> Result<f64, String> {
+    idem_cli::util::parse_duration(text).map(|d| d.as_secs_f64())
+}
+
+/// A command-line duration in whole seconds, at least one.
+pub(crate) fn whole_seconds(text: &str) -> Result<u64, String> {
+    let d = idem_cli::util::parse_duration(text)?;
+    match d.as_secs() {
+        0 => Err(format!(
+            "{text:?} is under a second: give whole seconds (e.g. 40s)"
+        )),
+        s => Ok(s),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -33,28 +33,26 @@ pub(crate) struct OrdersArgs {
     /// Orders per second (0: as fast as the database allows).
     #[arg(long, default_value_t = 0.0)]
     rate: f64,
-    /// Hold every Nth order's transaction open for --slow-ms before committing (PostgreSQL):
+    /// Hold every Nth order's transaction open for --slow before committing (PostgreSQL):
     /// commit-order skew for chaos runs.
     #[arg(long, hide = true)]
     slow_every: Option<u64>,
     /// How long a slow transaction stays open.
-    #[arg(long, hide = true, default_value_t = 300)]
-    slow_ms: u64,
+    #[arg(long, hide = true, default_value = "300ms", value_parser = idem_cli::util::parse_duration)]
+    slow: Duration,
 }
 
 pub(crate) async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 2).await?;
     let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
     let mut next = tokio::time::Instant::now();
-    ensure_reference_schema(&store).await?;
+    require_schemas(&store).await?;
     for n in args.start..args.start + args.count {
         let order = PaidOrder::numbered(&args.prefix, n);
         match &store {
             Store::Postgres(s) => {
                 let hold = match args.slow_every {
-                    Some(every) if every > 0 && n % every == 0 => {
-                        Duration::from_millis(args.slow_ms)
-                    }
+                    Some(every) if every > 0 && n % every == 0 => args.slow,
                     _ => Duration::ZERO,
                 };
                 idem_reference::place_order_postgres_held(s.pool(), &s.outbox(), &order, hold)
@@ -110,8 +108,8 @@ pub(crate) struct SettlementArgs {
     /// PostgreSQL: the settlement handler gives up on a lock held longer than this on its tables
     /// (a transient failure, retried until the lock is released; never a dead letter). The
     /// chaos runner's long-lock fault class uses it.
-    #[arg(long)]
-    lock_timeout_ms: Option<u64>,
+    #[arg(long, value_parser = idem_cli::util::parse_duration)]
+    lock_timeout: Option<Duration>,
 }
 
 impl std::fmt::Debug for SettlementArgs {
@@ -131,19 +129,19 @@ impl std::fmt::Debug for SettlementArgs {
             )
             .field("handler", &self.handler)
             .field("points_url", &self.points_url)
-            .field("lock_timeout_ms", &self.lock_timeout_ms)
+            .field("lock_timeout", &self.lock_timeout)
             .finish()
     }
 }
 
-/// The settlement handler with `--lock-timeout-ms` applied.
+/// The settlement handler with `--lock-timeout` applied.
 fn settlement_handler(args: &SettlementArgs) -> Settlement {
     let handler = match &args.points_url {
         Some(url) => Settlement::with_points(url.clone()),
         None => Settlement::new(),
     };
-    match args.lock_timeout_ms {
-        Some(ms) => handler.with_lock_timeout(Duration::from_millis(ms)),
+    match args.lock_timeout {
+        Some(timeout) => handler.with_lock_timeout(timeout),
         None => handler,
     }
 }
@@ -151,6 +149,7 @@ fn settlement_handler(args: &SettlementArgs) -> Settlement {
 pub(crate) async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     let shutdown = idem_cli::util::shutdown_signal()?;
     let store = db::open(&args.db, 4).await?;
+    require_schemas(&store).await?;
     let registry = prometheus::Registry::new();
     let metrics = ConsumerMetrics::new(&registry)?;
     // Ready while the database answers, the broker answers and the member is in its group;
@@ -182,12 +181,9 @@ pub(crate) async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
         args.group,
         args.topics.join(", ")
     );
-    if args.lock_timeout_ms.is_some() && matches!(store, Store::Sqlite(_)) {
-        anyhow::bail!("--lock-timeout-ms is for PostgreSQL (SQLite has no lock_timeout)");
+    if args.lock_timeout.is_some() && matches!(store, Store::Sqlite(_)) {
+        anyhow::bail!("--lock-timeout is for PostgreSQL (SQLite has no lock_timeout)");
     }
-    ensure_reference_schema(&store)
-        .await
-        .context("creating the settlements table")?;
     let consumer = Consumed {
         source,
         config,
@@ -199,12 +195,51 @@ pub(crate) async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The reference tables (orders, settlements, points): their DDL differs per dialect.
-async fn ensure_reference_schema(store: &Store) -> Result<(), sqlx::Error> {
-    match store {
+/// `idem-lab setup`: idem's tables (as `idem migrate`) and the reference tables (orders,
+/// settlements, points) in the database `--db` names.
+#[derive(Args, Debug)]
+pub(crate) struct SetupArgs {
+    #[command(flatten)]
+    db: DbArgs,
+}
+
+/// Creates (or upgrades) idem's tables and the reference tables in one database, and says so.
+pub(crate) async fn setup(args: SetupArgs) -> anyhow::Result<()> {
+    let store = db::open(&args.db, 2).await?;
+    let report = idem_sql::with_store!(&store, s => s.migrate().await)?;
+    match &store {
         Store::Postgres(s) => idem_reference::ensure_schema_postgres(s.pool()).await,
         Store::Sqlite(s) => idem_reference::ensure_schema_sqlite(s.pool()).await,
     }
+    .context("creating the reference tables")?;
+    println!(
+        "idem-lab setup: idem's tables at schema version {}, reference tables ({}) ready",
+        report.current,
+        idem_reference::TABLES.join(", ")
+    );
+    Ok(())
+}
+
+/// Refuses a database the reference services were not set up in: the services create no
+/// table in a database they are given, so a wrong `--db` stops them at start instead of
+/// filling someone's database. `idem-lab setup --db URL` creates the tables, once.
+async fn require_schemas(store: &Store) -> anyhow::Result<()> {
+    const SETUP: &str = "create them with `idem-lab setup --db <the same URL>` first";
+    idem_sql::with_store!(store, s => idem_sql::check_schema(s.pool(), s.tables()).await)
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context(format!("idem's tables are not ready: {SETUP}"))?;
+    let missing = match store {
+        Store::Postgres(s) => idem_reference::missing_tables(s.pool()).await,
+        Store::Sqlite(s) => idem_reference::missing_tables(s.pool()).await,
+    }
+    .context("looking for the reference tables")?;
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "the reference tables {} are missing from this database: {SETUP}",
+            missing.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// What the consumer of `idem-lab settlement` runs with, besides its store and handler.
@@ -468,8 +503,7 @@ pub(crate) async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
     );
     let shutdown = idem_cli::util::shutdown_signal()?;
     let store = db::open(&args.db, 8).await?;
-    idem_sql::with_store!(&store, s => s.migrate().await)?;
-    ensure_reference_schema(&store).await?;
+    require_schemas(&store).await?;
     let app = idem_sql::with_store!(&store, s => {
         let keys = s.keys();
         idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));

@@ -131,8 +131,8 @@ fn tiny(brokers: &str, extra: &[&str]) -> Vec<String> {
         "50",
         "--relay-batch-size",
         "100",
-        "--seconds",
-        "0.5",
+        "--phase",
+        "500ms",
         "--connections",
         "2",
     ]
@@ -212,8 +212,8 @@ fn a_stuck_phase_is_reported_and_the_run_goes_on() {
     let args = tiny(
         &brokers,
         &[
-            "--stall-seconds",
-            "10",
+            "--stall",
+            "10s",
             "--ceiling-runs",
             "1",
             "--lock-outbox-during-republish",

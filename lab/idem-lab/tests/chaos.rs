@@ -28,7 +28,7 @@ fn chaos(args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
 /// recorded in docs/internals/demo-and-chaos.md.
 #[test]
 fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
-    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1"]);
+    let (code, r, stderr) = chaos(&["--duration", "40s", "--seed", "1"]);
     assert_eq!(code, Some(0), "{r:#}\n{stderr}");
     assert_eq!(r["ok"], true);
     assert_eq!(
@@ -124,7 +124,7 @@ fn a_short_chaos_run_loses_nothing_and_doubles_nothing() {
 /// effect.
 #[test]
 fn a_short_chaos_run_with_cdc_relays_loses_nothing_and_doubles_nothing() {
-    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1", "--cdc", "--pg-restart"]);
+    let (code, r, stderr) = chaos(&["--duration", "40s", "--seed", "1", "--cdc", "--pg-restart"]);
     assert_eq!(code, Some(0), "{r:#}\n{stderr}");
     assert_eq!(r["ok"], true);
     assert_eq!(
@@ -162,7 +162,7 @@ fn a_short_chaos_run_with_cdc_relays_loses_nothing_and_doubles_nothing() {
 /// publishes what committed in between, and nothing is lost or doubled.
 #[test]
 fn a_chaos_run_failing_over_to_a_standby_without_the_slot_loses_nothing() {
-    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "2", "--cdc", "--pg-failover"]);
+    let (code, r, stderr) = chaos(&["--duration", "40s", "--seed", "2", "--cdc", "--pg-failover"]);
     assert_eq!(code, Some(0), "{r:#}\n{stderr}");
     assert_eq!(r["ok"], true);
     assert_eq!(
@@ -180,7 +180,7 @@ fn a_chaos_run_failing_over_to_a_standby_without_the_slot_loses_nothing() {
 /// doubles.
 #[test]
 fn a_short_chaos_run_with_postgresql_crashes_loses_nothing_and_doubles_nothing() {
-    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "1", "--pg-restart"]);
+    let (code, r, stderr) = chaos(&["--duration", "40s", "--seed", "1", "--pg-restart"]);
     assert_eq!(code, Some(0), "{r:#}\n{stderr}");
     assert_eq!(r["ok"], true);
     assert_eq!(
@@ -196,7 +196,7 @@ fn a_short_chaos_run_with_postgresql_crashes_loses_nothing_and_doubles_nothing()
 /// of a run comes at 15 s and kills the leader of a partition in use.
 #[test]
 fn a_short_chaos_run_on_three_kafka_nodes_survives_a_leader_kill() {
-    let (code, r, stderr) = chaos(&["--seconds", "40", "--seed", "2", "--kafka-nodes", "3"]);
+    let (code, r, stderr) = chaos(&["--duration", "40s", "--seed", "2", "--kafka-nodes", "3"]);
     assert_eq!(code, Some(0), "{r:#}\n{stderr}");
     assert_eq!(r["kafka_nodes"], 3);
     assert_eq!(
@@ -216,7 +216,7 @@ fn broken(mechanism: &str) -> serde_json::Value {
 }
 
 fn broken_with(mechanism: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec!["--seconds", "30", "--seed", "3", "--break", mechanism];
+    let mut args = vec!["--duration", "30s", "--seed", "3", "--break", mechanism];
     args.extend(extra);
     let (code, r, stderr) = chaos(&args);
     assert_eq!(
@@ -337,7 +337,7 @@ fn an_interrupted_run_leaves_no_process_behind() {
     use std::time::{Duration, Instant};
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
-        .args(["chaos", "--seconds", "120", "--seed", "4"])
+        .args(["chaos", "--duration", "120s", "--seed", "4"])
         .env("RUST_LOG", "warn")
         .env_remove("IDEM_CRASH_POINTS")
         .env_remove("IDEM_BREAK")

@@ -29,7 +29,7 @@ fn chaos_tls(tls: &PgTlsMaterial, seconds: &str) -> Command {
             cmd.env_remove(k);
         }
     }
-    cmd.args(["chaos", "--tls", "--seconds", seconds, "--seed", "1"])
+    cmd.args(["chaos", "--tls", "--duration", seconds, "--seed", "1"])
         .args(["--db", &admin, "--keep", "--json"])
         .env(
             "IDEM_CHAOS_TLS_DB_PASSWORD_FILE",
@@ -94,7 +94,7 @@ fn logs(dir: &Path, out: &mut Vec<PathBuf>) {
 async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_password() {
     let tls = PgTlsMaterial::get();
     let pool = PgPool::connect(&admin_url()).await.unwrap();
-    let mut child = chaos_tls(&tls, "35").spawn().unwrap();
+    let mut child = chaos_tls(&tls, "35s").spawn().unwrap();
     let run = format!("c1{}", child.id());
     let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
     let stdout = std::thread::spawn(move || {

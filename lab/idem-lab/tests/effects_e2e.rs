@@ -23,6 +23,17 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
+/// `idem-lab setup`: idem's tables and the reference tables in `db` (the reference services
+/// create none).
+fn setup(db: &str) {
+    let out = idem(&["setup", "--db", db]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A settlement (client) and a points (server) database, and the points API over the server
 /// one: (client, server, client URL, the API process, its base URL).
 async fn points_api() -> (Lite, Lite, String, Proc, String) {
@@ -35,6 +46,7 @@ async fn points_api() -> (Lite, Lite, String, Proc, String) {
 /// The points API over `server`, and its base URL.
 fn spawn_points_api(server: &Lite) -> (Proc, String) {
     let server_url = format!("sqlite://{}", server.path().display());
+    setup(&server_url);
     let api = Proc::spawn(
         "points-api",
         idem(&["points-api", "--db", &server_url, "--listen", "127.0.0.1:0"]),

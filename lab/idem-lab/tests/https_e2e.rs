@@ -26,6 +26,17 @@ fn lab(args: &[&str]) -> Command {
     cmd
 }
 
+/// `idem-lab setup`: idem's tables and the reference tables in `db` (the reference services
+/// create none).
+fn setup(db: &str) {
+    let out = lab(&["setup", "--db", db]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn openssl(dir: &Path, args: &[&str]) {
     let out = Command::new("openssl")
         .current_dir(dir)
@@ -135,6 +146,7 @@ async fn world() -> World {
     let (client, server) = (Lite::new().await, Lite::new().await);
     let file = |name: &str| dir.path().join(name).display().to_string();
     let server_url = format!("sqlite://{}", server.path().display());
+    setup(&server_url);
     let api = Proc::spawn(
         "points-api",
         lab(&[

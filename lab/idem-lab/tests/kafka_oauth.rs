@@ -34,6 +34,17 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
+/// `idem-lab setup`: idem's tables and the reference tables in `db` (the reference services
+/// create none).
+fn setup(db: &str) {
+    let out = idem(&["setup", "--db", db]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The OAUTHBEARER login of `client` at `k`'s identity provider: the flags on the command
 /// line, the client secret in a file named by its environment variable.
 fn oauth(cmd: &mut Command, k: &SecuredKafka, client: &OidcClient, secret_file: &Path) {
@@ -71,6 +82,7 @@ async fn a_relay_publishes_over_sasl_ssl_with_an_oidc_token_and_the_broker_logs_
     let idp = k.identity_provider();
     let client = idp.new_client("idem-relay");
     let orders = Pg::new().await;
+    setup(orders.url());
     let dir = tempfile::tempdir().unwrap();
     let secret_file = dir.path().join("oauth-client-secret");
     let prefix = format!("{}.", kafka::unique("oauth"));

@@ -31,6 +31,17 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
+/// `idem-lab setup`: idem's tables and the reference tables in `db` (the reference services
+/// create none).
+fn setup(db: &str) {
+    let out = idem(&["setup", "--db", db]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The SCRAM-SHA-512 login as environment variables, the password in a file.
 fn scram_env(cmd: &mut Command, k: &SecuredKafka, password_file: &std::path::Path) {
     let (user, password) = k.user("SCRAM-SHA-512");
@@ -57,6 +68,7 @@ fn mtls_flags(k: &SecuredKafka, cert: &str, key: &str, ca: &str) -> Vec<String> 
 }
 
 fn write_orders(db: &str, count: u64) {
+    setup(db);
     let out = idem(&["orders", "--db", db, "--count", &count.to_string()])
         .output()
         .unwrap();

@@ -69,8 +69,13 @@ fn spawn(name: &str, args: &[&str]) -> Proc {
 
 /// `idem-lab migrate --db URL`.
 fn migrate(url: &str) {
+    lab(&["migrate", "--db", url]);
+}
+
+/// Runs `idem-lab <args>` to its end, which must be a success.
+fn lab(args: &[&str]) {
     let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
-        .args(["migrate", "--db", url])
+        .args(args)
         .output()
         .unwrap();
     assert!(
@@ -233,7 +238,7 @@ async fn readyz_follows_the_broker_down_and_up_and_the_outage_is_logged_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_consumers_readyz_follows_its_group_broker_and_database() {
     let pg = PrivatePg::start();
-    migrate(&pg.url());
+    lab(&["setup", "--db", &pg.url()]);
     let mut cluster = KafkaCluster::start(1);
     let topic = kafka::unique("readiness.order");
     idem_kafka::ensure_topics(cluster.brokers(), std::slice::from_ref(&topic), 1, 1)

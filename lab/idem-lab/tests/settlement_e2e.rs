@@ -21,6 +21,17 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
+/// `idem-lab setup`: idem's tables and the reference tables in `db` (the reference services
+/// create none).
+fn setup(db: &str) {
+    let out = idem(&["setup", "--db", db]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 async fn databases() -> (Pg, Pg) {
     let (orders, settle) = (Pg::new().await, Pg::new().await);
     idem_reference::ensure_schema_postgres(settle.pool())
@@ -53,6 +64,7 @@ async fn broker(partitions: i32) -> Kafka {
 }
 
 fn write_orders(db: &str, count: u64) {
+    setup(db);
     let out = idem(&["orders", "--db", db, "--count", &count.to_string()])
         .output()
         .unwrap();
@@ -334,6 +346,7 @@ async fn every_paid_order_gets_one_points_award_through_the_effect_stage() {
     const N: i64 = 200;
     let ((orders, settle), k) = (databases().await, broker(2).await);
     let points = Pg::new().await;
+    setup(points.url());
     write_orders(orders.url(), N as u64);
     let _relay = relay(orders.url(), &k);
     let api = Proc::spawn(

@@ -13,6 +13,15 @@ use idem_conformance::process::Proc;
 const KEY: &str = "\"event-01936f5e-4c1a-7d55-9a51-0cc0f0d4a7e2-points.award\"";
 
 fn points_api(db: &str, broken: bool) -> (Proc, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+        .args(["setup", "--db", db])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
     cmd.args([
         "points-api",

@@ -28,6 +28,17 @@ fn lab(args: &[&str]) -> Command {
     cmd
 }
 
+/// `idem-lab setup`: idem's tables and the reference tables in `db` (the reference services
+/// create none).
+fn setup(db: &str) {
+    let out = lab(&["setup", "--db", db]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The broker's SCRAM-SHA-512 login and CA, as the environment (the password in a file).
 fn scram(cmd: &mut Command, k: &SecuredKafka, password_file: &std::path::Path) {
     let (user, _) = k.user("SCRAM-SHA-512");
@@ -103,6 +114,7 @@ async fn the_reference_pipeline_runs_over_tls_scram_and_https() {
         .await
         .unwrap();
     let orders_url = tls.verify_full_url(&give_to_idem_tls(&orders).await);
+    setup(&orders_url);
     let settle_url = tls.verify_full_url(&give_to_idem_tls(&settle).await);
     let prefix = format!("{}.", kafka::unique("tls-e2e"));
     let (topic, group, slot) = (
@@ -113,6 +125,7 @@ async fn the_reference_pipeline_runs_over_tls_scram_and_https() {
 
     // The points API over HTTPS, with the broker's certificate (same CA, SAN IP:127.0.0.1).
     let points_db = format!("sqlite://{}", dir.path().join("points.db").display());
+    setup(&points_db);
     let (cert, key) = (k.pki("broker.pem"), k.pki("broker.key"));
     let points = Proc::spawn(
         "points-api",

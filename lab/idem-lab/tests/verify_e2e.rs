@@ -20,6 +20,17 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
+/// `idem-lab setup`: idem's tables and the reference tables in `db` (the reference services
+/// create none).
+fn setup(db: &str) {
+    let out = idem(&["setup", "--db", db]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A settled pipeline: every order settled and awarded.
 struct Pipeline {
     orders: Pg,
@@ -35,6 +46,7 @@ struct Pipeline {
 }
 
 fn write_orders(db: &str, start: i64, count: i64) {
+    setup(db);
     let out = idem(&[
         "orders",
         "--db",
@@ -59,6 +71,7 @@ async fn pipeline() -> Pipeline {
         .await
         .unwrap();
     write_orders(orders.url(), 1, N);
+    setup(points.url());
     let relay = Proc::spawn(
         "relay",
         idem(&[

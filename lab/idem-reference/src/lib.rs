@@ -29,6 +29,44 @@ pub const POSTGRES_SCHEMA: &str = include_str!("../sql/postgres.sql");
 /// The reference tables for SQLite.
 pub const SQLITE_SCHEMA: &str = include_str!("../sql/sqlite.sql");
 
+/// The reference tables, as [`POSTGRES_SCHEMA`] and [`SQLITE_SCHEMA`] create them.
+pub const TABLES: &[&str] = &[
+    "orders",
+    "settlements",
+    "settlement_applications",
+    "points_awards",
+    "points_reversals",
+    "audit_log",
+    "points_lab_overlaps",
+];
+
+/// The reference tables the database `pool` reaches does not have (in its search path).
+pub async fn missing_tables<DB: Dialect>(
+    pool: &sqlx::Pool<DB>,
+) -> Result<Vec<&'static str>, sqlx::Error> {
+    let mut missing = vec![];
+    for table in TABLES {
+        let probe = format!("SELECT 1 AS one FROM {table} WHERE 1 = 0");
+        let mut conn = pool.acquire().await?;
+        match Statement::<DB>::new(&probe)
+            .fetch_optional(&mut *conn)
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if is_missing_table(&e) => missing.push(*table),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(missing)
+}
+
+/// Whether `e` says a table does not exist (SQLSTATE 42P01; SQLite's "no such table").
+fn is_missing_table(e: &sqlx::Error) -> bool {
+    e.as_database_error().is_some_and(|d| {
+        d.code().as_deref() == Some("42P01") || d.message().starts_with("no such table")
+    })
+}
+
 /// Creates the reference tables if they are missing.
 pub async fn ensure_schema_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
     sqlx::raw_sql(POSTGRES_SCHEMA)
@@ -258,7 +296,7 @@ impl Settlement {
 
     /// On PostgreSQL, gives up on a lock held longer than `timeout` on the business tables (a
     /// transient failure, retried until the lock is released; never a dead letter). Without it
-    /// the handler waits for the lock. `idem-lab settlement --lock-timeout-ms`.
+    /// the handler waits for the lock. `idem-lab settlement --lock-timeout`.
     pub fn with_lock_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.lock_timeout = Some(timeout);
         self

@@ -60,9 +60,9 @@ pub struct ReplayArgs {
     /// Replay only the records meant for this topic (repeatable; default: every topic).
     #[arg(long = "topic")]
     topics: Vec<String>,
-    /// Give up reading the dead-letter topic after this many seconds.
-    #[arg(long, default_value_t = 30)]
-    timeout_secs: u64,
+    /// Give up reading the dead-letter topic after this long.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    timeout: Duration,
     #[command(flatten)]
     producer: crate::relay_cmd::ProducerArgs,
 }
@@ -169,10 +169,7 @@ async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
         .kafka
         .connection(&args.brokers)?
         .client_config();
-    let (topic, timeout) = (
-        args.dead_letter_topic.clone(),
-        Duration::from_secs(args.timeout_secs),
-    );
+    let (topic, timeout) = (args.dead_letter_topic.clone(), args.timeout);
     let records = tokio::task::spawn_blocking(move || {
         idem_kafka::inspect::read_all_with(&conn, &topic, timeout)
     })

@@ -34,9 +34,9 @@ pub enum TopicCommand {
         /// Topic name.
         #[arg(long)]
         topic: String,
-        /// Give up after this many seconds.
-        #[arg(long, default_value_t = 30)]
-        timeout_secs: u64,
+        /// Give up after this long.
+        #[arg(long, default_value = "30s", value_parser = crate::util::parse_duration)]
+        timeout: Duration,
         /// How to reach and authenticate to the cluster (TLS, SASL).
         #[command(flatten)]
         kafka: Box<KafkaArgs>,
@@ -63,13 +63,13 @@ pub(crate) async fn run(cmd: TopicCommand) -> anyhow::Result<()> {
         TopicCommand::Dump {
             brokers,
             topic,
-            timeout_secs,
+            timeout,
             kafka,
         } => {
             let conn = kafka.connection(&brokers)?.client_config();
             kafka.check(&conn, "idem topic dump").await?;
             let records = tokio::task::spawn_blocking(move || {
-                idem_kafka::inspect::read_all_with(&conn, &topic, Duration::from_secs(timeout_secs))
+                idem_kafka::inspect::read_all_with(&conn, &topic, timeout)
             })
             .await??;
             for r in records {

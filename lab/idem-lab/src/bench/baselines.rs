@@ -56,7 +56,7 @@ const BUSINESS_N: [Figure; 5] = [
 
 /// Business transactions alone, with the outbox, with a plain second row and with a logical
 /// decoding message (the CDC relay's message mode; in the order's statement, and in one of its
-/// own) on `conns` connections, alternating for `--ceiling-runs` rounds (each kind `--seconds`
+/// own) on `conns` connections, alternating for `--ceiling-runs` rounds (each kind `--phase`
 /// in all), so a swing of the flush cost hits the five alike.
 async fn business(c: &mut Ctx<'_>, conns: u32, figures: [Figure; 5]) -> anyhow::Result<()> {
     sqlx::query(pg::PLAIN_TABLE).execute(c.scratch).await?;

@@ -135,8 +135,8 @@ pub(crate) struct RunArgs {
     /// Size of each event's JSON payload, bytes (the Kafka record value).
     #[arg(long, default_value_t = 256)]
     message_size: usize,
-    /// Seconds of each timed phase.
-    #[arg(long, default_value_t = 5.0)]
+    /// How long each timed phase runs (`5s`, `500ms`).
+    #[arg(long = "phase", default_value = "5s", value_parser = crate::num::seconds)]
     seconds: f64,
     /// Connections of the many-connection phases (inserts, business transactions, writers).
     #[arg(long, default_value_t = 16)]
@@ -156,8 +156,8 @@ pub(crate) struct RunArgs {
     /// gives min, median and max of the samples; ratios use the median).
     #[arg(long, default_value_t = 2)]
     ceiling_runs: u32,
-    /// Seconds a drain may make no progress before it is reported stuck and the run goes on.
-    #[arg(long, default_value_t = 60.0)]
+    /// How long a drain may make no progress before it is reported stuck and the run goes on.
+    #[arg(long = "stall", default_value = "60s", value_parser = crate::num::seconds)]
     stall_seconds: f64,
     /// (test) Holds a lock on every outbox row while the relay republishes, so that phase
     /// makes no progress: proves a stuck phase is reported and the run goes on.
@@ -210,7 +210,7 @@ impl Progress {
 
 async fn run_all(args: RunArgs) -> anyhow::Result<()> {
     if args.backlog == 0 || args.seconds <= 0.0 {
-        bail!("--backlog and --seconds must be positive");
+        bail!("--backlog and --phase must be positive");
     }
     let mut progress = Progress {
         step: 0,
@@ -279,7 +279,7 @@ pub(crate) struct Ctx<'a> {
     args: &'a RunArgs,
     progress: &'a mut Progress,
     report: &'a mut Report,
-    /// Each timed phase's length (`--seconds`).
+    /// Each timed phase's length (`--phase`).
     secs: Duration,
     /// Connections of the many-connection phases.
     n: u32,

@@ -595,7 +595,7 @@ async fn wait_for(
     }
 }
 
-/// Writers as fast as they can for `--seconds` while the relay and consumer run: settlements
+/// Writers as fast as they can for `--phase` while the relay and consumer run: settlements
 /// per second over the run after a warm-up fifth, and orders written per second.
 async fn sustained_rates(c: &Ctx<'_>, dbs: &SystemDbs<'_>) -> anyhow::Result<(f64, f64)> {
     let (secs, pad, progress) = (c.secs, c.pad, &*c.progress);

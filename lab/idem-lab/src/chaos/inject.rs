@@ -1,4 +1,4 @@
-//! The injection phase: for `--seconds`, supervise the processes, open and close the windows,
+//! The injection phase: for `--duration`, supervise the processes, open and close the windows,
 //! write hostile rows, scrape metrics, and carry out the faults the seeded [`Schedule`] plans.
 
 use std::collections::BTreeMap;

@@ -47,8 +47,8 @@ use topology::Topology;
 
 #[derive(Args, Debug, Clone)]
 pub(crate) struct ChaosArgs {
-    /// How long to inject faults.
-    #[arg(long, default_value_t = 120)]
+    /// How long to inject faults (`40s`, `10m`; whole seconds).
+    #[arg(long = "duration", default_value = "2m", value_parser = crate::num::whole_seconds)]
     pub seconds: u64,
     /// Seed of the fault schedule (the same seed, the same schedule).
     #[arg(long, default_value_t = 1)]
@@ -85,12 +85,12 @@ pub(crate) struct ChaosArgs {
     pub cdc: bool,
     /// Run on a PostgreSQL server of the run's own (initdb, a free loopback port, `wal_level =
     /// logical`; `--db` is ignored) and crash it (`pg_ctl stop -m immediate`, then start) at
-    /// 40 % and at 70 % of `--seconds`: every process loses its connections and whatever the
+    /// 40 % and at 70 % of `--duration`: every process loses its connections and whatever the
     /// server had not flushed.
     #[arg(long)]
     pub pg_restart: bool,
     /// Run on a PostgreSQL server of the run's own with a synchronous streaming standby
-    /// (`pg_basebackup`; `--db` is ignored), and fail over to it at 55 % of `--seconds`: the
+    /// (`pg_basebackup`; `--db` is ignored), and fail over to it at 55 % of `--duration`: the
     /// primary stops as a crash would, the standby is promoted and takes its place. The
     /// standby has no logical slot (PostgreSQL 15): with `--cdc` the relays stop on the missing
     /// slot, and the runner restarts one with `--create-slot`, as an operator would.

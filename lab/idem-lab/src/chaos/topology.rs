@@ -169,7 +169,7 @@ fn writer(t: &Topology, i: usize) -> Vec<String> {
     ]);
     if i == 1 {
         // Slow transactions: rows committed after rows with higher ids.
-        argv.extend(strings(&["--slow-every", "5", "--slow-ms", "400"]));
+        argv.extend(strings(&["--slow-every", "5", "--slow", "400ms"]));
     }
     argv
 }
@@ -239,7 +239,7 @@ fn consumer(t: &Topology, group: &str, handler: &str, member: &str) -> Vec<Strin
         ]));
         if settlement {
             // The long-lock window: a locked settlements table fails handlers fast.
-            v.extend(strings(&["--lock-timeout-ms", windows::LOCK_TIMEOUT_MS]));
+            v.extend(strings(&["--lock-timeout", windows::LOCK_TIMEOUT]));
         }
     }
     v.extend(strings(&[

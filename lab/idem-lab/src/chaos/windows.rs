@@ -50,8 +50,8 @@ const SLOW_FOR: Duration = Duration::from_secs(15);
 /// How long the settlements table stays locked: under the consumers' 10 s
 /// `max.poll.interval.ms`, so a stalled member keeps its partitions.
 const LOCK_HOLD: Duration = Duration::from_secs(5);
-/// The settlement consumers' `--lock-timeout-ms`.
-pub(super) const LOCK_TIMEOUT_MS: &str = "50";
+/// The settlement consumers' `--lock-timeout`.
+pub(super) const LOCK_TIMEOUT: &str = "50ms";
 /// Transient handler failures a long lock must cause to have tested anything: one event
 /// failing past the `transient-dead-letters` negative control's budget.
 pub(super) const LOCK_FAILURES_WANTED: f64 = (idem_core::crash::BROKEN_TRANSIENT_BUDGET + 1) as f64;
