@@ -108,7 +108,7 @@ pub enum TlsConfigError {
     /// A client certificate without a key, or a key without a certificate.
     #[error(
         "a client {given} is configured without a client {missing}: give both \
-         (`--client-cert` and `--client-key`) or neither"
+         (`HttpTls::client_cert` and `HttpTls::client_key`) or neither"
     )]
     Incomplete {
         /// What is given (`certificate` or `key`).
@@ -119,7 +119,7 @@ pub enum TlsConfigError {
     /// Only the CA bundle is to be trusted, and there is none.
     #[error(
         "only the CA bundle is to be trusted, and no CA bundle is configured: give one \
-         (`--ca-bundle`) or trust the system's roots too"
+         (`HttpTls::ca_bundle`) or trust the system's roots too (`HttpTls::ca_bundle_only`)"
     )]
     OnlyWithoutBundle,
     /// rustls refused the settings.
@@ -377,6 +377,12 @@ pub enum TlsFailure {
 
 /// What to do once the cause is fixed: the same for every TLS park.
 const THEN_RETRY: &str = "then `idem effects retry` sends it again with the same key";
+/// Where the dispatcher's CA bundle is set: the operator command and the Rust setting (a park
+/// reason is read by an operator, whichever way the dispatcher runs).
+const CA_BUNDLE: &str = "`idem effects dispatch --ca-bundle`, `HttpTls::ca_bundle`";
+/// Where its client certificate and key are set.
+const CLIENT_CERT: &str = "`idem effects dispatch --client-cert --client-key`, \
+                           `HttpTls::client_cert` and `HttpTls::client_key`";
 
 impl TlsFailure {
     /// The label of `idem_effect_tls_failure_total{failure}`.
@@ -401,8 +407,8 @@ impl TlsFailure {
         match self {
             TlsFailure::UnknownIssuer => format!(
                 "TLS: the remote's certificate is not trusted (unknown issuer): give the CA that \
-                 issued it with --ca-bundle (IDEM_EFFECTS_CA_BUNDLE), {THEN_RETRY}; the request \
-                 was not sent"
+                 issued it in the dispatcher's CA bundle ({CA_BUNDLE}), {THEN_RETRY}; the \
+                 request was not sent"
             ),
             TlsFailure::Expired { not_after } => format!(
                 "TLS: the remote's certificate expired{}: the remote must renew it (or this \
@@ -433,24 +439,23 @@ impl TlsFailure {
             ),
             TlsFailure::ClientCertificateRequired { alert } => format!(
                 "TLS: the remote requires a client certificate and none is configured (it sent \
-                 the alert {alert}): give one with --client-cert and --client-key \
-                 (IDEM_EFFECTS_CLIENT_CERT, IDEM_EFFECTS_CLIENT_KEY), {THEN_RETRY}; the remote \
-                 refused the handshake, so it did not process the request"
+                 the alert {alert}): give the dispatcher one ({CLIENT_CERT}), \
+                 {THEN_RETRY}; the remote refused the handshake, so it did not process the \
+                 request"
             ),
             TlsFailure::ClientCertificateRefused { alert } if alert == "certificate_expired" => {
                 format!(
                     "TLS: the remote refused our client certificate because it has expired (it \
-                     sent the alert {alert}): renew it and give the new one with --client-cert \
-                     and --client-key (IDEM_EFFECTS_CLIENT_CERT, IDEM_EFFECTS_CLIENT_KEY), \
-                     {THEN_RETRY}; the remote refused the handshake, so it did not process the \
-                     request"
+                     sent the alert {alert}): renew it and give the dispatcher the new one \
+                     ({CLIENT_CERT}), {THEN_RETRY}; the remote refused the handshake, so it did \
+                     not process the request"
                 )
             }
             TlsFailure::ClientCertificateRefused { alert } => format!(
                 "TLS: the remote refused our client certificate (it sent the alert {alert}): \
-                 give a certificate its CA trusts with --client-cert and --client-key, \
-                 {THEN_RETRY}; the remote refused the handshake, so it did not process the \
-                 request"
+                 give the dispatcher a certificate its CA trusts \
+                 ({CLIENT_CERT}), {THEN_RETRY}; the remote refused the handshake, so it did not \
+                 process the request"
             ),
             TlsFailure::NotTls { detail } => format!(
                 "TLS: the remote does not speak TLS at this address ({detail}): check the \

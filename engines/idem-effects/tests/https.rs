@@ -374,7 +374,8 @@ async fn with_the_system_roots_only_an_unknown_issuer_parks_after_one_attempt() 
         "unknown_issuer",
         &format!(
             "TLS: the remote's certificate is not trusted (unknown issuer): give the CA that \
-             issued it with --ca-bundle (IDEM_EFFECTS_CA_BUNDLE), {RETRY}; the request was not sent"
+             issued it in the dispatcher's CA bundle (`idem effects dispatch --ca-bundle`, \
+             `HttpTls::ca_bundle`), {RETRY}; the request was not sent"
         ),
     )
     .await;
@@ -432,9 +433,10 @@ async fn a_remote_requiring_a_client_certificate_parks_an_intent_sent_without_on
         "client_certificate_required",
         &format!(
             "TLS: the remote requires a client certificate and none is configured (it sent the \
-             alert certificate_required): give one with --client-cert and --client-key \
-             (IDEM_EFFECTS_CLIENT_CERT, IDEM_EFFECTS_CLIENT_KEY), {RETRY}; the remote refused \
-             the handshake, so it did not process the request"
+             alert certificate_required): give the dispatcher one \
+             (`idem effects dispatch --client-cert --client-key`, `HttpTls::client_cert` and \
+             `HttpTls::client_key`), {RETRY}; the remote refused the handshake, so \
+             it did not process the request"
         ),
     )
     .await;
@@ -450,8 +452,9 @@ async fn a_client_certificate_of_an_untrusted_ca_parks() {
         "client_certificate_refused",
         &format!(
             "TLS: the remote refused our client certificate (it sent the alert unknown_ca): \
-             give a certificate its CA trusts with --client-cert and --client-key, {RETRY}; the \
-             remote refused the handshake, so it did not process the request"
+             give the dispatcher a certificate its CA trusts (`idem effects dispatch \
+             --client-cert --client-key`, `HttpTls::client_cert` and `HttpTls::client_key`), \
+             {RETRY}; the remote refused the handshake, so it did not process the request"
         ),
     )
     .await;
@@ -616,9 +619,10 @@ async fn an_expired_client_certificate_parks_with_renew_it() {
         "client_certificate_refused",
         &format!(
             "TLS: the remote refused our client certificate because it has expired (it sent the \
-             alert certificate_expired): renew it and give the new one with --client-cert and \
-             --client-key (IDEM_EFFECTS_CLIENT_CERT, IDEM_EFFECTS_CLIENT_KEY), {RETRY}; the \
-             remote refused the handshake, so it did not process the request"
+             alert certificate_expired): renew it and give the dispatcher the \
+             new one (`idem effects dispatch --client-cert --client-key`, `HttpTls::client_cert` and \
+             `HttpTls::client_key`), {RETRY}; the remote refused the \
+             handshake, so it did not process the request"
         ),
     )
     .await;

@@ -273,10 +273,11 @@ async fn without_a_client_certificate_the_intent_is_parked_and_nothing_is_awarde
             "parked".to_owned(),
             1,
             "TLS: the remote requires a client certificate and none is configured (it sent the \
-             alert certificate_required): give one with --client-cert and --client-key \
-             (IDEM_EFFECTS_CLIENT_CERT, IDEM_EFFECTS_CLIENT_KEY), then `idem effects retry` \
-             sends it again with the same key; the remote refused the handshake, so it did not \
-             process the request"
+             alert certificate_required): give the dispatcher one \
+             (`idem effects dispatch --client-cert --client-key`, `HttpTls::client_cert` and \
+             `HttpTls::client_key`), then `idem effects retry` sends it again \
+             with the same key; the remote refused the handshake, so it did not process the \
+             request"
                 .to_owned()
         )
     );

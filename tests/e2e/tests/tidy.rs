@@ -179,24 +179,81 @@ fn each_kind_of_history_is_found_and_present_tense_passes() {
 /// their messages name settings, never the flags of idem's command line.
 const LIBRARIES: &[&str] = &["core", "stores", "brokers", "engines"];
 
-/// Where a line of library code puts a command-line flag (`--brokers`) in a string: (byte
-/// offset, the flag). A flag inside a backquoted command of another program (`` `idem outbox
-/// retry --all` ``, `` `kafka-configs --alter` ``) is advice to an operator, and passes.
-fn flags_in_strings(line: &str) -> Vec<(usize, String)> {
-    if line.trim_start().starts_with("//") {
-        return vec![];
+/// Where library code puts a command-line flag (`--brokers`) in a string literal, a literal
+/// continued over several lines (`\` at a line's end) or a raw one included: (line, the flag).
+/// Comments are skipped. A flag inside a backquoted command of another program (`` `idem
+/// outbox retry --all` ``, `` `kafka-configs --alter` ``) is advice to an operator, and passes.
+fn flags_in_strings(code: &str) -> Vec<(usize, String)> {
+    let b = code.as_bytes();
+    let (mut i, mut line, mut found) = (0, 1, vec![]);
+    while i < b.len() {
+        match b[i] {
+            b'\n' => line += 1,
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+                continue;
+            }
+            // A char literal of an escape ('\"', '\n') or of a quote ('"').
+            b'\'' if b.get(i + 1) == Some(&b'\\') && b.get(i + 3) == Some(&b'\'') => i += 3,
+            b'\'' if b.get(i + 2) == Some(&b'\'') => i += 2,
+            b'"' => {
+                let hashes = raw_hashes(b, i);
+                let end = literal_end(b, i + 1, hashes);
+                let literal = &code[i + 1..end];
+                for (at, flag) in flags_in_literal(literal) {
+                    found.push((line + literal[..at].matches('\n').count(), flag));
+                }
+                line += literal.matches('\n').count();
+                i = end + 1 + hashes.unwrap_or(0);
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
     }
+    found
+}
+
+/// The number of `#` of a raw string whose opening quote is at `quote` (`r"…"`: 0), or `None`
+/// for an ordinary string.
+fn raw_hashes(b: &[u8], quote: usize) -> Option<usize> {
+    let hashes = b[..quote].iter().rev().take_while(|c| **c == b'#').count();
+    let r = quote.checked_sub(hashes + 1)?;
+    let before = r.checked_sub(1).map(|j| b[j]);
+    let starts_token =
+        before.is_none_or(|c| !(c.is_ascii_alphanumeric() || c == b'_') || c == b'b');
+    (b[r] == b'r' && starts_token).then_some(hashes)
+}
+
+/// Where the literal that starts at `start` ends (its closing quote).
+fn literal_end(b: &[u8], start: usize, raw: Option<usize>) -> usize {
+    let mut j = start;
+    while j < b.len() {
+        match (b[j], raw) {
+            (b'\\', None) => j += 1,
+            (b'"', None) => return j,
+            (b'"', Some(n)) if b[j + 1..].iter().take(n).filter(|c| **c == b'#').count() == n => {
+                return j;
+            }
+            _ => {}
+        }
+        j += 1;
+    }
+    b.len()
+}
+
+/// The flags in one literal's text, outside a backquoted command of `idem` or Kafka's tools:
+/// (byte offset, flag).
+fn flags_in_literal(literal: &str) -> Vec<(usize, String)> {
     let mut found = vec![];
-    for (at, _) in line.match_indices("--") {
-        let after = &line[at + 2..];
+    for (at, _) in literal.match_indices("--") {
+        let after = &literal[at + 2..];
         if !after.starts_with(|c: char| c.is_ascii_lowercase()) {
             continue;
         }
-        let before = &line[..at];
-        let in_string = before.matches('"').count() - before.matches("\\\"").count();
-        if in_string.is_multiple_of(2) {
-            continue;
-        }
+        let before = &literal[..at];
         let in_command = before.matches('`').count() % 2 == 1
             && before
                 .rsplit('`')
@@ -213,12 +270,14 @@ fn flags_in_strings(line: &str) -> Vec<(usize, String)> {
     found
 }
 
-/// The lines of `text` before its unit tests (`#[cfg(test)]`), which may spell what a command
+/// The code of `text` before its unit tests (`#[cfg(test)]`), which may spell what a command
 /// line prints.
-fn library_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
-    text.lines()
-        .enumerate()
-        .take_while(|(_, l)| l.trim() != "#[cfg(test)]")
+fn library_code(text: &str) -> &str {
+    let end = text
+        .match_indices("#[cfg(test)]")
+        .find(|(at, _)| text[..*at].ends_with('\n') || *at == 0)
+        .map_or(text.len(), |(at, _)| at);
+    &text[..end]
 }
 
 #[test]
@@ -234,10 +293,8 @@ fn no_library_message_names_a_command_line_flag() {
         }) {
             let text = std::fs::read_to_string(f).unwrap();
             let rel = f.strip_prefix(&root).unwrap_or(f).display().to_string();
-            for (i, line) in library_lines(&text) {
-                for (_, flag) in flags_in_strings(line) {
-                    offences.push(format!("{rel}:{}: {flag}", i + 1));
-                }
+            for (line, flag) in flags_in_strings(library_code(&text)) {
+                offences.push(format!("{rel}:{line}: {flag}"));
             }
         }
     }
@@ -252,17 +309,29 @@ fn no_library_message_names_a_command_line_flag() {
 #[test]
 fn a_flag_in_a_library_string_is_found_and_an_operator_command_passes() {
     let planted = r#"    "check --brokers and that the cluster runs","#;
+    assert_eq!(flags_in_strings(planted), vec![(1, "--brokers".to_owned())]);
+    // On a continuation line of a literal, and in a raw string, on the line it is written on.
+    let continued = "let m = format!(\n    \"give one \\\n     with --client-cert\",\n);";
     assert_eq!(
-        flags_in_strings(planted),
-        vec![(11, "--brokers".to_owned())]
+        flags_in_strings(continued),
+        vec![(3, "--client-cert".to_owned())]
+    );
+    let raw = "let q = r#\"a \"quoted\" --slot\"#;\nlet x = '\"'; let y = \"--db\";";
+    assert_eq!(
+        flags_in_strings(raw),
+        vec![(1, "--slot".to_owned()), (2, "--db".to_owned())]
     );
     for passes in [
         r#"    "check the brokers (`bootstrap.servers`)","#,
         r#"    format!("{note}; `idem effects retry --id {id}` sends it again"),"#,
         r#"    "set min.insync.replicas=2 (`kafka-configs --alter --entity-type topics`)","#,
         "    /// set with --brokers",
-        "    let x = a--b;",
+        "    let x = a--b; // \"--not-code\"",
+        "    let c = '\"'; let d = a--b; let e = '\\''; f(\"fine\")",
+        "    \"`idem effects dispatch --client-cert \\\n     --client-key`\"",
     ] {
         assert_eq!(flags_in_strings(passes), vec![], "{passes}");
     }
+    let tests = "fn f() {}\n#[cfg(test)]\nmod tests { \"--flag\" }";
+    assert_eq!(flags_in_strings(library_code(tests)), vec![]);
 }
