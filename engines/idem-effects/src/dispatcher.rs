@@ -891,7 +891,12 @@ impl Pipeline<'_> {
 
     /// Keeps the first error and stops claiming.
     fn fail(&mut self, e: idem_core::Error) {
-        tracing::error!(error = %e, "effect dispatcher: stopping after an error");
+        if matches!(e, idem_core::Error::CrashPoint(_)) {
+            // A lab's crash point, fired on purpose: its supervisor restarts the dispatcher.
+            tracing::info!(error = %e, "effect dispatcher: stopping at a crash point");
+        } else {
+            tracing::error!(error = %e, "effect dispatcher: stopping after an error");
+        }
         self.error.get_or_insert(e);
         self.stopping = true;
     }

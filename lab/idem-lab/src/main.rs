@@ -94,7 +94,13 @@ fn parse(matches: &clap::ArgMatches) -> Result<Parsed, clap::Error> {
 fn main() -> std::process::ExitCode {
     let (matches, log) = idem_cli::settings::matches(cli());
     let parsed = parse(&matches).unwrap_or_else(|e| e.exit());
-    idem_cli::main_with("idem-lab", log, run(parsed))
+    // The demo's output is its progress and its verdict; its components' logs (crashes it
+    // fires on purpose among them) show with RUST_LOG=info.
+    let filter = match &parsed {
+        Parsed::Cli(cli) if matches!(cli.command, Command::Demo(_)) => "error",
+        _ => idem_cli::DEFAULT_LOG_FILTER,
+    };
+    idem_cli::main_with_logs("idem-lab", log, filter, run(parsed))
 }
 
 async fn run(parsed: Parsed) -> anyhow::Result<()> {

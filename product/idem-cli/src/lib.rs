@@ -83,15 +83,33 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
-/// A binary's `main`: logs to standard error (`RUST_LOG`, default `info`) in `log`'s format,
-/// runs `program` on a multi-threaded runtime, and turns its result into the exit status: the
-/// status of a [`verify_cmd::ExitWith`], else 1 with `BIN: error: …` (each cause printed once).
+/// The log filter of a command without `RUST_LOG`.
+pub const DEFAULT_LOG_FILTER: &str = "info,sqlx::postgres::notice=warn";
+
+/// A binary's `main`: logs to standard error (`RUST_LOG`, default [`DEFAULT_LOG_FILTER`]) in
+/// `log`'s format, runs `program` on a multi-threaded runtime, and turns its result into the
+/// exit status: the status of a [`verify_cmd::ExitWith`], else 1 with `BIN: error: …` (each
+/// cause printed once).
 pub fn main_with<F>(bin: &str, log: settings::LogFormat, program: F) -> std::process::ExitCode
 where
     F: std::future::Future<Output = anyhow::Result<()>>,
 {
+    main_with_logs(bin, log, DEFAULT_LOG_FILTER, program)
+}
+
+/// [`main_with`], logging what `default_filter` lets through when `RUST_LOG` is not set (a
+/// program whose own output is the report, as the lab's demo, logs errors only).
+pub fn main_with_logs<F>(
+    bin: &str,
+    log: settings::LogFormat,
+    default_filter: &str,
+    program: F,
+) -> std::process::ExitCode
+where
+    F: std::future::Future<Output = anyhow::Result<()>>,
+{
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx::postgres::notice=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let fmt = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(filter);

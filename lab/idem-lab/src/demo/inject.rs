@@ -137,7 +137,7 @@ impl<'a> Injector<'a> {
         let fired: u64 = pipeline_fired().iter().map(|(_, n)| *n).sum();
         let t = &self.tally;
         eprintln!(
-            "idem demo: {:>5.1}s  orders {}  unpublished {}  settled {}  awarded {}  crash points fired {fired}/{}  republished {}  conflicts {}  restarts {}",
+            "idem demo: {:>5.1}s  orders {}  unpublished {}  settled {}  awarded {}  crash points fired {fired}/{}  rows set back to pending {}  conflicting copies {}  restarts {}",
             started.elapsed().as_secs_f64(),
             t.written,
             c.pending,

@@ -126,8 +126,11 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     crash::disarm_all();
     let cleanup = dbs.cleanup(args.keep).await;
-    let report = result?;
+    let mut report = result?;
     cleanup?;
+    if !args.keep {
+        report.databases.push_str(" (removed; --keep keeps them)");
+    }
     idem_cli::verify_cmd::emit(&report, args.json, report.ok, print_report)
 }
 

@@ -179,14 +179,20 @@ fn joined(m: &BTreeMap<String, u64>) -> String {
 /// The report's table rows.
 fn rows(r: &DemoReport) -> [(&'static str, String); 17] {
     [
-        ("orders (events written)", r.orders.to_string()),
+        ("orders (one event each)", r.orders.to_string()),
         ("events published", r.events_published.to_string()),
-        ("deliveries to the consumer", r.deliveries.to_string()),
-        ("duplicate deliveries", r.duplicate_deliveries.to_string()),
-        ("duplicate skips (inbox)", r.duplicate_skips.to_string()),
-        ("republishes (relay)", r.republishes.to_string()),
+        ("deliveries to the consumers", r.deliveries.to_string()),
+        ("of which duplicates", r.duplicate_deliveries.to_string()),
+        (
+            "duplicates skipped by the inbox",
+            r.duplicate_skips.to_string(),
+        ),
+        ("events published again (relay)", r.republishes.to_string()),
         ("retries (consumer + effects)", r.retries.to_string()),
-        ("idempotency conflicts", r.idempotency_conflicts.to_string()),
+        (
+            "conflicting copies (dead-lettered)",
+            r.idempotency_conflicts.to_string(),
+        ),
         ("dead letters (with reasons)", r.dead_letters.to_string()),
         ("settlements", r.settlements.to_string()),
         ("points awards", r.points_awards.to_string()),
