@@ -279,6 +279,38 @@ fn no_help_names_the_reference_pipeline() {
     assert!(seen > 20, "only {seen} help pages were read");
 }
 
+/// Every flag of every command that takes a length of time takes it in the one syntax
+/// (`500ms`, `30s`, `5m`, `1h`, `7d`): none is named for a unit (`--timeout-secs`,
+/// `--lock-timeout-ms`), and `--timeout 2s` or `--retention 1d` is read by every command alike.
+#[test]
+fn no_flag_is_named_for_a_unit_of_time() {
+    let mut paths: Vec<Vec<String>> = vec![vec![]];
+    let mut flags = 0;
+    while let Some(path) = paths.pop() {
+        let args: Vec<&str> = path.iter().map(String::as_str).chain(["--help"]).collect();
+        let (out, _) = text(&idem(&args));
+        for flag in out.split_whitespace().filter(|w| w.starts_with("--")) {
+            let name = flag.trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+            flags += 1;
+            for unit in [
+                "-ms", "-millis", "-secs", "-seconds", "-minutes", "-hours", "-days",
+            ] {
+                assert!(
+                    !name.ends_with(unit),
+                    "`idem {}` has {name}: take a duration (`30s`) instead",
+                    path.join(" ")
+                );
+            }
+        }
+        for sub in subcommands(&path.iter().map(String::as_str).collect::<Vec<_>>()) {
+            let mut next = path.clone();
+            next.push(sub);
+            paths.push(next);
+        }
+    }
+    assert!(flags > 100, "only {flags} flags were read");
+}
+
 /// A topic mapping Kafka cannot take is refused before anything connects, by both relays (the
 /// broker address is a closed port: a relay that got as far as the broker would say so).
 #[test]
@@ -319,4 +351,88 @@ fn a_topic_mapping_kafka_cannot_take_is_refused_at_start() {
         assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains("--topic-prefix / --topic"), "{args:?}: {err}");
     }
+}
+
+/// The shell and TOML blocks of a markdown file: (language, text).
+fn blocks(markdown: &str) -> Vec<(String, String)> {
+    let mut out = vec![];
+    let mut parts = markdown.split("```");
+    parts.next();
+    while let (Some(block), _) = (parts.next(), parts.next()) {
+        let (lang, body) = block.split_once('\n').unwrap_or((block, ""));
+        out.push((lang.trim().to_owned(), body.to_owned()));
+    }
+    out
+}
+
+/// The `idem` command lines of a shell block, continuations joined and comments dropped.
+fn idem_lines(sh: &str) -> Vec<String> {
+    let mut out = vec![];
+    let mut line = String::new();
+    for l in sh.lines() {
+        let l = l.split(" #").next().unwrap().trim_end();
+        match l.strip_suffix('\\') {
+            Some(head) => line.push_str(head),
+            None => {
+                line.push_str(l);
+                let done = std::mem::take(&mut line);
+                if done.trim_start().starts_with("idem ") {
+                    out.push(done.trim().trim_end_matches('&').trim().to_owned());
+                }
+            }
+        }
+    }
+    out
+}
+
+fn doc(rel: &str) -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    std::fs::read_to_string(root.join(rel)).unwrap()
+}
+
+/// Every `idem` command the README and the walkthrough show exists, with each flag it is
+/// given: `idem <subcommand> --help` lists them. A renamed flag fails here, not in a newcomer's
+/// shell.
+#[test]
+fn every_idem_command_the_docs_show_exists_with_its_flags() {
+    let mut checked = 0;
+    for file in ["README.md", "docs/integrating/walkthrough.md"] {
+        for (_, sh) in blocks(&doc(file)).into_iter().filter(|(l, _)| l == "sh") {
+            for line in idem_lines(&sh) {
+                let words: Vec<&str> = line.split_whitespace().skip(1).collect();
+                let path: Vec<&str> = words
+                    .iter()
+                    .take_while(|w| !w.starts_with('-'))
+                    .copied()
+                    .collect();
+                let help = idem(&path.iter().copied().chain(["--help"]).collect::<Vec<_>>());
+                let (out, err) = text(&help);
+                assert!(help.status.success(), "{file}: `{line}`: {err}");
+                for flag in words.iter().filter(|w| w.starts_with("--")) {
+                    let flag = flag.split('=').next().unwrap();
+                    assert!(
+                        out.contains(&format!("{flag} ")) || out.contains(&format!("{flag}\n")),
+                        "{file}: `{line}`: `idem {}` has no {flag}",
+                        path.join(" ")
+                    );
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 12, "only {checked} command lines checked");
+}
+
+/// The walkthrough's `verify.toml` is a config `idem verify --config` accepts.
+#[test]
+fn the_walkthroughs_verify_config_parses() {
+    let tomls: Vec<String> = blocks(&doc("docs/integrating/walkthrough.md"))
+        .into_iter()
+        .filter(|(l, _)| l == "toml")
+        .map(|(_, t)| t)
+        .filter(|t| t.contains("[[check]]"))
+        .collect();
+    assert_eq!(tomls.len(), 1);
+    let config = idem_verify::VerifyConfig::from_toml(&tomls[0]).unwrap();
+    assert_eq!(config.checks.len(), 1);
 }

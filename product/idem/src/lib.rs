@@ -107,3 +107,22 @@ pub mod verify {
 pub mod metrics {
     pub use prometheus::{Encoder, Registry, TextEncoder};
 }
+
+/// The Rust blocks of the integrating guides, compiled (and run unless marked `no_run`) as
+/// doc tests of the facade with every feature: a guide's example imports only `idem` (and
+/// sqlx, tokio, axum, serde_json), so what it shows is what a user can write.
+#[cfg(all(doctest, feature = "full"))]
+mod guides {
+    #[doc = include_str!("../../../docs/integrating/consumer.md")]
+    struct Consumer;
+    #[doc = include_str!("../../../docs/integrating/https-remotes.md")]
+    struct HttpsRemotes;
+    #[doc = include_str!("../../../docs/integrating/idempotency-key.md")]
+    struct IdempotencyKey;
+    #[doc = include_str!("../../../docs/integrating/outbox-contract.md")]
+    struct OutboxContract;
+    #[doc = include_str!("../../../docs/integrating/wire-contract.md")]
+    struct WireContract;
+    #[doc = include_str!("../../../docs/integrating/walkthrough.md")]
+    struct Walkthrough;
+}

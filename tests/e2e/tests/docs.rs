@@ -1,7 +1,8 @@
 //! The documentation against the tree: every test that `docs/concepts/duplicate-windows.md`
 //! names as the proof of a window exists (so the table cannot point at a test that was renamed
 //! or deleted), and the README's layout block lists exactly the workspace's crates and the
-//! repository's top-level folders, each of which exists.
+//! repository's top-level folders, each of which exists; every Rust block of the README and
+//! the integrating guides is compiled as a doc test of the facade.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
@@ -238,6 +239,136 @@ fn the_readme_layout_matches_the_tree() {
             );
         }
     }
+}
+
+/// The shell block of `markdown` that follows the line starting with `after`, its
+/// continuation lines (`\\` at the end) joined and comments dropped.
+fn shell_block(markdown: &str, after: &str) -> Vec<String> {
+    let start = markdown
+        .find(after)
+        .unwrap_or_else(|| panic!("no {after:?}"));
+    let rest = &markdown[start..];
+    let body = rest
+        .split("```sh\n")
+        .nth(1)
+        .unwrap()
+        .split("```")
+        .next()
+        .unwrap();
+    joined_lines(body)
+}
+
+/// `text`'s lines with continuations joined and `#` comments dropped.
+fn joined_lines(text: &str) -> Vec<String> {
+    let mut out = vec![];
+    let mut line = String::new();
+    for l in text.lines() {
+        let l = l.split(" #").next().unwrap().trim_end();
+        match l.strip_suffix('\\') {
+            Some(head) => line.push_str(head),
+            None => {
+                line.push_str(l);
+                out.push(std::mem::take(&mut line).trim().to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// A command line as (program and subcommands, flags): `idem-lab settlement --db X --brokers
+/// Y &` is (`idem-lab settlement`, [`--brokers`, `--db`]).
+fn command_of(line: &str) -> Option<(String, BTreeSet<String>)> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let at = words
+        .iter()
+        .position(|w| *w == "idem" || *w == "idem-lab")?;
+    let words = &words[at..];
+    let name: Vec<&str> = words
+        .iter()
+        .take_while(|w| !w.starts_with('-'))
+        .copied()
+        .collect();
+    let flags = words
+        .iter()
+        .filter(|w| w.starts_with("--"))
+        .map(|w| w.to_string())
+        .collect();
+    Some((name.join(" ").trim_end_matches(" &").to_owned(), flags))
+}
+
+/// The README's reference chain is what `scripts/reference-chain` runs (and CI with it): each
+/// `idem`/`idem-lab` command the README shows is in the script with the same subcommand and
+/// flags, so the chain a newcomer copies is the one that is tested.
+#[test]
+fn the_readme_reference_chain_is_the_one_the_script_runs() {
+    let readme = shell_block(&read("README.md"), "The whole reference chain");
+    let script: Vec<(String, BTreeSet<String>)> = joined_lines(&read("scripts/reference-chain"))
+        .iter()
+        .filter_map(|l| command_of(l))
+        .collect();
+    let mut checked = 0;
+    for line in &readme {
+        let Some((name, flags)) = command_of(line) else {
+            continue;
+        };
+        checked += 1;
+        assert!(
+            script.iter().any(|(n, f)| *n == name && flags.is_subset(f)),
+            "README runs `{line}`; scripts/reference-chain has no `{name}` with {flags:?}"
+        );
+    }
+    assert!(
+        checked >= 10,
+        "only {checked} commands in the README's chain"
+    );
+}
+
+/// The Rust blocks of a markdown file that are not compiled: `ignore`d, or of no language
+/// rustdoc runs (`rust,ignore`, `rust,text`); `rust`, `rust,no_run` and
+/// `rust,should_panic` compile.
+fn uncompiled_rust_blocks(markdown: &str) -> Vec<String> {
+    markdown
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("```rust"))
+        .filter(|info| info.split(',').any(|a| a.trim() == "ignore"))
+        .map(|info| format!("```rust{info}"))
+        .collect()
+}
+
+/// The integrating guides and the README are the facade's doc tests: each guide is included
+/// by `product/idem/src/lib.rs` (the README is its crate documentation), and none of their
+/// Rust blocks is `ignore`d, so every example a user copies compiles against the API.
+#[test]
+fn every_rust_block_of_the_guides_and_the_readme_compiles_as_a_doc_test() {
+    let facade = read("product/idem/src/lib.rs");
+    assert!(facade.contains("include_str!(\"../../../README.md\")"));
+    let mut guides = vec![];
+    for entry in std::fs::read_dir(root().join("docs/integrating")).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if name.ends_with(".md") {
+            guides.push(format!("docs/integrating/{name}"));
+        }
+    }
+    assert!(guides.len() >= 5, "{guides:?}");
+    for guide in &guides {
+        assert!(
+            facade.contains(&format!("include_str!(\"../../../{guide}\")")),
+            "{guide} is not included as doc tests by product/idem/src/lib.rs"
+        );
+    }
+    for file in guides.iter().map(String::as_str).chain(["README.md"]) {
+        let ignored = uncompiled_rust_blocks(&read(file));
+        assert!(
+            ignored.is_empty(),
+            "{file} has Rust blocks not compiled: {ignored:?}"
+        );
+    }
+}
+
+#[test]
+fn an_ignored_rust_block_is_found() {
+    let md = "text\n```rust,ignore\nlet x = 1;\n```\n```rust,no_run\nfn f() {}\n```\n```sql\nSELECT 1;\n```\n";
+    assert_eq!(uncompiled_rust_blocks(md), ["```rust,ignore"]);
 }
 
 #[test]
