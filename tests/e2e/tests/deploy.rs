@@ -224,6 +224,62 @@ fn the_metrics_page_lists_every_metric_and_nothing_else() {
 }
 
 /// Every document of every `.yaml` file in deploy/kubernetes/, with its file's name.
+/// The anchors a markdown file defines: `<a id="…">` and its headings' GitHub slugs.
+fn anchors(markdown: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for part in markdown.split("<a id=\"").skip(1) {
+        out.insert(part.split('"').next().unwrap().to_owned());
+    }
+    for heading in markdown.lines().filter(|l| l.starts_with('#')) {
+        let slug: String = heading
+            .trim_start_matches('#')
+            .trim()
+            .to_lowercase()
+            .chars()
+            .filter_map(|c| match c {
+                ' ' => Some('-'),
+                c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                _ => None,
+            })
+            .collect();
+        out.insert(slug);
+    }
+    out
+}
+
+/// Every alert carries a `runbook` that resolves: a file of the repository and an anchor in
+/// it, so the link an on-call engineer follows lands on what to do.
+#[test]
+fn every_alert_has_a_runbook_that_resolves_to_its_section() {
+    let rules: serde_yaml::Value =
+        serde_yaml::from_str(&read("deploy/prometheus/idem-alerts.yml")).unwrap();
+    let mut alerts = 0;
+    for group in rules["groups"].as_sequence().unwrap() {
+        for rule in group["rules"].as_sequence().unwrap() {
+            let Some(alert) = rule["alert"].as_str() else {
+                continue;
+            };
+            alerts += 1;
+            let runbook = rule["annotations"]["runbook"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{alert} has no runbook annotation"));
+            let (file, anchor) = runbook
+                .split_once('#')
+                .unwrap_or_else(|| panic!("{alert}: {runbook} names no section"));
+            let text = std::fs::read_to_string(root().join(file))
+                .unwrap_or_else(|e| panic!("{alert}: {file}: {e}"));
+            assert!(
+                anchors(&text).contains(anchor),
+                "{alert}: {file} has no section #{anchor}"
+            );
+        }
+    }
+    assert!(alerts >= 20, "only {alerts} alerts");
+    let planted = "## What to do\n| `x`<a id=\"idem_x_total\"></a> |";
+    assert!(anchors(planted).contains("idem_x_total") && anchors(planted).contains("what-to-do"));
+    assert!(!anchors(planted).contains("idem_y_total"));
+}
+
 fn manifests() -> Vec<(String, serde_json::Value)> {
     use serde::Deserialize as _;
     let dir = root().join("deploy/kubernetes");
