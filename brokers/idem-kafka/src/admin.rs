@@ -160,6 +160,49 @@ impl Durability {
     }
 }
 
+/// Whether broker `broker` creates a topic when a record is first produced to it
+/// (`auto.create.topics.enable`), or `None` when its configuration cannot be read (an ACL, a
+/// timeout). `conn` is a connection's configuration: servers and security only.
+pub async fn broker_auto_creates_topics(
+    conn: &ClientConfig,
+    broker: i32,
+    timeout: Duration,
+) -> Option<bool> {
+    let admin: AdminClient<crate::client_log::Reported> =
+        conn.create_with_context(crate::client_log::Reported).ok()?;
+    let opts = AdminOptions::new().request_timeout(Some(timeout));
+    let configs = admin
+        .describe_configs([&ResourceSpecifier::Broker(broker)], &opts)
+        .await
+        .ok()?;
+    configs
+        .into_iter()
+        .filter_map(std::result::Result::ok)
+        .find_map(|resource| {
+            resource
+                .get("auto.create.topics.enable")
+                .and_then(|entry| entry.value.as_deref())
+                .and_then(|v| v.parse::<bool>().ok())
+        })
+}
+
+/// The settings of a client configuration that say where the cluster is and how to reach it
+/// (servers, security, client id): what an admin client made beside a consumer needs, without
+/// the consumer's own settings, which librdkafka would warn about.
+pub(crate) fn connection_only(config: &ClientConfig) -> ClientConfig {
+    let mut out = ClientConfig::new();
+    for (key, value) in config.config_map() {
+        let connection = ["bootstrap.servers", "security.protocol", "client.id"].contains(&key)
+            || ["ssl.", "sasl.", "socket.", "broker.", "enable.ssl."]
+                .iter()
+                .any(|p| key.starts_with(p));
+        if connection {
+            out.set(key, value);
+        }
+    }
+    out
+}
+
 /// Reads `topic`'s replica count (from the metadata) and its `min.insync.replicas` (from its
 /// configuration). An error if the topic does not exist.
 pub async fn topic_durability(

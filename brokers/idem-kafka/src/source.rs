@@ -334,6 +334,8 @@ pub struct KafkaSource {
     group: Option<String>,
     /// The topics it subscribed to.
     topics: Vec<String>,
+    /// How to reach the cluster, for an admin request beside the consumer.
+    connection: ClientConfig,
 }
 
 impl std::fmt::Debug for KafkaSource {
@@ -380,6 +382,7 @@ impl KafkaSource {
             batch_epoch: AtomicU64::new(0),
             group: config.get("group.id").map(str::to_owned),
             topics: topics.to_vec(),
+            connection: crate::admin::connection_only(config),
         })
     }
 
@@ -534,17 +537,19 @@ impl KafkaSource {
 const TOPIC_WAIT: Duration = Duration::from_secs(10);
 
 /// The subscribed topics the cluster does not have after [`TOPIC_WAIT`] (patterns, `^…`, left
-/// out), or `None` when the cluster did not answer: a broker that is down is waited for by the
-/// run, not refused.
+/// out) and a broker that answered, or `None` when the cluster did not answer: a broker that
+/// is down is waited for by the run, not refused.
 fn missing_topics(
     consumer: &StreamConsumer<RebalanceContext>,
     topics: &[String],
-) -> Option<Vec<String>> {
+) -> Option<(Vec<String>, Option<i32>)> {
     let deadline = std::time::Instant::now() + TOPIC_WAIT;
     loop {
         let mut missing = vec![];
+        let mut broker = None;
         for topic in topics.iter().filter(|t| !t.starts_with('^')) {
             let metadata = consumer.fetch_metadata(Some(topic), TOPIC_WAIT).ok()?;
+            broker = broker.or_else(|| metadata.brokers().first().map(|b| b.id()));
             let unknown = metadata.topics().iter().all(|m| {
                 m.name() != topic
                     || m.error()
@@ -557,9 +562,41 @@ fn missing_topics(
             }
         }
         if missing.is_empty() || std::time::Instant::now() >= deadline {
-            return Some(missing);
+            return Some((missing, broker));
         }
         std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// What a consumer does about subscribed topics the cluster does not have, given whether the
+/// cluster creates topics on their first record (`creates`, `None`: unknown): refuse to start
+/// when it creates none (nothing will ever arrive); otherwise start, saying that it waits.
+fn missing_topic_verdict(missing: &[String], creates: Option<bool>) -> Result<()> {
+    let topics = missing.join(", ");
+    match creates {
+        Some(false) => Err(Error::InvalidArgument {
+            argument: "topics",
+            reason: format!(
+                "the cluster has no topic {topics} (looked for {} s) and creates none on its own \
+                 (auto.create.topics.enable=false): create it (`idem topic create --topic …`) or \
+                 correct the consumer's topics",
+                TOPIC_WAIT.as_secs()
+            ),
+        }),
+        Some(true) => {
+            tracing::warn!(
+                topics,
+                "no such topic yet; the cluster creates it with its first record, which the consumer then reads"
+            );
+            Ok(())
+        }
+        None => {
+            tracing::warn!(
+                topics,
+                "no such topic, and whether the cluster creates topics could not be read; the consumer waits for it"
+            );
+            Ok(())
+        }
     }
 }
 
@@ -579,15 +616,16 @@ impl Source for KafkaSource {
             .await
             .map_err(|e| Error::broker("looking up the subscribed topics", e))?;
         match missing {
-            Some(missing) if !missing.is_empty() => Err(Error::InvalidArgument {
-                argument: "topics",
-                reason: format!(
-                    "the cluster has no topic {} (looked for {} s): create it (`idem topic \
-                     create --topic …`) or correct the consumer's topics",
-                    missing.join(", "),
-                    TOPIC_WAIT.as_secs()
-                ),
-            }),
+            Some((missing, broker)) if !missing.is_empty() => {
+                let creates = match broker {
+                    Some(id) => {
+                        crate::admin::broker_auto_creates_topics(&self.connection, id, TOPIC_WAIT)
+                            .await
+                    }
+                    None => None,
+                };
+                missing_topic_verdict(&missing, creates)
+            }
             Some(_) => Ok(()),
             None => {
                 tracing::warn!(
@@ -679,6 +717,47 @@ impl Source for KafkaSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_topic_is_refused_only_on_a_cluster_that_creates_none() {
+        let missing = ["orders.typo".to_owned()];
+        let e = missing_topic_verdict(&missing, Some(false)).unwrap_err();
+        assert_eq!(e.kind(), idem_core::ErrorKind::Config);
+        let text = e.to_string();
+        assert!(
+            text.contains("orders.typo") && text.contains("idem topic create"),
+            "{text}"
+        );
+        // The first record creates it, or whether it will cannot be read: the consumer waits.
+        assert!(missing_topic_verdict(&missing, Some(true)).is_ok());
+        assert!(missing_topic_verdict(&missing, None).is_ok());
+    }
+
+    #[test]
+    fn an_admin_client_beside_a_consumer_keeps_the_connection_settings_only() {
+        let mut consumer = ClientConfig::new();
+        for (k, v) in [
+            ("bootstrap.servers", "b:9093"),
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("ssl.ca.location", "/ca.pem"),
+            ("group.id", "ledger"),
+            ("enable.auto.commit", "false"),
+        ] {
+            consumer.set(k, v);
+        }
+        let admin = crate::admin::connection_only(&consumer);
+        let keys: Vec<&str> = admin.config_map().into_keys().collect();
+        assert_eq!(
+            keys,
+            [
+                "bootstrap.servers",
+                "sasl.mechanism",
+                "security.protocol",
+                "ssl.ca.location"
+            ]
+        );
+    }
 
     #[test]
     fn offsets_are_never_auto_committed_or_auto_stored() {

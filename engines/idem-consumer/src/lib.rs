@@ -260,7 +260,11 @@ where
     /// ([`Source::close`]) before it returns.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<()> {
         tokio::pin!(shutdown);
-        self.check_start().await?;
+        tokio::select! {
+            biased;
+            () = &mut shutdown => return Ok(()),
+            checked = self.check_start() => checked?,
+        }
         let _lag = self.spawn_lag_gauge();
         let result = tokio::select! {
             biased;
@@ -276,7 +280,8 @@ where
     /// Refuses to start on a database whose tables are not migrated for this build
     /// ([`InboxStore::check_schema`]) or on topics the cluster does not have
     /// ([`Source::check_topics`]), before any record is read. A database or a cluster that
-    /// does not answer yet is left to the run, which waits for it as for any transient failure.
+    /// does not answer yet is left to the run, which waits for it as for any transient failure;
+    /// a shutdown meanwhile ends the run at once.
     async fn check_start(&self) -> Result<()> {
         let (schema, topics) = tokio::join!(self.inbox.check_schema(), self.source.check_topics());
         for checked in [schema, topics] {

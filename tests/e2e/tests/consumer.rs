@@ -726,10 +726,11 @@ async fn a_consumer_refuses_a_database_not_migrated_at_start() {
     assert_eq!(e.kind(), idem_core::ErrorKind::NotMigrated, "{e}");
 }
 
-/// A consumer subscribed to a topic the cluster does not have (a typo; a cluster that creates
-/// no topic on its own, as production clusters run) stops at start with the topic's name and
+/// A consumer subscribed to a topic the cluster does not have, on a cluster that creates no
+/// topic on its own (as production clusters run), stops at start with the topic's name and
 /// what to do, instead of waiting for records that never come; the same consumer on a topic
-/// that exists runs until it is stopped.
+/// that exists runs until it is stopped; on a cluster that creates topics with their first
+/// record, a missing topic lets it start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_refuses_a_topic_the_cluster_does_not_have() {
     let brokers = idem_conformance::kafka::shared();
@@ -788,4 +789,16 @@ async fn a_consumer_refuses_a_topic_the_cluster_does_not_have() {
     assert!(!run.is_finished());
     stop.send(()).unwrap();
     run.await.unwrap().unwrap();
+    // A cluster that creates a topic with its first record: the topic is not missing for good,
+    // so the source lets its consumer start and wait for it.
+    let auto = idem_conformance::kafka::KafkaCluster::start_with(
+        1,
+        &[("auto.create.topics.enable", "true")],
+    );
+    let source = KafkaSource::new(
+        &consumer_config(auto.brokers(), "auto-create", &[]).unwrap(),
+        std::slice::from_ref(&missing),
+    )
+    .unwrap();
+    source.check_topics().await.unwrap();
 }
