@@ -223,14 +223,21 @@ fn the_metrics_page_lists_every_metric_and_nothing_else() {
     }
 }
 
-/// Every document of every `.yaml` file in deploy/kubernetes/, with its file's name.
-/// The anchors a markdown file defines: `<a id="…">` and its headings' GitHub slugs.
+/// The anchors a markdown file defines: `<a id="…">` and its headings' GitHub slugs (a `#`
+/// line inside a fenced block is code, not a heading).
 fn anchors(markdown: &str) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for part in markdown.split("<a id=\"").skip(1) {
         out.insert(part.split('"').next().unwrap().to_owned());
     }
-    for heading in markdown.lines().filter(|l| l.starts_with('#')) {
+    let mut fenced = false;
+    let prose = markdown.lines().filter(|l| {
+        if l.starts_with("```") {
+            fenced = !fenced;
+        }
+        !fenced
+    });
+    for heading in prose.filter(|l| l.starts_with('#')) {
         let slug: String = heading
             .trim_start_matches('#')
             .trim()
@@ -275,11 +282,13 @@ fn every_alert_has_a_runbook_that_resolves_to_its_section() {
         }
     }
     assert!(alerts >= 20, "only {alerts} alerts");
-    let planted = "## What to do\n| `x`<a id=\"idem_x_total\"></a> |";
+    let planted = "## What to do\n| `x`<a id=\"idem_x_total\"></a> |\n```sh\n# not-a-heading\n```";
     assert!(anchors(planted).contains("idem_x_total") && anchors(planted).contains("what-to-do"));
     assert!(!anchors(planted).contains("idem_y_total"));
+    assert!(!anchors(planted).contains("not-a-heading"));
 }
 
+/// Every document of every `.yaml` file in deploy/kubernetes/, with its file's name.
 fn manifests() -> Vec<(String, serde_json::Value)> {
     use serde::Deserialize as _;
     let dir = root().join("deploy/kubernetes");
