@@ -55,17 +55,27 @@ pub(crate) fn seconds(text: &str) -> Result<f64, String> {
 /// A command-line duration in whole seconds, at least one.
 pub(crate) fn whole_seconds(text: &str) -> Result<u64, String> {
     let d = idem_cli::util::parse_duration(text)?;
-    match d.as_secs() {
-        0 => Err(format!(
-            "{text:?} is under a second: give whole seconds (e.g. 40s)"
+    match (d.as_secs(), d.subsec_nanos()) {
+        (s, 0) if s > 0 => Ok(s),
+        _ => Err(format!(
+            "{text:?} is not a whole number of seconds: give e.g. 40s or 10m"
         )),
-        s => Ok(s),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_length_is_whole_seconds() {
+        assert_eq!(whole_seconds("40s"), Ok(40));
+        assert_eq!(whole_seconds("2m"), Ok(120));
+        for refused in ["1500ms", "500ms", "0s", "forty"] {
+            assert!(whole_seconds(refused).is_err(), "{refused}");
+        }
+        assert_eq!(seconds("500ms"), Ok(0.5));
+    }
 
     #[test]
     fn conversions_keep_whole_numbers_and_flag_what_is_not_a_count() {

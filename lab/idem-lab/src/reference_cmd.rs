@@ -225,9 +225,12 @@ pub(crate) async fn setup(args: SetupArgs) -> anyhow::Result<()> {
 /// filling someone's database. `idem-lab setup --db URL` creates the tables, once.
 async fn require_schemas(store: &Store) -> anyhow::Result<()> {
     const SETUP: &str = "create them with `idem-lab setup --db <the same URL>` first";
-    idem_sql::with_store!(store, s => idem_sql::check_schema(s.pool(), s.tables()).await)
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .context(format!("idem's tables are not ready: {SETUP}"))?;
+    match idem_sql::with_store!(store, s => idem_sql::check_schema(s.pool(), s.tables()).await) {
+        Err(e) if e.kind() == idem_core::ErrorKind::NotMigrated => {
+            anyhow::bail!("{e}; {SETUP}")
+        }
+        checked => checked.context("reading idem's schema version")?,
+    }
     let missing = match store {
         Store::Postgres(s) => idem_reference::missing_tables(s.pool()).await,
         Store::Sqlite(s) => idem_reference::missing_tables(s.pool()).await,
