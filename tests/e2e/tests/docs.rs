@@ -323,9 +323,8 @@ fn the_readme_reference_chain_is_the_one_the_script_runs() {
     );
 }
 
-/// The Rust blocks of a markdown file that are not compiled: `ignore`d, or of no language
-/// rustdoc runs (`rust,ignore`, `rust,text`); `rust`, `rust,no_run` and
-/// `rust,should_panic` compile.
+/// The Rust blocks of a markdown file that are not compiled: `rust,ignore` (and `ignore`
+/// among other attributes); `rust`, `rust,no_run` and `rust,should_panic` compile.
 fn uncompiled_rust_blocks(markdown: &str) -> Vec<String> {
     markdown
         .lines()

@@ -195,9 +195,19 @@ fn flags_in_strings(code: &str) -> Vec<(usize, String)> {
                 }
                 continue;
             }
-            // A char literal of an escape ('\"', '\n') or of a quote ('"').
-            b'\'' if b.get(i + 1) == Some(&b'\\') && b.get(i + 3) == Some(&b'\'') => i += 3,
-            b'\'' if b.get(i + 2) == Some(&b'\'') => i += 2,
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                let end = block_comment_end(b, i);
+                line += code[i..end].matches('\n').count();
+                i = end;
+                continue;
+            }
+            // A char literal ('"', '\'', 'é'); a lifetime or a label is not one.
+            b'\'' => {
+                if let Some(len) = char_literal_len(code, i) {
+                    i += len;
+                    continue;
+                }
+            }
             b'"' => {
                 let hashes = raw_hashes(b, i);
                 let end = literal_end(b, i + 1, hashes);
@@ -214,6 +224,44 @@ fn flags_in_strings(code: &str) -> Vec<(usize, String)> {
         i += 1;
     }
     found
+}
+
+/// Where the block comment that opens at `start` (`/*`) ends, nested ones included.
+fn block_comment_end(b: &[u8], start: usize) -> usize {
+    let (mut depth, mut j) = (0usize, start);
+    while j + 1 < b.len() {
+        match (b[j], b[j + 1]) {
+            (b'/', b'*') => {
+                depth += 1;
+                j += 2;
+            }
+            (b'*', b'/') => {
+                depth -= 1;
+                j += 2;
+                if depth == 0 {
+                    return j;
+                }
+            }
+            _ => j += 1,
+        }
+    }
+    b.len()
+}
+
+/// The length in bytes of the char literal that opens at `quote`, or `None` when the quote
+/// starts a lifetime or a label.
+fn char_literal_len(code: &str, quote: usize) -> Option<usize> {
+    let rest = &code[quote + 1..];
+    if let Some(escaped) = rest.strip_prefix('\\') {
+        // '\n', '\'', '\x7f', '\u{22}': the closing quote after the escaped character.
+        let first = escaped.chars().next()?.len_utf8();
+        let close = escaped[first..].find('\'')?;
+        return (close <= 8).then_some(1 + 1 + first + close + 1);
+    }
+    let c = rest.chars().next()?;
+    rest[c.len_utf8()..]
+        .starts_with('\'')
+        .then_some(1 + c.len_utf8() + 1)
 }
 
 /// The number of `#` of a raw string whose opening quote is at `quote` (`r"…"`: 0), or `None`
@@ -329,9 +377,18 @@ fn a_flag_in_a_library_string_is_found_and_an_operator_command_passes() {
         "    let x = a--b; // \"--not-code\"",
         "    let c = '\"'; let d = a--b; let e = '\\''; f(\"fine\")",
         "    \"`idem effects dispatch --client-cert \\\n     --client-key`\"",
+        "    fn f<'a>(x: &'a str) -> &'a str { 'outer: loop { break 'outer x; } }",
     ] {
         assert_eq!(flags_in_strings(passes), vec![], "{passes}");
     }
+    // Past a block comment holding a quote (nested too), and a char literal of a multibyte
+    // character before a quote character.
+    let commented =
+        "/* say \"hi /* \" */ */\nlet m = \"--missed\";\nlet c = ['é', '\"']; let d = \"--also\";";
+    assert_eq!(
+        flags_in_strings(commented),
+        vec![(2, "--missed".to_owned()), (3, "--also".to_owned())]
+    );
     let tests = "fn f() {}\n#[cfg(test)]\nmod tests { \"--flag\" }";
     assert_eq!(flags_in_strings(library_code(tests)), vec![]);
 }
