@@ -190,7 +190,7 @@ fn rows(r: &DemoReport) -> [(&'static str, String); 17] {
         ("events published again (relay)", r.republishes.to_string()),
         ("retries (consumer + effects)", r.retries.to_string()),
         (
-            "conflicting copies (dead-lettered)",
+            "conflicting deliveries refused",
             r.idempotency_conflicts.to_string(),
         ),
         ("dead letters (with reasons)", r.dead_letters.to_string()),
