@@ -91,6 +91,21 @@ impl Proc {
         self.log.lock().unwrap().clone()
     }
 
+    /// Everything the process printed to stderr, once it has exited: the reader thread may
+    /// still be reading the last lines from the pipe when the exit is seen, so this waits (at
+    /// most 5 s) for it to reach the end of the pipe, when its sender is dropped.
+    pub fn final_log(&mut self) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(_) => {}
+                Err(RecvTimeoutError::Disconnected | RecvTimeoutError::Timeout) => break,
+            }
+        }
+        self.log()
+    }
+
     /// Waits for the process to exit by itself.
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
         let deadline = Instant::now() + timeout;
@@ -114,7 +129,7 @@ impl Proc {
         let mut p = Proc::spawn(name, cmd);
         let status = p.wait_exit(bound);
         let took = started.elapsed();
-        let log = p.log().join("\n");
+        let log = p.final_log().join("\n");
         assert!(!status.success(), "{name} succeeded:\n{log}");
         assert!(took < bound, "{name} took {took:?}");
         log
