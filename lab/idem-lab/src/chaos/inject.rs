@@ -161,7 +161,14 @@ pub(super) async fn inject(
             }
             continue;
         }
-        if schedule.due(now) && !held && !fault(w, &mut schedule, &mut out.faults, now, rng).await?
+        let may_run = schedule::may_run(
+            held,
+            out.windows.lock_open(),
+            schedule.first_broker_due(now, &out.faults),
+        );
+        if schedule.due(now)
+            && may_run
+            && !fault(w, &mut schedule, &mut out.faults, now, rng).await?
         {
             // Nothing could be done: plan again at once.
             continue;

@@ -58,7 +58,7 @@ pub(super) const LOCK_FAILURES_WANTED: f64 = (idem_core::crash::BROKEN_TRANSIENT
 /// How long a due long lock holds other faults back while it waits for the pipeline.
 const QUIESCE: Duration = Duration::from_secs(20);
 /// When the first long lock is due, after the start.
-pub(super) const FIRST_LOCK: Duration = Duration::from_secs(12);
+const FIRST_LOCK: Duration = Duration::from_secs(12);
 /// How far apart the samples are that tell events reach the settlement handlers.
 const FLOW_SAMPLE: Duration = Duration::from_millis(500);
 /// The settlement consumers' counters a long lock is judged by.
