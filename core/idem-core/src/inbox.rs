@@ -113,7 +113,7 @@ pub struct DeadLetter {
 /// A dead letter read back, for `idem dead-letters` and tests.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct StoredDeadLetter {
-    /// Its id in the dead-letter table (`idem-lab dead-letters replay --id`, or `idem_consumer::replay`).
+    /// Its id in the dead-letter table (`idem dead-letters replay --id`).
     pub id: i64,
     /// Consumer group.
     pub consumer_group: String,
@@ -133,6 +133,11 @@ pub struct StoredDeadLetter {
     pub replayed_at: Option<String>,
     /// Who replayed it last.
     pub replayed_by: Option<String>,
+    /// When a replay was requested and not served yet ([`InboxStore::request_replays`]), as
+    /// text.
+    pub replay_requested_at: Option<String>,
+    /// Who requested it.
+    pub replay_requested_by: Option<String>,
 }
 
 /// A dead letter that has not been replayed successfully yet, with what replaying it needs.
@@ -142,6 +147,15 @@ pub struct OpenDeadLetter {
     pub id: i64,
     /// The record as it was stored.
     pub letter: DeadLetter,
+}
+
+/// An open dead letter whose replay was requested, waiting for a consumer of its group.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestedReplay {
+    /// The letter.
+    pub open: OpenDeadLetter,
+    /// Who requested the replay (recorded as the replay's author).
+    pub by: String,
 }
 
 /// The columns of a dead-letter row as both stores read them (text where the dialects differ).
@@ -313,6 +327,33 @@ pub trait InboxStore: Send + Sync + 'static {
         limit: u32,
     ) -> impl Future<Output = Result<Vec<OpenDeadLetter>>> + Send;
 
+    /// Reads dead letter `id` of `group`, if there is one.
+    fn find_dead_letter(
+        &self,
+        group: &str,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<StoredDeadLetter>>> + Send;
+
+    /// Requests a replay of the open dead letters of `group` (only `only`, when given) on
+    /// behalf of `by`, and says which letters it requested: a consumer of the group serves
+    /// them through its handler ([`InboxStore::requested_replays`]). A letter requested already
+    /// keeps its first request time.
+    fn request_replays(
+        &self,
+        group: &str,
+        only: Option<i64>,
+        by: &str,
+    ) -> impl Future<Output = Result<Vec<i64>>> + Send;
+
+    /// Up to `limit` open dead letters of `group` with an id above `after` whose replay was
+    /// requested, by id. [`InboxStore::finish_replay`] clears the request.
+    fn requested_replays(
+        &self,
+        group: &str,
+        after: i64,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<RequestedReplay>>> + Send;
+
     /// In a replay's transaction: makes `event`'s inbox row of `group` `processed` — inserting
     /// it, or turning a `dead_lettered` row with the same payload hash — and says whether it
     /// did. `false`: the row says `processed` already, or it holds another payload; the event
@@ -326,7 +367,8 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<bool>> + Send;
 
     /// Records a replay of dead letter `id`: when (now), `by` whom, the outcome, and for a
-    /// failure the new `reason`. Refused (`false`) for a letter whose replay already succeeded.
+    /// failure the new `reason`; a request for its replay is served (cleared). Refused
+    /// (`false`) for a letter whose replay already succeeded.
     fn finish_replay(
         &self,
         conn: &mut Self::Conn,

@@ -8,7 +8,7 @@
 
 pub use crate::inbox::{
     DeadLetter, DeadLetterRow, Dedup, Delivery, InboxEntry, InboxStore, LagProbe, OpenDeadLetter,
-    ReplayOutcome, Source, StoredDeadLetter,
+    ReplayOutcome, RequestedReplay, Source, StoredDeadLetter,
 };
 pub use crate::outbox::{
     Backlog, Claim, ClaimOutcome, ClaimRequest, Completed, Disposition, Failure, OutboxRecord,

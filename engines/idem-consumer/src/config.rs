@@ -38,6 +38,10 @@ pub struct ConsumerConfig {
     /// another. Each partition in flight holds a database connection: keep this at or below
     /// the pool's size.
     pub partition_concurrency: usize,
+    /// How often the consumer looks for dead-letter replays an operator requested for its
+    /// group (`idem dead-letters replay --confirm`) and serves them through its handler. Each
+    /// look is one indexed query that finds nothing most of the time.
+    pub replay_poll: Duration,
 }
 
 impl ConsumerConfig {
@@ -45,7 +49,8 @@ impl ConsumerConfig {
     /// most 30 s (a transiently failing event is retried every 30 s until it applies; the
     /// database unreachable for 20 attempts, about eight minutes, ends the run; an event failing
     /// with an unclassified database error 10 times, about a minute and a half, is
-    /// dead-lettered), up to 4 partitions applied at once.
+    /// dead-lettered), up to 4 partitions applied at once, requested replays looked for every
+    /// second.
     pub fn new(group: impl Into<String>) -> Self {
         ConsumerConfig {
             group: group.into(),
@@ -57,6 +62,7 @@ impl ConsumerConfig {
             retry_backoff_max: Duration::from_secs(30),
             lag_interval: Duration::from_secs(5),
             partition_concurrency: 4,
+            replay_poll: Duration::from_secs(1),
         }
     }
 }

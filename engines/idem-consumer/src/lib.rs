@@ -270,6 +270,7 @@ where
             biased;
             r = self.drive(shutdown) => r,
             never = self.watch_database() => match never {},
+            never = self.serve_replays() => match never {},
         };
         if let Err(e) = self.source.close().await {
             tracing::warn!(error = %e, "committing the stored offsets at the end of the run failed; the last batches may be delivered again and skipped");
@@ -380,6 +381,32 @@ where
                 }
             }
             tokio::time::sleep(readiness::PROBE_EVERY).await;
+        }
+    }
+
+    /// Serves the dead-letter replays requested for the group every
+    /// [`ConsumerConfig::replay_poll`] ([`replay::serve_requested`]): each through the handler,
+    /// in one transaction with the event's inbox row, so a replay served by two members of the
+    /// group (or racing a redelivery) applies once. A failed round is retried at the next
+    /// poll; never returns.
+    async fn serve_replays(&self) -> std::convert::Infallible {
+        let group = self.inbox_group();
+        loop {
+            tokio::time::sleep(self.config.replay_poll).await;
+            match replay::serve_requested(&self.inbox, &self.handler, group).await {
+                Ok(served) => {
+                    for r in &served {
+                        tracing::info!(group, letter = r.id, event_id = ?r.event_id, outcome = r.result.label(), "served a requested dead-letter replay");
+                        self.metrics
+                            .replays
+                            .with_label_values(&[group, r.result.label()])
+                            .inc();
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "serving the requested dead-letter replays failed; retrying at the next poll");
+                }
+            }
         }
     }
 

@@ -49,6 +49,9 @@ pub struct ConsumerMetrics {
     /// never dead-letters: the batch backs off and is retried until it commits, and this gauge
     /// says for how long the topic's events have stood still.
     pub stalled_since: IntGaugeVec,
+    /// `idem_consumer_replays_total{consumer_group,outcome}`: requested dead-letter replays this
+    /// consumer served (`applied`, `already_applied`, `failed`, `undecodable`).
+    pub replays: IntCounterVec,
     /// Topics the lag gauge has shown, so a topic whose partitions were all revoked drops to 0.
     lag_topics: Arc<Mutex<BTreeSet<String>>>,
     /// The (event_type, aggregate_type) pairs given a series of their own so far.
@@ -127,6 +130,14 @@ impl ConsumerMetrics {
                 &["topic", "consumer_group"],
             )
             .map_err(reg_err)?,
+            replays: IntCounterVec::new(
+                Opts::new(
+                    "idem_consumer_replays_total",
+                    "Requested dead-letter replays served through the handler, by outcome.",
+                ),
+                &["consumer_group", "outcome"],
+            )
+            .map_err(reg_err)?,
             lag_topics: Arc::default(),
             label_pairs: Arc::default(),
         })
@@ -143,6 +154,7 @@ impl ConsumerMetrics {
             &m.conflicts,
             &m.retries,
             &m.dead_lettered,
+            &m.replays,
         ] {
             registry.register(Box::new(c.clone())).map_err(reg_err)?;
         }

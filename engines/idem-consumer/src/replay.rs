@@ -1,5 +1,8 @@
-//! Replaying dead letters through the handler: call [`replay`] with your own handler
-//! (`idem-lab dead-letters replay` does it for the reference handlers).
+//! Replaying dead letters through the handler. An operator requests a replay (`idem
+//! dead-letters replay --confirm`, the console, or [`InboxStore::request_replays`]) and the
+//! group's running [`Consumer`](crate::Consumer) serves it through its own handler
+//! ([`serve_requested`]); an embedder may also call [`replay`] with a handler directly.
+//! [`preview`] is the dry run: it decodes each letter as the consumer would, and needs no handler.
 //!
 //! A dead letter keeps the record as it arrived: key, value and headers. [`replay`] decodes it
 //! again with the consumer's own decoder and, **in one transaction**, makes the event's inbox row
@@ -51,6 +54,20 @@ pub enum ReplayResult {
     Undecodable(String),
 }
 
+impl ReplayResult {
+    /// `would_replay`, `applied`, `already_applied`, `failed` or `undecodable`: the outcome
+    /// label of `idem_consumer_replays_total` and of `idem dead-letters replay --json`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ReplayResult::WouldReplay => "would_replay",
+            ReplayResult::Applied => "applied",
+            ReplayResult::AlreadyApplied => "already_applied",
+            ReplayResult::Failed(_) => "failed",
+            ReplayResult::Undecodable(_) => "undecodable",
+        }
+    }
+}
+
 /// One dead letter and what its replay did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Replayed {
@@ -92,6 +109,72 @@ where
         for letter in &page {
             let result = replay_one(inbox, handler, request, letter).await?;
             out.push(replayed(letter, result));
+        }
+    }
+}
+
+/// The dry run of a replay of `group`'s open dead letters (only `only`, when given): each one
+/// decodes ([`ReplayResult::WouldReplay`]) or not ([`ReplayResult::Undecodable`]), as the
+/// consumer's decoder sees it. Changes nothing, and needs no handler.
+pub async fn preview<I: InboxStore>(
+    inbox: &I,
+    group: &str,
+    only: Option<i64>,
+) -> Result<Vec<Replayed>> {
+    let mut out = vec![];
+    let mut after = 0;
+    loop {
+        let page = inbox.open_dead_letters(group, after, only, PAGE).await?;
+        let Some(last) = page.last() else {
+            return Ok(out);
+        };
+        after = last.id;
+        out.extend(page.iter().map(|open| replayed(open, decoded(open))));
+    }
+}
+
+/// What a dry run says of one letter.
+fn decoded(open: &OpenDeadLetter) -> ReplayResult {
+    match decode(&delivery_of(&open.letter)) {
+        Ok(_) => ReplayResult::WouldReplay,
+        Err(reason) => ReplayResult::Undecodable(reason.to_string()),
+    }
+}
+
+/// Serves the requested replays of `group` ([`InboxStore::requested_replays`]) through
+/// `handler`, oldest first, each as [`replay`] does it and on behalf of whoever requested it.
+/// Every request ends served: a letter that does not decode is recorded as a failed replay with
+/// the decoder's reason (it stays open), so it is not served again until someone asks again.
+/// Errors of the database end the round; the requests not served yet stay for the next one.
+pub async fn serve_requested<I, H>(inbox: &I, handler: &H, group: &str) -> Result<Vec<Replayed>>
+where
+    I: InboxStore,
+    H: Handler<I::Conn>,
+{
+    let mut out = vec![];
+    let mut after = 0;
+    loop {
+        let page = inbox.requested_replays(group, after, PAGE).await?;
+        let Some(last) = page.last() else {
+            return Ok(out);
+        };
+        after = last.open.id;
+        for requested in &page {
+            let request = ReplayRequest {
+                group: group.to_owned(),
+                only: Some(requested.open.id),
+                dry_run: false,
+                by: requested.by.clone(),
+            };
+            let result = match replay_one(inbox, handler, &request, &requested.open).await? {
+                ReplayResult::Undecodable(reason) => {
+                    let reason = format!("replay failed: the record does not decode: {reason}");
+                    record_failure(inbox, &request, requested.open.id, reason.clone()).await?;
+                    ReplayResult::Undecodable(reason)
+                }
+                result => result,
+            };
+            out.push(replayed(&requested.open, result));
         }
     }
 }
@@ -139,13 +222,13 @@ where
     I: InboxStore,
     H: Handler<I::Conn>,
 {
+    if request.dry_run {
+        return Ok(decoded(open));
+    }
     let event = match decode(&delivery_of(&open.letter)) {
         Ok(event) => event,
         Err(reason) => return Ok(ReplayResult::Undecodable(reason.to_string())),
     };
-    if request.dry_run {
-        return Ok(ReplayResult::WouldReplay);
-    }
     let mut tx = inbox.begin().await?;
     let applied = match apply(inbox, handler, &request.group, &mut tx, &event).await {
         Ok(applied) => applied,

@@ -13,7 +13,7 @@ use std::time::Duration;
 use idem_conformance::backend::{Backend, Lite, Pg};
 use idem_conformance::process::eventually;
 use idem_conformance::records::NoSource;
-use idem_consumer::replay::{ReplayRequest, ReplayResult, replay};
+use idem_consumer::replay::{ReplayRequest, ReplayResult, preview, replay};
 use idem_consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, Handler, HandlerContext, HandlerError,
 };
@@ -112,6 +112,59 @@ where
     Consumer::new(b.inbox(), h, NoSource, config, metrics)
 }
 
+/// Members of the group running (`Consumer::run` over a source that never delivers), looking
+/// for requested replays every 20 ms, until the guard is dropped.
+struct Running(
+    Vec<tokio::task::JoinHandle<()>>,
+    tokio::sync::watch::Sender<bool>,
+);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.1.send(true);
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+fn running<B: Backend>(b: &B, h: &Effects, members: usize) -> Running
+where
+    Effects: Handler<<B::Inbox as InboxStore>::Conn>,
+{
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let tasks = (0..members)
+        .map(|_| {
+            let mut config = ConsumerConfig::new(GROUP);
+            config.replay_poll = Duration::from_millis(20);
+            let metrics = ConsumerMetrics::unregistered().unwrap();
+            let c = Consumer::new(b.inbox(), h.clone(), NoSource, config, metrics);
+            let mut rx = rx.clone();
+            tokio::spawn(async move {
+                c.run(async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                })
+                .await
+                .unwrap();
+            })
+        })
+        .collect();
+    Running(tasks, stop)
+}
+
+/// Waits until no replay of `letter` is requested any more, and returns the letter.
+async fn served<B: Backend>(b: &B, letter: i64) -> idem_core::store::StoredDeadLetter {
+    eventually(
+        "the requested replay served",
+        Duration::from_secs(20),
+        || async {
+            let l = b.inbox().find_dead_letter(GROUP, letter).await.unwrap()?;
+            l.replay_requested_at.is_none().then_some(l)
+        },
+    )
+    .await
+}
+
 fn request(only: Option<i64>, dry_run: bool) -> ReplayRequest {
     ReplayRequest {
         group: GROUP.into(),
@@ -140,6 +193,26 @@ where
     assert_eq!(inbox_status(b, id).await, "dead_lettered");
     let letters = b.inbox().dead_letters(GROUP, 10).await.unwrap();
     (id, letters[0].id)
+}
+
+/// A fresh database with `n` (1 or 2) records dead-lettered because they do not decode: one
+/// without an event id, then one whose value is not JSON. Returns the handler.
+async fn undecodable<B: Backend>(b: &B, n: usize) -> Effects
+where
+    Effects: Handler<<B::Inbox as InboxStore>::Conn>,
+{
+    b.exec("CREATE TABLE replay_effects (event_id text NOT NULL)")
+        .await
+        .unwrap();
+    let mut no_id = record(0, EventId::new());
+    no_id.headers.retain(|(k, _)| k != "ce_id");
+    let mut not_json = record(1, EventId::new());
+    not_json.payload = Some(b"{oops".to_vec());
+    let h = Effects::default();
+    let records = [no_id, not_json];
+    let r = consumer(b, h.clone()).process(&records[..n]).await.unwrap();
+    assert_eq!(r.dead_lettered, n as u64);
+    h
 }
 
 async fn effects<B: Backend>(b: &B) -> i64 {
@@ -235,6 +308,7 @@ where
         (listed[0].id, &listed[0].result),
         (letter, &ReplayResult::WouldReplay)
     );
+    assert_eq!(preview(&b.inbox(), GROUP, None).await.unwrap(), listed);
     assert_eq!(b.inbox().dead_letters(GROUP, 10).await.unwrap(), before);
     assert_eq!(effects(&b).await, 0);
     assert_eq!(inbox_status(&b, id).await, "dead_lettered");
@@ -269,19 +343,7 @@ async fn an_undecodable_letter_is_reported_and_left_alone<B: Backend>(b: B)
 where
     Effects: Handler<<B::Inbox as InboxStore>::Conn>,
 {
-    b.exec("CREATE TABLE replay_effects (event_id text NOT NULL)")
-        .await
-        .unwrap();
-    let mut no_id = record(0, EventId::new());
-    no_id.headers.retain(|(k, _)| k != "ce_id");
-    let mut not_json = record(1, EventId::new());
-    not_json.payload = Some(b"{oops".to_vec());
-    let h = Effects::default();
-    let r = consumer(&b, h.clone())
-        .process(&[no_id, not_json])
-        .await
-        .unwrap();
-    assert_eq!(r.dead_lettered, 2);
+    let h = undecodable(&b, 2).await;
     let before = b.inbox().dead_letters(GROUP, 10).await.unwrap();
     let done = replay(&b.inbox(), &h, &request(None, false)).await.unwrap();
     assert!(
@@ -395,6 +457,92 @@ async fn postgres_a_replay_racing_a_redelivery_applies_once() {
     assert_eq!(effects(&b).await, 1);
 }
 
+async fn a_requested_replay_is_served_once_by_the_running_consumers<B: Backend>(b: B)
+where
+    Effects: Handler<<B::Inbox as InboxStore>::Conn>,
+{
+    let (id, letter) = dead_lettered(&b).await;
+    let h = Effects::default();
+    let _members = running(&b, &h, 2);
+    let requested = b
+        .inbox()
+        .request_replays(GROUP, None, "ops@example")
+        .await
+        .unwrap();
+    assert_eq!(requested, vec![letter]);
+    let stored = served(&b, letter).await;
+    assert_eq!(stored.replay_outcome.as_deref(), Some("applied"));
+    assert_eq!(stored.replayed_by.as_deref(), Some("ops@example"));
+    assert_eq!(stored.replay_requested_by, None, "the request is served");
+    assert_eq!(inbox_status(&b, id).await, "processed");
+    assert_eq!(effects(&b).await, 1, "two members served one request once");
+    let again = b.inbox().request_replays(GROUP, None, "ops").await.unwrap();
+    assert!(
+        again.is_empty(),
+        "a closed letter is not requested: {again:?}"
+    );
+    let forced = b
+        .inbox()
+        .request_replays(GROUP, Some(letter), "ops")
+        .await
+        .unwrap();
+    assert!(forced.is_empty(), "not by id either: {forced:?}");
+    assert_eq!(effects(&b).await, 1);
+}
+
+async fn a_failed_request_is_served_and_the_letter_stays_open<B: Backend>(b: B)
+where
+    Effects: Handler<<B::Inbox as InboxStore>::Conn>,
+{
+    let (id, letter) = dead_lettered(&b).await;
+    let h = Effects::default();
+    h.flaky.store(true, Ordering::SeqCst);
+    let _members = running(&b, &h, 1);
+    b.inbox().request_replays(GROUP, None, "ops").await.unwrap();
+    let stored = served(&b, letter).await;
+    assert_eq!(stored.replay_outcome.as_deref(), Some("failed"));
+    assert!(
+        stored.reason.contains("the orders table is locked"),
+        "{stored:?}"
+    );
+    assert_eq!(inbox_status(&b, id).await, "dead_lettered", "rolled back");
+    assert_eq!(effects(&b).await, 0);
+    h.flaky.store(false, Ordering::SeqCst);
+    let requested = b
+        .inbox()
+        .request_replays(GROUP, Some(letter), "ops")
+        .await
+        .unwrap();
+    assert_eq!(
+        requested,
+        vec![letter],
+        "a failed letter can be requested again"
+    );
+    assert_eq!(
+        served(&b, letter).await.replay_outcome.as_deref(),
+        Some("applied")
+    );
+    assert_eq!(effects(&b).await, 1);
+}
+
+async fn an_undecodable_request_is_served_as_failed_with_the_reason<B: Backend>(b: B)
+where
+    Effects: Handler<<B::Inbox as InboxStore>::Conn>,
+{
+    let h = undecodable(&b, 1).await;
+    let dry = preview(&b.inbox(), GROUP, None).await.unwrap();
+    assert!(
+        matches!(&dry[0].result, ReplayResult::Undecodable(r) if r.contains("no ce_id")),
+        "{dry:?}"
+    );
+    let _members = running(&b, &h, 1);
+    let requested = b.inbox().request_replays(GROUP, None, "ops").await.unwrap();
+    let stored = served(&b, requested[0]).await;
+    assert_eq!(stored.replay_outcome.as_deref(), Some("failed"));
+    assert!(stored.reason.contains("does not decode"), "{stored:?}");
+    assert_eq!(effects(&b).await, 0);
+}
+
 macro_rules! both_stores {
     ($($name:ident),* $(,)?) => {
         mod postgres {
@@ -425,6 +573,9 @@ both_stores!(
     a_failing_replay_keeps_the_letter_with_the_new_reason,
     an_undecodable_letter_is_reported_and_left_alone,
     a_conflicting_copy_is_never_applied_by_a_replay,
+    a_requested_replay_is_served_once_by_the_running_consumers,
+    a_failed_request_is_served_and_the_letter_stays_open,
+    an_undecodable_request_is_served_as_failed_with_the_reason,
 );
 
 // ---- the transient-dead-letters negative control ------------------------------------------

@@ -3,7 +3,7 @@
 use idem_core::idempotency::{EffectIntent, IntentStore};
 use idem_core::store::{
     DeadLetter, DeadLetterRow, Dedup, InboxEntry, InboxStore, OpenDeadLetter, ReplayOutcome,
-    StoredDeadLetter,
+    RequestedReplay, StoredDeadLetter,
 };
 use idem_core::{EventId, InboundEvent, Result, TableNames};
 use sqlx::{Pool, Transaction};
@@ -70,6 +70,8 @@ fn stored_letter<DB: Dialect>(r: &DB::Row) -> sqlx::Result<StoredDeadLetter> {
         replay_outcome: get::<DB, _>(r, "replay_outcome")?,
         replayed_at: get::<DB, _>(r, "replayed_at")?,
         replayed_by: get::<DB, _>(r, "replayed_by")?,
+        replay_requested_at: get::<DB, _>(r, "replay_requested_at")?,
+        replay_requested_by: get::<DB, _>(r, "replay_requested_by")?,
     })
 }
 
@@ -243,6 +245,66 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
             .map(open_letter::<DB>)
             .collect::<sqlx::Result<Vec<_>>>()
             .map_err(|e| crate::dialect::db_error("decoding dead letters to replay", e))
+    }
+
+    async fn find_dead_letter(&self, group: &str, id: i64) -> Result<Option<StoredDeadLetter>> {
+        let context = "reading a dead letter";
+        let mut c = self.0.conn(context).await?;
+        let row = Stmt::<DB>::new(&self.0.queries.dead_letter_find)
+            .bind(group)
+            .bind(id)
+            .fetch_optional(&mut c)
+            .await
+            .map_err(|e| crate::dialect::db_error(context, e))?;
+        row.as_ref()
+            .map(stored_letter::<DB>)
+            .transpose()
+            .map_err(|e| crate::dialect::db_error("decoding a dead letter", e))
+    }
+
+    async fn request_replays(&self, group: &str, only: Option<i64>, by: &str) -> Result<Vec<i64>> {
+        let context = "requesting replays of dead letters";
+        let mut c = self.0.conn(context).await?;
+        let rows = Stmt::<DB>::new(&self.0.queries.dead_letters_request)
+            .bind(group)
+            .bind(only)
+            .bind(by)
+            .fetch_all(&mut c)
+            .await
+            .map_err(|e| crate::dialect::db_error(context, e))?;
+        let mut ids = rows
+            .iter()
+            .map(|r| get::<DB, i64>(r, "id"))
+            .collect::<sqlx::Result<Vec<_>>>()
+            .map_err(|e| crate::dialect::db_error(context, e))?;
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    async fn requested_replays(
+        &self,
+        group: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<RequestedReplay>> {
+        let context = "reading the requested replays";
+        let mut c = self.0.conn(context).await?;
+        let rows = Stmt::<DB>::new(&self.0.queries.dead_letters_requested)
+            .bind(group)
+            .bind(after)
+            .bind(i64::from(limit))
+            .fetch_all(&mut c)
+            .await
+            .map_err(|e| crate::dialect::db_error(context, e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(RequestedReplay {
+                    open: open_letter::<DB>(r)?,
+                    by: get::<DB, Option<String>>(r, "replay_requested_by")?.unwrap_or_default(),
+                })
+            })
+            .collect::<sqlx::Result<Vec<_>>>()
+            .map_err(|e| crate::dialect::db_error("decoding the requested replays", e))
     }
 
     async fn claim_replay(

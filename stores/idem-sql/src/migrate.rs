@@ -33,6 +33,7 @@ macro_rules! migrations {
         $eighteenth:literal,
         $nineteenth:literal,
         $twentieth:literal,
+        $twentyfirst:literal,
         $last:literal
     ) => {
         &[
@@ -210,11 +211,20 @@ macro_rules! migrations {
             ),
             (
                 21,
-                $last,
+                $twentyfirst,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0021_outbox_unpark_checked.sql"
+                )),
+            ),
+            (
+                22,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0022_dead_letter_replay_requests.sql"
                 )),
             ),
         ]

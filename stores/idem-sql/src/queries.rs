@@ -57,6 +57,9 @@ statements!(
     inbox_replay,
     dead_letters_open,
     dead_letter_replayed,
+    dead_letter_find,
+    dead_letters_request,
+    dead_letters_requested,
     inbox_prune,
     key_claim,
     key_get,
@@ -111,6 +114,17 @@ macro_rules! sql_set {
                 "../../sql/",
                 $dir,
                 "/dead_letter_replayed.sql"
+            )),
+            dead_letter_find: include_str!(concat!("../../sql/", $dir, "/dead_letter_find.sql")),
+            dead_letters_request: include_str!(concat!(
+                "../../sql/",
+                $dir,
+                "/dead_letters_request.sql"
+            )),
+            dead_letters_requested: include_str!(concat!(
+                "../../sql/",
+                $dir,
+                "/dead_letters_requested.sql"
             )),
             inbox_prune: include_str!(concat!("../../sql/", $dir, "/inbox_prune.sql")),
             key_claim: include_str!(concat!("../../sql/", $dir, "/key_claim.sql")),

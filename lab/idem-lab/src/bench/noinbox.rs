@@ -82,6 +82,20 @@ impl InboxStore for NoInbox {
     ) -> Result<Vec<idem_core::store::OpenDeadLetter>> {
         self.0.open_dead_letters(group, after, only, limit).await
     }
+    async fn find_dead_letter(&self, group: &str, id: i64) -> Result<Option<StoredDeadLetter>> {
+        self.0.find_dead_letter(group, id).await
+    }
+    async fn request_replays(&self, group: &str, only: Option<i64>, by: &str) -> Result<Vec<i64>> {
+        self.0.request_replays(group, only, by).await
+    }
+    async fn requested_replays(
+        &self,
+        group: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<idem_core::store::RequestedReplay>> {
+        self.0.requested_replays(group, after, limit).await
+    }
     async fn claim_replay(
         &self,
         conn: &mut PgConnection,

@@ -125,7 +125,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox row ids generated always",
     "outbox events written once",
     "outbox parked rows corrected after their commit",
-    "outbox rows unparked only when the rules accept them"
+    "outbox rows unparked only when the rules accept them",
+    "dead-letter replay requests"
 );
 
 /// Connects a pool suited to the relay and the CLI.

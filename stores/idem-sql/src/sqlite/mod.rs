@@ -96,7 +96,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox row ids generated always (PostgreSQL; none here)",
     "outbox events written once",
     "outbox parked rows corrected after their commit (PostgreSQL; none here)",
-    "outbox rows unparked only when the rules accept them (PostgreSQL; none here)"
+    "outbox rows unparked only when the rules accept them (PostgreSQL; none here)",
+    "dead-letter replay requests"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).

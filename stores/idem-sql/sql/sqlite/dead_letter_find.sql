@@ -1,0 +1,6 @@
+-- See the PostgreSQL version.
+SELECT id, consumer_group, topic, record_partition, record_offset, event_id, reason,
+       replay_outcome, replayed_at, replayed_by,
+       replay_requested_at, replay_requested_by
+FROM {dead_letters}
+WHERE consumer_group = ?1 AND id = ?2
