@@ -1,6 +1,6 @@
 //! `idem-lab`: the lab that proves idem's guarantees. The demo, chaos runs and benchmarks, the
-//! reference services they run (orders, settlement, points API), `dead-letters replay`, and
-//! every operator command of `idem`, in one binary with crash points and negative controls
+//! reference services they run (orders, settlement, points API), and every operator command of
+//! `idem`, in one binary with crash points and negative controls
 //! compiled in and armed from the environment (`IDEM_CRASH_POINTS`, `IDEM_BREAK`,
 //! `IDEM_CRASH_LOG`; see docs/reference/crash-points.md). Never deploy it: ship `idem`.
 
@@ -54,61 +54,20 @@ enum Command {
     Product(idem_cli::Command),
 }
 
-/// What the lab adds under the product's `dead-letters`.
-#[derive(Subcommand, Debug)]
-enum DeadLettersCommand {
-    /// Re-apply dead letters through the reference handler, each in one transaction with its
-    /// inbox row (applied once, whatever races it); a failing one is kept with the new reason.
-    Replay(reference_cmd::ReplayArgs),
-}
-
-/// A parsed command line: a lab or operator command, or `dead-letters replay`.
-enum Parsed {
-    Cli(Box<Cli>),
-    Replay(reference_cmd::ReplayArgs),
-}
-
-/// The command line: [`Cli`], with `replay` added under `dead-letters` (the product lists dead
-/// letters; replaying them needs the reference handlers, which only the lab has).
-fn cli() -> clap::Command {
-    Cli::command().mut_subcommand("dead-letters", |c| {
-        DeadLettersCommand::augment_subcommands(c)
-            .about(
-                "List a consumer group's dead letters with their reasons (`replay`: re-apply them)",
-            )
-            .args_conflicts_with_subcommands(true)
-            .subcommand_negates_reqs(true)
-    })
-}
-
-fn parse(matches: &clap::ArgMatches) -> Result<Parsed, clap::Error> {
-    if let Some(("dead-letters", dl)) = matches.subcommand()
-        && dl.subcommand_name().is_some()
-    {
-        let DeadLettersCommand::Replay(args) = DeadLettersCommand::from_arg_matches(dl)?;
-        return Ok(Parsed::Replay(args));
-    }
-    Ok(Parsed::Cli(Box::new(Cli::from_arg_matches(matches)?)))
-}
-
 fn main() -> std::process::ExitCode {
-    let (matches, log) = idem_cli::settings::matches(cli());
-    let parsed = parse(&matches).unwrap_or_else(|e| e.exit());
+    let (matches, log) = idem_cli::settings::matches(Cli::command());
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // The demo's output is its progress and its verdict; its components' logs (crashes it
     // fires on purpose among them) show with RUST_LOG=info.
-    let filter = match &parsed {
-        Parsed::Cli(cli) if matches!(cli.command, Command::Demo(_)) => "error",
+    let filter = match &cli.command {
+        Command::Demo(_) => "error",
         _ => idem_cli::DEFAULT_LOG_FILTER,
     };
-    idem_cli::main_with_logs("idem-lab", log, filter, run(parsed))
+    idem_cli::main_with_logs("idem-lab", log, filter, run(cli.command))
 }
 
-async fn run(parsed: Parsed) -> anyhow::Result<()> {
+async fn run(command: Command) -> anyhow::Result<()> {
     faults::arm_from_env()?;
-    let command = match parsed {
-        Parsed::Replay(args) => return reference_cmd::replay_dead_letters(args).await,
-        Parsed::Cli(cli) => cli.command,
-    };
     match command {
         Command::Orders(args) => reference_cmd::orders(args).await,
         Command::Settlement(args) => reference_cmd::settlement(args).await,
@@ -127,6 +86,6 @@ async fn run(parsed: Parsed) -> anyhow::Result<()> {
 mod tests {
     #[test]
     fn the_command_line_is_consistent() {
-        super::cli().debug_assert();
+        <super::Cli as clap::CommandFactory>::command().debug_assert();
     }
 }

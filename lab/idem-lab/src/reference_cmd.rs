@@ -1,12 +1,11 @@
-//! `idem-lab orders`, `idem-lab settlement`, `idem-lab points-api` and `idem-lab dead-letters
-//! replay`: the reference pipeline's services, each runnable as its own process.
+//! `idem-lab orders`, `idem-lab settlement` and `idem-lab points-api`: the reference pipeline's
+//! services, each runnable as its own process.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use idem_consumer::replay::{ReplayRequest, ReplayResult, Replayed, replay};
 use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::health::Health;
 use idem_core::store::InboxStore;
@@ -286,149 +285,6 @@ where
             .await?;
     }
     Ok(())
-}
-
-/// `idem-lab dead-letters replay`: re-apply dead letters through the reference handler, each in
-/// one transaction with its inbox row (applied once, whatever races it); a failing one is kept
-/// with the new reason. `main.rs` adds it under the product's `dead-letters`.
-#[derive(Args, Debug)]
-pub(crate) struct ReplayArgs {
-    #[command(flatten)]
-    db: DbArgs,
-    /// Consumer group whose dead letters (and inbox) to use.
-    #[arg(long)]
-    group: String,
-    /// Replay this dead letter (its id in `idem dead-letters`).
-    #[arg(long, conflicts_with = "all", required_unless_present = "all")]
-    id: Option<i64>,
-    /// Replay every open dead letter of the group (never replayed, or whose replay failed).
-    #[arg(long)]
-    all: bool,
-    /// List what would be replayed; change nothing.
-    #[arg(long)]
-    dry_run: bool,
-    /// The handler the group runs: `settlement` or `audit` (as for `idem-lab settlement`).
-    #[arg(long, default_value = "settlement", value_parser = ["settlement", "audit"])]
-    handler: String,
-    /// The points URL the group's settlement handler awards points at, if it does (as for
-    /// `idem-lab settlement --points-url`): a replayed payment records its points intent too.
-    #[arg(long)]
-    points_url: Option<String>,
-    /// Who replays, recorded on each letter (default: $USER).
-    #[arg(long)]
-    by: Option<String>,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
-}
-
-/// Runs `idem-lab dead-letters replay`.
-pub(crate) async fn replay_dead_letters(args: ReplayArgs) -> anyhow::Result<()> {
-    let store = db::open(&args.db, 2).await?;
-    let request = ReplayRequest {
-        group: args.group.clone(),
-        only: args.id,
-        dry_run: args.dry_run,
-        by: args
-            .by
-            .clone()
-            .or_else(|| std::env::var("USER").ok())
-            .unwrap_or_else(|| "idem dead-letters replay".to_owned()),
-    };
-    let done = idem_sql::with_store!(store, s => replay_with(&s.inbox(), &args, &request).await)
-        .context(idem_cli::dead_letters_cmd::MIGRATE_HINT)?;
-    report_replay(&args, &done)
-}
-
-/// Replays with the handler `args` name: the audit log, or settlements (posting points awards
-/// when `--points-url` is given).
-async fn replay_with<I>(
-    inbox: &I,
-    args: &ReplayArgs,
-    request: &ReplayRequest,
-) -> idem_core::Result<Vec<Replayed>>
-where
-    I: InboxStore,
-    idem_reference::Audit: idem_consumer::Handler<I::Conn>,
-    Settlement: idem_consumer::Handler<I::Conn>,
-{
-    match &args.points_url {
-        _ if args.handler == "audit" => replay(inbox, &idem_reference::Audit, request).await,
-        Some(url) => replay(inbox, &Settlement::with_points(url.clone()), request).await,
-        None => replay(inbox, &Settlement::new(), request).await,
-    }
-}
-
-/// Prints what the replay did; an error when a requested letter was not open or a replay failed.
-fn report_replay(args: &ReplayArgs, done: &[Replayed]) -> anyhow::Result<()> {
-    if args.json {
-        let rows: Vec<serde_json::Value> = done.iter().map(replayed_json).collect();
-        println!("{}", serde_json::Value::Array(rows));
-    } else if done.is_empty() {
-        println!("no open dead letters to replay for group {}", args.group);
-    }
-    if !args.json {
-        for r in done {
-            println!(
-                "#{} {}/{}@{}  event {}  {}",
-                r.id,
-                r.topic,
-                r.partition,
-                r.offset,
-                r.event_id.map_or_else(|| "-".to_owned(), |e| e.to_string()),
-                describe(&r.result)
-            );
-        }
-    }
-    if let (Some(id), true) = (args.id, done.is_empty()) {
-        anyhow::bail!(
-            "group {} has no open dead letter #{id} (it does not exist, or its replay succeeded: see `idem dead-letters`)",
-            args.group
-        );
-    }
-    let failed = done
-        .iter()
-        .filter(|r| matches!(r.result, ReplayResult::Failed(_)))
-        .count();
-    if failed > 0 {
-        anyhow::bail!(
-            "{failed} of {} dead letters failed to replay; they are kept with the new reason",
-            done.len()
-        );
-    }
-    Ok(())
-}
-
-fn describe(r: &ReplayResult) -> String {
-    match r {
-        ReplayResult::WouldReplay => "would replay".to_owned(),
-        ReplayResult::Applied => "applied".to_owned(),
-        ReplayResult::AlreadyApplied => {
-            "not applied: the inbox has the event processed, or under another payload (a conflict)"
-                .to_owned()
-        }
-        ReplayResult::Failed(reason) => format!("failed, kept: {reason}"),
-        ReplayResult::Undecodable(reason) => format!("not replayed (undecodable): {reason}"),
-    }
-}
-
-fn replayed_json(r: &Replayed) -> serde_json::Value {
-    let (outcome, reason) = match &r.result {
-        ReplayResult::WouldReplay => ("would_replay", None),
-        ReplayResult::Applied => ("applied", None),
-        ReplayResult::AlreadyApplied => ("already_applied", None),
-        ReplayResult::Failed(reason) => ("failed", Some(reason)),
-        ReplayResult::Undecodable(reason) => ("undecodable", Some(reason)),
-    };
-    serde_json::json!({
-        "id": r.id,
-        "topic": r.topic,
-        "partition": r.partition,
-        "offset": r.offset,
-        "event_id": r.event_id.map(|e| e.to_string()),
-        "outcome": outcome,
-        "reason": reason,
-    })
 }
 
 #[derive(Args, Debug)]

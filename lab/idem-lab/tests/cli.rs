@@ -1,6 +1,5 @@
 //! The lab's own commands on the command line: the Kafka-transactions negative control refuses
-//! to run outside chaos, and `idem-lab dead-letters replay` re-applies dead letters through the
-//! reference handlers.
+//! to run outside chaos, and the reference services refuse a database not set up.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::{Command, Output};
@@ -59,109 +58,6 @@ fn the_kafka_transactions_negative_control_refuses_to_run_outside_chaos() {
         stderr.contains("idem-lab chaos --break kafka-transactions"),
         "{stderr}"
     );
-}
-
-/// `idem-lab dead-letters replay`: `--dry-run` lists and changes nothing; the replay applies the
-/// payment once through the settlement handler and closes the letter; an undecodable letter is
-/// reported and left; a closed letter asked for by id is an error.
-#[test]
-fn dead_letters_are_replayed_from_the_cli_and_a_dry_run_changes_nothing() {
-    let db = sqlite();
-    let order = idem_reference::PaidOrder::numbered("", 1);
-    let event = order.event().unwrap();
-    let headers = serde_json::json!({
-        "ce_id": event.id().to_string(),
-        "ce_type": "order.paid",
-        "idem_aggregate_type": "order",
-        "idem_aggregate_id": order.order_id,
-    });
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let pool = rt.block_on(sqlx::SqlitePool::connect(&db.url)).unwrap();
-    rt.block_on(async {
-        idem_reference::ensure_schema_sqlite(&pool).await.unwrap();
-        let insert = "INSERT INTO idem_dead_letters (consumer_group, topic, record_partition, record_offset, \
-             event_id, event_type, reason, record_key, payload, headers) VALUES ('settlement', 'outbox.event.order', 0, ?1, ?2, 'order.paid', ?3, ?4, ?5, ?6)";
-        sqlx::query(insert)
-            .bind(1)
-            .bind(event.id().to_string())
-            .bind("gave up after 11 transient failures; last: lock timeout")
-            .bind(&order.order_id)
-            .bind(event.payload())
-            .bind(headers.to_string())
-            .execute(&pool)
-            .await
-            .unwrap();
-        sqlx::query(insert)
-            .bind(2)
-            .bind(None::<String>)
-            .bind("the record has no ce_id header (event id)")
-            .bind("o-x")
-            .bind("{}")
-            .bind("{}")
-            .execute(&pool)
-            .await
-            .unwrap();
-    });
-    let state = || {
-        rt.block_on(async {
-            sqlx::query_as::<_, (i64, i64, i64)>(
-                "SELECT (SELECT count(*) FROM settlements), (SELECT count(*) FROM idem_inbox), \
-                 (SELECT count(*) FROM idem_dead_letters WHERE replay_outcome IS NULL AND replayed_at IS NULL)",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        })
-    };
-    let replay = |extra: &[&str]| {
-        let mut args = vec![
-            "dead-letters",
-            "replay",
-            "--db",
-            &db.url,
-            "--group",
-            "settlement",
-        ];
-        args.extend_from_slice(extra);
-        idem(&args)
-    };
-
-    let o = replay(&["--all", "--dry-run"]);
-    assert!(o.status.success(), "{:?}", text(&o));
-    let out = text(&o).0;
-    assert!(out.contains("#1 ") && out.contains("would replay"), "{out}");
-    assert!(
-        out.contains("#2 ") && out.contains("not replayed (undecodable)"),
-        "{out}"
-    );
-    assert_eq!(state(), (0, 0, 2), "the dry run changed nothing");
-
-    let o = replay(&["--all", "--by", "ops"]);
-    assert!(o.status.success(), "{:?}", text(&o));
-    assert!(text(&o).0.contains("  applied\n"), "{:?}", text(&o));
-    assert_eq!(
-        state(),
-        (1, 1, 1),
-        "settled once; the undecodable letter left as it was"
-    );
-
-    let o = replay(&["--id", "1"]);
-    assert!(!o.status.success(), "{:?}", text(&o));
-    assert!(
-        text(&o).1.contains("no open dead letter #1"),
-        "{:?}",
-        text(&o)
-    );
-    let o = replay(&["--all"]);
-    assert!(o.status.success(), "{:?}", text(&o));
-    assert_eq!(state(), (1, 1, 1), "applied once");
-
-    let o = idem(&["dead-letters", "--db", &db.url, "--group", "settlement"]);
-    assert!(o.status.success(), "{:?}", text(&o));
-    assert!(text(&o).0.contains("replay: applied at"), "{:?}", text(&o));
-    assert!(text(&o).0.contains("by ops"), "{:?}", text(&o));
-    let o = replay(&[]);
-    assert!(!o.status.success(), "--id or --all is required");
 }
 
 /// The reference services create no table in a database they are given: one nobody set up

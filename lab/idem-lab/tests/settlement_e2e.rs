@@ -608,3 +608,108 @@ async fn a_failed_cdc_mark_then_a_prune_at_the_horizon_still_applies_once() {
         .await
         .unwrap();
 }
+
+/// `dead-letters replay` against the running settlement service: a payment its handler refuses
+/// (a rule the test adds to the settlements table) is dead-lettered while the others settle; the
+/// dry run lists it and changes nothing; a confirmed replay while the rule holds is served,
+/// fails and keeps the letter; once the rule is gone a confirmed replay settles the payment
+/// once, and a further replay of that letter is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_is_replayed_once_through_the_running_consumer() {
+    let ((orders, settle), k) = (databases().await, broker(1).await);
+    setup(orders.url());
+    settle
+        .exec("ALTER TABLE settlements ADD CONSTRAINT held CHECK (amount_minor <> 500000)")
+        .await
+        .unwrap();
+    insert_order(&orders, 1).await;
+    sqlx::query(
+        "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'order', 'o-2', 'order.paid', jsonb_build_object(\
+         'order_id', 'o-2', 'payment_id', 'pay-2', 'amount', '5000.00', 'currency', 'EUR'))",
+    )
+    .execute(orders.pool())
+    .await
+    .unwrap();
+    let _relay = relay(orders.url(), &k);
+    let service = Proc::spawn("settlement", settlement(settle.url(), &k, &[]));
+    eventually(
+        "one settled, one dead-lettered",
+        Duration::from_secs(60),
+        || async {
+            let s = count(&settle, "SELECT count(*) FROM settlements").await;
+            let d = count(&settle, "SELECT count(*) FROM idem_dead_letters").await;
+            (s == 1 && d == 1).then_some(())
+        },
+    )
+    .await;
+    let replay = |extra: &[&str]| {
+        let mut cmd = idem(&[
+            "dead-letters",
+            "replay",
+            "--db",
+            settle.url(),
+            "--group",
+            &k.group,
+            "--by",
+            "on-call",
+        ]);
+        cmd.args(extra);
+        let o = cmd.output().unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (o.status.success(), text(&o.stdout), text(&o.stderr))
+    };
+    let requested = "SELECT count(*) FROM idem_dead_letters WHERE replay_requested_at IS NOT NULL";
+
+    let (ok, out, err) = replay(&["--all"]);
+    assert!(
+        ok && out.contains("would replay") && out.contains("--confirm"),
+        "{out}{err}"
+    );
+    assert_eq!(
+        count(&settle, requested).await,
+        0,
+        "the dry run requests nothing"
+    );
+
+    let (ok, out, err) = replay(&["--all", "--confirm"]);
+    assert!(!ok && err.contains("1 of 1 replays failed"), "{out}{err}");
+    assert!(
+        out.contains("replay: failed") && out.contains("held"),
+        "{out}"
+    );
+    assert_eq!(count(&settle, "SELECT count(*) FROM settlements").await, 1);
+
+    settle
+        .exec("ALTER TABLE settlements DROP CONSTRAINT held")
+        .await
+        .unwrap();
+    let (ok, out, err) = replay(&["--all", "--confirm"]);
+    assert!(
+        ok && out.contains("replay: applied") && out.contains("by on-call"),
+        "{out}{err}"
+    );
+    assert_eq!(
+        count(
+            &settle,
+            "SELECT count(*) FROM settlements WHERE payment_id = 'pay-2'"
+        )
+        .await,
+        1
+    );
+    let letter = count(&settle, "SELECT id FROM idem_dead_letters")
+        .await
+        .to_string();
+    let (ok, _, err) = replay(&["--id", &letter, "--confirm"]);
+    assert!(!ok && err.contains("no open dead letter"), "{err}");
+    assert_eq!(count(&settle, "SELECT count(*) FROM settlements").await, 2);
+    let metrics = http_get(service.metrics_addr(), "/metrics");
+    for (outcome, n) in [("failed", 1.0), ("applied", 1.0)] {
+        let labels = [("consumer_group", k.group.as_str()), ("outcome", outcome)];
+        assert_eq!(
+            metric_sum(&metrics, "idem_consumer_replays_total", &labels),
+            n,
+            "{outcome}"
+        );
+    }
+}

@@ -443,3 +443,126 @@ fn the_walkthroughs_verify_config_parses() {
     let config = idem_verify::VerifyConfig::from_toml(&tomls[0]).unwrap();
     assert_eq!(config.checks.len(), 1);
 }
+
+/// A dead letter seeded by hand: its offset, event id, payload and replay outcome.
+struct Letter(
+    i64,
+    Option<&'static str>,
+    &'static str,
+    Option<&'static str>,
+);
+
+/// Three letters of group `settlement`: #1 replayable, #2 without an event id (undecodable),
+/// #3 applied by a replay before (closed).
+async fn seed_dead_letters(db: &Db) -> sqlx::SqlitePool {
+    let pool = sqlx::SqlitePool::connect(&db.url).await.unwrap();
+    let insert = "INSERT INTO idem_dead_letters (consumer_group, topic, record_partition, record_offset, \
+         event_id, event_type, reason, record_key, payload, headers, replay_outcome) \
+         VALUES ('settlement', 'outbox.event.order', 0, ?1, ?2, 'order.paid', 'the order is unknown', 'o-1', ?3, ?4, ?5)";
+    let id = "0190a7c2-5b1e-7c3d-9f00-000000000001";
+    let headers = serde_json::json!({
+        "ce_id": id, "ce_type": "order.paid",
+        "idem_aggregate_type": "order", "idem_aggregate_id": "o-1",
+    });
+    let order = r#"{"order_id":"o-1"}"#;
+    for Letter(offset, event, payload, outcome) in [
+        Letter(1, Some(id), order, None),
+        Letter(2, None, "{}", None),
+        Letter(3, Some(id), order, Some("applied")),
+    ] {
+        let headers = if event.is_some() {
+            headers.to_string()
+        } else {
+            "{}".into()
+        };
+        sqlx::query(insert)
+            .bind(offset)
+            .bind(event)
+            .bind(payload)
+            .bind(headers)
+            .bind(outcome)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    pool
+}
+
+/// `idem dead-letters replay` without `--confirm` is a dry run: it decodes each open letter as
+/// the consumer would and changes nothing. `--confirm` records a request on each open letter
+/// (the group's running consumer serves it); with `--wait 0s` it returns at once, saying the
+/// requests wait for a consumer, and `idem dead-letters` shows them. A letter that is not open
+/// cannot be requested by id; `--id` or `--all` is required.
+#[test]
+fn a_replay_is_a_dry_run_until_confirmed_and_a_confirmed_one_is_requested() {
+    let db = sqlite();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let pool = rt.block_on(seed_dead_letters(&db));
+    let requested = || {
+        rt.block_on(
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM idem_dead_letters WHERE replay_requested_at IS NOT NULL",
+            )
+            .fetch_one(&pool),
+        )
+        .unwrap()
+    };
+    let replay = |extra: &[&str]| {
+        let mut args = vec![
+            "dead-letters",
+            "replay",
+            "--db",
+            &db.url,
+            "--group",
+            "settlement",
+        ];
+        args.extend_from_slice(extra);
+        idem(&args)
+    };
+
+    let o = replay(&["--all"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(out.contains("#1 ") && out.contains("would replay"), "{out}");
+    assert!(
+        out.contains("#2 ") && out.contains("not replayable (undecodable)"),
+        "{out}"
+    );
+    assert!(!out.contains("#3 "), "a closed letter is not listed: {out}");
+    assert!(out.contains("add --confirm to hand 2 letter(s)"), "{out}");
+    assert_eq!(requested(), 0, "the dry run changed nothing");
+    let o = replay(&["--all", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(rows[0]["outcome"], "would_replay", "{rows}");
+    assert_eq!(rows[1]["outcome"], "undecodable", "{rows}");
+
+    let o = replay(&["--all", "--confirm", "--by", "on-call", "--wait", "0s"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(
+        err.contains("2 of 2 replay(s) requested and not served yet"),
+        "{err}"
+    );
+    assert_eq!(requested(), 2);
+    let o = idem(&["dead-letters", "--db", &db.url, "--group", "settlement"]);
+    let (out, _) = text(&o);
+    assert_eq!(out.matches("replay requested at").count(), 2, "{out}");
+    assert!(out.contains("by on-call"), "{out}");
+
+    let o = replay(&["--id", "3", "--confirm"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).1.contains("no open dead letter #3"),
+        "{:?}",
+        text(&o)
+    );
+    let o = replay(&["--id", "1", "--confirm", "--wait", "1s"]);
+    assert!(!o.status.success(), "no consumer served it");
+    assert!(
+        text(&o).1.contains("stay requested until one runs"),
+        "{:?}",
+        text(&o)
+    );
+    let o = replay(&[]);
+    assert!(!o.status.success(), "--id or --all is required");
+}
