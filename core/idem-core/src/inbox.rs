@@ -334,14 +334,15 @@ pub trait InboxStore: Send + Sync + 'static {
         id: i64,
     ) -> impl Future<Output = Result<Option<StoredDeadLetter>>> + Send;
 
-    /// Requests a replay of the open dead letters of `group` (only `only`, when given) on
-    /// behalf of `by`, and says which letters it requested: a consumer of the group serves
+    /// Requests a replay of the open dead letters of `group` (only letter `only`, and only
+    /// those with `reason`, when given) on behalf of `by`, and says which letters it requested: a consumer of the group serves
     /// them through its handler ([`InboxStore::requested_replays`]). A letter requested already
     /// keeps its first request time.
     fn request_replays(
         &self,
         group: &str,
         only: Option<i64>,
+        reason: Option<&str>,
         by: &str,
     ) -> impl Future<Output = Result<Vec<i64>>> + Send;
 

@@ -466,7 +466,7 @@ where
     let _members = running(&b, &h, 2);
     let requested = b
         .inbox()
-        .request_replays(GROUP, None, "ops@example")
+        .request_replays(GROUP, None, None, "ops@example")
         .await
         .unwrap();
     assert_eq!(requested, vec![letter]);
@@ -476,14 +476,18 @@ where
     assert_eq!(stored.replay_requested_by, None, "the request is served");
     assert_eq!(inbox_status(&b, id).await, "processed");
     assert_eq!(effects(&b).await, 1, "two members served one request once");
-    let again = b.inbox().request_replays(GROUP, None, "ops").await.unwrap();
+    let again = b
+        .inbox()
+        .request_replays(GROUP, None, None, "ops")
+        .await
+        .unwrap();
     assert!(
         again.is_empty(),
         "a closed letter is not requested: {again:?}"
     );
     let forced = b
         .inbox()
-        .request_replays(GROUP, Some(letter), "ops")
+        .request_replays(GROUP, Some(letter), None, "ops")
         .await
         .unwrap();
     assert!(forced.is_empty(), "not by id either: {forced:?}");
@@ -498,7 +502,10 @@ where
     let h = Effects::default();
     h.flaky.store(true, Ordering::SeqCst);
     let _members = running(&b, &h, 1);
-    b.inbox().request_replays(GROUP, None, "ops").await.unwrap();
+    b.inbox()
+        .request_replays(GROUP, None, None, "ops")
+        .await
+        .unwrap();
     let stored = served(&b, letter).await;
     assert_eq!(stored.replay_outcome.as_deref(), Some("failed"));
     assert!(
@@ -510,7 +517,7 @@ where
     h.flaky.store(false, Ordering::SeqCst);
     let requested = b
         .inbox()
-        .request_replays(GROUP, Some(letter), "ops")
+        .request_replays(GROUP, Some(letter), None, "ops")
         .await
         .unwrap();
     assert_eq!(
@@ -536,7 +543,11 @@ where
         "{dry:?}"
     );
     let _members = running(&b, &h, 1);
-    let requested = b.inbox().request_replays(GROUP, None, "ops").await.unwrap();
+    let requested = b
+        .inbox()
+        .request_replays(GROUP, None, None, "ops")
+        .await
+        .unwrap();
     let stored = served(&b, requested[0]).await;
     assert_eq!(stored.replay_outcome.as_deref(), Some("failed"));
     assert!(stored.reason.contains("does not decode"), "{stored:?}");

@@ -177,7 +177,7 @@ async fn replay_with<I: InboxStore>(inbox: &I, args: &ReplayArgs) -> anyhow::Res
         .or_else(|| std::env::var("USER").ok())
         .unwrap_or_else(|| "idem dead-letters replay".to_owned());
     let ids = inbox
-        .request_replays(&args.group, args.id, &by)
+        .request_replays(&args.group, args.id, None, &by)
         .await
         .context(MIGRATE_HINT)?;
     none_open(args, ids.is_empty())?;

@@ -29,7 +29,7 @@ fn sqlite() -> Db {
     assert!(o.status.success(), "{:?}", text(&o));
     assert!(
         text(&o).0.contains(
-            "applied [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]"
+            "applied [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]"
         ),
         "{:?}",
         text(&o)
@@ -48,7 +48,7 @@ fn migrate_twice_is_a_no_op() {
     let db = sqlite();
     let o = idem(&["migrate", "--db", &db.url]);
     assert!(o.status.success());
-    assert!(text(&o).0.contains("up to date (version 22)"));
+    assert!(text(&o).0.contains("up to date (version 23)"));
 }
 
 #[test]

@@ -235,6 +235,11 @@ impl<DB: Dialect> Store<DB> {
     pub fn intents(&self) -> Intents<DB> {
         Intents::new(self.pool.clone(), self.tables.clone())
     }
+
+    /// The operator's reads and the audit of their actions (the console's).
+    pub fn ops(&self) -> crate::ops::Ops<DB> {
+        crate::ops::Ops::new(self.pool.clone(), &self.tables)
+    }
 }
 
 /// The store of whichever database a URL names: the one place that chooses (tansu's

@@ -262,13 +262,20 @@ impl<DB: Dialect> InboxStore for Inbox<DB> {
             .map_err(|e| crate::dialect::db_error("decoding a dead letter", e))
     }
 
-    async fn request_replays(&self, group: &str, only: Option<i64>, by: &str) -> Result<Vec<i64>> {
+    async fn request_replays(
+        &self,
+        group: &str,
+        only: Option<i64>,
+        reason: Option<&str>,
+        by: &str,
+    ) -> Result<Vec<i64>> {
         let context = "requesting replays of dead letters";
         let mut c = self.0.conn(context).await?;
         let rows = Stmt::<DB>::new(&self.0.queries.dead_letters_request)
             .bind(group)
             .bind(only)
             .bind(by)
+            .bind(reason)
             .fetch_all(&mut c)
             .await
             .map_err(|e| crate::dialect::db_error(context, e))?;

@@ -56,6 +56,7 @@ mod inbox;
 mod intents;
 mod keys;
 mod migrate;
+pub mod ops;
 mod queries;
 mod relay_store;
 mod verify;

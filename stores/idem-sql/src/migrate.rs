@@ -34,6 +34,7 @@ macro_rules! migrations {
         $nineteenth:literal,
         $twentieth:literal,
         $twentyfirst:literal,
+        $twentysecond:literal,
         $last:literal
     ) => {
         &[
@@ -220,11 +221,20 @@ macro_rules! migrations {
             ),
             (
                 22,
-                $last,
+                $twentysecond,
                 include_str!(concat!(
                     "../../migrations/",
                     $dir,
                     "/0022_dead_letter_replay_requests.sql"
+                )),
+            ),
+            (
+                23,
+                $last,
+                include_str!(concat!(
+                    "../../migrations/",
+                    $dir,
+                    "/0023_operator_console.sql"
                 )),
             ),
         ]

@@ -85,8 +85,14 @@ impl InboxStore for NoInbox {
     async fn find_dead_letter(&self, group: &str, id: i64) -> Result<Option<StoredDeadLetter>> {
         self.0.find_dead_letter(group, id).await
     }
-    async fn request_replays(&self, group: &str, only: Option<i64>, by: &str) -> Result<Vec<i64>> {
-        self.0.request_replays(group, only, by).await
+    async fn request_replays(
+        &self,
+        group: &str,
+        only: Option<i64>,
+        reason: Option<&str>,
+        by: &str,
+    ) -> Result<Vec<i64>> {
+        self.0.request_replays(group, only, reason, by).await
     }
     async fn requested_replays(
         &self,

@@ -100,6 +100,7 @@ const BASES: &[&str] = &[
     "dead_letters",
     "idempotency_keys",
     "effect_intents",
+    "audit",
 ];
 
 /// `mark_published` and `release` are the same statement, complete.sql: one statement marks and
@@ -126,7 +127,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox events written once",
     "outbox parked rows corrected after their commit",
     "outbox rows unparked only when the rules accept them",
-    "dead-letter replay requests"
+    "dead-letter replay requests",
+    "operator console audit and indexes"
 );
 
 /// Connects a pool suited to the relay and the CLI.

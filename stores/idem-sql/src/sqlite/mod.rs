@@ -73,6 +73,7 @@ const BASES: &[&str] = &[
     "dead_letters",
     "idempotency_keys",
     "effect_intents",
+    "audit",
 ];
 
 static SQL: SqlSet = sql_set!(
@@ -97,7 +98,8 @@ static MIGRATIONS: Migrations = migrations!(
     "outbox events written once",
     "outbox parked rows corrected after their commit (PostgreSQL; none here)",
     "outbox rows unparked only when the rules accept them (PostgreSQL; none here)",
-    "dead-letter replay requests"
+    "dead-letter replay requests",
+    "operator console audit and indexes"
 );
 
 /// The text format of SQLite timestamps written by idem (same as the column defaults).

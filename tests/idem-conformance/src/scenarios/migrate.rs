@@ -39,7 +39,7 @@ pub async fn migrate_is_idempotent<B: Backend>(b: &B) {
             b.tables().qualified("schema_migrations")
         ))
         .await;
-    assert_eq!(version, 22);
+    assert_eq!(version, 23);
 }
 
 pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
@@ -47,7 +47,7 @@ pub async fn custom_table_prefix_is_used<B: Backend>(b: &B) {
     assert_eq!(
         other.migrate().await.unwrap(),
         vec![
-            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22
+            1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23
         ]
     );
     let mut tx = other.begin().await;
