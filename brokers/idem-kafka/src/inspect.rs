@@ -249,6 +249,25 @@ pub fn committed_offsets_with(
         conn,
         &[("group.id", group), ("enable.auto.commit", "false")],
     )?;
+    let committed = committed_of(&consumer, group, topic, timeout)?;
+    Ok(committed
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) => Some((e.partition(), o)),
+            _ => None,
+        })
+        .collect())
+}
+
+/// What `consumer`'s group committed on each partition of `topic` (each asked; a partition
+/// without a commit answers an invalid offset).
+fn committed_of<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    group: &str,
+    topic: &str,
+    timeout: Duration,
+) -> Result<TopicPartitionList> {
     let metadata = consumer
         .fetch_metadata(Some(topic), timeout)
         .map_err(|e| Error::broker(format!("reading metadata of {topic}"), e))?;
@@ -258,15 +277,86 @@ pub fn committed_offsets_with(
             tpl.add_partition(topic, p.id());
         }
     }
-    let committed = consumer
+    consumer
         .committed_offsets(tpl, timeout)
-        .map_err(|e| Error::broker(format!("reading the offsets of group {group}"), e))?;
-    Ok(committed
-        .elements()
+        .map_err(|e| Error::broker(format!("reading the offsets of group {group}"), e))
+}
+
+/// One partition of a group's topic: what the group committed and what the broker holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartitionLag {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The next offset the group reads, if it committed one.
+    pub committed: Option<i64>,
+    /// The partition's high watermark.
+    pub high: i64,
+}
+
+impl PartitionLag {
+    /// Records the group has still to read: the high watermark less its committed offset (all
+    /// of them before a first commit).
+    pub fn lag(&self) -> i64 {
+        (self.high - self.committed.unwrap_or(0)).max(0)
+    }
+}
+
+/// The topics of the cluster other than its internal ones (`__…`), by name, at most `max`.
+pub fn topics_with(conn: &ClientConfig, max: usize, timeout: Duration) -> Result<Vec<String>> {
+    let consumer = inspector(conn, &[])?;
+    let metadata = consumer
+        .fetch_metadata(None, timeout)
+        .map_err(|e| Error::broker("listing the topics", e))?;
+    let mut names: Vec<String> = metadata
+        .topics()
         .iter()
-        .filter_map(|e| match e.offset() {
-            Offset::Offset(o) => Some((e.partition(), o)),
-            _ => None,
-        })
-        .collect())
+        .map(|t| t.name().to_owned())
+        .filter(|n| !n.starts_with("__"))
+        .collect();
+    names.sort();
+    names.truncate(max);
+    Ok(names)
+}
+
+/// `group`'s committed offset and the high watermark of each partition of `topics`, for the
+/// topics where the group committed something (a group that never read a topic has no lag on
+/// it). Fails if the cluster does not answer within `timeout`.
+pub fn group_lag_with(
+    conn: &ClientConfig,
+    group: &str,
+    topics: &[String],
+    timeout: Duration,
+) -> Result<Vec<PartitionLag>> {
+    let deadline = Instant::now() + timeout;
+    let consumer = inspector(
+        conn,
+        &[("group.id", group), ("enable.auto.commit", "false")],
+    )?;
+    let mut out = vec![];
+    for topic in topics {
+        let committed = committed_of(&consumer, group, topic, remaining(deadline)?)?;
+        let offsets: Vec<(i32, Option<i64>)> = committed
+            .elements()
+            .iter()
+            .map(|e| match e.offset() {
+                Offset::Offset(o) => (e.partition(), Some(o)),
+                _ => (e.partition(), None),
+            })
+            .collect();
+        if offsets.iter().all(|(_, o)| o.is_none()) {
+            continue;
+        }
+        for (partition, committed) in offsets {
+            let (_, high) = watermarks(&consumer, topic, partition, deadline)?;
+            out.push(PartitionLag {
+                topic: topic.clone(),
+                partition,
+                committed,
+                high,
+            });
+        }
+    }
+    Ok(out)
 }

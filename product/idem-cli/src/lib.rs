@@ -14,6 +14,7 @@ mod prune_cmd;
 mod relay_cmd;
 mod topic_cmd;
 
+pub mod console_cmd;
 pub mod db;
 pub mod dead_letters_cmd;
 pub mod kafka_args;
@@ -46,8 +47,12 @@ pub enum Command {
         #[command(subcommand)]
         command: outbox_cmd::OutboxCommand,
     },
-    /// List a consumer group's dead letters with their reasons.
+    /// List a consumer group's dead letters with their reasons, and replay them through the
+    /// group's running consumer.
     DeadLetters(dead_letters_cmd::DeadLettersArgs),
+    /// Serve the operator console: the pipeline's stages, parked rows, dead letters, effects,
+    /// verification, and audited actions behind a token.
+    Console(Box<console_cmd::ConsoleArgs>),
     /// Deliver, list and retry effect intents (external HTTP calls).
     Effects {
         /// What to do with the effect intents.
@@ -77,6 +82,7 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
         Command::Outbox { command } => outbox_cmd::run(command).await,
         Command::Topic { command } => topic_cmd::run(command).await,
         Command::DeadLetters(args) => dead_letters_cmd::run(args).await,
+        Command::Console(args) => console_cmd::run(*args).await,
         Command::Effects { command } => effects_cmd::run(command).await,
         Command::Verify(args) => verify_cmd::run(args).await,
         Command::Prune(args) => prune_cmd::run(args).await,

@@ -101,6 +101,14 @@ pub mod verify {
     pub use idem_verify::*;
 }
 
+/// The operator console: [`console::Console::router`] serves it from a service, `idem console`
+/// from the command line.
+#[cfg(feature = "console")]
+#[cfg_attr(docsrs, doc(cfg(feature = "console")))]
+pub mod console {
+    pub use idem_console::*;
+}
+
 /// Metrics: the registry the stages' metrics are registered into.
 #[cfg(any(feature = "relay", feature = "consumer"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "relay", feature = "consumer"))))]

@@ -182,6 +182,8 @@ pub struct IntentCounts {
     pub parked: i64,
     /// Sent, outcome unknown.
     pub unknown: i64,
+    /// The newest intent's id.
+    pub last_id: i64,
 }
 
 /// A parked or unknown effect intent, as an operator sees it.
@@ -477,6 +479,7 @@ impl<DB: Dialect> Ops<DB> {
             pending: get::<DB, _>(r, "pending").map_err(err(c))?,
             parked: get::<DB, _>(r, "parked").map_err(err(c))?,
             unknown: get::<DB, _>(r, "unknown").map_err(err(c))?,
+            last_id: get::<DB, _>(r, "last_id").map_err(err(c))?,
         })
     }
 

@@ -1,0 +1,201 @@
+//! The effects: intents by status, the parked and unknown ones with their attempts and the
+//! remote's last answer; and settling them — send again with the same key, or mark done (or
+//! not applied) after checking the remote.
+
+use std::sync::Arc;
+
+use axum::Extension;
+use axum::extract::{Form, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use idem_core::idempotency::{IntentStore, Resolution};
+use idem_sql::ops::{Action, IntentRow};
+use maud::{Markup, html};
+
+use super::overview::latest;
+use super::{Nav, PAGE, Viewer, count, layout, next_page, table};
+use crate::auth::Session;
+use crate::{Shared, ops};
+
+/// `?status=parked|unknown&after=…`.
+#[derive(serde::Deserialize)]
+pub(crate) struct Filter {
+    status: Option<String>,
+    after: Option<i64>,
+}
+
+/// `GET /effects`.
+pub(crate) async fn page(
+    State(state): State<Arc<Shared>>,
+    session: Option<Extension<Session>>,
+    Query(f): Query<Filter>,
+) -> Response {
+    let viewer = Viewer::new(&state, session.map(|Extension(s)| s));
+    let status = f
+        .status
+        .as_deref()
+        .filter(|s| ["parked", "unknown"].contains(s));
+    let (s, _) = latest(&state).await;
+    let rows = match ops!(&state.store, o => o.intent_rows(f.after.unwrap_or(0), status, PAGE).await)
+    {
+        Ok(r) => r,
+        Err(e) => {
+            return super::error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("reading the effect intents failed: {e}"),
+            );
+        }
+    };
+    let base = status.map_or_else(|| "/effects".to_owned(), |s| format!("/effects?status={s}"));
+    let body = html! {
+        @if let Some(c) = &s.intents {
+            p { (count(c.pending)) " pending, " (count(c.unknown)) " of unknown outcome, " (count(c.parked)) " parked." }
+        }
+        p { "Show: " a href="/effects" { "parked and unknown" } " · " a href="/effects?status=unknown" { "unknown" }
+            " · " a href="/effects?status=parked" { "parked" } }
+        (intent_table(&viewer, &rows))
+        (next_page(&base, rows.len(), rows.last().map(|r| r.id)))
+    };
+    layout("Effects", Nav::Effects, &viewer, body).into_response()
+}
+
+fn intent_table(viewer: &Viewer, rows: &[IntentRow]) -> Markup {
+    if rows.is_empty() {
+        return html! { p.muted { "No parked or unknown effect." } };
+    }
+    table(
+        &[
+            "#id",
+            "effect",
+            "status",
+            "#attempts",
+            "remote's answer",
+            "why",
+            "changed",
+            "",
+        ],
+        html! {
+            @for i in rows {
+                tr id=(format!("intent-{}", i.id)) {
+                    td.num { (i.id) }
+                    td { (i.effect) br; span.mono.muted { (i.target) } br; span.mono.muted { "key " (i.key) } }
+                    td { (i.status) }
+                    td.num { (i.attempts) }
+                    td.mono { @if let Some(s) = i.response_status { "HTTP " (s) " " } (i.response) }
+                    td { (i.reason) }
+                    td.mono { (i.updated_at) }
+                    td { @if viewer.actions { (forms(viewer, i.id)) } }
+                }
+            }
+        },
+    )
+}
+
+fn forms(viewer: &Viewer, id: i64) -> Markup {
+    html! {
+        form.inline method="post" action="/effects/resolve" {
+            (viewer.csrf())
+            input type="hidden" name="id" value=(id);
+            input type="text" name="why" placeholder="why" required maxlength="500" aria-label="why";
+            select name="resolution" aria-label="resolution" {
+                option value="retry" { "send again (same key)" }
+                option value="applied" { "it happened: mark done" }
+                option value="not_applied" { "it did not happen: send again" }
+            }
+            button type="submit" { "settle" }
+        }
+    }
+}
+
+/// The settle form's fields.
+#[derive(serde::Deserialize)]
+pub(crate) struct Settle {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    why: String,
+    id: i64,
+    resolution: String,
+}
+
+/// `POST /effects/retry`: the same as `resolve` with `resolution=retry`.
+pub(crate) async fn retry(
+    state: State<Arc<Shared>>,
+    session: Option<Extension<Session>>,
+    headers: HeaderMap,
+    Form(mut f): Form<Settle>,
+) -> Response {
+    "retry".clone_into(&mut f.resolution);
+    resolve(state, session, headers, Form(f)).await
+}
+
+/// `POST /effects/resolve`: sends a parked or unknown intent again (same key), or settles it
+/// as applied or not applied after a person checked the remote.
+pub(crate) async fn resolve(
+    State(state): State<Arc<Shared>>,
+    session: Option<Extension<Session>>,
+    headers: HeaderMap,
+    Form(f): Form<Settle>,
+) -> Response {
+    let act = match super::act(&state, session, &headers, &f.csrf, Some(&f.why)) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let super::Act { viewer, actor, why } = act;
+    let note = format!("{why} (by {actor}, in the console)");
+    let id = f.id;
+    let settled = match f.resolution.as_str() {
+        "retry" => {
+            idem_sql::with_store!(&state.store, s => s.intents().retry_stuck(Some(&[id])).await)
+                .map(|n| n > 0)
+        }
+        "applied" => {
+            idem_sql::with_store!(&state.store, s => s.intents().resolve(id, Resolution::Applied, &note).await)
+        }
+        "not_applied" => {
+            idem_sql::with_store!(&state.store, s => s.intents().resolve(id, Resolution::Pending, &note).await)
+        }
+        _ => {
+            return super::error(
+                StatusCode::BAD_REQUEST,
+                "resolution is retry, applied or not_applied",
+            );
+        }
+    };
+    let settled = match settled {
+        Ok(s) => s,
+        Err(e) => {
+            return super::error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("settling the intent failed: {e}"),
+            );
+        }
+    };
+    let outcome = if settled {
+        "done"
+    } else {
+        "refused: the intent does not exist or is neither parked nor unknown"
+    };
+    let target = format!("effect intent {id}");
+    let action = Action {
+        actor: &actor,
+        action: &format!("effects.{}", f.resolution),
+        target: &target,
+        reason: &why,
+        affected: i64::from(settled),
+        outcome,
+    };
+    super::record(&state, action).await;
+    if !settled {
+        return super::error(
+            StatusCode::CONFLICT,
+            &format!("effect intent {id}: {outcome}"),
+        );
+    }
+    super::done(
+        &viewer,
+        "Effects",
+        &format!("effect intent {id}: {}", f.resolution.replace('_', " ")),
+        "/effects",
+    )
+}
