@@ -89,7 +89,17 @@ impl ConsoleConfig {
     }
 }
 
-/// The console over one store.
+/// A database whose idem tables the console shows: a service's (its outbox), a consumer's (its
+/// inbox, dead letters and effect intents), or one holding both.
+#[derive(Clone, Debug)]
+pub struct Database {
+    /// Its name on the pages (`orders`, `settlement`).
+    pub name: String,
+    /// Its store; give the console a pool of its own.
+    pub store: AnyStore,
+}
+
+/// The console over a pipeline's databases.
 #[derive(Clone, Debug)]
 pub struct Console {
     state: Arc<Shared>,
@@ -98,7 +108,7 @@ pub struct Console {
 /// What every handler shares.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    pub(crate) store: AnyStore,
+    pub(crate) databases: Vec<Database>,
     pub(crate) config: ConsoleConfig,
     pub(crate) sessions: Sessions,
     pub(crate) history: Mutex<History>,
@@ -109,12 +119,12 @@ pub(crate) struct Shared {
 const SPAN: Duration = Duration::from_secs(3600);
 
 impl Console {
-    /// A console over `store` (give it a pool of its own: its pages then never wait for the
-    /// pipeline's connections, nor the pipeline for theirs).
-    pub fn new(store: AnyStore, config: ConsoleConfig) -> Console {
+    /// A console over `databases` (give each a pool of its own: the pages then never wait for
+    /// the pipeline's connections, nor the pipeline for theirs). Names must differ.
+    pub fn new(databases: Vec<Database>, config: ConsoleConfig) -> Console {
         Console {
             state: Arc::new(Shared {
-                store,
+                databases,
                 config,
                 sessions: Sessions::default(),
                 history: Mutex::new(History::new(SPAN)),
@@ -179,6 +189,29 @@ impl Console {
                 tokio::time::sleep(console.state.config.sample_every).await;
             }
         })
+    }
+}
+
+impl Shared {
+    /// The database named `name`; without a name, the first for which `prefer` holds in the
+    /// newest sample (the first database when none does).
+    pub(crate) fn database(
+        &self,
+        name: Option<&str>,
+        prefer: impl Fn(&sample::DbSample) -> bool,
+    ) -> Option<&Database> {
+        if let Some(name) = name {
+            return self.databases.iter().find(|d| d.name == name);
+        }
+        let h = self.history.lock().unwrap_or_else(|p| p.into_inner());
+        let preferred = h
+            .latest()
+            .and_then(|s| s.dbs.iter().find(|d| prefer(d)))
+            .map(|d| d.name.clone());
+        drop(h);
+        preferred
+            .and_then(|p| self.databases.iter().find(|d| d.name == p))
+            .or_else(|| self.databases.first())
     }
 }
 

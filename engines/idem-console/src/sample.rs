@@ -17,11 +17,11 @@ pub(crate) const CAP: i64 = 100_000;
 /// Open dead letters grouped per sample (the newest ones).
 pub(crate) const LETTER_CAP: i64 = 10_000;
 
-/// One round of reads.
+/// One database's part of a round.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Sample {
-    /// Unix time, seconds.
-    pub(crate) at: f64,
+pub(crate) struct DbSample {
+    /// The database's name in the console.
+    pub(crate) name: String,
     /// The outbox, if it could be read.
     pub(crate) outbox: Option<OutboxSummary>,
     /// Pending and parked rows by aggregate type.
@@ -34,6 +34,27 @@ pub(crate) struct Sample {
     pub(crate) letters: Vec<LetterGroup>,
     /// Consumer groups with inbox rows.
     pub(crate) groups: Vec<String>,
+}
+
+impl DbSample {
+    /// Whether anything was ever written to this database's outbox.
+    pub(crate) fn has_outbox(&self) -> bool {
+        self.outbox.as_ref().is_some_and(|o| o.last_id > 0)
+    }
+
+    /// Whether any effect intent was ever recorded here.
+    pub(crate) fn has_intents(&self) -> bool {
+        self.intents.as_ref().is_some_and(|c| c.last_id > 0)
+    }
+}
+
+/// One round of reads.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Sample {
+    /// Unix time, seconds.
+    pub(crate) at: f64,
+    /// Each database's tables.
+    pub(crate) dbs: Vec<DbSample>,
     /// Per group, its partitions' committed offsets and high watermarks (with a broker).
     pub(crate) lag: BTreeMap<String, Vec<PartitionLag>>,
     /// What the services' metrics endpoints said.
@@ -43,10 +64,19 @@ pub(crate) struct Sample {
 }
 
 impl Sample {
-    /// Open dead letters of `group` (among the newest [`LETTER_CAP`]).
-    pub(crate) fn open_letters(&self, group: &str) -> i64 {
-        self.letters
+    /// The consumer groups of every database (a group's inbox is in one), with its database.
+    pub(crate) fn groups(&self) -> Vec<(&str, &str)> {
+        self.dbs
             .iter()
+            .flat_map(|d| d.groups.iter().map(move |g| (d.name.as_str(), g.as_str())))
+            .collect()
+    }
+
+    /// Open dead letters of `group` (among each database's newest [`LETTER_CAP`]).
+    pub(crate) fn open_letters(&self, group: &str) -> i64 {
+        self.dbs
+            .iter()
+            .flat_map(|d| &d.letters)
             .filter(|l| l.consumer_group == group)
             .map(|l| l.letters)
             .sum()
@@ -74,58 +104,73 @@ impl Sample {
         }
         (!seen.is_empty()).then(|| seen.values().sum())
     }
+
+    fn db(&self, name: &str) -> Option<&DbSample> {
+        self.dbs.iter().find(|d| d.name == name)
+    }
 }
 
 /// The rates between two samples, per second.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Rates {
-    /// Rows written to the outbox.
-    pub(crate) written: Option<f64>,
-    /// Rows the relay drained (written less the growth of the backlog).
-    pub(crate) relayed: Option<f64>,
+    /// Rows written to each database's outbox.
+    pub(crate) written: BTreeMap<String, f64>,
+    /// Rows the relay drained from each database's outbox (written less the backlog's growth).
+    pub(crate) relayed: BTreeMap<String, f64>,
     /// Records appended to the topics the groups read.
     pub(crate) appended: Option<f64>,
     /// Records each group committed past (its consumer's rate).
     pub(crate) consumed: BTreeMap<String, f64>,
-    /// Effect intents settled (recorded less the growth of the unsettled ones).
-    pub(crate) settled: Option<f64>,
+    /// Effect intents settled in each database (recorded less the growth of the unsettled).
+    pub(crate) settled: BTreeMap<String, f64>,
+}
+
+/// The sum of a rate over databases or groups, if any has one.
+pub(crate) fn total(m: &BTreeMap<String, f64>) -> Option<f64> {
+    (!m.is_empty()).then(|| m.values().sum())
 }
 
 /// The rates from `a` to the later `b`. A rate whose counts hit [`CAP`] in either sample, or
 /// whose counter went backwards (a table truncated, a group reset), is unknown.
 pub(crate) fn rates(a: &Sample, b: &Sample) -> Rates {
     let dt = b.at - a.at;
+    let mut r = Rates::default();
     if dt <= 0.0 {
-        return Rates::default();
+        return r;
     }
     let per_s = |x: i64| (x >= 0).then(|| lossy(x) / dt);
-    let mut r = Rates::default();
-    if let (Some(x), Some(y)) = (&a.outbox, &b.outbox) {
-        let written = y.last_id - x.last_id;
-        r.written = per_s(written);
-        let uncapped = [x.pending, x.parked, y.pending, y.parked]
-            .iter()
-            .all(|n| *n < CAP);
-        if uncapped {
+    for yd in &b.dbs {
+        let Some(xd) = a.db(&yd.name) else { continue };
+        let name = || yd.name.clone();
+        if let (Some(x), Some(y)) = (&xd.outbox, &yd.outbox) {
+            let written = y.last_id - x.last_id;
+            let uncapped = [x.pending, x.parked, y.pending, y.parked]
+                .iter()
+                .all(|n| *n < CAP);
             let grew = (y.pending + y.parked) - (x.pending + x.parked);
-            r.relayed = per_s(written - grew);
+            if let Some(v) = per_s(written) {
+                r.written.insert(name(), v);
+            }
+            if let (true, Some(v)) = (uncapped, per_s(written - grew)) {
+                r.relayed.insert(name(), v);
+            }
+        }
+        if let (Some(x), Some(y)) = (&xd.intents, &yd.intents) {
+            let open = |c: &IntentCounts| c.pending + c.parked + c.unknown;
+            let settled = (y.last_id - x.last_id) - (open(y) - open(x));
+            if let (true, Some(v)) = (open(x) < CAP && open(y) < CAP, per_s(settled)) {
+                r.settled.insert(name(), v);
+            }
         }
     }
     if let (Some(x), Some(y)) = (a.topic_records(), b.topic_records()) {
         r.appended = per_s(y - x);
     }
-    for group in &b.groups {
+    for (_, group) in b.groups() {
         if let (Some(x), Some(y)) = (a.committed(group), b.committed(group))
             && let Some(rate) = per_s(y - x)
         {
-            r.consumed.insert(group.clone(), rate);
-        }
-    }
-    if let (Some(x), Some(y)) = (&a.intents, &b.intents) {
-        let open = |c: &IntentCounts| c.pending + c.parked + c.unknown;
-        let all_uncapped = [open(x), open(y)].iter().all(|n| *n < CAP);
-        if all_uncapped {
-            r.settled = per_s((y.last_id - x.last_id) - (open(y) - open(x)));
+            r.consumed.insert(group.to_owned(), rate);
         }
     }
     r
@@ -202,50 +247,50 @@ pub(crate) fn now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Reads the tables: each view on its own, so that one failing leaves the others.
-pub(crate) async fn tables(store: &AnyStore) -> Sample {
-    let mut s = Sample {
-        at: now(),
-        ..Sample::default()
-    };
+/// Reads one database's tables: each view on its own, so that one failing leaves the others
+/// (each failure is added to `errors`).
+pub(crate) async fn tables(name: &str, store: &AnyStore, errors: &mut Vec<String>) -> DbSample {
     let outbox = ops!(store, o => o.outbox_summary(CAP).await);
     let types = ops!(store, o => o.outbox_types(CAP).await);
     let slots = ops!(store, o => o.cdc_slots().await);
     let intents = ops!(store, o => o.intent_counts(CAP).await);
     let letters = ops!(store, o => o.letter_groups(LETTER_CAP).await);
     let groups = ops!(store, o => o.consumer_groups().await);
-    let mut errors = vec![];
-    let mut keep = |what: &str, e: idem_core::Error| errors.push(format!("{what}: {e}"));
-    s.outbox = outbox.map_err(|e| keep("the outbox", e)).ok();
-    s.types = types
-        .map_err(|e| keep("the outbox by type", e))
-        .unwrap_or_default();
-    s.slots = slots
-        .map_err(|e| keep("the replication slots", e))
-        .unwrap_or_default();
-    s.intents = intents.map_err(|e| keep("the effect intents", e)).ok();
-    s.letters = letters
-        .map_err(|e| keep("the dead letters", e))
-        .unwrap_or_default();
-    s.groups = groups
-        .map_err(|e| keep("the consumer groups", e))
-        .unwrap_or_default();
-    s.errors = errors;
-    s
+    let mut keep = |what: &str, e: idem_core::Error| errors.push(format!("{name}, {what}: {e}"));
+    DbSample {
+        name: name.to_owned(),
+        outbox: outbox.map_err(|e| keep("the outbox", e)).ok(),
+        types: types
+            .map_err(|e| keep("the outbox by type", e))
+            .unwrap_or_default(),
+        slots: slots
+            .map_err(|e| keep("the replication slots", e))
+            .unwrap_or_default(),
+        intents: intents.map_err(|e| keep("the effect intents", e)).ok(),
+        letters: letters
+            .map_err(|e| keep("the dead letters", e))
+            .unwrap_or_default(),
+        groups: groups
+            .map_err(|e| keep("the consumer groups", e))
+            .unwrap_or_default(),
+    }
 }
 
 /// One full round: the tables, the groups' lag in Kafka (with a broker), the metrics
 /// endpoints.
 pub(crate) async fn take(state: &crate::Shared) -> Sample {
-    let mut s = tables(&state.store).await;
+    let mut s = Sample {
+        at: now(),
+        ..Sample::default()
+    };
+    for db in &state.databases {
+        let part = tables(&db.name, &db.store, &mut s.errors).await;
+        s.dbs.push(part);
+    }
     if let Some(conn) = &state.config.kafka {
-        match kafka_lag(
-            conn.client_config(),
-            state.config.topics.clone(),
-            s.groups.clone(),
-        )
-        .await
-        {
+        let groups = s.groups().iter().map(|(_, g)| (*g).to_owned()).collect();
+        let topics = state.config.topics.clone();
+        match kafka_lag(conn.client_config(), topics, groups).await {
             Ok(lag) => s.lag = lag,
             Err(e) => s
                 .errors
@@ -290,14 +335,19 @@ mod tests {
     use super::*;
 
     fn sample(at: f64, last_id: i64, pending: i64, committed: i64) -> Sample {
-        let mut s = Sample {
-            at,
+        let db = DbSample {
+            name: "orders".into(),
             outbox: Some(OutboxSummary {
                 pending,
                 last_id,
                 ..OutboxSummary::default()
             }),
             groups: vec!["settlement".into()],
+            ..DbSample::default()
+        };
+        let mut s = Sample {
+            at,
+            dbs: vec![db],
             ..Sample::default()
         };
         s.lag.insert(
@@ -315,8 +365,12 @@ mod tests {
     #[test]
     fn rates_come_from_the_growth_of_ids_backlogs_and_offsets() {
         let r = rates(&sample(0.0, 100, 10, 50), &sample(10.0, 300, 30, 150));
-        assert_eq!(r.written, Some(20.0));
-        assert_eq!(r.relayed, Some(18.0), "written less the backlog's growth");
+        assert_eq!(r.written.get("orders"), Some(&20.0));
+        assert_eq!(
+            r.relayed.get("orders"),
+            Some(&18.0),
+            "written less the backlog's growth"
+        );
         assert_eq!(r.appended, Some(10.0));
         assert_eq!(r.consumed.get("settlement"), Some(&10.0));
     }
@@ -324,8 +378,8 @@ mod tests {
     #[test]
     fn a_capped_count_or_a_counter_going_back_gives_no_rate() {
         let r = rates(&sample(0.0, 100, CAP, 50), &sample(10.0, 300, CAP, 40));
-        assert_eq!(r.written, Some(20.0));
-        assert_eq!(r.relayed, None);
+        assert_eq!(r.written.get("orders"), Some(&20.0));
+        assert_eq!(r.relayed.get("orders"), None);
         assert_eq!(r.consumed.get("settlement"), None, "a reset group");
         assert_eq!(
             rates(&sample(5.0, 1, 0, 0), &sample(5.0, 2, 0, 0)),
@@ -340,7 +394,7 @@ mod tests {
             h.push(sample(f64::from(i) * 10.0, i64::from(i) * 100, 0, 0));
         }
         assert_eq!(h.latest().map(|s| s.at), Some(90.0));
-        let written = h.series(|r| r.written);
+        let written = h.series(|r| total(&r.written));
         assert_eq!(written.len(), 6, "{written:?}");
         assert_eq!(written.last(), Some(&(0.0, 10.0)));
         assert_eq!(written.first(), Some(&(50.0, 10.0)));

@@ -8,7 +8,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use idem_conformance::backend::{Backend, Pg};
-use idem_console::{Console, ConsoleConfig, Token};
+use idem_console::{Console, ConsoleConfig, Database, Token};
 use idem_core::TableNames;
 use idem_sql::{AnyPool, AnyStore};
 use tower::ServiceExt;
@@ -48,7 +48,11 @@ fn console(pg: &Pg, read_only: bool) -> Router {
         read_only,
         ..ConsoleConfig::default()
     };
-    Console::new(store, config).router()
+    let db = Database {
+        name: "orders".into(),
+        store,
+    };
+    Console::new(vec![db], config).router()
 }
 
 /// One request; the status, the `Location` and `Set-Cookie` headers, and the body.
@@ -445,7 +449,10 @@ async fn the_overview_shows_the_databases_numbers() {
     let (cookie, _) = login(&app).await;
     let page = send(&app, get("/", Some(&cookie))).await.body;
     let text = strip(&page);
-    assert!(text.contains("Outbox amber pending 2 parked 4"), "{text}");
+    assert!(
+        text.contains("Outbox · orders amber pending 2 parked 4"),
+        "{text}"
+    );
     assert!(text.contains("Group settlement amber"), "{text}");
     assert!(text.contains("dead letters 3"), "{text}");
     assert!(text.contains("unknown 1 parked 1"), "{text}");

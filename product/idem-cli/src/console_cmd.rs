@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use idem_console::{Console, ConsoleConfig, Token};
+use idem_console::{Console, ConsoleConfig, Database, Token};
 use idem_sql::{AnyPool, AnyStore, Scheme};
 use sqlx::Executor;
 
@@ -18,8 +18,22 @@ use crate::util::parse_duration;
 /// `idem console`.
 #[derive(Args)]
 pub struct ConsoleArgs {
-    #[command(flatten)]
-    db: DbArgs,
+    /// A database whose idem tables the console shows, as `URL` or `NAME=URL` (repeatable: the
+    /// service's, with its outbox, and the consumer's, with its inbox). The name defaults to
+    /// the database's own.
+    #[arg(
+        long = "db",
+        env = "IDEM_DB",
+        required = true,
+        value_name = "[NAME=]URL"
+    )]
+    dbs: Vec<String>,
+    /// PostgreSQL schema of idem's tables (default: the search path).
+    #[arg(long, env = "IDEM_SCHEMA")]
+    schema: Option<String>,
+    /// Prefix of idem's table names.
+    #[arg(long, env = "IDEM_TABLE_PREFIX", default_value = "idem_")]
+    table_prefix: String,
     /// Where to serve the console. A loopback address unless --allow-remote.
     #[arg(long, default_value = "127.0.0.1:9480")]
     listen: SocketAddr,
@@ -112,12 +126,9 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<()> {
     for url in &config.metrics_urls {
         idem_console::check_metrics_url(url).map_err(anyhow::Error::msg)?;
     }
-    let store = open(&args.db).await?;
-    idem_sql::with_store!(&store, s => s.ops().audit_rows(0, 1).await).context(
-        "reading the audit table (a database below idem's schema version 23 needs `idem migrate`)",
-    )?;
+    let databases = open_all(&args).await?;
     let actions = config.actions();
-    let console = Console::new(store, config);
+    let console = Console::new(databases, config);
     let _sampler = console.spawn_sampler();
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -135,6 +146,54 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<()> {
         .context("serving the console")
 }
 
+/// Opens every `--db`, each with its own pool, after checking it is migrated for the console.
+async fn open_all(args: &ConsoleArgs) -> anyhow::Result<Vec<Database>> {
+    let mut databases: Vec<Database> = vec![];
+    for given in &args.dbs {
+        let (name, url) = named(given)?;
+        if databases.iter().any(|d| d.name == name) {
+            bail!("two --db are named {name}: name them (--db NAME=URL)");
+        }
+        let db = DbArgs {
+            db: url.to_owned(),
+            schema: args.schema.clone(),
+            table_prefix: args.table_prefix.clone(),
+        };
+        let store = open(&db).await?;
+        idem_sql::with_store!(&store, s => s.ops().audit_rows(0, 1).await).with_context(|| {
+            format!("reading the audit table of {name} (a database below idem's schema version 23 needs `idem migrate`)")
+        })?;
+        databases.push(Database { name, store });
+    }
+    Ok(databases)
+}
+
+/// A `--db` value's name and URL: `NAME=URL`, or a URL named after its database (the last
+/// segment of its path, without a SQLite file's extension).
+fn named(given: &str) -> anyhow::Result<(String, &str)> {
+    let fine = |n: &str| {
+        !n.is_empty()
+            && n.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    };
+    if let Some((name, url)) = given.split_once('=')
+        && !name.contains(':')
+        && !name.contains('/')
+    {
+        if !fine(name) {
+            bail!("--db {name}=…: a name is letters, digits, '-', '_' or '.'");
+        }
+        return Ok((name.to_owned(), url));
+    }
+    let path = given.split(['?', '#']).next().unwrap_or_default();
+    let last = path.rsplit('/').next().unwrap_or_default();
+    let name = last.split('.').next().unwrap_or_default();
+    if !fine(name) {
+        bail!("--db {}: name it (--db NAME=URL)", idem_sql::redact(given));
+    }
+    Ok((name.to_owned(), given))
+}
+
 /// Reads the verify config the Proof page runs.
 fn verify_config(path: &std::path::Path) -> anyhow::Result<idem_verify::VerifyConfig> {
     let text =
@@ -147,6 +206,9 @@ fn verify_config(path: &std::path::Path) -> anyhow::Result<idem_verify::VerifyCo
 /// application name that says whose statements these are.
 async fn open(args: &DbArgs) -> anyhow::Result<AnyStore> {
     let tables = crate::db::tables(args)?;
+    if tables.schema().is_some() && Scheme::of(&args.db)? == Scheme::Sqlite {
+        bail!("--schema is for PostgreSQL; SQLite has no schemas");
+    }
     let pool = match Scheme::of(&args.db)? {
         Scheme::Postgres => {
             let target = idem_sql::postgres::PgUrl::parse(&args.db)?;
@@ -169,4 +231,36 @@ async fn open(args: &DbArgs) -> anyhow::Result<AnyStore> {
         Scheme::Sqlite => AnyPool::connect(&args.db, 4).await?,
     };
     Ok(AnyStore::open(pool, tables))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::named;
+
+    #[test]
+    fn a_database_is_named_by_its_flag_or_its_own_name() {
+        let n = |s| {
+            named(s)
+                .map(|(n, u)| (n, u.to_owned()))
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            n("orders=postgres://u@h/db"),
+            Ok(("orders".into(), "postgres://u@h/db".into()))
+        );
+        assert_eq!(
+            n("postgres://u:p@h:5432/settlement?sslmode=require"),
+            Ok((
+                "settlement".into(),
+                "postgres://u:p@h:5432/settlement?sslmode=require".into()
+            ))
+        );
+        assert_eq!(
+            n("sqlite:///var/lib/idem/shop.db"),
+            Ok(("shop".into(), "sqlite:///var/lib/idem/shop.db".into()))
+        );
+        assert!(n("bad name=postgres://h/db").is_err());
+        let refused = n("postgres://u:secret@h/").unwrap_err();
+        assert!(!refused.contains("secret"), "{refused}");
+    }
 }

@@ -15,6 +15,7 @@ use crate::{Shared, ops};
 /// `?before=…`.
 #[derive(serde::Deserialize)]
 pub(crate) struct Filter {
+    db: Option<String>,
     before: Option<i64>,
 }
 
@@ -25,8 +26,11 @@ pub(crate) async fn page(
     Query(f): Query<Filter>,
 ) -> Response {
     let viewer = Viewer::new(&state, session.map(|Extension(s)| s));
-    let rows = match ops!(&state.store, o => o.audit_rows(f.before.unwrap_or(i64::MAX), PAGE).await)
-    {
+    let db = match super::pick(&state, f.db.as_deref(), |_| true) {
+        Ok(db) => db,
+        Err(r) => return *r,
+    };
+    let rows = match ops!(&db.store, o => o.audit_rows(f.before.unwrap_or(i64::MAX), PAGE).await) {
         Ok(r) => r,
         Err(e) => {
             return super::error(
@@ -37,6 +41,7 @@ pub(crate) async fn page(
     };
     let full = i64::try_from(rows.len()).is_ok_and(|n| n >= PAGE);
     let body = html! {
+        (super::databases(&state, &db.name, "/audit"))
         @if rows.is_empty() { p.muted { "No action yet." } } @else {
             (table(&["when", "who", "what", "on", "why", "#rows", "outcome"], html! {
                 @for a in &rows {
@@ -46,7 +51,7 @@ pub(crate) async fn page(
             }))
         }
         @if let (true, Some(last)) = (full, rows.last()) {
-            p.pager { a href=(format!("/audit?before={}", last.id)) { "older →" } }
+            p.pager { a href=(format!("/audit?db={}&before={}", super::overview::urlencode(&db.name), last.id)) { "older →" } }
         }
     };
     layout("Audit", Nav::Audit, &viewer, body).into_response()

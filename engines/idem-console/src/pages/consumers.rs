@@ -29,21 +29,24 @@ pub(crate) async fn page(
 ) -> Response {
     let viewer = Viewer::new(&state, session.map(|Extension(s)| s));
     let (s, rates) = latest(&state).await;
-    let groups = match ops!(&state.store, o => o.letter_groups(crate::sample::LETTER_CAP).await) {
-        Ok(g) => g,
-        Err(e) => {
-            return super::error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("reading the dead letters failed: {e}"),
-            );
+    let mut groups = vec![];
+    for db in &state.databases {
+        match ops!(&db.store, o => o.letter_groups(crate::sample::LETTER_CAP).await) {
+            Ok(g) => groups.extend(g.into_iter().map(|g| (db.name.as_str(), g))),
+            Err(e) => {
+                return super::error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("reading the dead letters of {} failed: {e}", db.name),
+                );
+            }
         }
-    };
+    }
     let body = html! {
         h2 { "Groups" }
         (table(&["group", "#lag", "#consumed", "stalled", "#retries", "#open dead letters"], html! {
-            @for g in &s.groups {
+            @for (db, g) in s.groups() {
                 tr {
-                    td { a href=(format!("/consumers/letters?group={}", urlencode(g))) { (g) } }
+                    td { a href=(letters_href(db, g, None)) { (g) } }
                     td.num { @match s.group_lag(g) { Some(l) => (fmt(super::lossy(l))), None => "—" } }
                     td.num { @match rates.consumed.get(g) { Some(r) => { (fmt(*r)) "/s" }, None => "—" } }
                     td { @match s.scraped.stalled_for(g, s.at) { Some(a) => { "for " (age(a)) }, None => "no" } }
@@ -69,14 +72,14 @@ pub(crate) async fn page(
         h2 { "Open dead letters, by reason" }
         @if groups.is_empty() { p.muted { "No open dead letter." } } @else {
             (table(&["group", "reason", "#letters", "#replay requested", ""], html! {
-                @for g in &groups {
+                @for (db, g) in &groups {
                     tr {
                         td { (g.consumer_group) }
-                        td { a href=(letters_href(&g.consumer_group, Some(&g.reason))) { (g.reason) } }
+                        td { a href=(letters_href(db, &g.consumer_group, Some(&g.reason))) { (g.reason) } }
                         td.num { (count(g.letters)) }
                         td.num { (g.requested) }
                         td { @if viewer.actions {
-                            a href=(format!("/consumers/replay?group={}&reason={}", urlencode(&g.consumer_group), urlencode(&g.reason))) { "replay…" }
+                            a href=(format!("/consumers/replay?db={}&group={}&reason={}", urlencode(db), urlencode(&g.consumer_group), urlencode(&g.reason))) { "replay…" }
                         } }
                     }
                 }
@@ -86,20 +89,22 @@ pub(crate) async fn page(
     layout("Consumers", Nav::Consumers, &viewer, body).into_response()
 }
 
-fn letters_href(group: &str, reason: Option<&str>) -> String {
+fn letters_href(db: &str, group: &str, reason: Option<&str>) -> String {
+    let base = format!(
+        "/consumers/letters?db={}&group={}",
+        urlencode(db),
+        urlencode(group)
+    );
     match reason {
-        Some(r) => format!(
-            "/consumers/letters?group={}&reason={}",
-            urlencode(group),
-            urlencode(r)
-        ),
-        None => format!("/consumers/letters?group={}", urlencode(group)),
+        Some(r) => format!("{base}&reason={}", urlencode(r)),
+        None => base,
     }
 }
 
 /// `?group=…&reason=…&after=…&all=1`.
 #[derive(serde::Deserialize)]
 pub(crate) struct LetterFilter {
+    db: Option<String>,
     group: String,
     reason: Option<String>,
     after: Option<i64>,
@@ -114,7 +119,11 @@ pub(crate) async fn letters(
 ) -> Response {
     let viewer = Viewer::new(&state, session.map(|Extension(s)| s));
     let open = f.all != Some(1);
-    let rows = ops!(&state.store, o => o.letter_rows(&f.group, f.after.unwrap_or(0), f.reason.as_deref(), open, PAGE).await);
+    let db = match super::pick(&state, f.db.as_deref(), |d| d.groups.contains(&f.group)) {
+        Ok(db) => db,
+        Err(r) => return *r,
+    };
+    let rows = ops!(&db.store, o => o.letter_rows(&f.group, f.after.unwrap_or(0), f.reason.as_deref(), open, PAGE).await);
     let rows = match rows {
         Ok(r) => r,
         Err(e) => {
@@ -126,16 +135,16 @@ pub(crate) async fn letters(
     };
     let base = format!(
         "{}{}",
-        letters_href(&f.group, f.reason.as_deref()),
+        letters_href(&db.name, &f.group, f.reason.as_deref()),
         if open { "" } else { "&all=1" }
     );
     let body = html! {
         p {
             @if open { "Open letters (never replayed, or whose replay failed). "
-                a href=(format!("{}&all=1", letters_href(&f.group, f.reason.as_deref()))) { "Show every letter." } }
-            @else { "Every letter. " a href=(letters_href(&f.group, f.reason.as_deref())) { "Show the open ones." } }
+                a href=(format!("{}&all=1", letters_href(&db.name, &f.group, f.reason.as_deref()))) { "Show every letter." } }
+            @else { "Every letter. " a href=(letters_href(&db.name, &f.group, f.reason.as_deref())) { "Show the open ones." } }
         }
-        (letter_table(&viewer, &f.group, &rows))
+        (letter_table(&viewer, &db.name, &f.group, &rows))
         (next_page(&base, rows.len(), rows.last().map(|r| r.id)))
     };
     layout(
@@ -147,7 +156,7 @@ pub(crate) async fn letters(
     .into_response()
 }
 
-fn letter_table(viewer: &Viewer, group: &str, rows: &[LetterRow]) -> Markup {
+fn letter_table(viewer: &Viewer, db: &str, group: &str, rows: &[LetterRow]) -> Markup {
     if rows.is_empty() {
         return html! { p.muted { "None." } };
     }
@@ -166,7 +175,7 @@ fn letter_table(viewer: &Viewer, group: &str, rows: &[LetterRow]) -> Markup {
                     td.mono { (l.preview) }
                     td { @if let Some(at) = &l.replay_requested_at { "requested at " (at) } @else { (l.replay_outcome) } }
                     td { @if viewer.actions && l.replay_outcome != "applied" && l.replay_outcome != "already_applied" {
-                        a href=(format!("/consumers/replay?group={}&id={}", urlencode(group), l.id)) { "replay…" }
+                        a href=(format!("/consumers/replay?db={}&group={}&id={}", urlencode(db), urlencode(group), l.id)) { "replay…" }
                     } }
                 }
             }
@@ -177,6 +186,7 @@ fn letter_table(viewer: &Viewer, group: &str, rows: &[LetterRow]) -> Markup {
 /// Which letters a replay is about: one by id, or every open one with a reason.
 #[derive(serde::Deserialize)]
 pub(crate) struct Selection {
+    db: Option<String>,
     group: String,
     id: Option<i64>,
     reason: Option<String>,
@@ -210,7 +220,11 @@ pub(crate) async fn dry_run(
             "name one letter (id) or one reason",
         );
     }
-    let rows = ops!(&state.store, o => o.letter_rows(&sel.group, sel.id.map_or(0, |i| i - 1), sel.reason.as_deref(), true, DRY_RUN_SHOWN).await);
+    let db = match super::pick(&state, sel.db.as_deref(), |d| d.groups.contains(&sel.group)) {
+        Ok(db) => db,
+        Err(r) => return *r,
+    };
+    let rows = ops!(&db.store, o => o.letter_rows(&sel.group, sel.id.map_or(0, |i| i - 1), sel.reason.as_deref(), true, DRY_RUN_SHOWN).await);
     let rows: Vec<LetterRow> = match rows {
         Ok(r) => r
             .into_iter()
@@ -225,7 +239,7 @@ pub(crate) async fn dry_run(
     };
     let mut verdicts = vec![];
     for l in &rows {
-        let v = idem_sql::with_store!(&state.store, s => preview(&s.inbox(), &sel.group, Some(l.id)).await);
+        let v = idem_sql::with_store!(&db.store, s => preview(&s.inbox(), &sel.group, Some(l.id)).await);
         match v {
             Ok(v) => verdicts.extend(v),
             Err(e) => {
@@ -260,6 +274,7 @@ pub(crate) async fn dry_run(
                 "a letter that does not decode is recorded as a failed replay." }
             form.inline method="post" action="/consumers/replay" {
                 (viewer.csrf())
+                input type="hidden" name="db" value=(db.name);
                 input type="hidden" name="group" value=(sel.group);
                 @if let Some(id) = sel.id { input type="hidden" name="id" value=(id); }
                 @if let Some(r) = &sel.reason { input type="hidden" name="reason" value=(r); }
@@ -278,6 +293,7 @@ pub(crate) struct Confirm {
     csrf: String,
     #[serde(default)]
     why: String,
+    db: Option<String>,
     group: String,
     id: Option<i64>,
     reason: Option<String>,
@@ -301,7 +317,11 @@ pub(crate) async fn replay(
         );
     }
     let super::Act { viewer, actor, why } = act;
-    let requested = idem_sql::with_store!(&state.store, s => s.inbox().request_replays(&f.group, f.id, f.reason.as_deref(), &actor).await);
+    let db = match super::pick(&state, f.db.as_deref(), |d| d.groups.contains(&f.group)) {
+        Ok(db) => db,
+        Err(r) => return *r,
+    };
+    let requested = idem_sql::with_store!(&db.store, s => s.inbox().request_replays(&f.group, f.id, f.reason.as_deref(), &actor).await);
     let ids = match requested {
         Ok(ids) => ids,
         Err(e) => {
@@ -312,6 +332,7 @@ pub(crate) async fn replay(
         }
     };
     let sel = Selection {
+        db: Some(db.name.clone()),
         group: f.group.clone(),
         id: f.id,
         reason: f.reason.clone(),
@@ -326,7 +347,7 @@ pub(crate) async fn replay(
         affected,
         outcome: "requested",
     };
-    super::record(&state, action).await;
+    super::record(db, action).await;
     let what = format!(
         "{} replay(s) requested: group {}'s running consumer serves them through its handler within a second (a consumer that is not running serves them when it starts).",
         ids.len(),
@@ -336,6 +357,6 @@ pub(crate) async fn replay(
         &viewer,
         "Replay dead letters",
         &what,
-        &letters_href(&f.group, f.reason.as_deref()),
+        &letters_href(&db.name, &f.group, f.reason.as_deref()),
     )
 }

@@ -12,14 +12,16 @@ use idem_core::idempotency::{IntentStore, Resolution};
 use idem_sql::ops::{Action, IntentRow};
 use maud::{Markup, html};
 
-use super::overview::latest;
+use super::overview::{latest, urlencode};
 use super::{Nav, PAGE, Viewer, count, layout, next_page, table};
 use crate::auth::Session;
+use crate::sample::DbSample;
 use crate::{Shared, ops};
 
 /// `?status=parked|unknown&after=…`.
 #[derive(serde::Deserialize)]
 pub(crate) struct Filter {
+    db: Option<String>,
     status: Option<String>,
     after: Option<i64>,
 }
@@ -36,8 +38,17 @@ pub(crate) async fn page(
         .as_deref()
         .filter(|s| ["parked", "unknown"].contains(s));
     let (s, _) = latest(&state).await;
-    let rows = match ops!(&state.store, o => o.intent_rows(f.after.unwrap_or(0), status, PAGE).await)
-    {
+    let db = match super::pick(&state, f.db.as_deref(), DbSample::has_intents) {
+        Ok(db) => db,
+        Err(r) => return *r,
+    };
+    let part = s
+        .dbs
+        .iter()
+        .find(|d| d.name == db.name)
+        .cloned()
+        .unwrap_or_default();
+    let rows = match ops!(&db.store, o => o.intent_rows(f.after.unwrap_or(0), status, PAGE).await) {
         Ok(r) => r,
         Err(e) => {
             return super::error(
@@ -46,20 +57,22 @@ pub(crate) async fn page(
             );
         }
     };
-    let base = status.map_or_else(|| "/effects".to_owned(), |s| format!("/effects?status={s}"));
+    let here = format!("/effects?db={}", urlencode(&db.name));
+    let base = status.map_or_else(|| here.clone(), |s| format!("{here}&status={s}"));
     let body = html! {
-        @if let Some(c) = &s.intents {
+        (super::databases(&state, &db.name, "/effects"))
+        @if let Some(c) = &part.intents {
             p { (count(c.pending)) " pending, " (count(c.unknown)) " of unknown outcome, " (count(c.parked)) " parked." }
         }
-        p { "Show: " a href="/effects" { "parked and unknown" } " · " a href="/effects?status=unknown" { "unknown" }
-            " · " a href="/effects?status=parked" { "parked" } }
-        (intent_table(&viewer, &rows))
+        p { "Show: " a href=(here) { "parked and unknown" } " · " a href=(format!("{here}&status=unknown")) { "unknown" }
+            " · " a href=(format!("{here}&status=parked")) { "parked" } }
+        (intent_table(&viewer, &db.name, &rows))
         (next_page(&base, rows.len(), rows.last().map(|r| r.id)))
     };
     layout("Effects", Nav::Effects, &viewer, body).into_response()
 }
 
-fn intent_table(viewer: &Viewer, rows: &[IntentRow]) -> Markup {
+fn intent_table(viewer: &Viewer, db: &str, rows: &[IntentRow]) -> Markup {
     if rows.is_empty() {
         return html! { p.muted { "No parked or unknown effect." } };
     }
@@ -84,17 +97,18 @@ fn intent_table(viewer: &Viewer, rows: &[IntentRow]) -> Markup {
                     td.mono { @if let Some(s) = i.response_status { "HTTP " (s) " " } (i.response) }
                     td { (i.reason) }
                     td.mono { (i.updated_at) }
-                    td { @if viewer.actions { (forms(viewer, i.id)) } }
+                    td { @if viewer.actions { (forms(viewer, db, i.id)) } }
                 }
             }
         },
     )
 }
 
-fn forms(viewer: &Viewer, id: i64) -> Markup {
+fn forms(viewer: &Viewer, db: &str, id: i64) -> Markup {
     html! {
         form.inline method="post" action="/effects/resolve" {
             (viewer.csrf())
+            input type="hidden" name="db" value=(db);
             input type="hidden" name="id" value=(id);
             input type="text" name="why" placeholder="why" required maxlength="500" aria-label="why";
             select name="resolution" aria-label="resolution" {
@@ -114,6 +128,7 @@ pub(crate) struct Settle {
     csrf: String,
     #[serde(default)]
     why: String,
+    db: Option<String>,
     id: i64,
     resolution: String,
 }
@@ -142,18 +157,22 @@ pub(crate) async fn resolve(
         Err(r) => return *r,
     };
     let super::Act { viewer, actor, why } = act;
+    let db = match super::pick(&state, f.db.as_deref(), DbSample::has_intents) {
+        Ok(db) => db,
+        Err(r) => return *r,
+    };
     let note = format!("{why} (by {actor}, in the console)");
     let id = f.id;
     let settled = match f.resolution.as_str() {
         "retry" => {
-            idem_sql::with_store!(&state.store, s => s.intents().retry_stuck(Some(&[id])).await)
+            idem_sql::with_store!(&db.store, s => s.intents().retry_stuck(Some(&[id])).await)
                 .map(|n| n > 0)
         }
         "applied" => {
-            idem_sql::with_store!(&state.store, s => s.intents().resolve(id, Resolution::Applied, &note).await)
+            idem_sql::with_store!(&db.store, s => s.intents().resolve(id, Resolution::Applied, &note).await)
         }
         "not_applied" => {
-            idem_sql::with_store!(&state.store, s => s.intents().resolve(id, Resolution::Pending, &note).await)
+            idem_sql::with_store!(&db.store, s => s.intents().resolve(id, Resolution::Pending, &note).await)
         }
         _ => {
             return super::error(
@@ -176,7 +195,7 @@ pub(crate) async fn resolve(
     } else {
         "refused: the intent does not exist or is neither parked nor unknown"
     };
-    let target = format!("effect intent {id}");
+    let target = format!("{}: effect intent {id}", db.name);
     let action = Action {
         actor: &actor,
         action: &format!("effects.{}", f.resolution),
@@ -185,7 +204,7 @@ pub(crate) async fn resolve(
         affected: i64::from(settled),
         outcome,
     };
-    super::record(&state, action).await;
+    super::record(db, action).await;
     if !settled {
         return super::error(
             StatusCode::CONFLICT,

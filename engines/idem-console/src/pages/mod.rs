@@ -110,6 +110,37 @@ pub(crate) fn layout(title: &str, nav: Nav, viewer: &Viewer, body: Markup) -> Ma
     }
 }
 
+/// The database a page shows: the one `name`d, or the first `prefer` picks; an error page when
+/// there is no such database.
+pub(crate) fn pick<'a>(
+    state: &'a Shared,
+    name: Option<&str>,
+    prefer: impl Fn(&crate::sample::DbSample) -> bool,
+) -> Result<&'a crate::Database, Box<Response>> {
+    state.database(name, prefer).ok_or_else(|| {
+        Box::new(error(
+            StatusCode::NOT_FOUND,
+            &format!("the console shows no database named {}", name.unwrap_or("")),
+        ))
+    })
+}
+
+/// Links to the same page for each database, when there are several.
+pub(crate) fn databases(state: &Shared, current: &str, path: &str) -> Markup {
+    html! {
+        @if state.databases.len() > 1 {
+            p.dbs { "Database: "
+                @for d in &state.databases {
+                    @if d.name == current { strong { (d.name) } } @else {
+                        a href=(format!("{path}?db={}", overview::urlencode(&d.name))) { (d.name) }
+                    }
+                    " "
+                }
+            }
+        }
+    }
+}
+
 /// A colour badge with its word (colour is never the only sign).
 pub(crate) fn badge(c: Colour) -> Markup {
     html! { span class=(format!("badge {}", c.name())) { (c.name()) } }
@@ -233,9 +264,10 @@ pub(crate) fn act(
     })
 }
 
-/// Writes an action's audit row; a failure is logged (the action has run).
-pub(crate) async fn record(state: &Shared, action: idem_sql::ops::Action<'_>) {
-    if let Err(e) = crate::ops!(&state.store, o => o.audit(action).await) {
+/// Writes an action's audit row in the database it acted on; a failure is logged (the action
+/// has run).
+pub(crate) async fn record(db: &crate::Database, action: idem_sql::ops::Action<'_>) {
+    if let Err(e) = crate::ops!(&db.store, o => o.audit(action).await) {
         tracing::error!(error = %e, action = action.action, "an action ran and its audit row could not be written");
     }
 }

@@ -9,7 +9,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use idem_core::EventId;
 use idem_core::store::OutboxStore;
+use idem_sql::AnyStore;
 use idem_sql::ops::{Action, ParkedOutboxRow};
+
+use crate::sample::DbSample;
 use maud::{Markup, html};
 
 use super::overview::{latest, urlencode};
@@ -23,6 +26,7 @@ const RETRY_ALL_MAX: i64 = 10_000;
 /// `?reason=…&after=…`.
 #[derive(serde::Deserialize, Default)]
 pub(crate) struct Filter {
+    db: Option<String>,
     reason: Option<String>,
     after: Option<i64>,
 }
@@ -35,8 +39,19 @@ pub(crate) async fn page(
 ) -> Response {
     let viewer = Viewer::new(&state, session.map(|Extension(s)| s));
     let (s, _) = latest(&state).await;
-    let reasons = ops!(&state.store, o => o.parked_reasons(crate::sample::CAP).await);
-    let rows = ops!(&state.store, o => o.parked_rows(f.after.unwrap_or(0), f.reason.as_deref(), PAGE).await);
+    let db = match super::pick(&state, f.db.as_deref(), DbSample::has_outbox) {
+        Ok(db) => db,
+        Err(r) => return *r,
+    };
+    let part = s
+        .dbs
+        .iter()
+        .find(|d| d.name == db.name)
+        .cloned()
+        .unwrap_or_default();
+    let reasons = ops!(&db.store, o => o.parked_reasons(crate::sample::CAP).await);
+    let rows =
+        ops!(&db.store, o => o.parked_rows(f.after.unwrap_or(0), f.reason.as_deref(), PAGE).await);
     let (reasons, rows) = match (reasons, rows) {
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => {
@@ -46,18 +61,20 @@ pub(crate) async fn page(
             );
         }
     };
+    let here = format!("/outbox?db={}", urlencode(&db.name));
     let base = match &f.reason {
-        Some(r) => format!("/outbox?reason={}", urlencode(r)),
-        None => "/outbox".to_owned(),
+        Some(r) => format!("{here}&reason={}", urlencode(r)),
+        None => here.clone(),
     };
     let body = html! {
-        @if let Some(o) = &s.outbox {
+        (super::databases(&state, &db.name, "/outbox"))
+        @if let Some(o) = &part.outbox {
             p { (count(o.pending)) " pending, " (count(o.parked)) " parked; the oldest pending row waits for "
                 @match o.oldest_pending_age { Some(a) => (age(a)), None => "nothing" } "." }
         }
         h2 { "By aggregate type" }
         (table(&["aggregate type", "#pending", "#parked"], html! {
-            @for t in &s.types {
+            @for t in &part.types {
                 tr { td { (t.aggregate_type) } td.num { (count(t.pending)) } td.num { (count(t.parked)) } }
             }
         }))
@@ -66,20 +83,20 @@ pub(crate) async fn page(
             (table(&["reason", "#rows", ""], html! {
                 @for r in &reasons {
                     tr {
-                        td { a href=(format!("/outbox?reason={}", urlencode(&r.reason))) { (shown(&r.reason)) } }
+                        td { a href=(format!("{here}&reason={}", urlencode(&r.reason))) { (shown(&r.reason)) } }
                         td.num { (count(r.rows)) }
-                        td { @if viewer.actions { (retry_form(&viewer, None, Some(&r.reason), "return all to pending")) } }
+                        td { @if viewer.actions { (retry_form(&viewer, &db.name, None, Some(&r.reason), "return all to pending")) } }
                     }
                 }
             }))
         }
         h2 { "Parked rows" @if let Some(r) = &f.reason { " with reason “" (r) "”" } }
-        (parked_rows(&viewer, &rows))
+        (parked_rows(&viewer, &db.name, &rows))
         (next_page(&base, rows.len(), rows.last().map(|r| r.id)))
         h2 id="cdc" { "CDC slots" }
-        @if s.slots.is_empty() { p.muted { "No logical replication slot." } } @else {
+        @if part.slots.is_empty() { p.muted { "No logical replication slot." } } @else {
             (table(&["slot", "plugin", "reader", "confirmed", "#WAL held"], html! {
-                @for slot in &s.slots {
+                @for slot in &part.slots {
                     tr { td { (slot.name) } td { (slot.plugin) }
                          td { @if slot.active { "attached" } @else { "none" } }
                          td.mono { (slot.confirmed.clone().unwrap_or_default()) }
@@ -99,7 +116,7 @@ fn shown(reason: &str) -> &str {
     }
 }
 
-fn parked_rows(viewer: &Viewer, rows: &[ParkedOutboxRow]) -> Markup {
+fn parked_rows(viewer: &Viewer, db: &str, rows: &[ParkedOutboxRow]) -> Markup {
     if rows.is_empty() {
         return html! { p.muted { "None." } };
     }
@@ -124,7 +141,7 @@ fn parked_rows(viewer: &Viewer, rows: &[ParkedOutboxRow]) -> Markup {
                     td.num { (r.attempts) }
                     td.mono { (r.created_at) }
                     td.mono { (r.preview) }
-                    td { @if viewer.actions { (retry_form(viewer, Some(&r.event_id), None, "return to pending")) } }
+                    td { @if viewer.actions { (retry_form(viewer, db, Some(&r.event_id), None, "return to pending")) } }
                 }
             }
         },
@@ -133,6 +150,7 @@ fn parked_rows(viewer: &Viewer, rows: &[ParkedOutboxRow]) -> Markup {
 
 fn retry_form(
     viewer: &Viewer,
+    db: &str,
     event_id: Option<&str>,
     reason: Option<&str>,
     label: &str,
@@ -140,6 +158,7 @@ fn retry_form(
     html! {
         form.inline method="post" action="/outbox/retry" {
             (viewer.csrf())
+            input type="hidden" name="db" value=(db);
             @if let Some(e) = event_id { input type="hidden" name="event_id" value=(e); }
             @if let Some(r) = reason { input type="hidden" name="reason" value=(r); }
             input type="text" name="why" placeholder="why" required maxlength="500" aria-label="why";
@@ -155,6 +174,7 @@ pub(crate) struct Retry {
     csrf: String,
     #[serde(default)]
     why: String,
+    db: Option<String>,
     event_id: Option<String>,
     reason: Option<String>,
 }
@@ -171,18 +191,25 @@ pub(crate) async fn retry(
         Ok(a) => a,
         Err(r) => return *r,
     };
+    let db = match super::pick(&state, f.db.as_deref(), DbSample::has_outbox) {
+        Ok(db) => db,
+        Err(r) => return *r,
+    };
     let (ids, target) = match (&f.event_id, &f.reason) {
         (Some(e), None) => match e.parse::<EventId>() {
-            Ok(id) => (vec![id], format!("outbox event {id}")),
+            Ok(id) => (vec![id], format!("{}: outbox event {id}", db.name)),
             Err(_) => return super::error(StatusCode::BAD_REQUEST, "that is not an event id"),
         },
-        (None, Some(reason)) => match parked_with(&state, reason).await {
-            Ok(ids) => (ids, format!("outbox rows parked with reason “{reason}”")),
+        (None, Some(reason)) => match parked_with(&db.store, reason).await {
+            Ok(ids) => (
+                ids,
+                format!("{}: outbox rows parked with reason “{reason}”", db.name),
+            ),
             Err(e) => return super::error(StatusCode::SERVICE_UNAVAILABLE, &e),
         },
         _ => return super::error(StatusCode::BAD_REQUEST, "name one row or one reason"),
     };
-    let (moved, refusals) = retry_each(&state, &ids).await;
+    let (moved, refusals) = retry_each(&db.store, &ids).await;
     let outcome = match refusals.first() {
         None => "done".to_owned(),
         Some(first) => format!("{} refused; the first: {first}", refusals.len()),
@@ -196,17 +223,18 @@ pub(crate) async fn retry(
         affected: moved,
         outcome: &outcome,
     };
-    super::record(&state, action).await;
+    super::record(db, action).await;
     let what = format!("{moved} row(s) returned to pending; {outcome}.");
-    super::done(&viewer, "Outbox", &what, "/outbox")
+    let back = format!("/outbox?db={}", urlencode(&db.name));
+    super::done(&viewer, "Outbox", &what, &back)
 }
 
 /// The event ids of the rows parked with `reason` (at most [`RETRY_ALL_MAX`]).
-async fn parked_with(state: &Shared, reason: &str) -> Result<Vec<EventId>, String> {
+async fn parked_with(store: &AnyStore, reason: &str) -> Result<Vec<EventId>, String> {
     let mut ids = vec![];
     let mut after = 0;
     while i64::try_from(ids.len()).is_ok_and(|n| n < RETRY_ALL_MAX) {
-        let page = ops!(&state.store, o => o.parked_rows(after, Some(reason), 500).await)
+        let page = ops!(store, o => o.parked_rows(after, Some(reason), 500).await)
             .map_err(|e| format!("reading the parked rows failed: {e}"))?;
         let Some(last) = page.last() else { break };
         after = last.id;
@@ -219,12 +247,12 @@ async fn parked_with(state: &Shared, reason: &str) -> Result<Vec<EventId>, Strin
 }
 
 /// Returns each row to pending on its own; the rows moved and the refusals.
-async fn retry_each(state: &Shared, ids: &[EventId]) -> (i64, Vec<String>) {
+async fn retry_each(store: &AnyStore, ids: &[EventId]) -> (i64, Vec<String>) {
     let mut moved = 0;
     let mut refusals = vec![];
     for id in ids {
         let one = std::slice::from_ref(id);
-        match idem_sql::with_store!(&state.store, s => s.relay().retry_parked(Some(one)).await) {
+        match idem_sql::with_store!(store, s => s.relay().retry_parked(Some(one)).await) {
             Ok(n) => moved += i64::try_from(n).unwrap_or(i64::MAX),
             Err(e) => refusals.push(format!("{id}: {e}")),
         }

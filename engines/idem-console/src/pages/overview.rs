@@ -14,7 +14,7 @@ use crate::Shared;
 use crate::auth::Session;
 use crate::chart::{fmt, rate_chart};
 use crate::health::{self, Health};
-use crate::sample::{Rates, Sample};
+use crate::sample::{DbSample, Rates, Sample, total};
 
 /// The newest sample, taking one first when there is none yet.
 pub(crate) async fn latest(state: &Shared) -> (Sample, Rates) {
@@ -44,6 +44,7 @@ pub(crate) async fn page(
         .unwrap_or_else(|p| p.into_inner())
         .violations();
     let charts = charts(&state);
+    let several = state.databases.len() > 1;
     let body = html! {
         @if !s.errors.is_empty() {
             div.error role="alert" { @for e in &s.errors { p { (e) } } }
@@ -51,11 +52,11 @@ pub(crate) async fn page(
         p.muted { "Sampled " (age(crate::sample::now() - s.at)) " ago; every count stops at "
             (fmt(super::lossy(crate::sample::CAP))) "." }
         section.stages aria-label="stages" {
-            (outbox_stage(&s, &rates))
+            @for d in s.dbs.iter().filter(|d| d.has_outbox() || !several) { (outbox_stage(d, &rates)) }
             (relay_stage(&s))
             (topics_stage(&s, &rates))
-            @for g in &s.groups { (group_stage(&s, &rates, g)) }
-            (effects_stage(&s, &rates))
+            @for (db, g) in s.groups() { (group_stage(&s, &rates, db, g)) }
+            @for d in s.dbs.iter().filter(|d| d.has_intents() || !several) { (effects_stage(d, &rates)) }
             (proof_stage(verdict))
         }
         h2 { "The last hour" }
@@ -78,34 +79,40 @@ fn rate(r: Option<f64>, unit: &str) -> Markup {
     html! { @match r { Some(v) => { (fmt(v)) " " (unit) }, None => "—" } }
 }
 
-fn outbox_stage(s: &Sample, r: &Rates) -> Markup {
-    let Some(o) = &s.outbox else {
-        return stage("Outbox", "/outbox", &grey("not read"), html! {});
+fn outbox_stage(d: &DbSample, r: &Rates) -> Markup {
+    let href = format!("/outbox?db={}", urlencode(&d.name));
+    let title = format!("Outbox · {}", d.name);
+    let Some(o) = &d.outbox else {
+        return stage(&title, &href, &grey("not read"), html! {});
     };
-    let h = health::outbox(o);
     stage(
-        "Outbox",
-        "/outbox",
-        &h,
+        &title,
+        &href,
+        &health::outbox(o),
         html! {
             dt { "pending" } dd { (count(o.pending)) }
             dt { "parked" } dd { (count(o.parked)) }
             dt { "oldest pending" } dd { @match o.oldest_pending_age { Some(a) => (age(a)), None => "—" } }
-            dt { "written" } dd { (rate(r.written, "/s")) }
+            dt { "written" } dd { (rate(r.written.get(&d.name).copied(), "/s")) }
         },
     )
 }
 
 fn relay_stage(s: &Sample) -> Markup {
-    let h = health::slots(&s.slots);
+    let slots: Vec<_> = s.dbs.iter().flat_map(|d| d.slots.iter().cloned()).collect();
+    let relayed = s.dbs.iter().filter(|d| d.has_outbox());
     stage(
         "Relay",
         "/outbox#cdc",
-        &h,
+        &health::slots(&slots),
         html! {
-            dt { "CDC slots" } dd { (s.slots.len()) }
-            @for slot in &s.slots {
+            dt { "CDC slots" } dd { (slots.len()) }
+            @for slot in &slots {
                 dt { (slot.name) } dd { @if slot.active { "reading" } @else { "no reader" } }
+            }
+            @for d in relayed {
+                dt { "oldest in " (d.name) }
+                dd { @match d.outbox.as_ref().and_then(|o| o.oldest_pending_age) { Some(a) => (age(a)), None => "—" } }
             }
         },
     )
@@ -125,19 +132,23 @@ fn topics_stage(s: &Sample, r: &Rates) -> Markup {
         "/consumers",
         &h,
         html! {
-            dt { "relayed" } dd { (rate(r.relayed, "/s")) }
+            dt { "relayed" } dd { (rate(total(&r.relayed), "/s")) }
             dt { "appended" } dd { (rate(r.appended, "/s")) }
         },
     )
 }
 
-fn group_stage(s: &Sample, r: &Rates, group: &str) -> Markup {
+fn group_stage(s: &Sample, r: &Rates, db: &str, group: &str) -> Markup {
     let lag = s.group_lag(group);
     let stalled = s.scraped.stalled_for(group, s.at);
     let h = health::consumer(lag, stalled, s.open_letters(group));
     stage(
         &format!("Group {group}"),
-        &format!("/consumers/letters?group={}", urlencode(group)),
+        &format!(
+            "/consumers/letters?db={}&group={}",
+            urlencode(db),
+            urlencode(group)
+        ),
         &h,
         html! {
             dt { "lag" } dd { @match lag { Some(l) => (fmt(super::lossy(l))), None => "—" } }
@@ -148,19 +159,21 @@ fn group_stage(s: &Sample, r: &Rates, group: &str) -> Markup {
     )
 }
 
-fn effects_stage(s: &Sample, r: &Rates) -> Markup {
-    let Some(c) = &s.intents else {
-        return stage("Effects", "/effects", &grey("not read"), html! {});
+fn effects_stage(d: &DbSample, r: &Rates) -> Markup {
+    let href = format!("/effects?db={}", urlencode(&d.name));
+    let title = format!("Effects → remotes · {}", d.name);
+    let Some(c) = &d.intents else {
+        return stage(&title, &href, &grey("not read"), html! {});
     };
     stage(
-        "Effects → remotes",
-        "/effects",
+        &title,
+        &href,
         &health::effects(c),
         html! {
             dt { "pending" } dd { (count(c.pending)) }
             dt { "unknown" } dd { (count(c.unknown)) }
             dt { "parked" } dd { (count(c.parked)) }
-            dt { "settled" } dd { (rate(r.settled, "/s")) }
+            dt { "settled" } dd { (rate(r.settled.get(&d.name).copied(), "/s")) }
         },
     )
 }
@@ -188,14 +201,13 @@ fn grey(why: &str) -> Health {
 fn charts(state: &Shared) -> Markup {
     let h = state.history.lock().unwrap_or_else(|p| p.into_inner());
     let span = h.span();
-    let consumed = |r: &Rates| (!r.consumed.is_empty()).then(|| r.consumed.values().sum());
     html! {
         div.charts {
-            (rate_chart("Outbox writes", "rows/s", &h.series(|r| r.written), span))
-            (rate_chart("Relayed", "rows/s", &h.series(|r| r.relayed), span))
+            (rate_chart("Outbox writes", "rows/s", &h.series(|r| total(&r.written)), span))
+            (rate_chart("Relayed", "rows/s", &h.series(|r| total(&r.relayed)), span))
             (rate_chart("Appended to the topics", "records/s", &h.series(|r| r.appended), span))
-            (rate_chart("Consumed, all groups", "records/s", &h.series(consumed), span))
-            (rate_chart("Effects settled", "intents/s", &h.series(|r| r.settled), span))
+            (rate_chart("Consumed, all groups", "records/s", &h.series(|r| total(&r.consumed)), span))
+            (rate_chart("Effects settled", "intents/s", &h.series(|r| total(&r.settled)), span))
         }
     }
 }

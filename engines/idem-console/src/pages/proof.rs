@@ -153,7 +153,10 @@ pub(crate) async fn run(
         affected: 0,
         outcome: "started",
     };
-    super::record(&state, action).await;
+    // The audit of a verification goes to the first database (it acts on none).
+    if let Some(db) = state.databases.first() {
+        super::record(db, action).await;
+    }
     let shared = state.clone();
     tokio::spawn(async move {
         let report = idem_verify::verify(&config, &Options::default())
