@@ -141,7 +141,8 @@ pub(crate) enum Refusal {
 }
 
 /// Whether an action may run: a session, the session's CSRF token in the form, and no
-/// `Origin` other than the console's own `host`.
+/// `Origin` other than the console's own `host` (an opaque `null` origin, which a sandboxed
+/// frame or a `data:` page sends, is another site's).
 pub(crate) fn check_action(
     session: Option<&Session>,
     form_csrf: &str,
@@ -214,6 +215,10 @@ mod tests {
             Ok(())
         );
         assert_eq!(check_action(Some(&s), &s.csrf, None, host), Ok(()));
+        assert_eq!(
+            check_action(Some(&s), &s.csrf, Some("null"), host),
+            Err(Refusal::CrossSite)
+        );
         sessions.close(&id);
         assert!(sessions.get(&id).is_none());
     }

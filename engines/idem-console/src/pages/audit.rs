@@ -45,7 +45,7 @@ pub(crate) async fn page(
         @if rows.is_empty() { p.muted { "No action yet." } } @else {
             (table(&["when", "who", "what", "on", "why", "#rows", "outcome"], html! {
                 @for a in &rows {
-                    tr { td.mono { (a.at) } td { (a.actor) } td { (a.action) } td { (a.target) }
+                    tr { td.mono.time { (super::when(&a.at)) } td { (a.actor) } td { (a.action) } td { (a.target) }
                          td { (a.reason) } td.num { (a.affected) } td { (a.outcome) } }
                 }
             }))

@@ -171,8 +171,8 @@ fn letter_table(viewer: &Viewer, db: &str, group: &str, rows: &[LetterRow]) -> M
                     td.mono { (l.topic) "/" (l.partition) "@" (l.offset) }
                     td { (l.event_type) br; span.mono.muted { (l.event_id.clone().unwrap_or_else(|| "no event id".into())) } }
                     td { (l.reason) }
-                    td.mono { (l.created_at) }
-                    td.mono { (l.preview) }
+                    td.mono.time { (super::when(&l.created_at)) }
+                    td { span.mono.preview { (l.preview) } }
                     td { @if let Some(at) = &l.replay_requested_at { "requested at " (at) } @else { (l.replay_outcome) } }
                     td { @if viewer.actions && l.replay_outcome != "applied" && l.replay_outcome != "already_applied" {
                         a href=(format!("/consumers/replay?db={}&group={}&id={}", urlencode(db), urlencode(group), l.id)) { "replay…" }

@@ -96,7 +96,7 @@ fn intent_table(viewer: &Viewer, db: &str, rows: &[IntentRow]) -> Markup {
                     td.num { (i.attempts) }
                     td.mono { @if let Some(s) = i.response_status { "HTTP " (s) " " } (i.response) }
                     td { (i.reason) }
-                    td.mono { (i.updated_at) }
+                    td.mono.time { (super::when(&i.updated_at)) }
                     td { @if viewer.actions { (forms(viewer, db, i.id)) } }
                 }
             }

@@ -159,6 +159,11 @@ pub(crate) fn lossy(n: i64) -> f64 {
     n as f64
 }
 
+/// A database timestamp to the second (`2026-12-06 08:10:12`), the rest dropped.
+pub(crate) fn when(at: &str) -> &str {
+    at.get(..19).unwrap_or(at)
+}
+
 /// An age in seconds, as people read it.
 pub(crate) fn age(seconds: f64) -> String {
     match seconds {
@@ -283,13 +288,14 @@ fn check(
             .get(h)
             .and_then(|v: &axum::http::HeaderValue| v.to_str().ok())
     };
-    crate::auth::check_action(
-        session,
-        csrf,
+    let (origin, host) = (
         text(axum::http::header::ORIGIN),
         text(axum::http::header::HOST),
-    )
-    .map_err(|r| Box::new(refused(r)))
+    );
+    crate::auth::check_action(session, csrf, origin, host).map_err(|r| {
+        tracing::warn!(refusal = ?r, origin, host, "a console action was refused");
+        Box::new(refused(r))
+    })
 }
 
 /// A reason typed into a form: required, at most 500 characters.

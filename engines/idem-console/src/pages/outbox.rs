@@ -69,8 +69,8 @@ pub(crate) async fn page(
     let body = html! {
         (super::databases(&state, &db.name, "/outbox"))
         @if let Some(o) = &part.outbox {
-            p { (count(o.pending)) " pending, " (count(o.parked)) " parked; the oldest pending row waits for "
-                @match o.oldest_pending_age { Some(a) => (age(a)), None => "nothing" } "." }
+            p { (count(o.pending)) " pending, " (count(o.parked)) " parked; "
+                @match o.oldest_pending_age { Some(a) => { "the oldest pending row waits for " (age(a)) "." }, None => "no row is pending." } }
         }
         h2 { "By aggregate type" }
         (table(&["aggregate type", "#pending", "#parked"], html! {
@@ -139,8 +139,8 @@ fn parked_rows(viewer: &Viewer, db: &str, rows: &[ParkedOutboxRow]) -> Markup {
                     td { (r.event_type) br; span.mono.muted { (r.event_id) } }
                     td { (shown(&r.reason)) }
                     td.num { (r.attempts) }
-                    td.mono { (r.created_at) }
-                    td.mono { (r.preview) }
+                    td.mono.time { (super::when(&r.created_at)) }
+                    td { span.mono.preview { (r.preview) } }
                     td { @if viewer.actions { (retry_form(viewer, db, Some(&r.event_id), None, "return to pending")) } }
                 }
             }
