@@ -9,8 +9,8 @@
 //!   costs the same over any table size.
 //! * **Actions** (none with [`ConsoleConfig::read_only`], and none without a token): return
 //!   parked outbox rows to pending, request dead-letter replays (served by the group's running
-//!   consumer through its own handler, after a dry run), retry or resolve an effect intent, run
-//!   the verification. Each needs a session opened with the token, carries the session's CSRF
+//!   consumer through its own handler, after a dry run), retry, resolve or compensate an
+//!   effect intent, run the verification. Each needs a session opened with the token, carries the session's CSRF
 //!   token, and is written to the audit table (who, when, what, why, how many rows).
 //! * **Safety**: the console reads through its own pool (give it its own: [`Console::new`]
 //!   takes any store, `idem console` opens one with a statement timeout), so a slow console
@@ -65,10 +65,34 @@ pub struct ConsoleConfig {
     pub metrics_urls: Vec<String>,
     /// How often the console samples (the rate charts' step).
     pub sample_every: Duration,
+    /// The compensations the Effects page offers (none: it offers none).
+    pub compensations: Option<Compensations>,
+}
+
+/// The compensations the Effects page can run on an unknown or parked intent, as
+/// `idem effects compensate` runs them: each effect's policy (its compensation) and the
+/// dispatcher settings the requests go out with (the `Authorization` header, HTTPS, the
+/// timeout). An intent whose effect has a compensation gets two more choices in its settle
+/// form: compensate then park it for review, or compensate then send it again.
+#[derive(Clone, Debug)]
+pub struct Compensations {
+    /// The requests' settings.
+    pub dispatcher: idem_effects::DispatcherConfig,
+    /// Each effect's policy; only those with a compensation are offered.
+    pub effects: Vec<(String, idem_effects::EffectPolicy)>,
+}
+
+impl Compensations {
+    /// Whether intents of `effect` can be compensated.
+    pub fn offers(&self, effect: &str) -> bool {
+        self.effects
+            .iter()
+            .any(|(name, p)| name == effect && p.compensation.is_some())
+    }
 }
 
 impl Default for ConsoleConfig {
-    /// Read-only, no broker, no endpoints, a sample every 10 s.
+    /// Read-only, no broker, no endpoints, no compensation, a sample every 10 s.
     fn default() -> Self {
         ConsoleConfig {
             token: None,
@@ -78,6 +102,7 @@ impl Default for ConsoleConfig {
             topics: vec![],
             metrics_urls: vec![],
             sample_every: Duration::from_secs(10),
+            compensations: None,
         }
     }
 }

@@ -4,12 +4,16 @@
 //! text.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::sync::{Arc, Mutex};
+
 use axum::Router;
 use axum::body::Body;
+use axum::extract::Path;
 use axum::http::{Request, StatusCode, header};
 use idem_conformance::backend::{Backend, Pg};
-use idem_console::{Console, ConsoleConfig, Database, Token};
+use idem_console::{Compensations, Console, ConsoleConfig, Database, Token};
 use idem_core::TableNames;
+use idem_effects::{DispatcherConfig, EffectPolicy, HttpCompensation};
 use idem_sql::{AnyPool, AnyStore};
 use tower::ServiceExt;
 
@@ -440,6 +444,134 @@ async fn an_unknown_intent_resolved_by_a_click_leaves_an_audit_row() {
         .await,
         1
     );
+}
+
+/// A compensation endpoint on loopback: `POST /compensations/ok` answers 200 and
+/// `/compensations/fail` 500; each request's `Idempotency-Key` is kept.
+async fn compensation_remote() -> (String, Arc<Mutex<Vec<String>>>) {
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let seen = keys.clone();
+    let app = Router::new().route(
+        "/compensations/{outcome}",
+        axum::routing::post(
+            move |Path(outcome): Path<String>, headers: axum::http::HeaderMap| async move {
+                let key = headers
+                    .get("idempotency-key")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                seen.lock().unwrap().push(key.unwrap_or_default());
+                if outcome == "ok" {
+                    (StatusCode::OK, "reversed")
+                } else {
+                    (StatusCode::INTERNAL_SERVER_ERROR, "down")
+                }
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (base, keys)
+}
+
+fn compensating_console(pg: &Pg, template: String) -> Router {
+    let store = AnyStore::open(AnyPool::Postgres(pg.pool().clone()), TableNames::default());
+    let policy = EffectPolicy {
+        compensation: Some(Arc::new(HttpCompensation::new(template, None))),
+        ..EffectPolicy::default()
+    };
+    let config = ConsoleConfig {
+        token: Some(Token::new(TOKEN).unwrap()),
+        read_only: false,
+        compensations: Some(Compensations {
+            dispatcher: DispatcherConfig::default(),
+            effects: vec![("points.award".into(), policy)],
+        }),
+        ..ConsoleConfig::default()
+    };
+    let db = Database {
+        name: "orders".into(),
+        store,
+    };
+    Console::new(vec![db], config).router()
+}
+
+#[tokio::test]
+async fn a_compensation_by_a_click_runs_once_parks_the_intent_and_is_audited() {
+    let pg = seeded().await;
+    let (base, keys) = compensation_remote().await;
+    let plain = console(&pg, false);
+    let (cookie, _) = login(&plain).await;
+    let page = send(&plain, get("/effects", Some(&cookie))).await.body;
+    assert!(
+        !page.contains("value=\"compensate\""),
+        "no compensation is offered without one configured"
+    );
+
+    let app = compensating_console(&pg, format!("{base}/compensations/ok"));
+    let (cookie, csrf) = login(&app).await;
+    let page = send(&app, get("/effects", Some(&cookie))).await.body;
+    assert!(page.contains("value=\"compensate\""), "{page}");
+    let id = scalar(
+        &pg,
+        "SELECT id FROM idem_effect_intents WHERE status = 'unknown'",
+    )
+    .await
+    .to_string();
+    let form = [
+        ("csrf", csrf.as_str()),
+        ("why", "the customer cancelled"),
+        ("id", id.as_str()),
+        ("resolution", "compensate"),
+    ];
+    let a = send(&app, post("/effects/resolve", Some(&cookie), &form)).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(keys.lock().unwrap().len(), 1, "the compensation ran once");
+    assert!(keys.lock().unwrap()[0].ends_with("points.award.compensate\""));
+    let status =
+        format!("SELECT count(*) FROM idem_effect_intents WHERE id = {id} AND status = 'parked'");
+    assert_eq!(scalar(&pg, &status).await, 1, "parked for review");
+    let audited = "SELECT count(*) FROM idem_audit WHERE action = 'effects.compensate' \
+                   AND affected = 1 AND outcome LIKE 'done: compensated by%'";
+    assert_eq!(scalar(&pg, audited).await, 1);
+
+    let fail = compensating_console(&pg, format!("{base}/compensations/fail"));
+    let (cookie, csrf) = login(&fail).await;
+    let parked = scalar(
+        &pg,
+        "SELECT id FROM idem_effect_intents WHERE idem_key = 'k2'",
+    )
+    .await
+    .to_string();
+    let before = scalar(
+        &pg,
+        "SELECT count(*) FROM idem_effect_intents WHERE status = 'parked'",
+    )
+    .await;
+    let form = [
+        ("csrf", csrf.as_str()),
+        ("why", "the customer cancelled"),
+        ("id", parked.as_str()),
+        ("resolution", "compensate_retry"),
+    ];
+    let a = send(&fail, post("/effects/resolve", Some(&cookie), &form)).await;
+    assert_eq!(a.status, StatusCode::CONFLICT, "{}", a.body);
+    assert!(
+        a.body.contains("500"),
+        "the remote's refusal is shown: {}",
+        a.body
+    );
+    assert_eq!(
+        scalar(
+            &pg,
+            "SELECT count(*) FROM idem_effect_intents WHERE status = 'parked'"
+        )
+        .await,
+        before,
+        "a failed compensation leaves the intent as it was"
+    );
+    let failed = "SELECT count(*) FROM idem_audit WHERE action = 'effects.compensate_retry' \
+                  AND affected = 0 AND outcome LIKE 'failed:%'";
+    assert_eq!(scalar(&pg, failed).await, 1);
 }
 
 #[tokio::test]

@@ -12,6 +12,7 @@ use idem_sql::{AnyPool, AnyStore, Scheme};
 use sqlx::Executor;
 
 use crate::DbArgs;
+use crate::effects_cmd::CompensateArgs;
 use crate::kafka_args::KafkaArgs;
 use crate::util::parse_duration;
 
@@ -72,6 +73,8 @@ pub struct ConsoleArgs {
     /// How often the console samples the pipeline (the step of its rate charts).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     sample_every: Duration,
+    #[command(flatten)]
+    compensate: CompensateArgs,
 }
 
 impl std::fmt::Debug for ConsoleArgs {
@@ -122,6 +125,7 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<()> {
         topics: args.topics.clone(),
         metrics_urls: args.metrics_urls.clone(),
         sample_every: args.sample_every,
+        compensations: args.compensate.compensations()?,
     };
     for url in &config.metrics_urls {
         idem_console::check_metrics_url(url).map_err(anyhow::Error::msg)?;

@@ -78,9 +78,12 @@ struct ReplayArgs {
     /// replayed and changes nothing.
     #[arg(long)]
     confirm: bool,
-    /// Who requests the replays, recorded on each letter (default: $USER).
+    /// Who requests the replays, recorded on each letter and in the audit (default: $USER).
     #[arg(long)]
     by: Option<String>,
+    /// Why (kept in the audit table).
+    #[arg(long, default_value = "replayed with idem dead-letters replay")]
+    reason: String,
     /// How long to wait for the group's consumer to serve the requests (0s: do not wait; the
     /// requests stay until a consumer of the group serves them).
     #[arg(long, default_value = "30s", value_parser = crate::util::parse_duration)]
@@ -160,10 +163,14 @@ fn listed(r: &StoredDeadLetter) -> String {
 /// Runs `idem dead-letters replay`: the dry run, or the request and the wait for it.
 async fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 1).await?;
-    idem_sql::with_store!(store, s => replay_with(&s.inbox(), &args).await)
+    idem_sql::with_store!(&store, s => replay_with(&s.inbox(), &store, &args).await)
 }
 
-async fn replay_with<I: InboxStore>(inbox: &I, args: &ReplayArgs) -> anyhow::Result<()> {
+async fn replay_with<I: InboxStore>(
+    inbox: &I,
+    store: &idem_sql::AnyStore,
+    args: &ReplayArgs,
+) -> anyhow::Result<()> {
     if !args.confirm {
         let dry = preview(inbox, &args.group, args.id)
             .await
@@ -171,16 +178,24 @@ async fn replay_with<I: InboxStore>(inbox: &I, args: &ReplayArgs) -> anyhow::Res
         print_dry_run(args, &dry);
         return none_open(args, dry.is_empty());
     }
-    let by = args
-        .by
-        .clone()
-        .or_else(|| std::env::var("USER").ok())
-        .unwrap_or_else(|| "idem dead-letters replay".to_owned());
+    let by = crate::audit::actor(args.by.as_deref());
     let ids = inbox
         .request_replays(&args.group, args.id, None, &by)
         .await
         .context(MIGRATE_HINT)?;
     none_open(args, ids.is_empty())?;
+    let target = match args.id {
+        Some(id) => format!("dead letter #{id} of group {}", args.group),
+        None => format!("every open dead letter of group {}", args.group),
+    };
+    let requested = crate::audit::Audited {
+        action: "dead_letters.replay",
+        target,
+        reason: args.reason.clone(),
+        affected: u64::try_from(ids.len()).unwrap_or(u64::MAX),
+        outcome: "requested".to_owned(),
+    };
+    crate::audit::record(store, Some(&by), requested).await;
     if args.wait.is_zero() {
         report(args, &ids, &[])?;
         return Ok(());

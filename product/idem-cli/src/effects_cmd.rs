@@ -15,6 +15,7 @@ use idem_effects::{
 };
 
 use crate::DbArgs;
+use crate::audit::Audited;
 use crate::db;
 
 /// How the remote of one effect is treated (remotes that do not store Idempotency-Key).
@@ -48,20 +49,8 @@ pub struct PolicyArgs {
     /// longest processing time.
     #[arg(long, default_value = "2s", value_parser = crate::util::parse_duration)]
     settle: Duration,
-    /// `Authorization` header sent to the remote (it scopes keys per client). A secret: prefer
-    /// `--authorization-file` or the environment; its value is never shown or logged.
-    #[arg(long, env = "IDEM_EFFECTS_AUTHORIZATION", hide_env_values = true, value_parser = secret)]
-    authorization: Option<Secret>,
-    /// Read the `Authorization` header from this file (one line; the trailing newline is
-    /// dropped), as container platforms mount secrets.
-    #[arg(
-        long,
-        env = "IDEM_EFFECTS_AUTHORIZATION_FILE",
-        conflicts_with = "authorization"
-    )]
-    authorization_file: Option<PathBuf>,
     #[command(flatten)]
-    tls: TlsArgs,
+    remote: RemoteArgs,
     /// Requests in flight at once. A claim takes at most the free slots, and the dispatcher
     /// claims again as soon as half of them are free: a slow request holds only its own slot
     /// (until the timeout), never the others.
@@ -144,7 +133,42 @@ impl TlsArgs {
     }
 }
 
-impl PolicyArgs {
+/// `idem console`'s compensations: the flags of `idem effects compensate` that say how to
+/// compensate one effect's intents from the Effects page.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct CompensateArgs {
+    /// The effect (the name its intents are recorded under) the Effects page can compensate
+    /// with --compensate-url (alone, it offers nothing).
+    #[arg(long)]
+    effect: Option<String>,
+    /// Compensation URL template (`{key}`, `{event_id}` or a body field such as
+    /// `{payment_id}`), POSTed with the intent's body, as `idem effects compensate` does.
+    #[arg(long, requires = "effect")]
+    compensate_url: Option<String>,
+    #[command(flatten)]
+    remote: RemoteArgs,
+}
+
+/// How requests reach a remote: its `Authorization` header and HTTPS.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct RemoteArgs {
+    /// `Authorization` header sent to the remote (it scopes keys per client). A secret: prefer
+    /// `--authorization-file` or the environment; its value is never shown or logged.
+    #[arg(long, env = "IDEM_EFFECTS_AUTHORIZATION", hide_env_values = true, value_parser = secret)]
+    authorization: Option<Secret>,
+    /// Read the `Authorization` header from this file (one line; the trailing newline is
+    /// dropped), as container platforms mount secrets.
+    #[arg(
+        long,
+        env = "IDEM_EFFECTS_AUTHORIZATION_FILE",
+        conflicts_with = "authorization"
+    )]
+    authorization_file: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+impl RemoteArgs {
     /// The `Authorization` header: the flag (or its variable), or the file's line.
     fn authorization(&self) -> anyhow::Result<Option<String>> {
         match (&self.authorization, &self.authorization_file) {
@@ -152,6 +176,41 @@ impl PolicyArgs {
             (None, Some(path)) => read_secret_file("--authorization-file", path).map(Some),
             (None, None) => Ok(None),
         }
+    }
+}
+
+impl CompensateArgs {
+    /// What the console's Effects page may run; `None` without `--effect`. The TLS files and
+    /// the authorization are read and checked here, at start.
+    pub(crate) fn compensations(&self) -> anyhow::Result<Option<idem_console::Compensations>> {
+        let (Some(effect), Some(url)) = (&self.effect, &self.compensate_url) else {
+            return Ok(None);
+        };
+        let authorization = self.remote.authorization()?;
+        let tls = self.remote.tls.tls();
+        tls.load()?;
+        let policy = EffectPolicy {
+            compensation: Some(Arc::new(HttpCompensation::new(
+                url.clone(),
+                authorization.clone(),
+            ))),
+            ..EffectPolicy::default()
+        };
+        Ok(Some(idem_console::Compensations {
+            dispatcher: DispatcherConfig {
+                authorization,
+                tls,
+                ..DispatcherConfig::default()
+            },
+            effects: vec![(effect.clone(), policy)],
+        }))
+    }
+}
+
+impl PolicyArgs {
+    /// The `Authorization` header: the flag (or its variable), or the file's line.
+    fn authorization(&self) -> anyhow::Result<Option<String>> {
+        self.remote.authorization()
     }
 
     fn policy(&self, authorization: Option<&String>) -> EffectPolicy {
@@ -203,6 +262,9 @@ pub enum EffectsCommand {
         /// Only these intent ids (repeatable); default all.
         #[arg(long = "id")]
         ids: Vec<i64>,
+        /// Why (kept in the audit table with who ran it).
+        #[arg(long, default_value = "sent again with idem effects retry")]
+        reason: String,
     },
     /// Settle an unknown or parked intent after checking the remote yourself.
     Resolve {
@@ -266,7 +328,7 @@ fn dispatcher<S: IntentStore>(
         lease: timeout.saturating_mul(3),
         lease_margin: timeout / 2,
         authorization: authorization.clone(),
-        tls: policy.tls.tls(),
+        tls: policy.remote.tls.tls(),
         concurrency: usize::from(policy.concurrency),
         batch_size: u32::from(policy.concurrency).max(DispatcherConfig::default().batch_size),
         ..DispatcherConfig::default()
@@ -280,7 +342,8 @@ fn dispatcher<S: IntentStore>(
     })
 }
 
-async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result<()> {
+/// Runs `cmd`; what it changed, for the audit, when it changes rows.
+async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result<Option<Audited>> {
     match cmd {
         EffectsCommand::Dispatch {
             policy,
@@ -299,18 +362,18 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
                     "idem effects: metrics on http://{bound}/metrics (probes /healthz, /readyz)"
                 );
             }
-            if let Some(bundle) = &policy.tls.ca_bundle {
+            if let Some(bundle) = &policy.remote.tls.ca_bundle {
                 eprintln!(
                     "idem effects: HTTPS trusts the CA bundle {}{}",
                     bundle.display(),
-                    if policy.tls.ca_bundle_only {
+                    if policy.remote.tls.ca_bundle_only {
                         " only"
                     } else {
                         " and the system's roots"
                     }
                 );
             }
-            if let Some(cert) = &policy.tls.client_cert {
+            if let Some(cert) = &policy.remote.tls.client_cert {
                 eprintln!(
                     "idem effects: HTTPS presents the client certificate {}",
                     cert.display()
@@ -340,10 +403,30 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
                 );
             }
         }
-        EffectsCommand::Retry { ids, .. } => {
+        cmd => return settle(store, cmd).await,
+    }
+    Ok(None)
+}
+
+/// `idem effects retry|resolve|compensate`: what they changed, for the audit.
+async fn settle<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result<Option<Audited>> {
+    match cmd {
+        EffectsCommand::Retry { ids, reason, .. } => {
+            let target = if ids.is_empty() {
+                "every parked and unknown effect intent".to_owned()
+            } else {
+                format!("effect intents {ids:?}")
+            };
             let ids = (!ids.is_empty()).then_some(ids.as_slice());
             let n = store.retry_stuck(ids).await?;
             println!("returned {n} intent(s) to pending");
+            Ok(Some(Audited {
+                action: "effects.retry",
+                target,
+                reason,
+                affected: n,
+                outcome: "done".to_owned(),
+            }))
         }
         EffectsCommand::Resolve {
             id, applied, note, ..
@@ -357,6 +440,17 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
                 bail!("effect intent {id} does not exist or is neither parked nor unknown");
             }
             println!("intent {id} is now {}", resolution.status());
+            Ok(Some(Audited {
+                action: if applied {
+                    "effects.applied"
+                } else {
+                    "effects.not_applied"
+                },
+                target: format!("effect intent {id}"),
+                reason: note,
+                affected: 1,
+                outcome: "done".to_owned(),
+            }))
         }
         EffectsCommand::Compensate {
             policy, id, retry, ..
@@ -372,13 +466,24 @@ async fn run_on<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
             )?;
             let note = d.compensate(id, retry).await?;
             println!("intent {id}: {note}");
+            Ok(Some(Audited {
+                action: "effects.compensate",
+                target: format!("effect intent {id}"),
+                reason: "compensated with idem effects compensate".to_owned(),
+                affected: 1,
+                outcome: note,
+            }))
         }
+        _ => Ok(None),
     }
-    Ok(())
 }
 
 pub(crate) async fn run(cmd: EffectsCommand) -> anyhow::Result<()> {
     let args = cmd.db().clone();
     let store = db::open(&args, 2).await?;
-    idem_sql::with_store!(store, s => run_on(s.intents(), cmd).await)
+    let done = idem_sql::with_store!(&store, s => run_on(s.intents(), cmd).await)?;
+    if let Some(done) = done {
+        crate::audit::record(&store, None, done).await;
+    }
+    Ok(())
 }

@@ -14,6 +14,7 @@ mod prune_cmd;
 mod relay_cmd;
 mod topic_cmd;
 
+mod audit;
 pub mod console_cmd;
 pub mod db;
 pub mod dead_letters_cmd;

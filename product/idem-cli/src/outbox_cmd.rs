@@ -6,6 +6,7 @@ use idem_core::store::OutboxStore;
 use idem_core::{Event, EventId};
 
 use crate::DbArgs;
+use crate::audit::Audited;
 use crate::db;
 
 #[derive(Subcommand, Debug)]
@@ -39,6 +40,9 @@ pub enum OutboxCommand {
         /// Every parked row.
         #[arg(long, conflicts_with = "event_ids")]
         all: bool,
+        /// Why (kept in the audit table with who ran it).
+        #[arg(long, default_value = "returned to pending with idem outbox retry")]
+        reason: String,
     },
     /// Enqueue one event in its own transaction (for scripts and tests).
     Enqueue {
@@ -117,12 +121,12 @@ pub(crate) async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        OutboxCommand::Retry { db, event_ids, all } => {
-            let store = db::open(&db, 1).await?;
-            let ids = (!all).then_some(event_ids.as_slice());
-            let n = idem_sql::with_store!(&store, s => s.relay().retry_parked(ids).await)?;
-            println!("returned {n} parked row(s) to pending");
-        }
+        OutboxCommand::Retry {
+            db,
+            event_ids,
+            all,
+            reason,
+        } => retry(&db, &event_ids, all, reason).await?,
         OutboxCommand::Enqueue {
             db,
             aggregate_type,
@@ -159,5 +163,33 @@ pub(crate) async fn run(cmd: OutboxCommand) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `idem outbox retry`, audited.
+async fn retry(
+    db: &DbArgs,
+    event_ids: &[EventId],
+    all: bool,
+    reason: String,
+) -> anyhow::Result<()> {
+    let store = db::open(db, 1).await?;
+    let ids = (!all).then_some(event_ids);
+    let n = idem_sql::with_store!(&store, s => s.relay().retry_parked(ids).await)?;
+    println!("returned {n} parked row(s) to pending");
+    let target = if all {
+        "every parked outbox row".to_owned()
+    } else {
+        let ids: Vec<String> = event_ids.iter().map(ToString::to_string).collect();
+        format!("outbox events {}", ids.join(", "))
+    };
+    let done = Audited {
+        action: "outbox.retry",
+        target,
+        reason,
+        affected: n,
+        outcome: "done".to_owned(),
+    };
+    crate::audit::record(&store, None, done).await;
     Ok(())
 }

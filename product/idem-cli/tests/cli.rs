@@ -223,7 +223,16 @@ fn parked_rows_are_listed_and_retried_from_the_cli() {
         out.contains(&id) && out.contains("message too large") && out.contains("attempts=5"),
         "{out}"
     );
-    let o = idem(&["outbox", "retry", "--db", &db.url, "--event-id", &id]);
+    let o = idem(&[
+        "outbox",
+        "retry",
+        "--db",
+        &db.url,
+        "--event-id",
+        &id,
+        "--reason",
+        "topic created",
+    ]);
     assert!(
         text(&o).0.contains("returned 1 parked row"),
         "{:?}",
@@ -231,6 +240,25 @@ fn parked_rows_are_listed_and_retried_from_the_cli() {
     );
     assert_eq!(pending(&db)["pending"], 1);
     assert_eq!(pending(&db)["parked"], 0);
+    let audit = rt.block_on(async {
+        let pool = sqlx::SqlitePool::connect(&pool_url).await.unwrap();
+        sqlx::query_as::<_, (String, String, String, i64)>(
+            "SELECT action, target, reason, affected FROM idem_audit",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    });
+    assert_eq!(
+        audit,
+        [(
+            "outbox.retry".to_owned(),
+            format!("outbox events {id}"),
+            "topic created".to_owned(),
+            1
+        )],
+        "the retry is audited"
+    );
 }
 
 /// The subcommands `help` lists in `idem <path> --help`.
@@ -544,6 +572,19 @@ fn a_replay_is_a_dry_run_until_confirmed_and_a_confirmed_one_is_requested() {
         "{err}"
     );
     assert_eq!(requested(), 2);
+    let audited = rt
+        .block_on(
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM idem_audit WHERE action = 'dead_letters.replay' \
+                 AND actor = 'on-call' AND affected = 2",
+            )
+            .fetch_one(&pool),
+        )
+        .unwrap();
+    assert_eq!(
+        audited, 1,
+        "the confirmed replay is audited, the dry runs are not"
+    );
     let o = idem(&["dead-letters", "--db", &db.url, "--group", "settlement"]);
     let (out, _) = text(&o);
     assert_eq!(out.matches("replay requested at").count(), 2, "{out}");
@@ -565,4 +606,131 @@ fn a_replay_is_a_dry_run_until_confirmed_and_a_confirmed_one_is_requested() {
     );
     let o = replay(&[]);
     assert!(!o.status.success(), "--id or --all is required");
+}
+
+/// `idem effects resolve` and `idem effects retry` settle stuck intents and write the same
+/// audit rows as the console's buttons: who, what, why, how many rows.
+#[test]
+fn settling_stuck_intents_from_the_cli_is_audited() {
+    let db = sqlite();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let pool = rt.block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db.url).await.unwrap();
+        for (key, status) in [("k-1", "unknown"), ("k-2", "parked"), ("k-3", "done")] {
+            sqlx::query(
+                "INSERT INTO idem_effect_intents (idem_key, effect, target, event_id, body, status) \
+                 VALUES (?1, 'points.award', 'http://127.0.0.1:9/awards', 'e', '{}', ?2)",
+            )
+            .bind(key)
+            .bind(status)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+        pool
+    });
+    let statuses = || {
+        rt.block_on(
+            sqlx::query_scalar::<_, String>("SELECT status FROM idem_effect_intents ORDER BY id")
+                .fetch_all(&pool),
+        )
+        .unwrap()
+    };
+    let audit = || {
+        rt.block_on(
+            sqlx::query_as::<_, (String, String, String, i64)>(
+                "SELECT action, target, reason, affected FROM idem_audit ORDER BY id",
+            )
+            .fetch_all(&pool),
+        )
+        .unwrap()
+    };
+    let o = idem(&[
+        "effects",
+        "resolve",
+        "--db",
+        &db.url,
+        "--id",
+        "1",
+        "--applied",
+        "--note",
+        "the award is on the remote's page",
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let o = idem(&[
+        "effects",
+        "retry",
+        "--db",
+        &db.url,
+        "--id",
+        "2",
+        "--reason",
+        "remote back",
+    ]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert_eq!(statuses(), ["done", "pending", "done"]);
+    let o = idem(&[
+        "effects",
+        "resolve",
+        "--db",
+        &db.url,
+        "--id",
+        "3",
+        "--applied",
+    ]);
+    assert!(!o.status.success(), "a done intent is not resolved again");
+    assert_eq!(
+        audit(),
+        [
+            (
+                "effects.applied".to_owned(),
+                "effect intent 1".to_owned(),
+                "the award is on the remote's page".to_owned(),
+                1
+            ),
+            (
+                "effects.retry".to_owned(),
+                "effect intents [2]".to_owned(),
+                "remote back".to_owned(),
+                1
+            ),
+        ],
+        "each change is audited, the refusal is not"
+    );
+}
+
+/// `idem console` refuses, before serving, what would expose it or fail later: a non-loopback
+/// address without --allow-remote, --allow-remote without a token, a compensation without its
+/// effect, a CA bundle it cannot read.
+#[test]
+fn the_console_refuses_unsafe_or_broken_settings_at_start() {
+    let db = sqlite();
+    let refused = |extra: &[&str], says: &str| {
+        let mut args = vec!["console", "--db", &db.url, "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let o = idem(&args);
+        let (out, err) = text(&o);
+        assert!(!o.status.success(), "{extra:?} started: {out}{err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    };
+    refused(&["--listen", "0.0.0.0:0"], "loopback only");
+    refused(
+        &["--listen", "0.0.0.0:0", "--allow-remote"],
+        "--allow-remote needs --token",
+    );
+    refused(
+        &["--compensate-url", "http://127.0.0.1:9/reversal"],
+        "--effect",
+    );
+    refused(
+        &[
+            "--effect",
+            "points.award",
+            "--compensate-url",
+            "http://127.0.0.1:9/reversal",
+            "--ca-bundle",
+            "/nonexistent/ca.pem",
+        ],
+        "/nonexistent/ca.pem",
+    );
 }

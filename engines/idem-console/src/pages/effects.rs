@@ -1,6 +1,6 @@
 //! The effects: intents by status, the parked and unknown ones with their attempts and the
-//! remote's last answer; and settling them — send again with the same key, or mark done (or
-//! not applied) after checking the remote.
+//! remote's last answer; and settling them — send again with the same key, mark done (or not
+//! applied) after checking the remote, or run the effect's compensation.
 
 use std::sync::Arc;
 
@@ -9,6 +9,7 @@ use axum::extract::{Form, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use idem_core::idempotency::{IntentStore, Resolution};
+use idem_effects::{CompensateError, Dispatcher, EffectMetrics};
 use idem_sql::ops::{Action, IntentRow};
 use maud::{Markup, html};
 
@@ -16,7 +17,7 @@ use super::overview::{latest, urlencode};
 use super::{Nav, PAGE, Viewer, count, layout, next_page, table};
 use crate::auth::Session;
 use crate::sample::DbSample;
-use crate::{Shared, ops};
+use crate::{Compensations, Database, Shared, ops};
 
 /// `?status=parked|unknown&after=…`.
 #[derive(serde::Deserialize)]
@@ -66,13 +67,18 @@ pub(crate) async fn page(
         }
         p { "Show: " a href=(here) { "parked and unknown" } " · " a href=(format!("{here}&status=unknown")) { "unknown" }
             " · " a href=(format!("{here}&status=parked")) { "parked" } }
-        (intent_table(&viewer, &db.name, &rows))
+        (intent_table(&viewer, &db.name, state.config.compensations.as_ref(), &rows))
         (next_page(&base, rows.len(), rows.last().map(|r| r.id)))
     };
     layout("Effects", Nav::Effects, &viewer, body).into_response()
 }
 
-fn intent_table(viewer: &Viewer, db: &str, rows: &[IntentRow]) -> Markup {
+fn intent_table(
+    viewer: &Viewer,
+    db: &str,
+    compensations: Option<&Compensations>,
+    rows: &[IntentRow],
+) -> Markup {
     if rows.is_empty() {
         return html! { p.muted { "No parked or unknown effect." } };
     }
@@ -97,14 +103,16 @@ fn intent_table(viewer: &Viewer, db: &str, rows: &[IntentRow]) -> Markup {
                     td.mono { @if let Some(s) = i.response_status { "HTTP " (s) " " } (i.response) }
                     td { (i.reason) }
                     td.mono.time { (super::when(&i.updated_at)) }
-                    td { @if viewer.actions { (forms(viewer, db, i.id)) } }
+                    td { @if viewer.actions {
+                        (forms(viewer, db, i.id, compensations.is_some_and(|c| c.offers(&i.effect))))
+                    } }
                 }
             }
         },
     )
 }
 
-fn forms(viewer: &Viewer, db: &str, id: i64) -> Markup {
+fn forms(viewer: &Viewer, db: &str, id: i64, compensable: bool) -> Markup {
     html! {
         form.inline method="post" action="/effects/resolve" {
             (viewer.csrf())
@@ -115,6 +123,10 @@ fn forms(viewer: &Viewer, db: &str, id: i64) -> Markup {
                 option value="retry" { "send again (same key)" }
                 option value="applied" { "it happened: mark done" }
                 option value="not_applied" { "it did not happen: send again" }
+                @if compensable {
+                    option value="compensate" { "compensate, then park for review" }
+                    option value="compensate_retry" { "compensate, then send again" }
+                }
             }
             button type="submit" { "settle" }
         }
@@ -162,50 +174,32 @@ pub(crate) async fn resolve(
         Err(r) => return *r,
     };
     let note = format!("{why} (by {actor}, in the console)");
+    let Some(settled) = settle(&state, db, f.id, &f.resolution, &note).await else {
+        return super::error(
+            StatusCode::BAD_REQUEST,
+            "resolution is retry, applied, not_applied, compensate or compensate_retry",
+        );
+    };
+    let (affected, outcome) = match settled {
+        Ok(Some(outcome)) => (1, outcome),
+        Ok(None) => (
+            0,
+            "refused: the intent does not exist or is neither parked nor unknown".to_owned(),
+        ),
+        Err(e) => (0, format!("failed: {e}")),
+    };
     let id = f.id;
-    let settled = match f.resolution.as_str() {
-        "retry" => {
-            idem_sql::with_store!(&db.store, s => s.intents().retry_stuck(Some(&[id])).await)
-                .map(|n| n > 0)
-        }
-        "applied" => {
-            idem_sql::with_store!(&db.store, s => s.intents().resolve(id, Resolution::Applied, &note).await)
-        }
-        "not_applied" => {
-            idem_sql::with_store!(&db.store, s => s.intents().resolve(id, Resolution::Pending, &note).await)
-        }
-        _ => {
-            return super::error(
-                StatusCode::BAD_REQUEST,
-                "resolution is retry, applied or not_applied",
-            );
-        }
-    };
-    let settled = match settled {
-        Ok(s) => s,
-        Err(e) => {
-            return super::error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("settling the intent failed: {e}"),
-            );
-        }
-    };
-    let outcome = if settled {
-        "done"
-    } else {
-        "refused: the intent does not exist or is neither parked nor unknown"
-    };
     let target = format!("{}: effect intent {id}", db.name);
     let action = Action {
         actor: &actor,
         action: &format!("effects.{}", f.resolution),
         target: &target,
         reason: &why,
-        affected: i64::from(settled),
-        outcome,
+        affected,
+        outcome: &outcome,
     };
     super::record(db, action).await;
-    if !settled {
+    if affected == 0 {
         return super::error(
             StatusCode::CONFLICT,
             &format!("effect intent {id}: {outcome}"),
@@ -217,4 +211,65 @@ pub(crate) async fn resolve(
         &format!("effect intent {id}: {}", f.resolution.replace('_', " ")),
         "/effects",
     )
+}
+
+/// Settles intent `id` as `resolution` says: `None` for an unknown resolution; otherwise what
+/// happened — the audit's outcome when the intent changed, `Ok(None)` when it does not exist or is
+/// neither parked nor unknown, the error when the store or the compensation failed.
+async fn settle(
+    state: &Shared,
+    db: &Database,
+    id: i64,
+    resolution: &str,
+    note: &str,
+) -> Option<Result<Option<String>, String>> {
+    let changed = |r: idem_core::Result<bool>| {
+        r.map(|done| done.then(|| "done".to_owned()))
+            .map_err(|e| e.to_string())
+    };
+    Some(match resolution {
+        "retry" => changed(
+            idem_sql::with_store!(&db.store, s => s.intents().retry_stuck(Some(&[id])).await)
+                .map(|n| n > 0),
+        ),
+        "applied" => changed(
+            idem_sql::with_store!(&db.store, s => s.intents().resolve(id, Resolution::Applied, note).await),
+        ),
+        "not_applied" => changed(
+            idem_sql::with_store!(&db.store, s => s.intents().resolve(id, Resolution::Pending, note).await),
+        ),
+        "compensate" | "compensate_retry" => {
+            compensate(state, db, id, resolution == "compensate_retry").await
+        }
+        _ => return None,
+    })
+}
+
+/// Runs the compensation of intent `id` with the console's [`Compensations`], then parks it
+/// for review or sends it again (`then_retry`).
+async fn compensate(
+    state: &Shared,
+    db: &Database,
+    id: i64,
+    then_retry: bool,
+) -> Result<Option<String>, String> {
+    let Some(c) = &state.config.compensations else {
+        let why = "the console is configured without compensations \
+                   (`ConsoleConfig::compensations` is empty)";
+        return Err(why.into());
+    };
+    let run = idem_sql::with_store!(&db.store, s => {
+        let metrics = EffectMetrics::unregistered().map_err(|e| e.to_string())?;
+        let mut d = Dispatcher::new(s.intents(), c.dispatcher.clone(), metrics)
+            .map_err(|e| e.to_string())?;
+        for (effect, policy) in &c.effects {
+            d = d.with_policy(effect.clone(), policy.clone());
+        }
+        d.compensate(id, then_retry).await
+    });
+    match run {
+        Ok(note) => Ok(Some(format!("done: {note}"))),
+        Err(CompensateError::NotFound(_) | CompensateError::NotStuck { .. }) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
 }

@@ -173,20 +173,55 @@ pub(crate) fn age(seconds: f64) -> String {
     }
 }
 
-/// A table that scrolls sideways on a narrow screen instead of overflowing it. A heading
-/// written `#name` is a numeric column's (aligned right, like its cells).
+/// A table; on a phone each row is a card whose cells carry their column's name (the
+/// stylesheet reads `data-label`). A heading written `#name` is a numeric column's (aligned
+/// right, like its cells).
 pub(crate) fn table(head: &[&str], rows: Markup) -> Markup {
+    let names: Vec<&str> = head.iter().map(|h| h.trim_start_matches('#')).collect();
     html! {
         div.scroll {
-            table {
+            table.cards {
                 thead { tr { @for h in head {
                     @if let Some(n) = h.strip_prefix('#') { th.num scope="col" { (n) } }
                     @else { th scope="col" { (h) } }
                 } } }
-                tbody { (rows) }
+                tbody { (labelled(&rows.into_string(), &names)) }
             }
         }
     }
+}
+
+/// `rows` (rendered `<tr>`s of this module's pages, every text in them escaped, so `<tr` and
+/// `<td` only open elements) with each cell labelled by its column: `<td data-label="…">`.
+fn labelled(rows: &str, names: &[&str]) -> maud::PreEscaped<String> {
+    let mut out = String::with_capacity(rows.len() + rows.len() / 4);
+    let mut column = 0;
+    let mut rest = rows;
+    while let Some(at) = rest.find('<') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        let opens = |tag: &str| {
+            rest.strip_prefix(tag)
+                .is_some_and(|r| r.starts_with([' ', '>']))
+        };
+        if opens("<tr") {
+            column = 0;
+        } else if opens("<td") {
+            out.push_str("<td");
+            rest = &rest[3..];
+            if let Some(name) = names.get(column).filter(|n| !n.is_empty()) {
+                out.push_str(" data-label=\"");
+                out.push_str(&html! { (name) }.into_string());
+                out.push('"');
+            }
+            column += 1;
+            continue;
+        }
+        out.push('<');
+        rest = &rest[1..];
+    }
+    out.push_str(rest);
+    maud::PreEscaped(out)
 }
 
 /// The "next page" link of a keyset page whose last id is `last`, when the page was full.
@@ -312,3 +347,23 @@ pub(crate) fn reason(text: &str) -> Result<String, Box<Response>> {
 
 /// The one style sheet, inlined in every page (the page loads nothing else).
 const CSS: &str = include_str!("console.css");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cell_is_labelled_by_its_column_and_text_is_left_alone() {
+        let rows = html! {
+            tr { td.num { "1" } td { "<td>&lt;tr" } td { form { "x" } } }
+            tr id="r2" { td { "2" } td { "b" } }
+        };
+        let out = labelled(&rows.into_string(), &["id", "why \"it\"", ""]).into_string();
+        assert_eq!(
+            out,
+            "<tr><td data-label=\"id\" class=\"num\">1</td>\
+             <td data-label=\"why &quot;it&quot;\">&lt;td&gt;&amp;lt;tr</td><td><form>x</form></td></tr>\
+             <tr id=\"r2\"><td data-label=\"id\">2</td><td data-label=\"why &quot;it&quot;\">b</td></tr>"
+        );
+    }
+}
