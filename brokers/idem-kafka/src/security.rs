@@ -935,13 +935,16 @@ fn refusal(
             ));
         }
     }
-    // A listener that expects TLS (or SASL) drops a plaintext ApiVersion request: seen twice,
-    // it is the protocol, not a broker restarting (which refuses connections instead).
+    // A listener that expects TLS (or SASL) closes on a plaintext ApiVersion request: seen
+    // twice, it is the protocol, not a broker restarting (which refuses connections instead).
+    // A connection *reset* is the network's doing: a TCP proxy or load balancer whose broker
+    // is down accepts and then resets, as does a middlebox; that is a cluster out of reach.
     let dropped: usize = reports
         .iter()
         .filter(|(_, r)| {
-            r.contains("Disconnected while requesting ApiVersion")
-                || (r.contains("Disconnected") && r.contains("in state APIVERSION_QUERY"))
+            let closed = r.contains("Disconnected while requesting ApiVersion")
+                || (r.contains("Disconnected") && r.contains("in state APIVERSION_QUERY"));
+            closed && !r.to_ascii_lowercase().contains("connection reset")
         })
         .map(|(_, r)| {
             if r.contains("identical error(s) suppressed") {

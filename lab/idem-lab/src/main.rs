@@ -47,7 +47,7 @@ enum Command {
     Setup(reference_cmd::SetupArgs),
     /// Write the reference pipeline's checks as a config for `idem verify --config` (TOML).
     VerifyConfig(reference_cmd::VerifyConfigArgs),
-    /// Measure what idem costs on this hardware against same-run baselines (`bench verify`: memory of `idem verify`).
+    /// Measure what idem costs on this hardware against same-run baselines (`bench verify`: memory of `idem verify`; `bench console`: time per console page).
     Bench(bench::BenchArgs),
     /// The operator commands of `idem`.
     #[command(flatten)]

@@ -48,19 +48,11 @@ pub(crate) async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
     require_schemas(&store).await?;
     for n in args.start..args.start + args.count {
         let order = PaidOrder::numbered(&args.prefix, n);
-        match &store {
-            Store::Postgres(s) => {
-                let hold = match args.slow_every {
-                    Some(every) if every > 0 && n % every == 0 => args.slow,
-                    _ => Duration::ZERO,
-                };
-                idem_reference::place_order_postgres_held(s.pool(), &s.outbox(), &order, hold)
-                    .await?
-            }
-            Store::Sqlite(s) => {
-                idem_reference::place_order_sqlite(s.pool(), &s.outbox(), &order).await?
-            }
-        }
+        let hold = match args.slow_every {
+            Some(every) if every > 0 && n % every == 0 => args.slow,
+            _ => Duration::ZERO,
+        };
+        place(&store, &order, hold).await?;
         if let Some(i) = interval {
             next += i;
             tokio::time::sleep_until(next).await;
@@ -68,6 +60,49 @@ pub(crate) async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
     }
     println!("wrote {} paid orders", args.count);
     Ok(())
+}
+
+/// How long a writer retries one order while its database is unreachable.
+const UNREACHABLE_FOR: Duration = Duration::from_secs(120);
+
+/// Writes `order` with its event, retrying while the database is unreachable (as a service
+/// retries a request whose transaction failed on the network). An attempt whose `COMMIT`
+/// answer got lost may have committed: a retry that finds the order written is done, so each
+/// order is written once either way.
+async fn place(store: &Store, order: &PaidOrder, hold: Duration) -> anyhow::Result<()> {
+    let started = tokio::time::Instant::now();
+    let mut pause = Duration::from_millis(100);
+    let mut retried = false;
+    loop {
+        let e = match place_once(store, order, hold).await {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if retried && e.is_already_written() {
+            tracing::warn!(order = %order.order_id, "the order is written already: an attempt whose answer was lost committed it");
+            return Ok(());
+        }
+        if !e.is_unreachable() || started.elapsed() > UNREACHABLE_FOR {
+            return Err(e.into());
+        }
+        tracing::warn!(order = %order.order_id, error = %anyhow::Error::from(e), "database unreachable; writing the order again");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+        retried = true;
+    }
+}
+
+async fn place_once(
+    store: &Store,
+    order: &PaidOrder,
+    hold: Duration,
+) -> Result<(), idem_reference::OrderError> {
+    match store {
+        Store::Postgres(s) => {
+            idem_reference::place_order_postgres_held(s.pool(), &s.outbox(), order, hold).await
+        }
+        Store::Sqlite(s) => idem_reference::place_order_sqlite(s.pool(), &s.outbox(), order).await,
+    }
 }
 
 #[derive(Args)]
@@ -109,6 +144,11 @@ pub(crate) struct SettlementArgs {
     /// chaos runner's long-lock fault class uses it.
     #[arg(long, value_parser = idem_cli::util::parse_duration)]
     lock_timeout: Option<Duration>,
+    /// Lab only, with `--handler audit`: every batch's transaction is held open this long after
+    /// the handler wrote, before the consumer commits it, so that network faults land inside
+    /// open transactions.
+    #[arg(long, value_parser = idem_cli::util::parse_duration)]
+    hold: Option<Duration>,
 }
 
 impl std::fmt::Debug for SettlementArgs {
@@ -129,6 +169,7 @@ impl std::fmt::Debug for SettlementArgs {
             .field("handler", &self.handler)
             .field("points_url", &self.points_url)
             .field("lock_timeout", &self.lock_timeout)
+            .field("hold", &self.hold)
             .finish()
     }
 }
@@ -180,6 +221,9 @@ pub(crate) async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
         args.group,
         args.topics.join(", ")
     );
+    if args.hold.is_some() && args.handler != "audit" {
+        anyhow::bail!("--hold is for --handler audit");
+    }
     if args.lock_timeout.is_some() && matches!(store, Store::Sqlite(_)) {
         anyhow::bail!("--lock-timeout is for PostgreSQL (SQLite has no lock_timeout)");
     }
@@ -274,7 +318,12 @@ where
         health,
     } = c;
     if args.handler == "audit" {
-        Consumer::new(inbox, idem_reference::Audit, source, config, metrics)
+        let hold = args.hold.unwrap_or_default();
+        let handler = Held {
+            inner: idem_reference::Audit,
+            hold,
+        };
+        Consumer::new(inbox, handler, source, config, metrics)
             .with_health(health)
             .run(shutdown)
             .await?;
@@ -285,6 +334,40 @@ where
             .await?;
     }
     Ok(())
+}
+
+/// A handler whose batches' transactions stay open `hold` longer (`--hold`).
+struct Held<H> {
+    inner: H,
+    hold: Duration,
+}
+
+impl<C: Send, H: idem_consumer::Handler<C>> idem_consumer::Handler<C> for Held<H> {
+    fn handle(
+        &self,
+        cx: &mut idem_consumer::HandlerContext<'_, C>,
+        event: &idem_core::InboundEvent,
+    ) -> impl std::future::Future<Output = Result<(), idem_consumer::HandlerError>> + Send {
+        self.inner.handle(cx, event)
+    }
+
+    fn business_key(&self, event: &idem_core::InboundEvent) -> String {
+        self.inner.business_key(event)
+    }
+
+    fn validate(&self, event: &idem_core::InboundEvent) -> Result<(), String> {
+        self.inner.validate(event)
+    }
+
+    async fn handle_batch(
+        &self,
+        cx: &mut idem_consumer::BatchContext<'_, C>,
+        events: &[&idem_core::InboundEvent],
+    ) -> Result<Vec<idem_consumer::Outcome>, idem_consumer::BatchError> {
+        let outcomes = self.inner.handle_batch(cx, events).await?;
+        tokio::time::sleep(self.hold).await;
+        Ok(outcomes)
+    }
 }
 
 #[derive(Args, Debug)]

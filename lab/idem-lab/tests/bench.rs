@@ -247,6 +247,73 @@ fn bench_verify_reports_time_and_peak_memory() {
     assert!(report["ratios"]["verify_peak_rss_mib"]["met"].is_boolean());
 }
 
+#[test]
+fn bench_console_times_every_page_and_drops_its_database() {
+    let sizes = [
+        ("--outbox-rows", "3000"),
+        ("--pending-rows", "200"),
+        ("--parked-rows", "100"),
+        ("--inbox-rows", "3000"),
+        ("--dead-letters", "600"),
+        ("--effect-intents", "1000"),
+        ("--unknown-intents", "50"),
+        ("--parked-intents", "50"),
+        ("--audit-rows", "100"),
+        ("--requests", "5"),
+        ("--warmup", "1"),
+        ("--spread", "0s"),
+    ];
+    let child = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+        .args([
+            "bench",
+            "console",
+            "--json",
+            "--db",
+            &idem_conformance::pg::admin_url(),
+        ])
+        .args(sizes.iter().flat_map(|(k, v)| [k, v]))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "idem-lab bench console failed:\n{stderr}"
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pages = report["pages"].as_array().unwrap();
+    assert!(pages.len() >= 12, "{report:#}");
+    for page in pages.iter().chain(report["floors"].as_array().unwrap()) {
+        assert!(page["failed"].is_null(), "{page}");
+        assert!(page["p99_ms"].as_f64().unwrap() > 0.0, "{page}");
+    }
+    for page in pages {
+        assert!(page["bytes"].as_u64().unwrap() > 0, "{page}");
+    }
+    for (key, ratio) in report["ratios"].as_object().unwrap() {
+        assert!(ratio["met"].is_boolean(), "{key}: {ratio}");
+    }
+    assert_eq!(
+        report["targets"]["letter_group"], "settlement",
+        "{report:#}"
+    );
+    let left: i64 = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = sqlx::PgPool::connect(&idem_conformance::pg::admin_url())
+            .await
+            .unwrap();
+        sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname LIKE $1")
+            .bind(format!("idem\\_bench\\_{pid}\\_%"))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    });
+    assert_eq!(left, 0, "the bench left its database behind");
+}
+
 /// The bench over TLS: every Kafka client of the run (the children, the raw produce and consume
 /// ceilings, the topics' admin client) logs in with SCRAM over TLS to a broker that has no other
 /// listener, and every PostgreSQL session (the bench's own, the children's pools, the CDC

@@ -135,6 +135,31 @@ pub enum OrderError {
     Outbox(#[from] idem_core::Error),
 }
 
+impl OrderError {
+    /// The database could not be reached or dropped the session (a reset, a partition, a
+    /// restart, a terminated backend): the same order may be written again later. Whether this
+    /// attempt committed is unknown when the answer to its `COMMIT` was what got lost.
+    pub fn is_unreachable(&self) -> bool {
+        match self {
+            OrderError::Database { source, .. } => match source {
+                sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_) => true,
+                sqlx::Error::Database(d) => d
+                    .code()
+                    .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+                _ => false,
+            },
+            OrderError::Outbox(e) => e.is_transient(),
+        }
+    }
+
+    /// The order row exists already: after an unreachable attempt, that attempt committed (the
+    /// order row and its event commit together or not at all).
+    pub fn is_already_written(&self) -> bool {
+        matches!(self, OrderError::Database { source: sqlx::Error::Database(d), .. }
+            if d.is_unique_violation())
+    }
+}
+
 /// Writes the order row and its `order.paid` event in one PostgreSQL transaction.
 pub async fn place_order_postgres(
     pool: &sqlx::PgPool,

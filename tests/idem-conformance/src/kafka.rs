@@ -127,12 +127,31 @@ impl KafkaCluster {
     /// [`KafkaCluster::start`] with broker `settings` (`key`, `value`) replacing the prepared
     /// ones, e.g. `("auto.create.topics.enable", "false")` as production clusters run.
     pub fn start_with(n: usize, settings: &[(&str, &str)]) -> Self {
+        Self::start_prepared(n, settings, 0)
+    }
+
+    /// [`KafkaCluster::start`] with `listeners` proxied listeners on every node (`scripts/kafka
+    /// prepare --proxied-listeners`): their routes are in [`KafkaCluster::dir`]`/proxied/`,
+    /// for the test's fault proxies to serve.
+    pub fn start_proxied(n: usize, listeners: usize) -> Self {
+        Self::start_prepared(n, &[], listeners)
+    }
+
+    fn start_prepared(n: usize, settings: &[(&str, &str)], proxied: usize) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("idem-kafka-")
             .tempdir()
             .unwrap();
         let path = dir.path().display().to_string();
-        let bootstrap = run_script(&["prepare", "--nodes", &n.to_string(), "--dir", &path]);
+        let bootstrap = run_script(&[
+            "prepare",
+            "--nodes",
+            &n.to_string(),
+            "--dir",
+            &path,
+            "--proxied-listeners",
+            &proxied.to_string(),
+        ]);
         for i in 1..=n {
             set_properties(
                 &dir.path().join(format!("node{i}/server.properties")),
@@ -182,6 +201,11 @@ impl KafkaCluster {
         let mut cmd = Command::new(&node.argv[0]);
         cmd.args(&node.argv[1..]);
         node.proc = Some(Proc::spawn(&format!("kafka-{id}"), cmd));
+    }
+
+    /// The directory `scripts/kafka prepare` wrote.
+    pub fn dir(&self) -> &Path {
+        self._dir.path()
     }
 
     /// The bootstrap list of every node.

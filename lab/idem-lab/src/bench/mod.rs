@@ -12,6 +12,7 @@ mod baselines;
 mod ceilings;
 mod child;
 mod compare;
+mod console;
 mod cpu;
 mod figures;
 mod kafka;
@@ -94,6 +95,9 @@ pub(crate) struct BenchArgs {
 enum Mode {
     /// Time and peak memory of `idem verify` over two tables of --rows rows each.
     Verify(verify::VerifyBenchArgs),
+    /// Server time per page of `idem console` (p50, p99, max) over a million outbox and inbox
+    /// rows and 100 000 dead letters, next to `SELECT 1` and a page that reads nothing.
+    Console(console::ConsoleBenchArgs),
     /// Two runs' reports side by side: each figure of the second divided by the first's
     /// (TLS over plain text, a change over the code before it).
     Compare(compare::CompareArgs),
@@ -172,6 +176,7 @@ pub(crate) struct RunArgs {
 pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.mode {
         Some(Mode::Verify(a)) => verify::run(a).await,
+        Some(Mode::Console(a)) => console::run(a).await,
         Some(Mode::Compare(a)) => compare::run(&a),
         Some(Mode::NoInboxConsumer(a)) => noinbox::run(a).await,
         None => run_all(args.run).await,

@@ -43,6 +43,24 @@ impl Databases {
         }
     }
 
+    /// Runs `measure` over the databases of `url`, ending it on Ctrl-C or SIGTERM, and drops
+    /// every database it created either way.
+    pub(super) async fn scoped<T>(
+        url: &str,
+        measure: impl AsyncFnOnce(&mut Databases) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let mut dbs = Databases::new(url);
+        let interrupted = idem_cli::util::shutdown_signal()?;
+        let result = tokio::select! {
+            r = measure(&mut dbs) => r,
+            () = interrupted => Err(anyhow::anyhow!("interrupted; the bench database is dropped")),
+        };
+        if let Err(e) = dbs.drop_all().await {
+            tracing::warn!(error = %e, "could not drop the bench database");
+        }
+        result
+    }
+
     /// The prefix of every database name of this run.
     pub(super) fn prefix(&self) -> &str {
         &self.prefix

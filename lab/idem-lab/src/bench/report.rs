@@ -436,7 +436,8 @@ pub(super) fn fmt(v: f64) -> String {
     }
 }
 
-fn load_average() -> String {
+/// The load average of the last 1, 5 and 15 minutes (`/proc/loadavg`), or nothing.
+pub(super) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()

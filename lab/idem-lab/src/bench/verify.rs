@@ -27,16 +27,8 @@ pub(super) struct VerifyBenchArgs {
 const VERIFY_RSS_TARGET: u64 = 100 * 1024 * 1024;
 
 pub(super) async fn run(args: VerifyBenchArgs) -> anyhow::Result<()> {
-    let mut dbs = Databases::new(&args.db);
-    let interrupted = idem_cli::util::shutdown_signal()?;
-    let result = tokio::select! {
-        r = measure(&args, &mut dbs) => r,
-        () = interrupted => Err(anyhow::anyhow!("interrupted; the bench database is dropped")),
-    };
-    if let Err(e) = dbs.drop_all().await {
-        tracing::warn!(error = %e, "could not drop the bench database");
-    }
-    let (elapsed, peak) = result?;
+    let (elapsed, peak) =
+        Databases::scoped(&args.db, async |dbs| measure(&args, dbs).await).await?;
     let mib = crate::num::mib(peak);
     let met = peak <= VERIFY_RSS_TARGET;
     if args.json {

@@ -61,6 +61,8 @@ pub(super) struct World<'a> {
     pub failover: bool,
     /// The burst's aggregate prefix and size (written before the processes started).
     pub burst: (&'a str, i64),
+    /// `--network`: the processes' fault proxies.
+    pub network: Option<&'a mut super::network::Network>,
 }
 
 /// Timers of the injection loop.
@@ -147,6 +149,7 @@ pub(super) async fn inject(
         }
         // No other fault while the long lock is due or held (see `Windows::holds_faults`).
         let held = out.windows.holds_faults(now, end);
+        network_tick(w, now, held, rng, &mut out.faults);
         if t.failover_at.is_some_and(|d| now >= d) && !held {
             t.failover_at = None;
             if let Some(server) = w.server {
@@ -179,18 +182,46 @@ pub(super) async fn inject(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    for lock in t.locks {
+    if let Some(net) = w.network.as_deref_mut() {
+        net.heal_all();
+        timeline_line(w.crash_log, "net_heal every link");
+    }
+    count_locks(t.locks, &mut out.faults).await;
+    Ok(out)
+}
+
+/// Heals and injects the network faults of `--network`.
+fn network_tick(
+    w: &mut World<'_>,
+    now: Instant,
+    held: bool,
+    rng: &mut Rng,
+    faults: &mut BTreeMap<String, u64>,
+) {
+    let crash_log = w.crash_log;
+    if let Some(net) = w.network.as_deref_mut() {
+        net.tick(now, held, rng, faults, &|line| {
+            timeline_line(crash_log, line)
+        });
+    }
+}
+
+/// Counts what the outbox locks of the run did.
+async fn count_locks(
+    locks: Vec<tokio::task::JoinHandle<anyhow::Result<locker::Locked>>>,
+    faults: &mut BTreeMap<String, u64>,
+) {
+    for lock in locks {
         // A lock that PostgreSQL's restart (`--pg-restart`) cut short did nothing to count.
         let Ok(Ok(locked)) = lock.await else {
-            *out.faults.entry("outbox_lock_lost".to_owned()).or_default() += 1;
+            *faults.entry("outbox_lock_lost".to_owned()).or_default() += 1;
             continue;
         };
-        *out.faults.entry("outbox_locked".to_owned()).or_default() += 1;
-        *out.faults
+        *faults.entry("outbox_locked".to_owned()).or_default() += 1;
+        *faults
             .entry("outbox_lock_waiters_terminated".to_owned())
             .or_default() += u64::try_from(locked.terminated).unwrap_or(0);
     }
-    Ok(out)
 }
 
 /// Records when the first of the burst's events was published and when the last was, looking
@@ -453,23 +484,7 @@ fn apply(procs: &mut [Proc], plan: &Plan, kind: FaultKind, now: Instant) -> anyh
             Ok(schedule::armed_key(point))
         }
         Plan::Broker { fault, down } => {
-            let (BrokerFault::Kill(id)
-            | BrokerFault::LeaderKill(id)
-            | BrokerFault::FollowerPause(id)
-            | BrokerFault::Pause(id)) = fault;
-            let Some(node) = procs.iter_mut().find(|p| p.name == format!("kafka-{id}")) else {
-                bail!("the cluster reported broker {id}, which this run did not start");
-            };
-            match fault {
-                BrokerFault::Kill(_) | BrokerFault::LeaderKill(_) => {
-                    node.kill9();
-                    node.restart_at = Some(now + down);
-                }
-                BrokerFault::FollowerPause(_) | BrokerFault::Pause(_) => {
-                    node.signal(19);
-                    node.paused_until = Some(now + down);
-                }
-            }
+            hit_broker(procs, fault, down, now)?;
             Ok(fault.kind().to_owned())
         }
         Plan::Kill { proc, down } => {
@@ -504,8 +519,35 @@ fn slots(procs: &mut [Proc], now: Instant) -> Vec<Slot> {
         .collect()
 }
 
+/// Kills the node of `fault` (restarted after `down`) or pauses it for `down`.
+pub(super) fn hit_broker(
+    procs: &mut [Proc],
+    fault: BrokerFault,
+    down: Duration,
+    now: Instant,
+) -> anyhow::Result<()> {
+    let (BrokerFault::Kill(id)
+    | BrokerFault::LeaderKill(id)
+    | BrokerFault::FollowerPause(id)
+    | BrokerFault::Pause(id)) = fault;
+    let Some(node) = procs.iter_mut().find(|p| p.name == format!("kafka-{id}")) else {
+        bail!("the cluster reported broker {id}, which this run did not start");
+    };
+    match fault {
+        BrokerFault::Kill(_) | BrokerFault::LeaderKill(_) => {
+            node.kill9();
+            node.restart_at = Some(now + down);
+        }
+        BrokerFault::FollowerPause(_) | BrokerFault::Pause(_) => {
+            node.signal(19);
+            node.paused_until = Some(now + down);
+        }
+    }
+    Ok(())
+}
+
 /// The partitions of the run's topic (none when the cluster cannot say in time).
-async fn partitions(
+pub(super) async fn partitions(
     kafka: &idem_kafka::Connection,
     topic: &str,
 ) -> anyhow::Result<Vec<idem_kafka::admin::PartitionInfo>> {

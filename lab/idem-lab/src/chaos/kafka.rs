@@ -24,7 +24,12 @@ pub(crate) struct Prepared {
 /// whose client listener is SASL_SSL (`--security sasl_ssl`: a PKI and SCRAM users made for the
 /// run, in `dir/kafka/pki` and `dir/kafka/users`) — and builds their processes (named
 /// `kafka-N`, N the node id).
-pub(crate) fn prepare(nodes: usize, dir: &Path, secured: bool) -> anyhow::Result<Prepared> {
+pub(crate) fn prepare(
+    nodes: usize,
+    dir: &Path,
+    secured: bool,
+    proxied_listeners: usize,
+) -> anyhow::Result<Prepared> {
     let kafka_dir = dir.join("kafka");
     let script = script();
     let mut cmd = Command::new(&script);
@@ -32,6 +37,9 @@ pub(crate) fn prepare(nodes: usize, dir: &Path, secured: bool) -> anyhow::Result
         .arg(&kafka_dir);
     if secured {
         cmd.args(["--security", "sasl_ssl"]);
+    }
+    if proxied_listeners > 0 {
+        cmd.args(["--proxied-listeners", &proxied_listeners.to_string()]);
     }
     let out = cmd
         .output()

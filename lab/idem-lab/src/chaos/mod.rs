@@ -20,6 +20,8 @@ mod inject;
 pub(crate) mod kafka;
 pub(crate) mod kafka_txn;
 mod locker;
+mod network;
+mod pipeline;
 mod procs;
 mod report;
 mod schedule;
@@ -53,6 +55,12 @@ pub(crate) struct ChaosArgs {
     /// Seed of the fault schedule (the same seed, the same schedule).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Run the pipeline a file describes instead of the reference pipeline: its databases,
+    /// Kafka, its components as command lines, the verify config
+    /// (`docs/operating/chaos-your-pipeline.md`). `--duration`, `--seed`, `--settle-deadline`,
+    /// `--keep` and `--json` apply; the reference pipeline's options do not.
+    #[arg(long, conflicts_with_all = ["tls", "network", "cdc", "pg_restart", "pg_failover", "break_mechanism"])]
+    pub pipeline: Option<PathBuf>,
     /// PostgreSQL server URL: the run creates (and drops) its own databases on it.
     #[arg(
         long,
@@ -104,6 +112,11 @@ pub(crate) struct ChaosArgs {
     /// log of the run is searched for them afterwards: a hit fails the run.
     #[arg(long, conflicts_with = "pg_restart")]
     pub tls: bool,
+    /// Network faults: every process reaches PostgreSQL, Kafka and the points API through
+    /// fault proxies of its own, which partition, reset or slow one process's way to one
+    /// dependency at a time (see `chaos/network.rs`).
+    #[arg(long, conflicts_with = "tls")]
+    pub network: bool,
     /// With `--tls`: the password role the processes and the runner's pools connect as (the
     /// user of `--db` creates the run's databases and gives them to it).
     #[arg(long, env = "IDEM_CHAOS_TLS_DB_ROLE", default_value = "idem_tls")]
@@ -251,6 +264,9 @@ fn verify_config(urls: &[String; 3]) -> idem_verify::VerifyConfig {
 }
 
 pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<()> {
+    if let Some(file) = &args.pipeline {
+        return pipeline::run(&args, file).await;
+    }
     if !idem_core::crash::ENABLED {
         bail!("this idem binary was built without crash points (the `failpoints` feature)");
     }
@@ -371,7 +387,12 @@ async fn drive(
     let mut rng = Rng::new(args.seed);
     let crash_log = dir.join("crashes.log");
     let api_port = topology::free_port()?;
-    let prepared = kafka::prepare(args.kafka_nodes, dir, args.tls)?;
+    let listeners = if args.network {
+        network::KAFKA_LISTENERS
+    } else {
+        0
+    };
+    let prepared = kafka::prepare(args.kafka_nodes, dir, args.tls, listeners)?;
     let prepared_dir = prepared.dir.clone();
     let (secure, kafka) = match role {
         Some(role) => {
@@ -388,7 +409,15 @@ async fn drive(
     let burst_prefix = format!("burst-{run}-");
     let burst_rows = burst::rows_for(args.seconds);
     burst::write(&dbs.orders, &burst_prefix, burst_rows).await?;
-    let mut procs = processes(args, &topology, prepared.nodes, dir, &crash_log)?;
+    let specs = topology::specs(&topology);
+    let (mut net, specs) = if args.network {
+        let api = std::net::SocketAddr::from(([127, 0, 0, 1], api_port));
+        let (n, s) = network::Network::route(specs, &prepared_dir, api, args.seed).await?;
+        (Some(n), s)
+    } else {
+        (None, specs)
+    };
+    let mut procs = processes(args, specs, prepared.nodes, dir, &crash_log)?;
     topology::start(&mut procs, &topology, args.kafka_nodes, dir).await?;
     if let Some(s) = &topology.secure {
         deny_topic(&prepared_dir, &s.scram_user, hostile::DENIED_TOPIC)?;
@@ -422,6 +451,7 @@ async fn drive(
         restarts: args.pg_restart,
         failover: args.pg_failover,
         burst: (&burst_prefix, burst_rows),
+        network: net.as_mut(),
     };
     let mechanism = args.break_mechanism;
     let mut injected = inject::inject(&mut world, args.seconds, mechanism, &mut rng).await?;
@@ -499,7 +529,7 @@ fn topology_of(
 /// then the pipeline's, every one told where to log crash points and what to break.
 fn processes(
     args: &ChaosArgs,
-    topology: &Topology,
+    specs: Vec<topology::Spec>,
     brokers: Vec<Proc>,
     dir: &Path,
     crash_log: &Path,
@@ -510,7 +540,7 @@ fn processes(
         env.push(("IDEM_BREAK", b.to_string()));
     }
     let mut procs = brokers;
-    for spec in topology::specs(topology) {
+    for spec in specs {
         procs.push(topology::spawn(spec, dir, &env)?);
     }
     Ok(procs)

@@ -18,6 +18,8 @@ pub(crate) enum Role {
     Settlement,
     Audit,
     Dispatcher,
+    /// A process of a pipeline file (`--pipeline`).
+    Component,
 }
 
 /// Builds the command of incarnation `n`.
@@ -192,6 +194,14 @@ impl Proc {
             .filter(|l| l.contains("panicked at"))
             .map(|l| format!("{}: {l}", self.name))
             .collect()
+    }
+
+    /// What the current incarnation wrote to its log so far.
+    pub(crate) fn current_log(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let marker = format!("==== {} incarnation {} ", self.name, self.incarnation);
+        text.rfind(&marker)
+            .map_or_else(String::new, |at| text[at..].to_owned())
     }
 
     /// The metrics address the current incarnation printed, if any.

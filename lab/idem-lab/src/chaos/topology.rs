@@ -134,7 +134,7 @@ fn secured(mut spec: Spec, s: &Secured) -> Spec {
     }
     let db = match spec.role {
         Role::Api => &s.db_files[2],
-        Role::Writer | Role::Relay | Role::Broker => &s.db_files[0],
+        Role::Writer | Role::Relay | Role::Broker | Role::Component => &s.db_files[0],
         Role::Settlement | Role::Audit | Role::Dispatcher => &s.db_files[1],
     };
     spec.env.push(("IDEM_DB_FILE", db.display().to_string()));
@@ -150,7 +150,7 @@ fn secured(mut spec: Spec, s: &Secured) -> Spec {
             spec.argv
                 .extend(["--ca-bundle".to_owned(), s.ca.display().to_string()]);
         }
-        Role::Writer | Role::Broker => {}
+        Role::Writer | Role::Broker | Role::Component => {}
     }
     spec
 }

@@ -1,0 +1,406 @@
+//! Network faults (`--network`): every process reaches PostgreSQL, Kafka and the points API
+//! through fault proxies of its own ([`idem_netfault`]), so a fault cuts, slows or resets one
+//! process's way to one dependency while the others still reach it. Kafka clients bootstrap on
+//! a proxied listener of their own (`scripts/kafka prepare --proxied-listeners`): the brokers
+//! advertise that process's proxies, so every connection it makes to any node passes them.
+//!
+//! Faults come every 1–3 s (seeded), each on one process's way to one dependency: a partition
+//! (a blackhole of 1–8 s, one in five of 12–16 s, longer than the clients' session and poll
+//! timeouts), a reset of every open connection, or a slow link (latency, jitter, and half of
+//! the time a bandwidth cap) for 2–10 s. The dependency turns PostgreSQL, Kafka, the points API
+//! and the kind partition, slow, partition, reset, so five faults partition every dependency
+//! and twelve bring every kind to every one; the process and the durations are the seed's.
+//! Under the run's steady load a partition lands mid-transaction, between a produce and its
+//! acknowledgement, or after an award request left.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use idem_netfault::{Conditions, ProxiedListener, Proxy};
+
+use super::procs::{Rng, Role};
+use super::topology::Spec;
+
+/// What a process reaches through its proxies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Dependency {
+    Postgres,
+    Kafka,
+    Remote,
+}
+
+impl Dependency {
+    fn name(self) -> &'static str {
+        match self {
+            Dependency::Postgres => "postgres",
+            Dependency::Kafka => "kafka",
+            Dependency::Remote => "points_api",
+        }
+    }
+}
+
+/// One process's way to one dependency.
+pub(super) struct Link {
+    process: String,
+    dependency: Dependency,
+    proxies: Vec<Proxy>,
+    /// The fault on it ends then (none: healthy).
+    heal_at: Option<Instant>,
+}
+
+impl Link {
+    /// The way of `process` to `dependency`, through `proxies`.
+    pub(super) fn new(process: &str, dependency: Dependency, proxies: Vec<Proxy>) -> Link {
+        Link {
+            process: process.to_owned(),
+            dependency,
+            proxies,
+            heal_at: None,
+        }
+    }
+
+    fn set(&self, c: Conditions) {
+        for p in &self.proxies {
+            p.set(c);
+        }
+    }
+}
+
+/// Every process's links, when the next fault is due and how many came before it.
+pub(super) struct Network {
+    links: Vec<Link>,
+    next: Instant,
+    injected: usize,
+    /// The kinds the faults turn through.
+    kinds: &'static [Kind],
+    /// Processes to SIGKILL while partitioned: when, and which.
+    kills: Vec<(Instant, String)>,
+}
+
+/// The dependencies faults turn through.
+const DEPENDENCIES: [Dependency; 3] = [Dependency::Postgres, Dependency::Kafka, Dependency::Remote];
+
+/// What a fault does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Partition,
+    Slow,
+    Reset,
+    /// A partition, and the process killed inside it (`Network::with_kills`).
+    PartitionKill,
+}
+
+/// The kinds faults turn through: four long, so with the three dependencies every pair comes
+/// within twelve faults.
+const KINDS: [Kind; 4] = [Kind::Partition, Kind::Slow, Kind::Partition, Kind::Reset];
+
+/// The same with a partition whose process is killed inside it: a process cut from its
+/// database mid-transaction, or just after it committed offsets, dies there.
+const KINDS_WITH_KILLS: [Kind; 4] = [
+    Kind::Partition,
+    Kind::Slow,
+    Kind::PartitionKill,
+    Kind::Reset,
+];
+
+/// The dependency and kind of fault number `n`, given which dependencies have a healthy link
+/// (`free`): the turn's dependency, or the next one that has.
+fn turn(n: usize, kinds: &[Kind], free: impl Fn(Dependency) -> bool) -> Option<(Dependency, Kind)> {
+    let kind = kinds[n % kinds.len()];
+    (0..DEPENDENCIES.len())
+        .map(|k| DEPENDENCIES[(n + k) % DEPENDENCIES.len()])
+        .find(|d| free(*d))
+        .map(|d| (d, kind))
+}
+
+/// How many Kafka listeners a run's processes need: one per Kafka client (relays, consumers).
+pub(super) const KAFKA_LISTENERS: usize = 5;
+
+impl Network {
+    /// Faults on `links`, the first one due in three seconds.
+    pub(super) fn new(links: Vec<Link>) -> Network {
+        Network {
+            links,
+            next: Instant::now() + Duration::from_secs(3),
+            injected: 0,
+            kinds: &KINDS,
+            kills: vec![],
+        }
+    }
+
+    /// Every fourth fault (turning with the others) partitions a process and kills it 0.5–2 s
+    /// into the partition: [`Network::due_kills`] names it when that time comes.
+    pub(super) fn with_kills(mut self) -> Network {
+        self.kinds = &KINDS_WITH_KILLS;
+        self
+    }
+
+    /// The processes whose kill inside a partition is due by `now`.
+    pub(super) fn due_kills(&mut self, now: Instant) -> Vec<String> {
+        let (due, later) = std::mem::take(&mut self.kills)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.kills = later;
+        due.into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// Starts the proxies of every process of `specs` and rewrites their arguments to go
+    /// through them: the `--db` URL's address, the `--brokers` list (listener `P<k>` of the
+    /// cluster prepared in `kafka_dir`, one per Kafka client), and the settlement consumers'
+    /// `--points-url`, which the intents carry to the dispatcher (so the dispatcher's awards
+    /// pass its own proxy).
+    pub(super) async fn route(
+        specs: Vec<Spec>,
+        kafka_dir: &Path,
+        api: SocketAddr,
+        seed: u64,
+    ) -> anyhow::Result<(Network, Vec<Spec>)> {
+        let mut links = Vec::new();
+        let mut listeners = 0;
+        let remote = Proxy::start(loopback(), api, seed).await?;
+        let remote_addr = remote.addr();
+        let mut out = Vec::with_capacity(specs.len());
+        for (i, mut spec) in specs.into_iter().enumerate() {
+            let seed = seed.wrapping_add(100 * (i as u64 + 1));
+            if let Some(url) = value_of(&spec.argv, "--db") {
+                let (proxy, routed) = postgres_link(&url, seed).await?;
+                set_value(&mut spec.argv, "--db", routed);
+                links.push(link(&spec, Dependency::Postgres, vec![proxy]));
+            }
+            if value_of(&spec.argv, "--brokers").is_some() {
+                listeners += 1;
+                if listeners > KAFKA_LISTENERS {
+                    bail!("more Kafka clients than the {KAFKA_LISTENERS} proxied listeners");
+                }
+                let l = ProxiedListener::start(kafka_dir, &format!("P{listeners}"), seed).await?;
+                set_value(&mut spec.argv, "--brokers", l.bootstrap());
+                links.push(link(&spec, Dependency::Kafka, l.proxies));
+            }
+            if let Some(url) = value_of(&spec.argv, "--points-url") {
+                let routed = url.replace(&api.to_string(), &remote_addr.to_string());
+                set_value(&mut spec.argv, "--points-url", routed);
+            }
+            out.push(spec);
+        }
+        let dispatcher = out.iter().find(|s| s.role == Role::Dispatcher);
+        let Some(dispatcher) = dispatcher else {
+            bail!("the pipeline has no dispatcher to cut from the points API");
+        };
+        links.push(link(dispatcher, Dependency::Remote, vec![remote]));
+        Ok((Network::new(links), out))
+    }
+
+    /// Heals the faults that are over and, when one is due and no window `held` the faults,
+    /// injects the next: counted in
+    /// `faults` as `net_<kind>_<dependency>`, written to the timeline by `timeline`.
+    pub(super) fn tick(
+        &mut self,
+        now: Instant,
+        held: bool,
+        rng: &mut Rng,
+        faults: &mut BTreeMap<String, u64>,
+        timeline: &dyn Fn(&str),
+    ) {
+        for l in &mut self.links {
+            if l.heal_at.is_some_and(|at| now >= at) {
+                l.set(Conditions::healthy());
+                l.heal_at = None;
+                timeline(&format!(
+                    "net_heal {} of {}",
+                    l.dependency.name(),
+                    l.process
+                ));
+            }
+        }
+        // No new fault while the long lock is due or held (see `Windows::holds_faults`).
+        if now < self.next || held {
+            return;
+        }
+        self.next = now + rng.between(Duration::from_secs(1), Duration::from_secs(3));
+        let healthy = |d: Dependency| {
+            self.links
+                .iter()
+                .any(|l| l.dependency == d && l.heal_at.is_none())
+        };
+        let Some((dependency, kind)) = turn(self.injected, self.kinds, healthy) else {
+            return;
+        };
+        self.injected += 1;
+        let free: Vec<usize> = (0..self.links.len())
+            .filter(|&i| self.links[i].dependency == dependency && self.links[i].heal_at.is_none())
+            .collect();
+        let l = &mut self.links[free[rng.index(free.len())]];
+        let (kind, what) = match kind {
+            Kind::Partition => {
+                let long = rng.below(5) == 0;
+                let d = if long {
+                    rng.between(Duration::from_secs(12), Duration::from_secs(16))
+                } else {
+                    rng.between(Duration::from_secs(1), Duration::from_secs(8))
+                };
+                l.set(Conditions::blackhole());
+                l.heal_at = Some(now + d);
+                ("partition", format!("for {:.1} s", d.as_secs_f64()))
+            }
+            Kind::PartitionKill => {
+                let d = rng.between(Duration::from_secs(3), Duration::from_secs(8));
+                let kill = rng.between(Duration::from_millis(500), Duration::from_secs(2));
+                l.set(Conditions::blackhole());
+                l.heal_at = Some(now + d);
+                self.kills.push((now + kill, l.process.clone()));
+                let (d, kill) = (d.as_secs_f64(), kill.as_secs_f64());
+                (
+                    "partition_kill",
+                    format!("for {d:.1} s, killed after {kill:.1} s"),
+                )
+            }
+            Kind::Reset => {
+                for p in &l.proxies {
+                    p.reset_all();
+                }
+                ("reset", "every open connection".to_owned())
+            }
+            Kind::Slow => {
+                let c = slow(rng);
+                let d = rng.between(Duration::from_secs(2), Duration::from_secs(10));
+                l.set(c);
+                l.heal_at = Some(now + d);
+                ("slow", format!("{c:?} for {:.1} s", d.as_secs_f64()))
+            }
+        };
+        let key = format!("net_{kind}_{}", l.dependency.name());
+        *faults.entry(key).or_default() += 1;
+        timeline(&format!(
+            "net_{kind} {} of {}: {what}",
+            l.dependency.name(),
+            l.process
+        ));
+    }
+
+    /// Ends every fault: the pipeline settles on a healthy network.
+    pub(super) fn heal_all(&mut self) {
+        self.kills.clear();
+        for l in &mut self.links {
+            l.set(Conditions::healthy());
+            l.heal_at = None;
+        }
+    }
+}
+
+/// A slow link: 20–250 ms of latency, up to 100 ms of jitter, half of the time a cap of
+/// 64 KiB/s to 1 MiB/s.
+fn slow(rng: &mut Rng) -> Conditions {
+    Conditions {
+        latency: rng.between(Duration::from_millis(20), Duration::from_millis(250)),
+        jitter: rng.between(Duration::ZERO, Duration::from_millis(100)),
+        bandwidth: (rng.below(2) == 0).then(|| 65_536 + rng.below(983_040)),
+        blackhole: false,
+    }
+}
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+fn link(spec: &Spec, dependency: Dependency, proxies: Vec<Proxy>) -> Link {
+    Link::new(&spec.name, dependency, proxies)
+}
+
+/// A proxy to the PostgreSQL server of `url`, and `url` through it.
+pub(super) async fn postgres_link(url: &str, seed: u64) -> anyhow::Result<(Proxy, String)> {
+    let authority = authority(url)
+        .with_context(|| format!("no host:port in the database URL {}", idem_sql::redact(url)))?;
+    let with_port = if authority
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+    {
+        authority.to_owned()
+    } else {
+        format!("{authority}:5432")
+    };
+    let upstream = with_port
+        .to_socket_addrs()?
+        .next()
+        .with_context(|| format!("{with_port} does not resolve"))?;
+    let proxy = Proxy::start(loopback(), upstream, seed).await?;
+    let routed = url.replacen(authority, &proxy.addr().to_string(), 1);
+    Ok((proxy, routed))
+}
+
+/// The `host[:port]` of a `postgres://user@host:port/db?…` URL.
+fn authority(url: &str) -> Option<&str> {
+    let rest = url.split_once("://")?.1;
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let auth = &rest[..end];
+    let host = auth.rsplit_once('@').map_or(auth, |(_, h)| h);
+    (!host.is_empty()).then_some(host)
+}
+
+fn value_of(argv: &[String], flag: &str) -> Option<String> {
+    argv.iter()
+        .position(|a| a == flag)
+        .and_then(|i| argv.get(i + 1))
+        .cloned()
+}
+
+fn set_value(argv: &mut [String], flag: &str, value: String) {
+    if let Some(i) = argv.iter().position(|a| a == flag)
+        && let Some(v) = argv.get_mut(i + 1)
+    {
+        *v = value;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_authority_of_a_database_url_is_its_host_and_port() {
+        let url = "postgres://postgres:pw@127.0.0.1:5433/idem_demo?sslmode=disable";
+        assert_eq!(authority(url), Some("127.0.0.1:5433"));
+        assert_eq!(authority("postgres://h/db"), Some("h"));
+        assert_eq!(authority("postgresql://u@[::1]:6/db"), Some("[::1]:6"));
+        assert_eq!(authority("not a url"), None);
+    }
+
+    #[test]
+    fn five_faults_partition_every_dependency_and_twelve_bring_every_kind_to_each() {
+        let all = |_| true;
+        let faults: Vec<_> = (0..12).map(|n| turn(n, &KINDS, all).unwrap()).collect();
+        for d in DEPENDENCIES {
+            assert!(faults[..5].contains(&(d, Kind::Partition)), "{d:?}");
+            for k in [Kind::Partition, Kind::Slow, Kind::Reset] {
+                assert!(faults.contains(&(d, k)), "{d:?} {k:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_dependency_whose_links_are_all_faulted_passes_its_turn_on() {
+        let kafka_down = |d| d != Dependency::Kafka;
+        assert_eq!(
+            turn(1, &KINDS, kafka_down),
+            Some((Dependency::Remote, Kind::Slow))
+        );
+        assert_eq!(turn(0, &KINDS, |_| false), None);
+        let with_kills: Vec<_> = (0..4)
+            .map(|n| turn(n, &KINDS_WITH_KILLS, |_| true).unwrap().1)
+            .collect();
+        assert!(with_kills.contains(&Kind::PartitionKill));
+    }
+
+    #[test]
+    fn a_flag_value_is_read_and_replaced_in_place() {
+        let mut argv: Vec<String> = ["relay", "--db", "a", "--brokers", "b"]
+            .map(str::to_owned)
+            .to_vec();
+        assert_eq!(value_of(&argv, "--brokers").as_deref(), Some("b"));
+        set_value(&mut argv, "--db", "x".to_owned());
+        assert_eq!(argv, ["relay", "--db", "x", "--brokers", "b"]);
+        assert_eq!(value_of(&argv, "--points-url"), None);
+    }
+}

@@ -1,0 +1,828 @@
+//! One run of a pipeline file: start, faults, settle, verify, report.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+
+use idem_netfault::ProxiedListener;
+
+use super::file::{Component, Fault, PipelineFile, Places, Ready, expand};
+use crate::chaos::ChaosArgs;
+use crate::chaos::inject::append_timeline;
+use crate::chaos::kafka;
+use crate::chaos::network::{Dependency, Link, Network, postgres_link};
+use crate::chaos::procs::{Proc, Rng, Role};
+use crate::chaos::schedule::{self, Plan};
+
+/// The report of a pipeline run.
+#[derive(Debug, Serialize)]
+pub(crate) struct PipelineReport {
+    pub ok: bool,
+    pub failures: Vec<String>,
+    pub seed: u64,
+    pub seconds: u64,
+    /// Faults by kind (`sigkill`, `sigstop`, `sigterm_restart`, `broker_kill`,
+    /// `net_<kind>_<dependency>`, …); `faults.log` has each with its time.
+    pub faults: BTreeMap<String, u64>,
+    /// Was every effect there before `--settle-deadline`? (Missing ones that stopped moving
+    /// end the wait early: they are lost.)
+    pub settled: bool,
+    pub settle_seconds: f64,
+    /// Missing effects, each located in the verify report's `losses`.
+    pub lost: u64,
+    pub duplicate_effects: u64,
+    /// Exits the runner did not cause (the process was restarted).
+    pub unexpected_exits: Vec<String>,
+    /// `panicked at` lines of any process's log.
+    pub panics: Vec<String>,
+    pub verify: idem_verify::Report,
+    /// The run's directory (logs, `faults.log`), kept when the run failed or with `--keep`.
+    pub logs: Option<String>,
+}
+
+/// Runs the pipeline file at `path` and prints the report. Exit status: 0 the run passed, 1
+/// it found a violation, 2 it could not run (the file, a component that never got ready, a
+/// database that refused), with the reason on standard error.
+pub(crate) async fn run(args: &ChaosArgs, path: &Path) -> anyhow::Result<()> {
+    let report = match run_file(args, path).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("idem-lab: error: {e:#}");
+            return Err(idem_cli::verify_cmd::ExitWith(2).into());
+        }
+    };
+    idem_cli::verify_cmd::emit(&report, args.json, report.ok, print)
+}
+
+async fn run_file(args: &ChaosArgs, path: &Path) -> anyhow::Result<PipelineReport> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the pipeline file {}", path.display()))?;
+    let file = PipelineFile::parse(&text)?;
+    let verify_path = file.verify_path(path);
+    let verify_text = std::fs::read_to_string(&verify_path)
+        .with_context(|| format!("reading the verify config {}", verify_path.display()))?;
+    let verify = idem_verify::VerifyConfig::from_toml(&verify_text)
+        .with_context(|| format!("reading the verify config {}", verify_path.display()))?;
+    let dir = tempfile::Builder::new()
+        .prefix("idem-pipeline-")
+        .tempdir()?;
+    let interrupted = idem_cli::util::shutdown_signal()?;
+    let result = tokio::select! {
+        r = drive(args, &file, &verify, dir.path()) => r,
+        () = interrupted => Err(anyhow::anyhow!(
+            "interrupted: every process of the run was killed"
+        )),
+    };
+    let mut report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let kept = dir.keep();
+            return Err(e.context(format!("the run's logs are in {}", kept.display())));
+        }
+    };
+    if args.keep || !report.ok {
+        report.logs = Some(dir.keep().display().to_string());
+    }
+    Ok(report)
+}
+
+fn print(r: &PipelineReport) {
+    let verdict = if r.ok { "ok" } else { "FAILED" };
+    println!(
+        "idem chaos --pipeline: {verdict} (seed {}, {} s)",
+        r.seed, r.seconds
+    );
+    for f in &r.failures {
+        println!("  failure: {f}");
+    }
+    let faults: Vec<String> = r.faults.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    println!("  faults: {}", faults.join(", "));
+    println!(
+        "  lost {}, duplicate effects {}, settled {} after {:.1} s",
+        r.lost, r.duplicate_effects, r.settled, r.settle_seconds
+    );
+    println!();
+    print!("{}", r.verify.table());
+    for e in &r.unexpected_exits {
+        println!("  exited on its own: {e}");
+    }
+    if let Some(l) = &r.logs {
+        println!("  logs and faults.log: {l}");
+    }
+}
+
+async fn drive(
+    args: &ChaosArgs,
+    file: &PipelineFile,
+    verify: &idem_verify::VerifyConfig,
+    dir: &Path,
+) -> anyhow::Result<PipelineReport> {
+    let timeline = dir.join("faults.log");
+    let mut rng = Rng::new(args.seed);
+    let mut faults = BTreeMap::new();
+    let (cluster, brokers) = prepare_kafka(file, dir)?;
+    let (mut fleet, mut net) = build(file, dir, cluster.as_ref(), brokers, args.seed).await?;
+    start_in_order(&mut fleet, file, cluster.as_ref()).await?;
+    let mut run = RunState {
+        rng: &mut rng,
+        faults: &mut faults,
+        timeline: &timeline,
+    };
+    let kafka = KafkaTargets {
+        cluster: cluster.as_ref(),
+        conn: match &cluster {
+            Some(c) => c.conn.clone(),
+            None => {
+                idem_kafka::Connection::plaintext(file.kafka.bootstrap.as_deref().unwrap_or(""))
+            }
+        },
+        topics: &file.kafka.topics,
+        redeliver: file.kafka.redeliver,
+    };
+    let end = Instant::now() + Duration::from_secs(args.seconds);
+    inject(&mut fleet, &mut net, &kafka, end, &mut run).await?;
+    calm(&mut fleet, &mut net, &mut run)?;
+    stop_loads(&mut fleet);
+    let started = Instant::now();
+    let settled = settle(&mut fleet, verify, started + args.settle_deadline, &mut run).await?;
+    let settle_seconds = started.elapsed().as_secs_f64();
+    let report = idem_verify::verify(verify, &idem_verify::Options::default()).await?;
+    let panics: Vec<String> = fleet.procs.iter().flat_map(Proc::panics).collect();
+    for p in &mut fleet.procs {
+        p.stop(Duration::from_secs(10));
+    }
+    let unexpected_exits = fleet
+        .procs
+        .iter()
+        .flat_map(|p| p.unexpected_exits.iter().cloned())
+        .collect();
+    let numbers = Numbers {
+        settled,
+        settle_seconds,
+        panics,
+        unexpected_exits,
+    };
+    Ok(verdict(args, faults, report, numbers))
+}
+
+/// How settling ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Settled {
+    /// No effect is missing.
+    Complete,
+    /// Effects are missing, and nothing changed for [`STILL_FOR`].
+    Still,
+    /// Effects were still missing, and still moving, at the deadline.
+    Deadline,
+}
+
+/// How long a pipeline with missing effects must not change to be taken as still: longer than
+/// a consumer group takes to evict a killed member and rebalance (a session timeout, then up
+/// to a poll interval while the others rejoin).
+const STILL_FOR: Duration = Duration::from_secs(60);
+
+/// Verifies every second (restarting what goes down meanwhile) until no effect is missing,
+/// nothing changes any more, or `deadline` passes.
+async fn settle(
+    fleet: &mut Fleet,
+    verify: &idem_verify::VerifyConfig,
+    deadline: Instant,
+    run: &mut RunState<'_>,
+) -> anyhow::Result<Settled> {
+    let quick = idem_verify::Options { locate_limit: 0 };
+    let (mut last, mut changed) = (None, Instant::now());
+    loop {
+        let r = idem_verify::verify(verify, &quick).await?;
+        if r.lost() == 0 {
+            return Ok(Settled::Complete);
+        }
+        let now = Some(progress(&r));
+        if last != now {
+            (last, changed) = (now, Instant::now());
+        }
+        if changed.elapsed() >= STILL_FOR {
+            return Ok(Settled::Still);
+        }
+        if Instant::now() >= deadline {
+            return Ok(Settled::Deadline);
+        }
+        supervise(fleet, Instant::now(), run)?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// What moves while a pipeline settles: missing and doubled effects, target rows.
+fn progress(r: &idem_verify::Report) -> (u64, u64, u64) {
+    let rows = r.checks.iter().map(|c| c.total().target_rows).sum();
+    (r.lost(), r.duplicate_effects(), rows)
+}
+
+/// What a run measured beside verification.
+struct Numbers {
+    settled: Settled,
+    settle_seconds: f64,
+    panics: Vec<String>,
+    unexpected_exits: Vec<String>,
+}
+
+/// From the run's numbers to the report: a loss, a duplicate effect, any other violation, a
+/// pipeline that did not settle, or a panic fails it.
+fn verdict(
+    args: &ChaosArgs,
+    faults: BTreeMap<String, u64>,
+    verify: idem_verify::Report,
+    n: Numbers,
+) -> PipelineReport {
+    let (lost, duplicate_effects) = (verify.lost(), verify.duplicate_effects());
+    let mut failures = vec![];
+    if lost > 0 {
+        failures.push(format!("{lost} effects missing (see the losses' stages)"));
+    }
+    if duplicate_effects > 0 {
+        failures.push(format!("{duplicate_effects} duplicate effects"));
+    }
+    if n.settled == Settled::Deadline {
+        failures.push(format!(
+            "effects still arriving at --settle-deadline ({:?}): a stall, or too short a \
+             deadline for the load",
+            args.settle_deadline
+        ));
+    }
+    if lost == 0 && duplicate_effects == 0 && !verify.clean {
+        failures.push("verification found other violations".to_owned());
+    }
+    if !n.panics.is_empty() {
+        failures.push(format!("{} panics in the processes' logs", n.panics.len()));
+    }
+    PipelineReport {
+        ok: failures.is_empty(),
+        failures,
+        seed: args.seed,
+        seconds: args.seconds,
+        faults,
+        settled: n.settled == Settled::Complete,
+        settle_seconds: n.settle_seconds,
+        lost,
+        duplicate_effects,
+        unexpected_exits: n.unexpected_exits,
+        panics: n.panics,
+        verify,
+        logs: None,
+    }
+}
+
+/// A Kafka cluster the runner started: where `scripts/kafka` prepared it, and its clients'
+/// connection.
+struct Cluster {
+    dir: std::path::PathBuf,
+    topics: Vec<String>,
+    bootstrap: String,
+    nodes: usize,
+    conn: idem_kafka::Connection,
+}
+
+/// Prepares the runner's own cluster (`[kafka] nodes`), with a proxied listener for every
+/// process that takes network faults and reaches Kafka: the cluster and its nodes' processes.
+fn prepare_kafka(file: &PipelineFile, dir: &Path) -> anyhow::Result<(Option<Cluster>, Vec<Proc>)> {
+    let Some(nodes) = file.kafka.nodes else {
+        return Ok((None, vec![]));
+    };
+    let listeners: usize = all(file)
+        .filter(|c| c.faults.contains(&Fault::Network) && c.uses("kafka"))
+        .map(|c| c.replicas)
+        .sum();
+    if listeners > 8 {
+        bail!(
+            "{listeners} processes reach Kafka with network faults; the runner proxies at most 8"
+        );
+    }
+    let prepared = kafka::prepare(nodes, dir, false, listeners)?;
+    let cluster = Cluster {
+        conn: idem_kafka::Connection::plaintext(&prepared.bootstrap),
+        dir: prepared.dir,
+        topics: file.kafka.topics.clone(),
+        bootstrap: prepared.bootstrap,
+        nodes,
+    };
+    Ok((Some(cluster), prepared.nodes))
+}
+
+fn all(file: &PipelineFile) -> impl Iterator<Item = &Component> {
+    file.components.iter().chain(&file.loads)
+}
+
+/// The processes of a run and what the schedule may do to each, brokers first.
+struct Fleet {
+    procs: Vec<Proc>,
+    /// Per process: the signal faults it may receive (none for the brokers).
+    signals: Vec<Vec<Fault>>,
+    /// Per process: is it a load (stopped when the faults stop)?
+    load: Vec<bool>,
+    /// Per process: its readiness, filled in.
+    ready: Vec<Option<Ready>>,
+    /// Per process: stopped for good (a load after the faults).
+    done: Vec<bool>,
+}
+
+/// Builds every process (not started yet): the brokers, then each replica of each component
+/// and load, its placeholders filled with its own proxies' addresses when it takes network
+/// faults.
+async fn build(
+    file: &PipelineFile,
+    dir: &Path,
+    cluster: Option<&Cluster>,
+    brokers: Vec<Proc>,
+    seed: u64,
+) -> anyhow::Result<(Fleet, Network)> {
+    let n = brokers.len();
+    let mut fleet = Fleet {
+        procs: brokers,
+        signals: vec![vec![]; n],
+        load: vec![false; n],
+        ready: vec![None; n],
+        done: vec![false; n],
+    };
+    let mut links = vec![];
+    let mut listeners = 0;
+    let bootstrap = match (cluster, &file.kafka.bootstrap) {
+        (Some(c), _) => c.bootstrap.clone(),
+        (None, Some(b)) => b.clone(),
+        (None, None) => bail!("[kafka] names no cluster"),
+    };
+    for (k, c) in all(file).enumerate() {
+        for replica in 0..c.replicas {
+            let name = format!("{}-{replica}", c.name);
+            let seed = seed.wrapping_add(1000 * (fleet.procs.len() as u64 + 1));
+            let mut places = Places {
+                databases: file.databases.clone(),
+                kafka: bootstrap.clone(),
+                replica,
+                incarnation: 1,
+                port: crate::chaos::topology::free_port()?,
+                dir: dir.display().to_string(),
+            };
+            if c.faults.contains(&Fault::Network) {
+                for (db, url) in &file.databases {
+                    if c.uses(&format!("db.{db}")) {
+                        let (proxy, routed) = postgres_link(url, seed).await?;
+                        places.databases.insert(db.clone(), routed);
+                        links.push(Link::new(&name, Dependency::Postgres, vec![proxy]));
+                    }
+                }
+                if let (Some(cl), true) = (cluster, c.uses("kafka")) {
+                    listeners += 1;
+                    let tag = format!("P{listeners}");
+                    let l = ProxiedListener::start(&cl.dir, &tag, seed).await?;
+                    places.kafka = l.bootstrap();
+                    links.push(Link::new(&name, Dependency::Kafka, l.proxies));
+                }
+            }
+            fleet
+                .ready
+                .push(c.ready.as_ref().map(|r| filled(r, &places)));
+            let command = builder(c.clone(), places);
+            fleet
+                .procs
+                .push(Proc::new(Role::Component, name, dir, command));
+            let signals = c.faults.iter().copied().filter(|f| *f != Fault::Network);
+            fleet.signals.push(signals.collect());
+            fleet.load.push(k >= file.components.len());
+            fleet.done.push(false);
+        }
+    }
+    Ok((fleet, Network::new(links).with_kills()))
+}
+
+/// A readiness with its placeholders filled in.
+fn filled(r: &Ready, p: &Places) -> Ready {
+    // Checked when the file was read: every placeholder is defined.
+    let fill = |t: &String| expand(t, p).unwrap_or_else(|_| t.clone());
+    match r {
+        Ready::Log(s) => Ready::Log(fill(s)),
+        Ready::Tcp(s) => Ready::Tcp(fill(s)),
+        Ready::Http(s) => Ready::Http(fill(s)),
+    }
+}
+
+/// The command of a replica's incarnation `n`.
+fn builder(c: Component, places: Places) -> Box<dyn Fn(u32) -> Command + Send> {
+    Box::new(move |n| {
+        let p = Places {
+            incarnation: n,
+            ..places.clone()
+        };
+        // Checked when the file was read: every placeholder is defined.
+        let fill = |t: &str| expand(t, &p).unwrap_or_else(|_| t.to_owned());
+        let mut cmd = Command::new(fill(&c.command[0]));
+        cmd.args(c.command[1..].iter().map(|a| fill(a)));
+        for (k, v) in &c.env {
+            cmd.env(k, fill(v));
+        }
+        cmd
+    })
+}
+
+/// How long a process may take to be ready at start.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+
+/// Starts the brokers and creates the topics, then every component in the file's order (each
+/// replica ready before the next starts), then the loads.
+async fn start_in_order(
+    fleet: &mut Fleet,
+    file: &PipelineFile,
+    cluster: Option<&Cluster>,
+) -> anyhow::Result<()> {
+    let brokers = fleet
+        .procs
+        .iter()
+        .filter(|p| p.role == Role::Broker)
+        .count();
+    for p in fleet.procs.iter_mut().take(brokers) {
+        p.start(&[])?;
+    }
+    let conn = match cluster {
+        Some(c) => {
+            kafka::wait_ready(&c.conn, c.nodes, Duration::from_secs(120)).await?;
+            c.conn.clone()
+        }
+        None => idem_kafka::Connection::plaintext(file.kafka.bootstrap.as_deref().unwrap_or("")),
+    };
+    if !file.kafka.topics.is_empty() {
+        let replication = i32::try_from(cluster.map_or(1, |c| c.nodes.min(3)))?;
+        let (topics, partitions) = (&file.kafka.topics, file.kafka.partitions);
+        idem_kafka::ensure_topics_with(&conn.client_config(), topics, partitions, replication)
+            .await
+            .context("creating the pipeline's topics")?;
+    }
+    for loads in [false, true] {
+        for i in brokers..fleet.procs.len() {
+            if fleet.load[i] != loads {
+                continue;
+            }
+            fleet.procs[i].start(&[])?;
+            let ready = fleet.ready[i].clone();
+            if let Some(r) = ready {
+                wait_ready(&mut fleet.procs[i], &r).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Waits until `p` is ready by `r`; fails when it exits first or takes longer than
+/// [`READY_WITHIN`].
+async fn wait_ready(p: &mut Proc, r: &Ready) -> anyhow::Result<()> {
+    let deadline = Instant::now() + READY_WITHIN;
+    loop {
+        let ready = match r {
+            Ready::Log(line) => p.current_log().contains(line.as_str()),
+            Ready::Tcp(addr) => tcp_answers(addr),
+            Ready::Http(url) => http_ok(url),
+        };
+        if ready {
+            return Ok(());
+        }
+        if !p.running() {
+            bail!(
+                "{} exited before it was ready: {}",
+                p.name,
+                p.unexpected_exits.last().map_or("", String::as_str)
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!("{} was not ready by {r:?} within {READY_WITHIN:?}", p.name);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn tcp_answers(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    addr.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .is_some_and(|a| {
+            std::net::TcpStream::connect_timeout(&a, Duration::from_millis(300)).is_ok()
+        })
+}
+
+/// Does `url` (`http://host:port/path`) answer 2xx?
+fn http_ok(url: &str) -> bool {
+    use std::io::{Read, Write};
+    use std::net::ToSocketAddrs;
+    let Some(rest) = url.strip_prefix("http://") else {
+        return false;
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let path = if path.is_empty() { "/" } else { path };
+    let Some(addr) = authority.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+        return false;
+    };
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if write!(s, "GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.") && head[9] == b'2'
+}
+
+/// The faults until `end`: a signal every 0.5–2 s at a process that may receive one, a broker
+/// fault every 15–25 s (a cluster of the runner's), the network faults of `net`.
+async fn inject(
+    fleet: &mut Fleet,
+    net: &mut Network,
+    kafka: &KafkaTargets<'_>,
+    end: Instant,
+    run: &mut RunState<'_>,
+) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let mut next_signal = start + Duration::from_secs(1);
+    let mut next_broker = start + Duration::from_secs(15);
+    let mut next_copies = start + Duration::from_secs(5);
+    loop {
+        let now = Instant::now();
+        if now >= end {
+            return Ok(());
+        }
+        supervise(fleet, now, run)?;
+        let timeline = run.timeline;
+        net.tick(now, false, run.rng, run.faults, &|l| {
+            append_timeline(timeline, l)
+        });
+        kill_in_partitions(fleet, net.due_kills(now), now, run);
+        if now >= next_signal {
+            if signal(fleet, now, run) {
+                next_signal = now
+                    + run
+                        .rng
+                        .between(Duration::from_millis(500), Duration::from_secs(2));
+            } else {
+                next_signal = now + Duration::from_millis(100);
+            }
+        }
+        if kafka.redeliver && now >= next_copies {
+            redeliver(kafka, run).await;
+            next_copies = now
+                + run
+                    .rng
+                    .between(Duration::from_secs(5), Duration::from_secs(10));
+        }
+        if let Some(c) = kafka.cluster
+            && now >= next_broker
+        {
+            next_broker = match broker(fleet, c, now, run).await? {
+                true => {
+                    now + run
+                        .rng
+                        .between(Duration::from_secs(15), Duration::from_secs(25))
+                }
+                false => now + Duration::from_millis(500),
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The Kafka side of the faults: the runner's cluster (broker faults), and the topics whose
+/// records are produced again.
+struct KafkaTargets<'a> {
+    cluster: Option<&'a Cluster>,
+    conn: idem_kafka::Connection,
+    topics: &'a [String],
+    redeliver: bool,
+}
+
+/// Copies of three recent records of each topic (`redelivered_records`); a copy that cannot
+/// be made now (a broker down) is written to the timeline and skipped.
+async fn redeliver(kafka: &KafkaTargets<'_>, run: &mut RunState<'_>) {
+    for topic in kafka.topics {
+        let picks: Vec<u64> = (0..3).map(|_| run.rng.next()).collect();
+        let (conn, t) = (kafka.conn.client_config(), topic.clone());
+        let copied = tokio::task::spawn_blocking(move || {
+            let mut i = 0;
+            let mut pick = |len: usize| {
+                i += 1;
+                usize::try_from(picks[i - 1] % len.max(1) as u64).unwrap_or(0)
+            };
+            super::redeliver::copy_recent(&conn, &t, picks.len(), &mut pick)
+        })
+        .await;
+        match copied {
+            Ok(Ok(copied)) if !copied.is_empty() => {
+                let n = copied.len() as u64;
+                *run.faults
+                    .entry("redelivered_records".to_owned())
+                    .or_default() += n;
+                let at: Vec<String> = copied.iter().map(|(p, o)| format!("{p}/{o}")).collect();
+                let line = format!("redelivered_records {topic}: copies of {}", at.join(", "));
+                append_timeline(run.timeline, &line);
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => append_timeline(
+                run.timeline,
+                &format!("redelivered_records {topic} failed: {e:#}"),
+            ),
+            Err(e) => append_timeline(
+                run.timeline,
+                &format!("redelivered_records {topic} failed: {e}"),
+            ),
+        }
+    }
+}
+
+/// What the fault loop carries along: the dice, the counts and the timeline.
+struct RunState<'a> {
+    rng: &'a mut Rng,
+    faults: &'a mut BTreeMap<String, u64>,
+    timeline: &'a Path,
+}
+
+impl RunState<'_> {
+    fn count(&mut self, kind: &str, what: &str) {
+        *self.faults.entry(kind.to_owned()).or_default() += 1;
+        append_timeline(self.timeline, &format!("{kind} {what}"));
+    }
+}
+
+/// SIGKILLs the processes of `names` (killed inside their partition), restarted after
+/// 0.2–1.5 s.
+fn kill_in_partitions(fleet: &mut Fleet, names: Vec<String>, now: Instant, run: &mut RunState<'_>) {
+    for name in names {
+        let Some(p) = fleet.procs.iter_mut().find(|p| p.name == name) else {
+            continue;
+        };
+        if !p.running() {
+            continue;
+        }
+        p.kill9();
+        let down = run
+            .rng
+            .between(Duration::from_millis(200), Duration::from_millis(1500));
+        p.restart_at = Some(now + down);
+        let line = format!(
+            "net_partition_kill: SIGKILL {name} incarnation {}",
+            p.incarnation
+        );
+        append_timeline(run.timeline, &line);
+    }
+}
+
+/// A signal at a process that may receive one, drawn by the dice: `false` when the one drawn
+/// is down or paused (tried again shortly).
+fn signal(fleet: &mut Fleet, now: Instant, run: &mut RunState<'_>) -> bool {
+    let eligible: Vec<usize> = (0..fleet.procs.len())
+        .filter(|i| !fleet.signals[*i].is_empty() && !fleet.done[*i])
+        .collect();
+    if eligible.is_empty() {
+        return true;
+    }
+    let i = eligible[run.rng.index(eligible.len())];
+    let p = &mut fleet.procs[i];
+    if !p.running() || p.paused_until.is_some() {
+        return false;
+    }
+    let kinds = &fleet.signals[i];
+    let what = format!("{} incarnation {}", p.name, p.incarnation);
+    // Every kind a process allows comes once before the dice choose: a short run tests each.
+    let unsent = kinds
+        .iter()
+        .copied()
+        .find(|k| !run.faults.contains_key(signal_name(*k)));
+    let kind = unsent.unwrap_or_else(|| kinds[run.rng.index(kinds.len())]);
+    match kind {
+        Fault::Kill => {
+            p.kill9();
+            p.restart_at = Some(
+                now + run
+                    .rng
+                    .between(Duration::from_millis(200), Duration::from_millis(1500)),
+            );
+            run.count(signal_name(kind), &what);
+        }
+        Fault::Pause => {
+            p.signal(19);
+            p.paused_until = Some(
+                now + run
+                    .rng
+                    .between(Duration::from_secs(1), Duration::from_secs(4)),
+            );
+            run.count(signal_name(kind), &what);
+        }
+        Fault::Restart => {
+            p.stop(Duration::from_secs(10));
+            p.restart_at = Some(now + Duration::from_millis(200));
+            run.count(signal_name(kind), &what);
+        }
+        Fault::Network => {}
+    }
+    true
+}
+
+/// The name a signal fault is counted under.
+fn signal_name(kind: Fault) -> &'static str {
+    match kind {
+        Fault::Kill => "sigkill",
+        Fault::Pause => "sigstop",
+        Fault::Restart => "sigterm_restart",
+        Fault::Network => "network",
+    }
+}
+
+/// A broker fault on the runner's cluster, as the reference run chooses them (`false`: the
+/// cluster is still recovering from the last one; tried again shortly).
+async fn broker(
+    fleet: &mut Fleet,
+    c: &Cluster,
+    now: Instant,
+    run: &mut RunState<'_>,
+) -> anyhow::Result<bool> {
+    let partitions = if c.nodes > 1 {
+        Some(partitions_of_first_topic(c).await?)
+    } else {
+        None
+    };
+    let all_up = fleet
+        .procs
+        .iter_mut()
+        .filter(|p| p.role == Role::Broker)
+        .all(|p| p.running() && p.paused_until.is_none());
+    let first = schedule::first_broker_fault(run.faults);
+    let Plan::Broker { fault, down } =
+        schedule::broker(c.nodes, partitions.as_deref(), all_up, first, run.rng)
+    else {
+        return Ok(false);
+    };
+    crate::chaos::inject::hit_broker(&mut fleet.procs, fault, down, now)?;
+    run.count(
+        fault.kind(),
+        &format!("{fault:?} for {:.1} s", down.as_secs_f64()),
+    );
+    Ok(true)
+}
+
+/// The partitions of the file's first topic (none: nothing to choose from).
+async fn partitions_of_first_topic(
+    c: &Cluster,
+) -> anyhow::Result<Vec<idem_kafka::admin::PartitionInfo>> {
+    let Some(topic) = c.topics.first() else {
+        return Ok(vec![]);
+    };
+    crate::chaos::inject::partitions(&c.conn, topic).await
+}
+
+/// Resumes what is due, restarts what is down: a process killed by the runner at its planned
+/// time, one that exited on its own (listed in its `unexpected_exits`) after a short wait.
+fn supervise(fleet: &mut Fleet, now: Instant, run: &mut RunState<'_>) -> anyhow::Result<()> {
+    for (i, p) in fleet.procs.iter_mut().enumerate() {
+        if fleet.done[i] {
+            continue;
+        }
+        if p.paused_until.is_some_and(|t| now >= t) {
+            p.signal(18);
+            p.paused_until = None;
+        }
+        if p.running() {
+            continue;
+        }
+        match schedule::revival(p.restart_at, now, run.rng) {
+            schedule::Revival::Start => p.start(&[])?,
+            schedule::Revival::Wait => {}
+            schedule::Revival::Plan(after) => p.restart_at = Some(now + after),
+        }
+    }
+    Ok(())
+}
+
+/// The faults are over: every link healed, every paused process resumed, every dead one due
+/// for a restart now.
+fn calm(fleet: &mut Fleet, net: &mut Network, run: &mut RunState<'_>) -> anyhow::Result<()> {
+    net.heal_all();
+    append_timeline(run.timeline, "faults stopped; every link healed");
+    let now = Instant::now();
+    for p in &mut fleet.procs {
+        if p.paused_until.is_some() {
+            p.paused_until = Some(now);
+        }
+        if p.restart_at.is_some() {
+            p.restart_at = Some(now);
+        }
+    }
+    supervise(fleet, now, run)
+}
+
+/// Stops the loads for good (SIGTERM, then SIGKILL after 10 s).
+fn stop_loads(fleet: &mut Fleet) {
+    for i in 0..fleet.procs.len() {
+        if fleet.load[i] {
+            fleet.procs[i].stop(Duration::from_secs(10));
+            fleet.done[i] = true;
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! The pipeline file (`idem-lab chaos --pipeline pipeline.toml`): the databases, Kafka, the
+//! components as command lines, the load, and the verify config — everything the runner needs
+//! to put a pipeline it did not write under faults. Reading and checking it, and filling in a
+//! command line's placeholders, are pure.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// A pipeline file, read.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PipelineFile {
+    /// Databases by name: `{db.NAME}` in a command line is its URL as the component reaches
+    /// it (through the component's fault proxy when it takes network faults).
+    #[serde(default)]
+    pub databases: BTreeMap<String, String>,
+    /// The Kafka cluster.
+    pub kafka: KafkaSection,
+    /// The components: the processes under faults that stay up until the pipeline settles.
+    #[serde(rename = "component")]
+    pub components: Vec<Component>,
+    /// The load: processes that write the pipeline's input, stopped when the faults stop.
+    #[serde(default, rename = "load")]
+    pub loads: Vec<Component>,
+    /// What proves the run.
+    pub verify: VerifySection,
+}
+
+/// The Kafka cluster: one the runner starts (`nodes`), which it may kill and put behind fault
+/// proxies, or one that runs already (`bootstrap`), which it leaves alone.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct KafkaSection {
+    /// Nodes the runner starts (`scripts/kafka prepare`): 1 or 3.
+    #[serde(default)]
+    pub nodes: Option<usize>,
+    /// A cluster that runs already.
+    #[serde(default)]
+    pub bootstrap: Option<String>,
+    /// Topics created before the components start.
+    #[serde(default)]
+    pub topics: Vec<String>,
+    /// Their partitions.
+    #[serde(default = "default_partitions")]
+    pub partitions: i32,
+    /// Every 5–10 s, copies of three recent records of each topic produced again (a
+    /// redelivery at-least-once permits): every consumer must absorb them.
+    #[serde(default = "yes")]
+    pub redeliver: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_partitions() -> i32 {
+    4
+}
+
+/// One component: a command line run as `replicas` processes.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Component {
+    /// Its name (its processes are `NAME-0`, `NAME-1`, …, with logs of those names).
+    pub name: String,
+    /// The program and its arguments, with placeholders: `{db.NAME}`, `{kafka}`, `{replica}`
+    /// (0-based), `{incarnation}` (1 for the first start, then one more per restart),
+    /// `{port}` (a free loopback port of the replica's, the same for every incarnation),
+    /// `{dir}` (the run's directory).
+    pub command: Vec<String>,
+    /// Its environment, with the same placeholders.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// How many processes run it.
+    #[serde(default = "one")]
+    pub replicas: usize,
+    /// When a replica is ready at start (none: once it is spawned).
+    #[serde(default)]
+    pub ready: Option<Ready>,
+    /// The faults it may receive.
+    #[serde(default = "all_faults")]
+    pub faults: Vec<Fault>,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn all_faults() -> Vec<Fault> {
+    vec![Fault::Kill, Fault::Pause, Fault::Restart, Fault::Network]
+}
+
+/// How to tell that a replica is ready, with the command line's placeholders.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub(crate) enum Ready {
+    /// A line of its log (standard output or error) contains this.
+    Log(String),
+    /// This `host:port` accepts TCP connections.
+    Tcp(String),
+    /// This `http://` URL answers 2xx.
+    Http(String),
+}
+
+/// A fault a component may receive.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Fault {
+    /// SIGKILL, restarted after 0.2–1.5 s.
+    Kill,
+    /// SIGSTOP for 1–4 s, then SIGCONT.
+    Pause,
+    /// SIGTERM, then a restart once it exits.
+    Restart,
+    /// Partitions, resets and slow links between it and its databases and Kafka.
+    Network,
+}
+
+/// The verify config: the same file `idem verify --config` reads.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct VerifySection {
+    /// Its path, relative to the pipeline file.
+    pub config: PathBuf,
+}
+
+/// A pipeline file that cannot run, and why.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub(crate) enum FileError {
+    #[error("the pipeline file is not valid TOML for a pipeline: {0}")]
+    Toml(String),
+    #[error("[kafka] needs exactly one of `nodes` (a cluster the runner starts) and `bootstrap`")]
+    KafkaSource,
+    #[error("[kafka] nodes = {0}: the runner starts 1 or 3 nodes")]
+    Nodes(usize),
+    #[error("[kafka] nodes = 3 needs `topics`: leader kills choose a partition of the first")]
+    NoTopicToKillLeadersOf,
+    #[error("the pipeline has no [[component]]")]
+    NoComponent,
+    #[error("two components or loads are named `{0}`: every name must be unique")]
+    DuplicateName(String),
+    #[error("`{0}` is not a name for a component: use letters, digits, `-` and `_`")]
+    BadName(String),
+    #[error("`{0}` has an empty command")]
+    EmptyCommand(String),
+    #[error("`{0}` has replicas = 0")]
+    NoReplica(String),
+    #[error("`{name}` names `{placeholder}`, which the file does not define")]
+    Unknown { name: String, placeholder: String },
+    #[error("`{name}` has an unclosed `{{` in `{text}`")]
+    Unclosed { name: String, text: String },
+}
+
+impl PipelineFile {
+    /// Reads and checks a pipeline file.
+    pub(crate) fn parse(text: &str) -> Result<PipelineFile, FileError> {
+        let file: PipelineFile =
+            toml::from_str(text).map_err(|e| FileError::Toml(e.to_string()))?;
+        file.check()?;
+        Ok(file)
+    }
+
+    fn check(&self) -> Result<(), FileError> {
+        match (self.kafka.nodes, &self.kafka.bootstrap) {
+            (Some(3), None) if self.kafka.topics.is_empty() => {
+                return Err(FileError::NoTopicToKillLeadersOf);
+            }
+            (Some(n), None) if n == 1 || n == 3 => {}
+            (Some(n), None) => return Err(FileError::Nodes(n)),
+            (None, Some(_)) => {}
+            _ => return Err(FileError::KafkaSource),
+        }
+        if self.components.is_empty() {
+            return Err(FileError::NoComponent);
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for c in self.components.iter().chain(&self.loads) {
+            let valid = !c.name.is_empty()
+                && c.name
+                    .chars()
+                    .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_');
+            if !valid {
+                return Err(FileError::BadName(c.name.clone()));
+            }
+            if !names.insert(c.name.as_str()) {
+                return Err(FileError::DuplicateName(c.name.clone()));
+            }
+            if c.command.is_empty() {
+                return Err(FileError::EmptyCommand(c.name.clone()));
+            }
+            if c.replicas == 0 {
+                return Err(FileError::NoReplica(c.name.clone()));
+            }
+            let probe = Places::probe(self);
+            for text in c.texts() {
+                expand(text, &probe).map_err(|e| e.of(&c.name))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The verify config's path, relative to the pipeline file at `file`.
+    pub(crate) fn verify_path(&self, file: &Path) -> PathBuf {
+        file.parent()
+            .unwrap_or(Path::new("."))
+            .join(&self.verify.config)
+    }
+}
+
+impl Component {
+    /// Every text with placeholders: the command, the environment's values, the readiness.
+    fn texts(&self) -> impl Iterator<Item = &str> {
+        let ready = self.ready.as_ref().map(|r| match r {
+            Ready::Log(s) | Ready::Tcp(s) | Ready::Http(s) => s.as_str(),
+        });
+        self.command
+            .iter()
+            .map(String::as_str)
+            .chain(self.env.values().map(String::as_str))
+            .chain(ready)
+    }
+
+    /// Does it use database `name` or Kafka?
+    pub(crate) fn uses(&self, placeholder: &str) -> bool {
+        let needle = format!("{{{placeholder}}}");
+        self.texts().any(|t| t.contains(&needle))
+    }
+}
+
+/// What the placeholders of one process stand for.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Places {
+    pub databases: BTreeMap<String, String>,
+    pub kafka: String,
+    pub replica: usize,
+    pub incarnation: u32,
+    pub port: u16,
+    pub dir: String,
+}
+
+impl Places {
+    /// Values for checking a file: every name it defines, placeholders' values made up.
+    fn probe(file: &PipelineFile) -> Places {
+        Places {
+            databases: file
+                .databases
+                .keys()
+                .map(|k| (k.clone(), String::new()))
+                .collect(),
+            ..Places::default()
+        }
+    }
+}
+
+/// A placeholder the text names and the places do not define, or an unclosed brace.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Unfilled {
+    Unknown(String),
+    Unclosed(String),
+}
+
+impl Unfilled {
+    fn of(self, name: &str) -> FileError {
+        match self {
+            Unfilled::Unknown(placeholder) => FileError::Unknown {
+                name: name.to_owned(),
+                placeholder,
+            },
+            Unfilled::Unclosed(text) => FileError::Unclosed {
+                name: name.to_owned(),
+                text,
+            },
+        }
+    }
+}
+
+/// `text` with its placeholders filled in; `{{` and `}}` stand for a brace.
+pub(crate) fn expand(text: &str, p: &Places) -> Result<String, Unfilled> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(['{', '}']) {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        if tail.starts_with("{{") || tail.starts_with("}}") {
+            out.push_str(&tail[..1]);
+            rest = &tail[2..];
+            continue;
+        }
+        if let Some(after) = tail.strip_prefix('}') {
+            out.push('}');
+            rest = after;
+            continue;
+        }
+        let Some(end) = tail.find('}') else {
+            return Err(Unfilled::Unclosed(text.to_owned()));
+        };
+        let name = &tail[1..end];
+        let value = match name {
+            "kafka" => p.kafka.clone(),
+            "replica" => p.replica.to_string(),
+            "incarnation" => p.incarnation.to_string(),
+            "port" => p.port.to_string(),
+            "dir" => p.dir.clone(),
+            _ => match name.strip_prefix("db.").and_then(|d| p.databases.get(d)) {
+                Some(url) => url.clone(),
+                None => return Err(Unfilled::Unknown(format!("{{{name}}}"))),
+            },
+        };
+        out.push_str(&value);
+        rest = &tail[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"
+        [databases]
+        orders = "postgres://u@127.0.0.1:5432/orders"
+
+        [kafka]
+        nodes = 1
+        topics = ["shop.order"]
+
+        [[component]]
+        name = "relay"
+        command = ["idem", "relay", "--db", "{db.orders}", "--brokers", "{kafka}"]
+        replicas = 2
+        ready = { log = "relay started" }
+
+        [[component]]
+        name = "consumer"
+        command = ["python3", "consumer.py", "--port", "{port}"]
+        env = { MEMBER = "consumer-{replica}" }
+        faults = ["kill", "network"]
+
+        [[load]]
+        name = "writer"
+        command = ["writer", "--db", "{db.orders}", "--prefix", "w{replica}-{incarnation}-"]
+
+        [verify]
+        config = "verify.toml"
+    "#;
+
+    #[test]
+    fn a_pipeline_file_reads_with_its_defaults() {
+        let f = PipelineFile::parse(FILE).unwrap();
+        assert_eq!(f.kafka.nodes, Some(1));
+        assert_eq!(f.kafka.partitions, 4);
+        assert!(f.kafka.redeliver);
+        assert_eq!(f.components.len(), 2);
+        assert_eq!(f.components[0].replicas, 2);
+        assert_eq!(f.components[0].faults, all_faults());
+        assert_eq!(f.components[1].faults, vec![Fault::Kill, Fault::Network]);
+        assert_eq!(
+            f.components[0].ready,
+            Some(Ready::Log("relay started".into()))
+        );
+        assert_eq!(f.loads[0].name, "writer");
+        assert!(f.components[0].uses("db.orders") && f.components[0].uses("kafka"));
+        assert!(!f.components[1].uses("db.orders"));
+        assert_eq!(
+            f.verify_path(Path::new("/p/pipeline.toml")),
+            Path::new("/p/verify.toml")
+        );
+    }
+
+    #[test]
+    fn placeholders_are_filled_and_braces_escaped() {
+        let p = Places {
+            databases: [("orders".to_owned(), "postgres://o".to_owned())].into(),
+            kafka: "127.0.0.1:1,127.0.0.1:2".to_owned(),
+            replica: 1,
+            incarnation: 3,
+            port: 4000,
+            dir: "/run".to_owned(),
+        };
+        assert_eq!(
+            expand(
+                "{db.orders}|{kafka}|w{replica}-{incarnation}|{port}|{dir}",
+                &p
+            )
+            .unwrap(),
+            "postgres://o|127.0.0.1:1,127.0.0.1:2|w1-3|4000|/run"
+        );
+        assert_eq!(expand(r#"{{"a": 1}}"#, &p).unwrap(), r#"{"a": 1}"#);
+        assert_eq!(
+            expand("{db.settle}", &p),
+            Err(Unfilled::Unknown("{db.settle}".into()))
+        );
+        assert_eq!(
+            expand("x{port", &p),
+            Err(Unfilled::Unclosed("x{port".into()))
+        );
+    }
+
+    #[test]
+    fn a_file_that_cannot_run_is_refused_with_the_reason() {
+        let refused = |from: &str, to: &str| PipelineFile::parse(&FILE.replacen(from, to, 1));
+        assert_eq!(refused("nodes = 1", "nodes = 2"), Err(FileError::Nodes(2)));
+        assert_eq!(
+            PipelineFile::parse(&FILE.replacen("nodes = 1", "nodes = 3", 1).replacen(
+                "topics = [\"shop.order\"]",
+                "",
+                1
+            )),
+            Err(FileError::NoTopicToKillLeadersOf)
+        );
+        assert_eq!(
+            refused("nodes = 1", "nodes = 1\nbootstrap = \"h:9092\""),
+            Err(FileError::KafkaSource)
+        );
+        assert_eq!(
+            refused("name = \"consumer\"", "name = \"relay\""),
+            Err(FileError::DuplicateName("relay".into()))
+        );
+        assert_eq!(
+            refused("name = \"consumer\"", "name = \"a b\""),
+            Err(FileError::BadName("a b".into()))
+        );
+        assert_eq!(
+            refused("replicas = 2", "replicas = 0"),
+            Err(FileError::NoReplica("relay".into()))
+        );
+        assert_eq!(
+            refused("{db.orders}", "{db.order}"),
+            Err(FileError::Unknown {
+                name: "relay".into(),
+                placeholder: "{db.order}".into()
+            })
+        );
+        assert!(matches!(
+            refused("faults = [\"kill\", \"network\"]", "faults = [\"explode\"]"),
+            Err(FileError::Toml(_))
+        ));
+        assert!(matches!(
+            refused("[verify]", "[verify]\nextra = 1"),
+            Err(FileError::Toml(_))
+        ));
+    }
+}

@@ -1,0 +1,450 @@
+//! `idem-lab chaos --pipeline`: the runner on a pipeline described by a file, as a team
+//! describes its own — two databases, a Kafka node the runner starts, components as command
+//! lines with readiness checks, a load, and a verify config. A run with every fault kind must
+//! pass with nothing lost or doubled; the same pipeline with a consumer that commits offsets
+//! before its database must fail, with each loss located. The consumers are the lab's, and
+//! `examples/python-consumer` (kafka-python and psycopg, no idem).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::Command;
+
+use idem_conformance::pg::TestDb;
+
+/// The pipeline: order writers (the load), two polling relays, and `consumers` (a
+/// `[[component]]` reading `shop.order` into database `target`). `aimed`: the network faults
+/// go to the consumers alone (the relays and writers take signals only). `copies`: the runner
+/// produces copies of recent records (which can also deliver a lost event again and hide its
+/// loss).
+fn pipeline(orders: &str, target: &str, consumers: &str, aimed: bool, copies: bool) -> String {
+    let lab = env!("CARGO_BIN_EXE_idem-lab");
+    let (relay_faults, writer_faults) = if aimed {
+        (r#"["kill", "pause", "restart"]"#, r#"["kill"]"#)
+    } else {
+        (
+            r#"["kill", "pause", "restart", "network"]"#,
+            r#"["kill", "network"]"#,
+        )
+    };
+    format!(
+        r#"
+[databases]
+orders = "{orders}"
+target = "{target}"
+
+[kafka]
+nodes = 1
+topics = ["shop.order"]
+redeliver = {copies}
+
+[[component]]
+name = "relay"
+replicas = 2
+command = ["{lab}", "relay", "--db", "{{db.orders}}", "--brokers", "{{kafka}}",
+           "--topic-prefix", "shop.", "--lease", "8s", "--retry-backoff-max", "5s",
+           "--producer-config", "message.timeout.ms=2000", "--metrics-addr", "127.0.0.1:0"]
+env = {{ RUST_LOG = "warn,idem=info" }}
+ready = {{ log = "metrics on http://" }}
+faults = {relay_faults}
+{consumers}
+[[load]]
+name = "writer"
+replicas = 2
+command = ["{lab}", "orders", "--db", "{{db.orders}}", "--count", "100000000",
+           "--rate", "40", "--prefix", "w{{replica}}-{{incarnation}}-"]
+faults = {writer_faults}
+
+[verify]
+config = "verify.toml"
+"#
+    )
+}
+
+/// Two consumers of the `audit` group, the lab's (each event adds an `audit_log` row), with
+/// `env` added to their environment.
+fn audit_consumers(env: &str) -> String {
+    let lab = env!("CARGO_BIN_EXE_idem-lab");
+    format!(
+        r#"
+[[component]]
+name = "consumer"
+replicas = 2
+command = ["{lab}", "settlement", "--db", "{{db.target}}", "--brokers", "{{kafka}}",
+           "--group", "audit", "--topic", "shop.order", "--handler", "audit",
+           "--batch-size", "50", "--metrics-addr", "127.0.0.1:{{port}}",
+           "--consumer-config", "session.timeout.ms=10000",
+           "--consumer-config", "max.poll.interval.ms=10000",
+           "--consumer-config", "heartbeat.interval.ms=1000",
+           "--consumer-config", "group.instance.id=audit-{{replica}}"]
+env = {{ RUST_LOG = "warn,idem=info"{env} }}
+ready = {{ http = "http://127.0.0.1:{{port}}/healthz" }}
+"#
+    )
+}
+
+/// Two consumers of `examples/python-consumer` (kafka-python, psycopg) in `mode`.
+fn python_consumers(mode: &str) -> String {
+    let python = std::env::var("IDEM_EXAMPLES_PYTHON").expect(
+        "IDEM_EXAMPLES_PYTHON: a Python with examples/python-consumer/requirements.txt \
+         (scripts/test makes one)",
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/python-consumer/consumer.py")
+        .canonicalize()
+        .unwrap();
+    format!(
+        r#"
+[[component]]
+name = "py-consumer"
+replicas = 2
+command = ["{python}", "{script}", "--db", "{{db.target}}", "--brokers", "{{kafka}}",
+           "--topic", "shop.order", "--group", "ledger", "--mode", "{mode}"]
+ready = {{ log = "consuming shop.order" }}
+"#,
+        script = script.display()
+    )
+}
+
+/// The check: every paid order has one row in `table` of the target, with its amount.
+fn verify(orders: &str, target: &str, table: &str, locate: bool) -> String {
+    let locate = if locate {
+        format!(
+            r#"locate = {{ aggregate_type = "order", event_type = "order.paid", inbox_db = "{target}", consumer_group = "audit" }}"#
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        r#"
+[[check]]
+name = "ledger"
+event_type = "order.paid"
+source = {{ db = "{orders}", query = "SELECT payment_id, amount_minor, order_id FROM orders", key = "payment_id", amount = "amount_minor", aggregate_id = "order_id" }}
+target = {{ db = "{target}", query = "SELECT payment_id, amount_minor FROM {table}", key = "payment_id", amount = "amount_minor" }}
+{locate}
+"#
+    )
+}
+
+/// Two databases (the target set up for the lab's services with `setup_target`), the files
+/// written into `dir` (the network faults `aimed` at the consumers, and `copies` of records):
+/// the pipeline file's path.
+async fn prepare(
+    dir: &Path,
+    consumers: &str,
+    table: &str,
+    setup_target: bool,
+    (aimed, copies): (bool, bool),
+) -> (TestDb, TestDb, std::path::PathBuf) {
+    let (orders, target) = (TestDb::create().await, TestDb::create().await);
+    let set_up = if setup_target {
+        vec![&orders, &target]
+    } else {
+        vec![&orders]
+    };
+    for db in set_up {
+        let setup = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+            .args(["setup", "--db", db.url()])
+            .output()
+            .unwrap();
+        assert!(setup.status.success(), "{setup:?}");
+    }
+    let file = dir.join("pipeline.toml");
+    std::fs::write(
+        &file,
+        pipeline(orders.url(), target.url(), consumers, aimed, copies),
+    )
+    .unwrap();
+    let check = verify(orders.url(), target.url(), table, setup_target);
+    std::fs::write(dir.join("verify.toml"), check).unwrap();
+    (orders, target, file)
+}
+
+fn chaos(file: &Path, args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+        .args(["chaos", "--pipeline"])
+        .arg(file)
+        .args(args)
+        .arg("--json")
+        .env("RUST_LOG", "warn")
+        .env_remove("IDEM_CRASH_POINTS")
+        .env_remove("IDEM_BREAK")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let report = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr: {stderr}"));
+    (out.status.code(), report, stderr)
+}
+
+/// Asserts that the run had each signal, a broker kill, a partition from PostgreSQL, and each
+/// of `more`.
+fn every_fault(r: &serde_json::Value, more: &[&str]) {
+    let every = [
+        "sigkill",
+        "sigstop",
+        "sigterm_restart",
+        "broker_kill",
+        "net_partition_postgres",
+    ];
+    for kind in every.iter().chain(more) {
+        assert!(count(r, kind) > 0, "no {kind}: {r:#}");
+    }
+}
+
+fn count(r: &serde_json::Value, key: &str) -> u64 {
+    r["faults"].get(key).and_then(|v| v.as_u64()).unwrap_or(0)
+}
+
+/// 30 s of every fault kind on the pipeline file: signals at every component, a broker kill,
+/// partitions, resets and slow links between each process and PostgreSQL and Kafka.
+#[test]
+fn a_pipeline_file_under_every_fault_loses_nothing_and_doubles_nothing() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let consumers = audit_consumers("");
+    let (_orders, _audit, file) = rt.block_on(prepare(
+        dir.path(),
+        &consumers,
+        "audit_log",
+        true,
+        (false, true),
+    ));
+    let (code, r, stderr) = chaos(&file, &["--duration", "30s", "--seed", "1"]);
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(r["ok"], true);
+    assert_eq!(r["settled"], true);
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
+    every_fault(&r, &["net_partition_kafka", "redelivered_records"]);
+    let events = r["verify"]["checks"][0]["by_event_type"][0]["source_rows"]
+        .as_u64()
+        .unwrap();
+    assert!(events >= 1000, "{events} events is too little load: {r:#}");
+    let deliveries = &r["verify"]["attempts"]["inbox"][0];
+    assert!(
+        deliveries["duplicate_deliveries"].as_i64().unwrap_or(0) > 0,
+        "no event was delivered twice: the faults tested no duplicate: {r:#}"
+    );
+    assert_eq!(r["panics"], serde_json::json!([]));
+}
+
+/// The same pipeline whose consumers commit offsets before their database transaction and
+/// crash at every incarnation's second batch, after the commit: the run fails, and every loss
+/// is located where its event stopped.
+#[test]
+fn a_consumer_committing_offsets_before_its_database_is_caught_as_loss() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let broken = r#", IDEM_BREAK = "offset-before-commit", IDEM_CRASH_POINTS = "consumer.after_dedup_before_handler@2""#;
+    let consumers = audit_consumers(broken);
+    let (_orders, _audit, file) = rt.block_on(prepare(
+        dir.path(),
+        &consumers,
+        "audit_log",
+        true,
+        (false, false),
+    ));
+    let (code, r, stderr) = chaos(
+        &file,
+        &[
+            "--duration",
+            "20s",
+            "--seed",
+            "1",
+            "--settle-deadline",
+            "20s",
+        ],
+    );
+    assert_eq!(code, Some(1), "the loss went unnoticed: {r:#}\n{stderr}");
+    assert_eq!(r["ok"], false);
+    assert!(r["lost"].as_u64().unwrap() > 0, "{r:#}");
+    let losses = r["verify"]["checks"][0]["losses"].as_array().unwrap();
+    assert!(!losses.is_empty(), "{r:#}");
+    let stage = |l: &serde_json::Value| l["stage"].as_str().unwrap().to_owned();
+    assert!(
+        losses
+            .iter()
+            .all(|l| ["published_but_not_processed", "not_located"].contains(&stage(l).as_str())),
+        "{losses:#?}"
+    );
+    assert!(
+        losses
+            .iter()
+            .any(|l| stage(l) == "published_but_not_processed"),
+        "{losses:#?}"
+    );
+    assert!(
+        r["logs"]
+            .as_str()
+            .is_some_and(|l| Path::new(l).join("faults.log").exists())
+    );
+}
+
+/// A file that cannot run, and a component that exits before it is ready, end the run with
+/// status 2 and the reason; the second keeps the logs that show why.
+#[test]
+fn a_pipeline_that_cannot_run_says_why_with_status_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |file: &str| {
+        let path = dir.path().join("pipeline.toml");
+        std::fs::write(&path, file).unwrap();
+        let never_read = "postgres://127.0.0.1:9/none";
+        std::fs::write(
+            dir.path().join("verify.toml"),
+            verify(never_read, never_read, "t", false),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+            .args(["chaos", "--pipeline"])
+            .arg(&path)
+            .args(["--duration", "1s"])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let file = r#"
+        [kafka]
+        bootstrap = "127.0.0.1:9"
+        [[component]]
+        name = "consumer"
+        command = ["sh", "-c", "echo the queue is gone >&2; exit 3", "{db.orders}"]
+        ready = { log = "consuming" }
+        [verify]
+        config = "verify.toml"
+    "#;
+    let (code, stderr) = run(file);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("`consumer` names `{db.orders}`, which the file does not define"),
+        "{stderr}"
+    );
+    let (code, stderr) = run(&file.replace(", \"{db.orders}\"", ""));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("consumer-0 exited before it was ready")
+            && stderr.contains("the queue is gone"),
+        "{stderr}"
+    );
+    let logs = stderr.split("the run's logs are in ").nth(1).unwrap();
+    let logs = Path::new(logs.split([':', '\n']).next().unwrap().trim());
+    assert!(logs.join("consumer-0.log").exists(), "{stderr}");
+    std::fs::remove_dir_all(logs).unwrap();
+}
+
+/// `examples/python-consumer` in `mode` under every fault kind, the network faults `aimed` at
+/// it (partitions with a kill inside among them) or spread over every process, copies of
+/// records produced again except for `offset-first` (a copy can deliver a lost event again and
+/// hide the loss): the report.
+fn python_run(mode: &str, aimed: bool) -> (Option<i32>, serde_json::Value, String) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let consumers = python_consumers(mode);
+    let (_orders, _target, file) = rt.block_on(prepare(
+        dir.path(),
+        &consumers,
+        "py_ledger",
+        false,
+        (aimed, mode != "offset-first"),
+    ));
+    chaos(
+        &file,
+        &[
+            "--duration",
+            "40s",
+            "--seed",
+            "1",
+            "--settle-deadline",
+            "60s",
+        ],
+    )
+}
+
+/// A consumer idem did not write, in Python, with its own inbox in its database transaction
+/// and offsets committed after it: nothing lost, nothing doubled, with the network faults on
+/// it alone (partitions with a kill inside) and spread over every process (relays
+/// republishing).
+#[test]
+fn a_python_consumer_with_its_own_inbox_passes() {
+    let (code, r, stderr) = python_run("inbox", false);
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(count(&r, "redelivered_records") > 0, "{r:#}");
+    let (code, aimed, stderr) = python_run("inbox", true);
+    assert_eq!(code, Some(0), "{aimed:#}\n{stderr}");
+    assert!(
+        count(&aimed, "net_partition_kill_postgres") > 0,
+        "{aimed:#}"
+    );
+    every_fault(&r, &[]);
+}
+
+/// The same consumer committing its offsets before its transaction: killed inside a partition
+/// from its database (the network faults aimed at it), it loses the batch, and the run fails
+/// on it.
+#[test]
+fn a_python_consumer_committing_offsets_first_is_caught_as_loss() {
+    let (code, r, stderr) = python_run("offset-first", true);
+    assert_eq!(code, Some(1), "the loss went unnoticed: {r:#}\n{stderr}");
+    assert!(r["lost"].as_u64().unwrap() > 0, "{r:#}");
+}
+
+/// The same consumer without an inbox: an event delivered again (the runner produces copies
+/// of records already in the topic) is written again, and the run fails on the duplicate
+/// effects.
+#[test]
+fn a_python_consumer_without_an_inbox_is_caught_as_duplicate_effects() {
+    let (code, r, stderr) = python_run("no-inbox", true);
+    assert_eq!(
+        code,
+        Some(1),
+        "the duplicates went unnoticed: {r:#}\n{stderr}"
+    );
+    assert!(r["duplicate_effects"].as_u64().unwrap() > 0, "{r:#}");
+}
+
+/// The lab's Rust consumer with every batch's transaction held open 400 ms before its commit,
+/// the network faults aimed at it: resets, partitions and kills inside a partition land in
+/// open transactions (PostgreSQL counts them rolled back in the consumers' database, where
+/// nothing else rolls back), and nothing is lost or doubled.
+#[test]
+fn a_rust_consumer_holding_transactions_open_across_partitions_passes() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let consumers = audit_consumers("").replace(
+        r#""--batch-size", "50","#,
+        r#""--batch-size", "50", "--hold", "400ms","#,
+    );
+    assert!(consumers.contains("--hold"));
+    let (_orders, audit, file) = rt.block_on(prepare(
+        dir.path(),
+        &consumers,
+        "audit_log",
+        true,
+        (true, true),
+    ));
+    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
+    every_fault(&r, &["net_partition_kill_postgres", "net_reset_postgres"]);
+    let rolled_back: i64 = rt.block_on(async {
+        sqlx::query_scalar(
+            "SELECT xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .fetch_one(audit.pool())
+        .await
+        .unwrap()
+    });
+    assert!(rolled_back > 0, "no fault broke an open transaction: {r:#}");
+}

@@ -1,0 +1,242 @@
+//! Network faults between one component and Apache Kafka: a broker prepared with proxied
+//! listeners (`scripts/kafka prepare --proxied-listeners`) advertises, on each, the addresses
+//! of the fault proxies in front of it, so a client bootstrapped there reaches every node
+//! through its proxies only. A blackhole on one component's proxies stops that component and
+//! no other; healing lets its held request through. A broker down behind a TCP proxy (its
+//! connections accepted, then reset) is not taken for a TLS listener.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use idem_conformance::kafka::{KafkaCluster, unique};
+use idem_netfault::{Conditions, ProxiedListener};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+
+fn producer(bootstrap: &str) -> FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("message.timeout.ms", "60000")
+        .create()
+        .unwrap()
+}
+
+async fn send(p: &FutureProducer, topic: &str, value: &str) {
+    let record = FutureRecord::to(topic).key("k").payload(value);
+    p.send(record, Duration::from_secs(60)).await.unwrap();
+}
+
+#[test]
+fn a_blackholed_component_is_cut_from_every_node_and_only_it() {
+    let cluster = KafkaCluster::start_proxied(1, 2);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let relay = ProxiedListener::start(cluster.dir(), "P1", 1)
+            .await
+            .unwrap();
+        let consumer_side = ProxiedListener::start(cluster.dir(), "P2", 2)
+            .await
+            .unwrap();
+        let topic = unique("netfault");
+        idem_kafka::ensure_topics(cluster.brokers(), std::slice::from_ref(&topic), 1, 1)
+            .await
+            .unwrap();
+        let cut = producer(&relay.bootstrap());
+        send(&cut, &topic, "before").await;
+        let through = relay.proxies[0].stats();
+        assert!(through.bytes_up > 0 && through.accepted >= 1, "{through:?}");
+
+        relay.set(Conditions::blackhole());
+        let held = send(&cut, &topic, "held");
+        tokio::pin!(held);
+        // The producer's only way to the node is its proxy: nothing is acknowledged while it
+        // is blackholed (an absence can only be waited for).
+        let early = tokio::time::timeout(Duration::from_secs(2), &mut held).await;
+        assert!(early.is_err(), "a record passed a blackholed listener");
+        // Another component, through its own proxies, still reaches the node.
+        send(&producer(&consumer_side.bootstrap()), &topic, "beside").await;
+
+        relay.set(Conditions::healthy());
+        held.await;
+        let values = read_all(&consumer_side.bootstrap(), &topic, 3);
+        assert_eq!(values, ["before", "beside", "held"]);
+    });
+}
+
+/// The first `n` values of `topic`'s only partition, read through `bootstrap`.
+fn read_all(bootstrap: &str, topic: &str, n: usize) -> Vec<String> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", unique("netfault-reader"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[topic]).unwrap();
+    let mut values = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while values.len() < n && std::time::Instant::now() < deadline {
+        if let Some(m) = consumer.poll(Duration::from_millis(500)) {
+            let m = m.unwrap();
+            values
+                .push(String::from_utf8(rdkafka::Message::payload(&m).unwrap().to_vec()).unwrap());
+        }
+    }
+    values
+}
+
+/// A broker that is down behind a TCP proxy (a load balancer, a mesh's sidecar) looks to the
+/// client like connections accepted and then cut during the first request, not refused:
+/// the start-up check says the cluster is unreachable (a client keeps trying), not that the
+/// listener wants TLS or SASL.
+#[test]
+fn a_broker_down_behind_a_proxy_is_unreachable_not_a_tls_listener() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let down = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let proxy = idem_netfault::Proxy::start("127.0.0.1:0".parse().unwrap(), down, 4)
+            .await
+            .unwrap();
+        let through = idem_kafka::Connection::plaintext(proxy.addr().to_string());
+        match through.check(Duration::from_secs(4)).await {
+            Err(e @ idem_kafka::ConnectError::Unreachable(_)) => assert!(!e.is_refusal()),
+            other => panic!("expected Unreachable, got {other:?}"),
+        }
+        assert!(proxy.stats().accepted >= 2, "{:?}", proxy.stats());
+    });
+}
+
+/// The reference order service behind a fault proxy to PostgreSQL, each transaction held
+/// open before its commit. Three faults hit a transaction in flight: a reset before its
+/// `COMMIT`, a `COMMIT` that commits but whose answer is lost (the proxy delays it and the
+/// connection is reset while it is on its way), and a reset again. The service writes each
+/// order again until the database answers, takes the unique order row as the answer that got
+/// lost, and every order is written once, with its one event.
+#[test]
+fn a_writer_cut_from_postgres_writes_each_order_once() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let db = idem_conformance::pg::TestDb::create().await;
+        let setup = lab(&["setup", "--db", db.url()]).output().unwrap();
+        assert!(setup.status.success(), "{setup:?}");
+        let (authority, upstream) = postgres_address(db.url());
+        let proxy = idem_netfault::Proxy::start("127.0.0.1:0".parse().unwrap(), upstream, 5)
+            .await
+            .unwrap();
+        let routed = db.url().replacen(&authority, &proxy.addr().to_string(), 1);
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let mut writer = lab(&[
+            "orders", "--db", &routed, "--count", "40", "--prefix", "cut-",
+        ])
+        .args(["--slow-every", "1", "--slow", "150ms"])
+        .env("RUST_LOG", "warn")
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .unwrap();
+        let mut written = 0;
+        for pass in 0..3 {
+            written = wait_for(db.pool(), written + 3).await;
+            wait_in_transaction(db.pool()).await;
+            if pass == 1 {
+                // The `COMMIT` reaches the database a second late and its answer would come
+                // back a second after that: the reset once the order is visible loses it.
+                let committed = orders(db.pool()).await + 1;
+                proxy.set(Conditions {
+                    latency: Duration::from_secs(1),
+                    ..Conditions::healthy()
+                });
+                wait_for(db.pool(), committed).await;
+            }
+            proxy.reset_all();
+            proxy.set(Conditions::healthy());
+        }
+        let status = tokio::task::spawn_blocking(move || writer.wait().unwrap())
+            .await
+            .unwrap();
+        let stderr = std::fs::read_to_string(log.path()).unwrap();
+        assert!(status.success(), "the writer stopped: {stderr}");
+        let retried = stderr.matches("writing the order again").count();
+        assert!(retried >= 3, "{retried} retries after 3 resets: {stderr}");
+        let lost_answers = stderr.matches("the order is written already").count();
+        assert!(lost_answers >= 1, "{stderr}");
+        assert!(proxy.stats().reset >= 3, "{:?}", proxy.stats());
+        let (rows, events): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(DISTINCT order_id) FROM orders WHERE order_id LIKE 'cut-%'), \
+                    (SELECT count(*) FROM idem_outbox WHERE aggregate_id LIKE 'cut-%')",
+        )
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+        assert_eq!((orders(db.pool()).await, rows, events), (40, 40, 40));
+    });
+}
+
+async fn orders(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Waits until `at_least` orders are written (a writer of seven a second gets there in well
+/// under the minute allowed), returning how many are.
+async fn wait_for(pool: &sqlx::PgPool, at_least: i64) -> i64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let n = orders(pool).await;
+        if n >= at_least {
+            return n;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{n} of {at_least} orders"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the writer's session holds a transaction open (it holds each for 150 ms).
+async fn wait_in_transaction(pool: &sqlx::PgPool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND state = 'idle in transaction'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if open > 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no transaction held open"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn lab(args: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_idem-lab"));
+    c.args(args);
+    c
+}
+
+/// The `host:port` of a PostgreSQL URL, and its address.
+fn postgres_address(url: &str) -> (String, std::net::SocketAddr) {
+    let rest = url.split_once("://").unwrap().1;
+    let auth = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
+    let host = auth.rsplit_once('@').map_or(auth, |(_, h)| h).to_owned();
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(&host)
+        .unwrap()
+        .next()
+        .unwrap();
+    (host, addr)
+}

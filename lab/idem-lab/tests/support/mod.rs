@@ -1,0 +1,3 @@
+//! What several test binaries of the lab share.
+
+pub(crate) mod browser;
