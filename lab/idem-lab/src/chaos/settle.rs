@@ -71,11 +71,13 @@ impl Settler {
     }
 
     /// After [`SettleStep::Quiet`]: `waiting` missing effects whose events are still in the
-    /// topic for a group that has not consumed them. A consumer coming back from a broker fault
-    /// (reconnect backoff, session and poll timeouts of 10 s each) can take longer than the
-    /// quiet checks: then wait on, up to the deadline.
-    pub(super) fn waiting(&mut self, waiting: u64) -> SettleStep {
-        if waiting == 0 {
+    /// topic for a group that has not consumed them, or `None` when the broker cannot tell (it
+    /// is down or restarting). A consumer coming back from a broker fault (reconnect backoff,
+    /// session and poll timeouts of 10 s each) can take longer than the quiet checks, and a
+    /// broker that does not answer may still hold unconsumed events: either way, wait on, up to
+    /// the deadline.
+    pub(super) fn waiting(&mut self, waiting: Option<u64>) -> SettleStep {
+        if waiting == Some(0) {
             SettleStep::Settled
         } else {
             self.stable = 0;
@@ -206,13 +208,7 @@ async fn check(
     };
     match settler.observe(progress) {
         SettleStep::Quiet => {
-            let waiting: u64 = match topic::read(pipe.kafka, pipe.topic).await? {
-                Ok(records) => topic::unconsumed(pipe.kafka, pipe.topic, &records, pipe.dbs)
-                    .await?
-                    .values()
-                    .sum(),
-                Err(_) => 0,
-            };
+            let waiting = topic::waiting(pipe.kafka, pipe.topic, pipe.dbs).await?;
             Ok(settler.waiting(waiting))
         }
         step => Ok(step),
@@ -249,7 +245,7 @@ mod tests {
             assert_eq!(s.observe(progress(7)), SettleStep::Moving);
         }
         assert_eq!(s.observe(progress(7)), SettleStep::Quiet);
-        assert_eq!(s.waiting(0), SettleStep::Settled);
+        assert_eq!(s.waiting(Some(0)), SettleStep::Settled);
     }
 
     #[test]
@@ -273,10 +269,24 @@ mod tests {
         for _ in 0..=QUIET_CHECKS {
             s.observe(progress(7));
         }
-        assert_eq!(s.waiting(2), SettleStep::Moving);
+        assert_eq!(s.waiting(Some(2)), SettleStep::Moving);
         for _ in 0..QUIET_CHECKS - 1 {
             assert_eq!(s.observe(progress(7)), SettleStep::Moving);
         }
         assert_eq!(s.observe(progress(7)), SettleStep::Quiet);
+    }
+
+    #[test]
+    fn a_broker_that_cannot_tell_what_waits_is_never_settled() {
+        let mut s = Settler::default();
+        for _ in 0..=QUIET_CHECKS {
+            s.observe(progress(7));
+        }
+        assert_eq!(s.waiting(None), SettleStep::Moving);
+        for _ in 0..QUIET_CHECKS - 1 {
+            assert_eq!(s.observe(progress(7)), SettleStep::Moving);
+        }
+        assert_eq!(s.observe(progress(7)), SettleStep::Quiet);
+        assert_eq!(s.waiting(Some(0)), SettleStep::Settled);
     }
 }

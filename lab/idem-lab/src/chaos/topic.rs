@@ -34,13 +34,15 @@ pub(super) async fn read(
 
 /// Per check, the missing effects whose events their group has not consumed yet. A points
 /// award is downstream of the settlement group (the settlement handler records its intent).
+/// `None` when a group's committed offsets cannot be read (a broker down or restarting): what
+/// waits is unknown then, never zero.
 pub(super) async fn unconsumed(
     kafka: &Connection,
     topic: &str,
     records: &[Record],
     dbs: &Databases,
-) -> anyhow::Result<BTreeMap<String, u64>> {
-    let not_settled = unconsumed_missing(
+) -> anyhow::Result<Option<BTreeMap<String, u64>>> {
+    let Some(not_settled) = unconsumed_missing(
         kafka,
         topic,
         "settlement",
@@ -49,12 +51,18 @@ pub(super) async fn unconsumed(
         "settlements",
     )
     .await
-    .context("counting what group settlement has not consumed")?;
+    .context("counting what group settlement has not consumed")?
+    else {
+        return Ok(None);
+    };
     let not_awarded = missing_in(&dbs.points, "points_awards", not_settled.clone()).await?;
-    let not_audited =
+    let Some(not_audited) =
         unconsumed_missing(kafka, topic, "audit", records, &dbs.settlement, "audit_log")
             .await
-            .context("counting what group audit has not consumed")?;
+            .context("counting what group audit has not consumed")?
+    else {
+        return Ok(None);
+    };
     let mut counts = BTreeMap::new();
     for (check, list) in [
         ("settlements", not_settled),
@@ -65,12 +73,28 @@ pub(super) async fn unconsumed(
             counts.insert(check.to_owned(), list.len() as u64);
         }
     }
-    Ok(counts)
+    Ok(Some(counts))
+}
+
+/// Missing effects whose events wait in the topic for their group: `None` when the topic or a
+/// group's offsets cannot be read.
+pub(super) async fn waiting(
+    kafka: &Connection,
+    topic: &str,
+    dbs: &Databases,
+) -> anyhow::Result<Option<u64>> {
+    let Ok(records) = read(kafka, topic).await? else {
+        return Ok(None);
+    };
+    Ok(unconsumed(kafka, topic, &records, dbs)
+        .await?
+        .map(|counts| counts.values().sum()))
 }
 
 /// The payment ids of the events of `records` that sit at or beyond `group`'s committed offset
 /// in their partition (or in a partition where the group committed nothing) and have no row in
-/// `table`: events the group has not consumed yet, as opposed to events it read past.
+/// `table`: events the group has not consumed yet, as opposed to events it read past. `None`
+/// when the broker does not answer for the group's offsets.
 async fn unconsumed_missing(
     kafka: &Connection,
     topic: &str,
@@ -78,8 +102,8 @@ async fn unconsumed_missing(
     records: &[Record],
     db: &AnyPool,
     table: &str,
-) -> anyhow::Result<Vec<String>> {
-    let committed: std::collections::HashMap<i32, i64> = {
+) -> anyhow::Result<Option<Vec<String>>> {
+    let committed = {
         let (conn, topic, group) = (kafka.client_config(), topic.to_owned(), group.to_owned());
         tokio::task::spawn_blocking(move || {
             idem_kafka::inspect::committed_offsets_with(
@@ -89,11 +113,15 @@ async fn unconsumed_missing(
                 Duration::from_secs(30),
             )
         })
-        .await??
-        .into_iter()
-        .collect()
+        .await?
     };
-    missing_in(db, table, not_read_past(records, &committed)).await
+    let Ok(committed) = committed else {
+        return Ok(None);
+    };
+    let committed: std::collections::HashMap<i32, i64> = committed.into_iter().collect();
+    Ok(Some(
+        missing_in(db, table, not_read_past(records, &committed)).await?,
+    ))
 }
 
 /// The payment ids of the records a group has not read past: at or beyond its committed offset
