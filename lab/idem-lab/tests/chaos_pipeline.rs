@@ -105,14 +105,14 @@ ready = {{ log = "consuming shop.order" }}
     )
 }
 
-/// The check: every paid order has one row in `table` of the target, with its amount.
-fn verify(orders: &str, target: &str, table: &str, locate: bool) -> String {
-    let locate = if locate {
-        format!(
-            r#"locate = {{ aggregate_type = "order", event_type = "order.paid", inbox_db = "{target}", consumer_group = "audit" }}"#
-        )
-    } else {
-        String::new()
+/// The check: every paid order has one row in `table` of the target, with its amount; each
+/// loss located through the inbox of consumer group `locate`, when given.
+fn verify(orders: &str, target: &str, table: &str, locate: Option<&str>) -> String {
+    let locate = match locate {
+        Some(group) => format!(
+            r#"locate = {{ aggregate_type = "order", event_type = "order.paid", inbox_db = "{target}", consumer_group = "{group}" }}"#
+        ),
+        None => String::new(),
     };
     format!(
         r#"
@@ -155,7 +155,12 @@ async fn prepare(
         pipeline(orders.url(), target.url(), consumers, aimed, copies),
     )
     .unwrap();
-    let check = verify(orders.url(), target.url(), table, setup_target);
+    let check = verify(
+        orders.url(),
+        target.url(),
+        table,
+        setup_target.then_some("audit"),
+    );
     std::fs::write(dir.join("verify.toml"), check).unwrap();
     (orders, target, file)
 }
@@ -192,6 +197,16 @@ fn every_fault(r: &serde_json::Value, more: &[&str]) {
     }
 }
 
+/// Asserts that the run passed: exit status 0, nothing lost, no duplicate effect.
+fn passed(code: Option<i32>, r: &serde_json::Value, stderr: &str) {
+    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
+    assert_eq!(r["ok"], true);
+    assert_eq!(
+        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
+        (Some(0), Some(0))
+    );
+}
+
 fn count(r: &serde_json::Value, key: &str) -> u64 {
     r["faults"].get(key).and_then(|v| v.as_u64()).unwrap_or(0)
 }
@@ -211,13 +226,8 @@ fn a_pipeline_file_under_every_fault_loses_nothing_and_doubles_nothing() {
         (false, true),
     ));
     let (code, r, stderr) = chaos(&file, &["--duration", "30s", "--seed", "1"]);
-    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
-    assert_eq!(r["ok"], true);
+    passed(code, &r, &stderr);
     assert_eq!(r["settled"], true);
-    assert_eq!(
-        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
-        (Some(0), Some(0))
-    );
     every_fault(&r, &["net_partition_kafka", "redelivered_records"]);
     let events = r["verify"]["checks"][0]["by_event_type"][0]["source_rows"]
         .as_u64()
@@ -294,7 +304,7 @@ fn a_pipeline_that_cannot_run_says_why_with_status_2() {
         let never_read = "postgres://127.0.0.1:9/none";
         std::fs::write(
             dir.path().join("verify.toml"),
-            verify(never_read, never_read, "t", false),
+            verify(never_read, never_read, "t", None),
         )
         .unwrap();
         let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
@@ -372,11 +382,7 @@ fn python_run(mode: &str, aimed: bool) -> (Option<i32>, serde_json::Value, Strin
 #[test]
 fn a_python_consumer_with_its_own_inbox_passes() {
     let (code, r, stderr) = python_run("inbox", false);
-    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
-    assert_eq!(
-        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
-        (Some(0), Some(0))
-    );
+    passed(code, &r, &stderr);
     assert!(count(&r, "redelivered_records") > 0, "{r:#}");
     let (code, aimed, stderr) = python_run("inbox", true);
     assert_eq!(code, Some(0), "{aimed:#}\n{stderr}");
@@ -432,11 +438,7 @@ fn a_rust_consumer_holding_transactions_open_across_partitions_passes() {
         (true, true),
     ));
     let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
-    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
-    assert_eq!(
-        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
-        (Some(0), Some(0))
-    );
+    passed(code, &r, &stderr);
     every_fault(&r, &["net_partition_kill_postgres", "net_reset_postgres"]);
     let rolled_back: i64 = rt.block_on(async {
         sqlx::query_scalar(
@@ -447,4 +449,59 @@ fn a_rust_consumer_holding_transactions_open_across_partitions_passes() {
         .unwrap()
     });
     assert!(rolled_back > 0, "no fault broke an open transaction: {r:#}");
+}
+
+/// Two replicas of `examples/consumer-handler serve` (an idem consumer with its own handler,
+/// its inbox and ledger in one SQLite file), built next to `idem-lab`.
+fn handler_consumers() -> String {
+    let bin = Path::new(env!("CARGO_BIN_EXE_idem-lab")).with_file_name("consumer-handler");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p consumer-handler` (the workspace's \
+         test run builds it)",
+        bin.display()
+    );
+    format!(
+        r#"
+[[component]]
+name = "handler"
+replicas = 2
+command = ["{bin}", "serve"]
+env = {{ DATABASE_URL = "{{db.target}}", BROKERS = "{{kafka}}", TOPIC = "shop.order", RUST_LOG = "warn" }}
+ready = {{ log = "consuming shop.order" }}
+"#,
+        bin = bin.display()
+    )
+}
+
+/// `examples/consumer-handler` as a team's own consumer, run as a service: under signals, a
+/// broker kill, partitions and resets between it and Kafka (its database is a file), the
+/// relays and writers cut from PostgreSQL, and copies of records produced again, every paid
+/// order has its one ledger row.
+#[test]
+fn the_consumer_handler_example_as_a_service_passes() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let orders = rt.block_on(TestDb::create());
+    let setup = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+        .args(["setup", "--db", orders.url()])
+        .output()
+        .unwrap();
+    assert!(setup.status.success(), "{setup:?}");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let file = dir.path().join("pipeline.toml");
+    let text = pipeline(orders.url(), &ledger, &handler_consumers(), false, true);
+    std::fs::write(&file, text).unwrap();
+    let check = verify(orders.url(), &ledger, "ledger", Some("ledger"));
+    std::fs::write(dir.path().join("verify.toml"), check).unwrap();
+    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
+    passed(code, &r, &stderr);
+    every_fault(&r, &["net_partition_kafka", "redelivered_records"]);
+    let deliveries = &r["verify"]["attempts"]["inbox"];
+    assert!(
+        deliveries.as_array().is_some_and(|d| d
+            .iter()
+            .any(|g| g["duplicate_deliveries"].as_i64().unwrap_or(0) > 0)),
+        "no event was delivered twice: the faults tested no duplicate: {r:#}"
+    );
 }

@@ -366,8 +366,10 @@ async fn build(
                 dir: dir.display().to_string(),
             };
             if c.faults.contains(&Fault::Network) {
+                // A PostgreSQL server is reached over TCP, through a proxy; an SQLite
+                // database is a file, with no link to fault.
                 for (db, url) in &file.databases {
-                    if c.uses(&format!("db.{db}")) {
+                    if c.uses(&format!("db.{db}")) && is_postgres(url) {
                         let (proxy, routed) = postgres_link(url, seed).await?;
                         places.databases.insert(db.clone(), routed);
                         links.push(Link::new(&name, Dependency::Postgres, vec![proxy]));
@@ -395,6 +397,11 @@ async fn build(
         }
     }
     Ok((fleet, Network::new(links).with_kills()))
+}
+
+/// Whether `url` names a PostgreSQL server (as opposed to an SQLite file).
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
 /// A readiness with its placeholders filled in.

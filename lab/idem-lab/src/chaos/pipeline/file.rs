@@ -13,7 +13,8 @@ use serde::Deserialize;
 #[serde(deny_unknown_fields)]
 pub(crate) struct PipelineFile {
     /// Databases by name: `{db.NAME}` in a command line is its URL as the component reaches
-    /// it (through the component's fault proxy when it takes network faults).
+    /// it (a PostgreSQL server through the component's fault proxy when it takes network
+    /// faults; an SQLite file as it is).
     #[serde(default)]
     pub databases: BTreeMap<String, String>,
     /// The Kafka cluster.
