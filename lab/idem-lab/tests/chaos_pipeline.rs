@@ -505,3 +505,34 @@ fn the_consumer_handler_example_as_a_service_passes() {
         "no event was delivered twice: the faults tested no duplicate: {r:#}"
     );
 }
+
+/// Both databases on a PostgreSQL server the runner starts (`start = true`, each set up by
+/// `idem-lab setup`) and crashes twice, among every other fault: every component loses its
+/// sessions and what the server had not flushed, and nothing is lost or doubled.
+#[test]
+fn a_postgresql_the_runner_starts_and_crashes_loses_nothing() {
+    let lab = env!("CARGO_BIN_EXE_idem-lab");
+    let dir = tempfile::tempdir().unwrap();
+    let started = |name: &str| {
+        format!(
+            r#"{name} = {{ start = true, setup = ["{lab}", "setup", "--db", "{{db.{name}}}"] }}"#
+        )
+    };
+    let text = pipeline("@", "@", &audit_consumers(""), false, true)
+        .replacen(r#"orders = "@""#, &started("orders"), 1)
+        .replacen(r#"target = "@""#, &started("target"), 1);
+    assert!(text.contains("start = true"), "{text}");
+    let file = dir.path().join("pipeline.toml");
+    std::fs::write(&file, text).unwrap();
+    let check = verify("{db.orders}", "{db.target}", "audit_log", Some("audit"));
+    std::fs::write(dir.path().join("verify.toml"), check).unwrap();
+    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
+    passed(code, &r, &stderr);
+    assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
+    every_fault(&r, &["net_partition_kafka"]);
+    let deliveries = &r["verify"]["attempts"]["inbox"][0];
+    assert!(
+        deliveries["duplicate_deliveries"].as_i64().unwrap_or(0) > 0,
+        "no event was delivered twice: the faults tested no duplicate: {r:#}"
+    );
+}

@@ -268,29 +268,13 @@ async fn restart_postgres(
     server: &PrivatePg,
     faults: &mut BTreeMap<String, u64>,
 ) -> anyhow::Result<()> {
-    let started_at = "SELECT (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint";
-    let before = w.dbs.orders.scalar(started_at).await?;
-    let (log, crash_log) = (server.log(), w.crash_log);
     timeline_line(
-        crash_log,
+        w.crash_log,
         "postgres_restart (pg_ctl stop -m immediate, start)",
     );
-    tokio::task::block_in_place(|| server.try_crash_and_restart())
-        .map_err(|e| anyhow::anyhow!("{e} (server log {})", log.display()))?;
+    super::pipeline::postgres::crash_and_restart_proven(server).await?;
     let deadline = Instant::now() + Duration::from_secs(60);
-    let after = loop {
-        match w.dbs.orders.scalar(started_at).await {
-            Ok(t) => break t,
-            Err(_) if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => bail!("PostgreSQL did not answer within 60 s of its restart: {e}"),
-        }
-    };
-    if after <= before {
-        bail!("PostgreSQL's start time did not move ({before} → {after} µs): it never restarted");
-    }
-    for pool in [&w.dbs.settlement, &w.dbs.points] {
+    for pool in [&w.dbs.orders, &w.dbs.settlement, &w.dbs.points] {
         while let Err(e) = pool.scalar("SELECT 1::bigint").await {
             if Instant::now() > deadline {
                 bail!("a database did not answer within 60 s of the restart: {e}");

@@ -10,13 +10,32 @@ use serde::Serialize;
 
 use idem_netfault::ProxiedListener;
 
-use super::file::{Component, Fault, PipelineFile, Places, Ready, expand};
+use super::file::{Component, Fault, PipelineFile, Places, Ready, expand, with_started_urls};
+use super::postgres::{self, Server};
 use crate::chaos::ChaosArgs;
 use crate::chaos::inject::append_timeline;
 use crate::chaos::kafka;
 use crate::chaos::network::{Dependency, Link, Network, postgres_link};
 use crate::chaos::procs::{Proc, Rng, Role};
 use crate::chaos::schedule::{self, Plan};
+
+/// The verify config, as written: `{db.NAME}` of a database the runner creates stands for its
+/// URL.
+struct Verify {
+    text: String,
+    path: std::path::PathBuf,
+}
+
+impl Verify {
+    /// The config, with the URLs of the databases the runner created.
+    fn config(
+        &self,
+        started: &BTreeMap<String, String>,
+    ) -> anyhow::Result<idem_verify::VerifyConfig> {
+        idem_verify::VerifyConfig::from_toml(&with_started_urls(&self.text, started))
+            .with_context(|| format!("reading the verify config {}", self.path.display()))
+    }
+}
 
 /// The report of a pipeline run.
 #[derive(Debug, Serialize)]
@@ -65,8 +84,16 @@ async fn run_file(args: &ChaosArgs, path: &Path) -> anyhow::Result<PipelineRepor
     let verify_path = file.verify_path(path);
     let verify_text = std::fs::read_to_string(&verify_path)
         .with_context(|| format!("reading the verify config {}", verify_path.display()))?;
-    let verify = idem_verify::VerifyConfig::from_toml(&verify_text)
-        .with_context(|| format!("reading the verify config {}", verify_path.display()))?;
+    // Checked now, with made-up URLs for the databases the runner will create.
+    let probe = file
+        .started()
+        .map(|(name, _)| (name.to_owned(), format!("postgres://127.0.0.1:1/{name}")))
+        .collect();
+    let verify = Verify {
+        text: verify_text,
+        path: verify_path,
+    };
+    verify.config(&probe)?;
     let dir = tempfile::Builder::new()
         .prefix("idem-pipeline-")
         .tempdir()?;
@@ -118,14 +145,19 @@ fn print(r: &PipelineReport) {
 async fn drive(
     args: &ChaosArgs,
     file: &PipelineFile,
-    verify: &idem_verify::VerifyConfig,
+    verify: &Verify,
     dir: &Path,
 ) -> anyhow::Result<PipelineReport> {
     let timeline = dir.join("faults.log");
     let mut rng = Rng::new(args.seed);
     let mut faults = BTreeMap::new();
+    let server = postgres::start(file, dir).await?;
+    let started = server.as_ref().map(|s| s.urls.clone()).unwrap_or_default();
+    let verify = &verify.config(&started)?;
+    let databases = file.urls(&started);
     let (cluster, brokers) = prepare_kafka(file, dir)?;
-    let (mut fleet, mut net) = build(file, dir, cluster.as_ref(), brokers, args.seed).await?;
+    let (mut fleet, mut net) =
+        build(file, &databases, dir, cluster.as_ref(), brokers, args.seed).await?;
     start_in_order(&mut fleet, file, cluster.as_ref()).await?;
     let mut run = RunState {
         rng: &mut rng,
@@ -144,7 +176,11 @@ async fn drive(
         redeliver: file.kafka.redeliver,
     };
     let end = Instant::now() + Duration::from_secs(args.seconds);
-    inject(&mut fleet, &mut net, &kafka, end, &mut run).await?;
+    let targets = Targets {
+        kafka,
+        postgres: server.as_ref(),
+    };
+    inject(&mut fleet, &mut net, &targets, end, &mut run).await?;
     calm(&mut fleet, &mut net, &mut run)?;
     stop_loads(&mut fleet);
     let started = Instant::now();
@@ -333,6 +369,7 @@ struct Fleet {
 /// faults.
 async fn build(
     file: &PipelineFile,
+    databases: &BTreeMap<String, String>,
     dir: &Path,
     cluster: Option<&Cluster>,
     brokers: Vec<Proc>,
@@ -358,7 +395,7 @@ async fn build(
             let name = format!("{}-{replica}", c.name);
             let seed = seed.wrapping_add(1000 * (fleet.procs.len() as u64 + 1));
             let mut places = Places {
-                databases: file.databases.clone(),
+                databases: databases.clone(),
                 kafka: bootstrap.clone(),
                 replica,
                 incarnation: 1,
@@ -368,7 +405,7 @@ async fn build(
             if c.faults.contains(&Fault::Network) {
                 // A PostgreSQL server is reached over TCP, through a proxy; an SQLite
                 // database is a file, with no link to fault.
-                for (db, url) in &file.databases {
+                for (db, url) in databases {
                     if c.uses(&format!("db.{db}")) && is_postgres(url) {
                         let (proxy, routed) = postgres_link(url, seed).await?;
                         places.databases.insert(db.clone(), routed);
@@ -541,15 +578,21 @@ fn http_ok(url: &str) -> bool {
 }
 
 /// The faults until `end`: a signal every 0.5–2 s at a process that may receive one, a broker
-/// fault every 15–25 s (a cluster of the runner's), the network faults of `net`.
+/// fault every 15–25 s (a cluster of the runner's), a PostgreSQL crash at 40 % and 70 % of the
+/// run (a server of the runner's), the network faults of `net`.
 async fn inject(
     fleet: &mut Fleet,
     net: &mut Network,
-    kafka: &KafkaTargets<'_>,
+    targets: &Targets<'_>,
     end: Instant,
     run: &mut RunState<'_>,
 ) -> anyhow::Result<()> {
     let start = Instant::now();
+    let kafka = &targets.kafka;
+    let mut crashes = match targets.postgres {
+        Some(_) => postgres::crash_times(start, end.saturating_duration_since(start).as_secs()),
+        None => vec![],
+    };
     let mut next_signal = start + Duration::from_secs(1);
     let mut next_broker = start + Duration::from_secs(15);
     let mut next_copies = start + Duration::from_secs(5);
@@ -574,6 +617,12 @@ async fn inject(
                 next_signal = now + Duration::from_millis(100);
             }
         }
+        if let Some(server) = targets.postgres
+            && crashes.last().is_some_and(|t| now >= *t)
+        {
+            crashes.pop();
+            crash_postgres(server, run).await?;
+        }
         if kafka.redeliver && now >= next_copies {
             redeliver(kafka, run).await;
             next_copies = now
@@ -595,6 +644,23 @@ async fn inject(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// What the faults beside signals and the network hit: Kafka, and the runner's PostgreSQL
+/// server when it started one.
+struct Targets<'a> {
+    kafka: KafkaTargets<'a>,
+    postgres: Option<&'a Server>,
+}
+
+/// Crashes the runner's PostgreSQL server and starts it again (`postgres_restart`).
+async fn crash_postgres(server: &Server, run: &mut RunState<'_>) -> anyhow::Result<()> {
+    postgres::crash_and_restart(server).await?;
+    run.count(
+        "postgres_restart",
+        "the run's PostgreSQL server (pg_ctl stop -m immediate, start)",
+    );
+    Ok(())
 }
 
 /// The Kafka side of the faults: the runner's cluster (broker faults), and the topics whose

@@ -16,7 +16,7 @@ pub(crate) struct PipelineFile {
     /// it (a PostgreSQL server through the component's fault proxy when it takes network
     /// faults; an SQLite file as it is).
     #[serde(default)]
-    pub databases: BTreeMap<String, String>,
+    pub databases: BTreeMap<String, Database>,
     /// The Kafka cluster.
     pub kafka: KafkaSection,
     /// The components: the processes under faults that stay up until the pipeline settles.
@@ -27,6 +27,27 @@ pub(crate) struct PipelineFile {
     pub loads: Vec<Component>,
     /// What proves the run.
     pub verify: VerifySection,
+}
+
+/// A database of the pipeline: a URL (a server that runs already, or an SQLite file), or one
+/// on a PostgreSQL server the runner starts and crashes.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub(crate) enum Database {
+    /// `postgres://…` or `sqlite://…`: left alone (never crashed).
+    Url(String),
+    /// `{ start = true, setup = [...] }`: created on the runner's own server.
+    Started(Started),
+}
+
+/// A database on the runner's own PostgreSQL server: `start = true`, and the command that
+/// creates its tables (`{db.NAME}` and `{dir}` filled in), run once before the components.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Started {
+    pub start: bool,
+    #[serde(default)]
+    pub setup: Vec<String>,
 }
 
 /// The Kafka cluster: one the runner starts (`nodes`), which it may kill and put behind fault
@@ -152,6 +173,15 @@ pub(crate) enum FileError {
     Unknown { name: String, placeholder: String },
     #[error("`{name}` has an unclosed `{{` in `{text}`")]
     Unclosed { name: String, text: String },
+    #[error(
+        "database `{0}` has start = false: give its URL instead, or start = true for a \
+         PostgreSQL server the runner starts and crashes"
+    )]
+    StartFalse(String),
+    #[error(
+        "`{0}` is not a name for a database the runner creates: use letters, digits, `-` and `_`"
+    )]
+    BadDatabaseName(String),
 }
 
 impl PipelineFile {
@@ -176,13 +206,21 @@ impl PipelineFile {
         if self.components.is_empty() {
             return Err(FileError::NoComponent);
         }
+        let probe = Places::probe(self);
+        for (name, started) in self.started() {
+            if !started.start {
+                return Err(FileError::StartFalse(name.to_owned()));
+            }
+            if !valid_name(name) {
+                return Err(FileError::BadDatabaseName(name.to_owned()));
+            }
+            for text in &started.setup {
+                expand(text, &probe).map_err(|e| e.of(&format!("databases.{name}.setup")))?;
+            }
+        }
         let mut names = std::collections::BTreeSet::new();
         for c in self.components.iter().chain(&self.loads) {
-            let valid = !c.name.is_empty()
-                && c.name
-                    .chars()
-                    .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_');
-            if !valid {
+            if !valid_name(&c.name) {
                 return Err(FileError::BadName(c.name.clone()));
             }
             if !names.insert(c.name.as_str()) {
@@ -194,12 +232,30 @@ impl PipelineFile {
             if c.replicas == 0 {
                 return Err(FileError::NoReplica(c.name.clone()));
             }
-            let probe = Places::probe(self);
             for text in c.texts() {
                 expand(text, &probe).map_err(|e| e.of(&c.name))?;
             }
         }
         Ok(())
+    }
+
+    /// The databases on the runner's own PostgreSQL server, by name.
+    pub(crate) fn started(&self) -> impl Iterator<Item = (&str, &Started)> {
+        self.databases.iter().filter_map(|(name, db)| match db {
+            Database::Started(s) => Some((name.as_str(), s)),
+            Database::Url(_) => None,
+        })
+    }
+
+    /// Every database's URL: the file's, or `started`'s for those the runner created.
+    pub(crate) fn urls(&self, started: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+        self.databases
+            .iter()
+            .filter_map(|(name, db)| match db {
+                Database::Url(url) => Some((name.clone(), url.clone())),
+                Database::Started(_) => started.get(name).map(|u| (name.clone(), u.clone())),
+            })
+            .collect()
     }
 
     /// The verify config's path, relative to the pipeline file at `file`.
@@ -228,6 +284,22 @@ impl Component {
         let needle = format!("{{{placeholder}}}");
         self.texts().any(|t| t.contains(&needle))
     }
+}
+
+/// A name of letters, digits, `-` and `_`.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
+}
+
+/// `text` (a verify config) with each `{db.NAME}` of a database the runner created replaced
+/// by its URL; nothing else changes (TOML's own braces stay).
+pub(crate) fn with_started_urls(text: &str, started: &BTreeMap<String, String>) -> String {
+    started.iter().fold(text.to_owned(), |t, (name, url)| {
+        t.replace(&format!("{{db.{name}}}"), url)
+    })
 }
 
 /// What the placeholders of one process stand for.
@@ -401,6 +473,26 @@ mod tests {
     }
 
     #[test]
+    fn a_database_is_a_url_or_one_the_runner_starts() {
+        let f = PipelineFile::parse(&FILE.replacen(
+            r#"orders = "postgres://u@127.0.0.1:5432/orders""#,
+            r#"orders = { start = true, setup = ["setup", "--db", "{db.orders}"] }
+               ledger = "sqlite://ledger.db""#,
+            1,
+        ))
+        .unwrap();
+        let started: Vec<&str> = f.started().map(|(n, _)| n).collect();
+        assert_eq!(started, ["orders"]);
+        let urls = f.urls(&[("orders".to_owned(), "postgres://h:1/orders".to_owned())].into());
+        assert_eq!(urls["orders"], "postgres://h:1/orders");
+        assert_eq!(urls["ledger"], "sqlite://ledger.db");
+        assert_eq!(
+            with_started_urls(r#"db = "{db.orders}", x = { y = "{db.ledger}" }"#, &urls),
+            r#"db = "postgres://h:1/orders", x = { y = "sqlite://ledger.db" }"#
+        );
+    }
+
+    #[test]
     fn a_file_that_cannot_run_is_refused_with_the_reason() {
         let refused = |from: &str, to: &str| PipelineFile::parse(&FILE.replacen(from, to, 1));
         assert_eq!(refused("nodes = 1", "nodes = 2"), Err(FileError::Nodes(2)));
@@ -443,5 +535,24 @@ mod tests {
             refused("[verify]", "[verify]\nextra = 1"),
             Err(FileError::Toml(_))
         ));
+        let orders = r#"orders = "postgres://u@127.0.0.1:5432/orders""#;
+        assert_eq!(
+            refused(orders, "orders = { start = false }"),
+            Err(FileError::StartFalse("orders".into()))
+        );
+        assert_eq!(
+            refused(orders, "\"or ders\" = { start = true }"),
+            Err(FileError::BadDatabaseName("or ders".into()))
+        );
+        assert_eq!(
+            refused(
+                orders,
+                r#"orders = { start = true, setup = ["s", "{db.nope}"] }"#
+            ),
+            Err(FileError::Unknown {
+                name: "databases.orders.setup".into(),
+                placeholder: "{db.nope}".into()
+            })
+        );
     }
 }
