@@ -10,7 +10,7 @@ use idem_consumer::{Consumer, ConsumerConfig, ConsumerMetrics};
 use idem_core::health::Health;
 use idem_core::store::InboxStore;
 use idem_kafka::KafkaSource;
-use idem_reference::{PaidOrder, Settlement};
+use idem_reference::{EventPath, PaidOrder, Settlement};
 use idem_sql::Dialect;
 
 use idem_cli::DbArgs;
@@ -39,10 +39,25 @@ pub(crate) struct OrdersArgs {
     /// How long a slow transaction stays open.
     #[arg(long, hide = true, default_value = "300ms", value_parser = idem_cli::util::parse_duration)]
     slow: Duration,
+    /// How each order's event reaches the pipeline (`sql` and `messages`: PostgreSQL only).
+    #[arg(long, value_enum, default_value_t = Events::Outbox)]
+    events: Events,
+}
+
+/// How the order writer hands each event to the pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Events {
+    /// idem's outbox library (`Outbox::enqueue`).
+    Outbox,
+    /// A plain SQL `INSERT` into the outbox table: the contract a writer in any language uses.
+    Sql,
+    /// Logical decoding messages, for the CDC relay in message mode (`--messages`).
+    Messages,
 }
 
 pub(crate) async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
     let store = db::open(&args.db, 2).await?;
+    let path = event_path(&store, args.events, &args.db)?;
     let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
     let mut next = tokio::time::Instant::now();
     require_schemas(&store).await?;
@@ -52,7 +67,7 @@ pub(crate) async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
             Some(every) if every > 0 && n % every == 0 => args.slow,
             _ => Duration::ZERO,
         };
-        place(&store, &order, hold).await?;
+        place(&store, path.as_ref(), &order, hold).await?;
         if let Some(i) = interval {
             next += i;
             tokio::time::sleep_until(next).await;
@@ -69,12 +84,17 @@ const UNREACHABLE_FOR: Duration = Duration::from_secs(120);
 /// retries a request whose transaction failed on the network). An attempt whose `COMMIT`
 /// answer got lost may have committed: a retry that finds the order written is done, so each
 /// order is written once either way.
-async fn place(store: &Store, order: &PaidOrder, hold: Duration) -> anyhow::Result<()> {
+async fn place(
+    store: &Store,
+    path: Option<&EventPath>,
+    order: &PaidOrder,
+    hold: Duration,
+) -> anyhow::Result<()> {
     let started = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(100);
     let mut retried = false;
     loop {
-        let e = match place_once(store, order, hold).await {
+        let e = match place_once(store, path, order, hold).await {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
@@ -92,16 +112,39 @@ async fn place(store: &Store, order: &PaidOrder, hold: Duration) -> anyhow::Resu
     }
 }
 
+/// The event path of a PostgreSQL writer (`None` on SQLite, which has idem's outbox only).
+fn event_path(store: &Store, events: Events, db: &DbArgs) -> anyhow::Result<Option<EventPath>> {
+    let Store::Postgres(s) = store else {
+        if events != Events::Outbox {
+            anyhow::bail!("--events {events:?} needs PostgreSQL: SQLite has idem's outbox only");
+        }
+        return Ok(None);
+    };
+    Ok(Some(match events {
+        Events::Outbox => EventPath::Outbox(s.outbox()),
+        Events::Sql => EventPath::Sql {
+            table: db::tables(db)?.qualified("outbox"),
+        },
+        Events::Messages => EventPath::Messages(idem_sql::postgres::MessageOutbox::default()),
+    }))
+}
+
 async fn place_once(
     store: &Store,
+    path: Option<&EventPath>,
     order: &PaidOrder,
     hold: Duration,
 ) -> Result<(), idem_reference::OrderError> {
-    match store {
-        Store::Postgres(s) => {
+    match (store, path) {
+        (Store::Postgres(s), Some(path)) => {
+            idem_reference::place_order_via(s.pool(), path, order, hold).await
+        }
+        (Store::Postgres(s), None) => {
             idem_reference::place_order_postgres_held(s.pool(), &s.outbox(), order, hold).await
         }
-        Store::Sqlite(s) => idem_reference::place_order_sqlite(s.pool(), &s.outbox(), order).await,
+        (Store::Sqlite(s), _) => {
+            idem_reference::place_order_sqlite(s.pool(), &s.outbox(), order).await
+        }
     }
 }
 

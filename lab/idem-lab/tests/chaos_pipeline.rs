@@ -165,12 +165,20 @@ async fn prepare(
     (orders, target, file)
 }
 
+/// `idem-lab chaos --pipeline file args --json`, with `idem-lab` on the `PATH` (pipeline files
+/// name it so): its exit status, report and standard error.
 fn chaos(file: &Path, args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+    let lab = Path::new(env!("CARGO_BIN_EXE_idem-lab"));
+    let mut path = vec![lab.parent().unwrap().to_path_buf()];
+    path.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    let out = Command::new(lab)
         .args(["chaos", "--pipeline"])
         .arg(file)
         .args(args)
         .arg("--json")
+        .env("PATH", std::env::join_paths(path).unwrap())
         .env("RUST_LOG", "warn")
         .env_remove("IDEM_CRASH_POINTS")
         .env_remove("IDEM_BREAK")
@@ -195,6 +203,22 @@ fn every_fault(r: &serde_json::Value, more: &[&str]) {
     for kind in every.iter().chain(more) {
         assert!(count(r, kind) > 0, "no {kind}: {r:#}");
     }
+}
+
+/// Database `name` on the runner's own PostgreSQL server, set up by `idem-lab setup`.
+fn started(name: &str) -> String {
+    let lab = env!("CARGO_BIN_EXE_idem-lab");
+    format!(r#"{name} = {{ start = true, setup = ["{lab}", "setup", "--db", "{{db.{name}}}"] }}"#)
+}
+
+/// Writes pipeline file `text` (databases `orders` and `target` of the runner's own server) and
+/// its verify config (`audit_log` rows of group `audit`) into `dir`: the pipeline file's path.
+fn on_started_databases(dir: &Path, text: &str) -> std::path::PathBuf {
+    let file = dir.join("pipeline.toml");
+    std::fs::write(&file, text).unwrap();
+    let check = verify("{db.orders}", "{db.target}", "audit_log", Some("audit"));
+    std::fs::write(dir.join("verify.toml"), check).unwrap();
+    file
 }
 
 /// Asserts that the run passed: exit status 0, nothing lost, no duplicate effect.
@@ -248,7 +272,7 @@ fn a_pipeline_file_under_every_fault_loses_nothing_and_doubles_nothing() {
 fn a_consumer_committing_offsets_before_its_database_is_caught_as_loss() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let broken = r#", IDEM_BREAK = "offset-before-commit", IDEM_CRASH_POINTS = "consumer.after_dedup_before_handler@2""#;
+    let broken = r#", IDEM_BREAK = "offset-before-commit", IDEM_CRASH_POINTS = "consumer.after_dedup_before_handler@2", IDEM_CRASH_LOG = "{dir}/crashes.log""#;
     let consumers = audit_consumers(broken);
     let (_orders, _audit, file) = rt.block_on(prepare(
         dir.path(),
@@ -286,11 +310,17 @@ fn a_consumer_committing_offsets_before_its_database_is_caught_as_loss() {
             .any(|l| stage(l) == "published_but_not_processed"),
         "{losses:#?}"
     );
+    let logs = Path::new(r["logs"].as_str().unwrap());
+    assert!(logs.join("faults.log").exists(), "{r:#}");
+    // The crash point fired: the processes that aborted there wrote its name.
+    let crashes = std::fs::read_to_string(logs.join("crashes.log")).unwrap_or_default();
     assert!(
-        r["logs"]
-            .as_str()
-            .is_some_and(|l| Path::new(l).join("faults.log").exists())
+        crashes
+            .lines()
+            .any(|l| l == "consumer.after_dedup_before_handler"),
+        "the crash point never fired: {crashes:?}"
     );
+    std::fs::remove_dir_all(logs).unwrap();
 }
 
 /// A file that cannot run, and a component that exits before it is ready, end the run with
@@ -511,21 +541,12 @@ fn the_consumer_handler_example_as_a_service_passes() {
 /// sessions and what the server had not flushed, and nothing is lost or doubled.
 #[test]
 fn a_postgresql_the_runner_starts_and_crashes_loses_nothing() {
-    let lab = env!("CARGO_BIN_EXE_idem-lab");
     let dir = tempfile::tempdir().unwrap();
-    let started = |name: &str| {
-        format!(
-            r#"{name} = {{ start = true, setup = ["{lab}", "setup", "--db", "{{db.{name}}}"] }}"#
-        )
-    };
     let text = pipeline("@", "@", &audit_consumers(""), false, true)
         .replacen(r#"orders = "@""#, &started("orders"), 1)
         .replacen(r#"target = "@""#, &started("target"), 1);
     assert!(text.contains("start = true"), "{text}");
-    let file = dir.path().join("pipeline.toml");
-    std::fs::write(&file, text).unwrap();
-    let check = verify("{db.orders}", "{db.target}", "audit_log", Some("audit"));
-    std::fs::write(dir.path().join("verify.toml"), check).unwrap();
+    let file = on_started_databases(dir.path(), &text);
     let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
     passed(code, &r, &stderr);
     assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
@@ -535,4 +556,63 @@ fn a_postgresql_the_runner_starts_and_crashes_loses_nothing() {
         deliveries["duplicate_deliveries"].as_i64().unwrap_or(0) > 0,
         "no event was delivered twice: the faults tested no duplicate: {r:#}"
     );
+}
+
+/// The reference pipeline as a pipeline file (`lab/idem-lab/pipelines/reference`): writers,
+/// relays, settlement and audit consumers, the effect dispatcher and the points API, on a
+/// PostgreSQL server the runner starts and crashes and a Kafka node it kills, with network
+/// faults between every process and both: every settlement, points award and audit row once.
+#[test]
+fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/reference/pipeline.toml");
+    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
+    passed(code, &r, &stderr);
+    assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
+    every_fault(&r, &["net_partition_kafka", "net_partition_kill_postgres"]);
+    let checks: Vec<&str> = r["verify"]["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(checks, ["settlements", "points", "audit"], "{r:#}");
+}
+
+/// The CDC relay in message mode (two replicas on one slot: one streams, the other waits to
+/// take over) behind writers that emit each order's event as a logical decoding message, on a
+/// server the runner crashes twice: every audit row once.
+#[test]
+fn message_mode_writers_and_cdc_relays_lose_nothing_across_postgresql_crashes() {
+    let lab = env!("CARGO_BIN_EXE_idem-lab");
+    let dir = tempfile::tempdir().unwrap();
+    let cdc = r#"command = ["{lab}", "cdc", "relay", "--db", "{db.orders}", "--brokers", "{kafka}",
+           "--slot", "shop_messages", "--messages", "--topic-prefix", "shop.",
+           "--producer-config", "message.timeout.ms=2000", "--metrics-addr", "127.0.0.1:{port}"]
+ready = { http = "http://127.0.0.1:{port}/healthz" }
+faults = ["kill", "pause", "restart", "network"]"#
+        .replace("{lab}", lab);
+    let text = pipeline("@", "@", &audit_consumers(""), false, true)
+        .replacen(r#"orders = "@""#, &started("orders"), 1)
+        .replacen(r#"target = "@""#, &started("target"), 1)
+        .replacen(
+            r#""--rate", "40","#,
+            r#""--rate", "40", "--events", "messages","#,
+            1,
+        );
+    let polling = text.find(r#"command = [""#).unwrap();
+    let ready = text[polling..].find("faults = ").unwrap() + polling;
+    let end = text[ready..].find('\n').unwrap() + ready;
+    let text = format!("{}{cdc}{}", &text[..polling], &text[end..]);
+    assert!(
+        text.contains("--messages") && text.contains(r#""--events", "messages""#),
+        "{text}"
+    );
+    let file = on_started_databases(dir.path(), &text);
+    let (code, r, stderr) = chaos(&file, &["--duration", "30s", "--seed", "1"]);
+    passed(code, &r, &stderr);
+    assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
+    let events = r["verify"]["checks"][0]["by_event_type"][0]["source_rows"]
+        .as_u64()
+        .unwrap();
+    assert!(events >= 500, "{events} events is too little load: {r:#}");
 }

@@ -188,6 +188,73 @@ pub async fn place_order_postgres_held(
     write_order(pool, Some(outbox), order, &order.event()?, hold).await
 }
 
+/// How a PostgreSQL order writer hands the order's event to the pipeline.
+#[derive(Clone, Debug)]
+pub enum EventPath {
+    /// idem's outbox (`Outbox::enqueue`).
+    Outbox(idem_sql::postgres::Outbox),
+    /// A plain `INSERT` into the outbox table `table` (quoted and qualified, from validated
+    /// table names), naming the contract's five columns as a writer in any language does
+    /// (docs/integrating/outbox-contract.md).
+    Sql {
+        /// The outbox table.
+        table: String,
+    },
+    /// A transactional logical decoding message, for the CDC relay in message mode.
+    Messages(idem_sql::postgres::MessageOutbox),
+}
+
+/// Writes the order row and its `order.paid` event through `path` in one PostgreSQL
+/// transaction, held open for `hold` before committing.
+pub async fn place_order_via(
+    pool: &sqlx::PgPool,
+    path: &EventPath,
+    order: &PaidOrder,
+    hold: std::time::Duration,
+) -> Result<(), OrderError> {
+    if let EventPath::Outbox(outbox) = path {
+        return write_order(pool, Some(outbox), order, &order.event()?, hold).await;
+    }
+    let db = |source| OrderError::Database {
+        order_id: order.order_id.clone(),
+        source,
+    };
+    let event = order.event()?;
+    let mut tx = pool.begin().await.map_err(db)?;
+    sqlx::query(
+        "INSERT INTO orders (order_id, payment_id, amount_minor, currency) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(order.order_id.as_str())
+    .bind(order.payment_id.as_str())
+    .bind(order.amount_minor)
+    .bind(order.currency.as_str())
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    match path {
+        EventPath::Sql { table } => {
+            sqlx::query(&format!(
+                "INSERT INTO {table} (event_id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1, $2, $3, $4, $5::jsonb)"
+            ))
+            .bind(event.id().as_uuid())
+            .bind(event.aggregate_type())
+            .bind(event.aggregate_id())
+            .bind(event.event_type())
+            .bind(event.payload())
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        }
+        EventPath::Messages(messages) => messages.enqueue(&mut tx, &event).await?,
+        EventPath::Outbox(_) => {}
+    }
+    if !hold.is_zero() {
+        tokio::time::sleep(hold).await;
+    }
+    tx.commit().await.map_err(db)
+}
+
 /// Writes the order row and `event` in one PostgreSQL transaction; with no `outbox`, the order
 /// row alone (what the service would cost without the outbox: `idem-lab bench` compares the two).
 pub async fn write_order_postgres(

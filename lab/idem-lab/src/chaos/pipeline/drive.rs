@@ -390,6 +390,10 @@ async fn build(
         (None, Some(b)) => b.clone(),
         (None, None) => bail!("[kafka] names no cluster"),
     };
+    let mut ports = BTreeMap::new();
+    for c in all(file) {
+        ports.insert(c.name.clone(), crate::chaos::topology::free_port()?);
+    }
     for (k, c) in all(file).enumerate() {
         for replica in 0..c.replicas {
             let name = format!("{}-{replica}", c.name);
@@ -399,7 +403,11 @@ async fn build(
                 kafka: bootstrap.clone(),
                 replica,
                 incarnation: 1,
-                port: crate::chaos::topology::free_port()?,
+                port: match replica {
+                    0 => ports[&c.name],
+                    _ => crate::chaos::topology::free_port()?,
+                },
+                ports: ports.clone(),
                 dir: dir.display().to_string(),
             };
             if c.faults.contains(&Fault::Network) {

@@ -306,6 +306,8 @@ pub(crate) fn with_started_urls(text: &str, started: &BTreeMap<String, String>) 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Places {
     pub databases: BTreeMap<String, String>,
+    /// `{port.NAME}`: the `{port}` of replica 0 of component or load `NAME`.
+    pub ports: BTreeMap<String, u16>,
     pub kafka: String,
     pub replica: usize,
     pub incarnation: u32,
@@ -321,6 +323,12 @@ impl Places {
                 .databases
                 .keys()
                 .map(|k| (k.clone(), String::new()))
+                .collect(),
+            ports: file
+                .components
+                .iter()
+                .chain(&file.loads)
+                .map(|c| (c.name.clone(), 0))
                 .collect(),
             ..Places::default()
         }
@@ -376,9 +384,10 @@ pub(crate) fn expand(text: &str, p: &Places) -> Result<String, Unfilled> {
             "incarnation" => p.incarnation.to_string(),
             "port" => p.port.to_string(),
             "dir" => p.dir.clone(),
-            _ => match name.strip_prefix("db.").and_then(|d| p.databases.get(d)) {
-                Some(url) => url.clone(),
-                None => return Err(Unfilled::Unknown(format!("{{{name}}}"))),
+            _ => match (name.strip_prefix("db."), name.strip_prefix("port.")) {
+                (Some(db), _) if p.databases.contains_key(db) => p.databases[db].clone(),
+                (_, Some(c)) if p.ports.contains_key(c) => p.ports[c].to_string(),
+                _ => return Err(Unfilled::Unknown(format!("{{{name}}}"))),
             },
         };
         out.push_str(&value);
@@ -447,6 +456,7 @@ mod tests {
     fn placeholders_are_filled_and_braces_escaped() {
         let p = Places {
             databases: [("orders".to_owned(), "postgres://o".to_owned())].into(),
+            ports: [("api".to_owned(), 4100)].into(),
             kafka: "127.0.0.1:1,127.0.0.1:2".to_owned(),
             replica: 1,
             incarnation: 3,
@@ -460,6 +470,14 @@ mod tests {
             )
             .unwrap(),
             "postgres://o|127.0.0.1:1,127.0.0.1:2|w1-3|4000|/run"
+        );
+        assert_eq!(
+            expand("http://127.0.0.1:{port.api}/awards", &p).unwrap(),
+            "http://127.0.0.1:4100/awards"
+        );
+        assert_eq!(
+            expand("{port.nope}", &p),
+            Err(Unfilled::Unknown("{port.nope}".into()))
         );
         assert_eq!(expand(r#"{{"a": 1}}"#, &p).unwrap(), r#"{"a": 1}"#);
         assert_eq!(
