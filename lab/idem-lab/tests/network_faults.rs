@@ -3,9 +3,12 @@
 //! of the fault proxies in front of it, so a client bootstrapped there reaches every node
 //! through its proxies only. A blackhole on one component's proxies stops that component and
 //! no other; healing lets its held request through. A broker down behind a TCP proxy (its
-//! connections accepted, then reset) is not taken for a TLS listener.
+//! connections accepted, then reset) is not taken for a TLS listener. A relay whose produce
+//! reached the broker but whose answer did not come back leads to one effect. A writer cut
+//! from PostgreSQL writes each order once.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::path::Path;
 use std::time::Duration;
 
 use idem_conformance::kafka::{KafkaCluster, unique};
@@ -239,4 +242,252 @@ fn postgres_address(url: &str) -> (String, std::net::SocketAddr) {
         .next()
         .unwrap();
     (host, addr)
+}
+
+/// The outbox status of the event of order `order_id`.
+async fn outbox_status(pool: &sqlx::PgPool, order_id: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT status FROM idem_outbox WHERE aggregate_id = $1")
+        .bind(order_id)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+}
+
+/// Waits until order `order_id`'s event has `status` in the outbox (the relay logs to `log`).
+async fn wait_status(pool: &sqlx::PgPool, order_id: &str, status: &str, log: &Path) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while outbox_status(pool, order_id).await.as_deref() != Some(status) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{order_id} never became {status}; the relay's log: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The records of `topic` whose payload names payment `payment_id`, read from the cluster
+/// directly (no proxy).
+fn copies_of(brokers: &str, topic: &str, payment_id: &str) -> usize {
+    let conn = idem_kafka::Connection::plaintext(brokers).client_config();
+    idem_kafka::inspect::read_all_with(&conn, topic, Duration::from_secs(30))
+        .unwrap()
+        .iter()
+        .filter(|r| r.payload.as_deref().is_some_and(|p| p.contains(payment_id)))
+        .count()
+}
+
+/// An order written while the relay's answers from Kafka are held: once its record is in the
+/// topic (read past the proxy), the row is still pending — the relay is between its produce and
+/// the acknowledgement.
+struct Unanswered {
+    order: String,
+    payment: String,
+}
+
+impl Unanswered {
+    /// The copies of its record in the topic.
+    async fn copies(&self, brokers: &str, topic: &str) -> usize {
+        let (b, t, p) = (brokers.to_owned(), topic.to_owned(), self.payment.clone());
+        tokio::task::spawn_blocking(move || copies_of(&b, &t, &p))
+            .await
+            .unwrap()
+    }
+}
+
+async fn lose_the_answer(
+    listener: &ProxiedListener,
+    pool: &sqlx::PgPool,
+    brokers: &str,
+    topic: &str,
+    write: &impl Fn(&str),
+    prefix: &str,
+) -> Unanswered {
+    listener.set(Conditions::answers_held());
+    write(prefix);
+    let order = Unanswered {
+        order: format!("{prefix}order-1"),
+        payment: format!("{prefix}pay-1"),
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while order.copies(brokers, topic).await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the produce never arrived"
+        );
+    }
+    assert_eq!(
+        outbox_status(pool, &order.order).await.as_deref(),
+        Some("pending"),
+        "the row was marked without an acknowledgement"
+    );
+    order
+}
+
+/// Waits until the relay recorded a failed publish of order `order_id` (its message timed
+/// out): the row is pending with its error.
+async fn wait_failed(pool: &sqlx::PgPool, order_id: &str, log: &Path) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let failed: Option<bool> = sqlx::query_scalar(
+            "SELECT status = 'pending' AND last_error IS NOT NULL FROM idem_outbox \
+             WHERE aggregate_id = $1",
+        )
+        .bind(order_id)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        if failed == Some(true) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no failed publish of {order_id} recorded; the relay's log: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A relay whose produce reaches the broker while the broker's answer does not come back (held
+/// by its proxy): the record is in the topic while the row is still pending. An answer lost to
+/// a reset is absorbed by the idempotent producer (the broker drops the retried batch); an
+/// answer held past the producer's timeout makes the relay publish the row again, and the
+/// consumer's inbox applies the second copy as nothing. Each order has one effect.
+#[test]
+fn a_relay_that_loses_the_acknowledgement_after_its_produce_leads_to_one_effect() {
+    let cluster = KafkaCluster::start_proxied(1, 1);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (orders_db, audit_db) = (
+            idem_conformance::pg::TestDb::create().await,
+            idem_conformance::pg::TestDb::create().await,
+        );
+        for db in [&orders_db, &audit_db] {
+            let setup = lab(&["setup", "--db", db.url()]).output().unwrap();
+            assert!(setup.status.success(), "{setup:?}");
+        }
+        let topic = unique("acklost");
+        let prefix = topic.strip_suffix("order").unwrap_or(&topic).to_owned();
+        let topic = format!("{prefix}.order");
+        idem_kafka::ensure_topics(cluster.brokers(), std::slice::from_ref(&topic), 1, 1)
+            .await
+            .unwrap();
+        let listener = ProxiedListener::start(cluster.dir(), "P1", 3)
+            .await
+            .unwrap();
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let mut relay = lab(&[
+            "relay",
+            "--db",
+            orders_db.url(),
+            "--brokers",
+            &listener.bootstrap(),
+            "--topic-prefix",
+            &format!("{prefix}."),
+            "--lease",
+            "8s",
+            "--retry-backoff-max",
+            "1s",
+            "--producer-config",
+            "message.timeout.ms=3000",
+        ])
+        .env("RUST_LOG", "warn")
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .unwrap();
+        let write = |prefix: &str| {
+            let out = lab(&[
+                "orders",
+                "--db",
+                orders_db.url(),
+                "--count",
+                "1",
+                "--prefix",
+                prefix,
+            ])
+            .output()
+            .unwrap();
+            assert!(out.status.success(), "{out:?}");
+        };
+        write("a-");
+        wait_status(orders_db.pool(), "a-order-1", "published", log.path()).await;
+
+        let brokers = cluster.brokers().to_owned();
+        // The answer lost to a reset: the producer sends the batch again on a new connection
+        // with its sequence number, and the broker drops it as a duplicate.
+        let b = lose_the_answer(&listener, orders_db.pool(), &brokers, &topic, &write, "b-").await;
+        listener.reset_all();
+        listener.set(Conditions::healthy());
+        wait_status(orders_db.pool(), &b.order, "published", log.path()).await;
+        assert_eq!(
+            b.copies(&brokers, &topic).await,
+            1,
+            "the broker kept the retry"
+        );
+        // The answer held past the producer's message timeout: the relay records the failed
+        // publish, keeps the row pending, and publishes it again once the way heals: a second
+        // copy, which the consumer's inbox absorbs.
+        let c = lose_the_answer(&listener, orders_db.pool(), &brokers, &topic, &write, "c-").await;
+        wait_failed(orders_db.pool(), &c.order, log.path()).await;
+        listener.set(Conditions::healthy());
+        wait_status(orders_db.pool(), &c.order, "published", log.path()).await;
+        assert_eq!(
+            c.copies(&brokers, &topic).await,
+            2,
+            "the relay published once more"
+        );
+        let _ = relay.kill();
+        let _ = relay.wait();
+        // Four records (a, b, and c twice) for three orders: three rows, every copy delivered.
+        let (rows, deliveries) =
+            consume_all(audit_db.pool(), audit_db.url(), &brokers, &topic, 4).await;
+        assert_eq!(deliveries, 4, "every copy was delivered");
+        assert_eq!(rows, 3, "three orders and four records: {rows} rows");
+    });
+}
+
+/// Runs the audit consumer on `topic` until its inbox counts `records` deliveries (or a
+/// minute passes): the audit rows and the deliveries.
+async fn consume_all(
+    pool: &sqlx::PgPool,
+    url: &str,
+    brokers: &str,
+    topic: &str,
+    records: i64,
+) -> (i64, i64) {
+    let mut consumer = lab(&[
+        "settlement",
+        "--db",
+        url,
+        "--brokers",
+        brokers,
+        "--group",
+        "audit",
+        "--topic",
+        topic,
+        "--handler",
+        "audit",
+    ])
+    .env("RUST_LOG", "warn")
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let counts = loop {
+        let (rows, deliveries): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM audit_log), \
+                    (SELECT COALESCE(sum(delivery_count), 0)::bigint FROM idem_inbox)",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if deliveries >= records || tokio::time::Instant::now() > deadline {
+            break (rows, deliveries);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let _ = consumer.kill();
+    let _ = consumer.wait();
+    counts
 }

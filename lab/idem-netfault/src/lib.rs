@@ -11,6 +11,10 @@
 //! * **a blackhole**: nothing moves either way; open connections hang (bytes already sent wait,
 //!   as TCP would retransmit them) and new ones are held before the upstream is dialled, so
 //!   clients wait until their own timeouts; healing lets everything through again;
+//! * **answers held**: requests go through, nothing comes back (the upstream-to-client
+//!   direction waits): the peer acts on a request whose answer the client never gets — a
+//!   produce appended but not acknowledged, an API call served but not answered, a `COMMIT`
+//!   committed but not confirmed. Healing delivers the held bytes late; a reset loses them;
 //! * **resets** ([`Proxy::reset_all`]): every open connection is closed with a TCP reset on both
 //!   sides, as a middlebox or a restarted peer does.
 //!
@@ -39,6 +43,8 @@ pub struct Conditions {
     pub bandwidth: Option<u64>,
     /// Nothing moves either way until healed.
     pub blackhole: bool,
+    /// Requests move; answers (upstream to client) wait until healed.
+    pub answers_held: bool,
 }
 
 impl Conditions {
@@ -53,6 +59,19 @@ impl Conditions {
             blackhole: true,
             ..Conditions::default()
         }
+    }
+
+    /// Requests reach the upstream; its answers wait.
+    pub fn answers_held() -> Conditions {
+        Conditions {
+            answers_held: true,
+            ..Conditions::default()
+        }
+    }
+
+    /// Whether bytes may move in the direction `answers` (upstream to client) or the other.
+    fn open(&self, answers: bool) -> bool {
+        !(self.blackhole || answers && self.answers_held)
     }
 }
 
@@ -240,7 +259,7 @@ async fn serve(mut client: TcpStream, shared: Arc<Shared>) {
     resets.borrow_and_update();
     let mut conditions = shared.conditions.subscribe();
     tokio::select! {
-        () = until_open(&mut conditions) => {}
+        () = until_open(&mut conditions, false) => {}
         _ = resets.changed() => {
             shared.counters.reset.fetch_add(1, Ordering::Relaxed);
             return reset(&client);
@@ -258,8 +277,8 @@ async fn serve(mut client: TcpStream, shared: Arc<Shared>) {
     let failed = {
         let (cr, cw) = client.split();
         let (sr, sw) = server.split();
-        let up = pipe(cr, sw, &shared, &shared.counters.bytes_up);
-        let down = pipe(sr, cw, &shared, &shared.counters.bytes_down);
+        let up = pipe(cr, sw, &shared, &shared.counters.bytes_up, false);
+        let down = pipe(sr, cw, &shared, &shared.counters.bytes_down, true);
         tokio::select! {
             both = async { tokio::try_join!(up, down) } => both.is_err(),
             _ = resets.changed() => {
@@ -279,9 +298,10 @@ fn reset(stream: &TcpStream) {
     let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
 }
 
-/// Returns once the conditions let bytes through.
-async fn until_open(conditions: &mut watch::Receiver<Conditions>) {
-    while conditions.borrow_and_update().blackhole {
+/// Returns once the conditions let bytes through in the direction `answers` (upstream to
+/// client) or the other.
+async fn until_open(conditions: &mut watch::Receiver<Conditions>, answers: bool) {
+    while !conditions.borrow_and_update().open(answers) {
         if conditions.changed().await.is_err() {
             return std::future::pending().await;
         }
@@ -292,13 +312,14 @@ async fn until_open(conditions: &mut watch::Receiver<Conditions>) {
 type Chunk = (Instant, Option<Vec<u8>>);
 
 /// One direction: reads chunks and stamps their delivery time; writes each at its time, at
-/// the bandwidth cap, never while blackholed. Ends with the reader's end (the writer is shut
-/// down, a half-close) or an error.
+/// the bandwidth cap, never while blackholed (nor, for the `answers` direction, while answers
+/// are held). Ends with the reader's end (the writer is shut down, a half-close) or an error.
 async fn pipe(
     mut from: tokio::net::tcp::ReadHalf<'_>,
     mut to: tokio::net::tcp::WriteHalf<'_>,
     shared: &Shared,
     delivered: &AtomicU64,
+    answers: bool,
 ) -> std::io::Result<()> {
     let (tx, rx) = mpsc::channel::<Chunk>(64);
     // Each side owns its end of the channel: when one side ends (an error included), the
@@ -309,7 +330,7 @@ async fn pipe(
         let mut last = Instant::now();
         let mut buf = vec![0u8; 16 * 1024];
         loop {
-            until_open(&mut conditions).await;
+            until_open(&mut conditions, answers).await;
             let n = from.read(&mut buf).await?;
             let c = *conditions.borrow();
             let at = (Instant::now() + c.latency + shared.jitter(c.jitter)).max(last);
@@ -325,7 +346,7 @@ async fn pipe(
         let mut conditions = shared.conditions.subscribe();
         while let Some((at, data)) = rx.recv().await {
             tokio::time::sleep_until(at).await;
-            until_open(&mut conditions).await;
+            until_open(&mut conditions, answers).await;
             let Some(data) = data else {
                 return to.shutdown().await;
             };

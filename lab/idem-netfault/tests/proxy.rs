@@ -214,3 +214,22 @@ async fn a_client_that_vanishes_with_a_reset_ends_its_upstream_connection() {
         "{ended:?}"
     );
 }
+
+#[tokio::test]
+async fn held_answers_let_the_request_arrive_and_keep_its_answer_until_healed() {
+    let (upstream, mut events) = echo().await;
+    let proxy = proxy_to(upstream).await;
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(round_trip(&mut s, b"before").await, b"before");
+    assert_eq!(events.recv().await, Some(Ok(6)));
+    proxy.set(Conditions::answers_held());
+    s.write_all(b"request").await.unwrap();
+    // The upstream reads the request while its answer is held.
+    assert_eq!(events.recv().await, Some(Ok(7)));
+    let mut answer = [0u8; 7];
+    let early = tokio::time::timeout(Duration::from_millis(500), s.read_exact(&mut answer)).await;
+    assert!(early.is_err(), "an answer passed while answers were held");
+    proxy.set(Conditions::healthy());
+    s.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"request");
+}

@@ -297,7 +297,7 @@ fn slow(rng: &mut Rng) -> Conditions {
         latency: rng.between(Duration::from_millis(20), Duration::from_millis(250)),
         jitter: rng.between(Duration::ZERO, Duration::from_millis(100)),
         bandwidth: (rng.below(2) == 0).then(|| 65_536 + rng.below(983_040)),
-        blackhole: false,
+        ..Conditions::healthy()
     }
 }
 
