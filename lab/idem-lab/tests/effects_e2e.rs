@@ -3,7 +3,8 @@
 //! key, the API replays, and there is one award. Against the API's route that ignores keys
 //! (`POST /keyless/awards`) the dispatcher is aborted at its crash points and SIGKILLed, and no
 //! payment is ever awarded twice; with the sending mark broken (`IDEM_BREAK=skip-sending-mark`,
-//! the negative control) a payment is.
+//! the negative control) a payment is. Behind a fault proxy that holds the API's answers, a
+//! dispatcher whose request was applied but never answered sends the same key again.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::unix::process::ExitStatusExt;
@@ -54,6 +55,25 @@ fn spawn_points_api(server: &Lite) -> (Proc, String) {
     let line = api.wait_for_line("listening on http://", Duration::from_secs(30));
     let base = line.rsplit(' ').next().unwrap().to_owned();
     (api, base)
+}
+
+/// Waits until the one intent of `client` is recorded done, then checks that `server` holds
+/// one award: the retry was replayed.
+async fn done_with_one_award(client: &Lite, server: &Lite) {
+    eventually(
+        "the intent to be recorded done",
+        Duration::from_secs(60),
+        || async {
+            (client
+                .scalar("SELECT count(*) FROM idem_effect_intents WHERE status = 'done'")
+                .await
+                == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    let awards = server.scalar("SELECT count(*) FROM points_awards").await;
+    assert_eq!(awards, 1, "one award: the retry was replayed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,23 +137,7 @@ async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_re
     );
 
     let _second = Proc::spawn("dispatcher-2", dispatch(false));
-    eventually(
-        "the intent to be recorded done",
-        Duration::from_secs(60),
-        || async {
-            (client
-                .scalar("SELECT count(*) FROM idem_effect_intents WHERE status = 'done'")
-                .await
-                == 1)
-                .then_some(())
-        },
-    )
-    .await;
-    assert_eq!(
-        server.scalar(awards).await,
-        1,
-        "one award: the retry was replayed"
-    );
+    done_with_one_award(&client, &server).await;
     assert_eq!(
         client
             .scalar("SELECT attempts FROM idem_effect_intents")
@@ -148,6 +152,69 @@ async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_re
     assert!(
         body.contains("\"award_id\":1"),
         "the replayed response names the first award: {body}"
+    );
+}
+
+/// The dispatcher reaches the points API through a fault proxy that holds the API's answers:
+/// the request leaves, the API applies the award, and the answer never arrives before the
+/// dispatcher's timeout. The intent stays unrecorded; once the way heals the dispatcher sends
+/// the same key again, the API replays its first answer, and one award stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_whose_answer_is_lost_after_the_award_resends_the_key_and_one_award_stands() {
+    let (client, server, client_url, _api, base) = points_api().await;
+    let api: std::net::SocketAddr = base.trim_start_matches("http://").parse().unwrap();
+    let proxy = idem_netfault::Proxy::start("127.0.0.1:0".parse().unwrap(), api, 9)
+        .await
+        .unwrap();
+    let intent = EffectIntent {
+        event_id: EventId::new(),
+        effect: "points.award".into(),
+        target: format!("http://{}/awards", proxy.addr()),
+        body: serde_json::json!({"order_id": "order-1", "payment_id": "pay-1", "points": 12}),
+        traceparent: None,
+    };
+    let mut tx = client.begin().await;
+    tx.record_intent(&intent).await.unwrap();
+    tx.commit().await;
+    proxy.set(idem_netfault::Conditions::answers_held());
+    let _dispatcher = Proc::spawn(
+        "dispatcher",
+        idem(&[
+            "effects",
+            "dispatch",
+            "--db",
+            &client_url,
+            "--authorization",
+            "Bearer settlement",
+            "--timeout",
+            "2s",
+        ]),
+    );
+    let awards = "SELECT count(*) FROM points_awards";
+    eventually(
+        "the API to apply the award",
+        Duration::from_secs(60),
+        || async { (server.scalar(awards).await == 1).then_some(()) },
+    )
+    .await;
+    // The dispatcher's request timed out without an answer: it recorded the attempt as failed.
+    eventually("the attempt to fail", Duration::from_secs(60), || async {
+        (client
+            .scalar("SELECT count(*) FROM idem_effect_intents WHERE status <> 'done' AND last_error IS NOT NULL")
+            .await
+            == 1)
+            .then_some(())
+    })
+    .await;
+    proxy.reset_all();
+    proxy.set(idem_netfault::Conditions::healthy());
+    done_with_one_award(&client, &server).await;
+    assert!(
+        client
+            .scalar("SELECT attempts FROM idem_effect_intents")
+            .await
+            >= 2,
+        "a second attempt was made"
     );
 }
 
