@@ -375,6 +375,15 @@ fn a_pipeline_that_cannot_run_says_why_with_status_2() {
     let logs = Path::new(logs.split([':', '\n']).next().unwrap().trim());
     assert!(logs.join("consumer-0.log").exists(), "{stderr}");
     std::fs::remove_dir_all(logs).unwrap();
+    let missing = file.replace(r#"["sh", "-c""#, r#"["/nonexistent/consumer", "-c""#);
+    let (code, stderr) = run(&missing.replace(", \"{db.orders}\"", ""));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("starting consumer-0 (/nonexistent/consumer): No such file"),
+        "{stderr}"
+    );
+    let logs = stderr.split("the run's logs are in ").nth(1).unwrap();
+    std::fs::remove_dir_all(logs.split([':', '\n']).next().unwrap().trim()).unwrap();
 }
 
 /// `examples/python-consumer` in `mode` under every fault kind, the network faults `aimed` at

@@ -6,12 +6,14 @@
 //!
 //! Faults come every 1–3 s (seeded), each on one process's way to one dependency: a partition
 //! (a blackhole of 1–8 s, one in five of 12–16 s, longer than the clients' session and poll
-//! timeouts), a reset of every open connection, or a slow link (latency, jitter, and half of
-//! the time a bandwidth cap) for 2–10 s. The dependency turns PostgreSQL, Kafka, the points API
-//! and the kind partition, slow, partition, reset, so five faults partition every dependency
-//! and twelve bring every kind to every one; the process and the durations are the seed's.
-//! Under the run's steady load a partition lands mid-transaction, between a produce and its
-//! acknowledgement, or after an award request left.
+//! timeouts), a reset of every open connection, a slow link (latency, jitter, and half of the
+//! time a bandwidth cap) for 2–10 s, or lost answers (requests pass and answers are held for
+//! 1–5 s, then the connections are reset). The dependency turns PostgreSQL, Kafka, the points
+//! API and the kind through [`KINDS`], so five faults partition every dependency and 24 bring
+//! every kind to every one; the process and the durations are the seed's. Under the run's
+//! steady load a partition lands mid-transaction, and lost answers between a produce and its
+//! acknowledgement, a `COMMIT` and its confirmation, an award and its response (the windows
+//! the tests in `network_faults.rs` and `effects_e2e.rs` hit on purpose).
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -49,6 +51,8 @@ pub(super) struct Link {
     proxies: Vec<Proxy>,
     /// The fault on it ends then (none: healthy).
     heal_at: Option<Instant>,
+    /// Its open connections are reset when the fault ends (held answers are lost, not late).
+    reset_on_heal: bool,
 }
 
 impl Link {
@@ -59,6 +63,7 @@ impl Link {
             dependency,
             proxies,
             heal_at: None,
+            reset_on_heal: false,
         }
     }
 
@@ -66,6 +71,17 @@ impl Link {
         for p in &self.proxies {
             p.set(c);
         }
+    }
+
+    /// Ends its fault: resets its connections first when the fault held answers.
+    fn heal(&mut self) {
+        if std::mem::take(&mut self.reset_on_heal) {
+            for p in &self.proxies {
+                p.reset_all();
+            }
+        }
+        self.set(Conditions::healthy());
+        self.heal_at = None;
     }
 }
 
@@ -91,17 +107,35 @@ enum Kind {
     Reset,
     /// A partition, and the process killed inside it (`Network::with_kills`).
     PartitionKill,
+    /// Requests pass, answers are held, then the connections are reset: the dependency acted
+    /// on requests whose answers are lost (a produce appended and not acknowledged, a `COMMIT`
+    /// committed and not confirmed, an award applied and not answered).
+    LostAnswers,
 }
 
-/// The kinds faults turn through: four long, so with the three dependencies every pair comes
-/// within twelve faults.
-const KINDS: [Kind; 4] = [Kind::Partition, Kind::Slow, Kind::Partition, Kind::Reset];
-
-/// The same with a partition whose process is killed inside it: a process cut from its
-/// database mid-transaction, or just after it committed offsets, dies there.
-const KINDS_WITH_KILLS: [Kind; 4] = [
+/// The kinds faults turn through: eight long (coprime with the three dependencies, so every
+/// pair comes within 24 faults), a partition every other fault (every dependency partitioned
+/// within five).
+const KINDS: [Kind; 8] = [
     Kind::Partition,
     Kind::Slow,
+    Kind::Partition,
+    Kind::Reset,
+    Kind::Partition,
+    Kind::LostAnswers,
+    Kind::Partition,
+    Kind::Reset,
+];
+
+/// The same with partitions whose process is killed inside them: a process cut from its
+/// database mid-transaction, or just after it committed offsets, dies there.
+const KINDS_WITH_KILLS: [Kind; 8] = [
+    Kind::Partition,
+    Kind::Slow,
+    Kind::PartitionKill,
+    Kind::Reset,
+    Kind::Partition,
+    Kind::LostAnswers,
     Kind::PartitionKill,
     Kind::Reset,
 ];
@@ -206,8 +240,7 @@ impl Network {
     ) {
         for l in &mut self.links {
             if l.heal_at.is_some_and(|at| now >= at) {
-                l.set(Conditions::healthy());
-                l.heal_at = None;
+                l.heal();
                 timeline(&format!(
                     "net_heal {} of {}",
                     l.dependency.name(),
@@ -263,6 +296,16 @@ impl Network {
                 }
                 ("reset", "every open connection".to_owned())
             }
+            Kind::LostAnswers => {
+                let d = rng.between(Duration::from_secs(1), Duration::from_secs(5));
+                l.set(Conditions::answers_held());
+                l.heal_at = Some(now + d);
+                l.reset_on_heal = true;
+                (
+                    "lost_answers",
+                    format!("held {:.1} s, then reset", d.as_secs_f64()),
+                )
+            }
             Kind::Slow => {
                 let c = slow(rng);
                 let d = rng.between(Duration::from_secs(2), Duration::from_secs(10));
@@ -284,8 +327,7 @@ impl Network {
     pub(super) fn heal_all(&mut self) {
         self.kills.clear();
         for l in &mut self.links {
-            l.set(Conditions::healthy());
-            l.heal_at = None;
+            l.heal();
         }
     }
 }
@@ -368,12 +410,12 @@ mod tests {
     }
 
     #[test]
-    fn five_faults_partition_every_dependency_and_twelve_bring_every_kind_to_each() {
+    fn five_faults_partition_every_dependency_and_24_bring_every_kind_to_each() {
         let all = |_| true;
-        let faults: Vec<_> = (0..12).map(|n| turn(n, &KINDS, all).unwrap()).collect();
+        let faults: Vec<_> = (0..24).map(|n| turn(n, &KINDS, all).unwrap()).collect();
         for d in DEPENDENCIES {
             assert!(faults[..5].contains(&(d, Kind::Partition)), "{d:?}");
-            for k in [Kind::Partition, Kind::Slow, Kind::Reset] {
+            for k in [Kind::Partition, Kind::Slow, Kind::Reset, Kind::LostAnswers] {
                 assert!(faults.contains(&(d, k)), "{d:?} {k:?}");
             }
         }

@@ -101,7 +101,11 @@ impl Proc {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        self.child = Some(cmd.spawn()?);
+        let program = cmd.get_program().to_string_lossy().into_owned();
+        let child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("starting {} ({program}): {e}", self.name))?;
+        self.child = Some(child);
         self.stopping = false;
         self.paused_until = None;
         self.restart_at = None;
