@@ -56,7 +56,7 @@ pub(crate) enum Events {
 }
 
 pub(crate) async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
-    let store = db::open(&args.db, 2).await?;
+    let store = db::open_waiting(&args.db, 2).await?;
     let path = event_path(&store, args.events, &args.db)?;
     let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
     let mut next = tokio::time::Instant::now();
@@ -230,8 +230,11 @@ fn settlement_handler(args: &SettlementArgs) -> Settlement {
 }
 
 pub(crate) async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
-    let shutdown = idem_cli::util::shutdown_signal()?;
-    let store = db::open(&args.db, 4).await?;
+    let mut shutdown = Box::pin(idem_cli::util::shutdown_signal()?);
+    let store = tokio::select! {
+        store = db::open_waiting(&args.db, 4) => store?,
+        () = &mut shutdown => return Ok(()),
+    };
     require_schemas(&store).await?;
     let registry = prometheus::Registry::new();
     let metrics = ConsumerMetrics::new(&registry)?;
@@ -486,8 +489,11 @@ pub(crate) async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
          key-store round trip (use 100ms or more; the default is 30s)",
         args.key_lock
     );
-    let shutdown = idem_cli::util::shutdown_signal()?;
-    let store = db::open(&args.db, 8).await?;
+    let mut shutdown = Box::pin(idem_cli::util::shutdown_signal()?);
+    let store = tokio::select! {
+        store = db::open_waiting(&args.db, 8) => store?,
+        () = &mut shutdown => return Ok(()),
+    };
     require_schemas(&store).await?;
     let app = idem_sql::with_store!(&store, s => {
         let keys = s.keys();

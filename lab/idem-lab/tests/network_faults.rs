@@ -491,3 +491,63 @@ async fn consume_all(
     let _ = consumer.wait();
     counts
 }
+
+/// A relay started while its database is cut off (a blackhole longer than the 10 s connect
+/// timeout, as when it is restarted inside a partition or while the server restarts) waits for
+/// the database instead of exiting, and publishes once the way heals.
+#[test]
+fn a_relay_started_while_its_database_is_cut_off_waits_and_publishes() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let db = idem_conformance::pg::TestDb::create().await;
+        let setup = lab(&["setup", "--db", db.url()]).output().unwrap();
+        assert!(setup.status.success(), "{setup:?}");
+        let written = lab(&["orders", "--db", db.url(), "--count", "1", "--prefix", "w-"])
+            .output()
+            .unwrap();
+        assert!(written.status.success(), "{written:?}");
+        let (authority, upstream) = postgres_address(db.url());
+        let proxy = idem_netfault::Proxy::start("127.0.0.1:0".parse().unwrap(), upstream, 11)
+            .await
+            .unwrap();
+        proxy.set(Conditions::blackhole());
+        let routed = db.url().replacen(&authority, &proxy.addr().to_string(), 1);
+        let topic = unique("cutoff");
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let mut relay = lab(&[
+            "relay",
+            "--db",
+            &routed,
+            "--brokers",
+            &idem_conformance::kafka::shared(),
+            "--topic-prefix",
+            &format!("{topic}."),
+            "--create-topics",
+            "1",
+        ])
+        .env("RUST_LOG", "warn")
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .unwrap();
+        // The driver gives up on a connection after 10 s: wait for the relay's second try.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while std::fs::read_to_string(log.path())
+            .unwrap()
+            .matches("the database cannot be reached; trying again")
+            .count()
+            < 1
+        {
+            assert!(
+                relay.try_wait().unwrap().is_none(),
+                "the relay exited: {}",
+                std::fs::read_to_string(log.path()).unwrap()
+            );
+            assert!(tokio::time::Instant::now() < deadline, "no retry logged");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        proxy.set(Conditions::healthy());
+        wait_status(db.pool(), "w-order-1", "published", log.path()).await;
+        let _ = relay.kill();
+        let _ = relay.wait();
+    });
+}

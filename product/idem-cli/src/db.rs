@@ -39,6 +39,59 @@ pub async fn open(args: &DbArgs, max_connections: u32) -> anyhow::Result<Store> 
     Ok(Store::connect(&args.db, max_connections, tables).await?)
 }
 
+/// How long a service waits at start for a database it cannot reach.
+pub const OPEN_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// [`open`] for a service: while the database cannot be reached (a server starting,
+/// restarting, or cut off by the network) it tries again, logging each failed try, for up to
+/// [`OPEN_WAIT`], so that a service restarted while its database is down waits for it instead
+/// of exiting. A refusal (credentials, TLS, a missing database) is returned at once.
+pub async fn open_waiting(args: &DbArgs, max_connections: u32) -> anyhow::Result<Store> {
+    let started = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_millis(250);
+    loop {
+        let e = match open(args, max_connections).await {
+            Ok(store) => return Ok(store),
+            Err(e) => e,
+        };
+        if !unreachable(&e) || started.elapsed() + pause > OPEN_WAIT {
+            return Err(e);
+        }
+        tracing::warn!(error = %format!("{e:#}"), "the database cannot be reached; trying again");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_secs(5));
+    }
+}
+
+/// Whether `e` says the database could not be reached — the connection refused, reset, closed
+/// or timed out, or the server starting up or shutting down — as opposed to refusing this
+/// client (credentials, TLS, a missing database), which waiting does not change.
+fn unreachable(e: &anyhow::Error) -> bool {
+    let network = |io: &std::io::Error| {
+        use std::io::ErrorKind::*;
+        matches!(
+            io.kind(),
+            ConnectionRefused
+                | ConnectionReset
+                | ConnectionAborted
+                | TimedOut
+                | UnexpectedEof
+                | BrokenPipe
+                | NotConnected
+        )
+    };
+    e.chain()
+        .any(|cause| match cause.downcast_ref::<sqlx::Error>() {
+            Some(sqlx::Error::Io(io)) => network(io),
+            Some(sqlx::Error::PoolTimedOut) => true,
+            Some(sqlx::Error::Database(d)) => d
+                .code()
+                .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+            Some(_) => false,
+            None => cause.downcast_ref::<std::io::Error>().is_some_and(network),
+        })
+}
+
 /// `idem migrate`: creates or upgrades idem's tables and says what it did.
 pub async fn migrate(args: &DbArgs) -> anyhow::Result<()> {
     let store = open(args, 2).await?;
@@ -60,5 +113,29 @@ fn store_kind(store: &Store) -> &'static str {
     match store.pool().scheme() {
         Scheme::Postgres => "PostgreSQL",
         Scheme::Sqlite => "SQLite",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unreachable;
+
+    fn io(kind: std::io::ErrorKind) -> anyhow::Error {
+        let e = sqlx::Error::Io(std::io::Error::from(kind));
+        anyhow::Error::new(idem_core::Error::database("connecting", e))
+    }
+
+    #[test]
+    fn only_a_database_out_of_reach_is_waited_for() {
+        use std::io::ErrorKind::*;
+        for kind in [ConnectionRefused, ConnectionReset, TimedOut, UnexpectedEof] {
+            assert!(unreachable(&io(kind)), "{kind:?}");
+        }
+        assert!(!unreachable(&io(InvalidData)));
+        let tls = sqlx::Error::Tls("invalid peer certificate: UnknownIssuer".into());
+        assert!(!unreachable(&anyhow::Error::new(
+            idem_core::Error::database("connecting", tls)
+        )));
+        assert!(!unreachable(&anyhow::anyhow!("--schema is for PostgreSQL")));
     }
 }

@@ -480,7 +480,11 @@ async fn settle<S: IntentStore>(store: S, cmd: EffectsCommand) -> anyhow::Result
 
 pub(crate) async fn run(cmd: EffectsCommand) -> anyhow::Result<()> {
     let args = cmd.db().clone();
-    let store = db::open(&args, 2).await?;
+    // The dispatcher is a service: it waits for a database it cannot reach yet.
+    let store = match cmd {
+        EffectsCommand::Dispatch { .. } => db::open_waiting(&args, 2).await?,
+        _ => db::open(&args, 2).await?,
+    };
     let done = idem_sql::with_store!(&store, s => run_on(s.intents(), cmd).await)?;
     if let Some(done) = done {
         crate::audit::record(&store, None, done).await;

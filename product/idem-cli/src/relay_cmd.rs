@@ -114,9 +114,12 @@ fn relay_config(args: &RelayArgs, topics: idem_relay::TopicNaming) -> RelayConfi
 
 pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM during start-up or the first batch must not kill the process.
-    let shutdown = shutdown_signal()?;
+    let mut shutdown = Box::pin(shutdown_signal()?);
     let topics = crate::kafka_args::topic_naming(&args.topic_prefix, &args.topics)?;
-    let store = db::open(&args.db, 4).await?;
+    let store = tokio::select! {
+        store = db::open_waiting(&args.db, 4) => store?,
+        () = &mut shutdown => return Ok(()),
+    };
     // Fail early, with a clear message, when the tables are missing.
     idem_sql::with_store!(&store, s => s.relay().status().await.map(|_| ()))
         .context("reading the outbox (did you run `idem migrate`?)")?;
