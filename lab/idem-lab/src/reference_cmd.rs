@@ -56,11 +56,10 @@ pub(crate) enum Events {
 }
 
 pub(crate) async fn orders(args: OrdersArgs) -> anyhow::Result<()> {
-    let store = db::open_waiting(&args.db, 2).await?;
+    let store = db::open_checked(&args.db, 2, checked).await?;
     let path = event_path(&store, args.events, &args.db)?;
     let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
     let mut next = tokio::time::Instant::now();
-    require_schemas(&store).await?;
     for n in args.start..args.start + args.count {
         let order = PaidOrder::numbered(&args.prefix, n);
         let hold = match args.slow_every {
@@ -232,10 +231,9 @@ fn settlement_handler(args: &SettlementArgs) -> Settlement {
 pub(crate) async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
     let mut shutdown = Box::pin(idem_cli::util::shutdown_signal()?);
     let store = tokio::select! {
-        store = db::open_waiting(&args.db, 4) => store?,
+        store = db::open_checked(&args.db, 4, checked) => store?,
         () = &mut shutdown => return Ok(()),
     };
-    require_schemas(&store).await?;
     let registry = prometheus::Registry::new();
     let metrics = ConsumerMetrics::new(&registry)?;
     // Ready while the database answers, the broker answers and the member is in its group;
@@ -312,6 +310,11 @@ pub(crate) async fn setup(args: SetupArgs) -> anyhow::Result<()> {
 /// Refuses a database the reference services were not set up in: the services create no
 /// table in a database they are given, so a wrong `--db` stops them at start instead of
 /// filling someone's database. `idem-lab setup --db URL` creates the tables, once.
+/// [`require_schemas`] of an opened store (the start-up check of the services).
+async fn checked(store: Store) -> anyhow::Result<()> {
+    require_schemas(&store).await
+}
+
 async fn require_schemas(store: &Store) -> anyhow::Result<()> {
     const SETUP: &str = "create them with `idem-lab setup --db <the same URL>` first";
     match idem_sql::with_store!(store, s => idem_sql::check_schema(s.pool(), s.tables()).await) {
@@ -491,10 +494,9 @@ pub(crate) async fn points_api(args: PointsApiArgs) -> anyhow::Result<()> {
     );
     let mut shutdown = Box::pin(idem_cli::util::shutdown_signal()?);
     let store = tokio::select! {
-        store = db::open_waiting(&args.db, 8) => store?,
+        store = db::open_checked(&args.db, 8, checked) => store?,
         () = &mut shutdown => return Ok(()),
     };
-    require_schemas(&store).await?;
     let app = idem_sql::with_store!(&store, s => {
         let keys = s.keys();
         idem_http::spawn_sweeper(keys.clone(), Duration::from_secs(60));

@@ -47,11 +47,28 @@ pub const OPEN_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 /// [`OPEN_WAIT`], so that a service restarted while its database is down waits for it instead
 /// of exiting. A refusal (credentials, TLS, a missing database) is returned at once.
 pub async fn open_waiting(args: &DbArgs, max_connections: u32) -> anyhow::Result<Store> {
+    open_checked(args, max_connections, |_| async { Ok(()) }).await
+}
+
+/// [`open_waiting`], with the service's start-up `check` of the opened database (its tables)
+/// in the same wait: a check the network cuts short opens and checks again.
+pub async fn open_checked<F, Fut>(
+    args: &DbArgs,
+    max_connections: u32,
+    check: F,
+) -> anyhow::Result<Store>
+where
+    F: Fn(Store) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
     let started = std::time::Instant::now();
     let mut pause = std::time::Duration::from_millis(250);
     loop {
         let e = match open(args, max_connections).await {
-            Ok(store) => return Ok(store),
+            Ok(store) => match check(store.clone()).await {
+                Ok(()) => return Ok(store),
+                Err(e) => e,
+            },
             Err(e) => e,
         };
         if !unreachable(&e) || started.elapsed() + pause > OPEN_WAIT {

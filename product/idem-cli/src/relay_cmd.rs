@@ -116,13 +116,15 @@ pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
     // Handlers first: a SIGTERM during start-up or the first batch must not kill the process.
     let mut shutdown = Box::pin(shutdown_signal()?);
     let topics = crate::kafka_args::topic_naming(&args.topic_prefix, &args.topics)?;
+    // Fail early, with a clear message, when the tables are missing.
+    let outbox_readable = |store: db::Store| async move {
+        idem_sql::with_store!(&store, s => s.relay().status().await.map(|_| ()))
+            .context("reading the outbox (did you run `idem migrate`?)")
+    };
     let store = tokio::select! {
-        store = db::open_waiting(&args.db, 4) => store?,
+        store = db::open_checked(&args.db, 4, outbox_readable) => store?,
         () = &mut shutdown => return Ok(()),
     };
-    // Fail early, with a clear message, when the tables are missing.
-    idem_sql::with_store!(&store, s => s.relay().status().await.map(|_| ()))
-        .context("reading the outbox (did you run `idem migrate`?)")?;
 
     let kafka = Kafka::connect(&args.brokers, &args.producer, "idem relay").await?;
     let (brokers, timeout_ms, publisher) =
