@@ -18,6 +18,7 @@ Usage: consumer.py --db URL --brokers HOST:PORT[,...] --topic T --group G --mode
 import argparse
 import decimal
 import json
+import os
 import sys
 import time
 
@@ -117,6 +118,12 @@ def main():
     p.add_argument("--topic", required=True)
     p.add_argument("--group", required=True)
     p.add_argument("--mode", choices=["inbox", "offset-first", "no-inbox"], default="inbox")
+    p.add_argument(
+        "--crash-after-commit",
+        type=int,
+        default=0,
+        help="offset-first: exit at once after committing the offsets of the Nth batch",
+    )
     args = p.parse_args()
     conn = connect(args.db)
     consumer = KafkaConsumer(
@@ -131,6 +138,7 @@ def main():
     )
     print(f"consuming {args.topic} as {args.group} ({args.mode})", flush=True)
     inbox = args.mode != "no-inbox"
+    batches = 0
     while True:
         try:
             batch = consumer.poll(timeout_ms=500, max_records=200)
@@ -142,8 +150,14 @@ def main():
         records = [r for part in batch.values() for r in part]
         if not records:
             continue
+        batches += 1
         if args.mode == "offset-first":
             commit(consumer)
+            if batches == args.crash_after_commit:
+                # The window this mode opens, hit on purpose: the batch's offsets are
+                # committed and its rows are not.
+                print("crashing after the offset commit", file=sys.stderr, flush=True)
+                os._exit(3)
         conn = apply_until_done(args.db, conn, args.group, records, inbox)
         if args.mode != "offset-first":
             commit(consumer)
