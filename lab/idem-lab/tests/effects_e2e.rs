@@ -24,6 +24,20 @@ fn idem(args: &[&str]) -> Command {
     cmd
 }
 
+/// The effect dispatcher over the settlement database `client_url`, a 2 s request timeout.
+fn dispatcher(client_url: &str) -> Command {
+    idem(&[
+        "effects",
+        "dispatch",
+        "--db",
+        client_url,
+        "--authorization",
+        "Bearer settlement",
+        "--timeout",
+        "2s",
+    ])
+}
+
 /// `idem-lab setup`: idem's tables and the reference tables in `db` (the reference services
 /// create none).
 fn setup(db: &str) {
@@ -93,16 +107,7 @@ async fn a_dispatcher_killed_after_the_award_resends_the_same_key_and_the_api_re
     tx.commit().await;
 
     let dispatch = |crash: bool| {
-        let mut cmd = idem(&[
-            "effects",
-            "dispatch",
-            "--db",
-            &client_url,
-            "--authorization",
-            "Bearer settlement",
-            "--timeout",
-            "2s",
-        ]);
+        let mut cmd = dispatcher(&client_url);
         if crash {
             cmd.env(
                 "IDEM_CRASH_POINTS",
@@ -177,19 +182,7 @@ async fn a_dispatcher_whose_answer_is_lost_after_the_award_resends_the_key_and_o
     tx.record_intent(&intent).await.unwrap();
     tx.commit().await;
     proxy.set(idem_netfault::Conditions::answers_held());
-    let _dispatcher = Proc::spawn(
-        "dispatcher",
-        idem(&[
-            "effects",
-            "dispatch",
-            "--db",
-            &client_url,
-            "--authorization",
-            "Bearer settlement",
-            "--timeout",
-            "2s",
-        ]),
-    );
+    let _dispatcher = Proc::spawn("dispatcher", dispatcher(&client_url));
     let awards = "SELECT count(*) FROM points_awards";
     eventually(
         "the API to apply the award",
