@@ -3,13 +3,18 @@
 //! lines with readiness checks, a load, and a verify config. A run with every fault kind must
 //! pass with nothing lost or doubled; the same pipeline with a consumer that commits offsets
 //! before its database must fail, with each loss located. The consumers are the lab's, and
-//! `examples/python-consumer` (kafka-python and psycopg, no idem).
+//! `examples/python-consumer` (kafka-python and psycopg, no idem). The reference pipeline
+//! file (`pipelines/reference`) passes with its crash points armed, and fails with each
+//! mechanism it can break broken (`--break`): the negative controls.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;
 use std::process::Command;
 
 use idem_conformance::pg::TestDb;
+
+#[path = "support/controls.rs"]
+mod controls;
 
 /// The pipeline: order writers (the load), two polling relays, and `consumers` (a
 /// `[[component]]` reading `shop.order` into database `target`). `aimed`: the network faults
@@ -191,8 +196,18 @@ fn chaos(file: &Path, args: &[&str]) -> (Option<i32>, serde_json::Value, String)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let report = serde_json::from_slice(&out.stdout)
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("no JSON report ({e}); stderr: {stderr}"));
+    // The run's figures, for `--success-output immediate`.
+    let orders = &report["verify"]["checks"][0]["by_event_type"][0]["source_rows"];
+    eprintln!(
+        "ok {} orders {orders} lost {} duplicate effects {} faults {} crash points fired {}",
+        report["ok"],
+        report["lost"],
+        report["duplicate_effects"],
+        report["faults"],
+        report["crash_points_fired"]
+    );
     (out.status.code(), report, stderr)
 }
 
@@ -220,9 +235,20 @@ fn started(name: &str) -> String {
 /// Writes pipeline file `text` (databases `orders` and `target` of the runner's own server) and
 /// its verify config (`audit_log` rows of group `audit`) into `dir`: the pipeline file's path.
 fn on_started_databases(dir: &Path, text: &str) -> std::path::PathBuf {
+    on_started_databases_checking(dir, text, "audit_log", Some("audit"))
+}
+
+/// [`on_started_databases`], checking rows of `table` and locating losses through group
+/// `locate`'s inbox when given.
+fn on_started_databases_checking(
+    dir: &Path,
+    text: &str,
+    table: &str,
+    locate: Option<&str>,
+) -> std::path::PathBuf {
     let file = dir.join("pipeline.toml");
     std::fs::write(&file, text).unwrap();
-    let check = verify("{db.orders}", "{db.target}", "audit_log", Some("audit"));
+    let check = verify("{db.orders}", "{db.target}", table, locate);
     std::fs::write(dir.join("verify.toml"), check).unwrap();
     file
 }
@@ -407,18 +433,35 @@ fn python_run(mode: &str, aimed: bool) -> (Option<i32>, serde_json::Value, Strin
         false,
         (aimed, mode != "offset-first"),
     ));
+    python_chaos(mode, &file)
+}
+
+/// The same on databases of the runner's own server, which it crashes twice (the consumer
+/// creates its own tables).
+fn python_run_on_started_databases(mode: &str) -> (Option<i32>, serde_json::Value, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let text = pipeline("@", "@", &python_consumers(mode), false, true)
+        .replacen(r#"orders = "@""#, &started("orders"), 1)
+        .replacen(r#"target = "@""#, "target = { start = true }", 1);
+    let file = on_started_databases_checking(dir.path(), &text, "py_ledger", None);
+    python_chaos(mode, &file)
+}
+
+/// 40 s of faults on the Python pipeline file at `file` (the offset-first control's relays
+/// only paused), settling for at most 60 s.
+fn python_chaos(mode: &str, file: &Path) -> (Option<i32>, serde_json::Value, String) {
     if mode == "offset-first" {
         // The relays are paused, never killed: a relay killed between its publish and its
         // mark publishes its batch again after the lease, the freshest events, which are the
         // ones a consumer killed after its offset commit has just lost; the copies would
         // deliver them again and hide the loss.
-        let text = std::fs::read_to_string(&file).unwrap();
+        let text = std::fs::read_to_string(file).unwrap();
         let relays = r#"faults = ["kill", "pause", "restart"]"#;
         assert!(text.contains(relays), "{text}");
-        std::fs::write(&file, text.replacen(relays, r#"faults = ["pause"]"#, 1)).unwrap();
+        std::fs::write(file, text.replacen(relays, r#"faults = ["pause"]"#, 1)).unwrap();
     }
     chaos(
-        &file,
+        file,
         &[
             "--duration",
             "40s",
@@ -431,14 +474,15 @@ fn python_run(mode: &str, aimed: bool) -> (Option<i32>, serde_json::Value, Strin
 }
 
 /// A consumer idem did not write, in Python, with its own inbox in its database transaction
-/// and offsets committed after it: nothing lost, nothing doubled, with the network faults on
-/// it alone (partitions with a kill inside) and spread over every process (relays
-/// republishing).
+/// and offsets committed after it: nothing lost, nothing doubled, with the network faults
+/// spread over every process (relays republishing) and PostgreSQL crashed twice, and with the
+/// network faults on it alone (partitions with a kill inside).
 #[test]
 fn a_python_consumer_with_its_own_inbox_passes() {
-    let (code, r, stderr) = python_run("inbox", false);
+    let (code, r, stderr) = python_run_on_started_databases("inbox");
     passed(code, &r, &stderr);
     assert!(count(&r, "redelivered_records") > 0, "{r:#}");
+    assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
     let (code, aimed, stderr) = python_run("inbox", true);
     assert_eq!(code, Some(0), "{aimed:#}\n{stderr}");
     assert!(
@@ -538,27 +582,25 @@ ready = {{ log = "consuming shop.order" }}
 
 /// `examples/consumer-handler` as a team's own consumer, run as a service: under signals, a
 /// broker kill, partitions and resets between it and Kafka (its database is a file), the
-/// relays and writers cut from PostgreSQL, and copies of records produced again, every paid
-/// order has its one ledger row.
+/// relays and writers cut from PostgreSQL, the orders' server crashed twice, and copies of
+/// records produced again, every paid order has its one ledger row.
 #[test]
 fn the_consumer_handler_example_as_a_service_passes() {
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let orders = rt.block_on(TestDb::create());
-    let setup = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
-        .args(["setup", "--db", orders.url()])
-        .output()
-        .unwrap();
-    assert!(setup.status.success(), "{setup:?}");
     let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let file = dir.path().join("pipeline.toml");
-    let text = pipeline(orders.url(), &ledger, &handler_consumers(), false, true);
+    let text = pipeline("@", &ledger, &handler_consumers(), false, true).replacen(
+        r#"orders = "@""#,
+        &started("orders"),
+        1,
+    );
     std::fs::write(&file, text).unwrap();
-    let check = verify(orders.url(), &ledger, "ledger", Some("ledger"));
+    let check = verify("{db.orders}", &ledger, "ledger", Some("ledger"));
     std::fs::write(dir.path().join("verify.toml"), check).unwrap();
     let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
     passed(code, &r, &stderr);
     every_fault(&r, &["net_partition_kafka", "redelivered_records"]);
+    assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
     let deliveries = &r["verify"]["attempts"]["inbox"];
     assert!(
         deliveries.as_array().is_some_and(|d| d
@@ -596,11 +638,13 @@ fn a_postgresql_the_runner_starts_and_crashes_loses_nothing() {
 /// faults between every process and both: every settlement, points award and audit row once.
 #[test]
 fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes() {
-    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/reference/pipeline.toml");
-    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
+    let (code, r, stderr) = chaos(&reference_file(), &["--duration", "40s", "--seed", "1"]);
     passed(code, &r, &stderr);
     assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
     every_fault(&r, &["net_partition_kafka", "net_partition_kill_postgres"]);
+    let fired = r["crash_points_fired"].as_object().unwrap();
+    assert_eq!(fired.len(), 6, "{r:#}");
+    assert!(fired.values().all(|n| n.as_u64() > Some(0)), "{r:#}");
     let checks: Vec<&str> = r["verify"]["checks"]
         .as_array()
         .unwrap()
@@ -608,6 +652,170 @@ fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes
         .map(|c| c["name"].as_str().unwrap())
         .collect();
     assert_eq!(checks, ["settlements", "points", "audit"], "{r:#}");
+}
+
+fn reference_file() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/reference/pipeline.toml")
+}
+
+/// The reference pipeline file passed through `edit`, written into `dir` beside a copy of its
+/// verify config: the new file's path.
+fn reference_edited(dir: &Path, edit: impl FnOnce(String) -> String) -> std::path::PathBuf {
+    let text = edit(std::fs::read_to_string(reference_file()).unwrap());
+    let verify = reference_file().with_file_name("verify.toml");
+    std::fs::copy(verify, dir.join("verify.toml")).unwrap();
+    let file = dir.join("pipeline.toml");
+    std::fs::write(&file, text).unwrap();
+    file
+}
+
+/// Pipeline file `text` with component `name`'s section (from its `name = ` line up to the
+/// next table) replaced by `section`.
+fn section_replaced(text: &str, name: &str, section: &str) -> String {
+    let start = text.find(&format!("name = \"{name}\"\n")).unwrap();
+    let end = start + text[start..].find("\n[[").unwrap() + 1;
+    format!("{}{section}\n{}", &text[..start], &text[end..])
+}
+
+/// A negative control on the pipeline file at `file`: `--break mechanism` for 30 s (seed 3).
+/// The run must fail, say that the mechanism was broken, and have opened the mechanism's
+/// window (`window`, a crash point, fired). Returns the report; its logs are removed.
+fn broken(file: &Path, mechanism: &str, window: Option<&str>) -> serde_json::Value {
+    let args = ["--duration", "30s", "--seed", "3", "--break", mechanism];
+    let (code, r, stderr) = chaos(file, &args);
+    controls::assert_caught(mechanism, (code, &r, &stderr));
+    if let Some(point) = window {
+        let fired = r["crash_points_fired"][point].as_u64().unwrap_or(0);
+        assert!(fired > 0, "{point} never fired: {r:#}");
+    }
+    if let Some(logs) = r["logs"].as_str() {
+        std::fs::remove_dir_all(logs).unwrap();
+    }
+    r
+}
+
+fn lost(r: &serde_json::Value) -> u64 {
+    r["lost"].as_u64().unwrap()
+}
+
+fn doubled(r: &serde_json::Value) -> u64 {
+    r["duplicate_effects"].as_u64().unwrap()
+}
+
+#[test]
+fn marking_before_the_delivery_report_is_caught_as_loss() {
+    let window = "relay.after_claim_before_publish";
+    let r = broken(&reference_file(), "mark-before-report", Some(window));
+    assert!(lost(&r) > 0, "{r:#}");
+}
+
+#[test]
+fn committing_the_offset_before_the_database_is_caught_as_loss() {
+    let window = "consumer.after_dedup_before_handler";
+    let r = broken(&reference_file(), "offset-before-commit", Some(window));
+    assert!(lost(&r) > 0, "{r:#}");
+}
+
+#[test]
+fn select_then_insert_dedup_is_caught_as_a_duplicate_effect() {
+    let window = "consumer.after_db_commit_before_offset_commit";
+    let r = broken(&reference_file(), "select-then-insert", Some(window));
+    assert!(doubled(&r) > 0, "{r:#}");
+}
+
+#[test]
+fn a_new_key_per_retry_is_caught_as_a_duplicate_effect() {
+    let window = "effect.after_http_success_before_record";
+    let r = broken(&reference_file(), "new-key-per-retry", Some(window));
+    assert!(doubled(&r) > 0, "{r:#}");
+    let checks = r["verify"]["checks"].as_array().unwrap();
+    let points = checks.iter().find(|c| c["name"] == "points").unwrap();
+    let duplicates = points["duplicates"].as_array();
+    assert!(duplicates.is_some_and(|d| !d.is_empty()), "{points:#}");
+}
+
+#[test]
+fn an_inbox_not_scoped_by_group_is_caught_as_loss() {
+    let r = broken(&reference_file(), "inbox-ignores-group", None);
+    assert!(lost(&r) > 0, "{r:#}");
+}
+
+#[test]
+fn a_relay_reading_by_id_watermark_is_caught_as_loss() {
+    let r = broken(&reference_file(), "id-watermark", None);
+    assert!(lost(&r) > 0, "{r:#}");
+}
+
+/// "We turned on Kafka exactly-once": the reference pipeline file with its settlement
+/// consumers replaced by one that reads `read_committed` and commits offsets in a Kafka
+/// transaction after the database commit, with no inbox. The database effect is outside the
+/// Kafka transaction, so redeliveries apply it again.
+#[test]
+fn kafka_transactions_instead_of_the_inbox_are_caught_as_duplicate_effects() {
+    let txn = r#"name = "settlement"
+replicas = 2
+command = ["idem-lab", "kafka-txn-settlement", "--db", "{db.settlement}", "--brokers", "{kafka}",
+           "--group", "settlement", "--topic", "shop.order", "--batch-size", "50",
+           "--points-url", "http://127.0.0.1:{port.points-api}/awards",
+           "--consumer-config", "session.timeout.ms=10000",
+           "--consumer-config", "max.poll.interval.ms=10000",
+           "--consumer-config", "heartbeat.interval.ms=1000",
+           "--consumer-config", "group.instance.id=settlement-{replica}"]
+crash_points = ["consumer.after_db_commit_before_offset_commit"]
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let file = reference_edited(dir.path(), |t| section_replaced(&t, "settlement", txn));
+    let window = "consumer.after_db_commit_before_offset_commit";
+    let r = broken(&file, "kafka-transactions", Some(window));
+    assert!(doubled(&r) > 0, "{r:#}");
+    assert_eq!(lost(&r), 0, "{r:#}");
+}
+
+/// The reference pipeline file with CDC relays in table mode (two replicas on one slot: one
+/// streams, the other waits to take over) instead of the polling ones, on the server the
+/// runner crashes twice: the CDC crash point fires for real (a relay aborts between Kafka's
+/// acknowledgement and the confirmation to the slot), and nothing is lost or doubled.
+#[test]
+fn the_reference_pipeline_file_with_cdc_relays_passes() {
+    let cdc = r#"name = "relay"
+replicas = 2
+command = ["idem-lab", "cdc", "relay", "--slot", "shop", "--publication", "shop",
+           "--db", "{db.orders}", "--brokers", "{kafka}", "--topic-prefix", "shop.",
+           "--producer-config", "message.timeout.ms=2000", "--metrics-addr", "127.0.0.1:{port}"]
+env = { RUST_LOG = "warn,idem=info" }
+ready = { http = "http://127.0.0.1:{port}/healthz" }
+crash_points = ["cdc.after_publish_before_confirm"]
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let file = reference_edited(dir.path(), |t| section_replaced(&t, "relay", cdc));
+    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
+    passed(code, &r, &stderr);
+    assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
+    let fired = r["crash_points_fired"].as_object().unwrap();
+    assert!(
+        fired["cdc.after_publish_before_confirm"].as_u64() > Some(0),
+        "{r:#}"
+    );
+    assert!(
+        !fired.contains_key("relay.after_publish_before_mark"),
+        "{r:#}"
+    );
+    assert_eq!(r["panics"], serde_json::json!([]));
+}
+
+/// The reference pipeline file on a 3-node cluster of the runner's (replication 3,
+/// `min.insync.replicas=2`): the first broker fault kills the leader of a partition in use.
+#[test]
+fn the_reference_pipeline_file_on_three_kafka_nodes_survives_a_leader_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = reference_edited(dir.path(), |t| {
+        assert_eq!(t.matches("nodes = 1\n").count(), 1, "{t}");
+        t.replacen("nodes = 1\n", "nodes = 3\n", 1)
+    });
+    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "2"]);
+    passed(code, &r, &stderr);
+    assert!(count(&r, "leader_kill") > 0, "no leader kill: {r:#}");
+    assert_eq!(r["verify"]["clean"], true);
 }
 
 /// The CDC relay in message mode (two replicas on one slot: one streams, the other waits to

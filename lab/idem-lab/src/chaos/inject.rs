@@ -53,10 +53,8 @@ pub(super) struct World<'a> {
     pub nodes: usize,
     /// Where armed crash points log that they fired.
     pub crash_log: &'a Path,
-    /// The run's own PostgreSQL server (`--pg-restart`, `--pg-failover`).
+    /// The run's own PostgreSQL server (`--pg-failover`).
     pub server: Option<&'a PrivatePg>,
-    /// `--pg-restart`: the server is crashed and restarted during the run.
-    pub restarts: bool,
     /// `--pg-failover`: the server fails over to its standby during the run.
     pub failover: bool,
     /// The burst's aggregate prefix and size (written before the processes started).
@@ -72,8 +70,6 @@ struct Timers {
     hostile_round: u64,
     last_scrape: Instant,
     last_progress: Instant,
-    /// When the next PostgreSQL crashes are due (`--pg-restart`), soonest last.
-    pg_restarts: Vec<Instant>,
     /// When the failover to the standby is due (`--pg-failover`).
     failover_at: Option<Instant>,
     next_lock: Instant,
@@ -101,10 +97,6 @@ pub(super) async fn inject(
         hostile_round: 0,
         last_scrape: started,
         last_progress: started,
-        pg_restarts: match w.server {
-            Some(_) if w.restarts => pg_restart_times(started, seconds),
-            _ => vec![],
-        },
         failover_at: w
             .failover
             .then(|| started + Duration::from_millis(seconds * 550)),
@@ -157,13 +149,6 @@ pub(super) async fn inject(
             }
             continue;
         }
-        if t.pg_restarts.last().is_some_and(|d| now >= *d) && !held {
-            t.pg_restarts.pop();
-            if let Some(server) = w.server {
-                restart_postgres(w, server, &mut out.faults).await?;
-            }
-            continue;
-        }
         let may_run = schedule::may_run(
             held,
             out.windows.lock_open(),
@@ -212,7 +197,7 @@ async fn count_locks(
     faults: &mut BTreeMap<String, u64>,
 ) {
     for lock in locks {
-        // A lock that PostgreSQL's restart (`--pg-restart`) cut short did nothing to count.
+        // A lock that a failover (`--pg-failover`) cut short did nothing to count.
         let Ok(Ok(locked)) = lock.await else {
             *faults.entry("outbox_lock_lost".to_owned()).or_default() += 1;
             continue;
@@ -239,7 +224,7 @@ async fn watch_burst(
         return Ok(());
     }
     t.burst_checked = Some(now);
-    // A PostgreSQL restart (`--pg-restart`) makes a check fail: the next one counts.
+    // A failover (`--pg-failover`) makes a check fail: the next one counts.
     let Ok(left) = burst::pending(&w.dbs.orders).await else {
         return Ok(());
     };
@@ -251,38 +236,6 @@ async fn watch_burst(
         burst.drained_seconds = Some(now.duration_since(began).as_secs_f64());
         t.burst_checked = None;
     }
-    Ok(())
-}
-
-/// When the server is crashed: at 40 % and at 70 % of the run (latest first, popped from the
-/// end).
-fn pg_restart_times(started: Instant, seconds: u64) -> Vec<Instant> {
-    let at = |pct: u64| started + Duration::from_millis(seconds * 10 * pct);
-    vec![at(70), at(40)]
-}
-
-/// Crashes the run's PostgreSQL server and starts it again, proving that it restarted (its
-/// start time moved), then waits until the runner's own pools answer again.
-async fn restart_postgres(
-    w: &mut World<'_>,
-    server: &PrivatePg,
-    faults: &mut BTreeMap<String, u64>,
-) -> anyhow::Result<()> {
-    timeline_line(
-        w.crash_log,
-        "postgres_restart (pg_ctl stop -m immediate, start)",
-    );
-    super::pipeline::postgres::crash_and_restart_proven(server).await?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for pool in [&w.dbs.orders, &w.dbs.settlement, &w.dbs.points] {
-        while let Err(e) = pool.scalar("SELECT 1::bigint").await {
-            if Instant::now() > deadline {
-                bail!("a database did not answer within 60 s of the restart: {e}");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-    *faults.entry("postgres_restart".to_owned()).or_default() += 1;
     Ok(())
 }
 

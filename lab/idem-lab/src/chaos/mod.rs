@@ -1,13 +1,18 @@
-//! `idem-lab chaos`: the reference pipeline as separate OS processes against PostgreSQL and Apache
-//! Kafka (one node, or a 3-node cluster with `--kafka-nodes 3`) — two order writers, two relays, two settlement consumers in one group, an audit
-//! consumer group, the effect dispatcher and the points API — while a seeded schedule kills
-//! them (SIGKILL), pauses them (SIGSTOP/SIGCONT), restarts them with named crash points armed,
-//! and kills and restarts brokers (with three nodes: the leader of a partition in use, and pauses
-//! a follower). Then it stops injecting, waits for the pipeline to settle
+//! `idem-lab chaos`: the reference pipeline as separate OS processes against PostgreSQL and an
+//! Apache Kafka node — two order writers, two relays, two settlement consumers in one group, an
+//! audit consumer group, the effect dispatcher and the points API — while a seeded schedule
+//! kills them (SIGKILL), pauses them (SIGSTOP/SIGCONT), restarts them with named crash points
+//! armed, kills and restarts the broker, writes hostile rows through the SQL contract and opens
+//! slow windows (a locked table, a slow remote). Then it stops injecting, waits for the pipeline to settle
 //! (a deadline: missing it is a liveness failure), runs `idem verify`, and reports.
 //!
 //! `--break MECHANISM` runs a negative control: one mechanism deliberately broken, which the
 //! run must report as a violation.
+//!
+//! `--pipeline FILE` runs a pipeline a file describes instead (`pipeline/`), the reference
+//! pipeline's own file included (`pipelines/reference`): PostgreSQL crashes, 3-node clusters and
+//! leader kills, network faults to PostgreSQL and Kafka, crash points and the negative controls
+//! that need no hostile row or slow window run there.
 //!
 //! `--tls` runs it secured: Kafka over SASL_SSL with SCRAM, PostgreSQL under `verify-full` as a
 //! password role, the points API over HTTPS, secrets in files; afterwards every log of the run
@@ -58,8 +63,8 @@ pub(crate) struct ChaosArgs {
     /// Run the pipeline a file describes instead of the reference pipeline: its databases,
     /// Kafka, its components as command lines, the verify config
     /// (`docs/operating/chaos-your-pipeline.md`). `--duration`, `--seed`, `--settle-deadline`,
-    /// `--keep` and `--json` apply; the reference pipeline's options do not.
-    #[arg(long, conflicts_with_all = ["tls", "network", "cdc", "pg_restart", "pg_failover", "break_mechanism"])]
+    /// `--break`, `--keep` and `--json` apply; the reference pipeline's options do not.
+    #[arg(long, conflicts_with_all = ["tls", "network", "cdc", "pg_failover"])]
     pub pipeline: Option<PathBuf>,
     /// PostgreSQL server URL: the run creates (and drops) its own databases on it.
     #[arg(
@@ -68,10 +73,6 @@ pub(crate) struct ChaosArgs {
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     pub db: String,
-    /// Kafka nodes: 1, or 3 (replication 3, `min.insync.replicas=2`; the leader of a partition
-    /// in use is killed and followers are paused).
-    #[arg(long, default_value_t = 1, value_parser = parse_nodes)]
-    pub kafka_nodes: usize,
     /// Orders per second, per writer.
     #[arg(long, default_value_t = 25.0)]
     pub rate: f64,
@@ -91,12 +92,6 @@ pub(crate) struct ChaosArgs {
     /// relay's.
     #[arg(long, conflicts_with = "break_mechanism")]
     pub cdc: bool,
-    /// Run on a PostgreSQL server of the run's own (initdb, a free loopback port, `wal_level =
-    /// logical`; `--db` is ignored) and crash it (`pg_ctl stop -m immediate`, then start) at
-    /// 40 % and at 70 % of `--duration`: every process loses its connections and whatever the
-    /// server had not flushed.
-    #[arg(long)]
-    pub pg_restart: bool,
     /// Run on a PostgreSQL server of the run's own with a synchronous streaming standby
     /// (`pg_basebackup`; `--db` is ignored), and fail over to it at 55 % of `--duration`: the
     /// primary stops as a crash would, the standby is promoted and takes its place. The
@@ -110,7 +105,7 @@ pub(crate) struct ChaosArgs {
     /// `--tls-db-role`, owner of the run's databases; the points API over HTTPS with the run's
     /// certificate. Passwords reach the processes in files, never on a command line, and every
     /// log of the run is searched for them afterwards: a hit fails the run.
-    #[arg(long, conflicts_with = "pg_restart")]
+    #[arg(long)]
     pub tls: bool,
     /// Network faults: every process reaches PostgreSQL, Kafka and the points API through
     /// fault proxies of its own, which partition, reset or slow one process's way to one
@@ -137,7 +132,6 @@ pub(crate) struct ChaosReport {
     pub failures: Vec<String>,
     pub seed: u64,
     pub seconds: u64,
-    pub kafka_nodes: usize,
     pub negative_control: Option<String>,
     pub orders: i64,
     pub faults: BTreeMap<String, u64>,
@@ -201,14 +195,6 @@ fn negative_controls() -> impl clap::builder::TypedValueParser<Value = Mechanism
         .filter(|m| **m != Mechanism::SkipSendingMark)
         .map(|m| m.as_str());
     clap::builder::PossibleValuesParser::new(names).try_map(|name| name.parse::<Mechanism>())
-}
-
-fn parse_nodes(s: &str) -> Result<usize, String> {
-    match s {
-        "1" => Ok(1),
-        "3" => Ok(3),
-        _ => Err(format!("{s}: a chaos cluster has 1 or 3 Kafka nodes")),
-    }
 }
 
 /// Per crash point, how often it fired, from the log the armed processes write (none yet when
@@ -317,9 +303,6 @@ fn secured_role(args: &ChaosArgs) -> anyhow::Result<Option<secure::DbRole>> {
     if !args.tls {
         return Ok(None);
     }
-    if args.kafka_nodes != 1 {
-        bail!("--tls runs one Kafka node (scripts/kafka secures single-node clusters only)");
-    }
     if args.break_mechanism == Some(Mechanism::KafkaTransactions) {
         bail!(
             "--tls cannot run the kafka-transactions control: its consumer connects in plain text"
@@ -335,9 +318,9 @@ fn secured_role(args: &ChaosArgs) -> anyhow::Result<Option<secure::DbRole>> {
     Ok(Some(secure::DbRole::new(&args.tls_db_role, file)?))
 }
 
-/// With `--pg-restart`, the run's own PostgreSQL server, started.
+/// With `--pg-failover`, the run's own PostgreSQL server and its standby, started.
 async fn private_server(args: &ChaosArgs) -> anyhow::Result<Option<PrivatePg>> {
-    if !args.pg_restart && !args.pg_failover {
+    if !args.pg_failover {
         return Ok(None);
     }
     let server = tokio::task::spawn_blocking(PrivatePg::try_start).await??;
@@ -375,6 +358,9 @@ async fn drop_slot(orders: &idem_sql::AnyPool, slot: &str) {
     );
 }
 
+/// The reference runner's Kafka nodes (a pipeline file runs three: `[kafka] nodes = 3`).
+const NODES: usize = 1;
+
 /// One run: the processes, the faults, settling, the exact numbers and the verdict.
 async fn drive(
     args: &ChaosArgs,
@@ -392,7 +378,7 @@ async fn drive(
     } else {
         0
     };
-    let prepared = kafka::prepare(args.kafka_nodes, dir, args.tls, listeners)?;
+    let prepared = kafka::prepare(NODES, dir, args.tls, listeners)?;
     let prepared_dir = prepared.dir.clone();
     let (secure, kafka) = match role {
         Some(role) => {
@@ -418,7 +404,7 @@ async fn drive(
         (None, specs)
     };
     let mut procs = processes(args, specs, prepared.nodes, dir, &crash_log)?;
-    topology::start(&mut procs, &topology, args.kafka_nodes, dir).await?;
+    topology::start(&mut procs, &topology, NODES, dir).await?;
     if let Some(s) = &topology.secure {
         deny_topic(&prepared_dir, &s.scram_user, hostile::DENIED_TOPIC)?;
     }
@@ -427,7 +413,7 @@ async fn drive(
         args.seed,
         args.seconds,
         dbs.location,
-        args.kafka_nodes,
+        NODES,
         topology.brokers,
         topology
             .secure
@@ -445,10 +431,9 @@ async fn drive(
         procs: &mut procs,
         dbs,
         topology: &topology,
-        nodes: args.kafka_nodes,
+        nodes: NODES,
         crash_log: &crash_log,
         server,
-        restarts: args.pg_restart,
         failover: args.pg_failover,
         burst: (&burst_prefix, burst_rows),
         network: net.as_mut(),

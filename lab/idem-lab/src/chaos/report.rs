@@ -94,7 +94,6 @@ pub(super) async fn report(
         failures,
         seed: args.seed,
         seconds: args.seconds,
-        kafka_nodes: args.kafka_nodes,
         negative_control: args.break_mechanism.map(|m| m.to_string()),
         orders: pipe
             .dbs

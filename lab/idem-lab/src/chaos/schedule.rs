@@ -249,14 +249,14 @@ const CDC_RUN_POINTS: &[CrashPoint] = &[
 
 /// Whether a due fault may run: not while the long lock is held; while it is only due
 /// (`held`, not `lock_open`), only the run's first broker fault, which a short run under load
-/// would otherwise never reach (the lock waits for the pipeline, then the put-off PostgreSQL
-/// restarts go first).
+/// would otherwise never reach (the lock waits for the pipeline, then a put-off failover goes
+/// first).
 pub(super) fn may_run(held: bool, lock_open: bool, first_broker_due: bool) -> bool {
     !held || (!lock_open && first_broker_due)
 }
 
 /// Every crash point of `points`, shuffled by the seed (Fisher–Yates).
-pub(super) fn first_round(rng: &mut Rng, points: &'static [CrashPoint]) -> Vec<CrashPoint> {
+pub(super) fn first_round(rng: &mut Rng, points: &[CrashPoint]) -> Vec<CrashPoint> {
     let mut round: Vec<CrashPoint> = points.to_vec();
     for i in (1..round.len()).rev() {
         round.swap(i, rng.index(i + 1));
@@ -316,11 +316,11 @@ pub(super) fn choose_kind(
 
 /// The crash point to arm. Draws exactly as the schedule always has: the focus coin only while
 /// some point never fired, and the fallback point whenever the focus is not taken.
-fn choose_point(
+pub(super) fn choose_point(
     focus: Option<CrashPoint>,
     unfired: &[CrashPoint],
     faults: &BTreeMap<String, u64>,
-    points: &'static [CrashPoint],
+    points: &[CrashPoint],
     rng: &mut Rng,
 ) -> CrashPoint {
     match focus {

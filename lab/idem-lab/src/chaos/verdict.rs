@@ -134,7 +134,7 @@ impl fmt::Display for Failure {
 }
 
 /// Runs shorter than this are not expected to reach every crash point.
-const FULL_RUN_SECONDS: u64 = 120;
+pub(super) const FULL_RUN_SECONDS: u64 = 120;
 
 /// The failures of a run, in the order the report lists them; none: it passed.
 pub(super) fn verdict(n: &Numbers) -> Vec<Failure> {

@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use idem_netfault::ProxiedListener;
 
+use super::arm::{Arming, arm_env};
 use super::file::{Component, Fault, PipelineFile, Places, Ready, expand, with_started_urls};
 use super::postgres::{self, Server};
 use crate::chaos::ChaosArgs;
@@ -18,6 +19,7 @@ use crate::chaos::kafka;
 use crate::chaos::network::{Dependency, Link, Network, postgres_link};
 use crate::chaos::procs::{Proc, Rng, Role};
 use crate::chaos::schedule::{self, Plan};
+use idem_core::crash::CrashPoint;
 
 /// The verify config, as written: `{db.NAME}` of a database the runner creates stands for its
 /// URL.
@@ -44,9 +46,14 @@ pub(crate) struct PipelineReport {
     pub failures: Vec<String>,
     pub seed: u64,
     pub seconds: u64,
+    /// `--break`: the mechanism broken on purpose (the run must find a violation).
+    pub negative_control: Option<String>,
     /// Faults by kind (`sigkill`, `sigstop`, `sigterm_restart`, `broker_kill`,
-    /// `net_<kind>_<dependency>`, …); `faults.log` has each with its time.
+    /// `net_<kind>_<dependency>`, `crash_point_armed:<point>`, …); `faults.log` has each with
+    /// its time.
     pub faults: BTreeMap<String, u64>,
+    /// Per crash point the components list, how often it fired (the crash log).
+    pub crash_points_fired: BTreeMap<String, u64>,
     /// Was every effect there before `--settle-deadline`? (Missing ones that stopped moving
     /// end the wait early: they are lost.)
     pub settled: bool,
@@ -128,6 +135,14 @@ fn print(r: &PipelineReport) {
     }
     let faults: Vec<String> = r.faults.iter().map(|(k, v)| format!("{k} {v}")).collect();
     println!("  faults: {}", faults.join(", "));
+    if !r.crash_points_fired.is_empty() {
+        let fired: Vec<String> = r
+            .crash_points_fired
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        println!("  crash points fired: {}", fired.join(", "));
+    }
     println!(
         "  lost {}, duplicate effects {}, settled {} after {:.1} s",
         r.lost, r.duplicate_effects, r.settled, r.settle_seconds
@@ -151,18 +166,40 @@ async fn drive(
     let timeline = dir.join("faults.log");
     let mut rng = Rng::new(args.seed);
     let mut faults = BTreeMap::new();
+    let listed = all(file).flat_map(|c| c.crash_points.iter().copied());
+    let crash_log = dir.join("crashes.log");
+    let arming = Arming::new(listed, args.break_mechanism, &crash_log, &mut rng);
+    eprintln!(
+        "idem chaos --pipeline: seed {} for {} s; logs in {}{}",
+        args.seed,
+        args.seconds,
+        dir.display(),
+        args.break_mechanism
+            .map(|b| format!("; NEGATIVE CONTROL: {b} broken"))
+            .unwrap_or_default()
+    );
     let server = postgres::start(file, dir).await?;
     let started = server.as_ref().map(|s| s.urls.clone()).unwrap_or_default();
     let verify = &verify.config(&started)?;
     let databases = file.urls(&started);
     let (cluster, brokers) = prepare_kafka(file, dir)?;
-    let (mut fleet, mut net) =
-        build(file, &databases, dir, cluster.as_ref(), brokers, args.seed).await?;
+    let env = process_env(&crash_log, args);
+    let (mut fleet, mut net) = build(
+        file,
+        &databases,
+        dir,
+        cluster.as_ref(),
+        brokers,
+        args.seed,
+        &env,
+    )
+    .await?;
     start_in_order(&mut fleet, file, cluster.as_ref()).await?;
     let mut run = RunState {
         rng: &mut rng,
         faults: &mut faults,
         timeline: &timeline,
+        arming,
     };
     let kafka = KafkaTargets {
         cluster: cluster.as_ref(),
@@ -201,8 +238,19 @@ async fn drive(
         settle_seconds,
         panics,
         unexpected_exits,
+        crash_points_fired: run.arming.fired(),
     };
     Ok(verdict(args, faults, report, numbers))
+}
+
+/// What every process of the run is told beside its own environment (which takes
+/// precedence): where to log crash points that fire, and the mechanism `--break` breaks.
+fn process_env(crash_log: &Path, args: &ChaosArgs) -> Vec<(String, String)> {
+    let mut env = vec![("IDEM_CRASH_LOG".to_owned(), crash_log.display().to_string())];
+    if let Some(b) = args.break_mechanism {
+        env.push(("IDEM_BREAK".to_owned(), b.to_string()));
+    }
+    env
 }
 
 /// How settling ended.
@@ -263,6 +311,7 @@ struct Numbers {
     settle_seconds: f64,
     panics: Vec<String>,
     unexpected_exits: Vec<String>,
+    crash_points_fired: BTreeMap<String, u64>,
 }
 
 /// From the run's numbers to the report: a loss, a duplicate effect, any other violation, a
@@ -294,12 +343,18 @@ fn verdict(
     if !n.panics.is_empty() {
         failures.push(format!("{} panics in the processes' logs", n.panics.len()));
     }
+    if args.seconds >= crate::chaos::verdict::FULL_RUN_SECONDS {
+        let never = n.crash_points_fired.iter().filter(|(_, n)| **n == 0);
+        failures.extend(never.map(|(p, _)| format!("crash point {p} never fired")));
+    }
     PipelineReport {
         ok: failures.is_empty(),
         failures,
         seed: args.seed,
         seconds: args.seconds,
+        negative_control: args.break_mechanism.map(|m| m.to_string()),
         faults,
+        crash_points_fired: n.crash_points_fired,
         settled: n.settled == Settled::Complete,
         settle_seconds: n.settle_seconds,
         lost,
@@ -362,6 +417,8 @@ struct Fleet {
     ready: Vec<Option<Ready>>,
     /// Per process: stopped for good (a load after the faults).
     done: Vec<bool>,
+    /// Per process: the crash points its component lists.
+    points: Vec<Vec<CrashPoint>>,
 }
 
 /// Builds every process (not started yet): the brokers, then each replica of each component
@@ -374,6 +431,7 @@ async fn build(
     cluster: Option<&Cluster>,
     brokers: Vec<Proc>,
     seed: u64,
+    env: &[(String, String)],
 ) -> anyhow::Result<(Fleet, Network)> {
     let n = brokers.len();
     let mut fleet = Fleet {
@@ -382,6 +440,7 @@ async fn build(
         load: vec![false; n],
         ready: vec![None; n],
         done: vec![false; n],
+        points: vec![vec![]; n],
     };
     let mut links = vec![];
     let mut listeners = 0;
@@ -431,7 +490,7 @@ async fn build(
             fleet
                 .ready
                 .push(c.ready.as_ref().map(|r| filled(r, &places)));
-            let command = builder(c.clone(), places);
+            let command = builder(c.clone(), places, env.to_vec());
             fleet
                 .procs
                 .push(Proc::new(Role::Component, name, dir, command));
@@ -439,6 +498,7 @@ async fn build(
             fleet.signals.push(signals.collect());
             fleet.load.push(k >= file.components.len());
             fleet.done.push(false);
+            fleet.points.push(c.crash_points.clone());
         }
     }
     Ok((fleet, Network::new(links).with_kills()))
@@ -460,8 +520,12 @@ fn filled(r: &Ready, p: &Places) -> Ready {
     }
 }
 
-/// The command of a replica's incarnation `n`.
-fn builder(c: Component, places: Places) -> Box<dyn Fn(u32) -> Command + Send> {
+/// The command of a replica's incarnation `n`: `env`, then the component's own environment.
+fn builder(
+    c: Component,
+    places: Places,
+    env: Vec<(String, String)>,
+) -> Box<dyn Fn(u32) -> Command + Send> {
     Box::new(move |n| {
         let p = Places {
             incarnation: n,
@@ -471,6 +535,7 @@ fn builder(c: Component, places: Places) -> Box<dyn Fn(u32) -> Command + Send> {
         let fill = |t: &str| expand(t, &p).unwrap_or_else(|_| t.to_owned());
         let mut cmd = Command::new(fill(&c.command[0]));
         cmd.args(c.command[1..].iter().map(|a| fill(a)));
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         for (k, v) in &c.env {
             cmd.env(k, fill(v));
         }
@@ -718,11 +783,13 @@ async fn redeliver(kafka: &KafkaTargets<'_>, run: &mut RunState<'_>) {
     }
 }
 
-/// What the fault loop carries along: the dice, the counts and the timeline.
+/// What the fault loop carries along: the dice, the counts, the timeline and the crash
+/// points.
 struct RunState<'a> {
     rng: &'a mut Rng,
     faults: &'a mut BTreeMap<String, u64>,
     timeline: &'a Path,
+    arming: Arming,
 }
 
 impl RunState<'_> {
@@ -739,7 +806,8 @@ fn kill_in_partitions(fleet: &mut Fleet, names: Vec<String>, now: Instant, run: 
         let Some(p) = fleet.procs.iter_mut().find(|p| p.name == name) else {
             continue;
         };
-        if !p.running() {
+        // An armed process is left alone until its point has had time to fire.
+        if !p.running() || p.armed(now) {
             continue;
         }
         p.kill9();
@@ -755,9 +823,12 @@ fn kill_in_partitions(fleet: &mut Fleet, names: Vec<String>, now: Instant, run: 
     }
 }
 
-/// A signal at a process that may receive one, drawn by the dice: `false` when the one drawn
-/// is down or paused (tried again shortly).
+/// A crash point armed, or a signal at a process that may receive one, drawn by the dice:
+/// `false` when the one drawn is down, paused or armed (tried again shortly).
 fn signal(fleet: &mut Fleet, now: Instant, run: &mut RunState<'_>) -> bool {
+    if let Some(point) = run.arming.next(run.faults, run.rng) {
+        return arm(fleet, point, now, run);
+    }
     let eligible: Vec<usize> = (0..fleet.procs.len())
         .filter(|i| !fleet.signals[*i].is_empty() && !fleet.done[*i])
         .collect();
@@ -766,7 +837,7 @@ fn signal(fleet: &mut Fleet, now: Instant, run: &mut RunState<'_>) -> bool {
     }
     let i = eligible[run.rng.index(eligible.len())];
     let p = &mut fleet.procs[i];
-    if !p.running() || p.paused_until.is_some() {
+    if !p.running() || p.paused_until.is_some() || p.armed(now) {
         return false;
     }
     let kinds = &fleet.signals[i];
@@ -803,6 +874,36 @@ fn signal(fleet: &mut Fleet, now: Instant, run: &mut RunState<'_>) -> bool {
         }
         Fault::Network => {}
     }
+    true
+}
+
+/// SIGKILLs a running replica of a component that lists `point` (none armed already) and
+/// starts it again with `point` armed, left alone for 8 s so that the point has work to reach
+/// it; `false` when no replica can take it now.
+fn arm(fleet: &mut Fleet, point: CrashPoint, now: Instant, run: &mut RunState<'_>) -> bool {
+    let candidates: Vec<usize> = (0..fleet.procs.len())
+        .filter(|i| fleet.points[*i].contains(&point) && !fleet.done[*i])
+        .filter(|i| {
+            let p = &mut fleet.procs[*i];
+            p.running() && p.paused_until.is_none() && !p.armed(now)
+        })
+        .collect();
+    if candidates.is_empty() {
+        return false;
+    }
+    let p = &mut fleet.procs[candidates[run.rng.index(candidates.len())]];
+    let hit = 1 + run.rng.below(3);
+    let (env, counted) = arm_env(point, hit);
+    p.kill9();
+    if let Err(e) = p.start(&[(env.0, env.1)]) {
+        // Restarted plainly by the supervisor; the fault is on the timeline.
+        append_timeline(run.timeline, &format!("arming {point} failed: {e:#}"));
+        p.restart_at = Some(now);
+        return true;
+    }
+    p.armed_until = Some(now + Duration::from_secs(8));
+    let what = format!("{} incarnation {} at hit {hit}", p.name, p.incarnation);
+    run.count(&counted, &what);
     true
 }
 

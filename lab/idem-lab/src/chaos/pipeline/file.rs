@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use idem_core::crash::CrashPoint;
 use serde::Deserialize;
 
 /// A pipeline file, read.
@@ -104,6 +105,20 @@ pub(crate) struct Component {
     /// The faults it may receive.
     #[serde(default = "all_faults")]
     pub faults: Vec<Fault>,
+    /// The named crash points its program has (idem's, built with the `failpoints` feature):
+    /// the runner restarts a replica with one armed (`IDEM_CRASH_POINTS`), which aborts the
+    /// process at that point; every listed point is armed until it has fired once.
+    #[serde(default, deserialize_with = "crash_points")]
+    pub crash_points: Vec<CrashPoint>,
+}
+
+/// Crash points by their names (`relay.after_publish_before_mark`).
+fn crash_points<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<CrashPoint>, D::Error> {
+    let names = Vec::<String>::deserialize(d)?;
+    names
+        .iter()
+        .map(|n| n.parse().map_err(serde::de::Error::custom))
+        .collect()
 }
 
 fn one() -> usize {
@@ -414,6 +429,7 @@ mod tests {
         command = ["idem", "relay", "--db", "{db.orders}", "--brokers", "{kafka}"]
         replicas = 2
         ready = { log = "relay started" }
+        crash_points = ["relay.after_publish_before_mark"]
 
         [[component]]
         name = "consumer"
@@ -439,6 +455,11 @@ mod tests {
         assert_eq!(f.components[0].replicas, 2);
         assert_eq!(f.components[0].faults, all_faults());
         assert_eq!(f.components[1].faults, vec![Fault::Kill, Fault::Network]);
+        assert_eq!(
+            f.components[0].crash_points,
+            vec![CrashPoint::RelayAfterPublishBeforeMark]
+        );
+        assert_eq!(f.components[1].crash_points, vec![]);
         assert_eq!(
             f.components[0].ready,
             Some(Ready::Log("relay started".into()))
@@ -553,6 +574,14 @@ mod tests {
             refused("[verify]", "[verify]\nextra = 1"),
             Err(FileError::Toml(_))
         ));
+        let Err(FileError::Toml(why)) = refused("after_publish_before_mark", "after_publish")
+        else {
+            panic!("an unknown crash point was accepted");
+        };
+        assert!(
+            why.contains("relay.after_publish") && why.contains("relay.after_publish_before_mark"),
+            "the refusal names the point and the valid ones: {why}"
+        );
         let orders = r#"orders = "postgres://u@127.0.0.1:5432/orders""#;
         assert_eq!(
             refused(orders, "orders = { start = false }"),

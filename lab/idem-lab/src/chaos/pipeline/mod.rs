@@ -7,6 +7,7 @@
 //! `--settle-deadline` passes, and runs `idem verify`'s checks: lost events with the stage
 //! where each stopped, duplicate effects, and stalls, next to the timeline.
 
+mod arm;
 mod drive;
 mod file;
 pub(super) mod postgres;
