@@ -170,50 +170,6 @@ fn a_chaos_run_failing_over_to_a_standby_without_the_slot_loses_nothing() {
     assert_eq!(r["panics"], serde_json::json!([]));
 }
 
-/// The polling pipeline with `--network`: every process reaches PostgreSQL, Kafka and the
-/// points API through fault proxies of its own, and partitions (some longer than the clients'
-/// session timeouts), connection resets and slow links hit one process's way to one dependency
-/// at a time, among the run's other faults. Nothing is lost, no effect doubles, and no process
-/// gives up on the network. The one exit the runner did not cause that may come is a
-/// consumer's documented stop: a static member whose partition outlasted its
-/// session is fenced by librdkafka (librdkafka#3437, `docs/integrating/consumer.md`), and the
-/// runner restarts it as a supervisor would.
-#[test]
-fn a_short_chaos_run_with_network_faults_loses_nothing_and_doubles_nothing() {
-    let (code, r, stderr) = chaos(&["--duration", "40s", "--seed", "1", "--network"]);
-    assert_eq!(code, Some(0), "{r:#}\n{stderr}");
-    assert_eq!(r["ok"], true);
-    assert_eq!(
-        (r["lost"].as_u64(), r["duplicate_effects"].as_u64()),
-        (Some(0), Some(0))
-    );
-    let faults = r["faults"].as_object().unwrap();
-    let count = |key: &str| faults.get(key).and_then(|v| v.as_u64()).unwrap_or(0);
-    for dependency in ["postgres", "kafka", "points_api"] {
-        assert!(
-            count(&format!("net_partition_{dependency}")) > 0,
-            "{dependency} never partitioned: {r:#}"
-        );
-    }
-    for kind in ["reset", "slow"] {
-        let n: u64 = ["postgres", "kafka", "points_api"]
-            .iter()
-            .map(|d| count(&format!("net_{kind}_{d}")))
-            .sum();
-        assert!(n > 0, "no {kind}: {r:#}");
-    }
-    assert!(count("sigkill") > 0, "{r:#}");
-    for exit in r["unexpected_exits"].as_array().unwrap() {
-        let exit = exit.as_str().unwrap();
-        assert!(
-            exit.contains("FencedInstanceId"),
-            "a process gave up on the network: {exit}"
-        );
-    }
-    assert_eq!(r["panics"], serde_json::json!([]));
-    assert_eq!(r["verify"]["clean"], true);
-}
-
 /// Runs a negative control and returns its report, which must be a failure.
 fn broken(mechanism: &str) -> serde_json::Value {
     broken_with(mechanism, &[])

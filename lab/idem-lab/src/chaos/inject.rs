@@ -59,8 +59,6 @@ pub(super) struct World<'a> {
     pub failover: bool,
     /// The burst's aggregate prefix and size (written before the processes started).
     pub burst: (&'a str, i64),
-    /// `--network`: the processes' fault proxies.
-    pub network: Option<&'a mut super::network::Network>,
 }
 
 /// Timers of the injection loop.
@@ -141,7 +139,6 @@ pub(super) async fn inject(
         }
         // No other fault while the long lock is due or held (see `Windows::holds_faults`).
         let held = out.windows.holds_faults(now, end);
-        network_tick(w, now, held, rng, &mut out.faults);
         if t.failover_at.is_some_and(|d| now >= d) && !held {
             t.failover_at = None;
             if let Some(server) = w.server {
@@ -167,28 +164,8 @@ pub(super) async fn inject(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    if let Some(net) = w.network.as_deref_mut() {
-        net.heal_all();
-        timeline_line(w.crash_log, "net_heal every link");
-    }
     count_locks(t.locks, &mut out.faults).await;
     Ok(out)
-}
-
-/// Heals and injects the network faults of `--network`.
-fn network_tick(
-    w: &mut World<'_>,
-    now: Instant,
-    held: bool,
-    rng: &mut Rng,
-    faults: &mut BTreeMap<String, u64>,
-) {
-    let crash_log = w.crash_log;
-    if let Some(net) = w.network.as_deref_mut() {
-        net.tick(now, held, rng, faults, &|line| {
-            timeline_line(crash_log, line)
-        });
-    }
 }
 
 /// Counts what the outbox locks of the run did.

@@ -64,7 +64,7 @@ pub(crate) struct ChaosArgs {
     /// Kafka, its components as command lines, the verify config
     /// (`docs/operating/chaos-your-pipeline.md`). `--duration`, `--seed`, `--settle-deadline`,
     /// `--break`, `--keep` and `--json` apply; the reference pipeline's options do not.
-    #[arg(long, conflicts_with_all = ["tls", "network", "cdc", "pg_failover"])]
+    #[arg(long, conflicts_with_all = ["tls", "cdc", "pg_failover"])]
     pub pipeline: Option<PathBuf>,
     /// PostgreSQL server URL: the run creates (and drops) its own databases on it.
     #[arg(
@@ -107,11 +107,6 @@ pub(crate) struct ChaosArgs {
     /// log of the run is searched for them afterwards: a hit fails the run.
     #[arg(long)]
     pub tls: bool,
-    /// Network faults: every process reaches PostgreSQL, Kafka and the points API through
-    /// fault proxies of its own, which partition, reset or slow one process's way to one
-    /// dependency at a time (see `chaos/network.rs`).
-    #[arg(long, conflicts_with = "tls")]
-    pub network: bool,
     /// With `--tls`: the password role the processes and the runner's pools connect as (the
     /// user of `--db` creates the run's databases and gives them to it).
     #[arg(long, env = "IDEM_CHAOS_TLS_DB_ROLE", default_value = "idem_tls")]
@@ -373,12 +368,7 @@ async fn drive(
     let mut rng = Rng::new(args.seed);
     let crash_log = dir.join("crashes.log");
     let api_port = topology::free_port()?;
-    let listeners = if args.network {
-        network::KAFKA_LISTENERS
-    } else {
-        0
-    };
-    let prepared = kafka::prepare(NODES, dir, args.tls, listeners)?;
+    let prepared = kafka::prepare(NODES, dir, args.tls, 0)?;
     let prepared_dir = prepared.dir.clone();
     let (secure, kafka) = match role {
         Some(role) => {
@@ -396,13 +386,6 @@ async fn drive(
     let burst_rows = burst::rows_for(args.seconds);
     burst::write(&dbs.orders, &burst_prefix, burst_rows).await?;
     let specs = topology::specs(&topology);
-    let (mut net, specs) = if args.network {
-        let api = std::net::SocketAddr::from(([127, 0, 0, 1], api_port));
-        let (n, s) = network::Network::route(specs, &prepared_dir, api, args.seed).await?;
-        (Some(n), s)
-    } else {
-        (None, specs)
-    };
     let mut procs = processes(args, specs, prepared.nodes, dir, &crash_log)?;
     topology::start(&mut procs, &topology, NODES, dir).await?;
     if let Some(s) = &topology.secure {
@@ -436,7 +419,6 @@ async fn drive(
         server,
         failover: args.pg_failover,
         burst: (&burst_prefix, burst_rows),
-        network: net.as_mut(),
     };
     let mechanism = args.break_mechanism;
     let mut injected = inject::inject(&mut world, args.seconds, mechanism, &mut rng).await?;

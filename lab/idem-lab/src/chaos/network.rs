@@ -1,8 +1,10 @@
-//! Network faults (`--network`): every process reaches PostgreSQL, Kafka and the points API
-//! through fault proxies of its own ([`idem_netfault`]), so a fault cuts, slows or resets one
-//! process's way to one dependency while the others still reach it. Kafka clients bootstrap on
-//! a proxied listener of their own (`scripts/kafka prepare --proxied-listeners`): the brokers
-//! advertise that process's proxies, so every connection it makes to any node passes them.
+//! Network faults of a pipeline run (`pipeline/drive.rs` makes the links): every process that
+//! takes them reaches PostgreSQL and Kafka through fault proxies of its own
+//! ([`idem_netfault`]), so a fault cuts, slows or resets one process's way to one dependency
+//! while the others still reach it; a remote (the points API) sits behind one proxy all its
+//! callers share. Kafka clients bootstrap on a proxied listener of their own (`scripts/kafka
+//! prepare --proxied-listeners`): the brokers advertise that process's proxies, so every
+//! connection it makes to any node passes them.
 //!
 //! Faults come every 1–3 s (seeded), each on one process's way to one dependency: a partition
 //! (a blackhole of 1–8 s, one in five of 12–16 s, longer than the clients' session and poll
@@ -17,20 +19,19 @@
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
-use idem_netfault::{Conditions, ProxiedListener, Proxy};
+use anyhow::Context;
+use idem_netfault::{Conditions, Proxy};
 
-use super::procs::{Rng, Role};
-use super::topology::Spec;
+use super::procs::Rng;
 
 /// What a process reaches through its proxies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Dependency {
     Postgres,
     Kafka,
+    /// An HTTP remote: the points API, or a pipeline file's `[[remote]]`.
     Remote,
 }
 
@@ -39,7 +40,7 @@ impl Dependency {
         match self {
             Dependency::Postgres => "postgres",
             Dependency::Kafka => "kafka",
-            Dependency::Remote => "points_api",
+            Dependency::Remote => "remote",
         }
     }
 }
@@ -150,9 +151,6 @@ fn turn(n: usize, kinds: &[Kind], free: impl Fn(Dependency) -> bool) -> Option<(
         .map(|d| (d, kind))
 }
 
-/// How many Kafka listeners a run's processes need: one per Kafka client (relays, consumers).
-pub(super) const KAFKA_LISTENERS: usize = 5;
-
 impl Network {
     /// Faults on `links`, the first one due in three seconds.
     pub(super) fn new(links: Vec<Link>) -> Network {
@@ -181,59 +179,11 @@ impl Network {
         due.into_iter().map(|(_, p)| p).collect()
     }
 
-    /// Starts the proxies of every process of `specs` and rewrites their arguments to go
-    /// through them: the `--db` URL's address, the `--brokers` list (listener `P<k>` of the
-    /// cluster prepared in `kafka_dir`, one per Kafka client), and the settlement consumers'
-    /// `--points-url`, which the intents carry to the dispatcher (so the dispatcher's awards
-    /// pass its own proxy).
-    pub(super) async fn route(
-        specs: Vec<Spec>,
-        kafka_dir: &Path,
-        api: SocketAddr,
-        seed: u64,
-    ) -> anyhow::Result<(Network, Vec<Spec>)> {
-        let mut links = Vec::new();
-        let mut listeners = 0;
-        let remote = Proxy::start(loopback(), api, seed).await?;
-        let remote_addr = remote.addr();
-        let mut out = Vec::with_capacity(specs.len());
-        for (i, mut spec) in specs.into_iter().enumerate() {
-            let seed = seed.wrapping_add(100 * (i as u64 + 1));
-            if let Some(url) = value_of(&spec.argv, "--db") {
-                let (proxy, routed) = postgres_link(&url, seed).await?;
-                set_value(&mut spec.argv, "--db", routed);
-                links.push(link(&spec, Dependency::Postgres, vec![proxy]));
-            }
-            if value_of(&spec.argv, "--brokers").is_some() {
-                listeners += 1;
-                if listeners > KAFKA_LISTENERS {
-                    bail!("more Kafka clients than the {KAFKA_LISTENERS} proxied listeners");
-                }
-                let l = ProxiedListener::start(kafka_dir, &format!("P{listeners}"), seed).await?;
-                set_value(&mut spec.argv, "--brokers", l.bootstrap());
-                links.push(link(&spec, Dependency::Kafka, l.proxies));
-            }
-            if let Some(url) = value_of(&spec.argv, "--points-url") {
-                let routed = url.replace(&api.to_string(), &remote_addr.to_string());
-                set_value(&mut spec.argv, "--points-url", routed);
-            }
-            out.push(spec);
-        }
-        let dispatcher = out.iter().find(|s| s.role == Role::Dispatcher);
-        let Some(dispatcher) = dispatcher else {
-            bail!("the pipeline has no dispatcher to cut from the points API");
-        };
-        links.push(link(dispatcher, Dependency::Remote, vec![remote]));
-        Ok((Network::new(links), out))
-    }
-
-    /// Heals the faults that are over and, when one is due and no window `held` the faults,
-    /// injects the next: counted in
+    /// Heals the faults that are over and, when one is due, injects the next: counted in
     /// `faults` as `net_<kind>_<dependency>`, written to the timeline by `timeline`.
     pub(super) fn tick(
         &mut self,
         now: Instant,
-        held: bool,
         rng: &mut Rng,
         faults: &mut BTreeMap<String, u64>,
         timeline: &dyn Fn(&str),
@@ -248,8 +198,7 @@ impl Network {
                 ));
             }
         }
-        // No new fault while the long lock is due or held (see `Windows::holds_faults`).
-        if now < self.next || held {
+        if now < self.next {
             return;
         }
         self.next = now + rng.between(Duration::from_secs(1), Duration::from_secs(3));
@@ -266,6 +215,11 @@ impl Network {
             .filter(|&i| self.links[i].dependency == dependency && self.links[i].heal_at.is_none())
             .collect();
         let l = &mut self.links[free[rng.index(free.len())]];
+        // A remote's way is shared by every process that calls it: no one process to kill.
+        let kind = match (kind, dependency) {
+            (Kind::PartitionKill, Dependency::Remote) => Kind::Partition,
+            (kind, _) => kind,
+        };
         let (kind, what) = match kind {
             Kind::Partition => {
                 let long = rng.below(5) == 0;
@@ -347,10 +301,6 @@ fn loopback() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }
 
-fn link(spec: &Spec, dependency: Dependency, proxies: Vec<Proxy>) -> Link {
-    Link::new(&spec.name, dependency, proxies)
-}
-
 /// A proxy to the PostgreSQL server of `url`, and `url` through it.
 pub(super) async fn postgres_link(url: &str, seed: u64) -> anyhow::Result<(Proxy, String)> {
     let authority = authority(url)
@@ -379,21 +329,6 @@ fn authority(url: &str) -> Option<&str> {
     let auth = &rest[..end];
     let host = auth.rsplit_once('@').map_or(auth, |(_, h)| h);
     (!host.is_empty()).then_some(host)
-}
-
-fn value_of(argv: &[String], flag: &str) -> Option<String> {
-    argv.iter()
-        .position(|a| a == flag)
-        .and_then(|i| argv.get(i + 1))
-        .cloned()
-}
-
-fn set_value(argv: &mut [String], flag: &str, value: String) {
-    if let Some(i) = argv.iter().position(|a| a == flag)
-        && let Some(v) = argv.get_mut(i + 1)
-    {
-        *v = value;
-    }
 }
 
 #[cfg(test)]
@@ -433,16 +368,5 @@ mod tests {
             .map(|n| turn(n, &KINDS_WITH_KILLS, |_| true).unwrap().1)
             .collect();
         assert!(with_kills.contains(&Kind::PartitionKill));
-    }
-
-    #[test]
-    fn a_flag_value_is_read_and_replaced_in_place() {
-        let mut argv: Vec<String> = ["relay", "--db", "a", "--brokers", "b"]
-            .map(str::to_owned)
-            .to_vec();
-        assert_eq!(value_of(&argv, "--brokers").as_deref(), Some("b"));
-        set_value(&mut argv, "--db", "x".to_owned());
-        assert_eq!(argv, ["relay", "--db", "x", "--brokers", "b"]);
-        assert_eq!(value_of(&argv, "--points-url"), None);
     }
 }

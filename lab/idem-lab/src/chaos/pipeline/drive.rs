@@ -453,6 +453,7 @@ async fn build(
     for c in all(file) {
         ports.insert(c.name.clone(), crate::chaos::topology::free_port()?);
     }
+    let remotes = remote_links(file, &ports, seed, &mut links).await?;
     for (k, c) in all(file).enumerate() {
         for replica in 0..c.replicas {
             let name = format!("{}-{replica}", c.name);
@@ -467,6 +468,7 @@ async fn build(
                     _ => crate::chaos::topology::free_port()?,
                 },
                 ports: ports.clone(),
+                remotes: remotes.clone(),
                 dir: dir.display().to_string(),
             };
             if c.faults.contains(&Fault::Network) {
@@ -502,6 +504,36 @@ async fn build(
         }
     }
     Ok((fleet, Network::new(links).with_kills()))
+}
+
+/// Starts a fault proxy in front of each of the file's remotes and adds its link (process
+/// `remote NAME`) to `links`: `{remote.NAME}` of every process, the proxy's address.
+async fn remote_links(
+    file: &PipelineFile,
+    ports: &BTreeMap<String, u16>,
+    seed: u64,
+    links: &mut Vec<Link>,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let places = Places {
+        ports: ports.clone(),
+        ..Places::default()
+    };
+    let mut remotes = BTreeMap::new();
+    for (i, r) in file.remotes.iter().enumerate() {
+        // Checked when the file was read: every placeholder is defined.
+        let address = expand(&r.address, &places).unwrap_or_else(|_| r.address.clone());
+        let upstream = std::net::ToSocketAddrs::to_socket_addrs(address.as_str())
+            .ok()
+            .and_then(|mut a| a.next())
+            .with_context(|| format!("remote {}: {address} is no host:port", r.name))?;
+        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let seed = seed.wrapping_add(7 * (i as u64 + 1));
+        let proxy = idem_netfault::Proxy::start(listen, upstream, seed).await?;
+        remotes.insert(r.name.clone(), proxy.addr().to_string());
+        let process = format!("remote {}", r.name);
+        links.push(Link::new(&process, Dependency::Remote, vec![proxy]));
+    }
+    Ok(remotes)
 }
 
 /// Whether `url` names a PostgreSQL server (as opposed to an SQLite file).
@@ -676,9 +708,7 @@ async fn inject(
         }
         supervise(fleet, now, run)?;
         let timeline = run.timeline;
-        net.tick(now, false, run.rng, run.faults, &|l| {
-            append_timeline(timeline, l)
-        });
+        net.tick(now, run.rng, run.faults, &|l| append_timeline(timeline, l));
         kill_in_partitions(fleet, net.due_kills(now), now, run);
         if now >= next_signal {
             if signal(fleet, now, run) {

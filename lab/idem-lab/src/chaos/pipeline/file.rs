@@ -26,6 +26,10 @@ pub(crate) struct PipelineFile {
     /// The load: processes that write the pipeline's input, stopped when the faults stop.
     #[serde(default, rename = "load")]
     pub loads: Vec<Component>,
+    /// Remotes the components reach over TCP (an HTTP API their effects call), each behind a
+    /// fault proxy of the runner's.
+    #[serde(default, rename = "remote")]
+    pub remotes: Vec<Remote>,
     /// What proves the run.
     pub verify: VerifySection,
 }
@@ -155,6 +159,18 @@ pub(crate) enum Fault {
     Network,
 }
 
+/// A remote reached over TCP through one fault proxy the runner puts in front of it:
+/// `{remote.NAME}` is the proxy's `host:port`, and every process that uses it shares the way
+/// the network faults cut, slow and reset.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Remote {
+    /// Its name.
+    pub name: String,
+    /// Its `host:port`; `{port.NAME}` names a component's (a remote the pipeline runs itself).
+    pub address: String,
+}
+
 /// The verify config: the same file `idem verify --config` reads.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -251,6 +267,17 @@ impl PipelineFile {
                 expand(text, &probe).map_err(|e| e.of(&c.name))?;
             }
         }
+        let mut remotes = std::collections::BTreeSet::new();
+        for r in &self.remotes {
+            if !valid_name(&r.name) {
+                return Err(FileError::BadName(r.name.clone()));
+            }
+            if !remotes.insert(r.name.as_str()) {
+                return Err(FileError::DuplicateName(r.name.clone()));
+            }
+            let at = format!("remote.{}", r.name);
+            expand(&r.address, &probe).map_err(|e| e.of(&at))?;
+        }
         Ok(())
     }
 
@@ -323,6 +350,8 @@ pub(crate) struct Places {
     pub databases: BTreeMap<String, String>,
     /// `{port.NAME}`: the `{port}` of replica 0 of component or load `NAME`.
     pub ports: BTreeMap<String, u16>,
+    /// `{remote.NAME}`: the `host:port` of remote `NAME`'s fault proxy.
+    pub remotes: BTreeMap<String, String>,
     pub kafka: String,
     pub replica: usize,
     pub incarnation: u32,
@@ -344,6 +373,11 @@ impl Places {
                 .iter()
                 .chain(&file.loads)
                 .map(|c| (c.name.clone(), 0))
+                .collect(),
+            remotes: file
+                .remotes
+                .iter()
+                .map(|r| (r.name.clone(), String::new()))
                 .collect(),
             ..Places::default()
         }
@@ -399,17 +433,25 @@ pub(crate) fn expand(text: &str, p: &Places) -> Result<String, Unfilled> {
             "incarnation" => p.incarnation.to_string(),
             "port" => p.port.to_string(),
             "dir" => p.dir.clone(),
-            _ => match (name.strip_prefix("db."), name.strip_prefix("port.")) {
-                (Some(db), _) if p.databases.contains_key(db) => p.databases[db].clone(),
-                (_, Some(c)) if p.ports.contains_key(c) => p.ports[c].to_string(),
-                _ => return Err(Unfilled::Unknown(format!("{{{name}}}"))),
-            },
+            _ => lookup(name, p).ok_or_else(|| Unfilled::Unknown(format!("{{{name}}}")))?,
         };
         out.push_str(&value);
         rest = &tail[end + 1..];
     }
     out.push_str(rest);
     Ok(out)
+}
+
+/// The value of a named placeholder: `db.NAME`, `port.NAME` or `remote.NAME`.
+fn lookup(name: &str, p: &Places) -> Option<String> {
+    if let Some(db) = name.strip_prefix("db.") {
+        return p.databases.get(db).cloned();
+    }
+    if let Some(c) = name.strip_prefix("port.") {
+        return p.ports.get(c).map(u16::to_string);
+    }
+    let r = name.strip_prefix("remote.")?;
+    p.remotes.get(r).cloned()
 }
 
 #[cfg(test)]
@@ -441,6 +483,10 @@ mod tests {
         name = "writer"
         command = ["writer", "--db", "{db.orders}", "--prefix", "w{replica}-{incarnation}-"]
 
+        [[remote]]
+        name = "bank"
+        address = "127.0.0.1:{port.consumer}"
+
         [verify]
         config = "verify.toml"
     "#;
@@ -465,6 +511,7 @@ mod tests {
             Some(Ready::Log("relay started".into()))
         );
         assert_eq!(f.loads[0].name, "writer");
+        assert_eq!(f.remotes[0].address, "127.0.0.1:{port.consumer}");
         assert!(f.components[0].uses("db.orders") && f.components[0].uses("kafka"));
         assert!(!f.components[1].uses("db.orders"));
         assert_eq!(
@@ -478,6 +525,7 @@ mod tests {
         let p = Places {
             databases: [("orders".to_owned(), "postgres://o".to_owned())].into(),
             ports: [("api".to_owned(), 4100)].into(),
+            remotes: [("bank".to_owned(), "127.0.0.1:4200".to_owned())].into(),
             kafka: "127.0.0.1:1,127.0.0.1:2".to_owned(),
             replica: 1,
             incarnation: 3,
@@ -499,6 +547,14 @@ mod tests {
         assert_eq!(
             expand("{port.nope}", &p),
             Err(Unfilled::Unknown("{port.nope}".into()))
+        );
+        assert_eq!(
+            expand("http://{remote.bank}/pay", &p).unwrap(),
+            "http://127.0.0.1:4200/pay"
+        );
+        assert_eq!(
+            expand("{remote.api}", &p),
+            Err(Unfilled::Unknown("{remote.api}".into()))
         );
         assert_eq!(expand(r#"{{"a": 1}}"#, &p).unwrap(), r#"{"a": 1}"#);
         assert_eq!(
@@ -574,6 +630,18 @@ mod tests {
             refused("[verify]", "[verify]\nextra = 1"),
             Err(FileError::Toml(_))
         ));
+        assert_eq!(
+            refused("{port.consumer}", "{port.bank}"),
+            Err(FileError::Unknown {
+                name: "remote.bank".into(),
+                placeholder: "{port.bank}".into()
+            })
+        );
+        let twice = "[[remote]]\nname = \"bank\"\naddress = \"h:1\"\n\n[verify]";
+        assert_eq!(
+            refused("[verify]", twice),
+            Err(FileError::DuplicateName("bank".into()))
+        );
         let Err(FileError::Toml(why)) = refused("after_publish_before_mark", "after_publish")
         else {
             panic!("an unknown crash point was accepted");
