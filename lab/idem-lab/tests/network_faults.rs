@@ -301,7 +301,7 @@ async fn lose_the_answer(
     brokers: &str,
     topic: &str,
     write: &impl Fn(&str),
-    prefix: &str,
+    (prefix, log): (&str, &Path),
 ) -> Unanswered {
     listener.set(Conditions::answers_held());
     write(prefix);
@@ -313,7 +313,8 @@ async fn lose_the_answer(
     while order.copies(brokers, topic).await == 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "the produce never arrived"
+            "the produce never arrived; the relay's log: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
         );
     }
     assert_eq!(
@@ -322,6 +323,15 @@ async fn lose_the_answer(
         "the row was marked without an acknowledgement"
     );
     order
+}
+
+/// The last publish error the outbox recorded for order `order_id` (none: no publish failed).
+async fn last_error(pool: &sqlx::PgPool, order_id: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT last_error FROM idem_outbox WHERE aggregate_id = $1")
+        .bind(order_id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 /// Waits until the relay recorded a failed publish of order `order_id` (its message timed
@@ -386,13 +396,15 @@ fn a_relay_that_loses_the_acknowledgement_after_its_produce_leads_to_one_effect(
             "--topic-prefix",
             &format!("{prefix}."),
             "--lease",
-            "8s",
+            "31s",
             "--retry-backoff-max",
             "1s",
+            // Far longer than the test takes to see a held produce in the topic (a consumer
+            // reading it, on a loaded machine): the reset of phase b comes before it.
             "--producer-config",
-            "message.timeout.ms=3000",
+            "message.timeout.ms=15000",
         ])
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "info")
         .stderr(log.reopen().unwrap())
         .spawn()
         .unwrap();
@@ -416,7 +428,16 @@ fn a_relay_that_loses_the_acknowledgement_after_its_produce_leads_to_one_effect(
         let brokers = cluster.brokers().to_owned();
         // The answer lost to a reset: the producer sends the batch again on a new connection
         // with its sequence number, and the broker drops it as a duplicate.
-        let b = lose_the_answer(&listener, orders_db.pool(), &brokers, &topic, &write, "b-").await;
+        let hold = |prefix: &'static str| {
+            let at = (prefix, log.path());
+            lose_the_answer(&listener, orders_db.pool(), &brokers, &topic, &write, at)
+        };
+        let b = hold("b-").await;
+        let failed = last_error(orders_db.pool(), &b.order).await;
+        assert_eq!(
+            failed, None,
+            "the produce timed out before its answer was reset"
+        );
         listener.reset_all();
         listener.set(Conditions::healthy());
         wait_status(orders_db.pool(), &b.order, "published", log.path()).await;
@@ -428,7 +449,7 @@ fn a_relay_that_loses_the_acknowledgement_after_its_produce_leads_to_one_effect(
         // The answer held past the producer's message timeout: the relay records the failed
         // publish, keeps the row pending, and publishes it again once the way heals: a second
         // copy, which the consumer's inbox absorbs.
-        let c = lose_the_answer(&listener, orders_db.pool(), &brokers, &topic, &write, "c-").await;
+        let c = hold("c-").await;
         wait_failed(orders_db.pool(), &c.order, log.path()).await;
         listener.set(Conditions::healthy());
         wait_status(orders_db.pool(), &c.order, "published", log.path()).await;
