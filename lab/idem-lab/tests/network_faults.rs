@@ -128,11 +128,7 @@ fn a_writer_cut_from_postgres_writes_each_order_once() {
         let db = idem_conformance::pg::TestDb::create().await;
         let setup = lab(&["setup", "--db", db.url()]).output().unwrap();
         assert!(setup.status.success(), "{setup:?}");
-        let (authority, upstream) = postgres_address(db.url());
-        let proxy = idem_netfault::Proxy::start("127.0.0.1:0".parse().unwrap(), upstream, 5)
-            .await
-            .unwrap();
-        let routed = db.url().replacen(&authority, &proxy.addr().to_string(), 1);
+        let (proxy, routed) = behind_a_proxy(db.url(), 5).await;
         let log = tempfile::NamedTempFile::new().unwrap();
         let mut writer = lab(&[
             "orders", "--db", &routed, "--count", "40", "--prefix", "cut-",
@@ -233,6 +229,16 @@ fn lab(args: &[&str]) -> std::process::Command {
 }
 
 /// The `host:port` of a PostgreSQL URL, and its address.
+/// A fault proxy to the PostgreSQL server of `url` (seeded with `seed`), and `url` through it.
+async fn behind_a_proxy(url: &str, seed: u64) -> (idem_netfault::Proxy, String) {
+    let (authority, upstream) = postgres_address(url);
+    let proxy = idem_netfault::Proxy::start("127.0.0.1:0".parse().unwrap(), upstream, seed)
+        .await
+        .unwrap();
+    let routed = url.replacen(&authority, &proxy.addr().to_string(), 1);
+    (proxy, routed)
+}
+
 fn postgres_address(url: &str) -> (String, std::net::SocketAddr) {
     let rest = url.split_once("://").unwrap().1;
     let auth = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
@@ -244,13 +250,19 @@ fn postgres_address(url: &str) -> (String, std::net::SocketAddr) {
     (host, addr)
 }
 
-/// The outbox status of the event of order `order_id`.
-async fn outbox_status(pool: &sqlx::PgPool, order_id: &str) -> Option<String> {
-    sqlx::query_scalar("SELECT status FROM idem_outbox WHERE aggregate_id = $1")
+/// The outbox status of the event of order `order_id`, and the last publish error recorded for
+/// it (none: no publish failed); none while the row does not exist.
+async fn outbox_row(pool: &sqlx::PgPool, order_id: &str) -> Option<(String, Option<String>)> {
+    sqlx::query_as("SELECT status, last_error FROM idem_outbox WHERE aggregate_id = $1")
         .bind(order_id)
         .fetch_optional(pool)
         .await
         .unwrap()
+}
+
+/// The outbox status of the event of order `order_id`.
+async fn outbox_status(pool: &sqlx::PgPool, order_id: &str) -> Option<String> {
+    outbox_row(pool, order_id).await.map(|(status, _)| status)
 }
 
 /// Waits until order `order_id`'s event has `status` in the outbox (the relay logs to `log`).
@@ -325,29 +337,14 @@ async fn lose_the_answer(
     order
 }
 
-/// The last publish error the outbox recorded for order `order_id` (none: no publish failed).
-async fn last_error(pool: &sqlx::PgPool, order_id: &str) -> Option<String> {
-    sqlx::query_scalar("SELECT last_error FROM idem_outbox WHERE aggregate_id = $1")
-        .bind(order_id)
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
 /// Waits until the relay recorded a failed publish of order `order_id` (its message timed
 /// out): the row is pending with its error.
 async fn wait_failed(pool: &sqlx::PgPool, order_id: &str, log: &Path) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let failed: Option<bool> = sqlx::query_scalar(
-            "SELECT status = 'pending' AND last_error IS NOT NULL FROM idem_outbox \
-             WHERE aggregate_id = $1",
-        )
-        .bind(order_id)
-        .fetch_optional(pool)
-        .await
-        .unwrap();
-        if failed == Some(true) {
+        if let Some((status, Some(_))) = outbox_row(pool, order_id).await
+            && status == "pending"
+        {
             return;
         }
         assert!(
@@ -433,7 +430,9 @@ fn a_relay_that_loses_the_acknowledgement_after_its_produce_leads_to_one_effect(
             lose_the_answer(&listener, orders_db.pool(), &brokers, &topic, &write, at)
         };
         let b = hold("b-").await;
-        let failed = last_error(orders_db.pool(), &b.order).await;
+        let failed = outbox_row(orders_db.pool(), &b.order)
+            .await
+            .and_then(|r| r.1);
         assert_eq!(
             failed, None,
             "the produce timed out before its answer was reset"
@@ -527,12 +526,8 @@ fn a_relay_started_while_its_database_is_cut_off_waits_and_publishes() {
             .output()
             .unwrap();
         assert!(written.status.success(), "{written:?}");
-        let (authority, upstream) = postgres_address(db.url());
-        let proxy = idem_netfault::Proxy::start("127.0.0.1:0".parse().unwrap(), upstream, 11)
-            .await
-            .unwrap();
+        let (proxy, routed) = behind_a_proxy(db.url(), 11).await;
         proxy.set(Conditions::blackhole());
-        let routed = db.url().replacen(&authority, &proxy.addr().to_string(), 1);
         let topic = unique("cutoff");
         let log = tempfile::NamedTempFile::new().unwrap();
         let mut relay = lab(&[

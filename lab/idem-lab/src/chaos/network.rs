@@ -141,6 +141,16 @@ const KINDS_WITH_KILLS: [Kind; 8] = [
     Kind::Reset,
 ];
 
+/// The kind of fault `kind` is on a link to `dependency`: a remote's way is shared by every
+/// process that calls it, so a partition with a kill is a plain partition there (there is no
+/// one process to kill).
+fn on(kind: Kind, dependency: Dependency) -> Kind {
+    match (kind, dependency) {
+        (Kind::PartitionKill, Dependency::Remote) => Kind::Partition,
+        (kind, _) => kind,
+    }
+}
+
 /// The dependency and kind of fault number `n`, given which dependencies have a healthy link
 /// (`free`): the turn's dependency, or the next one that has.
 fn turn(n: usize, kinds: &[Kind], free: impl Fn(Dependency) -> bool) -> Option<(Dependency, Kind)> {
@@ -215,11 +225,7 @@ impl Network {
             .filter(|&i| self.links[i].dependency == dependency && self.links[i].heal_at.is_none())
             .collect();
         let l = &mut self.links[free[rng.index(free.len())]];
-        // A remote's way is shared by every process that calls it: no one process to kill.
-        let kind = match (kind, dependency) {
-            (Kind::PartitionKill, Dependency::Remote) => Kind::Partition,
-            (kind, _) => kind,
-        };
+        let kind = on(kind, dependency);
         let (kind, what) = match kind {
             Kind::Partition => {
                 let long = rng.below(5) == 0;
@@ -353,6 +359,17 @@ mod tests {
             for k in [Kind::Partition, Kind::Slow, Kind::Reset, Kind::LostAnswers] {
                 assert!(faults.contains(&(d, k)), "{d:?} {k:?}");
             }
+        }
+    }
+
+    #[test]
+    fn a_remote_is_partitioned_where_a_process_would_be_killed_in_its_partition() {
+        assert_eq!(on(Kind::PartitionKill, Dependency::Remote), Kind::Partition);
+        for d in [Dependency::Postgres, Dependency::Kafka] {
+            assert_eq!(on(Kind::PartitionKill, d), Kind::PartitionKill);
+        }
+        for k in [Kind::Partition, Kind::Slow, Kind::Reset, Kind::LostAnswers] {
+            assert_eq!(on(k, Dependency::Remote), k);
         }
     }
 
