@@ -646,6 +646,10 @@ fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes
     let (code, r, stderr) = chaos(&reference_file(), &["--duration", "40s", "--seed", "1"]);
     passed(code, &r, &stderr);
     assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
+    // The awards reached the points API through its remote's proxy: the remote's faults hit
+    // the dispatcher's requests.
+    let through = r["remote_connections"]["points"].as_u64().unwrap_or(0);
+    assert!(through > 0, "no award passed the remote's proxy: {r:#}");
     let partitions = ["net_partition_kafka", "net_partition_remote"];
     every_fault(
         &r,

@@ -283,6 +283,19 @@ impl Network {
         ));
     }
 
+    /// Per remote (a link of process `remote NAME`), the connections its proxy accepted.
+    pub(super) fn remote_connections(&self) -> BTreeMap<String, u64> {
+        self.links
+            .iter()
+            .filter(|l| l.dependency == Dependency::Remote)
+            .filter_map(|l| {
+                let name = l.process.strip_prefix("remote ")?;
+                let accepted = l.proxies.iter().map(|p| p.stats().accepted).sum();
+                Some((name.to_owned(), accepted))
+            })
+            .collect()
+    }
+
     /// Ends every fault: the pipeline settles on a healthy network.
     pub(super) fn heal_all(&mut self) {
         self.kills.clear();

@@ -54,6 +54,9 @@ pub(crate) struct PipelineReport {
     pub faults: BTreeMap<String, u64>,
     /// Per crash point the components list, how often it fired (the crash log).
     pub crash_points_fired: BTreeMap<String, u64>,
+    /// Per `[[remote]]`, the connections its proxy carried: none means no component called it
+    /// through `{remote.NAME}`, and its faults tested nothing (a failure).
+    pub remote_connections: BTreeMap<String, u64>,
     /// Was every effect there before `--settle-deadline`? (Missing ones that stopped moving
     /// end the wait early: they are lost.)
     pub settled: bool,
@@ -239,6 +242,7 @@ async fn drive(
         panics,
         unexpected_exits,
         crash_points_fired: run.arming.fired(),
+        remote_connections: net.remote_connections(),
     };
     Ok(verdict(args, faults, report, numbers))
 }
@@ -312,6 +316,7 @@ struct Numbers {
     panics: Vec<String>,
     unexpected_exits: Vec<String>,
     crash_points_fired: BTreeMap<String, u64>,
+    remote_connections: BTreeMap<String, u64>,
 }
 
 /// From the run's numbers to the report: a loss, a duplicate effect, any other violation, a
@@ -343,6 +348,7 @@ fn verdict(
     if !n.panics.is_empty() {
         failures.push(format!("{} panics in the processes' logs", n.panics.len()));
     }
+    failures.extend(unused_remotes(&n.remote_connections));
     if args.seconds >= crate::chaos::verdict::FULL_RUN_SECONDS {
         let never = n.crash_points_fired.iter().filter(|(_, n)| **n == 0);
         failures.extend(never.map(|(p, _)| format!("crash point {p} never fired")));
@@ -355,6 +361,7 @@ fn verdict(
         negative_control: args.break_mechanism.map(|m| m.to_string()),
         faults,
         crash_points_fired: n.crash_points_fired,
+        remote_connections: n.remote_connections,
         settled: n.settled == Settled::Complete,
         settle_seconds: n.settle_seconds,
         lost,
@@ -364,6 +371,21 @@ fn verdict(
         verify,
         logs: None,
     }
+}
+
+/// A failure per remote whose proxy carried no connection (`connections`, by remote): no
+/// component called it through `{remote.NAME}`, so the faults on its way tested nothing.
+fn unused_remotes(connections: &BTreeMap<String, u64>) -> Vec<String> {
+    connections
+        .iter()
+        .filter(|(_, n)| **n == 0)
+        .map(|(remote, _)| {
+            format!(
+                "remote {remote} carried no connection: no component called it through \
+                 {{remote.{remote}}}, so its faults tested nothing"
+            )
+        })
+        .collect()
 }
 
 /// A Kafka cluster the runner started: where `scripts/kafka` prepared it, and its clients'
@@ -1036,5 +1058,20 @@ fn stop_loads(fleet: &mut Fleet) {
             fleet.procs[i].stop(Duration::from_secs(10));
             fleet.done[i] = true;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_remote_no_component_called_fails_the_run_and_a_called_one_does_not() {
+        let connections = [("bank".to_owned(), 0), ("points".to_owned(), 12)].into();
+        let failures = unused_remotes(&connections);
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(failures[0].starts_with("remote bank carried no connection"));
+        assert!(failures[0].contains("{remote.bank}"));
+        assert_eq!(unused_remotes(&BTreeMap::new()), Vec::<String>::new());
     }
 }
