@@ -783,7 +783,7 @@ fn kafka_transactions_instead_of_the_inbox_are_caught_as_duplicate_effects() {
 replicas = 2
 command = ["idem-lab", "kafka-txn-settlement", "--db", "{db.settlement}", "--brokers", "{kafka}",
            "--group", "settlement", "--topic", "shop.order", "--batch-size", "50",
-           "--points-url", "http://127.0.0.1:{port.points-api}/awards",
+           "--points-url", "http://{remote.points}/awards",
            "--consumer-config", "session.timeout.ms=10000",
            "--consumer-config", "max.poll.interval.ms=10000",
            "--consumer-config", "heartbeat.interval.ms=1000",
@@ -796,6 +796,10 @@ crash_points = ["consumer.after_db_commit_before_offset_commit"]
     let r = broken(&file, "kafka-transactions", Some(window));
     assert!(doubled(&r) > 0, "{r:#}");
     assert_eq!(lost(&r), 0, "{r:#}");
+    assert!(
+        r["remote_connections"]["points"].as_u64() > Some(0),
+        "{r:#}"
+    );
 }
 
 /// The reference pipeline file with CDC relays in table mode (two replicas on one slot: one
