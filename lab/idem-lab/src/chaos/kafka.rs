@@ -18,6 +18,9 @@ pub(crate) struct Prepared {
     pub bootstrap: String,
     pub dir: std::path::PathBuf,
     pub nodes: Vec<Proc>,
+    /// Every port chosen for the cluster (clients, controllers, proxies), bound only once it
+    /// runs.
+    pub ports: Vec<u16>,
 }
 
 /// Runs `scripts/kafka prepare` for `nodes` nodes in `dir/kafka` — with `secured`, one node
@@ -56,6 +59,12 @@ pub(crate) fn prepare(
         .context("reading the prepared cluster's bootstrap list")?
         .trim()
         .to_owned();
+    let ports = std::fs::read_to_string(kafka_dir.join("ports"))
+        .context("reading the prepared cluster's ports")?
+        .lines()
+        .map(|l| l.trim().parse::<u16>())
+        .collect::<Result<Vec<_>, _>>()
+        .context("reading the prepared cluster's ports")?;
     let mut procs = vec![];
     for id in 1..=nodes {
         let argv: Vec<String> = std::fs::read_to_string(kafka_dir.join(format!("node{id}/argv")))
@@ -83,6 +92,7 @@ pub(crate) fn prepare(
         bootstrap,
         dir: kafka_dir,
         nodes: procs,
+        ports,
     })
 }
 

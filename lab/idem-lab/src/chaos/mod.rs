@@ -27,6 +27,7 @@ pub(crate) mod kafka_txn;
 mod locker;
 mod network;
 mod pipeline;
+mod ports;
 mod procs;
 mod report;
 mod schedule;
@@ -367,8 +368,10 @@ async fn drive(
 ) -> anyhow::Result<ChaosReport> {
     let mut rng = Rng::new(args.seed);
     let crash_log = dir.join("crashes.log");
-    let api_port = topology::free_port()?;
     let prepared = kafka::prepare(NODES, dir, args.tls, 0)?;
+    let mut ports = ports::Ports::new();
+    ports.reserve(prepared.ports.iter().copied());
+    let api_port = ports.pick()?;
     let prepared_dir = prepared.dir.clone();
     let (secure, kafka) = match role {
         Some(role) => {

@@ -2,7 +2,6 @@
 //! [`specs`]), then spawning them as supervised children and starting them in order: the
 //! brokers, the topic, everything else.
 
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -278,29 +277,6 @@ fn dispatcher(t: &Topology) -> Vec<String> {
         "--metrics-addr",
         "127.0.0.1:0",
     ])
-}
-
-/// A free loopback port for a process to listen on later, below the kernel's ephemeral range:
-/// a port the kernel hands out for port 0 is also what it hands the run's outgoing connections
-/// as their local ports, so one of them could take it before the process binds it.
-pub(super) fn free_port() -> anyhow::Result<u16> {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32_768);
-    let (first, span) = (10_000u16, low.saturating_sub(10_000).max(1));
-    let start = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos())
-        ^ std::process::id();
-    for i in 0..1_000u32 {
-        let offset = start.wrapping_add(i.wrapping_mul(7_919)) % u32::from(span);
-        let port = first + u16::try_from(offset).unwrap_or(0);
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return Ok(port);
-        }
-    }
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// This binary with `args` and `env`, and none of the lab's fault variables inherited.

@@ -17,6 +17,7 @@ use crate::chaos::ChaosArgs;
 use crate::chaos::inject::append_timeline;
 use crate::chaos::kafka;
 use crate::chaos::network::{Dependency, Link, Network, postgres_link};
+use crate::chaos::ports::Ports;
 use crate::chaos::procs::{Proc, Rng, Role};
 use crate::chaos::schedule::{self, Plan};
 use idem_core::crash::CrashPoint;
@@ -396,6 +397,8 @@ struct Cluster {
     bootstrap: String,
     nodes: usize,
     conn: idem_kafka::Connection,
+    /// Every port chosen for it, bound only once its nodes and proxies run.
+    ports: Vec<u16>,
 }
 
 /// Prepares the runner's own cluster (`[kafka] nodes`), with a proxied listener for every
@@ -416,6 +419,7 @@ fn prepare_kafka(file: &PipelineFile, dir: &Path) -> anyhow::Result<(Option<Clus
     let prepared = kafka::prepare(nodes, dir, false, listeners)?;
     let cluster = Cluster {
         conn: idem_kafka::Connection::plaintext(&prepared.bootstrap),
+        ports: prepared.ports,
         dir: prepared.dir,
         topics: file.kafka.topics.clone(),
         bootstrap: prepared.bootstrap,
@@ -471,9 +475,12 @@ async fn build(
         (None, Some(b)) => b.clone(),
         (None, None) => bail!("[kafka] names no cluster"),
     };
+    // The cluster's ports are bound only once its nodes and proxies run.
+    let mut book = Ports::new();
+    book.reserve(cluster.iter().flat_map(|c| c.ports.iter().copied()));
     let mut ports = BTreeMap::new();
     for c in all(file) {
-        ports.insert(c.name.clone(), crate::chaos::topology::free_port()?);
+        ports.insert(c.name.clone(), book.pick()?);
     }
     let remotes = remote_links(file, &ports, seed, &mut links).await?;
     for (k, c) in all(file).enumerate() {
@@ -487,7 +494,7 @@ async fn build(
                 incarnation: 1,
                 port: match replica {
                     0 => ports[&c.name],
-                    _ => crate::chaos::topology::free_port()?,
+                    _ => book.pick()?,
                 },
                 ports: ports.clone(),
                 remotes: remotes.clone(),

@@ -1,0 +1,116 @@
+//! Loopback ports chosen now for processes that bind them later.
+//!
+//! A port is taken from below the kernel's ephemeral range: a port the kernel hands out for
+//! port 0 is also what it hands the run's outgoing connections as their local ports, so one of
+//! them could take it before the process binds it. A port free now is not yet bound by its
+//! process either, so one run's choices are kept in one book: a port handed out once, or
+//! reserved by another chooser (a prepared Kafka cluster's client, controller and proxy ports,
+//! `scripts/kafka prepare`'s `DIR/ports`), is never handed out again.
+
+use std::collections::BTreeSet;
+use std::net::TcpListener;
+use std::ops::RangeInclusive;
+
+use anyhow::bail;
+
+/// The ports one run has chosen or been told are taken.
+#[derive(Debug)]
+pub(crate) struct Ports {
+    range: RangeInclusive<u16>,
+    taken: BTreeSet<u16>,
+    start: u32,
+}
+
+impl Ports {
+    /// A book over the ports from 10 000 up to the ephemeral range, starting its search at a
+    /// place that differs between runs.
+    pub(crate) fn new() -> Self {
+        let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+            .unwrap_or(32_768);
+        let start = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos())
+            ^ std::process::id();
+        Self::over(10_000..=low.saturating_sub(1).max(10_000), start)
+    }
+
+    fn over(range: RangeInclusive<u16>, start: u32) -> Self {
+        Self {
+            range,
+            taken: BTreeSet::new(),
+            start,
+        }
+    }
+
+    /// Marks `ports` as taken by someone else.
+    pub(crate) fn reserve(&mut self, ports: impl IntoIterator<Item = u16>) {
+        self.taken.extend(ports);
+    }
+
+    /// A port nothing listens on now and this book has not handed out or been told of.
+    pub(crate) fn pick(&mut self) -> anyhow::Result<u16> {
+        match self.pick_with(|port| TcpListener::bind(("127.0.0.1", port)).is_ok()) {
+            Some(port) => Ok(port),
+            None => bail!(
+                "found no free loopback port in {}-{} (the run holds {} of them)",
+                self.range.start(),
+                self.range.end(),
+                self.taken.len()
+            ),
+        }
+    }
+
+    /// The first port, in a stride through the range from the book's start, that is neither
+    /// taken nor refused by `is_free`; it is then taken.
+    fn pick_with(&mut self, is_free: impl Fn(u16) -> bool) -> Option<u16> {
+        let first = u32::from(*self.range.start());
+        let span = u32::from(*self.range.end()) - first + 1;
+        // 7 919 is prime: unless the span is a multiple of it, the stride visits every port
+        // of the range once before it repeats.
+        let stride = if span % 7_919 == 0 { 1 } else { 7_919 };
+        for i in 0..span {
+            let offset = self.start.wrapping_add(i.wrapping_mul(stride)) % span;
+            let Ok(port) = u16::try_from(first + offset) else {
+                continue;
+            };
+            if !self.taken.contains(&port) && is_free(port) {
+                self.taken.insert(port);
+                self.start = self.start.wrapping_add((i + 1).wrapping_mul(stride));
+                return Some(port);
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_handed_out_is_not_handed_out_again_though_nothing_binds_it() {
+        let mut ports = Ports::over(20_000..=20_002, 0);
+        let picked: BTreeSet<_> = (0..3).filter_map(|_| ports.pick_with(|_| true)).collect();
+        assert_eq!(picked, BTreeSet::from([20_000, 20_001, 20_002]));
+        assert_eq!(ports.pick_with(|_| true), None);
+    }
+
+    #[test]
+    fn reserved_and_bound_ports_are_skipped() {
+        let mut ports = Ports::over(20_000..=20_009, 3);
+        ports.reserve((20_000..=20_009).filter(|p| *p != 20_004 && *p != 20_007));
+        assert_eq!(ports.pick_with(|p| p != 20_004), Some(20_007));
+        assert_eq!(ports.pick_with(|_| true), Some(20_004));
+        assert_eq!(ports.pick_with(|_| true), None);
+    }
+
+    #[test]
+    fn the_stride_visits_every_port_of_a_wide_range() {
+        let mut ports = Ports::over(10_000..=32_767, 12_345);
+        let n = usize::from(32_767u16 - 10_000 + 1);
+        let picked: BTreeSet<_> = (0..n).filter_map(|_| ports.pick_with(|_| true)).collect();
+        assert_eq!(picked.len(), n);
+    }
+}
