@@ -288,6 +288,11 @@ pub(crate) async fn settlement(args: SettlementArgs) -> anyhow::Result<()> {
 pub(crate) struct SetupArgs {
     #[command(flatten)]
     db: DbArgs,
+    /// Also install the chaos runs' business rule (PostgreSQL): the settlement and audit
+    /// tables refuse payments named `refused-by-rule-…`, so that a well-formed hostile event
+    /// is dead-lettered (`[hostile] business_rule = true` of a pipeline file).
+    #[arg(long)]
+    business_rule: bool,
 }
 
 /// Creates (or upgrades) idem's tables and the reference tables in one database, and says so.
@@ -299,6 +304,12 @@ pub(crate) async fn setup(args: SetupArgs) -> anyhow::Result<()> {
         Store::Sqlite(s) => idem_reference::ensure_schema_sqlite(s.pool()).await,
     }
     .context("creating the reference tables")?;
+    if args.business_rule {
+        let Store::Postgres(s) = &store else {
+            anyhow::bail!("--business-rule is PL/pgSQL: give a PostgreSQL --db");
+        };
+        crate::chaos::install_business_rule(s.pool()).await?;
+    }
     println!(
         "idem-lab setup: idem's tables at schema version {}, reference tables ({}) ready",
         report.current,

@@ -187,20 +187,6 @@ fn lost(r: &serde_json::Value) -> u64 {
     r["lost"].as_u64().unwrap()
 }
 
-/// A relay that never parks retries a foreign writer's unpublishable row (over a megabyte)
-/// forever: the hostile-rows fault class reports the row as wedged. (Waiting for it is
-/// pointless, hence the short settle deadline.)
-#[test]
-fn a_relay_that_never_parks_is_caught_wedged_by_a_hostile_row() {
-    let r = broken_with("never-park", &["--settle-deadline", "40s"]);
-    let failures = r["failures"].to_string();
-    assert!(
-        failures.contains("hostile row payload_over_a_megabyte")
-            && failures.contains("still pending"),
-        "{r:#}"
-    );
-}
-
 /// Without lock renewal, the slow points API window (awards of 6 s, a 2 s key lock, a 2 s
 /// dispatcher timeout) lets a retry take over a live execution of its key.
 #[test]

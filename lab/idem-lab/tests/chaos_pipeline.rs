@@ -679,6 +679,31 @@ fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes
         .map(|c| c["name"].as_str().unwrap())
         .collect();
     assert_eq!(checks, ["settlements", "points", "audit"], "{r:#}");
+    the_hostile_rows_were_contained(&r);
+}
+
+/// The foreign writer's rows: some refused at insert, the oversized payload parked by a relay
+/// with its reason, the event the business rule refuses dead-lettered by both groups.
+fn the_hostile_rows_were_contained(r: &serde_json::Value) {
+    assert!(count(r, "hostile_rows_refused") > 0, "{r:#}");
+    assert_eq!(r["hostile_violations"], serde_json::json!([]), "{r:#}");
+    let rows = r["hostile_rows"].as_object().unwrap();
+    let fate = |name: &str| {
+        let (_, fate) = rows
+            .iter()
+            .find(|(k, _)| k.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no hostile row {name}: {r:#}"));
+        fate.as_str().unwrap().to_owned()
+    };
+    assert!(
+        fate("payload_over_a_megabyte").starts_with("parked: "),
+        "{r:#}"
+    );
+    let refused = fate("refused_by_a_business_rule");
+    assert!(
+        refused.contains("settlement: dead-lettered") && refused.contains("audit: dead-lettered"),
+        "{refused}"
+    );
 }
 
 fn reference_file() -> std::path::PathBuf {
@@ -708,7 +733,17 @@ fn section_replaced(text: &str, name: &str, section: &str) -> String {
 /// The run must fail, say that the mechanism was broken, and have opened the mechanism's
 /// window (`window`, a crash point, fired). Returns the report; its logs are removed.
 fn broken(file: &Path, mechanism: &str, window: Option<&str>) -> serde_json::Value {
-    let args = ["--duration", "30s", "--seed", "3", "--break", mechanism];
+    broken_with(file, mechanism, window, &[])
+}
+
+fn broken_with(
+    file: &Path,
+    mechanism: &str,
+    window: Option<&str>,
+    extra: &[&str],
+) -> serde_json::Value {
+    let mut args = vec!["--duration", "30s", "--seed", "3", "--break", mechanism];
+    args.extend(extra);
     let (code, r, stderr) = chaos(file, &args);
     controls::assert_caught(mechanism, (code, &r, &stderr));
     if let Some(point) = window {
@@ -727,6 +762,21 @@ fn lost(r: &serde_json::Value) -> u64 {
 
 fn doubled(r: &serde_json::Value) -> u64 {
     r["duplicate_effects"].as_u64().unwrap()
+}
+
+/// A relay that never parks retries the foreign writer's unpublishable row (over a megabyte)
+/// forever: the run reports the row still pending. (Waiting for it is pointless, hence the
+/// short settle deadline.)
+#[test]
+fn a_relay_that_never_parks_is_caught_wedged_by_a_hostile_row() {
+    let wait = ["--settle-deadline", "40s"];
+    let r = broken_with(&reference_file(), "never-park", None, &wait);
+    let failures = r["failures"].to_string();
+    assert!(
+        failures.contains("hostile row payload_over_a_megabyte")
+            && failures.contains("still pending"),
+        "{r:#}"
+    );
 }
 
 #[test]

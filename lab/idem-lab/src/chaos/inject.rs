@@ -300,7 +300,12 @@ async fn hostile_round(
     rng: &mut Rng,
 ) -> anyhow::Result<()> {
     t.hostile_round += 1;
-    let round = hostile::insert_round(&dbs.orders, t.hostile_round, denied).await?;
+    let round = hostile::insert_round(
+        &dbs.orders,
+        t.hostile_round,
+        &hostile::Shape::reference(denied),
+    )
+    .await?;
     *out.faults.entry("hostile_rows".to_owned()).or_default() +=
         (round.accepted.len() + round.refused) as u64;
     *out.faults

@@ -27,6 +27,7 @@ pub(crate) mod kafka_txn;
 mod locker;
 mod network;
 mod pipeline;
+pub(crate) use hostile::install_business_rule;
 mod ports;
 mod procs;
 mod report;
@@ -384,7 +385,10 @@ async fn drive(
     let mut topology = topology_of(args, dbs, run, api_port, prepared.bootstrap);
     topology.kafka = kafka;
     topology.secure = secure;
-    hostile::install_business_rule(&dbs.settlement).await?;
+    let idem_sql::AnyPool::Postgres(settlement) = &dbs.settlement else {
+        anyhow::bail!("the business rule is PostgreSQL's PL/pgSQL");
+    };
+    hostile::install_business_rule(settlement).await?;
     let burst_prefix = format!("burst-{run}-");
     let burst_rows = burst::rows_for(args.seconds);
     burst::write(&dbs.orders, &burst_prefix, burst_rows).await?;

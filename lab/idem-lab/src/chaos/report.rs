@@ -145,8 +145,15 @@ async fn exact(
         ),
         Err(_) => (-1, std::collections::BTreeMap::new()),
     };
-    let fates = super::hostile::fates(&dbs.orders, &dbs.settlement, pipe.hostile).await?;
-    let (hostile_rows, uncontained) = verdict::hostile_rows(&fates);
+    let fates = super::hostile::fates(
+        &dbs.orders,
+        &dbs.settlement,
+        &super::hostile::reference_groups(),
+        pipe.hostile,
+    )
+    .await?;
+    let (hostile_rows, uncontained) =
+        verdict::hostile_rows(&fates, &super::hostile::reference_groups());
     hostile_violations.extend(uncontained);
     let panics: Vec<String> = procs.iter().flat_map(Proc::panics).collect();
     let unexpected_exits: Vec<String> = procs

@@ -178,11 +178,17 @@ async fn check(
     verify: &idem_verify::Report,
     settler: &mut Settler,
 ) -> anyhow::Result<SettleStep> {
-    let hostile_open = hostile::fates(&pipe.dbs.orders, &pipe.dbs.settlement, pipe.hostile)
-        .await?
-        .iter()
-        .filter(|(_, f)| hostile::contained(f).is_err())
-        .count();
+    let groups = hostile::reference_groups();
+    let hostile_open = hostile::fates(
+        &pipe.dbs.orders,
+        &pipe.dbs.settlement,
+        &groups,
+        pipe.hostile,
+    )
+    .await?
+    .iter()
+    .filter(|(_, f)| hostile::contained(f, &groups).is_err())
+    .count();
     if Settler::clean(verify.clean, hostile_open) {
         return Ok(SettleStep::Settled);
     }

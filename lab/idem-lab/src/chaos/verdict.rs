@@ -189,15 +189,16 @@ pub(super) fn other_violations(verify: &idem_verify::Report) -> u64 {
 }
 
 /// Where each stored hostile row ended (keyed by name and event id), and the rows not
-/// contained, as violations.
-pub(super) fn hostile_rows(
+/// contained by `groups`, as violations.
+pub(crate) fn hostile_rows(
     fates: &[(hostile::Accepted, hostile::Fate)],
+    groups: &[String],
 ) -> (BTreeMap<String, String>, Vec<String>) {
     let mut rows = BTreeMap::new();
     let mut violations = vec![];
     for (a, fate) in fates {
         let key = format!("{} {}", a.name, a.event_id);
-        match hostile::contained(fate) {
+        match hostile::contained(fate, groups) {
             Ok(how) => {
                 rows.insert(key, how);
             }
@@ -282,7 +283,7 @@ mod tests {
             status: "pending".to_owned(),
             ..hostile::Fate::default()
         };
-        let (rows, violations) = hostile_rows(&[(accepted, pending)]);
+        let (rows, violations) = hostile_rows(&[(accepted, pending)], &hostile::reference_groups());
         assert_eq!(rows.len(), 1);
         assert_eq!(violations.len(), 1);
         assert!(violations[0].starts_with("hostile row payload_over_a_megabyte e1: "));

@@ -12,6 +12,7 @@ use idem_netfault::ProxiedListener;
 
 use super::arm::{Arming, arm_env};
 use super::file::{Component, Fault, PipelineFile, Places, Ready, expand, with_started_urls};
+use super::foreign::ForeignWriter;
 use super::postgres::{self, Server};
 use crate::chaos::ChaosArgs;
 use crate::chaos::inject::append_timeline;
@@ -58,6 +59,10 @@ pub(crate) struct PipelineReport {
     /// Per `[[remote]]`, the connections its proxy carried: none means no component called it
     /// through `{remote.NAME}`, and its faults tested nothing (a failure).
     pub remote_connections: BTreeMap<String, u64>,
+    /// Where each stored `[hostile]` row ended, by name and event id.
+    pub hostile_rows: BTreeMap<String, String>,
+    /// Hostile rows the contract or the pipeline treated otherwise than it must.
+    pub hostile_violations: Vec<String>,
     /// Was every effect there before `--settle-deadline`? (Missing ones that stopped moving
     /// end the wait early: they are lost.)
     pub settled: bool,
@@ -147,6 +152,13 @@ fn print(r: &PipelineReport) {
             .collect();
         println!("  crash points fired: {}", fired.join(", "));
     }
+    if !r.hostile_rows.is_empty() {
+        println!(
+            "  hostile rows: {} stored, {} violations",
+            r.hostile_rows.len(),
+            r.hostile_violations.len()
+        );
+    }
     println!(
         "  lost {}, duplicate effects {}, settled {} after {:.1} s",
         r.lost, r.duplicate_effects, r.settled, r.settle_seconds
@@ -199,6 +211,10 @@ async fn drive(
     )
     .await?;
     start_in_order(&mut fleet, file, cluster.as_ref()).await?;
+    let mut foreign = match &file.hostile {
+        Some(h) => Some(ForeignWriter::open(h, &databases, Instant::now()).await?),
+        None => None,
+    };
     let mut run = RunState {
         rng: &mut rng,
         faults: &mut faults,
@@ -217,17 +233,23 @@ async fn drive(
         redeliver: file.kafka.redeliver,
     };
     let end = Instant::now() + Duration::from_secs(args.seconds);
-    let targets = Targets {
+    let mut targets = Targets {
         kafka,
         postgres: server.as_ref(),
+        foreign: foreign.as_mut(),
     };
-    inject(&mut fleet, &mut net, &targets, end, &mut run).await?;
+    inject(&mut fleet, &mut net, &mut targets, end, &mut run).await?;
     calm(&mut fleet, &mut net, &mut run)?;
     stop_loads(&mut fleet);
     let started = Instant::now();
-    let settled = settle(&mut fleet, verify, started + args.settle_deadline, &mut run).await?;
+    let until = started + args.settle_deadline;
+    let settled = settle(&mut fleet, verify, foreign.as_ref(), until, &mut run).await?;
     let settle_seconds = started.elapsed().as_secs_f64();
     let report = idem_verify::verify(verify, &idem_verify::Options::default()).await?;
+    let hostile = match &foreign {
+        Some(f) => Some(f.outcome().await?),
+        None => None,
+    };
     let panics: Vec<String> = fleet.procs.iter().flat_map(Proc::panics).collect();
     for p in &mut fleet.procs {
         p.stop(Duration::from_secs(10));
@@ -244,6 +266,7 @@ async fn drive(
         unexpected_exits,
         crash_points_fired: run.arming.fired(),
         remote_connections: net.remote_connections(),
+        hostile,
     };
     Ok(verdict(args, faults, report, numbers))
 }
@@ -261,11 +284,11 @@ fn process_env(crash_log: &Path, args: &ChaosArgs) -> Vec<(String, String)> {
 /// How settling ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Settled {
-    /// No effect is missing.
+    /// No effect is missing, no hostile row open.
     Complete,
-    /// Effects are missing, and nothing changed for [`STILL_FOR`].
+    /// Effects are missing (or hostile rows open), and nothing changed for [`STILL_FOR`].
     Still,
-    /// Effects were still missing, and still moving, at the deadline.
+    /// Effects were still missing (or hostile rows open), and still moving, at the deadline.
     Deadline,
 }
 
@@ -274,11 +297,13 @@ enum Settled {
 /// to a poll interval while the others rejoin).
 const STILL_FOR: Duration = Duration::from_secs(60);
 
-/// Verifies every second (restarting what goes down meanwhile) until no effect is missing,
-/// nothing changes any more, or `deadline` passes.
+/// Verifies every second (restarting what goes down meanwhile) until no effect is missing and
+/// every hostile row of `foreign` is contained, nothing changes any more, or `deadline`
+/// passes.
 async fn settle(
     fleet: &mut Fleet,
     verify: &idem_verify::VerifyConfig,
+    foreign: Option<&ForeignWriter>,
     deadline: Instant,
     run: &mut RunState<'_>,
 ) -> anyhow::Result<Settled> {
@@ -286,10 +311,14 @@ async fn settle(
     let (mut last, mut changed) = (None, Instant::now());
     loop {
         let r = idem_verify::verify(verify, &quick).await?;
-        if r.lost() == 0 {
+        let open = match foreign {
+            Some(f) => f.open_rows().await?,
+            None => 0,
+        };
+        if r.lost() == 0 && open == 0 {
             return Ok(Settled::Complete);
         }
-        let now = Some(progress(&r));
+        let now = Some((progress(&r), open));
         if last != now {
             (last, changed) = (now, Instant::now());
         }
@@ -318,6 +347,8 @@ struct Numbers {
     unexpected_exits: Vec<String>,
     crash_points_fired: BTreeMap<String, u64>,
     remote_connections: BTreeMap<String, u64>,
+    /// Where the `[hostile]` rows ended.
+    hostile: Option<super::foreign::Outcome>,
 }
 
 /// From the run's numbers to the report: a loss, a duplicate effect, any other violation, a
@@ -350,6 +381,11 @@ fn verdict(
         failures.push(format!("{} panics in the processes' logs", n.panics.len()));
     }
     failures.extend(unused_remotes(&n.remote_connections));
+    let (hostile_rows, hostile_violations) = match n.hostile {
+        Some(h) => (h.rows, h.violations),
+        None => Default::default(),
+    };
+    failures.extend(hostile_violations.iter().cloned());
     if args.seconds >= crate::chaos::verdict::FULL_RUN_SECONDS {
         let never = n.crash_points_fired.iter().filter(|(_, n)| **n == 0);
         failures.extend(never.map(|(p, _)| format!("crash point {p} never fired")));
@@ -363,6 +399,8 @@ fn verdict(
         faults,
         crash_points_fired: n.crash_points_fired,
         remote_connections: n.remote_connections,
+        hostile_rows,
+        hostile_violations,
         settled: n.settled == Settled::Complete,
         settle_seconds: n.settle_seconds,
         lost,
@@ -717,7 +755,7 @@ fn http_ok(url: &str) -> bool {
 async fn inject(
     fleet: &mut Fleet,
     net: &mut Network,
-    targets: &Targets<'_>,
+    targets: &mut Targets<'_>,
     end: Instant,
     run: &mut RunState<'_>,
 ) -> anyhow::Result<()> {
@@ -755,6 +793,11 @@ async fn inject(
             crashes.pop();
             crash_postgres(server, run).await?;
         }
+        if let Some(f) = targets.foreign.as_deref_mut()
+            && let Some(what) = f.tick(now, run.rng, run.faults).await?
+        {
+            append_timeline(run.timeline, &what);
+        }
         if kafka.redeliver && now >= next_copies {
             redeliver(kafka, run).await;
             next_copies = now
@@ -783,6 +826,8 @@ async fn inject(
 struct Targets<'a> {
     kafka: KafkaTargets<'a>,
     postgres: Option<&'a Server>,
+    /// The `[hostile]` section's writer.
+    foreign: Option<&'a mut ForeignWriter>,
 }
 
 /// Crashes the runner's PostgreSQL server and starts it again (`postgres_restart`).

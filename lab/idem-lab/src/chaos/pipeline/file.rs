@@ -30,6 +30,9 @@ pub(crate) struct PipelineFile {
     /// fault proxy of the runner's.
     #[serde(default, rename = "remote")]
     pub remotes: Vec<Remote>,
+    /// Rows a foreign writer inserts into the outbox with plain SQL during the run.
+    #[serde(default)]
+    pub hostile: Option<HostileSection>,
     /// What proves the run.
     pub verify: VerifySection,
 }
@@ -171,6 +174,31 @@ pub(crate) struct Remote {
     pub address: String,
 }
 
+/// Rows a foreign writer inserts into the outbox with plain SQL, a round every 20–40 s from 5 s
+/// into the run: values the contract must refuse at insert, and values it stores that the
+/// pipeline must contain — parked by a relay with its reason, or dead-lettered or handled by
+/// every one of `groups` — while the other events flow. A row still pending, or published and
+/// open in a group, when the pipeline settles fails the run.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct HostileSection {
+    /// The database (a `[databases]` name; PostgreSQL) whose `idem_outbox` they go into.
+    pub outbox: String,
+    /// The database (a `[databases]` name; PostgreSQL) where `groups` keep their
+    /// `idem_inbox` and `idem_dead_letters`.
+    pub consumers: String,
+    /// The consumer groups that read the rows' topic.
+    pub groups: Vec<String>,
+    /// The aggregate type of the rows (their topic, with the relays' prefix).
+    pub aggregate_type: String,
+    /// The event type of the well-formed rows: one the consumers handle.
+    pub event_type: String,
+    /// The consumers' database refuses payments named `refused-by-rule-…` (`idem-lab setup
+    /// --business-rule`): one more row, well formed, that every group must dead-letter.
+    #[serde(default)]
+    pub business_rule: bool,
+}
+
 /// The verify config: the same file `idem verify --config` reads.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -213,6 +241,12 @@ pub(crate) enum FileError {
         "`{0}` is not a name for a database the runner creates: use letters, digits, `-` and `_`"
     )]
     BadDatabaseName(String),
+    #[error("[hostile] {0} = \"{1}\" names no PostgreSQL database of [databases]")]
+    HostileDatabase(&'static str, String),
+    #[error("[hostile] groups is empty: name the consumer groups that read the rows' topic")]
+    HostileGroups,
+    #[error("[hostile] {0} = \"{1}\": use letters, digits, `.`, `-` and `_`")]
+    HostileValue(&'static str, String),
 }
 
 impl PipelineFile {
@@ -277,6 +311,37 @@ impl PipelineFile {
             }
             let at = format!("remote.{}", r.name);
             expand(&r.address, &probe).map_err(|e| e.of(&at))?;
+        }
+        if let Some(h) = &self.hostile {
+            self.check_hostile(h)?;
+        }
+        Ok(())
+    }
+
+    fn check_hostile(&self, h: &HostileSection) -> Result<(), FileError> {
+        for (key, name) in [("outbox", &h.outbox), ("consumers", &h.consumers)] {
+            let postgres = match self.databases.get(name) {
+                Some(Database::Started(_)) => true,
+                Some(Database::Url(url)) => url.starts_with("postgres"),
+                None => false,
+            };
+            if !postgres {
+                return Err(FileError::HostileDatabase(key, name.clone()));
+            }
+        }
+        if h.groups.is_empty() {
+            return Err(FileError::HostileGroups);
+        }
+        let values = [
+            ("aggregate_type", &h.aggregate_type),
+            ("event_type", &h.event_type),
+        ];
+        let groups = h.groups.iter().map(|g| ("groups", g));
+        for (key, value) in values.into_iter().chain(groups) {
+            let plain = |ch: char| ch.is_ascii_alphanumeric() || matches!(ch, '.' | '-' | '_');
+            if value.is_empty() || !value.chars().all(plain) {
+                return Err(FileError::HostileValue(key, value.clone()));
+            }
         }
         Ok(())
     }
@@ -584,6 +649,43 @@ mod tests {
         assert_eq!(
             with_started_urls(r#"db = "{db.orders}", x = { y = "{db.ledger}" }"#, &urls),
             r#"db = "postgres://h:1/orders", x = { y = "sqlite://ledger.db" }"#
+        );
+    }
+
+    #[test]
+    fn a_hostile_section_names_postgresql_databases_groups_and_plain_values() {
+        let section = "[hostile]\noutbox = \"orders\"\nconsumers = \"orders\"\n\
+                       groups = [\"settlement\"]\naggregate_type = \"order\"\n\
+                       event_type = \"order.paid\"\n\n[verify]";
+        let with = |from: &str, to: &str| {
+            PipelineFile::parse(&FILE.replacen("[verify]", &section.replacen(from, to, 1), 1))
+        };
+        let h = with("", "").unwrap().hostile.unwrap();
+        assert_eq!((h.groups.len(), h.business_rule), (1, false));
+        assert_eq!(
+            with("consumers = \"orders\"", "consumers = \"ledger\""),
+            Err(FileError::HostileDatabase("consumers", "ledger".into()))
+        );
+        assert_eq!(
+            with("[\"settlement\"]", "[]"),
+            Err(FileError::HostileGroups)
+        );
+        assert_eq!(
+            with("\"order.paid\"", "\"order'paid\""),
+            Err(FileError::HostileValue("event_type", "order'paid".into()))
+        );
+        assert_eq!(
+            with("[\"settlement\"]", "[\"a b\"]"),
+            Err(FileError::HostileValue("groups", "a b".into()))
+        );
+        let sqlite = FILE.replacen(
+            r#"orders = "postgres://u@127.0.0.1:5432/orders""#,
+            r#"orders = "sqlite://orders.db""#,
+            1,
+        );
+        assert_eq!(
+            PipelineFile::parse(&sqlite.replacen("[verify]", section, 1)),
+            Err(FileError::HostileDatabase("outbox", "orders".into()))
         );
     }
 

@@ -10,6 +10,7 @@
 mod arm;
 mod drive;
 mod file;
+mod foreign;
 pub(super) mod postgres;
 mod redeliver;
 
