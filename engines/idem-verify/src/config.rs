@@ -14,6 +14,9 @@ pub struct VerifyConfig {
     /// Keys that must appear at most once in one table (duplicate business effects).
     #[serde(default, rename = "unique", skip_serializing_if = "Vec::is_empty")]
     pub unique: Vec<UniqueCheck>,
+    /// Queries that must return no row.
+    #[serde(default, rename = "empty", skip_serializing_if = "Vec::is_empty")]
+    pub empty: Vec<EmptyCheck>,
     /// Where idem's own tables are (for loss localisation and attempt counts).
     #[serde(default)]
     pub tables: Tables,
@@ -125,6 +128,21 @@ pub struct UniqueCheck {
     pub key: String,
 }
 
+/// A query that must return no row: an invariant each returned row breaks (two executions of
+/// one key that overlapped, a balance below zero, an effect without its event).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct EmptyCheck {
+    /// Name in the report.
+    pub name: String,
+    /// The database.
+    pub db: String,
+    /// The query.
+    pub query: String,
+    /// The column that names each row in the report.
+    pub key: String,
+}
+
 /// A column name usable in SQL: `[A-Za-z_][A-Za-z0-9_]*`, at most 63 bytes.
 pub(crate) fn column(name: &str, what: &str) -> Result<String, VerifyError> {
     let ok = !name.is_empty()
@@ -169,9 +187,9 @@ impl VerifyConfig {
 
     /// Checks names and queries before anything connects.
     pub fn validate(&self) -> Result<(), VerifyError> {
-        if self.checks.is_empty() && self.unique.is_empty() {
+        if self.checks.is_empty() && self.unique.is_empty() && self.empty.is_empty() {
             return Err(VerifyError::Config(
-                "the config has no [[check]] and no [[unique]]".to_owned(),
+                "the config has no [[check]], no [[unique]] and no [[empty]]".to_owned(),
             ));
         }
         for c in &self.checks {
@@ -222,6 +240,10 @@ impl VerifyConfig {
                 &cur.target,
                 &format!("currency of check {:?} target", cur.check),
             )?;
+        }
+        for e in &self.empty {
+            one_statement(&e.query, &format!("empty {:?} query", e.name))?;
+            column(&e.key, &format!("empty {:?} key", e.name))?;
         }
         for u in &self.unique {
             one_statement(&u.query, &format!("unique {:?} query", u.name))?;

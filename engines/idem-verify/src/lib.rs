@@ -10,13 +10,15 @@ use idem_core::TableNames;
 use idem_core::idempotency::IdempotencyKey;
 use tokio::sync::oneshot;
 
-pub use config::{Check, CurrencyColumns, Locate, Side, Tables, UniqueCheck, VerifyConfig};
+pub use config::{
+    Check, CurrencyColumns, EmptyCheck, Locate, Side, Tables, UniqueCheck, VerifyConfig,
+};
 pub use metrics::{GapGauge, WatchMetrics, gap_values};
 pub use report::{Loss, Report, Stage};
 
 use crate::db::{Db, Pools, SideQuery, counts, lookup_text, redact, stream_side};
 use crate::merge::{Cursor, Tally, merge, repeats};
-use crate::report::{EffectAttempts, InboxAttempts, OutboxAttempts, UniqueReport};
+use crate::report::{EffectAttempts, EmptyReport, InboxAttempts, OutboxAttempts, UniqueReport};
 
 /// Why verification could not run (a finding is never an error: it is in the [`Report`]).
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +102,9 @@ pub async fn verify(config: &VerifyConfig, options: &Options) -> Result<Report, 
     for u in &config.unique {
         report.unique.push(run_unique(&mut pools, u).await?);
     }
+    for e in &config.empty {
+        report.empty.push(run_empty(&mut pools, e).await?);
+    }
     report.attempts = attempts(&mut pools, &tables, config).await?;
     report.settle();
     Ok(report)
@@ -161,28 +166,45 @@ fn side<'a>(s: &'a Side, currency: Option<&'a str>) -> SideQuery<'a> {
 }
 
 async fn run_unique(pools: &mut Pools, u: &UniqueCheck) -> Result<UniqueReport, VerifyError> {
-    let db = pools.get(&u.db).await?;
-    let (ready, _wait) = oneshot::channel();
-    let rx = stream_side(
-        db,
-        u.db.clone(),
-        SideQuery {
-            query: &u.query,
-            key: &u.key,
-            amount: None,
-            event_type: None,
-            aggregate_id: None,
-            currency: None,
-        },
-        ready,
-    )?;
-    let mut cursor = Cursor::new(rx, "unique");
+    let mut cursor = keys_of(pools, &u.db, &u.query, &u.key, "unique").await?;
     let mut report = UniqueReport {
         name: u.name.clone(),
         ..UniqueReport::default()
     };
     repeats(&mut cursor, &mut report).await?;
     Ok(report)
+}
+
+async fn run_empty(pools: &mut Pools, e: &EmptyCheck) -> Result<EmptyReport, VerifyError> {
+    let mut cursor = keys_of(pools, &e.db, &e.query, &e.key, "empty").await?;
+    let mut report = EmptyReport {
+        name: e.name.clone(),
+        ..EmptyReport::default()
+    };
+    merge::rows(&mut cursor, &mut report).await?;
+    Ok(report)
+}
+
+/// The rows of `query` on database `db` by their `key` column, in key order.
+async fn keys_of(
+    pools: &mut Pools,
+    db: &str,
+    query: &str,
+    key: &str,
+    what: &'static str,
+) -> Result<Cursor, VerifyError> {
+    let pool = pools.get(db).await?;
+    let (ready, _wait) = oneshot::channel();
+    let query = SideQuery {
+        query,
+        key,
+        amount: None,
+        event_type: None,
+        aggregate_id: None,
+        currency: None,
+    };
+    let rx = stream_side(pool, db.to_owned(), query, ready)?;
+    Ok(Cursor::new(rx, what))
 }
 
 /// Follows each missing key back: outbox → inbox / dead letters → effect intent.

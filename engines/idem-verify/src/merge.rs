@@ -241,6 +241,21 @@ pub(crate) async fn repeats(
     Ok(())
 }
 
+/// Counts a must-be-empty query's rows, keeping the first keys.
+pub(crate) async fn rows(
+    cursor: &mut Cursor,
+    report: &mut crate::report::EmptyReport,
+) -> Result<(), VerifyError> {
+    while let Some(key) = cursor.peek().await?.map(str::to_owned) {
+        let rows = u64::try_from(cursor.take(&key).await?.len()).unwrap_or(u64::MAX);
+        report.rows += rows;
+        if report.keys.len() < SAMPLES {
+            report.keys.push(key);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,8 +16,8 @@ pub(crate) type GapLabels = [String; 3];
 /// The gap series of `report`: per check and event type, every kind of violation that
 /// [`crate::report::TypeTotals::violations`] counts — `missing`, `unexpected`, `duplicate`,
 /// `amount`, `currency`, `duplicate_source` (keys repeated in the source) and `sum` (the absolute
-/// difference of the source and target sums) — and `duplicate` for each `[[unique]]` check
-/// (event type empty). Values saturate at `i64::MAX`.
+/// difference of the source and target sums) — `duplicate` for each `[[unique]]` check and
+/// `rows` for each `[[empty]]` check (event type empty). Values saturate at `i64::MAX`.
 pub fn gap_values(report: &Report) -> BTreeMap<GapLabels, i64> {
     let sat = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     let mut out = BTreeMap::new();
@@ -41,6 +41,10 @@ pub fn gap_values(report: &Report) -> BTreeMap<GapLabels, i64> {
     for u in &report.unique {
         let labels = [u.name.clone(), String::new(), "duplicate".to_owned()];
         out.insert(labels, sat(u.duplicated_keys));
+    }
+    for e in &report.empty {
+        let labels = [e.name.clone(), String::new(), "rows".to_owned()];
+        out.insert(labels, sat(e.rows));
     }
     out
 }

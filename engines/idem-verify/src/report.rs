@@ -17,6 +17,8 @@ pub struct Report {
     pub checks: Vec<CheckReport>,
     /// One per `[[unique]]`.
     pub unique: Vec<UniqueReport>,
+    /// One per `[[empty]]`.
+    pub empty: Vec<EmptyReport>,
     /// Duplicate attempts absorbed along the way (allowed, reported).
     pub attempts: Attempts,
 }
@@ -210,6 +212,17 @@ pub struct UniqueReport {
     pub duplicates: Vec<Duplicate>,
 }
 
+/// The results of a query that must return no row.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct EmptyReport {
+    /// The check.
+    pub name: String,
+    /// Rows it returned: each a violation.
+    pub rows: u64,
+    /// The first ones' keys.
+    pub keys: Vec<String>,
+}
+
 /// Attempts that the pipeline absorbed (allowed; shown so that "no duplicate effects" is seen
 /// next to "this many duplicate attempts").
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
@@ -290,7 +303,13 @@ impl Report {
             .checks
             .iter()
             .all(|c| c.by_event_type.iter().all(|t| t.violations() == 0))
-            && self.unique.iter().all(|u| u.duplicated_keys == 0);
+            && self.unique.iter().all(|u| u.duplicated_keys == 0)
+            && self.invariant_violations() == 0;
+    }
+
+    /// Rows the `[[empty]]` checks returned.
+    pub fn invariant_violations(&self) -> u64 {
+        self.empty.iter().map(|e| e.rows).sum()
     }
 
     /// Lost effects over all checks.
@@ -332,6 +351,11 @@ impl Report {
                     "DUPLICATE unique {:?} key {}: {} rows",
                     u.name, d.key, d.rows
                 );
+            }
+        }
+        for e in &self.empty {
+            for key in &e.keys {
+                let _ = writeln!(out, "NOT EMPTY {:?}: row {key}", e.name);
             }
         }
         out
@@ -379,6 +403,9 @@ impl Report {
                 "unique {:?}: {} rows, {} duplicated keys",
                 u.name, u.rows, u.duplicated_keys
             );
+        }
+        for e in &self.empty {
+            let _ = writeln!(out, "empty {:?}: {} rows", e.name, e.rows);
         }
     }
 }

@@ -30,6 +30,7 @@ fn config(source: &str, target: &str) -> VerifyConfig {
             locate: None,
         }],
         unique: vec![],
+        empty: vec![],
         tables: Default::default(),
         currencies: vec![],
     }

@@ -53,6 +53,7 @@ fn report(types: Vec<TypeTotals>) -> Report {
             duplicated_keys: 1,
             duplicates: vec![],
         }],
+        empty: vec![],
         attempts: Default::default(),
     }
 }

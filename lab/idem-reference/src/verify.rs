@@ -2,7 +2,9 @@
 //! doubled between its orders, its settlements and its points awards. `idem-lab verify-config`
 //! writes it as TOML for `idem verify --config`; the demo and the chaos runner verify with it.
 
-use idem_verify::{Check, CurrencyColumns, Locate, Side, Tables, UniqueCheck, VerifyConfig};
+use idem_verify::{
+    Check, CurrencyColumns, EmptyCheck, Locate, Side, Tables, UniqueCheck, VerifyConfig,
+};
 
 /// The reference pipeline's checks: orders → settlements (one per payment, same amount and
 /// currency), the settlement log (one application per event), and — with the points API's
@@ -24,6 +26,17 @@ pub fn verify_config(
             query: "SELECT event_id FROM settlement_applications".to_owned(),
             key: "event_id".to_owned(),
         }],
+        // The points API records two executions of one Idempotency-Key that ran at once
+        // (lab mode): the key layer's lock must prevent every one.
+        empty: points_db
+            .map(|points| EmptyCheck {
+                name: "overlapping executions of one key".to_owned(),
+                db: points.to_owned(),
+                query: "SELECT idem_key FROM points_lab_overlaps".to_owned(),
+                key: "idem_key".to_owned(),
+            })
+            .into_iter()
+            .collect(),
         tables: Tables::default(),
         currencies: vec![CurrencyColumns {
             check: "settlements".to_owned(),

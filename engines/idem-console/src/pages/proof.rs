@@ -34,10 +34,11 @@ impl ProofState {
     }
 }
 
-/// Every violation of a report: each check's, and the keys held more than once.
+/// Every violation of a report: each check's, the keys held more than once, and the rows that
+/// must not exist.
 fn violations(r: &Report) -> u64 {
     let checks: u64 = r.checks.iter().map(|c| c.total().violations()).sum();
-    checks + r.unique.iter().map(|u| u.duplicated_keys).sum::<u64>()
+    checks + r.unique.iter().map(|u| u.duplicated_keys).sum::<u64>() + r.invariant_violations()
 }
 
 /// `GET /proof`.
@@ -85,7 +86,14 @@ fn verdict(r: &Report, ago: f64) -> Markup {
             @for u in &r.unique {
                 tr { td { (u.name) } td.num { (u.rows) } td.num { "—" } td.num { "—" } td.num { (u.duplicated_keys) } td.num { "—" } }
             }
+            @for e in &r.empty {
+                tr { td { (e.name) } td.num { (e.rows) } td.num { "—" } td.num { "—" } td.num { "—" } td.num { (e.rows) } }
+            }
         }))
+        @for e in r.empty.iter().filter(|e| !e.keys.is_empty()) {
+            h2 { "Rows that must not exist in " (e.name) }
+            ul { @for k in &e.keys { li.mono { (k) } } }
+        }
         @for c in r.checks.iter().filter(|c| !c.losses.is_empty()) {
             h2 { "Lost in " (c.name) }
             (table(&["key", "event", "stopped at", "why", ""], html! {
