@@ -187,14 +187,6 @@ fn lost(r: &serde_json::Value) -> u64 {
     r["lost"].as_u64().unwrap()
 }
 
-/// Without lock renewal, the slow points API window (awards of 6 s, a 2 s key lock, a 2 s
-/// dispatcher timeout) lets a retry take over a live execution of its key.
-#[test]
-fn a_key_lock_that_is_not_renewed_is_caught_as_overlapping_executions() {
-    let r = broken("key-lock-renewal");
-    assert!(r["overlapping_executions"].as_i64().unwrap() > 0, "{r:#}");
-}
-
 /// The consumer policy that dead-letters after a few transient failures: the
 /// long-lock window makes the settlement handlers fail transiently for 5 s, and the events
 /// dead-lettered for it are lost.

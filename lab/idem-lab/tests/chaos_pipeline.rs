@@ -201,12 +201,14 @@ fn chaos(file: &Path, args: &[&str]) -> (Option<i32>, serde_json::Value, String)
     // The run's figures, for `--success-output immediate`.
     let orders = &report["verify"]["checks"][0]["by_event_type"][0]["source_rows"];
     eprintln!(
-        "ok {} orders {orders} lost {} duplicate effects {} faults {} crash points fired {}",
+        "ok {} orders {orders} lost {} duplicate effects {} faults {} crash points fired {} \
+         failures {}",
         report["ok"],
         report["lost"],
         report["duplicate_effects"],
         report["faults"],
-        report["crash_points_fired"]
+        report["crash_points_fired"],
+        report["failures"]
     );
     (out.status.code(), report, stderr)
 }
@@ -680,6 +682,9 @@ fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes
         .collect();
     assert_eq!(checks, ["settlements", "points", "audit"], "{r:#}");
     the_hostile_rows_were_contained(&r);
+    // The points API's slow window opened, and its key lock kept every retry out.
+    assert_eq!(count(&r, "window_slow_awards"), 1, "{r:#}");
+    assert_eq!(r["verify"]["empty"][0]["rows"], 0, "{r:#}");
 }
 
 /// The foreign writer's rows: some refused at insert, the oversized payload parked by a relay
@@ -777,6 +782,26 @@ fn a_relay_that_never_parks_is_caught_wedged_by_a_hostile_row() {
             && failures.contains("still pending"),
         "{r:#}"
     );
+}
+
+/// Without lock renewal, the points API's slow window (one award in eight takes 10 s, a 2 s key
+/// lock, the dispatcher's 2 s timeout) lets a retry take over a live execution of its key: the
+/// verify config's `[[empty]]` check of `points_lab_overlaps` finds the overlaps. The window is
+/// made quiet: a dispatcher killed, or a key store crashed, in it sends no retry to overlap.
+#[test]
+fn a_key_lock_that_is_not_renewed_is_caught_as_overlapping_executions() {
+    let dir = tempfile::tempdir().unwrap();
+    let quiet = |t: String| {
+        let window = "lasts = \"15s\"\n";
+        assert!(t.contains(window));
+        t.replacen(window, &format!("{window}quiet = true\n"), 1)
+    };
+    let file = reference_edited(dir.path(), quiet);
+    let r = broken(&file, "key-lock-renewal", None);
+    assert_eq!(count(&r, "window_slow_awards"), 1, "{r:#}");
+    let overlaps = &r["verify"]["empty"][0];
+    assert_eq!(overlaps["name"], "overlapping executions of one key");
+    assert!(overlaps["rows"].as_u64() > Some(0), "{r:#}");
 }
 
 #[test]

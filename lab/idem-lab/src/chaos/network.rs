@@ -95,6 +95,8 @@ pub(super) struct Network {
     kinds: &'static [Kind],
     /// Processes to SIGKILL while partitioned: when, and which.
     kills: Vec<(Instant, String)>,
+    /// Processes whose links take no fault until then.
+    spared: BTreeMap<String, Instant>,
 }
 
 /// The dependencies faults turn through.
@@ -170,7 +172,22 @@ impl Network {
             injected: 0,
             kinds: &KINDS,
             kills: vec![],
+            spared: BTreeMap::new(),
         }
+    }
+
+    /// Injects no fault before `until`.
+    pub(super) fn postpone(&mut self, until: Instant) {
+        self.next = self.next.max(until);
+    }
+
+    /// Heals every link of `process` now and puts no fault on them until `until`.
+    pub(super) fn spare(&mut self, process: &str, until: Instant) {
+        for l in self.links.iter_mut().filter(|l| l.process == process) {
+            l.heal();
+        }
+        self.kills.retain(|(_, p)| p != process);
+        self.spared.insert(process.to_owned(), until);
     }
 
     /// Every fourth fault (turning with the others) partitions a process and kills it 0.5–2 s
@@ -212,17 +229,16 @@ impl Network {
             return;
         }
         self.next = now + rng.between(Duration::from_secs(1), Duration::from_secs(3));
-        let healthy = |d: Dependency| {
-            self.links
-                .iter()
-                .any(|l| l.dependency == d && l.heal_at.is_none())
-        };
+        self.spared.retain(|_, until| now < *until);
+        let spared = &self.spared;
+        let open = |l: &Link| l.heal_at.is_none() && !spared.contains_key(&l.process);
+        let healthy = |d: Dependency| self.links.iter().any(|l| l.dependency == d && open(l));
         let Some((dependency, kind)) = turn(self.injected, self.kinds, healthy) else {
             return;
         };
         self.injected += 1;
         let free: Vec<usize> = (0..self.links.len())
-            .filter(|&i| self.links[i].dependency == dependency && self.links[i].heal_at.is_none())
+            .filter(|&i| self.links[i].dependency == dependency && open(&self.links[i]))
             .collect();
         let l = &mut self.links[free[rng.index(free.len())]];
         let kind = on(kind, dependency);
@@ -373,6 +389,36 @@ mod tests {
                 assert!(faults.contains(&(d, k)), "{d:?} {k:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_spared_process_takes_no_network_fault_until_its_time_is_up() {
+        let links = ["api-0", "relay-0"]
+            .iter()
+            .flat_map(|p| DEPENDENCIES.map(|d| Link::new(p, d, vec![])))
+            .collect();
+        let mut net = Network::new(links).with_kills();
+        let start = Instant::now();
+        net.spare("api-0", start + Duration::from_secs(60));
+        let mut rng = Rng::new(5);
+        let mut faults = BTreeMap::new();
+        let hit = std::cell::RefCell::new(vec![]);
+        let log = |line: &str| hit.borrow_mut().push(line.to_owned());
+        let mut tick = |every_3_s: std::ops::Range<u64>| {
+            for s in every_3_s {
+                let now = start + Duration::from_secs(3 * s);
+                net.tick(now, &mut rng, &mut faults, &log);
+            }
+        };
+        tick(0..20);
+        let on = |p: &str| {
+            let of = format!("of {p}:");
+            hit.borrow().iter().filter(|l| l.contains(&of)).count()
+        };
+        assert!(on("relay-0") > 5, "{:?}", hit.borrow());
+        assert_eq!(on("api-0"), 0, "{:?}", hit.borrow());
+        tick(20..50);
+        assert!(on("api-0") > 0, "{:?}", hit.borrow());
     }
 
     #[test]

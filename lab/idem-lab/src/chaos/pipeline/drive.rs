@@ -14,6 +14,7 @@ use super::arm::{Arming, arm_env};
 use super::file::{Component, Fault, PipelineFile, Places, Ready, expand, with_started_urls};
 use super::foreign::ForeignWriter;
 use super::postgres::{self, Server};
+use super::window;
 use crate::chaos::ChaosArgs;
 use crate::chaos::inject::append_timeline;
 use crate::chaos::kafka;
@@ -237,8 +238,12 @@ async fn drive(
         kafka,
         postgres: server.as_ref(),
         foreign: foreign.as_mut(),
+        windows: window::all(file, Instant::now()),
     };
     inject(&mut fleet, &mut net, &mut targets, end, &mut run).await?;
+    for w in &mut targets.windows {
+        w.close(&mut fleet.procs)?;
+    }
     calm(&mut fleet, &mut net, &mut run)?;
     stop_loads(&mut fleet);
     let started = Instant::now();
@@ -374,7 +379,14 @@ fn verdict(
             args.settle_deadline
         ));
     }
-    if lost == 0 && duplicate_effects == 0 && !verify.clean {
+    for e in verify.empty.iter().filter(|e| e.rows > 0) {
+        failures.push(format!(
+            "{} rows in {:?}, which must have none",
+            e.rows, e.name
+        ));
+    }
+    let named = lost + duplicate_effects + verify.invariant_violations();
+    if named == 0 && !verify.clean {
         failures.push("verification found other violations".to_owned());
     }
     if !n.panics.is_empty() {
@@ -774,6 +786,13 @@ async fn inject(
             return Ok(());
         }
         supervise(fleet, now, run)?;
+        for w in &mut targets.windows {
+            move_window(w, fleet, net, now, end, run)?;
+        }
+        if quiet(&targets.windows, now) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
         let timeline = run.timeline;
         net.tick(now, run.rng, run.faults, &|l| append_timeline(timeline, l));
         kill_in_partitions(fleet, net.due_kills(now), now, run);
@@ -821,6 +840,41 @@ async fn inject(
     }
 }
 
+/// Is a quiet window open: no other fault now?
+fn quiet(windows: &[window::Timed], now: Instant) -> bool {
+    windows
+        .iter()
+        .any(|w| w.quiet() && w.open_until().is_some_and(|until| now < until))
+}
+
+/// Opens or closes a component's window when due; while it is open, the network faults spare
+/// the links of its replicas.
+fn move_window(
+    w: &mut window::Timed,
+    fleet: &mut Fleet,
+    net: &mut Network,
+    now: Instant,
+    end: Instant,
+    run: &mut RunState<'_>,
+) -> anyhow::Result<()> {
+    match w.tick(now, end, &mut fleet.procs)? {
+        Some(window::Moved::Opened { key, what }) => {
+            let until = w.open_until().unwrap_or(now);
+            if w.quiet() {
+                net.heal_all();
+                net.postpone(until);
+            }
+            for p in fleet.procs.iter().filter(|p| w.covers(&p.name)) {
+                net.spare(&p.name, until);
+            }
+            run.count(&key, &what);
+        }
+        Some(window::Moved::Closed { what }) => append_timeline(run.timeline, &what),
+        None => {}
+    }
+    Ok(())
+}
+
 /// What the faults beside signals and the network hit: Kafka, and the runner's PostgreSQL
 /// server when it started one.
 struct Targets<'a> {
@@ -828,6 +882,8 @@ struct Targets<'a> {
     postgres: Option<&'a Server>,
     /// The `[hostile]` section's writer.
     foreign: Option<&'a mut ForeignWriter>,
+    /// The components' windows.
+    windows: Vec<window::Timed>,
 }
 
 /// Crashes the runner's PostgreSQL server and starts it again (`postgres_restart`).

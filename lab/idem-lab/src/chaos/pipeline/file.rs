@@ -117,6 +117,42 @@ pub(crate) struct Component {
     /// process at that point; every listed point is armed until it has fired once.
     #[serde(default, deserialize_with = "crash_points")]
     pub crash_points: Vec<CrashPoint>,
+    /// Whiles in which its replicas run with more environment.
+    #[serde(default, rename = "window")]
+    pub windows: Vec<Window>,
+}
+
+/// A while in which a component's replicas run with more environment — a dependency made slow
+/// by a knob of its own, a smaller limit: they are restarted with `env` added at `first`, then
+/// every `every`, take no other fault and no network fault while it `lasts`, and are restarted
+/// without it when it ends. Counted as `window_<name>`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Window {
+    /// Its name (letters, digits, `-`, `_`).
+    pub name: String,
+    /// The environment added, as written (no placeholders).
+    pub env: BTreeMap<String, String>,
+    /// When the first opens, after the faults start (`8s`).
+    #[serde(deserialize_with = "duration")]
+    pub first: std::time::Duration,
+    /// How long after one opens the next does.
+    #[serde(deserialize_with = "duration")]
+    pub every: std::time::Duration,
+    /// How long one lasts (shorter than `every`).
+    #[serde(deserialize_with = "duration")]
+    pub lasts: std::time::Duration,
+    /// While it is open, no other fault anywhere: the window is the one condition under test
+    /// (every link healed, the signals, crash points, broker faults, PostgreSQL crashes and
+    /// redeliveries wait until it closes). Default: the other faults go on around it.
+    #[serde(default)]
+    pub quiet: bool,
+}
+
+/// A duration written as `500ms`, `15s`, `2m`.
+fn duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<std::time::Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    idem_cli::util::parse_duration(&text).map_err(serde::de::Error::custom)
 }
 
 /// Crash points by their names (`relay.after_publish_before_mark`).
@@ -247,6 +283,10 @@ pub(crate) enum FileError {
     HostileGroups,
     #[error("[hostile] {0} = \"{1}\": use letters, digits, `.`, `-` and `_`")]
     HostileValue(&'static str, String),
+    #[error(
+        "window `{window}` of `{component}` lasts as long as its `every` or longer, or not at all"
+    )]
+    WindowLength { component: String, window: String },
 }
 
 impl PipelineFile {
@@ -299,6 +339,17 @@ impl PipelineFile {
             }
             for text in c.texts() {
                 expand(text, &probe).map_err(|e| e.of(&c.name))?;
+            }
+            for w in &c.windows {
+                if !valid_name(&w.name) {
+                    return Err(FileError::BadName(w.name.clone()));
+                }
+                if w.lasts.is_zero() || w.lasts >= w.every {
+                    return Err(FileError::WindowLength {
+                        component: c.name.clone(),
+                        window: w.name.clone(),
+                    });
+                }
             }
         }
         let mut remotes = std::collections::BTreeSet::new();
@@ -522,6 +573,7 @@ fn lookup(name: &str, p: &Places) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     const FILE: &str = r#"
         [databases]
@@ -650,6 +702,34 @@ mod tests {
             with_started_urls(r#"db = "{db.orders}", x = { y = "{db.ledger}" }"#, &urls),
             r#"db = "postgres://h:1/orders", x = { y = "sqlite://ledger.db" }"#
         );
+    }
+
+    #[test]
+    fn a_window_adds_environment_for_a_while_shorter_than_its_period() {
+        let window = "[[component.window]]\nname = \"slow\"\nenv = { DELAY = \"10s\" }\n\
+                      first = \"8s\"\nevery = \"40s\"\nlasts = \"15s\"\n\n[[load]]";
+        let with = |from: &str, to: &str| {
+            PipelineFile::parse(&FILE.replacen("[[load]]", &window.replacen(from, to, 1), 1))
+        };
+        let f = with("", "").unwrap();
+        let w = &f.components[1].windows[0];
+        assert_eq!(f.components[1].name, "consumer");
+        assert_eq!(
+            (w.first, w.lasts),
+            (Duration::from_secs(8), Duration::from_secs(15))
+        );
+        assert_eq!(w.env["DELAY"], "10s");
+        assert_eq!(
+            with("lasts = \"15s\"", "lasts = \"40s\""),
+            Err(FileError::WindowLength {
+                component: "consumer".into(),
+                window: "slow".into()
+            })
+        );
+        assert!(matches!(
+            with("every = \"40s\"", "every = \"soon\""),
+            Err(FileError::Toml(_))
+        ));
     }
 
     #[test]

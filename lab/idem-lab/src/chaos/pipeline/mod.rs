@@ -13,5 +13,6 @@ mod file;
 mod foreign;
 pub(super) mod postgres;
 mod redeliver;
+mod window;
 
 pub(crate) use drive::run;
