@@ -170,32 +170,6 @@ fn a_chaos_run_failing_over_to_a_standby_without_the_slot_loses_nothing() {
     assert_eq!(r["panics"], serde_json::json!([]));
 }
 
-/// Runs a negative control and returns its report, which must be a failure.
-fn broken(mechanism: &str) -> serde_json::Value {
-    broken_with(mechanism, &[])
-}
-
-fn broken_with(mechanism: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec!["--duration", "30s", "--seed", "3", "--break", mechanism];
-    args.extend(extra);
-    let (code, r, stderr) = chaos(&args);
-    support::controls::assert_caught(mechanism, (code, &r, &stderr));
-    r
-}
-
-fn lost(r: &serde_json::Value) -> u64 {
-    r["lost"].as_u64().unwrap()
-}
-
-/// The consumer policy that dead-letters after a few transient failures: the
-/// long-lock window makes the settlement handlers fail transiently for 5 s, and the events
-/// dead-lettered for it are lost.
-#[test]
-fn dead_lettering_transient_failures_is_caught_as_loss() {
-    let r = broken("transient-dead-letters");
-    assert!(lost(&r) > 0, "{r:#}");
-}
-
 /// Interrupting a run (SIGTERM, or Ctrl-C's SIGINT) kills every process it started, its Kafka
 /// node included, instead of leaving them running (some of them paused) behind it.
 #[test]

@@ -685,6 +685,8 @@ fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes
     // The points API's slow window opened, and its key lock kept every retry out.
     assert_eq!(count(&r, "window_slow_awards"), 1, "{r:#}");
     assert_eq!(r["verify"]["empty"][0]["rows"], 0, "{r:#}");
+    // The settlements table was locked, and no event was given up for it.
+    assert_eq!(count(&r, "lock_settlements"), 1, "{r:#}");
 }
 
 /// The foreign writer's rows: some refused at insert, the oversized payload parked by a relay
@@ -724,6 +726,14 @@ fn reference_edited(dir: &Path, edit: impl FnOnce(String) -> String) -> std::pat
     let file = dir.join("pipeline.toml");
     std::fs::write(&file, text).unwrap();
     file
+}
+
+/// The reference pipeline file with the period `from` of a window or lock written `to`.
+fn period_edited(dir: &Path, from: &str, to: &str) -> std::path::PathBuf {
+    reference_edited(dir, |t| {
+        assert_eq!(t.matches(from).count(), 1, "{from}");
+        t.replacen(from, to, 1)
+    })
 }
 
 /// Pipeline file `text` with component `name`'s section (from its `name = ` line up to the
@@ -791,17 +801,34 @@ fn a_relay_that_never_parks_is_caught_wedged_by_a_hostile_row() {
 #[test]
 fn a_key_lock_that_is_not_renewed_is_caught_as_overlapping_executions() {
     let dir = tempfile::tempdir().unwrap();
-    let quiet = |t: String| {
-        let window = "lasts = \"15s\"\n";
-        assert!(t.contains(window));
-        t.replacen(window, &format!("{window}quiet = true\n"), 1)
-    };
-    let file = reference_edited(dir.path(), quiet);
+    // Due at 2 s, it opens once the run has been calm for 8 s, and ends before the faults.
+    let file = period_edited(
+        dir.path(),
+        r#"period = { first = "8s", every = "40s", lasts = "15s" }"#,
+        r#"period = { first = "2s", every = "40s", lasts = "15s", quiet = true }"#,
+    );
     let r = broken(&file, "key-lock-renewal", None);
     assert_eq!(count(&r, "window_slow_awards"), 1, "{r:#}");
     let overlaps = &r["verify"]["empty"][0];
     assert_eq!(overlaps["name"], "overlapping executions of one key");
     assert!(overlaps["rows"].as_u64() > Some(0), "{r:#}");
+}
+
+/// The consumer policy that dead-letters after a few transient failures: the lock on
+/// `settlements` fails the settlement handlers at their 50 ms `lock_timeout` for 5 s, and the
+/// events dead-lettered for it are lost. The lock is made quiet, so that events reach the
+/// handlers while it is held.
+#[test]
+fn dead_lettering_transient_failures_is_caught_as_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = period_edited(
+        dir.path(),
+        r#"period = { first = "12s", every = "30s", lasts = "5s" }"#,
+        r#"period = { first = "12s", every = "30s", lasts = "5s", quiet = true }"#,
+    );
+    let r = broken(&file, "transient-dead-letters", None);
+    assert_eq!(count(&r, "lock_settlements"), 1, "{r:#}");
+    assert!(lost(&r) > 0, "{r:#}");
 }
 
 #[test]
@@ -887,7 +914,8 @@ fn the_reference_pipeline_file_with_cdc_relays_passes() {
 replicas = 2
 command = ["idem-lab", "cdc", "relay", "--slot", "shop", "--publication", "shop",
            "--db", "{db.orders}", "--brokers", "{kafka}", "--topic-prefix", "shop.",
-           "--producer-config", "message.timeout.ms=2000", "--metrics-addr", "127.0.0.1:{port}"]
+           "--producer-config", "message.timeout.ms=2000", "--unwritable-topic-grace", "10s",
+           "--metrics-addr", "127.0.0.1:{port}"]
 env = { RUST_LOG = "warn,idem=info" }
 ready = { http = "http://127.0.0.1:{port}/healthz" }
 crash_points = ["cdc.after_publish_before_confirm"]

@@ -14,7 +14,7 @@ use super::arm::{Arming, arm_env};
 use super::file::{Component, Fault, PipelineFile, Places, Ready, expand, with_started_urls};
 use super::foreign::ForeignWriter;
 use super::postgres::{self, Server};
-use super::window;
+use super::{lock, window};
 use crate::chaos::ChaosArgs;
 use crate::chaos::inject::append_timeline;
 use crate::chaos::kafka;
@@ -239,10 +239,14 @@ async fn drive(
         postgres: server.as_ref(),
         foreign: foreign.as_mut(),
         windows: window::all(file, Instant::now()),
+        locks: lock::all(&file.locks, &databases, Instant::now()).await?,
     };
     inject(&mut fleet, &mut net, &mut targets, end, &mut run).await?;
     for w in &mut targets.windows {
         w.close(&mut fleet.procs)?;
+    }
+    for l in &mut targets.locks {
+        l.release().await;
     }
     calm(&mut fleet, &mut net, &mut run)?;
     stop_loads(&mut fleet);
@@ -780,16 +784,38 @@ async fn inject(
     let mut next_signal = start + Duration::from_secs(1);
     let mut next_broker = start + Duration::from_secs(15);
     let mut next_copies = start + Duration::from_secs(5);
+    let mut calm = window::Calm::default();
+    let mut next_note = start;
     loop {
         let now = Instant::now();
         if now >= end {
             return Ok(());
         }
         supervise(fleet, now, run)?;
+        let faults = run.faults.values().sum();
+        let up = not_up(fleet, &targets.windows, now).is_empty();
+        let calm = calm.observe(now, up, faults);
+        // A quiet one opens once the run is calm; one waiting or open holds the others too
+        // (their opening is a fault).
+        let held = quiet(targets, now, end);
+        let may_open = |p: &window::Period| if p.is_quiet() { calm } else { !held };
         for w in &mut targets.windows {
-            move_window(w, fleet, net, now, end, run)?;
+            let open = may_open(w.period());
+            move_window(w, fleet, net, (now, end, open), run)?;
         }
-        if quiet(&targets.windows, now) {
+        for l in &mut targets.locks {
+            let open = may_open(l.period());
+            move_lock(l, net, (now, end, open), run).await;
+        }
+        if quiet(targets, now, end) {
+            if !calm && now >= next_note {
+                let down = not_up(fleet, &targets.windows, now);
+                append_timeline(
+                    run.timeline,
+                    &format!("quiet: waiting for calm; not up: {down:?}"),
+                );
+                next_note = now + Duration::from_secs(1);
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         }
@@ -840,11 +866,53 @@ async fn inject(
     }
 }
 
-/// Is a quiet window open: no other fault now?
-fn quiet(windows: &[window::Timed], now: Instant) -> bool {
-    windows
-        .iter()
-        .any(|w| w.quiet() && w.open_until().is_some_and(|until| now < until))
+/// Is a quiet window open or due, or a quiet lock held or due: no other fault now?
+fn quiet(targets: &Targets<'_>, now: Instant, end: Instant) -> bool {
+    let windows = targets.windows.iter().map(window::Timed::period);
+    let locks = targets.locks.iter().map(lock::Timed::period);
+    windows.chain(locks).any(|p| p.holds_all(now, end))
+}
+
+/// The processes that are down, paused, or armed with a crash point (a replica spared by an
+/// open window of its component is up).
+fn not_up(fleet: &mut Fleet, windows: &[window::Timed], now: Instant) -> Vec<String> {
+    let done = &fleet.done;
+    let spared = |name: &str| {
+        windows
+            .iter()
+            .any(|w| w.covers(name) && w.period().is_open(now))
+    };
+    fleet
+        .procs
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| !done[*i])
+        .filter_map(|(_, p)| {
+            let armed = p.armed(now) && !spared(&p.name);
+            let up = p.running() && p.paused_until.is_none() && !armed;
+            (!up).then(|| p.name.clone())
+        })
+        .collect()
+}
+
+/// Takes a table's lock when due, and notes its release.
+async fn move_lock(
+    l: &mut lock::Timed,
+    net: &mut Network,
+    (now, end, may_open): (Instant, Instant, bool),
+    run: &mut RunState<'_>,
+) {
+    match l.tick((now, end, may_open)).await {
+        Some(lock::Moved::Taken { key, what, until }) => {
+            if l.period().holds_all(now, end) {
+                net.heal_all();
+                net.postpone(until);
+            }
+            run.count(&key, &what);
+        }
+        Some(lock::Moved::Released { what }) => append_timeline(run.timeline, &what),
+        None => {}
+    }
 }
 
 /// Opens or closes a component's window when due; while it is open, the network faults spare
@@ -853,14 +921,12 @@ fn move_window(
     w: &mut window::Timed,
     fleet: &mut Fleet,
     net: &mut Network,
-    now: Instant,
-    end: Instant,
+    (now, end, may_open): (Instant, Instant, bool),
     run: &mut RunState<'_>,
 ) -> anyhow::Result<()> {
-    match w.tick(now, end, &mut fleet.procs)? {
-        Some(window::Moved::Opened { key, what }) => {
-            let until = w.open_until().unwrap_or(now);
-            if w.quiet() {
+    match w.tick((now, end, may_open), &mut fleet.procs)? {
+        Some(window::Moved::Opened { key, what, until }) => {
+            if w.period().holds_all(now, end) {
                 net.heal_all();
                 net.postpone(until);
             }
@@ -884,6 +950,8 @@ struct Targets<'a> {
     foreign: Option<&'a mut ForeignWriter>,
     /// The components' windows.
     windows: Vec<window::Timed>,
+    /// The tables locked for a while.
+    locks: Vec<lock::Timed>,
 }
 
 /// Crashes the runner's PostgreSQL server and starts it again (`postgres_restart`).

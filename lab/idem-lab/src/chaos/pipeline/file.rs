@@ -33,6 +33,9 @@ pub(crate) struct PipelineFile {
     /// Rows a foreign writer inserts into the outbox with plain SQL during the run.
     #[serde(default)]
     pub hostile: Option<HostileSection>,
+    /// Tables locked for a while during the run.
+    #[serde(default, rename = "lock")]
+    pub locks: Vec<Lock>,
     /// What proves the run.
     pub verify: VerifySection,
 }
@@ -123,9 +126,9 @@ pub(crate) struct Component {
 }
 
 /// A while in which a component's replicas run with more environment — a dependency made slow
-/// by a knob of its own, a smaller limit: they are restarted with `env` added at `first`, then
-/// every `every`, take no other fault and no network fault while it `lasts`, and are restarted
-/// without it when it ends. Counted as `window_<name>`.
+/// by a knob of its own, a smaller limit: they are restarted with `env` added when its period
+/// opens, take no other fault and no network fault while it is open, and are restarted without
+/// it when it closes. Counted as `window_<name>`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct Window {
@@ -133,6 +136,30 @@ pub(crate) struct Window {
     pub name: String,
     /// The environment added, as written (no placeholders).
     pub env: BTreeMap<String, String>,
+    /// When it opens and for how long.
+    pub period: PeriodSection,
+}
+
+/// A table of a database locked for a while (`LOCK TABLE … IN ACCESS EXCLUSIVE MODE`, as a
+/// migration or an operator's maintenance takes it): every statement on it waits, or fails at
+/// its own `lock_timeout`. Counted as `lock_<name>`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Lock {
+    /// Its name (letters, digits, `-`, `_`).
+    pub name: String,
+    /// The database (a `[databases]` name; PostgreSQL).
+    pub database: String,
+    /// The table (`name` or `schema.name`, plain identifiers).
+    pub table: String,
+    /// When it is taken and for how long.
+    pub period: PeriodSection,
+}
+
+/// A recurring while: at `first` after the faults start, then every `every`, for `lasts`.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PeriodSection {
     /// When the first opens, after the faults start (`8s`).
     #[serde(deserialize_with = "duration")]
     pub first: std::time::Duration,
@@ -142,11 +169,19 @@ pub(crate) struct Window {
     /// How long one lasts (shorter than `every`).
     #[serde(deserialize_with = "duration")]
     pub lasts: std::time::Duration,
-    /// While it is open, no other fault anywhere: the window is the one condition under test
-    /// (every link healed, the signals, crash points, broker faults, PostgreSQL crashes and
-    /// redeliveries wait until it closes). Default: the other faults go on around it.
+    /// While it is open, no other fault anywhere: it is the one condition under test (every
+    /// link healed; the signals, crash points, broker faults, PostgreSQL crashes,
+    /// redeliveries, hostile rounds and other windows and locks wait). It opens once the run is
+    /// calm. Default: the other faults go on around it.
     #[serde(default)]
     pub quiet: bool,
+}
+
+impl PeriodSection {
+    /// Does it last at all, and less than its period?
+    fn fits(&self) -> bool {
+        !self.lasts.is_zero() && self.lasts < self.every
+    }
 }
 
 /// A duration written as `500ms`, `15s`, `2m`.
@@ -287,6 +322,12 @@ pub(crate) enum FileError {
         "window `{window}` of `{component}` lasts as long as its `every` or longer, or not at all"
     )]
     WindowLength { component: String, window: String },
+    #[error("lock `{0}` lasts as long as its `every` or longer, or not at all")]
+    LockLength(String),
+    #[error("lock `{0}` names a database that is not a PostgreSQL one of [databases]")]
+    LockDatabase(String),
+    #[error("lock `{0}`: its table is not `name` or `schema.name` of letters, digits and `_`")]
+    LockTable(String),
 }
 
 impl PipelineFile {
@@ -344,7 +385,7 @@ impl PipelineFile {
                 if !valid_name(&w.name) {
                     return Err(FileError::BadName(w.name.clone()));
                 }
-                if w.lasts.is_zero() || w.lasts >= w.every {
+                if !w.period.fits() {
                     return Err(FileError::WindowLength {
                         component: c.name.clone(),
                         window: w.name.clone(),
@@ -366,17 +407,49 @@ impl PipelineFile {
         if let Some(h) = &self.hostile {
             self.check_hostile(h)?;
         }
+        for l in &self.locks {
+            self.check_lock(l)?;
+        }
         Ok(())
+    }
+
+    fn check_lock(&self, l: &Lock) -> Result<(), FileError> {
+        if !valid_name(&l.name) {
+            return Err(FileError::BadName(l.name.clone()));
+        }
+        if !l.period.fits() {
+            return Err(FileError::LockLength(l.name.clone()));
+        }
+        if !self.is_postgres(&l.database) {
+            return Err(FileError::LockDatabase(l.name.clone()));
+        }
+        let identifier = |part: &str| {
+            part.chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && part.len() <= 63
+        };
+        let parts: Vec<&str> = l.table.split('.').collect();
+        if parts.len() > 2 || !parts.iter().all(|p| identifier(p)) {
+            return Err(FileError::LockTable(l.name.clone()));
+        }
+        Ok(())
+    }
+
+    /// Is database `name` a PostgreSQL one: started by the runner, or given by a
+    /// `postgres…` URL?
+    fn is_postgres(&self, name: &str) -> bool {
+        match self.databases.get(name) {
+            Some(Database::Started(_)) => true,
+            Some(Database::Url(url)) => url.starts_with("postgres"),
+            None => false,
+        }
     }
 
     fn check_hostile(&self, h: &HostileSection) -> Result<(), FileError> {
         for (key, name) in [("outbox", &h.outbox), ("consumers", &h.consumers)] {
-            let postgres = match self.databases.get(name) {
-                Some(Database::Started(_)) => true,
-                Some(Database::Url(url)) => url.starts_with("postgres"),
-                None => false,
-            };
-            if !postgres {
+            if !self.is_postgres(name) {
                 return Err(FileError::HostileDatabase(key, name.clone()));
             }
         }
@@ -707,7 +780,7 @@ mod tests {
     #[test]
     fn a_window_adds_environment_for_a_while_shorter_than_its_period() {
         let window = "[[component.window]]\nname = \"slow\"\nenv = { DELAY = \"10s\" }\n\
-                      first = \"8s\"\nevery = \"40s\"\nlasts = \"15s\"\n\n[[load]]";
+                      period = { first = \"8s\", every = \"40s\", lasts = \"15s\" }\n\n[[load]]";
         let with = |from: &str, to: &str| {
             PipelineFile::parse(&FILE.replacen("[[load]]", &window.replacen(from, to, 1), 1))
         };
@@ -715,8 +788,8 @@ mod tests {
         let w = &f.components[1].windows[0];
         assert_eq!(f.components[1].name, "consumer");
         assert_eq!(
-            (w.first, w.lasts),
-            (Duration::from_secs(8), Duration::from_secs(15))
+            (w.period.first, w.period.lasts, w.period.quiet),
+            (Duration::from_secs(8), Duration::from_secs(15), false)
         );
         assert_eq!(w.env["DELAY"], "10s");
         assert_eq!(
@@ -730,6 +803,39 @@ mod tests {
             with("every = \"40s\"", "every = \"soon\""),
             Err(FileError::Toml(_))
         ));
+    }
+
+    #[test]
+    fn a_lock_names_a_postgresql_table_and_holds_it_shorter_than_its_period() {
+        let lock = "[[lock]]\nname = \"ledger\"\ndatabase = \"orders\"\n\
+                    table = \"public.ledger_entries\"\n\
+                    period = { first = \"12s\", every = \"30s\", lasts = \"5s\", quiet = true }\n\n[verify]";
+        let with = |from: &str, to: &str| {
+            PipelineFile::parse(&FILE.replacen("[verify]", &lock.replacen(from, to, 1), 1))
+        };
+        let f = with("", "").unwrap();
+        assert_eq!(f.locks[0].period.lasts, Duration::from_secs(5));
+        assert!(f.locks[0].period.quiet);
+        let refused = [
+            ("\"public.ledger_entries\"", "\"ledger; DROP TABLE x\""),
+            ("\"public.ledger_entries\"", "\"a.b.c\""),
+            ("\"public.ledger_entries\"", "\"1table\""),
+        ];
+        for (from, to) in refused {
+            assert_eq!(
+                with(from, to),
+                Err(FileError::LockTable("ledger".into())),
+                "{to}"
+            );
+        }
+        assert_eq!(
+            with("database = \"orders\"", "database = \"nope\""),
+            Err(FileError::LockDatabase("ledger".into()))
+        );
+        assert_eq!(
+            with("lasts = \"5s\"", "lasts = \"30s\""),
+            Err(FileError::LockLength("ledger".into()))
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ mod arm;
 mod drive;
 mod file;
 mod foreign;
+mod lock;
 pub(super) mod postgres;
 mod redeliver;
 mod window;
