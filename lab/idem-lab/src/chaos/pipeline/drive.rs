@@ -832,7 +832,13 @@ async fn inject(
                 next_signal = now + Duration::from_millis(100);
             }
         }
+        // A window's replicas that use the run's server keep it while the window is open.
+        let spared = targets
+            .windows
+            .iter()
+            .any(|w| w.uses_server() && w.period().is_open(now));
         if let Some(server) = targets.postgres
+            && !spared
             && crashes.last().is_some_and(|t| now >= *t)
         {
             crashes.pop();

@@ -1,7 +1,8 @@
 //! Components' windows (`[[component.window]]`): whiles in which a component's replicas run
 //! with more environment. When one opens, every replica is SIGKILLed and started with the
-//! window's environment, and is left alone by the other faults — signals, crash points and
-//! its own network links — until it closes: a pause or a partition longer than what the window
+//! window's environment, and is left alone by the other faults — signals, crash points, its
+//! own network links and crashes of the runner's PostgreSQL server when it uses a database
+//! there — until it closes: a pause or a partition longer than what the window
 //! makes slow would turn the window's condition into another one (a key lock that cannot be
 //! renewed while the process is stopped or cut from its store lets a retry in legitimately).
 //! When it closes, the replicas are SIGKILLed and started as before.
@@ -123,6 +124,8 @@ pub(super) struct Timed {
     component: String,
     window: Window,
     period: Period,
+    /// Does the component use a database on the runner's own server?
+    uses_server: bool,
 }
 
 /// What a tick did, for the counts and the timeline.
@@ -143,10 +146,12 @@ pub(super) fn all(file: &PipelineFile, start: Instant) -> Vec<Timed> {
     file.components
         .iter()
         .flat_map(|c| {
-            c.windows.iter().map(|w| Timed {
+            let uses_server = file.started().any(|(db, _)| c.uses(&format!("db.{db}")));
+            c.windows.iter().map(move |w| Timed {
                 component: c.name.clone(),
                 window: w.clone(),
                 period: Period::of(start, w.period),
+                uses_server,
             })
         })
         .collect()
@@ -163,6 +168,12 @@ impl Timed {
     /// When it opens and closes.
     pub(super) fn period(&self) -> &Period {
         &self.period
+    }
+
+    /// Does its component use a database on the runner's own server (which then does not
+    /// crash while the window is open)?
+    pub(super) fn uses_server(&self) -> bool {
+        self.uses_server
     }
 
     /// Opens the window when it is due, fits before `end` and may open, closes it when it is
@@ -302,6 +313,7 @@ mod tests {
                 Duration::from_secs(40),
                 Duration::from_secs(15),
             ),
+            uses_server: false,
         }
     }
 
