@@ -1,6 +1,6 @@
 //! A PostgreSQL server of the test's own (initdb into a temporary directory, a free loopback
-//! port, `wal_level = logical`), for tests that restart or crash the server: the suite's
-//! shared server must never be restarted while other tests use it.
+//! port below the ephemeral range, `wal_level = logical`), for tests that restart or crash the
+//! server: the suite's shared server must never be restarted while other tests use it.
 //!
 //! Run as root (CI), the server runs as the `postgres` user (initdb refuses root); otherwise
 //! as the current user. The binaries are Debian's (`/usr/lib/postgresql/<version>/bin`).
@@ -8,6 +8,8 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use crate::ports::Ports;
 
 /// A private server; stopped (immediately) and deleted when dropped.
 pub struct PrivatePg {
@@ -35,9 +37,8 @@ impl PrivatePg {
         if as_postgres {
             chown_postgres(dir.path())?;
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
+        // Below the ephemeral range: clients reconnect while the server is down (crate::ports).
+        let port = Ports::new().pick()?;
         let pg = PrivatePg {
             dir,
             bin,
@@ -103,9 +104,9 @@ impl PrivatePg {
     /// has it, so a failover loses no commit. Logical replication slots are not copied: the
     /// standby has none, as a PostgreSQL 15 or 16 standby never has.
     pub fn try_add_standby(&self) -> io::Result<()> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
+        let mut ports = Ports::new();
+        ports.reserve([self.port]);
+        let port = ports.pick()?;
         let standby = self.standby_data();
         let primary = self.port.to_string();
         self.run(
@@ -300,4 +301,30 @@ fn chown_postgres(dir: &Path) -> io::Result<()> {
         "chown postgres {}",
         dir.display()
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Clients reconnect while the server is down: on a port of the ephemeral range, a client's
+    /// connect could be given the server's port as its own and read its own bytes back.
+    #[test]
+    fn the_server_listens_below_the_ephemeral_range() {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+        let low: u16 = range.split_whitespace().next().unwrap().parse().unwrap();
+        let pg = PrivatePg::start();
+        let url = pg.url();
+        let port: u16 = url
+            .trim_start_matches("postgres://postgres@127.0.0.1:")
+            .trim_end_matches("/postgres")
+            .parse()
+            .unwrap();
+        assert!(port < low, "{url}: the ephemeral range starts at {low}");
+        let status = Command::new(pg.bin.join("pg_isready"))
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "nothing answers at {url}");
+    }
 }

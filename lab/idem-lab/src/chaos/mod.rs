@@ -28,7 +28,6 @@ mod locker;
 mod network;
 mod pipeline;
 pub(crate) use hostile::install_business_rule;
-mod ports;
 mod procs;
 mod report;
 mod schedule;
@@ -50,6 +49,7 @@ use idem_core::crash::{CrashPoint, Mechanism};
 use serde::Serialize;
 
 use crate::demo::world::{Databases, Owner};
+use idem_conformance::ports::Ports;
 use idem_conformance::private_pg::PrivatePg;
 use procs::{Proc, Rng};
 use topology::Topology;
@@ -370,7 +370,7 @@ async fn drive(
     let mut rng = Rng::new(args.seed);
     let crash_log = dir.join("crashes.log");
     let prepared = kafka::prepare(NODES, dir, args.tls, 0)?;
-    let mut ports = ports::Ports::new();
+    let mut ports = Ports::new();
     ports.reserve(prepared.ports.iter().copied());
     let api_port = ports.pick()?;
     let prepared_dir = prepared.dir.clone();

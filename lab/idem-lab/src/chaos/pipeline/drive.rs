@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde::Serialize;
 
+use idem_conformance::ports::Ports;
 use idem_netfault::ProxiedListener;
 
 use super::arm::{Arming, arm_env};
@@ -19,7 +20,6 @@ use crate::chaos::ChaosArgs;
 use crate::chaos::inject::append_timeline;
 use crate::chaos::kafka;
 use crate::chaos::network::{Dependency, Link, Network, postgres_link};
-use crate::chaos::ports::Ports;
 use crate::chaos::procs::{Proc, Rng, Role};
 use crate::chaos::schedule::{self, Plan};
 use idem_core::crash::CrashPoint;

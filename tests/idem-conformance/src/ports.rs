@@ -6,25 +6,35 @@
 //! process either, so one run's choices are kept in one book: a port handed out once, or
 //! reserved by another chooser (a prepared Kafka cluster's client, controller and proxy ports,
 //! `scripts/kafka prepare`'s `DIR/ports`), is never handed out again.
+//!
+//! A server that clients reconnect to while it is down needs such a port most: a client's
+//! connect to a free port of the ephemeral range can be given that same port as its own local
+//! port, and then talks to itself (a TCP self-connect), reading its own bytes back as the
+//! server's answer.
 
 use std::collections::BTreeSet;
+use std::io;
 use std::net::TcpListener;
 use std::ops::RangeInclusive;
 
-use anyhow::bail;
-
 /// The ports one run has chosen or been told are taken.
 #[derive(Debug)]
-pub(crate) struct Ports {
+pub struct Ports {
     range: RangeInclusive<u16>,
     taken: BTreeSet<u16>,
     start: u32,
 }
 
+impl Default for Ports {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Ports {
     /// A book over the ports from 10 000 up to the ephemeral range, starting its search at a
     /// place that differs between runs.
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
             .ok()
             .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
@@ -45,20 +55,20 @@ impl Ports {
     }
 
     /// Marks `ports` as taken by someone else.
-    pub(crate) fn reserve(&mut self, ports: impl IntoIterator<Item = u16>) {
+    pub fn reserve(&mut self, ports: impl IntoIterator<Item = u16>) {
         self.taken.extend(ports);
     }
 
     /// A port nothing listens on now and this book has not handed out or been told of.
-    pub(crate) fn pick(&mut self) -> anyhow::Result<u16> {
+    pub fn pick(&mut self) -> io::Result<u16> {
         match self.pick_with(|port| TcpListener::bind(("127.0.0.1", port)).is_ok()) {
             Some(port) => Ok(port),
-            None => bail!(
+            None => Err(io::Error::other(format!(
                 "found no free loopback port in {}-{} (the run holds {} of them)",
                 self.range.start(),
                 self.range.end(),
                 self.taken.len()
-            ),
+            ))),
         }
     }
 
