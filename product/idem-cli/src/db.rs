@@ -80,6 +80,11 @@ where
     }
 }
 
+/// What sqlx says of a server that closes the connection before it answers the SSLRequest (a
+/// server starting, stopping or crashing, or a proxy whose upstream is gone): it reads the end
+/// of the stream as a zero byte.
+const CLOSED_BEFORE_THE_SSL_ANSWER: &str = "unexpected response from SSLRequest: 0x00";
+
 /// Whether `e` says the database could not be reached — the connection refused, reset, closed
 /// or timed out, or the server starting up or shutting down — as opposed to refusing this
 /// client (credentials, TLS, a missing database), which waiting does not change.
@@ -101,6 +106,7 @@ fn unreachable(e: &anyhow::Error) -> bool {
         .any(|cause| match cause.downcast_ref::<sqlx::Error>() {
             Some(sqlx::Error::Io(io)) => network(io),
             Some(sqlx::Error::PoolTimedOut) => true,
+            Some(sqlx::Error::Protocol(m)) => m.contains(CLOSED_BEFORE_THE_SSL_ANSWER),
             Some(sqlx::Error::Database(d)) => d
                 .code()
                 .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
@@ -135,7 +141,7 @@ fn store_kind(store: &Store) -> &'static str {
 
 #[cfg(test)]
 mod tests {
-    use super::unreachable;
+    use super::*;
 
     fn io(kind: std::io::ErrorKind) -> anyhow::Error {
         let e = sqlx::Error::Io(std::io::Error::from(kind));
@@ -154,5 +160,62 @@ mod tests {
             idem_core::Error::database("connecting", tls)
         )));
         assert!(!unreachable(&anyhow::anyhow!("--schema is for PostgreSQL")));
+    }
+
+    /// A listener at a loopback port that reads the SSLRequest of its first `closed`
+    /// connections and closes them unanswered, as a server starting or crashing does, and
+    /// forwards the others to `upstream`.
+    async fn closing_then_forwarding(upstream: &str, closed: usize) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let upstream = upstream.to_owned();
+        tokio::spawn(async move {
+            let mut n = 0;
+            while let Ok((mut client, _)) = listener.accept().await {
+                n += 1;
+                if n <= closed {
+                    use tokio::io::AsyncReadExt;
+                    // Read, so that closing sends a FIN and not a reset.
+                    let mut request = [0u8; 8];
+                    let _ = client.read_exact(&mut request).await;
+                    drop(client);
+                    continue;
+                }
+                let upstream = upstream.clone();
+                tokio::spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    fn args(url: String) -> DbArgs {
+        DbArgs {
+            db: url,
+            schema: None,
+            table_prefix: "idem_".to_owned(),
+        }
+    }
+
+    /// A server that closes the connection before it answers the SSLRequest is out of reach
+    /// for now: a service started while its server restarts waits for it, and opens it once
+    /// the server answers.
+    #[tokio::test]
+    async fn a_server_closing_connections_unanswered_is_waited_for() {
+        let db = idem_conformance::pg::TestDb::create().await;
+        // postgres://USER@HOST:PORT/NAME
+        let (user, rest) = db.url().split_once('@').unwrap();
+        let (upstream, name) = rest.split_once('/').unwrap();
+        let through = |addr: std::net::SocketAddr| format!("{user}@{addr}/{name}");
+        let closing = closing_then_forwarding(upstream, usize::MAX).await;
+        let e = open(&args(through(closing)), 1).await.err().unwrap();
+        assert!(unreachable(&e), "{e:#}");
+
+        let healing = closing_then_forwarding(upstream, 2).await;
+        let store = open_waiting(&args(through(healing)), 1).await;
+        assert!(store.is_ok(), "{:#}", store.err().unwrap());
     }
 }
