@@ -5,7 +5,9 @@
 //! before its database must fail, with each loss located. The consumers are the lab's, and
 //! `examples/python-consumer` (kafka-python and psycopg, no idem). The reference pipeline
 //! file (`pipelines/reference`) passes with its crash points armed, and fails with each
-//! mechanism it can break broken (`--break`): the negative controls.
+//! mechanism it can break broken (`--break`): the negative controls. Over databases of the
+//! tests' own server, it leaves them for the operator console, opened over them in a real
+//! browser: its pages show what the run left, and are saved as screenshots.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;
@@ -13,8 +15,8 @@ use std::process::Command;
 
 use idem_conformance::pg::TestDb;
 
-#[path = "support/controls.rs"]
-mod controls;
+mod support;
+use support::controls;
 
 /// The pipeline: order writers (the load), two polling relays, and `consumers` (a
 /// `[[component]]` reading `shop.order` into database `target`). `aimed`: the network faults
@@ -362,15 +364,12 @@ fn a_consumer_committing_offsets_before_its_database_is_caught_as_loss() {
 #[test]
 fn a_pipeline_that_cannot_run_says_why_with_status_2() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |file: &str| {
+    let never_read = "postgres://127.0.0.1:9/none";
+    let config = verify(never_read, never_read, "t", None);
+    let run_with = |file: &str, config: &str| {
         let path = dir.path().join("pipeline.toml");
         std::fs::write(&path, file).unwrap();
-        let never_read = "postgres://127.0.0.1:9/none";
-        std::fs::write(
-            dir.path().join("verify.toml"),
-            verify(never_read, never_read, "t", None),
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("verify.toml"), config).unwrap();
         let out = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
             .args(["chaos", "--pipeline"])
             .arg(&path)
@@ -382,6 +381,7 @@ fn a_pipeline_that_cannot_run_says_why_with_status_2() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
+    let run = |file: &str| run_with(file, &config);
     let file = r#"
         [kafka]
         bootstrap = "127.0.0.1:9"
@@ -418,6 +418,16 @@ fn a_pipeline_that_cannot_run_says_why_with_status_2() {
     );
     let logs = stderr.split("the run's logs are in ").nth(1).unwrap();
     std::fs::remove_dir_all(logs.split([':', '\n']).next().unwrap().trim()).unwrap();
+    // A verify config naming a database the file does not define, refused before anything
+    // starts.
+    let unknown = config.replacen(never_read, "{db.ledger}", 1);
+    let (code, stderr) = run_with(&file.replace(", \"{db.orders}\"", ""), &unknown);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("names {db.ledger}, a database [databases] does not define")
+            && !stderr.contains("logs are in"),
+        "{stderr}"
+    );
 }
 
 /// `examples/python-consumer` in `mode` under every fault kind, the network faults `aimed` at
@@ -687,6 +697,189 @@ fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes
     assert_eq!(r["verify"]["empty"][0]["rows"], 0, "{r:#}");
     // The settlements table was locked, and no event was given up for it.
     assert_eq!(count(&r, "lock_settlements"), 1, "{r:#}");
+    // The outbox's rows were locked and the sessions waiting on them ended: nothing was lost.
+    assert!(count(&r, "lock_outbox") >= 1, "{r:#}");
+    // The burst written before the relays started (250 events per second of the run) drained
+    // within the faults, at 200 rows/s or faster (a slower drain fails the run).
+    assert_eq!(r["burst"]["rows"], 10_000, "{r:#}");
+    assert!(r["burst"]["drained_seconds"].as_f64().is_some(), "{r:#}");
+}
+
+/// The reference pipeline file over databases of the user's own server (URLs, where the file
+/// has `start = true`: left alone, never crashed), which the run leaves behind: it passes,
+/// with each fault of the file, and the operator console opened over those databases shows the
+/// parked rows and dead letters the run left and verifies them clean.
+#[test]
+fn the_reference_pipeline_over_your_own_databases_passes_and_the_console_shows_it() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dbs = rt.block_on(async {
+        after_the_run::Databases {
+            orders: TestDb::create().await,
+            settlement: TestDb::create().await,
+            points: TestDb::create().await,
+        }
+    });
+    for (db, more) in [
+        (&dbs.orders, None),
+        (&dbs.settlement, Some("--business-rule")),
+        (&dbs.points, None),
+    ] {
+        let setup = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+            .args(["setup", "--db", db.url()])
+            .args(more)
+            .output()
+            .unwrap();
+        assert!(setup.status.success(), "{setup:?}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = reference_edited(dir.path(), |t| {
+        let (start, end) = (
+            t.find("[databases]\n").unwrap(),
+            t.find("\n[kafka]").unwrap(),
+        );
+        let urls = format!(
+            "[databases]\norders = \"{}\"\nsettlement = \"{}\"\npoints = \"{}\"\n",
+            dbs.orders.url(),
+            dbs.settlement.url(),
+            dbs.points.url()
+        );
+        format!("{}{urls}{}", &t[..start], &t[end..])
+    });
+    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "2"]);
+    passed(code, &r, &stderr);
+    assert_eq!(count(&r, "postgres_restart"), 0, "a URL is never crashed");
+    every_fault(&r, &["net_partition_kafka", "net_partition_remote"]);
+    the_hostile_rows_were_contained(&r);
+    for kind in ["lock_settlements", "lock_outbox", "window_slow_awards"] {
+        assert!(count(&r, kind) >= 1, "no {kind}: {r:#}");
+    }
+    assert_eq!(r["burst"]["rows"], 10_000, "{r:#}");
+    let deliveries = &r["verify"]["attempts"]["inbox"][0];
+    assert!(
+        deliveries["duplicate_deliveries"].as_i64().unwrap_or(0) > 0,
+        "no event was delivered twice: the faults tested no duplicate: {r:#}"
+    );
+    after_the_run::the_console_shows_it(&dbs);
+}
+
+/// Interrupting a pipeline run (SIGTERM, or Ctrl-C's SIGINT) kills every process it started —
+/// its components and loads and its Kafka node — instead of leaving them running (some of them
+/// paused) behind it, and the run fails saying so. (Its PostgreSQL server, which `pg_ctl`
+/// detaches, is stopped as the run's own server always is, when the run drops it.)
+#[test]
+fn an_interrupted_pipeline_run_leaves_no_process_behind() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let lab = Path::new(env!("CARGO_BIN_EXE_idem-lab"));
+    let mut path = vec![lab.parent().unwrap().to_path_buf()];
+    path.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    let mut child = Command::new(lab)
+        .args(["chaos", "--pipeline"])
+        .arg(reference_file())
+        .args(["--duration", "120s", "--seed", "4"])
+        .env("PATH", std::env::join_paths(path).unwrap())
+        .env("RUST_LOG", "warn")
+        .env_remove("IDEM_CRASH_POINTS")
+        .env_remove("IDEM_BREAK")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    // "idem chaos --pipeline: seed 4 for 120 s; logs in DIR", printed before anything starts.
+    let started = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.contains("; logs in "))
+        .expect("the run did not start");
+    let dir = std::path::PathBuf::from(started.rsplit("; logs in ").next().unwrap().trim());
+    // Drain the rest, so that the run never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    // The first faults are on the timeline once every component runs.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while std::fs::read_to_string(dir.join("faults.log")).map_or(0, |t| t.lines().count()) < 3 {
+        assert!(Instant::now() < deadline, "no fault within 180 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let ours = descendants(child.id());
+    let names: Vec<String> = ours.iter().map(|(_, n)| n.clone()).collect();
+    for program in ["java", "idem-lab"] {
+        assert!(
+            names.iter().any(|n| n == program),
+            "no {program} among the run's processes: {names:?}"
+        );
+    }
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let exit = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the run did not end within 60 s of SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        exit.code(),
+        Some(2),
+        "an interrupted run is one that could not run"
+    );
+    let alive: Vec<&(u32, String)> = ours
+        .iter()
+        .filter(|(pid, _)| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+        })
+        .collect();
+    assert!(
+        alive.is_empty(),
+        "processes of the run survived it: {alive:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every process below `root` (its children, theirs, …): pid and program name.
+fn descendants(root: u32) -> Vec<(u32, String)> {
+    let stats: Vec<(u32, u32, String)> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // "PID (COMM) STATE PPID …": COMM may hold spaces and parentheses.
+            let (head, tail) = stat.rsplit_once(')')?;
+            let comm = head.split_once('(')?.1.to_owned();
+            let ppid = tail.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, ppid, comm))
+        })
+        .collect();
+    let mut found = vec![root];
+    let mut out = vec![];
+    while let Some(parent) = found.pop() {
+        for (pid, ppid, comm) in &stats {
+            if *ppid == parent {
+                found.push(*pid);
+                out.push((*pid, comm.clone()));
+            }
+        }
+    }
+    out
 }
 
 /// The foreign writer's rows: some refused at insert, the oversized payload parked by a relay
@@ -989,4 +1182,130 @@ faults = ["kill", "pause", "restart", "network"]"#
         .as_u64()
         .unwrap();
     assert!(events >= 500, "{events} events is too little load: {r:#}");
+}
+
+/// The operator console over the databases a run left.
+mod after_the_run {
+    use std::process::Command;
+    use std::time::Duration;
+
+    use idem_conformance::pg::TestDb;
+    use idem_conformance::process::eventually;
+    use sqlx::PgPool;
+
+    use crate::support::browser::{Browser, console};
+
+    /// The databases a run used and left behind, dropped on drop.
+    pub(crate) struct Databases {
+        pub(crate) orders: TestDb,
+        pub(crate) settlement: TestDb,
+        pub(crate) points: TestDb,
+    }
+
+    async fn count(url: &str, sql: &str) -> i64 {
+        let pool = PgPool::connect(url).await.unwrap();
+        let n = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
+        pool.close().await;
+        n
+    }
+
+    fn lab(args: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
+        cmd.args(args).env("RUST_LOG", "info");
+        cmd
+    }
+
+    /// The console over `dbs`, in a real browser: the overview, the outbox, the consumers, the
+    /// effects, a verification run from the proof page and its audit row.
+    pub(crate) fn the_console_shows_it(dbs: &Databases) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(pages(dbs));
+    }
+
+    async fn pages(dbs: &Databases) {
+        let (orders, settlement) = (dbs.orders.url(), dbs.settlement.url());
+        let verify = tempfile::NamedTempFile::new().unwrap();
+        let vpath = verify.path().to_str().unwrap();
+        let out = lab(&[
+            "verify-config",
+            "--orders-db",
+            orders,
+            "--settlement-db",
+            settlement,
+        ])
+        .args(["--points-db", dbs.points.url(), "--out", vpath])
+        .output()
+        .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut cmd = lab(&["console", "--listen", "127.0.0.1:0", "--sample-every", "1s"]);
+        cmd.args(["--db", &format!("orders={orders}")])
+            .args(["--db", &format!("settlement={settlement}")])
+            .args(["--verify-config", vpath]);
+        let (_console, base) = console(cmd);
+        let b = Browser::open(&base).await;
+        b.login().await;
+
+        let parked = count(
+            orders,
+            "SELECT count(*) FROM idem_outbox WHERE status = 'parked'",
+        )
+        .await;
+        let open = "SELECT count(*) FROM idem_dead_letters WHERE replay_outcome IS NULL \
+                    AND consumer_group = ";
+        let letters = count(settlement, &format!("{open}'settlement'")).await;
+        assert!(
+            parked > 0 && letters > 0,
+            "the run left parked rows and dead letters"
+        );
+        b.go("/").await;
+        let text = b.text().await;
+        let outbox = format!("Outbox · orders\namber\npending\n0\nparked\n{parked}\n");
+        assert!(text.contains(&outbox), "{text}");
+        let group = "Group settlement\namber\n";
+        let at = text.find(group).unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            text[at..].contains(&format!("dead letters\n{letters}\n")),
+            "{text}"
+        );
+        b.shot("after-chaos-overview").await;
+
+        b.go("/outbox?db=orders").await;
+        assert!(b.text().await.contains("parked"));
+        assert!(
+            b.forms().await > 1,
+            "each parked row can be returned to pending"
+        );
+        b.shot("after-chaos-outbox").await;
+        b.go("/consumers?db=settlement").await;
+        assert!(b.text().await.contains("dead letters"));
+        b.shot("after-chaos-consumers").await;
+        b.go("/effects?db=settlement").await;
+        b.shot("after-chaos-effects").await;
+
+        b.go("/proof").await;
+        b.click("form[action='/proof/run'] button").await;
+        let verdict = eventually("a verdict", Duration::from_secs(120), || async {
+            b.go("/proof").await;
+            let t = b.text().await;
+            t.contains("Verified").then_some(t)
+        })
+        .await;
+        assert!(verdict.contains("clean"), "{verdict}");
+        b.shot("after-chaos-proof").await;
+        b.go("/audit?db=orders").await;
+        assert!(
+            b.text().await.contains("proof.verify"),
+            "the run of the proof is audited"
+        );
+        b.shot("after-chaos-audit").await;
+        b.close().await;
+    }
 }

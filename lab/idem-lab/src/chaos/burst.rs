@@ -6,11 +6,11 @@
 //! [`MIN_ROWS_PER_SECOND`].
 //!
 //! The events are written with plain SQL, as a foreign writer of the outbox contract would,
-//! each of an aggregate of its own and of aggregate type `burst`: the relays publish them to
-//! the run's `burst` topic, which no consumer reads, so the burst loads the relays and
-//! nothing downstream.
+//! each of an aggregate of its own and of one aggregate type (`burst` in the reference
+//! runner; a pipeline file's `[burst]` names it): the relays publish them to that type's
+//! topic, which no consumer reads, so the burst loads the relays and nothing downstream.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_sql::AnyPool;
 use serde::Serialize;
@@ -70,36 +70,95 @@ impl Burst {
 
 const WRITE: &str = "
 INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
-SELECT gen_random_uuid(), 'burst', $1 || n, 'burst.written', jsonb_build_object('n', n)
+SELECT gen_random_uuid(), $3, $1 || n, $3 || '.written', jsonb_build_object('n', n)
 FROM generate_series(1, $2::bigint) AS n";
 
-/// Writes `rows` events of aggregates `<prefix>N` in one transaction.
-pub(super) async fn write(orders: &AnyPool, prefix: &str, rows: i64) -> anyhow::Result<()> {
-    let AnyPool::Postgres(pool) = orders else {
+/// Writes `rows` events of aggregate type `aggregate_type` and aggregates `<prefix>N` in one
+/// transaction.
+pub(super) async fn write(
+    outbox: &AnyPool,
+    aggregate_type: &str,
+    prefix: &str,
+    rows: i64,
+) -> anyhow::Result<()> {
+    let AnyPool::Postgres(pool) = outbox else {
         anyhow::bail!("the burst is written with PostgreSQL's SQL");
     };
     sqlx::query(WRITE)
         .bind(prefix)
         .bind(rows)
+        .bind(aggregate_type)
         .execute(pool)
         .await?;
     Ok(())
 }
 
-/// How many of the burst's events are still pending.
-pub(super) async fn pending(orders: &AnyPool) -> anyhow::Result<i64> {
-    let AnyPool::Postgres(pool) = orders else {
+/// How many events of aggregate type `aggregate_type` are still pending.
+async fn pending(outbox: &AnyPool, aggregate_type: &str) -> anyhow::Result<i64> {
+    let AnyPool::Postgres(pool) = outbox else {
         anyhow::bail!("the burst is read with PostgreSQL's SQL");
     };
     Ok(sqlx::query_scalar(
-        "SELECT count(*) FROM idem_outbox WHERE status = 'pending' AND aggregate_type = 'burst'",
+        "SELECT count(*) FROM idem_outbox WHERE status = 'pending' AND aggregate_type = $1",
     )
+    .bind(aggregate_type)
     .fetch_one(pool)
     .await?)
 }
 
 /// How often the injection loop looks at the burst.
-pub(super) const CHECK_EVERY: Duration = Duration::from_secs(1);
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// Watches a burst drain: when the first of its events was published and when the last was,
+/// looking once per [`CHECK_EVERY`].
+#[derive(Debug)]
+pub(super) struct Watch {
+    aggregate_type: String,
+    /// When it was last looked at; `None` once drained.
+    checked: Option<Instant>,
+    /// When it was first seen publishing.
+    began: Option<Instant>,
+    /// What the report says of it.
+    pub burst: Burst,
+}
+
+impl Watch {
+    /// A burst of `rows` events of `aggregate_type`, written at `written`.
+    pub(super) fn new(aggregate_type: &str, rows: i64, written: Instant) -> Self {
+        Self {
+            aggregate_type: aggregate_type.to_owned(),
+            checked: Some(written),
+            began: None,
+            burst: Burst {
+                rows,
+                drained_seconds: None,
+            },
+        }
+    }
+
+    /// Looks at the outbox when a look is due. A failed look (the server restarting, say) is
+    /// skipped: the next one counts.
+    pub(super) async fn tick(&mut self, outbox: &AnyPool, now: Instant) {
+        let Some(checked) = self.checked else {
+            return;
+        };
+        if now < checked + CHECK_EVERY {
+            return;
+        }
+        self.checked = Some(now);
+        let Ok(left) = pending(outbox, &self.aggregate_type).await else {
+            return;
+        };
+        if left < self.burst.rows && self.began.is_none() {
+            self.began = Some(now);
+        }
+        if left == 0 {
+            let began = self.began.unwrap_or(now);
+            self.burst.drained_seconds = Some(now.duration_since(began).as_secs_f64());
+            self.checked = None;
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -57,8 +57,8 @@ pub(super) struct World<'a> {
     pub server: Option<&'a PrivatePg>,
     /// `--pg-failover`: the server fails over to its standby during the run.
     pub failover: bool,
-    /// The burst's aggregate prefix and size (written before the processes started).
-    pub burst: (&'a str, i64),
+    /// The burst's size (written before the processes started).
+    pub burst: i64,
 }
 
 /// Timers of the injection loop.
@@ -73,10 +73,8 @@ struct Timers {
     next_lock: Instant,
     /// Locks of the outbox under way.
     locks: Vec<tokio::task::JoinHandle<anyhow::Result<locker::Locked>>>,
-    /// When the burst was last looked at; `None` once drained.
-    burst_checked: Option<Instant>,
-    /// When the burst was first seen publishing.
-    burst_began: Option<Instant>,
+    /// The burst draining.
+    burst: burst::Watch,
 }
 
 /// Injects faults until `seconds` have passed.
@@ -100,18 +98,14 @@ pub(super) async fn inject(
             .then(|| started + Duration::from_millis(seconds * 550)),
         next_lock: started + Duration::from_secs(10),
         locks: vec![],
-        burst_checked: Some(started),
-        burst_began: None,
+        burst: burst::Watch::new(burst::AGGREGATE_TYPE, w.burst, started),
     };
     let mut out = Injected {
         faults: BTreeMap::new(),
         hostile_accepted: vec![],
         hostile_violations: vec![],
         windows: Windows::new(started, w.crash_log.with_file_name("faults.log")),
-        burst: burst::Burst {
-            rows: w.burst.1,
-            drained_seconds: None,
-        },
+        burst: burst::Burst::default(),
     };
     while Instant::now() < end {
         supervise(w.procs, rng);
@@ -130,7 +124,7 @@ pub(super) async fn inject(
             }));
             t.next_lock = now + schedule::lock_interval(rng);
         }
-        watch_burst(w, &mut t, &mut out.burst, now).await?;
+        t.burst.tick(&w.dbs.orders, now).await;
         if now >= t.last_scrape + Duration::from_secs(1) {
             for p in w.procs.iter_mut().filter(|p| p.role != Role::Broker) {
                 p.scrape(&COUNTERS);
@@ -165,6 +159,7 @@ pub(super) async fn inject(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     count_locks(t.locks, &mut out.faults).await;
+    out.burst = t.burst.burst;
     Ok(out)
 }
 
@@ -184,36 +179,6 @@ async fn count_locks(
             .entry("outbox_lock_waiters_terminated".to_owned())
             .or_default() += u64::try_from(locked.terminated).unwrap_or(0);
     }
-}
-
-/// Records when the first of the burst's events was published and when the last was, looking
-/// once per [`burst::CHECK_EVERY`].
-async fn watch_burst(
-    w: &World<'_>,
-    t: &mut Timers,
-    burst: &mut burst::Burst,
-    now: Instant,
-) -> anyhow::Result<()> {
-    let Some(checked) = t.burst_checked else {
-        return Ok(());
-    };
-    if now < checked + burst::CHECK_EVERY {
-        return Ok(());
-    }
-    t.burst_checked = Some(now);
-    // A failover (`--pg-failover`) makes a check fail: the next one counts.
-    let Ok(left) = burst::pending(&w.dbs.orders).await else {
-        return Ok(());
-    };
-    if left < w.burst.1 && t.burst_began.is_none() {
-        t.burst_began = Some(now);
-    }
-    if left == 0 {
-        let began = t.burst_began.unwrap_or(now);
-        burst.drained_seconds = Some(now.duration_since(began).as_secs_f64());
-        t.burst_checked = None;
-    }
-    Ok(())
 }
 
 /// Fails the run's PostgreSQL server over to its standby, then waits until the runner's pools

@@ -391,7 +391,13 @@ async fn drive(
     hostile::install_business_rule(settlement).await?;
     let burst_prefix = format!("burst-{run}-");
     let burst_rows = burst::rows_for(args.seconds);
-    burst::write(&dbs.orders, &burst_prefix, burst_rows).await?;
+    burst::write(
+        &dbs.orders,
+        burst::AGGREGATE_TYPE,
+        &burst_prefix,
+        burst_rows,
+    )
+    .await?;
     let specs = topology::specs(&topology);
     let mut procs = processes(args, specs, prepared.nodes, dir, &crash_log)?;
     topology::start(&mut procs, &topology, NODES, dir).await?;
@@ -425,7 +431,7 @@ async fn drive(
         crash_log: &crash_log,
         server,
         failover: args.pg_failover,
-        burst: (&burst_prefix, burst_rows),
+        burst: burst_rows,
     };
     let mechanism = args.break_mechanism;
     let mut injected = inject::inject(&mut world, args.seconds, mechanism, &mut rng).await?;

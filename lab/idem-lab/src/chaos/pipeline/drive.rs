@@ -12,34 +12,60 @@ use idem_conformance::ports::Ports;
 use idem_netfault::ProxiedListener;
 
 use super::arm::{Arming, arm_env};
-use super::file::{Component, Fault, PipelineFile, Places, Ready, expand, with_started_urls};
+use super::file::{
+    BurstSection, Component, Fault, PipelineFile, Places, Ready, expand, with_database_urls,
+};
 use super::foreign::ForeignWriter;
 use super::postgres::{self, Server};
 use super::{lock, window};
 use crate::chaos::ChaosArgs;
+use crate::chaos::burst;
 use crate::chaos::inject::append_timeline;
 use crate::chaos::kafka;
 use crate::chaos::network::{Dependency, Link, Network, postgres_link};
 use crate::chaos::procs::{Proc, Rng, Role};
 use crate::chaos::schedule::{self, Plan};
 use idem_core::crash::CrashPoint;
+use idem_sql::AnyPool;
 
-/// The verify config, as written: `{db.NAME}` of a database the runner creates stands for its
-/// URL.
+/// The verify config, as written: `{db.NAME}` stands for database `NAME`'s URL (the one the
+/// runner created, or the file's).
 struct Verify {
     text: String,
     path: std::path::PathBuf,
 }
 
 impl Verify {
-    /// The config, with the URLs of the databases the runner created.
-    fn config(
-        &self,
-        started: &BTreeMap<String, String>,
-    ) -> anyhow::Result<idem_verify::VerifyConfig> {
-        idem_verify::VerifyConfig::from_toml(&with_started_urls(&self.text, started))
+    /// The config, with the URLs of the databases (`urls`, by name).
+    fn config(&self, urls: &BTreeMap<String, String>) -> anyhow::Result<idem_verify::VerifyConfig> {
+        let text = with_database_urls(&self.text, urls);
+        if let Some(name) = unfilled(&text) {
+            anyhow::bail!(
+                "the verify config {} names {name}, a database [databases] does not define",
+                self.path.display()
+            );
+        }
+        idem_verify::VerifyConfig::from_toml(&text)
             .with_context(|| format!("reading the verify config {}", self.path.display()))
     }
+}
+
+/// The first `{db.NAME}` left in a value of verify config `text` (comments aside), if any.
+fn unfilled(text: &str) -> Option<String> {
+    fn walk(v: &toml::Value) -> Option<String> {
+        match v {
+            toml::Value::String(s) => {
+                let at = s.find("{db.")?;
+                let end = s[at..].find('}').map_or(s.len(), |e| at + e + 1);
+                Some(s[at..end].to_owned())
+            }
+            toml::Value::Array(a) => a.iter().find_map(walk),
+            toml::Value::Table(t) => t.values().find_map(walk),
+            _ => None,
+        }
+    }
+    // A file that is not TOML is reported by the verify config's own reader.
+    walk(&toml::from_str::<toml::Value>(text).ok()?)
 }
 
 /// The report of a pipeline run.
@@ -64,6 +90,8 @@ pub(crate) struct PipelineReport {
     pub hostile_rows: BTreeMap<String, String>,
     /// Hostile rows the contract or the pipeline treated otherwise than it must.
     pub hostile_violations: Vec<String>,
+    /// The `[burst]` written before the components started, and how fast it drained.
+    pub burst: Option<burst::Burst>,
     /// Was every effect there before `--settle-deadline`? (Missing ones that stopped moving
     /// end the wait early: they are lost.)
     pub settled: bool,
@@ -102,10 +130,11 @@ async fn run_file(args: &ChaosArgs, path: &Path) -> anyhow::Result<PipelineRepor
     let verify_text = std::fs::read_to_string(&verify_path)
         .with_context(|| format!("reading the verify config {}", verify_path.display()))?;
     // Checked now, with made-up URLs for the databases the runner will create.
-    let probe = file
+    let made_up = file
         .started()
         .map(|(name, _)| (name.to_owned(), format!("postgres://127.0.0.1:1/{name}")))
         .collect();
+    let probe = file.urls(&made_up);
     let verify = Verify {
         text: verify_text,
         path: verify_path,
@@ -197,8 +226,12 @@ async fn drive(
     );
     let server = postgres::start(file, dir).await?;
     let started = server.as_ref().map(|s| s.urls.clone()).unwrap_or_default();
-    let verify = &verify.config(&started)?;
     let databases = file.urls(&started);
+    let verify = &verify.config(&databases)?;
+    let burst = match &file.burst {
+        Some(b) => Some(write_burst(b, &databases, args).await?),
+        None => None,
+    };
     let (cluster, brokers) = prepare_kafka(file, dir)?;
     let env = process_env(&crash_log, args);
     let (mut fleet, mut net) = build(
@@ -222,17 +255,7 @@ async fn drive(
         timeline: &timeline,
         arming,
     };
-    let kafka = KafkaTargets {
-        cluster: cluster.as_ref(),
-        conn: match &cluster {
-            Some(c) => c.conn.clone(),
-            None => {
-                idem_kafka::Connection::plaintext(file.kafka.bootstrap.as_deref().unwrap_or(""))
-            }
-        },
-        topics: &file.kafka.topics,
-        redeliver: file.kafka.redeliver,
-    };
+    let kafka = KafkaTargets::of(file, cluster.as_ref());
     let end = Instant::now() + Duration::from_secs(args.seconds);
     let mut targets = Targets {
         kafka,
@@ -240,14 +263,10 @@ async fn drive(
         foreign: foreign.as_mut(),
         windows: window::all(file, Instant::now()),
         locks: lock::all(&file.locks, &databases, Instant::now()).await?,
+        burst,
     };
     inject(&mut fleet, &mut net, &mut targets, end, &mut run).await?;
-    for w in &mut targets.windows {
-        w.close(&mut fleet.procs)?;
-    }
-    for l in &mut targets.locks {
-        l.release().await;
-    }
+    let burst = end_periods(targets, &mut fleet).await?;
     calm(&mut fleet, &mut net, &mut run)?;
     stop_loads(&mut fleet);
     let started = Instant::now();
@@ -276,8 +295,53 @@ async fn drive(
         crash_points_fired: run.arming.fired(),
         remote_connections: net.remote_connections(),
         hostile,
+        burst,
     };
     Ok(verdict(args, faults, report, numbers))
+}
+
+/// Closes the windows and releases the locks once the faults are over: how the burst
+/// drained.
+async fn end_periods(
+    mut targets: Targets<'_>,
+    fleet: &mut Fleet,
+) -> anyhow::Result<Option<burst::Burst>> {
+    for w in &mut targets.windows {
+        w.close(&mut fleet.procs)?;
+    }
+    for l in &mut targets.locks {
+        l.release().await;
+    }
+    Ok(targets.burst.map(|(_, w)| w.burst))
+}
+
+/// Writes the `[burst]` into its outbox (reached directly): the outbox and the watch of its
+/// drain.
+async fn write_burst(
+    b: &BurstSection,
+    databases: &BTreeMap<String, String>,
+    args: &ChaosArgs,
+) -> anyhow::Result<(AnyPool, burst::Watch)> {
+    let url = databases
+        .get(&b.outbox)
+        .with_context(|| format!("[burst] database {} has no URL", b.outbox))?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(true)
+        .connect(url)
+        .await
+        .with_context(|| format!("[burst] connecting to database {}", b.outbox))?;
+    let outbox = AnyPool::Postgres(pool);
+    let rows = b
+        .rows
+        .map_or_else(|| burst::rows_for(args.seconds), i64::from);
+    // Aggregates of their own, in an outbox that may hold an earlier run's.
+    let prefix = format!("burst-{}-{}-", args.seed, std::process::id());
+    burst::write(&outbox, &b.aggregate_type, &prefix, rows)
+        .await
+        .with_context(|| format!("[burst] writing {rows} events into {}", b.outbox))?;
+    let watch = burst::Watch::new(&b.aggregate_type, rows, Instant::now());
+    Ok((outbox, watch))
 }
 
 /// What every process of the run is told beside its own environment (which takes
@@ -358,6 +422,8 @@ struct Numbers {
     remote_connections: BTreeMap<String, u64>,
     /// Where the `[hostile]` rows ended.
     hostile: Option<super::foreign::Outcome>,
+    /// How the `[burst]` drained.
+    burst: Option<burst::Burst>,
 }
 
 /// From the run's numbers to the report: a loss, a duplicate effect, any other violation, a
@@ -402,6 +468,7 @@ fn verdict(
         None => Default::default(),
     };
     failures.extend(hostile_violations.iter().cloned());
+    failures.extend(n.burst.as_ref().and_then(burst::Burst::shortfall));
     if args.seconds >= crate::chaos::verdict::FULL_RUN_SECONDS {
         let never = n.crash_points_fired.iter().filter(|(_, n)| **n == 0);
         failures.extend(never.map(|(p, _)| format!("crash point {p} never fired")));
@@ -417,6 +484,7 @@ fn verdict(
         remote_connections: n.remote_connections,
         hostile_rows,
         hostile_violations,
+        burst: n.burst,
         settled: n.settled == Settled::Complete,
         settle_seconds: n.settle_seconds,
         lost,
@@ -844,6 +912,9 @@ async fn inject(
             crashes.pop();
             crash_postgres(server, run).await?;
         }
+        if let Some((outbox, watch)) = &mut targets.burst {
+            watch.tick(outbox, now).await;
+        }
         if let Some(f) = targets.foreign.as_deref_mut()
             && let Some(what) = f.tick(now, run.rng, run.faults).await?
         {
@@ -916,7 +987,12 @@ async fn move_lock(
             }
             run.count(&key, &what);
         }
-        Some(lock::Moved::Released { what }) => append_timeline(run.timeline, &what),
+        Some(lock::Moved::Released { what, ended }) => {
+            append_timeline(run.timeline, &what);
+            if let Some((key, n)) = ended {
+                *run.faults.entry(key).or_default() += n;
+            }
+        }
         None => {}
     }
 }
@@ -958,6 +1034,8 @@ struct Targets<'a> {
     windows: Vec<window::Timed>,
     /// The tables locked for a while.
     locks: Vec<lock::Timed>,
+    /// The `[burst]`'s outbox and its drain.
+    burst: Option<(AnyPool, burst::Watch)>,
 }
 
 /// Crashes the runner's PostgreSQL server and starts it again (`postgres_restart`).
@@ -977,6 +1055,24 @@ struct KafkaTargets<'a> {
     conn: idem_kafka::Connection,
     topics: &'a [String],
     redeliver: bool,
+}
+
+impl<'a> KafkaTargets<'a> {
+    /// The `[kafka]` section's cluster: the one the runner started, or its bootstrap.
+    fn of(file: &'a PipelineFile, cluster: Option<&'a Cluster>) -> Self {
+        let conn = match cluster {
+            Some(c) => c.conn.clone(),
+            None => {
+                idem_kafka::Connection::plaintext(file.kafka.bootstrap.as_deref().unwrap_or(""))
+            }
+        };
+        Self {
+            cluster,
+            conn,
+            topics: &file.kafka.topics,
+            redeliver: file.kafka.redeliver,
+        }
+    }
 }
 
 /// Copies of three recent records of each topic (`redelivered_records`); a copy that cannot
@@ -1246,6 +1342,17 @@ fn stop_loads(fleet: &mut Fleet) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_placeholder_left_in_a_value_is_found_and_one_in_a_comment_is_not() {
+        let text = "# {db.NAME} is a database's URL\n[[check]]\ndb = \"postgres://h/o\"\n\
+                    [[check.effect]]\ndb = \"x{db.ledger}y\"\n";
+        assert_eq!(unfilled(text), Some("{db.ledger}".to_owned()));
+        assert_eq!(
+            unfilled(&text.replace("x{db.ledger}y", "postgres://h/l")),
+            None
+        );
+    }
 
     #[test]
     fn a_remote_no_component_called_fails_the_run_and_a_called_one_does_not() {

@@ -36,6 +36,9 @@ pub(crate) struct PipelineFile {
     /// Tables locked for a while during the run.
     #[serde(default, rename = "lock")]
     pub locks: Vec<Lock>,
+    /// Events written into an outbox in one transaction before the components start.
+    #[serde(default)]
+    pub burst: Option<BurstSection>,
     /// What proves the run.
     pub verify: VerifySection,
 }
@@ -152,8 +155,37 @@ pub(crate) struct Lock {
     pub database: String,
     /// The table (`name` or `schema.name`, plain identifiers).
     pub table: String,
+    /// Lock the table's rows (`SELECT … FOR UPDATE`) instead of the table: inserts go on,
+    /// while an update or a delete of a row waits (a relay marking the rows it published).
+    #[serde(default)]
+    pub rows: bool,
+    /// At its release, end the sessions waiting on it (`pg_terminate_backend`), as an
+    /// operator ending blocked sessions does: what they had in flight fails with them.
+    /// Counted as `lock_<name>_waiters_ended`.
+    #[serde(default)]
+    pub end_waiters: bool,
     /// When it is taken and for how long.
     pub period: PeriodSection,
+}
+
+/// Events written into an outbox with plain SQL in one transaction just before the
+/// components start, with no `ANALYZE` after them: the relays' first claims run on
+/// statistics that say the table is small. Each event is of an aggregate of its own and of
+/// `aggregate_type`, whose topic no consumer should read: the burst loads the relays and
+/// nothing downstream. The run fails when the burst is not published by the end of the
+/// faults, or drains slower than 200 rows/s (a claim whose plan depends on fresh statistics
+/// crawls through it).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BurstSection {
+    /// The database (a `[databases]` name; PostgreSQL) whose `idem_outbox` they go into.
+    pub outbox: String,
+    /// Their aggregate type (their topic, with the relays' prefix; its event type is
+    /// `<aggregate_type>.written`).
+    pub aggregate_type: String,
+    /// How many (default: 250 per second of the run, at most 20 000).
+    #[serde(default)]
+    pub rows: Option<u32>,
 }
 
 /// A recurring while: at `first` after the faults start, then every `every`, for `lasts`.
@@ -328,6 +360,12 @@ pub(crate) enum FileError {
     LockDatabase(String),
     #[error("lock `{0}`: its table is not `name` or `schema.name` of letters, digits and `_`")]
     LockTable(String),
+    #[error("[burst] outbox = \"{0}\" names no PostgreSQL database of [databases]")]
+    BurstDatabase(String),
+    #[error("[burst] aggregate_type = \"{0}\": use letters, digits, `.`, `-` and `_`")]
+    BurstValue(String),
+    #[error("[burst] rows = 0: leave `rows` out for the default, or write some")]
+    BurstRows,
 }
 
 impl PipelineFile {
@@ -410,6 +448,22 @@ impl PipelineFile {
         for l in &self.locks {
             self.check_lock(l)?;
         }
+        if let Some(b) = &self.burst {
+            self.check_burst(b)?;
+        }
+        Ok(())
+    }
+
+    fn check_burst(&self, b: &BurstSection) -> Result<(), FileError> {
+        if !self.is_postgres(&b.outbox) {
+            return Err(FileError::BurstDatabase(b.outbox.clone()));
+        }
+        if !plain_value(&b.aggregate_type) {
+            return Err(FileError::BurstValue(b.aggregate_type.clone()));
+        }
+        if b.rows == Some(0) {
+            return Err(FileError::BurstRows);
+        }
         Ok(())
     }
 
@@ -462,8 +516,7 @@ impl PipelineFile {
         ];
         let groups = h.groups.iter().map(|g| ("groups", g));
         for (key, value) in values.into_iter().chain(groups) {
-            let plain = |ch: char| ch.is_ascii_alphanumeric() || matches!(ch, '.' | '-' | '_');
-            if value.is_empty() || !value.chars().all(plain) {
+            if !plain_value(value) {
                 return Err(FileError::HostileValue(key, value.clone()));
             }
         }
@@ -517,6 +570,12 @@ impl Component {
     }
 }
 
+/// A value written into a row or a topic name: letters, digits, `.`, `-` and `_`, not empty.
+fn plain_value(value: &str) -> bool {
+    let plain = |ch: char| ch.is_ascii_alphanumeric() || matches!(ch, '.' | '-' | '_');
+    !value.is_empty() && value.chars().all(plain)
+}
+
 /// A name of letters, digits, `-` and `_`.
 fn valid_name(name: &str) -> bool {
     !name.is_empty()
@@ -525,10 +584,11 @@ fn valid_name(name: &str) -> bool {
             .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
 }
 
-/// `text` (a verify config) with each `{db.NAME}` of a database the runner created replaced
-/// by its URL; nothing else changes (TOML's own braces stay).
-pub(crate) fn with_started_urls(text: &str, started: &BTreeMap<String, String>) -> String {
-    started.iter().fold(text.to_owned(), |t, (name, url)| {
+/// `text` (a verify config) with each `{db.NAME}` of `urls` (the databases' URLs by name, as
+/// the runner reaches them: never through a fault proxy) replaced by its URL; nothing else
+/// changes (TOML's own braces stay).
+pub(crate) fn with_database_urls(text: &str, urls: &BTreeMap<String, String>) -> String {
+    urls.iter().fold(text.to_owned(), |t, (name, url)| {
         t.replace(&format!("{{db.{name}}}"), url)
     })
 }
@@ -772,7 +832,7 @@ mod tests {
         assert_eq!(urls["orders"], "postgres://h:1/orders");
         assert_eq!(urls["ledger"], "sqlite://ledger.db");
         assert_eq!(
-            with_started_urls(r#"db = "{db.orders}", x = { y = "{db.ledger}" }"#, &urls),
+            with_database_urls(r#"db = "{db.orders}", x = { y = "{db.ledger}" }"#, &urls),
             r#"db = "postgres://h:1/orders", x = { y = "sqlite://ledger.db" }"#
         );
     }
@@ -816,6 +876,12 @@ mod tests {
         let f = with("", "").unwrap();
         assert_eq!(f.locks[0].period.lasts, Duration::from_secs(5));
         assert!(f.locks[0].period.quiet);
+        assert!(
+            !f.locks[0].rows && !f.locks[0].end_waiters,
+            "the table, no one ended"
+        );
+        let rows = with("period =", "rows = true\nend_waiters = true\nperiod =").unwrap();
+        assert!(rows.locks[0].rows && rows.locks[0].end_waiters);
         let refused = [
             ("\"public.ledger_entries\"", "\"ledger; DROP TABLE x\""),
             ("\"public.ledger_entries\"", "\"a.b.c\""),
@@ -835,6 +901,35 @@ mod tests {
         assert_eq!(
             with("lasts = \"5s\"", "lasts = \"30s\""),
             Err(FileError::LockLength("ledger".into()))
+        );
+    }
+
+    #[test]
+    fn a_burst_names_a_postgresql_outbox_a_plain_aggregate_type_and_some_rows() {
+        let burst = "[burst]\noutbox = \"orders\"\naggregate_type = \"burst\"\n\n[verify]";
+        let with = |from: &str, to: &str| {
+            PipelineFile::parse(&FILE.replacen("[verify]", &burst.replacen(from, to, 1), 1))
+        };
+        let f = with("", "").unwrap();
+        let b = f.burst.unwrap();
+        assert_eq!(
+            (b.outbox.as_str(), b.aggregate_type.as_str()),
+            ("orders", "burst")
+        );
+        assert_eq!(b.rows, None, "the default: by the run's length");
+        let sized = with("[verify]", "rows = 500\n\n[verify]").unwrap();
+        assert_eq!(sized.burst.unwrap().rows, Some(500));
+        assert_eq!(
+            with("[verify]", "rows = 0\n\n[verify]"),
+            Err(FileError::BurstRows)
+        );
+        assert_eq!(
+            with("\"orders\"", "\"nope\""),
+            Err(FileError::BurstDatabase("nope".into()))
+        );
+        assert_eq!(
+            with("\"burst\"", "\"b'; --\""),
+            Err(FileError::BurstValue("b'; --".into()))
         );
     }
 

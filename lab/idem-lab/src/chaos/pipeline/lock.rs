@@ -3,6 +3,12 @@
 //! rolls it back. Every statement on the table waits meanwhile, or fails at its own
 //! `lock_timeout`: a handler that writes to it fails transiently until the lock is gone, and
 //! must not give up on an event for that.
+//!
+//! With `rows = true` the runner locks the table's rows instead (`SELECT … FOR UPDATE`):
+//! inserts go on, updates and deletes of the rows wait. With `end_waiters = true` it then ends
+//! the sessions waiting on its lock before releasing it, as an operator ending blocked
+//! sessions does: on the outbox, a relay's mark of what it published fails, the rows are
+//! published again once its lease runs out, and the inboxes absorb the copies.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -17,7 +23,7 @@ pub(super) struct Timed {
     lock: Lock,
     pool: sqlx::PgPool,
     period: Period,
-    held: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    held: Option<tokio::task::JoinHandle<anyhow::Result<u64>>>,
 }
 
 /// What a tick did, for the counts and the timeline.
@@ -29,6 +35,8 @@ pub(super) enum Moved {
     },
     Released {
         what: String,
+        /// `lock_<name>_waiters_ended` and the sessions it ended (`end_waiters`).
+        ended: Option<(String, u64)>,
     },
 }
 
@@ -76,28 +84,46 @@ impl Timed {
             && let Some(task) = self.held.take()
         {
             self.period.closes(None);
-            let how = match task.await {
-                Ok(Ok(())) => "released".to_owned(),
-                Ok(Err(e)) => format!("lost before its time: {e:#}"),
-                Err(e) => format!("lost before its time: {e}"),
+            let (how, ended) = match task.await {
+                Ok(Ok(n)) if self.lock.end_waiters => {
+                    let key = format!("lock_{}_waiters_ended", self.lock.name);
+                    (
+                        format!("released, {n} waiting sessions ended"),
+                        Some((key, n)),
+                    )
+                }
+                Ok(Ok(_)) => ("released".to_owned(), None),
+                Ok(Err(e)) => (format!("lost before its time: {e:#}"), None),
+                Err(e) => (format!("lost before its time: {e}"), None),
             };
-            let what = format!("lock_{} of {} {how}", self.lock.name, self.lock.table);
-            return Some(Moved::Released { what });
+            let what = format!("lock_{} of {} {how}", self.lock.name, self.what());
+            return Some(Moved::Released { what, ended });
         }
         let until = self.period.opens(now, end, may)?;
-        let sql = format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", self.lock.table);
-        let lasts = self.lock.period.lasts;
-        self.held = Some(tokio::spawn(hold(self.pool.clone(), sql, lasts)));
+        let held = Held {
+            sql: lock_sql(&self.lock),
+            lasts: self.lock.period.lasts,
+            end_waiters: self.lock.end_waiters,
+        };
+        self.held = Some(tokio::spawn(hold(self.pool.clone(), held)));
         Some(Moved::Taken {
             key: format!("lock_{}", self.lock.name),
             what: format!(
                 "lock_{} of {} for {:.1} s",
                 self.lock.name,
-                self.lock.table,
+                self.what(),
                 self.lock.period.lasts.as_secs_f64()
             ),
             until,
         })
+    }
+
+    /// What it locks, for the timeline.
+    fn what(&self) -> String {
+        match self.lock.rows {
+            true => format!("the rows of {}", self.lock.table),
+            false => self.lock.table.clone(),
+        }
     }
 
     /// Waits until the lock is released, if it is held (the faults are over).
@@ -109,13 +135,41 @@ impl Timed {
     }
 }
 
-/// Holds the lock `sql` takes for `hold`, then rolls back. (The table name is checked when the
-/// file is read: a plain identifier, or two.)
-async fn hold(pool: sqlx::PgPool, sql: String, hold: Duration) -> anyhow::Result<()> {
+/// The statement that takes `lock`. (The table name is checked when the file is read: a
+/// plain identifier, or two.)
+fn lock_sql(lock: &Lock) -> String {
+    match lock.rows {
+        true => format!(
+            "SELECT count(*) FROM (SELECT 1 FROM {} FOR UPDATE) AS locked",
+            lock.table
+        ),
+        false => format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", lock.table),
+    }
+}
+
+/// A lock to hold: the statement that takes it, for how long, and whether the sessions
+/// waiting on it are ended before its release.
+struct Held {
+    sql: String,
+    lasts: Duration,
+    end_waiters: bool,
+}
+
+/// The sessions waiting on a lock this session holds, ended: how many.
+const END_WAITERS: &str = "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) \
+                           FROM pg_stat_activity WHERE pg_backend_pid() = ANY (pg_blocking_pids(pid))";
+
+/// Holds the lock for its time, ends its waiters when asked (how many), then rolls back.
+async fn hold(pool: sqlx::PgPool, held: Held) -> anyhow::Result<u64> {
     let mut tx = pool.begin().await?;
-    sqlx::query(&sql).execute(&mut *tx).await?;
+    sqlx::query(&held.sql).execute(&mut *tx).await?;
     // The fault itself: the lock, held for this long.
-    tokio::time::sleep(hold).await;
+    tokio::time::sleep(held.lasts).await;
+    let mut ended = 0;
+    if held.end_waiters {
+        let n: i64 = sqlx::query_scalar(END_WAITERS).fetch_one(&mut *tx).await?;
+        ended = u64::try_from(n).unwrap_or(0);
+    }
     tx.rollback().await?;
-    Ok(())
+    Ok(ended)
 }
