@@ -267,6 +267,15 @@ fn passed(code: Option<i32>, r: &serde_json::Value, stderr: &str) {
     );
 }
 
+/// The reference file's run crashed its PostgreSQL server. Its crashes are due at 40 % and 70 %
+/// of the faults, but one due while the points API's slow window is open (the API keeps its
+/// keys there) waits for the window's end, and a fault loop held up meanwhile (a broker being
+/// restarted) can push the second past the end of the faults: once at least.
+fn crashed(r: &serde_json::Value) {
+    let n = count(r, "postgres_restart");
+    assert!((1..=2).contains(&n), "{n} PostgreSQL crashes: {r:#}");
+}
+
 fn count(r: &serde_json::Value, key: &str) -> u64 {
     r["faults"].get(key).and_then(|v| v.as_u64()).unwrap_or(0)
 }
@@ -657,7 +666,7 @@ fn a_postgresql_the_runner_starts_and_crashes_loses_nothing() {
 fn the_reference_pipeline_file_passes_with_network_faults_and_postgresql_crashes() {
     let (code, r, stderr) = chaos(&reference_file(), &["--duration", "40s", "--seed", "1"]);
     passed(code, &r, &stderr);
-    assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
+    crashed(&r);
     // The awards reached the points API through its remote's proxy: the remote's faults hit
     // the dispatcher's requests.
     let through = r["remote_connections"]["points"].as_u64().unwrap_or(0);
@@ -1117,7 +1126,7 @@ crash_points = ["cdc.after_publish_before_confirm"]
     let file = reference_edited(dir.path(), |t| section_replaced(&t, "relay", cdc));
     let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
     passed(code, &r, &stderr);
-    assert_eq!(count(&r, "postgres_restart"), 2, "{r:#}");
+    crashed(&r);
     let fired = r["crash_points_fired"].as_object().unwrap();
     assert!(
         fired["cdc.after_publish_before_confirm"].as_u64() > Some(0),
