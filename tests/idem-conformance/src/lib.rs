@@ -2,7 +2,7 @@
 //! database ([`scenarios`], one file per store concern, stamped into tests by
 //! [`conformance_tests!`]), throwaway PostgreSQL databases ([`pg`]) and Apache Kafka brokers
 //! ([`kafka`]), an OAuth 2 identity provider for OAUTHBEARER ([`oidc`]), records to hand a
-//! consumer ([`records`]), loopback ports below the ephemeral range ([`ports`]).
+//! consumer ([`records`]), loopback ports outside the ephemeral range ([`ports`]).
 // Fixtures that own processes, pools and temporary directories; none is printed.
 #![allow(
     clippy::unwrap_used,

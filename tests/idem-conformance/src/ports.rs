@@ -1,6 +1,6 @@
 //! Loopback ports chosen now for processes that bind them later.
 //!
-//! A port is taken from below the kernel's ephemeral range: a port the kernel hands out for
+//! A port is taken from outside the kernel's ephemeral range: a port the kernel hands out for
 //! port 0 is also what it hands the run's outgoing connections as their local ports, so one of
 //! them could take it before the process binds it. A port free now is not yet bound by its
 //! process either, so one run's choices are kept in one book: a port handed out once, or
@@ -32,18 +32,21 @@ impl Default for Ports {
 }
 
 impl Ports {
-    /// A book over the ports from 10 000 up to the ephemeral range, starting its search at a
-    /// place that differs between runs.
+    /// A book over the ports outside the ephemeral range (`outside_ephemeral`), starting its
+    /// search at a place that differs between runs.
     pub fn new() -> Self {
-        let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
             .ok()
-            .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-            .unwrap_or(32_768);
+            .and_then(|r| {
+                let mut bounds = r.split_whitespace().map(str::parse::<u16>);
+                Some((bounds.next()?.ok()?, bounds.next()?.ok()?))
+            })
+            .unwrap_or((32_768, 60_999));
         let start = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos())
             ^ std::process::id();
-        Self::over(10_000..=low.saturating_sub(1).max(10_000), start)
+        Self::over(outside_ephemeral(range), start)
     }
 
     fn over(range: RangeInclusive<u16>, start: u32) -> Self {
@@ -95,9 +98,31 @@ impl Ports {
     }
 }
 
+/// The ports to choose from, given the kernel's ephemeral range `(low, high)`: from 10 000 up
+/// to it when at least 1 000 ports lie there (Linux's default range leaves 22 768); else those
+/// above it; else, on a machine whose ephemeral range spans nearly every port, all from 10 000
+/// (none is safe from the kernel's choices there).
+fn outside_ephemeral((low, high): (u16, u16)) -> RangeInclusive<u16> {
+    const ROOM: u16 = 1_000;
+    if low >= 10_000 + ROOM {
+        10_000..=low - 1
+    } else if high <= u16::MAX - ROOM {
+        high + 1..=u16::MAX
+    } else {
+        10_000..=u16::MAX
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ports_lie_outside_the_ephemeral_range_when_there_is_room() {
+        assert_eq!(outside_ephemeral((32_768, 60_999)), 10_000..=32_767);
+        assert_eq!(outside_ephemeral((1_024, 50_000)), 50_001..=65_535);
+        assert_eq!(outside_ephemeral((1_024, 65_000)), 10_000..=65_535);
+    }
 
     #[test]
     fn a_port_handed_out_is_not_handed_out_again_though_nothing_binds_it() {

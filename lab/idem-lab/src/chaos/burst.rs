@@ -20,13 +20,24 @@ use serde::Serialize;
 /// included; the crawl it guards against ran at 75 to 100 rows/s).
 pub(super) const MIN_ROWS_PER_SECOND: f64 = 200.0;
 
+/// A drain timed shorter than this is timed as this long: a burst of at least
+/// [`MIN_ROWS`] then passes however its marks fell.
+const SHORTEST_DRAIN: Duration = Duration::from_secs(1);
+
+/// The smallest burst worth timing: one whose drain under [`SHORTEST_DRAIN`] still clears
+/// [`MIN_ROWS_PER_SECOND`] several times over.
+pub(super) const MIN_ROWS: u32 = 1_000;
+
 /// The aggregate type (and topic suffix) of the burst's events.
 pub(super) const AGGREGATE_TYPE: &str = "burst";
 
-/// The burst's size for a run of `seconds`: 250 events per second of the run, at most 20 000
-/// (the size at which the crawl was found).
+/// The burst's size for a run of `seconds`: 250 events per second of the run, at least
+/// [`MIN_ROWS`] and at most 20 000 (the size at which the crawl was found).
 pub(super) fn rows_for(seconds: u64) -> i64 {
-    i64::try_from(seconds.saturating_mul(250).min(20_000)).unwrap_or(20_000)
+    let rows = seconds
+        .saturating_mul(250)
+        .clamp(u64::from(MIN_ROWS), 20_000);
+    i64::try_from(rows).unwrap_or(20_000)
 }
 
 /// What the report says of the burst.
@@ -44,7 +55,7 @@ impl Burst {
     pub(crate) fn rate(&self) -> Option<f64> {
         let rows = f64::from(u32::try_from(self.rows).unwrap_or(u32::MAX));
         self.drained_seconds
-            .map(|s| rows / s.max(CHECK_EVERY.as_secs_f64()))
+            .map(|s| rows / s.max(SHORTEST_DRAIN.as_secs_f64()))
     }
 
     /// Why the burst fails the run, if it does.
@@ -93,15 +104,19 @@ pub(super) async fn write(
     Ok(())
 }
 
-/// How many events of aggregate type `aggregate_type` are still pending.
-async fn pending(outbox: &AnyPool, aggregate_type: &str) -> anyhow::Result<i64> {
+/// Where a burst stands: its rows not published yet (pending or parked), and the seconds
+/// from the first of its rows marked published to the last (none while none is).
+async fn progress(outbox: &AnyPool, watch: &Watch) -> anyhow::Result<(i64, Option<f64>)> {
     let AnyPool::Postgres(pool) = outbox else {
         anyhow::bail!("the burst is read with PostgreSQL's SQL");
     };
-    Ok(sqlx::query_scalar(
-        "SELECT count(*) FROM idem_outbox WHERE status = 'pending' AND aggregate_type = $1",
+    Ok(sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status <> 'published'), \
+                extract(epoch FROM max(published_at) - min(published_at))::float8 \
+         FROM idem_outbox WHERE aggregate_type = $1 AND starts_with(aggregate_id, $2)",
     )
-    .bind(aggregate_type)
+    .bind(&watch.aggregate_type)
+    .bind(&watch.prefix)
     .fetch_one(pool)
     .await?)
 }
@@ -109,26 +124,31 @@ async fn pending(outbox: &AnyPool, aggregate_type: &str) -> anyhow::Result<i64> 
 /// How often the injection loop looks at the burst.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// Watches a burst drain: when the first of its events was published and when the last was,
-/// looking once per [`CHECK_EVERY`].
+/// Watches a burst drain until every one of its rows is published. The time it took is the
+/// outbox's own: from the first of its rows marked published to the last (`published_at`),
+/// whenever the runner looks; a row parked, or still pending, is not drained.
 #[derive(Debug)]
 pub(super) struct Watch {
     aggregate_type: String,
+    /// The prefix of its aggregate ids (it, and no other writer's rows).
+    prefix: String,
+    /// When it was written.
+    written: Instant,
     /// When it was last looked at; `None` once drained.
     checked: Option<Instant>,
-    /// When it was first seen publishing.
-    began: Option<Instant>,
     /// What the report says of it.
     pub burst: Burst,
 }
 
 impl Watch {
-    /// A burst of `rows` events of `aggregate_type`, written at `written`.
-    pub(super) fn new(aggregate_type: &str, rows: i64, written: Instant) -> Self {
+    /// A burst of `rows` events of `aggregate_type` and aggregates `<prefix>N`, written at
+    /// `written`.
+    pub(super) fn new(aggregate_type: &str, prefix: &str, rows: i64, written: Instant) -> Self {
         Self {
             aggregate_type: aggregate_type.to_owned(),
+            prefix: prefix.to_owned(),
+            written,
             checked: Some(written),
-            began: None,
             burst: Burst {
                 rows,
                 drained_seconds: None,
@@ -146,15 +166,14 @@ impl Watch {
             return;
         }
         self.checked = Some(now);
-        let Ok(left) = pending(outbox, &self.aggregate_type).await else {
+        let Ok((left, span)) = progress(outbox, self).await else {
             return;
         };
-        if left < self.burst.rows && self.began.is_none() {
-            self.began = Some(now);
-        }
         if left == 0 {
-            let began = self.began.unwrap_or(now);
-            self.burst.drained_seconds = Some(now.duration_since(began).as_secs_f64());
+            // No published row left to time (a relay that deletes what it published): the
+            // time since the write, an upper bound.
+            let since = now.duration_since(self.written).as_secs_f64();
+            self.burst.drained_seconds = Some(span.unwrap_or(since));
             self.checked = None;
         }
     }
@@ -183,9 +202,10 @@ mod tests {
         assert_eq!(
             burst(300, Some(0.2)).rate(),
             Some(300.0),
-            "one check at least"
+            "a second at least"
         );
         assert_eq!(rows_for(40), 10_000);
         assert_eq!(rows_for(600), 20_000);
+        assert_eq!(rows_for(1), i64::from(MIN_ROWS));
     }
 }

@@ -57,8 +57,8 @@ pub(super) struct World<'a> {
     pub server: Option<&'a PrivatePg>,
     /// `--pg-failover`: the server fails over to its standby during the run.
     pub failover: bool,
-    /// The burst's size (written before the processes started).
-    pub burst: i64,
+    /// The burst's aggregate prefix and size (written before the processes started).
+    pub burst: (&'a str, i64),
 }
 
 /// Timers of the injection loop.
@@ -98,7 +98,7 @@ pub(super) async fn inject(
             .then(|| started + Duration::from_millis(seconds * 550)),
         next_lock: started + Duration::from_secs(10),
         locks: vec![],
-        burst: burst::Watch::new(burst::AGGREGATE_TYPE, w.burst, started),
+        burst: burst::Watch::new(burst::AGGREGATE_TYPE, w.burst.0, w.burst.1, started),
     };
     let mut out = Injected {
         faults: BTreeMap::new(),

@@ -431,7 +431,7 @@ async fn drive(
         crash_log: &crash_log,
         server,
         failover: args.pg_failover,
-        burst: burst_rows,
+        burst: (&burst_prefix, burst_rows),
     };
     let mechanism = args.break_mechanism;
     let mut injected = inject::inject(&mut world, args.seconds, mechanism, &mut rng).await?;

@@ -325,10 +325,7 @@ async fn write_burst(
     let url = databases
         .get(&b.outbox)
         .with_context(|| format!("[burst] database {} has no URL", b.outbox))?;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .test_before_acquire(true)
-        .connect(url)
+    let pool = postgres::runner_pool(url, 1)
         .await
         .with_context(|| format!("[burst] connecting to database {}", b.outbox))?;
     let outbox = AnyPool::Postgres(pool);
@@ -340,7 +337,7 @@ async fn write_burst(
     burst::write(&outbox, &b.aggregate_type, &prefix, rows)
         .await
         .with_context(|| format!("[burst] writing {rows} events into {}", b.outbox))?;
-    let watch = burst::Watch::new(&b.aggregate_type, rows, Instant::now());
+    let watch = burst::Watch::new(&b.aggregate_type, &prefix, rows, Instant::now());
     Ok((outbox, watch))
 }
 
@@ -987,9 +984,9 @@ async fn move_lock(
             }
             run.count(&key, &what);
         }
-        Some(lock::Moved::Released { what, ended }) => {
+        Some(lock::Moved::Released { what, count }) => {
             append_timeline(run.timeline, &what);
-            if let Some((key, n)) = ended {
+            if let Some((key, n)) = count {
                 *run.faults.entry(key).or_default() += n;
             }
         }

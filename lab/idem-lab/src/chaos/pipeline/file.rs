@@ -183,7 +183,7 @@ pub(crate) struct BurstSection {
     /// Their aggregate type (their topic, with the relays' prefix; its event type is
     /// `<aggregate_type>.written`).
     pub aggregate_type: String,
-    /// How many (default: 250 per second of the run, at most 20 000).
+    /// How many (at least 1 000; default: 250 per second of the run, at most 20 000).
     #[serde(default)]
     pub rows: Option<u32>,
 }
@@ -364,8 +364,11 @@ pub(crate) enum FileError {
     BurstDatabase(String),
     #[error("[burst] aggregate_type = \"{0}\": use letters, digits, `.`, `-` and `_`")]
     BurstValue(String),
-    #[error("[burst] rows = 0: leave `rows` out for the default, or write some")]
-    BurstRows,
+    #[error(
+        "[burst] rows = {0}: a burst of fewer than 1000 rows drains too fast to time; write \
+         more, or leave `rows` out for the default"
+    )]
+    BurstRows(u32),
 }
 
 impl PipelineFile {
@@ -461,8 +464,8 @@ impl PipelineFile {
         if !plain_value(&b.aggregate_type) {
             return Err(FileError::BurstValue(b.aggregate_type.clone()));
         }
-        if b.rows == Some(0) {
-            return Err(FileError::BurstRows);
+        if let Some(rows) = b.rows.filter(|r| *r < crate::chaos::burst::MIN_ROWS) {
+            return Err(FileError::BurstRows(rows));
         }
         Ok(())
     }
@@ -917,11 +920,11 @@ mod tests {
             ("orders", "burst")
         );
         assert_eq!(b.rows, None, "the default: by the run's length");
-        let sized = with("[verify]", "rows = 500\n\n[verify]").unwrap();
-        assert_eq!(sized.burst.unwrap().rows, Some(500));
+        let sized = with("[verify]", "rows = 1500\n\n[verify]").unwrap();
+        assert_eq!(sized.burst.unwrap().rows, Some(1500));
         assert_eq!(
-            with("[verify]", "rows = 0\n\n[verify]"),
-            Err(FileError::BurstRows)
+            with("[verify]", "rows = 999\n\n[verify]"),
+            Err(FileError::BurstRows(999))
         );
         assert_eq!(
             with("\"orders\"", "\"nope\""),

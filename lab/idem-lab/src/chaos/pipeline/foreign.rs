@@ -48,10 +48,7 @@ impl ForeignWriter {
             let name = name.to_owned();
             async move {
                 let url = url.with_context(|| format!("[hostile] database {name} has no URL"))?;
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(2)
-                    .test_before_acquire(true)
-                    .connect(&url)
+                let pool = super::postgres::runner_pool(&url, 2)
                     .await
                     .with_context(|| format!("[hostile] connecting to database {name}"))?;
                 anyhow::Ok(AnyPool::Postgres(pool))

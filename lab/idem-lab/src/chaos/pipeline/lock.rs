@@ -35,8 +35,9 @@ pub(super) enum Moved {
     },
     Released {
         what: String,
-        /// `lock_<name>_waiters_ended` and the sessions it ended (`end_waiters`).
-        ended: Option<(String, u64)>,
+        /// What to count: `lock_<name>_waiters_ended` and the sessions it ended
+        /// (`end_waiters`), or `lock_<name>_lost` once when it ended before its time.
+        count: Option<(String, u64)>,
     },
 }
 
@@ -52,10 +53,7 @@ pub(super) async fn all(
         let url = databases
             .get(&l.database)
             .with_context(|| format!("lock {}: database {} has no URL", l.name, l.database))?;
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .test_before_acquire(true)
-            .connect(url)
+        let pool = super::postgres::runner_pool(url, 1)
             .await
             .with_context(|| format!("lock {}: connecting to database {}", l.name, l.database))?;
         out.push(Timed {
@@ -84,20 +82,22 @@ impl Timed {
             && let Some(task) = self.held.take()
         {
             self.period.closes(None);
-            let (how, ended) = match task.await {
+            let name = &self.lock.name;
+            let lost = (format!("lock_{name}_lost"), 1);
+            let (how, count) = match task.await {
                 Ok(Ok(n)) if self.lock.end_waiters => {
-                    let key = format!("lock_{}_waiters_ended", self.lock.name);
+                    let key = format!("lock_{name}_waiters_ended");
                     (
                         format!("released, {n} waiting sessions ended"),
                         Some((key, n)),
                     )
                 }
                 Ok(Ok(_)) => ("released".to_owned(), None),
-                Ok(Err(e)) => (format!("lost before its time: {e:#}"), None),
-                Err(e) => (format!("lost before its time: {e}"), None),
+                Ok(Err(e)) => (format!("lost before its time: {e:#}"), Some(lost)),
+                Err(e) => (format!("lost before its time: {e}"), Some(lost)),
             };
-            let what = format!("lock_{} of {} {how}", self.lock.name, self.what());
-            return Some(Moved::Released { what, ended });
+            let what = format!("lock_{name} of {} {how}", self.what());
+            return Some(Moved::Released { what, count });
         }
         let until = self.period.opens(now, end, may)?;
         let held = Held {
@@ -155,9 +155,13 @@ struct Held {
     end_waiters: bool,
 }
 
-/// The sessions waiting on a lock this session holds, ended: how many.
+/// The sessions waiting on a lock this session holds, ended: how many. The runner's own
+/// sessions (its foreign writer, its burst watch, its other locks) are spared: the fault is
+/// the pipeline's.
 const END_WAITERS: &str = "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) \
-                           FROM pg_stat_activity WHERE pg_backend_pid() = ANY (pg_blocking_pids(pid))";
+                           FROM pg_stat_activity \
+                           WHERE pg_backend_pid() = ANY (pg_blocking_pids(pid)) \
+                           AND application_name IS DISTINCT FROM $1";
 
 /// Holds the lock for its time, ends its waiters when asked (how many), then rolls back.
 async fn hold(pool: sqlx::PgPool, held: Held) -> anyhow::Result<u64> {
@@ -167,7 +171,10 @@ async fn hold(pool: sqlx::PgPool, held: Held) -> anyhow::Result<u64> {
     tokio::time::sleep(held.lasts).await;
     let mut ended = 0;
     if held.end_waiters {
-        let n: i64 = sqlx::query_scalar(END_WAITERS).fetch_one(&mut *tx).await?;
+        let n: i64 = sqlx::query_scalar(END_WAITERS)
+            .bind(super::postgres::RUNNER)
+            .fetch_one(&mut *tx)
+            .await?;
         ended = u64::try_from(n).unwrap_or(0);
     }
     tx.rollback().await?;

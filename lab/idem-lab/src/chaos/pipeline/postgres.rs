@@ -52,6 +52,23 @@ pub(super) async fn start(file: &PipelineFile, dir: &Path) -> anyhow::Result<Opt
     Ok(Some(Server { pg, urls }))
 }
 
+/// The `application_name` of the runner's own sessions (a lock's `end_waiters` spares them).
+pub(super) const RUNNER: &str = "idem-lab chaos runner";
+
+/// A pool of the runner's own on `url`, of at most `max` sessions named [`RUNNER`], each
+/// tested before use (the server may have restarted since).
+pub(super) async fn runner_pool(url: &str, max: u32) -> anyhow::Result<PgPool> {
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .with_context(|| format!("reading the URL {}", idem_sql::redact(url)))?
+        .application_name(RUNNER);
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .test_before_acquire(true)
+        .connect_with(options)
+        .await?)
+}
+
 /// `url` (a server's URL, `…/postgres`) naming database `name` instead.
 fn database_url(url: &str, name: &str) -> String {
     let server = url.rsplit_once('/').map_or(url, |(server, _)| server);
