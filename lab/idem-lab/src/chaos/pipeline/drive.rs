@@ -38,34 +38,32 @@ struct Verify {
 impl Verify {
     /// The config, with the URLs of the databases (`urls`, by name).
     fn config(&self, urls: &BTreeMap<String, String>) -> anyhow::Result<idem_verify::VerifyConfig> {
-        let text = with_database_urls(&self.text, urls);
-        if let Some(name) = unfilled(&text) {
+        let reading = || format!("reading the verify config {}", self.path.display());
+        let mut config: toml::Value = toml::from_str(&self.text).with_context(reading)?;
+        with_database_urls(&mut config, urls);
+        if let Some(name) = unfilled(&config) {
             anyhow::bail!(
                 "the verify config {} names {name}, a database [databases] does not define",
                 self.path.display()
             );
         }
-        idem_verify::VerifyConfig::from_toml(&text)
-            .with_context(|| format!("reading the verify config {}", self.path.display()))
+        let text = toml::to_string(&config).with_context(reading)?;
+        idem_verify::VerifyConfig::from_toml(&text).with_context(reading)
     }
 }
 
-/// The first `{db.NAME}` left in a value of verify config `text` (comments aside), if any.
-fn unfilled(text: &str) -> Option<String> {
-    fn walk(v: &toml::Value) -> Option<String> {
-        match v {
-            toml::Value::String(s) => {
-                let at = s.find("{db.")?;
-                let end = s[at..].find('}').map_or(s.len(), |e| at + e + 1);
-                Some(s[at..end].to_owned())
-            }
-            toml::Value::Array(a) => a.iter().find_map(walk),
-            toml::Value::Table(t) => t.values().find_map(walk),
-            _ => None,
+/// The first `{db.NAME}` left in a string value of verify config `config`, if any.
+fn unfilled(config: &toml::Value) -> Option<String> {
+    match config {
+        toml::Value::String(s) => {
+            let at = s.find("{db.")?;
+            let end = s[at..].find('}').map_or(s.len(), |e| at + e + 1);
+            Some(s[at..end].to_owned())
         }
+        toml::Value::Array(a) => a.iter().find_map(unfilled),
+        toml::Value::Table(t) => t.values().find_map(unfilled),
+        _ => None,
     }
-    // A file that is not TOML is reported by the verify config's own reader.
-    walk(&toml::from_str::<toml::Value>(text).ok()?)
 }
 
 /// The report of a pipeline run.
@@ -1344,9 +1342,10 @@ mod tests {
     fn a_placeholder_left_in_a_value_is_found_and_one_in_a_comment_is_not() {
         let text = "# {db.NAME} is a database's URL\n[[check]]\ndb = \"postgres://h/o\"\n\
                     [[check.effect]]\ndb = \"x{db.ledger}y\"\n";
-        assert_eq!(unfilled(text), Some("{db.ledger}".to_owned()));
+        let value = |text: &str| toml::from_str::<toml::Value>(text).unwrap();
+        assert_eq!(unfilled(&value(text)), Some("{db.ledger}".to_owned()));
         assert_eq!(
-            unfilled(&text.replace("x{db.ledger}y", "postgres://h/l")),
+            unfilled(&value(&text.replace("x{db.ledger}y", "postgres://h/l"))),
             None
         );
     }

@@ -587,13 +587,21 @@ fn valid_name(name: &str) -> bool {
             .all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
 }
 
-/// `text` (a verify config) with each `{db.NAME}` of `urls` (the databases' URLs by name, as
-/// the runner reaches them: never through a fault proxy) replaced by its URL; nothing else
-/// changes (TOML's own braces stay).
-pub(crate) fn with_database_urls(text: &str, urls: &BTreeMap<String, String>) -> String {
-    urls.iter().fold(text.to_owned(), |t, (name, url)| {
-        t.replace(&format!("{{db.{name}}}"), url)
-    })
+/// `config` (a verify config) with each `{db.NAME}` of `urls` (the databases' URLs by name,
+/// as the runner reaches them: never through a fault proxy) replaced by its URL in every
+/// string value; nothing else changes. The values are replaced, not the text: a URL holding
+/// a quote or a backslash (a password may) stays one string.
+pub(crate) fn with_database_urls(config: &mut toml::Value, urls: &BTreeMap<String, String>) {
+    match config {
+        toml::Value::String(s) => {
+            for (name, url) in urls {
+                *s = s.replace(&format!("{{db.{name}}}"), url);
+            }
+        }
+        toml::Value::Array(a) => a.iter_mut().for_each(|v| with_database_urls(v, urls)),
+        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| with_database_urls(v, urls)),
+        _ => {}
+    }
 }
 
 /// What the placeholders of one process stand for.
@@ -834,10 +842,22 @@ mod tests {
         let urls = f.urls(&[("orders".to_owned(), "postgres://h:1/orders".to_owned())].into());
         assert_eq!(urls["orders"], "postgres://h:1/orders");
         assert_eq!(urls["ledger"], "sqlite://ledger.db");
-        assert_eq!(
-            with_database_urls(r#"db = "{db.orders}", x = { y = "{db.ledger}" }"#, &urls),
-            r#"db = "postgres://h:1/orders", x = { y = "sqlite://ledger.db" }"#
-        );
+        let mut config: toml::Value = toml::from_str(
+            r#"db = "{db.orders}"
+x = { y = ["{db.ledger}"] }"#,
+        )
+        .unwrap();
+        with_database_urls(&mut config, &urls);
+        let expected: toml::Value = toml::from_str(
+            r#"db = "postgres://h:1/orders"
+x = { y = ["sqlite://ledger.db"] }"#,
+        )
+        .unwrap();
+        assert_eq!(config, expected);
+        let quoted = [("orders".to_owned(), r#"postgres://u:p"w\d@h/o"#.to_owned())].into();
+        let mut config: toml::Value = toml::from_str(r#"db = "{db.orders}""#).unwrap();
+        with_database_urls(&mut config, &quoted);
+        assert_eq!(config["db"].as_str(), Some(r#"postgres://u:p"w\d@h/o"#));
     }
 
     #[test]
