@@ -1106,13 +1106,8 @@ crash_points = ["consumer.after_db_commit_before_offset_commit"]
     );
 }
 
-/// The reference pipeline file with CDC relays in table mode (two replicas on one slot: one
-/// streams, the other waits to take over) instead of the polling ones, on the server the
-/// runner crashes twice: the CDC crash point fires for real (a relay aborts between Kafka's
-/// acknowledgement and the confirmation to the slot), and nothing is lost or doubled.
-#[test]
-fn the_reference_pipeline_file_with_cdc_relays_passes() {
-    let cdc = r#"name = "relay"
+/// The reference pipeline's relays as CDC relays in table mode, two replicas on one slot.
+const CDC_RELAYS: &str = r#"name = "relay"
 replicas = 2
 command = ["idem-lab", "cdc", "relay", "--slot", "shop", "--publication", "shop",
            "--db", "{db.orders}", "--brokers", "{kafka}", "--topic-prefix", "shop.",
@@ -1122,8 +1117,15 @@ env = { RUST_LOG = "warn,idem=info" }
 ready = { http = "http://127.0.0.1:{port}/healthz" }
 crash_points = ["cdc.after_publish_before_confirm"]
 "#;
+
+/// The reference pipeline file with CDC relays in table mode (two replicas on one slot: one
+/// streams, the other waits to take over) instead of the polling ones, on the server the
+/// runner crashes twice: the CDC crash point fires for real (a relay aborts between Kafka's
+/// acknowledgement and the confirmation to the slot), and nothing is lost or doubled.
+#[test]
+fn the_reference_pipeline_file_with_cdc_relays_passes() {
     let dir = tempfile::tempdir().unwrap();
-    let file = reference_edited(dir.path(), |t| section_replaced(&t, "relay", cdc));
+    let file = reference_edited(dir.path(), |t| section_replaced(&t, "relay", CDC_RELAYS));
     let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "1"]);
     passed(code, &r, &stderr);
     crashed(&r);
@@ -1136,6 +1138,33 @@ crash_points = ["cdc.after_publish_before_confirm"]
         !fired.contains_key("relay.after_publish_before_mark"),
         "{r:#}"
     );
+    assert_eq!(r["panics"], serde_json::json!([]));
+}
+
+/// The reference pipeline file's CDC relays on a server with a synchronous standby, failed
+/// over to it at 40 % of the run (`[postgres] failover = true`): the standby has no logical
+/// slot, so the relays are restarted with `--create-slot` (`after_failover`), as an operator
+/// answers that error; table mode's drain publishes what committed in between, and nothing is
+/// lost or doubled. Relays that never made the slot again would publish nothing after the
+/// failover, and every order written since would be lost.
+#[test]
+fn the_reference_pipeline_file_failing_over_to_a_standby_without_the_slot_loses_nothing() {
+    let relays =
+        format!("{CDC_RELAYS}after_failover = {{ env = {{ IDEM_CREATE_SLOT = \"true\" }} }}\n");
+    let dir = tempfile::tempdir().unwrap();
+    let file = reference_edited(dir.path(), |t| {
+        assert_eq!(t.matches("\n[kafka]\n").count(), 1, "{t}");
+        section_replaced(&t, "relay", &relays).replacen(
+            "\n[kafka]\n",
+            "\n[postgres]\nfailover = true\n\n[kafka]\n",
+            1,
+        )
+    });
+    let (code, r, stderr) = chaos(&file, &["--duration", "40s", "--seed", "2"]);
+    passed(code, &r, &stderr);
+    assert_eq!(count(&r, "postgres_failover"), 1, "{r:#}");
+    assert_eq!(count(&r, "restarted_after_failover"), 2, "{r:#}");
+    assert!(count(&r, "postgres_restart") <= 1, "{r:#}");
     assert_eq!(r["panics"], serde_json::json!([]));
 }
 

@@ -15,7 +15,6 @@ use super::topology::Topology;
 use super::windows::Windows;
 use super::{burst, crash_counts, hostile, locker};
 use crate::demo::world::Databases;
-use idem_conformance::private_pg::PrivatePg;
 
 /// The counters scraped from the processes' metrics.
 pub(super) const COUNTERS: [&str; 5] = [
@@ -53,10 +52,6 @@ pub(super) struct World<'a> {
     pub nodes: usize,
     /// Where armed crash points log that they fired.
     pub crash_log: &'a Path,
-    /// The run's own PostgreSQL server (`--pg-failover`).
-    pub server: Option<&'a PrivatePg>,
-    /// `--pg-failover`: the server fails over to its standby during the run.
-    pub failover: bool,
     /// The burst's aggregate prefix and size (written before the processes started).
     pub burst: (&'a str, i64),
 }
@@ -68,8 +63,6 @@ struct Timers {
     hostile_round: u64,
     last_scrape: Instant,
     last_progress: Instant,
-    /// When the failover to the standby is due (`--pg-failover`).
-    failover_at: Option<Instant>,
     next_lock: Instant,
     /// Locks of the outbox under way.
     locks: Vec<tokio::task::JoinHandle<anyhow::Result<locker::Locked>>>,
@@ -93,9 +86,6 @@ pub(super) async fn inject(
         hostile_round: 0,
         last_scrape: started,
         last_progress: started,
-        failover_at: w
-            .failover
-            .then(|| started + Duration::from_millis(seconds * 550)),
         next_lock: started + Duration::from_secs(10),
         locks: vec![],
         burst: burst::Watch::new(burst::AGGREGATE_TYPE, w.burst.0, w.burst.1, started),
@@ -133,13 +123,6 @@ pub(super) async fn inject(
         }
         // No other fault while the long lock is due or held (see `Windows::holds_faults`).
         let held = out.windows.holds_faults(now, end);
-        if t.failover_at.is_some_and(|d| now >= d) && !held {
-            t.failover_at = None;
-            if let Some(server) = w.server {
-                fail_over(w, server, &mut out.faults).await?;
-            }
-            continue;
-        }
         let may_run = schedule::may_run(
             held,
             out.windows.lock_open(),
@@ -169,7 +152,7 @@ async fn count_locks(
     faults: &mut BTreeMap<String, u64>,
 ) {
     for lock in locks {
-        // A lock that a failover (`--pg-failover`) cut short did nothing to count.
+        // A lock that a crash of its session cut short did nothing to count.
         let Ok(Ok(locked)) = lock.await else {
             *faults.entry("outbox_lock_lost".to_owned()).or_default() += 1;
             continue;
@@ -178,80 +161,6 @@ async fn count_locks(
         *faults
             .entry("outbox_lock_waiters_terminated".to_owned())
             .or_default() += u64::try_from(locked.terminated).unwrap_or(0);
-    }
-}
-
-/// Fails the run's PostgreSQL server over to its standby, then waits until the runner's pools
-/// answer the new primary. CDC relays stop on the slot the standby lacks: the runner restarts
-/// the first with `--create-slot` (`IDEM_CREATE_SLOT`), as an operator answers that error, and
-/// the others plainly once the slot exists.
-async fn fail_over(
-    w: &mut World<'_>,
-    server: &PrivatePg,
-    faults: &mut BTreeMap<String, u64>,
-) -> anyhow::Result<()> {
-    timeline_line(
-        w.crash_log,
-        "postgres_failover (primary stopped, standby promoted)",
-    );
-    tokio::task::block_in_place(|| server.try_fail_over())
-        .map_err(|e| anyhow::anyhow!("{e} (server log {})", server.log().display()))?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for pool in [&w.dbs.orders, &w.dbs.settlement, &w.dbs.points] {
-        while let Err(e) = pool.scalar("SELECT 1::bigint").await {
-            if Instant::now() > deadline {
-                bail!("a database did not answer within 60 s of the failover: {e}");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-    *faults.entry("postgres_failover".to_owned()).or_default() += 1;
-    let Some(slot) = &w.topology.cdc_slot else {
-        return Ok(());
-    };
-    let relays: Vec<usize> = (0..w.procs.len())
-        .filter(|&i| w.procs[i].role == Role::Relay)
-        .collect();
-    for (n, &i) in relays.iter().enumerate() {
-        w.procs[i].kill9();
-        let env = if n == 0 {
-            vec![("IDEM_CREATE_SLOT", "true".to_owned())]
-        } else {
-            wait_for_slot(&w.dbs.orders, slot, deadline).await?;
-            vec![]
-        };
-        w.procs[i].start(&env)?;
-    }
-    *faults
-        .entry("cdc_slot_created_after_failover".to_owned())
-        .or_default() += 1;
-    Ok(())
-}
-
-/// Waits until the replication slot `slot` exists.
-async fn wait_for_slot(
-    orders: &idem_sql::AnyPool,
-    slot: &str,
-    deadline: Instant,
-) -> anyhow::Result<()> {
-    let idem_sql::AnyPool::Postgres(pool) = orders else {
-        bail!("CDC runs on PostgreSQL");
-    };
-    loop {
-        let made: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
-        )
-        .bind(slot)
-        .fetch_one(pool)
-        .await
-        .unwrap_or(false);
-        if made {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("the relay started with --create-slot made no slot {slot} within 60 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -50,7 +50,6 @@ use serde::Serialize;
 
 use crate::demo::world::{Databases, Owner};
 use idem_conformance::ports::Ports;
-use idem_conformance::private_pg::PrivatePg;
 use procs::{Proc, Rng};
 use topology::Topology;
 
@@ -66,7 +65,7 @@ pub(crate) struct ChaosArgs {
     /// Kafka, its components as command lines, the verify config
     /// (`docs/operating/chaos-your-pipeline.md`). `--duration`, `--seed`, `--settle-deadline`,
     /// `--break`, `--keep` and `--json` apply; the reference pipeline's options do not.
-    #[arg(long, conflicts_with_all = ["tls", "cdc", "pg_failover"])]
+    #[arg(long, conflicts_with_all = ["tls", "cdc"])]
     pub pipeline: Option<PathBuf>,
     /// PostgreSQL server URL: the run creates (and drops) its own databases on it.
     #[arg(
@@ -94,13 +93,6 @@ pub(crate) struct ChaosArgs {
     /// relay's.
     #[arg(long, conflicts_with = "break_mechanism")]
     pub cdc: bool,
-    /// Run on a PostgreSQL server of the run's own with a synchronous streaming standby
-    /// (`pg_basebackup`; `--db` is ignored), and fail over to it at 55 % of `--duration`: the
-    /// primary stops as a crash would, the standby is promoted and takes its place. The
-    /// standby has no logical slot (PostgreSQL 15): with `--cdc` the relays stop on the missing
-    /// slot, and the runner restarts one with `--create-slot`, as an operator would.
-    #[arg(long, conflicts_with = "tls")]
-    pub pg_failover: bool,
     /// Run secured: Kafka (one node) over SASL_SSL with SCRAM-SHA-512, with a CA, a broker
     /// certificate and SCRAM users made for the run (`scripts/kafka prepare --security
     /// sasl_ssl`); PostgreSQL under `sslmode=verify-full` (which `--db` must use) as
@@ -256,10 +248,7 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     let run = format!("c{}{}", args.seed, std::process::id());
     let tables = TableNames::default();
     let role = secured_role(&args)?;
-    let server = private_server(&args).await?;
-    let db = server
-        .as_ref()
-        .map_or_else(|| args.db.clone(), PrivatePg::url);
+    let db = args.db.clone();
     let dbs = match &role {
         Some(role) => {
             let url_of = |name: &str| role.url(&db, name);
@@ -276,7 +265,7 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<()> {
     // included (`Proc` kills its child on drop), and the databases are still dropped.
     let interrupted = idem_cli::util::shutdown_signal()?;
     let result = tokio::select! {
-        r = drive(&args, &dbs, dir.path(), &run, server.as_ref(), role.as_ref()) => r,
+        r = drive(&args, &dbs, dir.path(), &run, role.as_ref()) => r,
         () = interrupted => Err(anyhow::anyhow!(
             "interrupted: every process of the run was killed and its databases are dropped"
         )),
@@ -313,18 +302,6 @@ fn secured_role(args: &ChaosArgs) -> anyhow::Result<Option<secure::DbRole>> {
         );
     };
     Ok(Some(secure::DbRole::new(&args.tls_db_role, file)?))
-}
-
-/// With `--pg-failover`, the run's own PostgreSQL server and its standby, started.
-async fn private_server(args: &ChaosArgs) -> anyhow::Result<Option<PrivatePg>> {
-    if !args.pg_failover {
-        return Ok(None);
-    }
-    let server = tokio::task::spawn_blocking(PrivatePg::try_start).await??;
-    if args.pg_failover {
-        tokio::task::block_in_place(|| server.try_add_standby())?;
-    }
-    Ok(Some(server))
 }
 
 /// Drops the CDC relays' slot (every process is stopped by now; a killed relay's session may
@@ -364,7 +341,6 @@ async fn drive(
     dbs: &Databases,
     dir: &Path,
     run: &str,
-    server: Option<&PrivatePg>,
     role: Option<&secure::DbRole>,
 ) -> anyhow::Result<ChaosReport> {
     let mut rng = Rng::new(args.seed);
@@ -429,8 +405,6 @@ async fn drive(
         topology: &topology,
         nodes: NODES,
         crash_log: &crash_log,
-        server,
-        failover: args.pg_failover,
         burst: (&burst_prefix, burst_rows),
     };
     let mechanism = args.break_mechanism;

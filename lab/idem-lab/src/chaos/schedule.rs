@@ -249,8 +249,7 @@ const CDC_RUN_POINTS: &[CrashPoint] = &[
 
 /// Whether a due fault may run: not while the long lock is held; while it is only due
 /// (`held`, not `lock_open`), only the run's first broker fault, which a short run under load
-/// would otherwise never reach (the lock waits for the pipeline, then a put-off failover goes
-/// first).
+/// would otherwise never reach (the lock waits for the pipeline).
 pub(super) fn may_run(held: bool, lock_open: bool, first_broker_due: bool) -> bool {
     !held || (!lock_open && first_broker_due)
 }

@@ -258,6 +258,8 @@ async fn drive(
     let mut targets = Targets {
         kafka,
         postgres: server.as_ref(),
+        failover: file.postgres.failover,
+        after_failover: after_failover(file),
         foreign: foreign.as_mut(),
         windows: window::all(file, Instant::now()),
         locks: lock::all(&file.locks, &databases, Instant::now()).await?,
@@ -840,8 +842,12 @@ async fn inject(
 ) -> anyhow::Result<()> {
     let start = Instant::now();
     let kafka = &targets.kafka;
-    let mut crashes = match targets.postgres {
-        Some(_) => postgres::crash_times(start, end.saturating_duration_since(start).as_secs()),
+    let mut server_faults = match targets.postgres {
+        Some(_) => postgres::server_faults(
+            start,
+            end.saturating_duration_since(start).as_secs(),
+            targets.failover,
+        ),
         None => vec![],
     };
     let mut next_signal = start + Duration::from_secs(1);
@@ -895,18 +901,7 @@ async fn inject(
                 next_signal = now + Duration::from_millis(100);
             }
         }
-        // A window's replicas that use the run's server keep it while the window is open.
-        let spared = targets
-            .windows
-            .iter()
-            .any(|w| w.uses_server() && w.period().is_open(now));
-        if let Some(server) = targets.postgres
-            && !spared
-            && crashes.last().is_some_and(|t| now >= *t)
-        {
-            crashes.pop();
-            crash_postgres(server, run).await?;
-        }
+        server_fault(&mut server_faults, targets, fleet, now, run).await?;
         if let Some((outbox, watch)) = &mut targets.burst {
             watch.tick(outbox, now).await;
         }
@@ -1023,6 +1018,10 @@ fn move_window(
 struct Targets<'a> {
     kafka: KafkaTargets<'a>,
     postgres: Option<&'a Server>,
+    /// `[postgres] failover`: the server fails over to its standby once.
+    failover: bool,
+    /// The components restarted after the failover, each with the environment it adds.
+    after_failover: Vec<(String, Vec<(String, String)>)>,
     /// The `[hostile]` section's writer.
     foreign: Option<&'a mut ForeignWriter>,
     /// The components' windows.
@@ -1033,6 +1032,34 @@ struct Targets<'a> {
     burst: Option<(AnyPool, burst::Watch)>,
 }
 
+/// The server fault that is due, if any, unless a window's replicas that use the run's
+/// server keep it while the window is open.
+async fn server_fault(
+    due: &mut Vec<(Instant, postgres::ServerFault)>,
+    targets: &Targets<'_>,
+    fleet: &mut Fleet,
+    now: Instant,
+    run: &mut RunState<'_>,
+) -> anyhow::Result<()> {
+    let spared = targets
+        .windows
+        .iter()
+        .any(|w| w.uses_server() && w.period().is_open(now));
+    let Some(server) = targets.postgres else {
+        return Ok(());
+    };
+    if spared || due.last().is_none_or(|(t, _)| now < *t) {
+        return Ok(());
+    }
+    match due.pop() {
+        Some((_, postgres::ServerFault::Crash)) => crash_postgres(server, run).await,
+        Some((_, postgres::ServerFault::Failover)) => {
+            fail_over(server, fleet, &targets.after_failover, run).await
+        }
+        None => Ok(()),
+    }
+}
+
 /// Crashes the runner's PostgreSQL server and starts it again (`postgres_restart`).
 async fn crash_postgres(server: &Server, run: &mut RunState<'_>) -> anyhow::Result<()> {
     postgres::crash_and_restart(server).await?;
@@ -1041,6 +1068,50 @@ async fn crash_postgres(server: &Server, run: &mut RunState<'_>) -> anyhow::Resu
         "the run's PostgreSQL server (pg_ctl stop -m immediate, start)",
     );
     Ok(())
+}
+
+/// Fails the runner's server over to its standby (`postgres_failover`), then restarts the
+/// replicas of each component of `after` with its environment added
+/// (`restarted_after_failover`, one per replica).
+async fn fail_over(
+    server: &Server,
+    fleet: &mut Fleet,
+    after: &[(String, Vec<(String, String)>)],
+    run: &mut RunState<'_>,
+) -> anyhow::Result<()> {
+    postgres::fail_over(server).await?;
+    run.count(
+        "postgres_failover",
+        "the run's PostgreSQL server (primary stopped as by a crash, its synchronous standby \
+         promoted in its place)",
+    );
+    for (component, env) in after {
+        let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        for (i, p) in fleet.procs.iter_mut().enumerate() {
+            if fleet.done[i] || !window::is_replica(&p.name, component) {
+                continue;
+            }
+            if p.paused_until.take().is_some() {
+                p.signal(18);
+            }
+            p.kill9();
+            p.start(&env)?;
+            p.restart_at = None;
+            let what = format!("{} with {env:?}", p.name);
+            run.count("restarted_after_failover", &what);
+        }
+    }
+    Ok(())
+}
+
+/// Each component's `after_failover` environment, by component name.
+fn after_failover(file: &PipelineFile) -> Vec<(String, Vec<(String, String)>)> {
+    all(file)
+        .filter_map(|c| {
+            let env = c.after_failover.as_ref()?.env.clone().into_iter().collect();
+            Some((c.name.clone(), env))
+        })
+        .collect()
 }
 
 /// The Kafka side of the faults: the runner's cluster (broker faults), and the topics whose

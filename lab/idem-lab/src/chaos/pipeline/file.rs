@@ -18,6 +18,9 @@ pub(crate) struct PipelineFile {
     /// faults; an SQLite file as it is).
     #[serde(default)]
     pub databases: BTreeMap<String, Database>,
+    /// The runner's PostgreSQL server (the `start = true` databases' server).
+    #[serde(default)]
+    pub postgres: PostgresSection,
     /// The Kafka cluster.
     pub kafka: KafkaSection,
     /// The components: the processes under faults that stay up until the pipeline settles.
@@ -62,6 +65,27 @@ pub(crate) struct Started {
     pub start: bool,
     #[serde(default)]
     pub setup: Vec<String>,
+}
+
+/// The runner's PostgreSQL server: crashed at 40 % and 70 % of the run, or, with `failover`,
+/// failed over to a synchronous standby at 40 % and crashed at 70 %.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PostgresSection {
+    /// A synchronous streaming standby the server fails over to once (the primary stopped as
+    /// a crash would, the standby promoted in its place, on its port): no commit is lost,
+    /// and logical replication slots are: a PostgreSQL 15 or 16 standby has none.
+    #[serde(default)]
+    pub failover: bool,
+}
+
+/// What a component does after a failover of the runner's server: its replicas are
+/// restarted with `env` added to their first start after it (an operator's answer to the
+/// failover, such as a CDC relay's `--create-slot` for the slot the standby lacks).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AfterFailover {
+    pub env: BTreeMap<String, String>,
 }
 
 /// The Kafka cluster: one the runner starts (`nodes`), which it may kill and put behind fault
@@ -126,6 +150,9 @@ pub(crate) struct Component {
     /// Whiles in which its replicas run with more environment.
     #[serde(default, rename = "window")]
     pub windows: Vec<Window>,
+    /// How its replicas are restarted after a failover of the runner's server.
+    #[serde(default)]
+    pub after_failover: Option<AfterFailover>,
 }
 
 /// A while in which a component's replicas run with more environment — a dependency made slow
@@ -369,6 +396,12 @@ pub(crate) enum FileError {
          more, or leave `rows` out for the default"
     )]
     BurstRows(u32),
+    #[error(
+        "[postgres] failover = true needs a database with start = true: the runner fails over its own server only"
+    )]
+    FailoverWithoutServer,
+    #[error("`{0}` has after_failover, but [postgres] has no failover = true")]
+    AfterNoFailover(String),
 }
 
 impl PipelineFile {
@@ -392,6 +425,9 @@ impl PipelineFile {
         }
         if self.components.is_empty() {
             return Err(FileError::NoComponent);
+        }
+        if self.postgres.failover && self.started().next().is_none() {
+            return Err(FileError::FailoverWithoutServer);
         }
         let probe = Places::probe(self);
         for (name, started) in self.started() {
@@ -418,6 +454,9 @@ impl PipelineFile {
             }
             if c.replicas == 0 {
                 return Err(FileError::NoReplica(c.name.clone()));
+            }
+            if c.after_failover.is_some() && !self.postgres.failover {
+                return Err(FileError::AfterNoFailover(c.name.clone()));
             }
             for text in c.texts() {
                 expand(text, &probe).map_err(|e| e.of(&c.name))?;
@@ -1075,5 +1114,36 @@ x = { y = ["sqlite://ledger.db"] }"#,
                 placeholder: "{db.nope}".into()
             })
         );
+    }
+
+    #[test]
+    fn a_failover_needs_the_runners_server_and_after_failover_needs_a_failover() {
+        let after = "crash_points = [\"relay.after_publish_before_mark\"]\n\
+                     after_failover = { env = { IDEM_CREATE_SLOT = \"true\" } }";
+        let with = |from: &str, to: &str| PipelineFile::parse(&FILE.replacen(from, to, 1));
+        assert_eq!(
+            with("[kafka]", "[postgres]\nfailover = true\n\n[kafka]"),
+            Err(FileError::FailoverWithoutServer)
+        );
+        let after_file = FILE.replacen(
+            "crash_points = [\"relay.after_publish_before_mark\"]",
+            after,
+            1,
+        );
+        assert_eq!(
+            PipelineFile::parse(&after_file),
+            Err(FileError::AfterNoFailover("relay".into()))
+        );
+        let started = after_file
+            .replacen(
+                r#"orders = "postgres://u@127.0.0.1:5432/orders""#,
+                "orders = { start = true }",
+                1,
+            )
+            .replacen("[kafka]", "[postgres]\nfailover = true\n\n[kafka]", 1);
+        let f = PipelineFile::parse(&started).unwrap();
+        assert!(f.postgres.failover);
+        let env = &f.components[0].after_failover.as_ref().unwrap().env;
+        assert_eq!(env["IDEM_CREATE_SLOT"], "true");
     }
 }

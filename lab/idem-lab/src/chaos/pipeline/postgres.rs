@@ -1,7 +1,8 @@
 //! The PostgreSQL server a pipeline file asks the runner to start (`{ start = true }`
 //! databases): created with its databases and their setup commands before the components, and
 //! crashed (`pg_ctl stop -m immediate`, then start) at 40 % and 70 % of the run: every
-//! component loses its sessions and whatever the server had not flushed.
+//! component loses its sessions and whatever the server had not flushed. With `[postgres]
+//! failover = true` it has a synchronous standby and fails over to it at 40 % instead.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -48,6 +49,10 @@ pub(super) async fn start(file: &PipelineFile, dir: &Path) -> anyhow::Result<Opt
     };
     for (name, started) in file.started() {
         set_up(name, &started.setup, &places)?;
+    }
+    if file.postgres.failover {
+        tokio::task::block_in_place(|| pg.try_add_standby())
+            .context("adding the run's server a synchronous standby (pg_basebackup)")?;
     }
     Ok(Some(Server { pg, urls }))
 }
@@ -96,11 +101,44 @@ fn set_up(name: &str, setup: &[String], places: &Places) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// When the server is crashed: at 40 % and 70 % of a run of `seconds` (latest first, popped
-/// from the end).
-pub(super) fn crash_times(started: Instant, seconds: u64) -> Vec<Instant> {
+/// What the runner does to its server.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum ServerFault {
+    /// `pg_ctl stop -m immediate`, then start.
+    Crash,
+    /// The primary stopped as a crash would, its synchronous standby promoted in its place.
+    Failover,
+}
+
+/// When the server takes which fault: at 40 % (a crash, or with `failover` the failover) and
+/// 70 % (a crash) of a run of `seconds`; latest first, popped from the end.
+pub(super) fn server_faults(
+    started: Instant,
+    seconds: u64,
+    failover: bool,
+) -> Vec<(Instant, ServerFault)> {
     let at = |pct: u64| started + Duration::from_millis(seconds * 10 * pct);
-    vec![at(70), at(40)]
+    let first = match failover {
+        true => ServerFault::Failover,
+        false => ServerFault::Crash,
+    };
+    vec![(at(70), ServerFault::Crash), (at(40), first)]
+}
+
+/// Fails the server over to its standby, proving that a promoted standby answers: the
+/// timeline of its last checkpoint, read through connections of this function's own, moved.
+pub(super) async fn fail_over(server: &Server) -> anyhow::Result<()> {
+    const TIMELINE: &str = "SELECT timeline_id::bigint FROM pg_control_checkpoint()";
+    let url = server.pg.url();
+    let before = one_value(&url, TIMELINE).await?;
+    let log = server.pg.log();
+    tokio::task::block_in_place(|| server.pg.try_fail_over())
+        .map_err(|e| anyhow::anyhow!("{e} (server log {})", log.display()))?;
+    let after = answer_within_60s(&url, TIMELINE, "its failover").await?;
+    if after <= before {
+        bail!("the server's timeline did not move ({before} → {after}): no standby was promoted");
+    }
+    Ok(())
 }
 
 /// Crashes the server and starts it again, proving that it restarted (its start time moved).
@@ -112,28 +150,33 @@ pub(super) async fn crash_and_restart(server: &Server) -> anyhow::Result<()> {
 /// its start time, read through connections of this function's own, moved.
 pub(crate) async fn crash_and_restart_proven(pg: &PrivatePg) -> anyhow::Result<()> {
     let started_at = "SELECT (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint";
-    let before = start_time(&pg.url(), started_at).await?;
+    let before = one_value(&pg.url(), started_at).await?;
     let log = pg.log();
     tokio::task::block_in_place(|| pg.try_crash_and_restart())
         .map_err(|e| anyhow::anyhow!("{e} (server log {})", log.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let after = loop {
-        match start_time(&pg.url(), started_at).await {
-            Ok(t) => break t,
-            Err(_) if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => bail!("PostgreSQL did not answer within 60 s of its restart: {e}"),
-        }
-    };
+    let after = answer_within_60s(&pg.url(), started_at, "its restart").await?;
     if after <= before {
         bail!("PostgreSQL's start time did not move ({before} → {after} µs): it never restarted");
     }
     Ok(())
 }
 
-/// The server's start time, in µs since the epoch, through a connection of its own.
-async fn start_time(url: &str, sql: &str) -> anyhow::Result<i64> {
+/// The answer to `sql` once the server at `url` gives one, within 60 s (of `what`).
+async fn answer_within_60s(url: &str, sql: &str, what: &str) -> anyhow::Result<i64> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match one_value(url, sql).await {
+            Ok(v) => return Ok(v),
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => bail!("PostgreSQL did not answer within 60 s of {what}: {e}"),
+        }
+    }
+}
+
+/// The one value `sql` returns, through a connection of its own.
+async fn one_value(url: &str, sql: &str) -> anyhow::Result<i64> {
     use sqlx::Connection;
     let mut conn = sqlx::PgConnection::connect(url).await?;
     let t = sqlx::query_scalar(sql).fetch_one(&mut conn).await?;
@@ -156,9 +199,30 @@ mod tests {
     #[test]
     fn the_server_crashes_at_forty_and_seventy_percent() {
         let t0 = Instant::now();
-        let mut times = crash_times(t0, 100);
-        assert_eq!(times.pop(), Some(t0 + Duration::from_secs(40)));
-        assert_eq!(times.pop(), Some(t0 + Duration::from_secs(70)));
+        let mut times = server_faults(t0, 100, false);
+        assert_eq!(
+            times.pop(),
+            Some((t0 + Duration::from_secs(40), ServerFault::Crash))
+        );
+        assert_eq!(
+            times.pop(),
+            Some((t0 + Duration::from_secs(70), ServerFault::Crash))
+        );
+        assert_eq!(times.pop(), None);
+    }
+
+    #[test]
+    fn a_server_with_a_standby_fails_over_at_forty_percent_and_crashes_at_seventy() {
+        let t0 = Instant::now();
+        let mut times = server_faults(t0, 100, true);
+        assert_eq!(
+            times.pop(),
+            Some((t0 + Duration::from_secs(40), ServerFault::Failover))
+        );
+        assert_eq!(
+            times.pop(),
+            Some((t0 + Duration::from_secs(70), ServerFault::Crash))
+        );
         assert_eq!(times.pop(), None);
     }
 }

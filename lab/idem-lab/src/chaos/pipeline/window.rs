@@ -157,12 +157,17 @@ pub(super) fn all(file: &PipelineFile, start: Instant) -> Vec<Timed> {
         .collect()
 }
 
+/// Is process `name` a replica of `component` (`COMPONENT-N`)?
+pub(super) fn is_replica(name: &str, component: &str) -> bool {
+    name.strip_prefix(component)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .is_some_and(|replica| replica.parse::<usize>().is_ok())
+}
+
 impl Timed {
     /// Is process `name` one of this window's component's replicas?
     pub(super) fn covers(&self, name: &str) -> bool {
-        name.strip_prefix(&self.component)
-            .and_then(|rest| rest.strip_prefix('-'))
-            .is_some_and(|replica| replica.parse::<usize>().is_ok())
+        is_replica(name, &self.component)
     }
 
     /// When it opens and closes.
