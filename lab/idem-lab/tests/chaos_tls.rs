@@ -1,46 +1,23 @@
-//! `idem-lab chaos --tls`: one seed with every connection secured — Kafka over SASL_SSL with
-//! SCRAM-SHA-512 (a broker of the run's own, with a PKI and SCRAM users made for it, SIGKILLed and
-//! restarted), PostgreSQL under `verify-full` as `idem_tls` (a role the suite's server refuses
-//! in clear), the points API over HTTPS with the run's CA — loses nothing and doubles nothing.
-//! While it runs, every backend on its databases is encrypted and of `idem_tls`, and no command
-//! line on the host holds a password; afterwards the broker's log names the SCRAM principal, the
-//! awards went to `https://`, and no log line of the run holds a password: the runner's own
-//! search says so, and this test searches again.
+//! The reference pipeline file, secured: Kafka over SASL_SSL with SCRAM-SHA-512 (`[kafka]
+//! security = "sasl_ssl"`: a node of the runner's, with a PKI and SCRAM users made for the run,
+//! SIGKILLed and restarted), PostgreSQL under `verify-full` as `idem_tls` (a role the suite's
+//! server refuses in clear; its password in a `PGPASSFILE`, never in a URL), the points API
+//! over HTTPS with the run's CA — loses nothing and doubles nothing. While it runs, every
+//! backend on its databases is encrypted and of `idem_tls`, and no command line on the host
+//! holds a password; afterwards the broker's log names the SCRAM principal, the awards went to
+//! `https://`, and no log line of the run holds a password: the runner's own search says so,
+//! and this test searches again.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
 use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use idem_conformance::pg::{PgTlsMaterial, admin_url};
 use sqlx::postgres::PgPool;
-
-/// The chaos runner, secured, with the environment cleared of the lab's variables.
-fn chaos_tls(tls: &PgTlsMaterial, seconds: &str) -> Command {
-    let admin = format!(
-        "postgres://postgres@127.0.0.1:5432/postgres?sslmode=verify-full&sslrootcert={}",
-        tls.ca()
-    );
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem-lab"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("IDEM_") && !k.starts_with("IDEM_TEST_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.args(["chaos", "--tls", "--duration", seconds, "--seed", "1"])
-        .args(["--db", &admin, "--keep", "--json"])
-        .env(
-            "IDEM_CHAOS_TLS_DB_PASSWORD_FILE",
-            tls.file("idem_tls.password"),
-        )
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    cmd
-}
 
 /// What the test saw while the run went on.
 #[derive(Default)]
@@ -53,14 +30,14 @@ struct Seen {
     cmdlines: BTreeSet<String>,
 }
 
-async fn look(pool: &PgPool, run: &str, seen: &mut Seen) {
+async fn look(pool: &PgPool, prefix: &str, seen: &mut Seen) {
     let rows: Vec<(String, String, bool)> = sqlx::query_as(
         "SELECT coalesce(a.usename, '')::text, coalesce(a.backend_type, ''), \
                 coalesce(s.ssl, false) \
          FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
          WHERE a.datname LIKE $1",
     )
-    .bind(format!("idem_demo_{run}_%"))
+    .bind(format!("{prefix}%"))
     .fetch_all(pool)
     .await
     .unwrap_or_default();
@@ -89,13 +66,157 @@ fn logs(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// The reference pipeline file secured: its databases `urls` (by name), its Kafka clients
+/// logging in with the node's placeholders, the points API serving HTTPS and the dispatcher
+/// trusting the run's CA.
+fn secured_file(dir: &Path, urls: &[(&str, String)]) -> PathBuf {
+    let reference = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/reference");
+    let mut t = std::fs::read_to_string(reference.join("pipeline.toml")).unwrap();
+    let replace = |t: &mut String, from: &str, to: &str, n: usize| {
+        assert_eq!(t.matches(from).count(), n, "{from}");
+        *t = t.replace(from, to);
+    };
+    let (start, end) = (
+        t.find("[databases]\n").unwrap(),
+        t.find("\n[kafka]").unwrap(),
+    );
+    let databases: String = urls
+        .iter()
+        .map(|(name, url)| format!("{name} = \"{url}\"\n"))
+        .collect();
+    t = format!("{}[databases]\n{databases}{}", &t[..start], &t[end..]);
+    replace(
+        &mut t,
+        "nodes = 1\n",
+        "nodes = 1\nsecurity = \"sasl_ssl\"\n",
+        1,
+    );
+    replace(
+        &mut t,
+        "env = { RUST_LOG = \"warn,idem=info\" }",
+        "env = { RUST_LOG = \"warn,idem=info\", IDEM_KAFKA_SECURITY_PROTOCOL = \"SASL_SSL\", \
+         IDEM_KAFKA_SASL_MECHANISM = \"{kafka.mechanism}\", \
+         IDEM_KAFKA_SASL_USERNAME = \"{kafka.user}\", \
+         IDEM_KAFKA_SASL_PASSWORD_FILE = \"{kafka.password_file}\", \
+         IDEM_KAFKA_SSL_CA = \"{tls.ca}\" }",
+        4,
+    );
+    replace(
+        &mut t,
+        "\"--listen\", \"127.0.0.1:{port}\"]",
+        "\"--listen\", \"127.0.0.1:{port}\",\n           \"--tls-cert\", \"{tls.cert}\", \
+         \"--tls-key\", \"{tls.key}\"]",
+        1,
+    );
+    replace(
+        &mut t,
+        "\"http://{remote.points}/awards\"",
+        "\"https://{remote.points}/awards\"",
+        1,
+    );
+    replace(
+        &mut t,
+        "\"--concurrency\", \"64\",",
+        "\"--concurrency\", \"64\", \"--ca-bundle\", \"{tls.ca}\",",
+        1,
+    );
+    std::fs::copy(reference.join("verify.toml"), dir.join("verify.toml")).unwrap();
+    let file = dir.join("pipeline.toml");
+    std::fs::write(&file, t).unwrap();
+    file
+}
+
+/// A `PGPASSFILE` (only its owner reads it) giving role `idem_tls`'s password for any port of
+/// 127.0.0.1: the runner's fault proxies listen on ports of their own.
+fn passfile(dir: &Path, password: &str) -> PathBuf {
+    let path = dir.join("pgpass");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .unwrap();
+    std::io::Write::write_all(
+        &mut f,
+        format!("127.0.0.1:*:*:idem_tls:{password}\n").as_bytes(),
+    )
+    .unwrap();
+    path
+}
+
+/// The chaos runner on `file`, with the environment cleared of the lab's variables and
+/// `idem-lab` on the `PATH`.
+fn chaos(file: &Path, passfile: &Path) -> Command {
+    let lab = Path::new(env!("CARGO_BIN_EXE_idem-lab"));
+    let mut path = vec![lab.parent().unwrap().to_path_buf()];
+    path.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    let mut cmd = Command::new(lab);
+    for (k, _) in std::env::vars() {
+        if (k.starts_with("IDEM_") && !k.starts_with("IDEM_TEST_")) || k.starts_with("PG") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.args(["chaos", "--pipeline"])
+        .arg(file)
+        .args(["--duration", "40s", "--seed", "1", "--keep", "--json"])
+        .env("PATH", std::env::join_paths(path).unwrap())
+        .env("PGPASSFILE", passfile)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// Creates databases `prefix{orders,settlement,points}` owned by `idem_tls` and sets each up
+/// as `idem_tls` over `verify-full` (`idem-lab setup`); their URLs, without a password.
+async fn databases(
+    admin: &PgPool,
+    tls: &PgTlsMaterial,
+    prefix: &str,
+    passfile: &Path,
+) -> Vec<(&'static str, String)> {
+    let mut urls = vec![];
+    for (name, more) in [
+        ("orders", None),
+        ("settlement", Some("--business-rule")),
+        ("points", None),
+    ] {
+        let db = format!("{prefix}{name}");
+        sqlx::query(&format!("CREATE DATABASE {db} OWNER idem_tls"))
+            .execute(admin)
+            .await
+            .unwrap();
+        let url = format!(
+            "postgres://idem_tls@127.0.0.1:5432/{db}?sslmode=verify-full&sslrootcert={}",
+            tls.ca()
+        );
+        let setup = Command::new(env!("CARGO_BIN_EXE_idem-lab"))
+            .args(["setup", "--db", &url])
+            .args(more)
+            .env("PGPASSFILE", passfile)
+            .env_remove("PGPASSWORD")
+            .output()
+            .unwrap();
+        assert!(setup.status.success(), "{setup:?}");
+        urls.push((name, url));
+    }
+    urls
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[allow(clippy::too_many_lines)] // one run, and everything it must show
-async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_password() {
+async fn the_reference_pipeline_over_tls_scram_and_https_loses_nothing_and_leaks_no_password() {
     let tls = PgTlsMaterial::get();
-    let pool = PgPool::connect(&admin_url()).await.unwrap();
-    let mut child = chaos_tls(&tls, "35s").spawn().unwrap();
-    let run = format!("c1{}", child.id());
+    let admin = PgPool::connect(&admin_url()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let passfile = passfile(dir.path(), &tls.password());
+    let prefix = format!("idem_tls_pipeline_{}_", std::process::id());
+    let urls = databases(&admin, &tls, &prefix, &passfile).await;
+    let file = secured_file(dir.path(), &urls);
+    let mut child = chaos(&file, &passfile).spawn().unwrap();
     let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
     let stdout = std::thread::spawn(move || {
         let mut s = String::new();
@@ -110,7 +231,7 @@ async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_passwor
     // Sampled until the runner exits: what its processes connect with, and their command lines.
     let mut seen = Seen::default();
     while child.try_wait().unwrap().is_none() {
-        look(&pool, &run, &mut seen).await;
+        look(&admin, &prefix, &mut seen).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let code = child.wait().unwrap().code();
@@ -139,9 +260,9 @@ async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_passwor
         passwords.len()
     );
 
-    // Awards went to the HTTPS points API: the databases are kept, read them before dropping.
+    // Awards went to the HTTPS points API.
     let settlement_url = format!(
-        "{}/idem_demo_{run}_settlement",
+        "{}/{prefix}settlement",
         admin_url().rsplit_once('/').unwrap().0
     );
     let settlement = PgPool::connect(&settlement_url).await.unwrap();
@@ -154,11 +275,11 @@ async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_passwor
     .await
     .unwrap();
     settlement.close().await;
-    for db in ["orders", "settlement", "points"] {
+    for (name, _) in &urls {
         sqlx::query(&format!(
-            "DROP DATABASE IF EXISTS idem_demo_{run}_{db} WITH (FORCE)"
+            "DROP DATABASE IF EXISTS {prefix}{name} WITH (FORCE)"
         ))
-        .execute(&pool)
+        .execute(&admin)
         .await
         .unwrap();
     }
@@ -172,14 +293,17 @@ async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_passwor
     );
     assert_eq!(r["verify"]["clean"], true, "{r:#}");
     let faults = r["faults"].as_object().unwrap();
-    for kind in ["sigkill", "broker_kill"] {
+    for kind in ["sigkill", "broker_kill", "net_partition_postgres"] {
         assert!(
             faults.get(kind).and_then(|v| v.as_u64()).unwrap_or(0) > 0,
             "no {kind}: {r:#}"
         );
     }
     assert!(
-        r["inbox_duplicate_deliveries"].as_i64().unwrap() > 0,
+        r["verify"]["attempts"]["inbox"][0]["duplicate_deliveries"]
+            .as_i64()
+            .unwrap_or(0)
+            > 0,
         "{r:#}"
     );
     assert!(
@@ -202,25 +326,10 @@ async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_passwor
         "{denied:?}"
     );
 
-    eprintln!(
-        "orders {}, faults {}, crash points fired {}, inbox duplicate deliveries {}, lost {}, \
-         duplicate effects {}, awards over HTTPS {https}; tls {}",
-        r["orders"],
-        r["faults"],
-        r["crash_points_fired"],
-        r["inbox_duplicate_deliveries"],
-        r["lost"],
-        r["duplicate_effects"],
-        r["tls"]
-    );
     // The runner's own account: secured as asked, and no password in its logs.
     let t = &r["tls"];
+    eprintln!("faults {}; tls {t}", r["faults"]);
     assert_eq!(t["kafka"], "SASL_SSL SCRAM-SHA-512 as idem_scram", "{t:#}");
-    assert_eq!(t["postgres"], "verify-full as idem_tls", "{t:#}");
-    assert!(
-        t["points_api"].as_str().unwrap().starts_with("https://"),
-        "{t:#}"
-    );
     assert_eq!(t["scram_principal_logged"], true, "{t:#}");
     let b = &t["pg_backends"];
     assert!(b["all"].as_u64().unwrap() > 0, "{t:#}");
@@ -245,12 +354,12 @@ async fn a_chaos_run_over_tls_scram_and_https_loses_nothing_and_leaks_no_passwor
         "a backend in clear or of another role: {:?}",
         seen.backends
     );
-    // The run's processes: their topic prefix or the run's directory is on their command lines
-    // (other tests on this host may pass idem_tls's password on theirs).
+    // The run's processes: its databases' prefix or the run's directory is on their command
+    // lines (other tests on this host may pass idem_tls's password on theirs).
     let processes: Vec<&String> = seen
         .cmdlines
         .iter()
-        .filter(|c| c.contains(&format!("chaos-{run}.")) || c.contains(logs_dir.to_str().unwrap()))
+        .filter(|c| c.contains(&prefix) || c.contains(logs_dir.to_str().unwrap()))
         .collect();
     assert!(processes.len() >= 5, "the run's processes were not seen");
     for line in processes {

@@ -124,20 +124,38 @@ pub(super) struct Secured {
     secrets: Vec<Secret>,
 }
 
-impl Secured {
-    /// The secured run over the Kafka prepared in `kafka_dir` (`scripts/kafka prepare
-    /// --security sasl_ssl`) and the databases `urls` of `role`; its secret files go to
-    /// `dir/secrets`. Returns it and the runner's own Kafka connection.
-    pub(super) fn new(
+/// The login of a secured node's clients: its SCRAM user, the file holding the user's
+/// password, the run's PKI, and every password the node's users have.
+#[derive(Clone, Debug)]
+pub(crate) struct KafkaLogin {
+    /// The SCRAM user.
+    pub user: String,
+    /// The file holding its password (only its owner reads it).
+    pub password_file: PathBuf,
+    /// The run's CA (the broker's certificate's).
+    pub ca: PathBuf,
+    /// A certificate the CA signed (SAN IP:127.0.0.1), for a server of the run's, and its key.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The runner's own connection, logged in as [`KafkaLogin::user`].
+    pub conn: Connection,
+    /// The brokers' logs (`User:…` principals).
+    broker_logs: Vec<PathBuf>,
+    /// Every password of the node: the SCRAM and PLAIN users', the broker's own.
+    pub secrets: Vec<Secret>,
+}
+
+impl KafkaLogin {
+    /// The login to the node prepared in `kafka_dir` (`scripts/kafka prepare --security
+    /// sasl_ssl`) at `bootstrap`; the password file goes to `secret_dir`.
+    pub(crate) fn new(
         kafka_dir: &Path,
         bootstrap: &str,
-        dir: &Path,
-        urls: &[String; 3],
-        role: &DbRole,
-    ) -> anyhow::Result<(Secured, Connection)> {
+        secret_dir: &Path,
+    ) -> anyhow::Result<KafkaLogin> {
         let users = std::fs::read_to_string(kafka_dir.join("users"))
             .context("reading the prepared cluster's users")?;
-        let mut secrets = vec![role.password.clone()];
+        let mut secrets = vec![];
         let mut scram = None;
         for line in users.lines() {
             let mut f = line.split_whitespace();
@@ -150,72 +168,128 @@ impl Secured {
                 scram = Some((user.to_owned(), Secret::new(password)));
             }
         }
-        let Some((scram_user, scram_password)) = scram else {
+        let Some((user, password)) = scram else {
             bail!("the prepared cluster has no {MECHANISM} user");
         };
         secrets.push(Secret::from_file(
             &kafka_dir.join("admin-password"),
             "broker's own password",
         )?);
-        let secret_dir = dir.join("secrets");
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&secret_dir)
-            .with_context(|| format!("creating {}", secret_dir.display()))?;
         let password_file = secret_dir.join("kafka-password");
-        write_secret(&password_file, scram_password.expose())?;
-        let mut db_files = Vec::new();
-        for (name, url) in ["orders", "settlement", "points"].iter().zip(urls) {
-            let file = secret_dir.join(format!("{name}.url"));
-            write_secret(&file, url)?;
-            db_files.push(file);
-        }
+        write_secret(&password_file, password.expose())?;
         let pki = kafka_dir.join("pki");
         let ca = pki.join("ca.pem");
-        let kafka = Connection::new(
+        let conn = Connection::new(
             bootstrap,
             KafkaSecurity {
                 protocol: SecurityProtocol::SaslSsl,
                 mechanism: Some(MECHANISM),
-                username: Some(scram_user.clone()),
-                password: Some(scram_password),
+                username: Some(user.clone()),
+                password: Some(password),
                 ca_file: Some(ca.clone()),
                 ..KafkaSecurity::default()
             },
         )?;
-        let kafka_env = vec![
-            (
-                "IDEM_KAFKA_SECURITY_PROTOCOL",
-                SecurityProtocol::SaslSsl.as_str().to_owned(),
-            ),
-            ("IDEM_KAFKA_SASL_MECHANISM", MECHANISM.as_str().to_owned()),
-            ("IDEM_KAFKA_SASL_USERNAME", scram_user.clone()),
-            (
-                "IDEM_KAFKA_SASL_PASSWORD_FILE",
-                password_file.display().to_string(),
-            ),
-            ("IDEM_KAFKA_SSL_CA", ca.display().to_string()),
-        ];
         let broker_logs = std::fs::read_dir(kafka_dir)
             .with_context(|| format!("listing {}", kafka_dir.display()))?
             .filter_map(Result::ok)
             .map(|e| e.path().join("broker.log"))
             .filter(|p| p.parent().is_some_and(Path::is_dir))
             .collect();
+        Ok(KafkaLogin {
+            user,
+            password_file,
+            ca,
+            cert: pki.join("broker.pem"),
+            key: pki.join("broker.key"),
+            conn,
+            broker_logs,
+            secrets,
+        })
+    }
+
+    /// The `IDEM_KAFKA_*` settings of an idem process that logs in so.
+    pub(crate) fn idem_env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            (
+                "IDEM_KAFKA_SECURITY_PROTOCOL",
+                SecurityProtocol::SaslSsl.as_str().to_owned(),
+            ),
+            ("IDEM_KAFKA_SASL_MECHANISM", MECHANISM.as_str().to_owned()),
+            ("IDEM_KAFKA_SASL_USERNAME", self.user.clone()),
+            (
+                "IDEM_KAFKA_SASL_PASSWORD_FILE",
+                self.password_file.display().to_string(),
+            ),
+            ("IDEM_KAFKA_SSL_CA", self.ca.display().to_string()),
+        ]
+    }
+
+    /// How clients reached the node: `SASL_SSL SCRAM-SHA-512 as <user>`.
+    pub(crate) fn described(&self) -> String {
+        format!(
+            "{} {} as {}",
+            SecurityProtocol::SaslSsl,
+            MECHANISM,
+            self.user
+        )
+    }
+
+    /// Whether a broker's log names the SCRAM principal (`User:<user>`): the broker
+    /// authorized requests of that login.
+    pub(crate) fn principal_logged(&self) -> bool {
+        let principal = format!("User:{}", self.user);
+        self.broker_logs
+            .iter()
+            .any(|log| std::fs::read_to_string(log).is_ok_and(|text| text.contains(&principal)))
+    }
+}
+
+/// Makes `dir/secrets`, a folder only its owner enters.
+pub(crate) fn secret_dir(dir: &Path) -> anyhow::Result<PathBuf> {
+    let secret_dir = dir.join("secrets");
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&secret_dir)
+        .with_context(|| format!("creating {}", secret_dir.display()))?;
+    Ok(secret_dir)
+}
+
+impl Secured {
+    /// The secured run over the Kafka prepared in `kafka_dir` (`scripts/kafka prepare
+    /// --security sasl_ssl`) and the databases `urls` of `role`; its secret files go to
+    /// `dir/secrets`. Returns it and the runner's own Kafka connection.
+    pub(super) fn new(
+        kafka_dir: &Path,
+        bootstrap: &str,
+        dir: &Path,
+        urls: &[String; 3],
+        role: &DbRole,
+    ) -> anyhow::Result<(Secured, Connection)> {
+        let secret_dir = secret_dir(dir)?;
+        let login = KafkaLogin::new(kafka_dir, bootstrap, &secret_dir)?;
+        let mut db_files = Vec::new();
+        for (name, url) in ["orders", "settlement", "points"].iter().zip(urls) {
+            let file = secret_dir.join(format!("{name}.url"));
+            write_secret(&file, url)?;
+            db_files.push(file);
+        }
+        let mut secrets = vec![role.password.clone()];
+        secrets.extend(login.secrets.iter().cloned());
         let secured = Secured {
-            kafka_env,
+            kafka_env: login.idem_env(),
             db_files: db_files
                 .try_into()
                 .map_err(|_| anyhow::anyhow!("three database files"))?,
-            ca,
-            api_cert: pki.join("broker.pem"),
-            api_key: pki.join("broker.key"),
-            scram_user,
+            ca: login.ca.clone(),
+            api_cert: login.cert.clone(),
+            api_key: login.key.clone(),
+            scram_user: login.user.clone(),
             db_role: role.name.clone(),
-            broker_logs,
+            broker_logs: login.broker_logs.clone(),
             secrets,
         };
-        Ok((secured, kafka))
+        Ok((secured, login.conn))
     }
 
     /// The backends on the run's databases now: how many, how many in clear, how many not of
@@ -278,7 +352,7 @@ impl Secured {
 }
 
 /// Writes `value` to a new file only its owner can read.
-fn write_secret(path: &Path, value: &str) -> anyhow::Result<()> {
+pub(crate) fn write_secret(path: &Path, value: &str) -> anyhow::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -363,7 +437,7 @@ pub(super) fn shortfalls(tls: &Tls) -> Vec<String> {
 /// Searches every log under `dir` — the processes' logs, `faults.log`, `crashes.log`,
 /// `diagnosis.txt`, the brokers' logs — for each of `secrets`. The brokers' data and the
 /// run's PKI and secret files are not logs and are left out.
-pub(super) fn search(dir: &Path, secrets: &[Secret]) -> LogSearch {
+pub(crate) fn search(dir: &Path, secrets: &[Secret]) -> LogSearch {
     let mut out = LogSearch {
         secrets: secrets.len(),
         ..LogSearch::default()

@@ -17,7 +17,7 @@ use super::file::{
 };
 use super::foreign::ForeignWriter;
 use super::postgres::{self, Server};
-use super::{lock, window};
+use super::{lock, secured, window};
 use crate::chaos::ChaosArgs;
 use crate::chaos::burst;
 use crate::chaos::inject::append_timeline;
@@ -25,6 +25,7 @@ use crate::chaos::kafka;
 use crate::chaos::network::{Dependency, Link, Network, postgres_link};
 use crate::chaos::procs::{Proc, Rng, Role};
 use crate::chaos::schedule::{self, Plan};
+use crate::chaos::secure::KafkaLogin;
 use idem_core::crash::CrashPoint;
 use idem_sql::AnyPool;
 
@@ -90,6 +91,10 @@ pub(crate) struct PipelineReport {
     pub hostile_violations: Vec<String>,
     /// The `[burst]` written before the components started, and how fast it drained.
     pub burst: Option<burst::Burst>,
+    /// `[kafka] security`: how the run was secured, what `pg_stat_ssl` showed, and the search
+    /// of every log for every password of the run (`tls.secret_search.hits`: any fails it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<secured::PipelineTls>,
     /// Was every effect there before `--settle-deadline`? (Missing ones that stopped moving
     /// end the wait early: they are lost.)
     pub settled: bool,
@@ -187,6 +192,24 @@ fn print(r: &PipelineReport) {
             r.hostile_violations.len()
         );
     }
+    if let Some(t) = &r.tls {
+        println!(
+            "  secured: Kafka {} (principal logged: {}); PostgreSQL backends {}; {} password(s) \
+             searched in {} log lines: {} hit(s)",
+            t.kafka,
+            t.scram_principal_logged,
+            t.pg_backends.map_or_else(
+                || "not watched (no URL asks for TLS)".to_owned(),
+                |b| format!(
+                    "{} seen, {} in clear, {} of another role",
+                    b.all, b.in_clear, b.other_roles
+                )
+            ),
+            t.secret_search.secrets,
+            t.secret_search.lines,
+            t.secret_search.hits.len()
+        );
+    }
     println!(
         "  lost {}, duplicate effects {}, settled {} after {:.1} s",
         r.lost, r.duplicate_effects, r.settled, r.settle_seconds
@@ -243,10 +266,8 @@ async fn drive(
     )
     .await?;
     start_in_order(&mut fleet, file, cluster.as_ref()).await?;
-    let mut foreign = match &file.hostile {
-        Some(h) => Some(ForeignWriter::open(h, &databases, Instant::now()).await?),
-        None => None,
-    };
+    let login = cluster.as_ref().and_then(|c| c.login.as_ref());
+    let (mut foreign, backends) = observers(file, cluster.as_ref(), &databases).await?;
     let mut run = RunState {
         rng: &mut rng,
         faults: &mut faults,
@@ -264,8 +285,13 @@ async fn drive(
         windows: window::all(file, Instant::now()),
         locks: lock::all(&file.locks, &databases, Instant::now()).await?,
         burst,
+        backends,
     };
     inject(&mut fleet, &mut net, &mut targets, end, &mut run).await?;
+    let backends = targets
+        .backends
+        .as_ref()
+        .and_then(secured::BackendWatch::seen);
     let burst = end_periods(targets, &mut fleet).await?;
     calm(&mut fleet, &mut net, &mut run)?;
     stop_loads(&mut fleet);
@@ -287,6 +313,9 @@ async fn drive(
         .iter()
         .flat_map(|p| p.unexpected_exits.iter().cloned())
         .collect();
+    // Every process has stopped: its log is complete.
+    let tls =
+        login.map(|l| secured::report(l, backends, dir, &secured::database_secrets(&databases)));
     let numbers = Numbers {
         settled,
         settle_seconds,
@@ -296,8 +325,35 @@ async fn drive(
         remote_connections: net.remote_connections(),
         hostile,
         burst,
+        tls,
     };
     Ok(verdict(args, faults, report, numbers))
+}
+
+/// The `[hostile]` section's foreign writer (on a secured node, one of its rows names a topic
+/// an ACL denies the run's user), and on a secured node the watch of the backends on the
+/// databases whose URL asks for TLS.
+async fn observers(
+    file: &PipelineFile,
+    cluster: Option<&Cluster>,
+    databases: &BTreeMap<String, String>,
+) -> anyhow::Result<(Option<ForeignWriter>, Option<secured::BackendWatch>)> {
+    let login = cluster.and_then(|c| c.login.as_ref().map(|l| (c, l)));
+    if let (Some((c, l)), Some(_)) = (login, &file.hostile) {
+        crate::chaos::deny_topic(&c.dir, &l.user, crate::chaos::hostile::DENIED_TOPIC)?;
+    }
+    let foreign = match &file.hostile {
+        Some(h) => {
+            let denied = login.is_some();
+            Some(ForeignWriter::open(h, databases, Instant::now(), denied).await?)
+        }
+        None => None,
+    };
+    let backends = match login {
+        Some(_) => Some(secured::BackendWatch::open(databases).await?),
+        None => None,
+    };
+    Ok((foreign, backends))
 }
 
 /// Closes the windows and releases the locks once the faults are over: how the burst
@@ -421,6 +477,8 @@ struct Numbers {
     hostile: Option<super::foreign::Outcome>,
     /// How the `[burst]` drained.
     burst: Option<burst::Burst>,
+    /// How a secured run was secured.
+    tls: Option<secured::PipelineTls>,
 }
 
 /// From the run's numbers to the report: a loss, a duplicate effect, any other violation, a
@@ -466,6 +524,7 @@ fn verdict(
     };
     failures.extend(hostile_violations.iter().cloned());
     failures.extend(n.burst.as_ref().and_then(burst::Burst::shortfall));
+    failures.extend(n.tls.iter().flat_map(secured::shortfalls));
     if args.seconds >= crate::chaos::verdict::FULL_RUN_SECONDS {
         let never = n.crash_points_fired.iter().filter(|(_, n)| **n == 0);
         failures.extend(never.map(|(p, _)| format!("crash point {p} never fired")));
@@ -482,6 +541,7 @@ fn verdict(
         hostile_rows,
         hostile_violations,
         burst: n.burst,
+        tls: n.tls,
         settled: n.settled == Settled::Complete,
         settle_seconds: n.settle_seconds,
         lost,
@@ -518,16 +578,23 @@ struct Cluster {
     conn: idem_kafka::Connection,
     /// Every port chosen for it, bound only once its nodes and proxies run.
     ports: Vec<u16>,
+    /// Its clients' login when it is secured (`[kafka] security`).
+    login: Option<KafkaLogin>,
+    /// Processes with network faults reach it through proxies (a plaintext cluster only).
+    proxied: bool,
 }
 
 /// Prepares the runner's own cluster (`[kafka] nodes`), with a proxied listener for every
-/// process that takes network faults and reaches Kafka: the cluster and its nodes' processes.
+/// process that takes network faults and reaches Kafka (a secured node has none: its listener
+/// is SASL_SSL, and `scripts/kafka` proxies plaintext listeners only): the cluster and its
+/// nodes' processes.
 fn prepare_kafka(file: &PipelineFile, dir: &Path) -> anyhow::Result<(Option<Cluster>, Vec<Proc>)> {
     let Some(nodes) = file.kafka.nodes else {
         return Ok((None, vec![]));
     };
+    let secured = file.kafka.security.is_some();
     let listeners: usize = all(file)
-        .filter(|c| c.faults.contains(&Fault::Network) && c.uses("kafka"))
+        .filter(|c| c.faults.contains(&Fault::Network) && c.uses("kafka") && !secured)
         .map(|c| c.replicas)
         .sum();
     if listeners > 8 {
@@ -535,14 +602,27 @@ fn prepare_kafka(file: &PipelineFile, dir: &Path) -> anyhow::Result<(Option<Clus
             "{listeners} processes reach Kafka with network faults; the runner proxies at most 8"
         );
     }
-    let prepared = kafka::prepare(nodes, dir, false, listeners)?;
+    let prepared = kafka::prepare(nodes, dir, secured, listeners)?;
+    let login = match secured {
+        true => Some(KafkaLogin::new(
+            &prepared.dir,
+            &prepared.bootstrap,
+            &crate::chaos::secure::secret_dir(dir)?,
+        )?),
+        false => None,
+    };
     let cluster = Cluster {
-        conn: idem_kafka::Connection::plaintext(&prepared.bootstrap),
+        conn: match &login {
+            Some(l) => l.conn.clone(),
+            None => idem_kafka::Connection::plaintext(&prepared.bootstrap),
+        },
         ports: prepared.ports,
         dir: prepared.dir,
         topics: file.kafka.topics.clone(),
         bootstrap: prepared.bootstrap,
         nodes,
+        login,
+        proxied: listeners > 0,
     };
     Ok((Some(cluster), prepared.nodes))
 }
@@ -617,6 +697,10 @@ async fn build(
                 },
                 ports: ports.clone(),
                 remotes: remotes.clone(),
+                secured: cluster
+                    .and_then(|c| c.login.as_ref())
+                    .map(secured::places)
+                    .unwrap_or_default(),
                 dir: dir.display().to_string(),
             };
             if c.faults.contains(&Fault::Network) {
@@ -629,7 +713,7 @@ async fn build(
                         links.push(Link::new(&name, Dependency::Postgres, vec![proxy]));
                     }
                 }
-                if let (Some(cl), true) = (cluster, c.uses("kafka")) {
+                if let (Some(cl), true) = (cluster.filter(|cl| cl.proxied), c.uses("kafka")) {
                     listeners += 1;
                     let tag = format!("P{listeners}");
                     let l = ProxiedListener::start(&cl.dir, &tag, seed).await?;
@@ -905,6 +989,9 @@ async fn inject(
         if let Some((outbox, watch)) = &mut targets.burst {
             watch.tick(outbox, now).await;
         }
+        if let Some(b) = &mut targets.backends {
+            b.tick(now).await;
+        }
         if let Some(f) = targets.foreign.as_deref_mut()
             && let Some(what) = f.tick(now, run.rng, run.faults).await?
         {
@@ -1030,6 +1117,8 @@ struct Targets<'a> {
     locks: Vec<lock::Timed>,
     /// The `[burst]`'s outbox and its drain.
     burst: Option<(AnyPool, burst::Watch)>,
+    /// The backends on the databases whose URL asks for TLS (a secured run).
+    backends: Option<secured::BackendWatch>,
 }
 
 /// The server fault that is due, if any, unless a window's replicas that use the run's

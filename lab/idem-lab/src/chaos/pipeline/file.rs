@@ -109,7 +109,31 @@ pub(crate) struct KafkaSection {
     /// redelivery at-least-once permits): every consumer must absorb them.
     #[serde(default = "yes")]
     pub redeliver: bool,
+    /// How the runner's node takes clients: in plain text (the default), or `sasl_ssl`.
+    #[serde(default)]
+    pub security: Option<KafkaSecurity>,
 }
+
+/// A secured node of the runner's: `sasl_ssl`, SASL over TLS with a PKI and users made for
+/// the run; clients log in with SCRAM-SHA-512 and trust the run's CA (`{kafka.user}`,
+/// `{kafka.password_file}`, `{kafka.mechanism}`, `{tls.ca}`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum KafkaSecurity {
+    SaslSsl,
+}
+
+/// The placeholders a secured node defines: the SCRAM user, the file holding its password,
+/// its mechanism, and the run's CA with a certificate and key it signed for `127.0.0.1` (a
+/// component that serves TLS, such as an HTTPS API, presents them).
+pub(crate) const SECURED_PLACEHOLDERS: [&str; 6] = [
+    "kafka.user",
+    "kafka.password_file",
+    "kafka.mechanism",
+    "tls.ca",
+    "tls.cert",
+    "tls.key",
+];
 
 fn yes() -> bool {
     true
@@ -402,6 +426,8 @@ pub(crate) enum FileError {
     FailoverWithoutServer,
     #[error("`{0}` has after_failover, but [postgres] has no failover = true")]
     AfterNoFailover(String),
+    #[error("[kafka] security needs nodes = 1: the runner secures a node of its own, one only")]
+    SecurityNodes,
 }
 
 impl PipelineFile {
@@ -422,6 +448,9 @@ impl PipelineFile {
             (Some(n), None) => return Err(FileError::Nodes(n)),
             (None, Some(_)) => {}
             _ => return Err(FileError::KafkaSource),
+        }
+        if self.kafka.security.is_some() && self.kafka.nodes != Some(1) {
+            return Err(FileError::SecurityNodes);
         }
         if self.components.is_empty() {
             return Err(FileError::NoComponent);
@@ -651,6 +680,8 @@ pub(crate) struct Places {
     pub ports: BTreeMap<String, u16>,
     /// `{remote.NAME}`: the `host:port` of remote `NAME`'s fault proxy.
     pub remotes: BTreeMap<String, String>,
+    /// `{kafka.user}`, `{tls.ca}`, … of a secured node ([`SECURED_PLACEHOLDERS`]).
+    pub secured: BTreeMap<String, String>,
     pub kafka: String,
     pub replica: usize,
     pub incarnation: u32,
@@ -678,6 +709,13 @@ impl Places {
                 .iter()
                 .map(|r| (r.name.clone(), String::new()))
                 .collect(),
+            secured: match file.kafka.security {
+                Some(_) => SECURED_PLACEHOLDERS
+                    .iter()
+                    .map(|k| ((*k).to_owned(), String::new()))
+                    .collect(),
+                None => BTreeMap::new(),
+            },
             ..Places::default()
         }
     }
@@ -741,8 +779,12 @@ pub(crate) fn expand(text: &str, p: &Places) -> Result<String, Unfilled> {
     Ok(out)
 }
 
-/// The value of a named placeholder: `db.NAME`, `port.NAME` or `remote.NAME`.
+/// The value of a named placeholder: `db.NAME`, `port.NAME`, `remote.NAME`, or one of a
+/// secured node's.
 fn lookup(name: &str, p: &Places) -> Option<String> {
+    if let Some(value) = p.secured.get(name) {
+        return Some(value.clone());
+    }
     if let Some(db) = name.strip_prefix("db.") {
         return p.databases.get(db).cloned();
     }
@@ -826,6 +868,7 @@ mod tests {
             databases: [("orders".to_owned(), "postgres://o".to_owned())].into(),
             ports: [("api".to_owned(), 4100)].into(),
             remotes: [("bank".to_owned(), "127.0.0.1:4200".to_owned())].into(),
+            secured: BTreeMap::new(),
             kafka: "127.0.0.1:1,127.0.0.1:2".to_owned(),
             replica: 1,
             incarnation: 3,
@@ -1145,5 +1188,44 @@ x = { y = ["sqlite://ledger.db"] }"#,
         assert!(f.postgres.failover);
         let env = &f.components[0].after_failover.as_ref().unwrap().env;
         assert_eq!(env["IDEM_CREATE_SLOT"], "true");
+    }
+
+    #[test]
+    fn the_secured_placeholders_exist_only_on_a_secured_single_node() {
+        let secured_env = "env = { MEMBER = \"consumer-{replica}\", USER = \"{kafka.user}\", \
+                           PASSWORD_FILE = \"{kafka.password_file}\", CA = \"{tls.ca}\" }";
+        let text = FILE.replacen("env = { MEMBER = \"consumer-{replica}\" }", secured_env, 1);
+        assert_eq!(
+            PipelineFile::parse(&text),
+            Err(FileError::Unknown {
+                name: "consumer".into(),
+                placeholder: "{kafka.user}".into()
+            })
+        );
+        let secured = text.replacen(
+            "nodes = 1\n",
+            "nodes = 1\n        security = \"sasl_ssl\"\n",
+            1,
+        );
+        let f = PipelineFile::parse(&secured).unwrap();
+        assert_eq!(f.kafka.security, Some(KafkaSecurity::SaslSsl));
+        let places = Places {
+            secured: [("kafka.user".to_owned(), "idem_scram".to_owned())].into(),
+            ..Places::default()
+        };
+        assert_eq!(
+            expand("u={kafka.user}", &places),
+            Ok("u=idem_scram".to_owned())
+        );
+        assert_eq!(
+            PipelineFile::parse(&secured.replacen("nodes = 1\n", "nodes = 3\n", 1)),
+            Err(FileError::SecurityNodes)
+        );
+        let Err(FileError::Toml(why)) =
+            PipelineFile::parse(&secured.replacen("\"sasl_ssl\"", "\"ssl\"", 1))
+        else {
+            panic!("an unknown security was accepted");
+        };
+        assert!(why.contains("sasl_ssl"), "{why}");
     }
 }

@@ -42,6 +42,7 @@ impl ForeignWriter {
         section: &HostileSection,
         databases: &BTreeMap<String, String>,
         start: Instant,
+        denied: bool,
     ) -> anyhow::Result<Self> {
         let connect = |name: &str| {
             let url = databases.get(name).cloned();
@@ -62,7 +63,7 @@ impl ForeignWriter {
                 event_type: section.event_type.clone(),
                 groups: section.groups.clone(),
                 business_rule: section.business_rule,
-                denied: false,
+                denied,
             },
             round: 0,
             next: start + Duration::from_secs(5),

@@ -14,6 +14,7 @@ mod foreign;
 mod lock;
 pub(super) mod postgres;
 mod redeliver;
+mod secured;
 mod window;
 
 pub(crate) use drive::run;
