@@ -28,9 +28,6 @@ const SHORTEST_DRAIN: Duration = Duration::from_secs(1);
 /// [`MIN_ROWS_PER_SECOND`] several times over.
 pub(super) const MIN_ROWS: u32 = 1_000;
 
-/// The aggregate type (and topic suffix) of the burst's events.
-pub(super) const AGGREGATE_TYPE: &str = "burst";
-
 /// The burst's size for a run of `seconds`: 250 events per second of the run, at least
 /// [`MIN_ROWS`] and at most 20 000 (the size at which the crawl was found).
 pub(super) fn rows_for(seconds: u64) -> i64 {

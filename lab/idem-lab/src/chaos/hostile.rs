@@ -37,12 +37,6 @@ struct Row {
     payload: &'static str,
 }
 
-/// The consumer groups that read the reference pipeline's topic: each must account for a
-/// published row.
-pub(super) fn reference_groups() -> Vec<String> {
-    vec!["settlement".to_owned(), "audit".to_owned()]
-}
-
 use Expect::{Contained, Either, Refused};
 
 /// (name, expected, extra columns, their values, event type, payload).
@@ -170,18 +164,6 @@ pub(crate) struct Shape {
 }
 
 impl Shape {
-    /// The reference pipeline's: `order.paid` events of `order` aggregates, read by the
-    /// settlement and audit groups, the business rule installed.
-    pub(super) fn reference(denied: bool) -> Self {
-        Self {
-            aggregate_type: "order".into(),
-            event_type: "order.paid".into(),
-            groups: reference_groups(),
-            business_rule: true,
-            denied,
-        }
-    }
-
     fn fill(&self, sql: &str) -> String {
         sql.replace("{aggregate_type}", &literal(&self.aggregate_type))
             .replace("{event_type}", &self.event_type)
@@ -484,9 +466,49 @@ pub(crate) async fn fates(
     Ok(out)
 }
 
+/// Where each stored hostile row ended (keyed by name and event id), and the rows not
+/// contained by `groups`, as violations.
+pub(crate) fn hostile_rows(
+    fates: &[(Accepted, Fate)],
+    groups: &[String],
+) -> (BTreeMap<String, String>, Vec<String>) {
+    let mut rows = BTreeMap::new();
+    let mut violations = vec![];
+    for (a, fate) in fates {
+        let key = format!("{} {}", a.name, a.event_id);
+        match contained(fate, groups) {
+            Ok(how) => {
+                rows.insert(key, how);
+            }
+            Err(open) => {
+                violations.push(format!("hostile row {key}: {open}"));
+                rows.insert(key, open);
+            }
+        }
+    }
+    (rows, violations)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The reference pipeline's groups: each must account for a published row.
+    fn reference_groups() -> Vec<String> {
+        vec!["settlement".to_owned(), "audit".to_owned()]
+    }
+
+    /// The reference pipeline's rows: `order.paid` events of `order` aggregates, read by the
+    /// settlement and audit groups, the business rule installed, a topic denied.
+    fn reference_shape() -> Shape {
+        Shape {
+            aggregate_type: "order".into(),
+            event_type: "order.paid".into(),
+            groups: reference_groups(),
+            business_rule: true,
+            denied: true,
+        }
+    }
 
     fn fate(status: &str, last_error: Option<&str>, groups: &[(&str, Option<&str>)]) -> Fate {
         Fate {
@@ -515,7 +537,7 @@ mod tests {
 
     #[test]
     fn every_row_of_the_catalogue_is_one_statement_with_its_own_aggregate() {
-        let shape = Shape::reference(true);
+        let shape = reference_shape();
         let rows = catalogue(&shape);
         let mut seen = std::collections::BTreeSet::new();
         for r in &rows {

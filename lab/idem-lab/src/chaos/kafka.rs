@@ -178,6 +178,46 @@ pub(crate) fn choose(
     Some(BrokerFault::FollowerPause(*pick))
 }
 
+/// Kills the node of `fault` (restarted after `down`) or pauses it for `down`.
+pub(crate) fn hit_broker(
+    procs: &mut [Proc],
+    fault: BrokerFault,
+    down: Duration,
+    now: Instant,
+) -> anyhow::Result<()> {
+    let (BrokerFault::Kill(id)
+    | BrokerFault::LeaderKill(id)
+    | BrokerFault::FollowerPause(id)
+    | BrokerFault::Pause(id)) = fault;
+    let Some(node) = procs.iter_mut().find(|p| p.name == format!("kafka-{id}")) else {
+        bail!("the cluster reported broker {id}, which this run did not start");
+    };
+    match fault {
+        BrokerFault::Kill(_) | BrokerFault::LeaderKill(_) => {
+            node.kill9();
+            node.restart_at = Some(now + down);
+        }
+        BrokerFault::FollowerPause(_) | BrokerFault::Pause(_) => {
+            node.signal(19);
+            node.paused_until = Some(now + down);
+        }
+    }
+    Ok(())
+}
+
+/// The partitions of the run's topic (none when the cluster cannot say in time).
+pub(crate) async fn partitions(
+    kafka: &idem_kafka::Connection,
+    topic: &str,
+) -> anyhow::Result<Vec<idem_kafka::admin::PartitionInfo>> {
+    let (conn, t) = (kafka.client_config(), topic.to_owned());
+    Ok(tokio::task::spawn_blocking(move || {
+        idem_kafka::admin::partitions(&conn, &t, Duration::from_secs(2))
+    })
+    .await?
+    .unwrap_or_default())
+}
+
 #[cfg(test)]
 mod tests {
     use super::{BrokerFault, choose};

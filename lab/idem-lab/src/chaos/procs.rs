@@ -1,9 +1,7 @@
-//! The chaos runner's processes: each role is an `idem` (or Kafka node) child that can be killed,
-//! paused, restarted, and restarted with a crash point armed.
+//! The chaos runner's processes: each a component of the pipeline or a Kafka node, a child
+//! that can be killed, paused, restarted, and restarted with a crash point armed.
 
-use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -11,14 +9,9 @@ use std::time::{Duration, Instant};
 /// What a process is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Role {
+    /// A Kafka node of the runner's.
     Broker,
-    Api,
-    Writer,
-    Relay,
-    Settlement,
-    Audit,
-    Dispatcher,
-    /// A process of a pipeline file (`--pipeline`).
+    /// A component or a load of the pipeline file.
     Component,
 }
 
@@ -40,8 +33,6 @@ pub(crate) struct Proc {
     /// may still fire: it ends the incarnation when its hit comes.
     pub crash_point_pending: bool,
     log: PathBuf,
-    /// Last scraped counter values per incarnation (metric name → value).
-    pub scraped: BTreeMap<u32, BTreeMap<String, f64>>,
     /// Asked to stop (SIGTERM): its exit is the runner's doing.
     stopping: bool,
     /// Exits the runner did not cause: no SIGKILL or SIGTERM of its, no crash point's abort
@@ -72,7 +63,6 @@ impl Proc {
             restart_at: None,
             armed_until: None,
             crash_point_pending: false,
-            scraped: BTreeMap::new(),
             stopping: false,
             unexpected_exits: Vec::new(),
         }
@@ -207,73 +197,12 @@ impl Proc {
         text.rfind(&marker)
             .map_or_else(String::new, |at| text[at..].to_owned())
     }
-
-    /// The metrics address the current incarnation printed, if any.
-    pub(crate) fn metrics_addr(&self) -> Option<SocketAddr> {
-        let text = std::fs::read_to_string(&self.log).ok()?;
-        let marker = format!("==== {} incarnation {} ", self.name, self.incarnation);
-        let current = &text[text.rfind(&marker)?..];
-        let line = current.lines().find(|l| l.contains("metrics on http://"))?;
-        line.split("http://")
-            .nth(1)?
-            .split('/')
-            .next()?
-            .parse()
-            .ok()
-    }
-
-    /// Records the current incarnation's counters named in `names`.
-    pub(crate) fn scrape(&mut self, names: &[&str]) {
-        let Some(addr) = self.metrics_addr() else {
-            return;
-        };
-        let Some(body) = http_get(addr, "/metrics") else {
-            return;
-        };
-        let mut values = BTreeMap::new();
-        for name in names {
-            values.insert((*name).to_owned(), metric_sum(&body, name));
-        }
-        self.scraped.insert(self.incarnation, values);
-    }
-
-    /// The `idem_*` samples of its metrics now (none when it serves none or does not answer).
-    pub(crate) fn idem_metrics(&mut self) -> Option<String> {
-        let body = http_get(self.metrics_addr()?, "/metrics")?;
-        let lines: Vec<&str> = body.lines().filter(|l| l.starts_with("idem_")).collect();
-        Some(lines.join("\n"))
-    }
-
-    /// A counter summed over every incarnation's last scrape.
-    pub(crate) fn total(&self, name: &str) -> f64 {
-        self.scraped
-            .values()
-            .filter_map(|m| m.get(name))
-            .sum::<f64>()
-    }
 }
 
 /// A crash point ends its process with `std::process::abort` (SIGABRT), and logs it.
 fn is_crash_point_abort(status: std::process::ExitStatus) -> bool {
     use std::os::unix::process::ExitStatusExt;
     status.signal() == Some(6)
-}
-
-fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(300)).ok()?;
-    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())
-}
-
-fn metric_sum(body: &str, name: &str) -> f64 {
-    body.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// A small deterministic generator (SplitMix64): the seed fixes the fault schedule.

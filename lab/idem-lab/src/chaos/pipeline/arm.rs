@@ -57,7 +57,7 @@ impl Arming {
     /// read).
     pub(super) fn fired(&self) -> BTreeMap<String, u64> {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        crate::chaos::fired(&text, &self.points)
+        fired(&text, &self.points)
     }
 
     /// The point to arm with the next fault, if the next one arms a point: every other fault
@@ -101,9 +101,30 @@ pub(super) fn arm_env(point: CrashPoint, hit: u64) -> ((&'static str, String), S
     )
 }
 
+/// Per crash point, how often the crash log `text` (one fired point a line) says it fired.
+fn fired(text: &str, points: &[CrashPoint]) -> BTreeMap<String, u64> {
+    let mut out: BTreeMap<String, u64> = points.iter().map(|p| (p.to_string(), 0)).collect();
+    for line in text.lines() {
+        if let Some(n) = out.get_mut(line.trim()) {
+            *n += 1;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_crash_log_counts_every_point_and_ignores_other_lines() {
+        let points = CrashPoint::POLLING_PIPELINE;
+        let text = format!("{p}\n  {p}  \nnot a point\n", p = points[0]);
+        let counts = fired(&text, points);
+        assert_eq!(counts.len(), points.len());
+        assert_eq!(counts[points[0].as_str()], 2);
+        assert_eq!(counts.values().sum::<u64>(), 2);
+    }
 
     fn arming(points: &[CrashPoint], mechanism: Option<Mechanism>) -> (Arming, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();

@@ -20,12 +20,12 @@ use super::postgres::{self, Server};
 use super::{lock, secured, window};
 use crate::chaos::ChaosArgs;
 use crate::chaos::burst;
-use crate::chaos::inject::append_timeline;
 use crate::chaos::kafka;
 use crate::chaos::network::{Dependency, Link, Network, postgres_link};
 use crate::chaos::procs::{Proc, Rng, Role};
 use crate::chaos::schedule::{self, Plan};
 use crate::chaos::secure::KafkaLogin;
+use crate::chaos::timeline::append_timeline;
 use idem_core::crash::CrashPoint;
 use idem_sql::AnyPool;
 
@@ -481,6 +481,9 @@ struct Numbers {
     tls: Option<secured::PipelineTls>,
 }
 
+/// Runs shorter than this are not expected to reach every crash point.
+const FULL_RUN_SECONDS: u64 = 120;
+
 /// From the run's numbers to the report: a loss, a duplicate effect, any other violation, a
 /// pipeline that did not settle, or a panic fails it.
 fn verdict(
@@ -525,7 +528,7 @@ fn verdict(
     failures.extend(hostile_violations.iter().cloned());
     failures.extend(n.burst.as_ref().and_then(burst::Burst::shortfall));
     failures.extend(n.tls.iter().flat_map(secured::shortfalls));
-    if args.seconds >= crate::chaos::verdict::FULL_RUN_SECONDS {
+    if args.seconds >= FULL_RUN_SECONDS {
         let never = n.crash_points_fired.iter().filter(|(_, n)| **n == 0);
         failures.extend(never.map(|(p, _)| format!("crash point {p} never fired")));
     }
@@ -1426,7 +1429,7 @@ async fn broker(
     else {
         return Ok(false);
     };
-    crate::chaos::inject::hit_broker(&mut fleet.procs, fault, down, now)?;
+    crate::chaos::kafka::hit_broker(&mut fleet.procs, fault, down, now)?;
     run.count(
         fault.kind(),
         &format!("{fault:?} for {:.1} s", down.as_secs_f64()),
@@ -1441,7 +1444,7 @@ async fn partitions_of_first_topic(
     let Some(topic) = c.topics.first() else {
         return Ok(vec![]);
     };
-    crate::chaos::inject::partitions(&c.conn, topic).await
+    crate::chaos::kafka::partitions(&c.conn, topic).await
 }
 
 /// Resumes what is due, restarts what is down: a process killed by the runner at its planned

@@ -1199,7 +1199,7 @@ x = { y = ["sqlite://ledger.db"] }"#,
             PipelineFile::parse(&text),
             Err(FileError::Unknown {
                 name: "consumer".into(),
-                placeholder: "{kafka.user}".into()
+                placeholder: "{tls.ca}".into()
             })
         );
         let secured = text.replacen(

@@ -107,7 +107,7 @@ impl ForeignWriter {
     pub(super) async fn outcome(&self) -> anyhow::Result<Outcome> {
         let groups = &self.shape.groups;
         let fates = hostile::fates(&self.outbox, &self.consumers, groups, &self.accepted).await?;
-        let (rows, open) = crate::chaos::verdict::hostile_rows(&fates, groups);
+        let (rows, open) = crate::chaos::hostile::hostile_rows(&fates, groups);
         let mut violations = self.violations.clone();
         violations.extend(open);
         Ok(Outcome { rows, violations })
