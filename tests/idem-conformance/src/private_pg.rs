@@ -166,12 +166,8 @@ impl PrivatePg {
     /// then restarted in the primary's place (its data directory and port), so clients of
     /// [`PrivatePg::url`] reconnect to the new primary.
     pub fn try_fail_over(&self) -> io::Result<()> {
-        let standby = self
-            .standby
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if standby.is_none() {
+        let mut standby_port = self.standby.lock().unwrap_or_else(|p| p.into_inner());
+        if standby_port.is_none() {
             return Err(io::Error::other(
                 "no standby to fail over to: try_add_standby first",
             ));
@@ -183,6 +179,8 @@ impl PrivatePg {
         let old = self.dir.path().join("data.failed");
         std::fs::rename(&data, &old)?;
         std::fs::rename(&standby, &data)?;
+        // The standby is the server now: it no longer runs on a port of its own.
+        *standby_port = None;
         self.ctl(&["start"])
     }
 

@@ -29,13 +29,26 @@ impl Owner {
         Owner::of(std::process::id())?.ok_or_else(|| io::Error::other("/proc/self is not there"))
     }
 
-    /// The process `pid`, if it runs.
+    /// The process `pid`, if it runs (one that ends while its `stat` is read, ESRCH, does not).
     pub fn of(pid: u32) -> io::Result<Option<Owner>> {
+        const ESRCH: i32 = 3;
         match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
             Ok(stat) => Ok(start_time(&stat).map(|start| Owner { pid, start })),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(ESRCH) => {
+                Ok(None)
+            }
             Err(e) => Err(e),
         }
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether it started no earlier than `other` (in the kernel's clock ticks).
+    pub fn started_since(&self, other: &Owner) -> bool {
+        self.start >= other.start
     }
 
     fn parse(text: &str) -> Option<Owner> {
@@ -64,20 +77,30 @@ pub struct Leases {
 }
 
 impl Leases {
-    /// The machine's leases, `$TMPDIR/idem-ports`, made if missing (open to every user: a
-    /// lease names its owner, whoever wrote it).
+    /// The machine's leases, `$TMPDIR/idem-ports`, made if missing (open to every user, as
+    /// `/tmp` is: a lease names its owner, whoever wrote it); refused when it is a link.
     pub fn machine() -> io::Result<Leases> {
         Leases::at(std::env::temp_dir().join("idem-ports"))
     }
 
     pub(crate) fn at(dir: PathBuf) -> io::Result<Leases> {
-        if !dir.is_dir() {
-            use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o1777)
-                .create(&dir)?;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777))?;
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        match std::fs::symlink_metadata(&dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(io::Error::other(format!(
+                    "{} is not a directory (a link, or a file): remove it",
+                    dir.display()
+                )));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o1777)
+                    .create(&dir)?;
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777))?;
+            }
+            Err(e) => return Err(e),
         }
         Ok(Leases { dir })
     }
@@ -86,7 +109,14 @@ impl Leases {
     /// it. A process that holds a lease took that port for one of its servers already, so
     /// the lease refuses it a second time, as it refuses every other process.
     pub fn take(&self, port: u16, me: &Owner) -> io::Result<bool> {
-        let mut file = self.open(port)?;
+        // A lease file another user made, or a link in its place, is not this process's to
+        // take: the port is taken.
+        let mut file = match self.open(port) {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => return Ok(false),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Ok(false),
+            Err(e) => return Err(e),
+        };
         file.lock()?;
         if let Some(holder) = read_owner(&mut file)?
             && holder.is_alive()?
@@ -109,6 +139,7 @@ impl Leases {
         }
     }
 
+    /// The lease file of `port`, made if missing; never through a symbolic link.
     fn open(&self, port: u16) -> io::Result<File> {
         use std::os::unix::fs::OpenOptionsExt;
         OpenOptions::new()
@@ -117,6 +148,7 @@ impl Leases {
             .create(true)
             .truncate(false)
             .mode(0o666)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(self.dir.join(port.to_string()))
     }
 }
@@ -164,6 +196,20 @@ mod tests {
         assert!(leases.take(20_000, &me).unwrap(), "a dead holder's lease");
         assert_eq!(leases.holder(20_000).unwrap(), Some(me));
         assert!(!leases.take(20_000, &me).unwrap(), "its own lease again");
+    }
+
+    #[test]
+    fn a_link_in_place_of_a_lease_is_never_written_through() {
+        let (dir, leases) = leases();
+        let target = dir.path().join("target");
+        std::fs::write(&target, "keep me").unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join("idem-ports/20002")).unwrap();
+        let me = Owner::this_process().unwrap();
+        assert!(!leases.take(20_002, &me).unwrap(), "a link is a taken port");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
+        let linked = dir.path().join("linked");
+        std::os::unix::fs::symlink(dir.path().join("idem-ports"), &linked).unwrap();
+        assert!(Leases::at(linked).is_err(), "a linked folder is refused");
     }
 
     #[test]
