@@ -14,6 +14,7 @@ use std::path::Path;
 use std::process::Command;
 
 use idem_conformance::pg::TestDb;
+use idem_conformance::ports::lease::Owner;
 
 mod support;
 use support::controls;
@@ -773,8 +774,9 @@ fn the_reference_pipeline_over_your_own_databases_passes_and_the_console_shows_i
 
 /// Interrupting a pipeline run (SIGTERM, or Ctrl-C's SIGINT) kills every process it started —
 /// its components and loads and its Kafka node — instead of leaving them running (some of them
-/// paused) behind it, and the run fails saying so. (Its PostgreSQL server, which `pg_ctl`
-/// detaches, is stopped as the run's own server always is, when the run drops it.)
+/// paused) behind it, stops its PostgreSQL server (which `pg_ctl` detaches: it is no
+/// descendant of the run), and the run fails saying so. A process is told from a later one
+/// given its id by its start time.
 #[test]
 fn an_interrupted_pipeline_run_leaves_no_process_behind() {
     use std::io::{BufRead, BufReader};
@@ -823,6 +825,17 @@ fn an_interrupted_pipeline_run_leaves_no_process_behind() {
             "no {program} among the run's processes: {names:?}"
         );
     }
+    // The chaos tests have the machine to themselves (`.config/nextest.toml`): a server of the
+    // runner's kind started since the run did is the run's.
+    let run = Owner::of(child.id())
+        .ok()
+        .flatten()
+        .expect("the run is running");
+    let servers = private_servers_since(&run);
+    assert!(
+        !servers.is_empty(),
+        "the run's PostgreSQL server was not seen"
+    );
 
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -845,27 +858,27 @@ fn an_interrupted_pipeline_run_leaves_no_process_behind() {
         Some(2),
         "an interrupted run is one that could not run"
     );
-    let alive: Vec<&(u32, String)> = ours
-        .iter()
-        .filter(|(pid, _)| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-                !s.rsplit(')')
-                    .next()
-                    .unwrap_or("")
-                    .trim_start()
-                    .starts_with('Z')
-            })
-        })
-        .collect();
+    let alive: Vec<&(Owner, String)> = ours.iter().filter(|(p, _)| lives(p)).collect();
     assert!(
         alive.is_empty(),
         "processes of the run survived it: {alive:?}"
+    );
+    // `pg_ctl stop -w` returns once the pid file is gone, a moment before the postmaster
+    // exits.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while servers.iter().any(lives) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let running: Vec<&Owner> = servers.iter().filter(|s| lives(s)).collect();
+    assert!(
+        running.is_empty(),
+        "the run's PostgreSQL server survived it: {running:?}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Every process below `root` (its children, theirs, …): pid and program name.
-fn descendants(root: u32) -> Vec<(u32, String)> {
+fn descendants(root: u32) -> Vec<(Owner, String)> {
     let stats: Vec<(u32, u32, String)> = std::fs::read_dir("/proc")
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
@@ -884,11 +897,42 @@ fn descendants(root: u32) -> Vec<(u32, String)> {
         for (pid, ppid, comm) in &stats {
             if *ppid == parent {
                 found.push(*pid);
-                out.push((*pid, comm.clone()));
+                if let Some(owner) = Owner::of(*pid).ok().flatten() {
+                    out.push((owner, comm.clone()));
+                }
             }
         }
     }
     out
+}
+
+/// Whether `p` still runs (the same process, not a later one given its id; not a zombie).
+fn lives(p: &Owner) -> bool {
+    Owner::of(p.pid()).ok().flatten() == Some(*p)
+        && std::fs::read_to_string(format!("/proc/{}/stat", p.pid())).is_ok_and(|s| {
+            !s.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+}
+
+/// The postmasters of PostgreSQL servers of the runner's kind (data directories under
+/// `idem-private-pg-…`) that started no earlier than `run`.
+fn private_servers_since(run: &Owner) -> Vec<Owner> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|raw| {
+                let line = String::from_utf8_lossy(&raw).replace('\0', " ");
+                line.contains("bin/postgres -D ") && line.contains("idem-private-pg-")
+            })
+        })
+        .filter_map(|pid| Owner::of(pid).ok().flatten())
+        .filter(|o| o.started_since(run))
+        .collect()
 }
 
 /// The foreign writer's rows: some refused at insert, the oversized payload parked by a relay

@@ -153,15 +153,27 @@ impl Watch {
         }
     }
 
-    /// Looks at the outbox when a look is due. A failed look (the server restarting, say) is
-    /// skipped: the next one counts.
+    /// Looks at the outbox when a look is due (every [`CHECK_EVERY`]).
     pub(super) async fn tick(&mut self, outbox: &AnyPool, now: Instant) {
-        let Some(checked) = self.checked else {
-            return;
-        };
-        if now < checked + CHECK_EVERY {
-            return;
+        if self
+            .checked
+            .is_some_and(|checked| now >= checked + CHECK_EVERY)
+        {
+            self.look(outbox, now).await;
         }
+    }
+
+    /// Looks at the outbox once more, due or not, unless the burst drained already: the
+    /// faults are over, and a drain the last ticks missed still counts.
+    pub(super) async fn finish(&mut self, outbox: &AnyPool) {
+        if self.checked.is_some() {
+            self.look(outbox, Instant::now()).await;
+        }
+    }
+
+    /// Whether every row is published, and from the first to the last when they are. A failed
+    /// look (the server restarting, say) is skipped: the next one counts.
+    async fn look(&mut self, outbox: &AnyPool, now: Instant) {
         self.checked = Some(now);
         let Ok((left, span)) = progress(outbox, self).await else {
             return;
@@ -204,5 +216,32 @@ mod tests {
         assert_eq!(rows_for(40), 10_000);
         assert_eq!(rows_for(600), 20_000);
         assert_eq!(rows_for(1), i64::from(MIN_ROWS));
+    }
+
+    /// The faults are over and the ticks missed the drain (a quiet period waited through
+    /// them): the last look sees it.
+    #[tokio::test]
+    async fn a_drain_the_ticks_missed_is_seen_by_the_last_look() {
+        let db = idem_conformance::pg::TestDb::create().await;
+        let store = idem_sql::AnyStore::connect(db.url(), 2, idem_core::TableNames::default())
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        let outbox = AnyPool::Postgres(db.pool().clone());
+        write(&outbox, "burst", "b-", 1_000).await.unwrap();
+        let written = Instant::now();
+        let mut watch = Watch::new("burst", "b-", 1_000, written);
+        sqlx::query(
+            "UPDATE idem_outbox SET status = 'published', published_at = now() \
+             WHERE aggregate_type = 'burst'",
+        )
+        .execute(db.pool())
+        .await
+        .unwrap();
+        watch.tick(&outbox, written).await;
+        assert_eq!(watch.burst.drained_seconds, None, "no look was due yet");
+        watch.finish(&outbox).await;
+        assert!(watch.burst.drained_seconds.is_some(), "{:?}", watch.burst);
+        assert_eq!(watch.burst.shortfall(), None);
     }
 }

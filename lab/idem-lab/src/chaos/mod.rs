@@ -96,7 +96,13 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<()> {
 /// verify config: the file's path.
 fn reference_in(dir: &Path) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("finding this idem-lab binary")?;
-    let program = toml::Value::String(exe.display().to_string()).to_string();
+    // A brace in the path is a literal one to the runner's placeholders.
+    let path = exe
+        .display()
+        .to_string()
+        .replace('{', "{{")
+        .replace('}', "}}");
+    let program = toml::Value::String(path).to_string();
     let text = REFERENCE.replace("[\"idem-lab\", ", &format!("[{program}, "));
     std::fs::write(dir.join("verify.toml"), REFERENCE_VERIFY)?;
     let file = dir.join("pipeline.toml");

@@ -33,6 +33,8 @@ pub(crate) struct Proc {
     /// may still fire: it ends the incarnation when its hit comes.
     pub crash_point_pending: bool,
     log: PathBuf,
+    /// Environment added to every start from now on (a component's `after_failover`).
+    pub lasting_env: Vec<(String, String)>,
     /// Asked to stop (SIGTERM): its exit is the runner's doing.
     stopping: bool,
     /// Exits the runner did not cause: no SIGKILL or SIGTERM of its, no crash point's abort
@@ -63,12 +65,14 @@ impl Proc {
             restart_at: None,
             armed_until: None,
             crash_point_pending: false,
+            lasting_env: Vec::new(),
             stopping: false,
             unexpected_exits: Vec::new(),
         }
     }
 
-    /// Starts a new incarnation, with `env` added (a crash point to arm).
+    /// Starts a new incarnation, with its [`Proc::lasting_env`] and `env` added (a crash
+    /// point to arm).
     pub(crate) fn start(&mut self, env: &[(&str, String)]) -> anyhow::Result<()> {
         self.incarnation += 1;
         let mut cmd = (self.build)(self.incarnation);
@@ -79,15 +83,19 @@ impl Proc {
         let mut header = log.try_clone()?;
         let _ = writeln!(
             header,
-            "==== {} incarnation {} {:?} at {}",
+            "==== {} incarnation {} {:?}{:?} at {}",
             self.name,
             self.incarnation,
+            self.lasting_env,
             env,
             chrono::Utc::now().format("%H:%M:%S%.3f")
         );
         cmd.stdout(log.try_clone()?)
             .stderr(log)
             .stdin(Stdio::null());
+        for (k, v) in &self.lasting_env {
+            cmd.env(k, v);
+        }
         for (k, v) in env {
             cmd.env(k, v);
         }

@@ -165,7 +165,7 @@ pub(crate) struct LogSearch {
 }
 
 /// Searches every log under `dir` — the processes' logs, `faults.log`, `crashes.log`,
-/// `diagnosis.txt`, the brokers' logs — for each of `secrets`. The brokers' data and the
+/// the brokers' logs — for each of `secrets`. The brokers' data and the
 /// run's PKI and secret files are not logs and are left out.
 pub(crate) fn search(dir: &Path, secrets: &[Secret]) -> LogSearch {
     let mut out = LogSearch {

@@ -326,6 +326,7 @@ async fn drive(
         hostile,
         burst,
         tls,
+        failover: file.postgres.failover,
     };
     Ok(verdict(args, faults, report, numbers))
 }
@@ -357,7 +358,7 @@ async fn observers(
 }
 
 /// Closes the windows and releases the locks once the faults are over: how the burst
-/// drained.
+/// drained, looked at once more.
 async fn end_periods(
     mut targets: Targets<'_>,
     fleet: &mut Fleet,
@@ -367,6 +368,9 @@ async fn end_periods(
     }
     for l in &mut targets.locks {
         l.release().await;
+    }
+    if let Some((outbox, watch)) = &mut targets.burst {
+        watch.finish(outbox).await;
     }
     Ok(targets.burst.map(|(_, w)| w.burst))
 }
@@ -479,6 +483,8 @@ struct Numbers {
     burst: Option<burst::Burst>,
     /// How a secured run was secured.
     tls: Option<secured::PipelineTls>,
+    /// `[postgres] failover`: the server was to fail over once.
+    failover: bool,
 }
 
 /// Runs shorter than this are not expected to reach every crash point.
@@ -528,6 +534,12 @@ fn verdict(
     failures.extend(hostile_violations.iter().cloned());
     failures.extend(n.burst.as_ref().and_then(burst::Burst::shortfall));
     failures.extend(n.tls.iter().flat_map(secured::shortfalls));
+    if n.failover && faults.get("postgres_failover").copied().unwrap_or(0) == 0 {
+        failures.push(
+            "the server never failed over (a window on its users held it off to the end)"
+                .to_owned(),
+        );
+    }
     if args.seconds >= FULL_RUN_SECONDS {
         let never = n.crash_points_fired.iter().filter(|(_, n)| **n == 0);
         failures.extend(never.map(|(p, _)| format!("crash point {p} never fired")));
@@ -963,6 +975,7 @@ async fn inject(
             let open = may_open(l.period());
             move_lock(l, net, (now, end, open), run).await;
         }
+        observe(&mut targets.burst, &mut targets.backends, now).await;
         if quiet(targets, now, end) {
             if !calm && now >= next_note {
                 let down = not_up(fleet, &targets.windows, now);
@@ -989,12 +1002,6 @@ async fn inject(
             }
         }
         server_fault(&mut server_faults, targets, fleet, now, run).await?;
-        if let Some((outbox, watch)) = &mut targets.burst {
-            watch.tick(outbox, now).await;
-        }
-        if let Some(b) = &mut targets.backends {
-            b.tick(now).await;
-        }
         if let Some(f) = targets.foreign.as_deref_mut()
             && let Some(what) = f.tick(now, run.rng, run.faults).await?
         {
@@ -1124,6 +1131,21 @@ struct Targets<'a> {
     backends: Option<secured::BackendWatch>,
 }
 
+/// Looks at what the run watches whatever else waits (a quiet period included): the burst's
+/// drain, and the backends of a secured run.
+async fn observe(
+    burst: &mut Option<(AnyPool, burst::Watch)>,
+    backends: &mut Option<secured::BackendWatch>,
+    now: Instant,
+) {
+    if let Some((outbox, watch)) = burst {
+        watch.tick(outbox, now).await;
+    }
+    if let Some(b) = backends {
+        b.tick(now).await;
+    }
+}
+
 /// The server fault that is due, if any, unless a window's replicas that use the run's
 /// server keep it while the window is open.
 async fn server_fault(
@@ -1163,8 +1185,8 @@ async fn crash_postgres(server: &Server, run: &mut RunState<'_>) -> anyhow::Resu
 }
 
 /// Fails the runner's server over to its standby (`postgres_failover`), then restarts the
-/// replicas of each component of `after` with its environment added
-/// (`restarted_after_failover`, one per replica).
+/// replicas of each component of `after` with its environment added to this start and every
+/// later one (`restarted_after_failover`, one per replica).
 async fn fail_over(
     server: &Server,
     fleet: &mut Fleet,
@@ -1178,7 +1200,6 @@ async fn fail_over(
          promoted in its place)",
     );
     for (component, env) in after {
-        let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
         for (i, p) in fleet.procs.iter_mut().enumerate() {
             if fleet.done[i] || !window::is_replica(&p.name, component) {
                 continue;
@@ -1187,9 +1208,12 @@ async fn fail_over(
                 p.signal(18);
             }
             p.kill9();
-            p.start(&env)?;
+            // Every later start too: a replica killed before it acted on it (made the slot
+            // again, say) still does.
+            p.lasting_env.clone_from(env);
+            p.start(&[])?;
             p.restart_at = None;
-            let what = format!("{} with {env:?}", p.name);
+            let what = format!("{} with {env:?} from now on", p.name);
             run.count("restarted_after_failover", &what);
         }
     }

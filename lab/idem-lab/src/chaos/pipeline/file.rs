@@ -80,8 +80,9 @@ pub(crate) struct PostgresSection {
 }
 
 /// What a component does after a failover of the runner's server: its replicas are
-/// restarted with `env` added to their first start after it (an operator's answer to the
-/// failover, such as a CDC relay's `--create-slot` for the slot the standby lacks).
+/// restarted with `env` added, to that start and every later one (an operator's answer to the
+/// failover, such as a CDC relay's `--create-slot` for the slot the standby lacks). Its values
+/// are taken as written, as a window's are: no placeholders.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct AfterFailover {

@@ -24,8 +24,9 @@ pub(crate) struct PipelineTls {
     pub kafka: String,
     /// The broker's log names the SCRAM principal (`User:<user>`).
     pub scram_principal_logged: bool,
-    /// The backends on the databases whose URL asks for TLS, summed over the samples taken
-    /// every 2 s while the faults ran; none when no URL asks for it.
+    /// The components' backends on the databases whose URL asks for TLS (the runner's own
+    /// sessions left out), summed over the samples taken every 2 s while the faults ran; none
+    /// when no URL asks for it.
     pub pg_backends: Option<Backends>,
     /// Every log of the run searched for every password of the run.
     pub secret_search: LogSearch,
@@ -56,13 +57,17 @@ pub(super) struct BackendWatch {
 
 impl BackendWatch {
     /// Connects to every PostgreSQL database of `databases` whose URL has `sslmode=require`,
-    /// `verify-ca` or `verify-full`.
+    /// `verify-ca` or `verify-full`; refuses a PostgreSQL URL it cannot read (its TLS would go
+    /// unchecked).
     pub(super) async fn open(databases: &BTreeMap<String, String>) -> anyhow::Result<Self> {
         let mut watched = vec![];
         for (name, url) in databases {
-            let Ok(options) = url.parse::<PgConnectOptions>() else {
+            if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
                 continue;
-            };
+            }
+            let options = url
+                .parse::<PgConnectOptions>()
+                .with_context(|| format!("reading the URL of database {name}"))?;
             let asks = matches!(
                 options.get_ssl_mode(),
                 PgSslMode::Require | PgSslMode::VerifyCa | PgSslMode::VerifyFull
@@ -89,14 +94,18 @@ impl BackendWatch {
             return;
         }
         self.next = now + Duration::from_secs(2);
+        // The runner's own sessions (this one, the burst's, the locks', the foreign
+        // writer's) are left out: a backend seen is a component's.
         let sql = "SELECT count(*)::bigint, \
                           count(*) FILTER (WHERE s.ssl IS NOT TRUE)::bigint, \
                           count(*) FILTER (WHERE a.usename IS DISTINCT FROM $1)::bigint \
                    FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
-                   WHERE a.datname = current_database()";
+                   WHERE a.datname = current_database() \
+                     AND a.application_name IS DISTINCT FROM $2";
         for (pool, user) in &self.watched {
             let Ok((all, clear, other)) = sqlx::query_as::<_, (i64, i64, i64)>(sql)
                 .bind(user)
+                .bind(super::postgres::RUNNER)
                 .fetch_one(pool)
                 .await
             else {
@@ -116,16 +125,17 @@ impl BackendWatch {
 }
 
 /// The database passwords of the run: those in the URLs, `PGPASSWORD`, and every line's of
-/// the `PGPASSFILE`.
+/// the password file (`PGPASSFILE`, else `~/.pgpass`, as libpq reads it).
 pub(super) fn database_secrets(databases: &BTreeMap<String, String>) -> Vec<Secret> {
     let mut out: Vec<Secret> = databases
         .values()
         .filter_map(|url| url_password(url).map(Secret::new))
         .collect();
     out.extend(std::env::var("PGPASSWORD").ok().map(Secret::new));
-    if let Some(file) = std::env::var_os("PGPASSFILE")
-        && let Ok(text) = std::fs::read_to_string(file)
-    {
+    let passfile = std::env::var_os("PGPASSFILE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".pgpass")));
+    if let Some(text) = passfile.and_then(|f| std::fs::read_to_string(f).ok()) {
         out.extend(text.lines().filter_map(passfile_password).map(Secret::new));
     }
     out
@@ -139,22 +149,33 @@ fn url_password(url: &str) -> Option<String> {
     (!password.is_empty()).then(|| password.to_owned())
 }
 
-/// The password of a `.pgpass` line (`host:port:database:user:password`, `\:` and `\\`
-/// escaped); none for a comment or a line of fewer fields.
+/// The password of a `.pgpass` line (`host:port:database:user:password`), read as libpq reads
+/// it: after the fourth unescaped `:`, up to the next one, `\` escaping the character after
+/// it; none for a comment or a line of fewer fields.
 fn passfile_password(line: &str) -> Option<String> {
     if line.starts_with('#') {
         return None;
     }
-    let mut fields = vec![String::new()];
     let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        match c {
-            '\\' => fields.last_mut()?.extend(chars.next()),
-            ':' if fields.len() < 5 => fields.push(String::new()),
-            c => fields.last_mut()?.push(c),
+    let mut colons = 0;
+    while colons < 4 {
+        match chars.next()? {
+            '\\' => {
+                chars.next()?;
+            }
+            ':' => colons += 1,
+            _ => {}
         }
     }
-    (fields.len() == 5 && !fields[4].is_empty()).then(|| fields.swap_remove(4))
+    let mut password = String::new();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => password.extend(chars.next()),
+            ':' => break,
+            c => password.push(c),
+        }
+    }
+    (!password.is_empty()).then_some(password)
 }
 
 /// The report of a secured run whose logs are in `dir`.
@@ -179,7 +200,9 @@ pub(super) fn shortfalls(tls: &PipelineTls) -> Vec<String> {
     let mut out = vec![];
     if let Some(b) = tls.pg_backends {
         if b.all == 0 {
-            out.push("no backend on a database whose URL asks for TLS was seen".to_owned());
+            out.push(
+                "no component's backend on a database whose URL asks for TLS was seen".to_owned(),
+            );
         }
         if b.in_clear > 0 {
             out.push(format!(
@@ -227,8 +250,12 @@ mod tests {
     #[test]
     fn a_passfile_line_gives_its_fifth_field_unescaped() {
         assert_eq!(
-            passfile_password("127.0.0.1:*:*:idem_tls:s3cr:et\\\\x"),
-            Some("s3cr:et\\x".to_owned())
+            passfile_password("127.0.0.1:*:*:idem_tls:s3cr\\\\et\\:x:ignored"),
+            Some("s3cr\\et:x".to_owned())
+        );
+        assert_eq!(
+            passfile_password("h\\:x:5432:db:u:pw"),
+            Some("pw".to_owned())
         );
         assert_eq!(
             passfile_password("h:5432:db:u:p\\:w"),
