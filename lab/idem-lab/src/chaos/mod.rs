@@ -20,7 +20,6 @@ mod pipeline;
 pub(crate) use hostile::install_business_rule;
 mod procs;
 mod schedule;
-mod secure;
 mod timeline;
 
 use std::path::{Path, PathBuf};

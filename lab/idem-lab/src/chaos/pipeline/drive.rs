@@ -17,6 +17,7 @@ use super::file::{
 };
 use super::foreign::ForeignWriter;
 use super::postgres::{self, Server};
+use super::secrets::KafkaLogin;
 use super::{lock, secured, window};
 use crate::chaos::ChaosArgs;
 use crate::chaos::burst;
@@ -24,7 +25,6 @@ use crate::chaos::kafka;
 use crate::chaos::network::{Dependency, Link, Network, postgres_link};
 use crate::chaos::procs::{Proc, Rng, Role};
 use crate::chaos::schedule::{self, Plan};
-use crate::chaos::secure::KafkaLogin;
 use crate::chaos::timeline::append_timeline;
 use idem_core::crash::CrashPoint;
 use idem_sql::AnyPool;
@@ -622,7 +622,7 @@ fn prepare_kafka(file: &PipelineFile, dir: &Path) -> anyhow::Result<(Option<Clus
         true => Some(KafkaLogin::new(
             &prepared.dir,
             &prepared.bootstrap,
-            &crate::chaos::secure::secret_dir(dir)?,
+            &super::secrets::secret_dir(dir)?,
         )?),
         false => None,
     };

@@ -14,6 +14,7 @@ mod foreign;
 mod lock;
 pub(super) mod postgres;
 mod redeliver;
+mod secrets;
 mod secured;
 mod window;
 

@@ -15,7 +15,8 @@ use idem_kafka::Secret;
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgSslMode};
 
-use crate::chaos::secure::{Backends, KafkaLogin, LogSearch, search};
+use super::file::SECURED_PLACEHOLDERS;
+use super::secrets::{Backends, KafkaLogin, LogSearch, MECHANISM, search};
 
 /// What a secured pipeline run reports.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -32,20 +33,22 @@ pub(crate) struct PipelineTls {
     pub secret_search: LogSearch,
 }
 
-/// The placeholders of a secured node, filled in.
+/// The placeholders of a secured node ([`SECURED_PLACEHOLDERS`], in its order), filled in.
 pub(super) fn places(login: &KafkaLogin) -> BTreeMap<String, String> {
     let path = |p: &Path| p.display().to_string();
-    [
-        ("kafka.user", login.user.clone()),
-        ("kafka.password_file", path(&login.password_file)),
-        ("kafka.mechanism", "SCRAM-SHA-512".to_owned()),
-        ("tls.ca", path(&login.ca)),
-        ("tls.cert", path(&login.cert)),
-        ("tls.key", path(&login.key)),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v))
-    .collect()
+    let values: [String; SECURED_PLACEHOLDERS.len()] = [
+        login.user.clone(),
+        path(&login.password_file),
+        MECHANISM.as_str().to_owned(),
+        path(&login.ca),
+        path(&login.cert),
+        path(&login.key),
+    ];
+    SECURED_PLACEHOLDERS
+        .iter()
+        .map(|k| (*k).to_owned())
+        .zip(values)
+        .collect()
 }
 
 /// The databases whose URL asks for TLS, each watched through one session of the runner's.

@@ -13,7 +13,7 @@ use idem_kafka::{Connection, KafkaSecurity, SaslMechanism, Secret, SecurityProto
 use serde::Serialize;
 
 /// The SASL mechanism of a secured run.
-const MECHANISM: SaslMechanism = SaslMechanism::ScramSha512;
+pub(crate) const MECHANISM: SaslMechanism = SaslMechanism::ScramSha512;
 
 /// The login of a secured node's clients: its SCRAM user, the file holding the user's
 /// password, the run's PKI, and every password the node's users have.
