@@ -228,6 +228,8 @@ async fn claim_pages(pg: &Pg) -> u64 {
     .bind(uuid::Uuid::new_v4())
     .bind("plans")
     .bind(60_000_i64)
+    .bind(0_i64)
+    .bind(500_i64)
     .fetch_one(&mut *tx)
     .await
     .unwrap();
@@ -278,5 +280,49 @@ async fn a_burst_written_after_the_last_analyze_claims_at_the_analysed_cost() {
     assert!(
         stale <= 2 * analysed,
         "a claim on statistics from before the burst touched {stale} pages, {analysed} once analysed"
+    );
+}
+
+/// `rows` pending rows in aggregates of `per_aggregate` rows each, written aggregate after
+/// aggregate (as one busy aggregate leaves them), or, with `deep`, one aggregate holding every
+/// tenth row among single-row aggregates; analysed, as autovacuum leaves them.
+async fn fill_shape(pg: &Pg, rows: i64, per_aggregate: i64, deep: bool) {
+    pg.exec("TRUNCATE idem_outbox, idem_outbox_aggregates")
+        .await
+        .unwrap();
+    let aggregate = if deep {
+        "CASE WHEN n % 10 = 0 THEN 'deep' ELSE 'o-' || n END".to_owned()
+    } else {
+        format!("'o-' || ((n - 1) / {per_aggregate})")
+    };
+    pg.exec(&format!(
+        "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', {aggregate}, 'order.paid', \
+                jsonb_build_object('n', n, 'note', repeat('x', 150)) \
+         FROM generate_series(1, {rows}) n ORDER BY n"
+    ))
+    .await
+    .unwrap();
+    pg.exec("VACUUM ANALYZE idem_outbox").await.unwrap();
+}
+
+/// A claim's work does not depend on how the backlog's rows fall into aggregates: a claim of
+/// 500 over aggregates of 100 rows each, or with one deep aggregate among single rows, touches
+/// about as many pages as over one row per aggregate. A claim that looked for 500 heads in id
+/// order walked 100 rows (and probed each) per head on the first shape: 50 000 rows a claim.
+#[tokio::test]
+async fn a_claim_costs_the_same_whatever_the_rows_per_aggregate() {
+    let pg = Pg::new().await;
+    fill_shape(&pg, 20_000, 1, false).await;
+    let single = claim_pages(&pg).await;
+    fill_shape(&pg, 20_000, 100, false).await;
+    let grouped = claim_pages(&pg).await;
+    fill_shape(&pg, 20_000, 1, true).await;
+    let deep = claim_pages(&pg).await;
+    eprintln!("pages per claim: single {single}, grouped {grouped}, deep {deep}");
+    assert!(
+        grouped <= 2 * single && deep <= 2 * single,
+        "pages a claim of 500 touches: {single} with one row per aggregate, {grouped} with \
+         100 rows per aggregate, {deep} with one deep aggregate among single rows"
     );
 }

@@ -118,7 +118,9 @@ impl PgStore {
         }
     }
 
-    /// The claim statement in its guarded transaction; the rows as returned.
+    /// The claim statement in its guarded transaction, window after window (claim.sql), until
+    /// the claim is full or the last window reached the end of the pending rows; the leased
+    /// rows as returned.
     async fn claim_rows(&self, request: &ClaimRequest, claim_id: Uuid) -> sqlx::Result<Vec<PgRow>> {
         let mut tx = self.pool.begin().await?;
         sqlx::query(CLAIM_GUARD)
@@ -129,15 +131,84 @@ impl PgStore {
             )
             .execute(&mut *tx)
             .await?;
-        let rows = sqlx::query(&self.q().claim)
-            .bind(i64::from(request.batch_size))
-            .bind(claim_id)
-            .bind(&request.relay_id)
-            .bind(millis(request.lease))
-            .fetch_all(&mut *tx)
-            .await?;
+        let batch = i64::from(request.batch_size);
+        let mut walk = Walk::start(batch);
+        let mut rows = Vec::new();
+        while let Some(window) = walk.next_window(rows.len()) {
+            let got = sqlx::query(&self.q().claim)
+                .bind(batch - i64::try_from(rows.len()).unwrap_or(batch))
+                .bind(claim_id)
+                .bind(&request.relay_id)
+                .bind(millis(request.lease))
+                .bind(window.after)
+                .bind(window.size)
+                .fetch_all(&mut *tx)
+                .await?;
+            let mut extent = None;
+            for row in got {
+                extent = Some((
+                    row.try_get::<Option<i64>, _>("walked_to")?,
+                    row.try_get::<i64, _>("walked")?,
+                ));
+                if row.try_get::<Option<i64>, _>("id")?.is_some() {
+                    rows.push(row);
+                }
+            }
+            let (walked_to, walked) = extent.unwrap_or((None, 0));
+            walk.walked(walked_to, walked);
+        }
         tx.commit().await?;
         Ok(rows)
+    }
+}
+
+/// The windows one claim walks through `pending_idx` (claim.sql): the first of the batch's
+/// size, each next one after the last row the previous one saw and twice as large (up to
+/// [`Walk::MAX_WINDOW`]), so rows of aggregates that cannot be taken cost an index step each
+/// and never hide the others; the walk ends when the claim is full or a window came back short
+/// (no pending row after it).
+#[derive(Debug)]
+struct Walk {
+    batch: i64,
+    next: Option<Window>,
+}
+
+/// One window: the `size` oldest pending rows with an id above `after`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Window {
+    after: i64,
+    size: i64,
+}
+
+impl Walk {
+    /// The largest window, in rows: bounds one statement's work whatever the backlog holds.
+    const MAX_WINDOW: i64 = 16_384;
+
+    fn start(batch: i64) -> Self {
+        Walk {
+            batch,
+            next: Some(Window {
+                after: 0,
+                size: batch.max(1),
+            }),
+        }
+    }
+
+    /// The next window to claim from, or none: the claim holds `claimed` rows.
+    fn next_window(&self, claimed: usize) -> Option<Window> {
+        let claimed = i64::try_from(claimed).unwrap_or(i64::MAX);
+        self.next.filter(|_| claimed < self.batch)
+    }
+
+    /// The window just claimed from saw `walked` rows, the last of them `walked_to`.
+    fn walked(&mut self, walked_to: Option<i64>, walked: i64) {
+        self.next = match (self.next, walked_to) {
+            (Some(w), Some(last)) if walked >= w.size => Some(Window {
+                after: last,
+                size: w.size.saturating_mul(2).min(Self::MAX_WINDOW).max(w.size),
+            }),
+            _ => None,
+        };
     }
 }
 
@@ -165,8 +236,8 @@ fn decode_claimed(claim_id: Uuid, rows: &[PgRow]) -> Result<Claim> {
 }
 
 impl RelayOps for Postgres {
-    /// PostgreSQL's claim walks every pending row lazily and skips locked heads itself, so the
-    /// window is not used.
+    /// PostgreSQL's claim walks its own windows, each after the last (claim.sql, `Walk`), so
+    /// the store's window is not used.
     const WINDOWED_CLAIM: bool = false;
 
     fn claim_within<'a>(
@@ -322,5 +393,54 @@ impl RelayOps for Postgres {
 
     fn prune_counters(store: &PgStore, batch: u32) -> BoxFuture<'_, Result<u64>> {
         super::retention::prune_counters(store, batch).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Walk, Window};
+
+    #[test]
+    fn a_walk_starts_with_a_window_of_the_batch_from_the_first_row() {
+        let walk = Walk::start(500);
+        assert_eq!(
+            walk.next_window(0),
+            Some(Window {
+                after: 0,
+                size: 500
+            })
+        );
+    }
+
+    #[test]
+    fn a_full_window_that_left_room_is_followed_by_a_larger_one_after_it() {
+        let mut walk = Walk::start(500);
+        walk.walked(Some(1_234), 500);
+        assert_eq!(
+            walk.next_window(20),
+            Some(Window {
+                after: 1_234,
+                size: 1_000
+            })
+        );
+        for _ in 0..10 {
+            walk.walked(Some(9_999), Walk::MAX_WINDOW);
+        }
+        assert_eq!(walk.next_window(20).map(|w| w.size), Some(Walk::MAX_WINDOW));
+    }
+
+    #[test]
+    fn a_walk_ends_when_the_claim_is_full_or_a_window_came_back_short() {
+        let mut full = Walk::start(500);
+        full.walked(Some(600), 500);
+        assert_eq!(full.next_window(500), None);
+
+        let mut short = Walk::start(500);
+        short.walked(Some(600), 499);
+        assert_eq!(short.next_window(20), None);
+
+        let mut empty = Walk::start(500);
+        empty.walked(None, 0);
+        assert_eq!(empty.next_window(0), None);
     }
 }
