@@ -10,6 +10,8 @@ use idem_core::retention::{Prunable, RetentionStore, RetentionWindow};
 use idem_core::store::OutboxStore;
 use idem_core::{Error, EventId, Result, TableNames};
 use sqlx::Pool;
+use std::sync::Arc;
+use std::sync::atomic::AtomicI64;
 use std::time::Duration;
 
 use crate::dialect::{Stmt, get};
@@ -29,6 +31,9 @@ pub struct RelayStore<DB: Dialect> {
     pub(crate) pool: Pool<DB>,
     pub(crate) outbox: Outbox<DB>,
     pub(crate) full_scan: FullScanThrottle,
+    /// Where PostgreSQL's next claim starts its walk of the pending rows (`postgres/relay.rs`,
+    /// `Walk`); shared by the store's clones.
+    pub(crate) walk_from: Arc<AtomicI64>,
     pub(crate) claim_timeout: Duration,
 }
 
@@ -45,6 +50,7 @@ impl<DB: Dialect> Clone for RelayStore<DB> {
             pool: self.pool.clone(),
             outbox: self.outbox.clone(),
             full_scan: self.full_scan.clone(),
+            walk_from: self.walk_from.clone(),
             claim_timeout: self.claim_timeout,
         }
     }
@@ -57,6 +63,7 @@ impl<DB: Dialect> RelayStore<DB> {
             pool,
             outbox: Outbox::new(tables),
             full_scan: FullScanThrottle::default(),
+            walk_from: Arc::new(AtomicI64::new(0)),
             claim_timeout: DEFAULT_CLAIM_TIMEOUT,
         }
     }

@@ -11,6 +11,7 @@
 mod baselines;
 mod ceilings;
 mod child;
+mod claims;
 mod compare;
 mod console;
 mod cpu;
@@ -98,6 +99,9 @@ enum Mode {
     /// Server time per page of `idem console` (p50, p99, max) over a million outbox and inbox
     /// rows and 100 000 dead letters, next to `SELECT 1` and a page that reads nothing.
     Console(console::ConsoleBenchArgs),
+    /// The polling relay's claim and mark (no broker) over backlogs of each --shapes and
+    /// --depths, each drain between two lean claim-and-mark drains of the same backlog.
+    Claims(claims::ClaimsBenchArgs),
     /// Two runs' reports side by side: each figure of the second divided by the first's
     /// (TLS over plain text, a change over the code before it).
     Compare(compare::CompareArgs),
@@ -177,6 +181,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.mode {
         Some(Mode::Verify(a)) => verify::run(a).await,
         Some(Mode::Console(a)) => console::run(a).await,
+        Some(Mode::Claims(a)) => claims::run(a).await,
         Some(Mode::Compare(a)) => compare::run(&a),
         Some(Mode::NoInboxConsumer(a)) => noinbox::run(a).await,
         None => run_all(args.run).await,

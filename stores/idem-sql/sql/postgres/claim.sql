@@ -1,18 +1,18 @@
 -- Leases up to $1 rows to claim $2 (relay $3) for $4 milliseconds, from a window of the $6
 -- oldest pending rows after id $5. Runs after claim_guard.sql, in the same transaction; the
--- relay runs it again on the next window (after `walked_to`) while the claim has room and the
--- window was full (`walked` = $6).
+-- store runs it again on the next window (after `walked_to`) while the claim has room and the
+-- window was full (`walked` = $6), and starts its next claim before `first_left`.
 --
 -- A head is the earliest pending row (in aggregate order) of its aggregate. The window names
--- the aggregates to look at; each is probed once in `pending_aggregate_idx`, from its head on,
--- for as many rows as it has in the window: the head, and the members a claim may take after
--- it. An aggregate is taken only when its head is past its backoff, none of these rows is
--- leased, and its head can be locked (SKIP LOCKED: two relays never wait for each other);
--- another relay cannot take a later row of a locked aggregate, since that row is not a head.
--- The claim then takes a prefix of each locked aggregate's members, in rank order.
+-- the aggregates to look at; each one's head is found in `pending_aggregate_idx`, and the
+-- heads past their backoff and not leased are locked (SKIP LOCKED: two relays never wait for
+-- each other); another relay cannot take a later row of a locked aggregate, since that row is
+-- not a head. Each locked aggregate's members are then read from its head on, as many as the
+-- window holds of it; an aggregate one of whose members is leased is left alone, and the
+-- claim takes a prefix of each other aggregate's members, in rank order.
 --
 -- The work is bounded by the window, whatever the backlog's shape: an aggregate with many rows
--- costs one probe per window it appears in, not one per row, and rows of aggregates that
+-- costs two probes per window it appears in, not one per row, and rows of aggregates that
 -- cannot be taken (backing off, leased, locked by another relay) are stepped over in
 -- `pending_idx` without a probe, so the next window reaches the other aggregates.
 --
@@ -35,43 +35,52 @@ aggregates AS (
     FROM win w
     GROUP BY w.aggregate_type, w.aggregate_id
 ),
-members AS (
-    SELECT m.id, m.rank, m.head_id, m.next_attempt_at, m.blocked
+heads AS (
+    SELECT h.id, a.n
     FROM aggregates a
     CROSS JOIN LATERAL (
-        SELECT f.id, f.next_attempt_at,
-               row_number() OVER (ORDER BY f.aggregate_seq) AS rank,
-               first_value(f.id) OVER (ORDER BY f.aggregate_seq) AS head_id,
-               -- No row of the aggregate that a claim could take may be leased to anyone (e.g.
-               -- after a parked head was retried while later rows were in flight).
-               bool_or(f.leased) OVER () AS blocked
-        FROM (
-            SELECT r.id, r.aggregate_seq, r.next_attempt_at,
-                   (r.claim_id IS NOT NULL AND r.claimed_until >= clock_timestamp()) AS leased
-            FROM {outbox} r
-            WHERE r.status = 'pending'
-              AND r.aggregate_type = a.aggregate_type
-              AND r.aggregate_id = a.aggregate_id
-            ORDER BY r.aggregate_seq
-            LIMIT a.n
-        ) f
-    ) m
+        SELECT p.id, p.next_attempt_at, p.claimed_until
+        FROM {outbox} p
+        WHERE p.status = 'pending'
+          AND p.aggregate_type = a.aggregate_type
+          AND p.aggregate_id = a.aggregate_id
+        ORDER BY p.aggregate_seq
+        LIMIT 1
+    ) h
+    WHERE h.next_attempt_at <= now()
+      AND (h.claimed_until IS NULL OR h.claimed_until < clock_timestamp())
 ),
 locked AS (
-    SELECT o.id
+    SELECT o.id, o.aggregate_type, o.aggregate_id, o.aggregate_seq
     FROM {outbox} o
-    WHERE o.id = ANY (ARRAY(
-              SELECT h.id FROM members h
-              WHERE h.rank = 1 AND h.next_attempt_at <= now() AND NOT h.blocked))
+    WHERE o.id = ANY (ARRAY(SELECT id FROM heads))
       AND CASE o.status WHEN 'pending' THEN true ELSE false END
       AND o.next_attempt_at <= now()
       AND (o.claimed_until IS NULL OR o.claimed_until < clock_timestamp())
     FOR UPDATE OF o SKIP LOCKED
 ),
+members AS (
+    SELECT m.id, m.rank, m.leased, l.id AS head_id
+    FROM locked l
+    JOIN heads h ON h.id = l.id
+    CROSS JOIN LATERAL (
+        SELECT r.id, row_number() OVER (ORDER BY r.aggregate_seq) AS rank,
+               (r.claim_id IS NOT NULL AND r.claimed_until >= clock_timestamp()) AS leased
+        FROM {outbox} r
+        WHERE r.status = 'pending'
+          AND r.aggregate_type = l.aggregate_type
+          AND r.aggregate_id = l.aggregate_id
+          AND r.aggregate_seq >= l.aggregate_seq
+        ORDER BY r.aggregate_seq
+        LIMIT h.n
+    ) m
+),
 chosen AS (
     SELECT m.id
     FROM members m
-    JOIN locked l ON l.id = m.head_id
+    -- No row of the aggregate that the claim could take may be leased to anyone (e.g. after a
+    -- parked head was retried while later rows were in flight).
+    WHERE NOT EXISTS (SELECT 1 FROM members x WHERE x.head_id = m.head_id AND x.leased)
     ORDER BY m.rank, m.head_id
     LIMIT $1
 ),
@@ -92,10 +101,14 @@ leased AS (
               u.created_at, u.attempts, u.permanent_failures
 ),
 walk AS (
-    SELECT max(w.id) AS walked_to, count(*) AS walked FROM win w
+    SELECT max(w.id) AS walked_to, count(*) AS walked,
+           min(w.id) FILTER (WHERE x.id IS NULL) AS first_left
+    FROM win w
+    LEFT JOIN leased x ON x.id = w.id
 )
--- One row per leased row, each with the window's extent; a single row with a null `id` when
--- none was leased.
-SELECT k.walked_to, k.walked, l.*
+-- One row per leased row, each with the window's extent (its last row, how many rows it saw,
+-- the first of them this claim did not lease); a single row with a null `id` when none was
+-- leased.
+SELECT k.walked_to, k.walked, k.first_left, l.*
 FROM walk k
 LEFT JOIN leased l ON true
