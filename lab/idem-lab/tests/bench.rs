@@ -248,6 +248,40 @@ fn bench_verify_reports_time_and_peak_memory() {
 }
 
 #[test]
+fn bench_claims_drains_every_shape_and_depth_between_two_lean_drains() {
+    let report = idem_bench(&["claims", "--depths", "2000,3000", "--batch-size", "100"]);
+    let drains = report["drains"].as_array().unwrap();
+    let seen: Vec<(String, u64)> = drains
+        .iter()
+        .map(|d| {
+            (
+                d["shape"].as_str().unwrap().to_owned(),
+                d["depth"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let mut expected = vec![];
+    for depth in [2000, 3000] {
+        for shape in ["single", "round-robin", "grouped", "deep"] {
+            expected.push((shape.to_owned(), depth));
+        }
+    }
+    assert_eq!(seen, expected, "{report:#}");
+    for d in drains {
+        for key in [
+            "lean_before_per_s",
+            "store_per_s",
+            "lean_after_per_s",
+            "ratio",
+        ] {
+            assert!(d[key].as_f64().unwrap() > 0.0, "{key}: {d}");
+        }
+        let share = d["store_claim_share"].as_f64().unwrap();
+        assert!(share > 0.0 && share < 1.0, "{d}");
+    }
+}
+
+#[test]
 fn bench_console_times_every_page_and_drops_its_database() {
     let sizes = [
         ("--outbox-rows", "3000"),
