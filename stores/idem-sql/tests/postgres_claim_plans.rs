@@ -308,8 +308,8 @@ async fn fill_shape(pg: &Pg, rows: i64, per_aggregate: i64, deep: bool) {
 
 /// A claim's work does not depend on how the backlog's rows fall into aggregates: a claim of
 /// 500 over aggregates of 100 rows each, or with one deep aggregate among single rows, touches
-/// about as many pages as over one row per aggregate. A claim that looked for 500 heads in id
-/// order walked 100 rows (and probed each) per head on the first shape: 50 000 rows a claim.
+/// about as many pages as over one row per aggregate. A claim that looks for 500 heads in id
+/// order walks 100 rows (probing each) per head on the first shape: 50 000 rows a claim.
 #[tokio::test]
 async fn a_claim_costs_the_same_whatever_the_rows_per_aggregate() {
     let pg = Pg::new().await;
