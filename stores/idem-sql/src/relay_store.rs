@@ -11,7 +11,7 @@ use idem_core::store::OutboxStore;
 use idem_core::{Error, EventId, Result, TableNames};
 use sqlx::Pool;
 use std::sync::Arc;
-use std::sync::atomic::AtomicI64;
+use std::sync::atomic::{AtomicBool, AtomicI64};
 use std::time::Duration;
 
 use crate::dialect::{Stmt, get};
@@ -34,6 +34,8 @@ pub struct RelayStore<DB: Dialect> {
     /// Where PostgreSQL's next claim starts its walk of the pending rows (`postgres/relay.rs`,
     /// `Walk`); shared by the store's clones.
     pub(crate) walk_from: Arc<AtomicI64>,
+    /// Set by a mark that released rows: the next claim walks from the first row.
+    pub(crate) walk_again: Arc<AtomicBool>,
     pub(crate) claim_timeout: Duration,
 }
 
@@ -51,6 +53,7 @@ impl<DB: Dialect> Clone for RelayStore<DB> {
             outbox: self.outbox.clone(),
             full_scan: self.full_scan.clone(),
             walk_from: self.walk_from.clone(),
+            walk_again: self.walk_again.clone(),
             claim_timeout: self.claim_timeout,
         }
     }
@@ -63,13 +66,14 @@ impl<DB: Dialect> RelayStore<DB> {
             pool,
             outbox: Outbox::new(tables),
             full_scan: FullScanThrottle::default(),
-            walk_from: Arc::new(AtomicI64::new(0)),
+            walk_from: Arc::new(AtomicI64::new(i64::MIN)),
+            walk_again: Arc::new(AtomicBool::new(false)),
             claim_timeout: DEFAULT_CLAIM_TIMEOUT,
         }
     }
 
-    /// Bounds every claim to `timeout` (PostgreSQL's `statement_timeout`, set for the claim's
-    /// transaction only; default [`DEFAULT_CLAIM_TIMEOUT`], zero: unbounded). A claim cancelled
+    /// Bounds each statement of a claim to `timeout` (PostgreSQL's `statement_timeout`, set for
+    /// the claim's transaction only; default [`DEFAULT_CLAIM_TIMEOUT`], zero: unbounded). A claim cancelled
     /// this way is an error the relay logs and retries, and the store refreshes the outbox's
     /// statistics first, so a plan built on stale statistics cannot stall the relay silently.
     /// SQLite's claim is not bounded.

@@ -326,3 +326,55 @@ async fn a_claim_costs_the_same_whatever_the_rows_per_aggregate() {
          100 rows per aggregate, {deep} with one deep aggregate among single rows"
     );
 }
+
+/// With statistics from before the backlog (they say nothing is pending, so every set the claim
+/// builds looks like one row), no step of the claim may loop over its members once per member:
+/// one aggregate of 2 000 rows whose head backs off, then 3 000 single rows, all in one window.
+/// The check for leased members is a list, not a join the planner could make a nested loop
+/// (such a loop took 7.9 s for a window of 16 000 members, 0.14 s once analysed).
+#[tokio::test]
+async fn a_claim_on_stale_statistics_never_loops_over_its_members_per_member() {
+    let pg = Pg::new().await;
+    pg.exec("ALTER TABLE idem_outbox SET (autovacuum_enabled = false)")
+        .await
+        .unwrap();
+    pg.exec("VACUUM ANALYZE idem_outbox").await.unwrap();
+    let insert = |aggregate: &str, rows: i64| {
+        format!(
+            "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT gen_random_uuid(), 'order', {aggregate}, 'order.paid', '{{}}' \
+             FROM generate_series(1, {rows}) n ORDER BY n"
+        )
+    };
+    pg.exec(&insert("'deep'", 2_000)).await.unwrap();
+    pg.exec(
+        "UPDATE idem_outbox SET next_attempt_at = now() + interval '1 hour' \
+         WHERE aggregate_id = 'deep' AND aggregate_seq = 1",
+    )
+    .await
+    .unwrap();
+    pg.exec(&insert("'s-' || n", 3_000)).await.unwrap();
+
+    let mut tx = pg.pool().begin().await.unwrap();
+    sqlx::query(include_str!("../sql/postgres/claim_guard.sql"))
+        .bind("600000")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN {}", claim_sql()))
+        .bind(500_i64)
+        .bind(uuid::Uuid::new_v4())
+        .bind("plans")
+        .bind(60_000_i64)
+        .bind(i64::MIN)
+        .bind(16_384_i64)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let plan = plan.join("\n");
+    assert!(
+        !plan.contains("Nested Loop Anti Join") && !plan.contains("Nested Loop Semi Join"),
+        "{plan}"
+    );
+}

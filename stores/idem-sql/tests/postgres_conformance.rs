@@ -442,3 +442,44 @@ async fn a_parked_row_the_rules_refuse_stays_parked_and_the_seq_never_changes() 
         .expect_err("aggregate_seq changed in the inserting transaction");
     assert!(err.contains("written_once_check"), "{err}");
 }
+
+/// A row numbered 0 or below (a writer could name the id before schema 18, and still can with
+/// `OVERRIDING SYSTEM VALUE`) is pending like any other: the claim's walk starts below every id.
+#[tokio::test]
+async fn a_row_numbered_zero_or_below_is_claimed() {
+    use idem_core::outbox::{ClaimOutcome, ClaimRequest};
+    let pg = Pg::new().await;
+    for (id, aggregate) in [("-5", "legacy"), ("0", "zero")] {
+        pg.exec(&format!(
+            "INSERT INTO idem_outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload) \
+             OVERRIDING SYSTEM VALUE \
+             VALUES ({id}, gen_random_uuid(), 'order', '{aggregate}', 'order.paid', '{{}}')"
+        ))
+        .await
+        .unwrap();
+    }
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[scenarios::event("x", 1)]).await.unwrap();
+    tx.commit().await;
+    let request = ClaimRequest {
+        relay_id: "r".to_owned(),
+        batch_size: 10,
+        lease: std::time::Duration::from_secs(60),
+    };
+    let mut claimed = vec![];
+    loop {
+        let claim = pg.store().claim(&request).await.unwrap();
+        if claim.records.is_empty() {
+            break;
+        }
+        claimed.extend(claim.records.iter().map(|r| r.id));
+        let outcome = ClaimOutcome {
+            published: claim.records.iter().map(|r| r.id).collect(),
+            failed: vec![],
+        };
+        pg.store().complete(&claim, &outcome).await.unwrap();
+    }
+    claimed.sort_unstable();
+    assert_eq!(claimed.len(), 3, "{claimed:?}");
+    assert_eq!(&claimed[..2], &[-5, 0]);
+}

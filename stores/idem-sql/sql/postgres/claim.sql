@@ -57,6 +57,9 @@ locked AS (
       AND CASE o.status WHEN 'pending' THEN true ELSE false END
       AND o.next_attempt_at <= now()
       AND (o.claimed_until IS NULL OR o.claimed_until < clock_timestamp())
+    -- At most as many heads as rows the claim may take, the oldest first (the primary key
+    -- returns them in id order).
+    LIMIT $1
     FOR UPDATE OF o SKIP LOCKED
 ),
 members AS (
@@ -80,7 +83,9 @@ chosen AS (
     FROM members m
     -- No row of the aggregate that the claim could take may be leased to anyone (e.g. after a
     -- parked head was retried while later rows were in flight).
-    WHERE NOT EXISTS (SELECT 1 FROM members x WHERE x.head_id = m.head_id AND x.leased)
+    -- A list, not a join: with statistics from before the backlog a planner would loop over
+    -- the members once per member.
+    WHERE m.head_id <> ALL (ARRAY(SELECT x.head_id FROM members x WHERE x.leased))
     ORDER BY m.rank, m.head_id
     LIMIT $1
 ),
@@ -92,7 +97,9 @@ leased AS (
         attempts = u.attempts + 1
     -- Only the heads are locked: a member row may have been leased by a claim that committed
     -- while this one waited for it (after `idem outbox retry` made an earlier row the head).
-    -- Re-checked on the row as committed, so two claims never hold rows of one aggregate.
+    -- Re-checked on the row as committed, so two claims never hold the same row. The re-check
+    -- drops that row only, not the aggregate's rows after it: after such a retry two claims can
+    -- hold rows of one aggregate (docs/operating/relay.md, "Several relays").
     WHERE u.id = ANY (ARRAY(SELECT id FROM chosen))
       AND CASE u.status WHEN 'pending' THEN true ELSE false END
       AND (u.claimed_until IS NULL OR u.claimed_until < clock_timestamp())

@@ -133,8 +133,11 @@ impl PgStore {
             .execute(&mut *tx)
             .await?;
         let batch = i64::from(request.batch_size);
-        let from = if self.full_scan.due() {
-            0
+        // A release asks the next claim to walk from the first row; `swap` first, so the
+        // request is taken even when the throttle is due too.
+        let released = self.walk_again.swap(false, Ordering::Relaxed);
+        let from = if released || self.full_scan.due() {
+            Walk::FIRST
         } else {
             self.walk_from.load(Ordering::Relaxed)
         };
@@ -213,6 +216,9 @@ struct Extent {
 impl Walk {
     /// The largest window, in rows: bounds one statement's work whatever the backlog holds.
     const MAX_WINDOW: i64 = 16_384;
+    /// Where a walk from the first row starts: below every id, also the zero and negative ids
+    /// a writer could choose before schema version 18.
+    const FIRST: i64 = i64::MIN;
 
     fn start(batch: i64, from: i64) -> Self {
         Walk {
@@ -253,7 +259,7 @@ impl Walk {
     /// the last it saw when it leased them all, or at the first row once it reached the end.
     fn next_from(&self) -> i64 {
         if self.reached_end {
-            return 0;
+            return Self::FIRST;
         }
         self.first_left
             .map_or(self.walked_to, |id| id.saturating_sub(1))
@@ -359,8 +365,10 @@ impl RelayOps for Postgres {
             };
             done.fenced = fenced(outcome, done.marked, done.released);
             if done.released > 0 {
-                // Released rows lie behind where the next claim would start: walk from the first.
-                this.walk_from.store(0, Ordering::Relaxed);
+                // Released rows lie behind where the next claim would start: the next claim
+                // walks from the first row (a claim running beside this mark may still store
+                // where it stopped, so the request is a flag of its own).
+                this.walk_again.store(true, Ordering::Relaxed);
             }
             Ok(done)
         }
@@ -525,9 +533,9 @@ mod tests {
         let mut walk = Walk::start(500, 100);
         walk.walked(saw(700, 500, Some(150)));
         walk.walked(saw(900, 300, Some(800)));
-        assert_eq!(walk.next_from(), 0);
+        assert_eq!(walk.next_from(), Walk::FIRST);
         let mut empty = Walk::start(500, 100);
         empty.walked(Extent::default());
-        assert_eq!(empty.next_from(), 0);
+        assert_eq!(empty.next_from(), Walk::FIRST);
     }
 }
