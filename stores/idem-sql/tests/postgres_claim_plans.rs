@@ -211,15 +211,21 @@ fn claim_sql() -> String {
     include_str!("../sql/postgres/claim.sql").replace("{outbox}", "idem_outbox")
 }
 
-/// Pages (shared buffers hit or read) one claim of 500 rows touches, measured by running it
-/// under `EXPLAIN (ANALYZE, BUFFERS)` in its guarded transaction, then rolled back.
-async fn claim_pages(pg: &Pg) -> u64 {
+/// A transaction with the claim's guard set, as the store runs each claim.
+async fn guarded(pg: &Pg) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let mut tx = pg.pool().begin().await.unwrap();
     sqlx::query(include_str!("../sql/postgres/claim_guard.sql"))
         .bind("600000")
         .execute(&mut *tx)
         .await
         .unwrap();
+    tx
+}
+
+/// Pages (shared buffers hit or read) one claim of 500 rows touches, measured by running it
+/// under `EXPLAIN (ANALYZE, BUFFERS)` in its guarded transaction, then rolled back.
+async fn claim_pages(pg: &Pg) -> u64 {
+    let mut tx = guarded(pg).await;
     let plan: serde_json::Value = sqlx::query_scalar(&format!(
         "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
         claim_sql()
@@ -355,12 +361,7 @@ async fn a_claim_on_stale_statistics_never_loops_over_its_members_per_member() {
     .unwrap();
     pg.exec(&insert("'s-' || n", 3_000)).await.unwrap();
 
-    let mut tx = pg.pool().begin().await.unwrap();
-    sqlx::query(include_str!("../sql/postgres/claim_guard.sql"))
-        .bind("600000")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let mut tx = guarded(&pg).await;
     let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN {}", claim_sql()))
         .bind(500_i64)
         .bind(uuid::Uuid::new_v4())
