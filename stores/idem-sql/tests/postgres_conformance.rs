@@ -242,39 +242,7 @@ async fn lock_waiters(pg: &Pg, n: i64) {
 /// lease on the committed rows and leaves 2 and 3 to B (taking them would publish them twice).
 #[tokio::test]
 async fn a_claim_never_takes_rows_another_claim_just_leased_after_a_retry() {
-    use idem_core::outbox::{ClaimOutcome, ClaimRequest, Failure};
-    let pg = Pg::new().await;
-    let mut tx = pg.begin().await;
-    tx.enqueue(&[
-        scenarios::event("x", 1),
-        scenarios::event("x", 2),
-        scenarios::event("x", 3),
-    ])
-    .await
-    .unwrap();
-    tx.commit().await;
-    let req = |batch| ClaimRequest {
-        relay_id: "r".to_owned(),
-        batch_size: batch,
-        lease: std::time::Duration::from_secs(60),
-    };
-    // Row 1 is parked.
-    let first = pg.store().claim(&req(1)).await.unwrap();
-    pg.store()
-        .complete(
-            &first,
-            &ClaimOutcome {
-                published: vec![],
-                failed: vec![Failure {
-                    id: first.records[0].id,
-                    reason: "message too large".into(),
-                    backoff: std::time::Duration::ZERO,
-                    disposition: idem_core::outbox::Disposition::Park,
-                }],
-            },
-        )
-        .await
-        .unwrap();
+    let pg = aggregate_with_its_first_row_parked().await;
     let row3: i64 = pg
         .scalar("SELECT id FROM idem_outbox WHERE aggregate_seq = 3")
         .await;
@@ -482,4 +450,98 @@ async fn a_row_numbered_zero_or_below_is_claimed() {
     claimed.sort_unstable();
     assert_eq!(claimed.len(), 3, "{claimed:?}");
     assert_eq!(&claimed[..2], &[-5, 0]);
+}
+
+/// A claim never takes an aggregate's rows on both sides of a row another claim holds.
+/// Interleaving: row 1 of an aggregate is parked; claim X (its own transaction, held open) leases
+/// row 2; the operator retries row 1; claim Y finds row 1 as the head, chooses rows 1, 2 and 3,
+/// and waits for row 2; X commits. Y sees row 2 leased as committed and leaves the aggregate
+/// alone: taking 1 and 3 would let 3 be published before 2.
+#[tokio::test]
+async fn a_claim_leaves_an_aggregate_whose_chosen_row_another_claim_leased_meanwhile() {
+    let pg = aggregate_with_its_first_row_parked().await;
+
+    // X leases row 2 and holds its transaction open.
+    let mut x = pg.pool().begin().await.unwrap();
+    sqlx::query(include_str!("../sql/postgres/claim_guard.sql"))
+        .bind("600000")
+        .execute(&mut *x)
+        .await
+        .unwrap();
+    let x_rows: Vec<i64> =
+        sqlx::query(&include_str!("../sql/postgres/claim.sql").replace("{outbox}", "idem_outbox"))
+            .bind(1_i64)
+            .bind(uuid::Uuid::new_v4())
+            .bind("x")
+            .bind(60_000_i64)
+            .bind(i64::MIN)
+            .bind(10_i64)
+            .fetch_all(&mut *x)
+            .await
+            .unwrap()
+            .iter()
+            .filter_map(|row| sqlx::Row::get::<Option<i64>, _>(row, "aggregate_seq"))
+            .collect();
+    assert_eq!(x_rows, vec![2], "X leased row 2");
+
+    assert_eq!(pg.store().retry_parked(None).await.unwrap(), 1);
+    let store_y = pg.store().clone();
+    let y = tokio::spawn(async move { store_y.claim(&req(10)).await });
+    lock_waiters(&pg, 1).await;
+    x.commit().await.unwrap();
+
+    let y: Vec<i64> = y
+        .await
+        .unwrap()
+        .unwrap()
+        .records
+        .iter()
+        .map(|r| r.aggregate_seq)
+        .collect();
+    assert!(
+        !y.contains(&3) && !y.contains(&2),
+        "Y holds {y:?} while X holds row 2: row 3 could be published before it"
+    );
+}
+
+/// Rows 1, 2 and 3 of aggregate `x`, row 1 parked.
+#[allow(clippy::unwrap_used)]
+async fn aggregate_with_its_first_row_parked() -> Pg {
+    use idem_core::outbox::{ClaimOutcome, Failure};
+    let pg = Pg::new().await;
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[
+        scenarios::event("x", 1),
+        scenarios::event("x", 2),
+        scenarios::event("x", 3),
+    ])
+    .await
+    .unwrap();
+    tx.commit().await;
+    let first = pg.store().claim(&req(1)).await.unwrap();
+    pg.store()
+        .complete(
+            &first,
+            &ClaimOutcome {
+                published: vec![],
+                failed: vec![Failure {
+                    id: first.records[0].id,
+                    reason: "message too large".into(),
+                    backoff: std::time::Duration::ZERO,
+                    disposition: idem_core::outbox::Disposition::Park,
+                }],
+            },
+        )
+        .await
+        .unwrap();
+    pg
+}
+
+/// A claim of up to `batch` rows by relay `r`.
+fn req(batch: u32) -> idem_core::outbox::ClaimRequest {
+    idem_core::outbox::ClaimRequest {
+        relay_id: "r".to_owned(),
+        batch_size: batch,
+        lease: std::time::Duration::from_secs(60),
+    }
 }

@@ -89,18 +89,31 @@ chosen AS (
     ORDER BY m.rank, m.head_id
     LIMIT $1
 ),
+-- Only the heads are locked so far: a chosen row may have been leased by a claim that committed
+-- while this one waited for it (after `idem outbox retry` made an earlier row the head). Each
+-- chosen row is locked (waiting for a claim that holds it) and read as committed; an aggregate
+-- one of whose chosen rows is no longer free is left alone whole, since taking its rows on both
+-- sides of that one would let a later row be published before it.
+relocked AS (
+    SELECT r.id, ROW(r.aggregate_type, r.aggregate_id) AS aggregate,
+           CASE r.status
+               WHEN 'pending' THEN r.claimed_until IS NOT NULL
+                                   AND r.claimed_until >= clock_timestamp()
+               ELSE true
+           END AS taken
+    FROM {outbox} r
+    WHERE r.id = ANY (ARRAY(SELECT id FROM chosen))
+    FOR NO KEY UPDATE OF r
+),
 leased AS (
     UPDATE {outbox} u
     SET claim_id = $2,
         claimed_by = $3,
         claimed_until = clock_timestamp() + $4 * interval '1 millisecond',
         attempts = u.attempts + 1
-    -- Only the heads are locked: a member row may have been leased by a claim that committed
-    -- while this one waited for it (after `idem outbox retry` made an earlier row the head).
-    -- Re-checked on the row as committed, so two claims never hold the same row. The re-check
-    -- drops that row only, not the aggregate's rows after it: after such a retry two claims can
-    -- hold rows of one aggregate (docs/operating/relay.md, "Several relays").
-    WHERE u.id = ANY (ARRAY(SELECT id FROM chosen))
+    WHERE u.id = ANY (ARRAY(
+              SELECT k.id FROM relocked k
+              WHERE k.aggregate <> ALL (ARRAY(SELECT t.aggregate FROM relocked t WHERE t.taken))))
       AND CASE u.status WHEN 'pending' THEN true ELSE false END
       AND (u.claimed_until IS NULL OR u.claimed_until < clock_timestamp())
     RETURNING u.id, u.event_id, u.aggregate_type, u.aggregate_id, u.aggregate_seq, u.event_type,
