@@ -346,10 +346,12 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     /// full, claims the next one on another connection while it is produced (at most two
     /// batches in flight). Returns the report and the next batch, if one was claimed.
     ///
-    /// Per-aggregate order holds across the two: a claim never takes a row of an aggregate that
-    /// has a leased row, and the first batch's rows stay leased until they are marked, released
-    /// (a failed row stays pending, so a later row of its aggregate is not a head) or their
-    /// lease expires. Every delivery report of a batch is awaited before it is marked.
+    /// Per-aggregate order holds across the two: a claim never takes a row of an aggregate whose
+    /// head (its earliest pending row) is leased, and the first batch's rows stay leased until
+    /// they are marked, released (a failed row stays pending, so a later row of its aggregate is
+    /// not a head) or their lease expires. A parked row returned by `idem outbox retry` while
+    /// later rows of its aggregate are in flight is the one exception (docs/operating/relay.md).
+    /// Every delivery report of a batch is awaited before it is marked.
     async fn cycle(
         &self,
         held: Option<(Instant, Claim)>,

@@ -504,6 +504,39 @@ async fn a_claim_leaves_an_aggregate_whose_chosen_row_another_claim_leased_meanw
     );
 }
 
+/// A writer may insert a row with a lease of its own (`claimed_until` in the future, no claim
+/// id): the claim leaves that row's aggregate alone, as it would for a relay's lease, and still
+/// takes every other aggregate's rows; it never chooses a row its lease would then skip (a claim
+/// that leases fewer rows than it chose is taken again, so such a row would stop every claim).
+#[tokio::test]
+async fn a_row_with_a_writers_own_lease_holds_its_aggregate_and_nothing_else() {
+    let pg = Pg::new().await;
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[scenarios::event("x", 1)]).await.unwrap();
+    tx.commit().await;
+    pg.exec(
+        "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, claimed_until) \
+         VALUES (gen_random_uuid(), 'order', 'x', 'order.paid', '{}', now() + interval '1 hour')",
+    )
+    .await
+    .unwrap();
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[scenarios::event("y", 1)]).await.unwrap();
+    tx.commit().await;
+
+    let claim = pg.store().claim(&req(10)).await.unwrap();
+    let claimed: Vec<(&str, i64)> = claim
+        .records
+        .iter()
+        .map(|r| (r.aggregate_id.as_str(), r.aggregate_seq))
+        .collect();
+    assert_eq!(
+        claimed,
+        vec![("y", 1)],
+        "x waits behind its leased row 2, y does not"
+    );
+}
+
 /// Rows 1, 2 and 3 of aggregate `x`, row 1 parked.
 #[allow(clippy::unwrap_used)]
 async fn aggregate_with_its_first_row_parked() -> Pg {

@@ -68,7 +68,9 @@ members AS (
     JOIN heads h ON h.id = l.id
     CROSS JOIN LATERAL (
         SELECT r.id, row_number() OVER (ORDER BY r.aggregate_seq) AS rank,
-               (r.claim_id IS NOT NULL AND r.claimed_until >= clock_timestamp()) AS leased
+               -- The negation of the update's test below, so that a row it would not lease
+               -- always leaves its aggregate alone here instead.
+               coalesce(r.claimed_until >= clock_timestamp(), false) AS leased
         FROM {outbox} r
         WHERE r.status = 'pending'
           AND r.aggregate_type = l.aggregate_type
@@ -89,31 +91,20 @@ chosen AS (
     ORDER BY m.rank, m.head_id
     LIMIT $1
 ),
--- Only the heads are locked so far: a chosen row may have been leased by a claim that committed
--- while this one waited for it (after `idem outbox retry` made an earlier row the head). Each
--- chosen row is locked (waiting for a claim that holds it) and read as committed; an aggregate
--- one of whose chosen rows is no longer free is left alone whole, since taking its rows on both
--- sides of that one would let a later row be published before it.
-relocked AS (
-    SELECT r.id, ROW(r.aggregate_type, r.aggregate_id) AS aggregate,
-           CASE r.status
-               WHEN 'pending' THEN r.claimed_until IS NOT NULL
-                                   AND r.claimed_until >= clock_timestamp()
-               ELSE true
-           END AS taken
-    FROM {outbox} r
-    WHERE r.id = ANY (ARRAY(SELECT id FROM chosen))
-    FOR NO KEY UPDATE OF r
-),
+-- Only the heads are locked: a member may have been leased by a claim that committed after this
+-- statement's snapshot (after `idem outbox retry` made an earlier row the head). The update
+-- reads each chosen row as committed (waiting for a claim that holds it) and leases the free
+-- ones; the statement reports how many it chose, and the store rolls back a claim that leased
+-- fewer and claims again, since taking an aggregate's rows on both sides of a row another claim
+-- holds would let a later row be published before it. Locking every member instead costs a WAL
+-- record per member row on every claim, for a race that needs an operator's retry.
 leased AS (
     UPDATE {outbox} u
     SET claim_id = $2,
         claimed_by = $3,
         claimed_until = clock_timestamp() + $4 * interval '1 millisecond',
         attempts = u.attempts + 1
-    WHERE u.id = ANY (ARRAY(
-              SELECT k.id FROM relocked k
-              WHERE k.aggregate <> ALL (ARRAY(SELECT t.aggregate FROM relocked t WHERE t.taken))))
+    WHERE u.id = ANY (ARRAY(SELECT id FROM chosen))
       AND CASE u.status WHEN 'pending' THEN true ELSE false END
       AND (u.claimed_until IS NULL OR u.claimed_until < clock_timestamp())
     RETURNING u.id, u.event_id, u.aggregate_type, u.aggregate_id, u.aggregate_seq, u.event_type,
@@ -121,14 +112,14 @@ leased AS (
               u.created_at, u.attempts, u.permanent_failures
 ),
 walk AS (
-    SELECT max(w.id) AS walked_to, count(*) AS walked,
+    SELECT max(w.id) AS walked_to, count(*) AS walked, (SELECT count(*) FROM chosen) AS chosen,
            min(w.id) FILTER (WHERE x.id IS NULL) AS first_left
     FROM win w
     LEFT JOIN leased x ON x.id = w.id
 )
 -- One row per leased row, each with the window's extent (its last row, how many rows it saw,
--- the first of them this claim did not lease); a single row with a null `id` when none was
--- leased.
-SELECT k.walked_to, k.walked, k.first_left, l.*
+-- the first of them this claim did not lease) and how many rows it chose; a single row with a
+-- null `id` when none was leased.
+SELECT k.walked_to, k.walked, k.chosen, k.first_left, l.*
 FROM walk k
 LEFT JOIN leased l ON true

@@ -121,8 +121,39 @@ impl PgStore {
 
     /// The claim statement in its guarded transaction, window after window (claim.sql), until
     /// the claim is full or the last window reached the end of the pending rows; the leased
-    /// rows as returned.
+    /// rows as returned. A claim that leased fewer rows than it chose (a chosen row was leased by
+    /// a claim that committed meanwhile) is rolled back whole and taken again, at most
+    /// [`CLAIM_ATTEMPTS`] times; after that it takes nothing, and the relay's next cycle claims.
     async fn claim_rows(&self, request: &ClaimRequest, claim_id: Uuid) -> sqlx::Result<Vec<PgRow>> {
+        // A release asks the next claim to walk from the first row; `swap` first, so the
+        // request is taken even when the throttle is due too.
+        let released = self.walk_again.swap(false, Ordering::Relaxed);
+        let from = if released || self.full_scan.due() {
+            Walk::FIRST
+        } else {
+            self.walk_from.load(Ordering::Relaxed)
+        };
+        for _ in 0..CLAIM_ATTEMPTS {
+            if let Some((rows, walk)) = self.claim_attempt(request, claim_id, from).await? {
+                self.walk_from.store(walk.next_from(), Ordering::Relaxed);
+                return Ok(rows);
+            }
+        }
+        tracing::warn!(
+            attempts = CLAIM_ATTEMPTS,
+            "each claim chose a row another claim leased meanwhile; this claim takes nothing"
+        );
+        Ok(Vec::new())
+    }
+
+    /// One attempt of [`Self::claim_rows`]: the rows and the walk, or none when a window
+    /// leased fewer rows than it chose (the transaction is rolled back).
+    async fn claim_attempt(
+        &self,
+        request: &ClaimRequest,
+        claim_id: Uuid,
+        from: i64,
+    ) -> sqlx::Result<Option<(Vec<PgRow>, Walk)>> {
         let mut tx = self.pool.begin().await?;
         sqlx::query(CLAIM_GUARD)
             .bind(
@@ -133,14 +164,6 @@ impl PgStore {
             .execute(&mut *tx)
             .await?;
         let batch = i64::from(request.batch_size);
-        // A release asks the next claim to walk from the first row; `swap` first, so the
-        // request is taken even when the throttle is due too.
-        let released = self.walk_again.swap(false, Ordering::Relaxed);
-        let from = if released || self.full_scan.due() {
-            Walk::FIRST
-        } else {
-            self.walk_from.load(Ordering::Relaxed)
-        };
         let mut walk = Walk::start(batch, from);
         let mut rows = Vec::new();
         while let Some(window) = walk.next_window(rows.len()) {
@@ -154,23 +177,34 @@ impl PgStore {
                 .fetch_all(&mut *tx)
                 .await?;
             let mut extent = Extent::default();
+            let (mut chosen, mut leased) = (0_i64, 0_i64);
             for row in got {
                 extent = Extent {
                     walked_to: row.try_get("walked_to")?,
                     walked: row.try_get("walked")?,
                     first_left: row.try_get("first_left")?,
                 };
+                chosen = row.try_get("chosen")?;
                 if row.try_get::<Option<i64>, _>("id")?.is_some() {
+                    leased += 1;
                     rows.push(row);
                 }
+            }
+            if leased < chosen {
+                tx.rollback().await?;
+                return Ok(None);
             }
             walk.walked(extent);
         }
         tx.commit().await?;
-        self.walk_from.store(walk.next_from(), Ordering::Relaxed);
-        Ok(rows)
+        Ok(Some((rows, walk)))
     }
 }
+
+/// How many times a claim is taken again after it leased fewer rows than it chose
+/// ([`PgStore::claim_rows`]). Each retry reads what the claims that got in the way committed,
+/// so the first retry leaves their aggregates alone; more than one is a burst of such claims.
+const CLAIM_ATTEMPTS: usize = 3;
 
 /// The windows one claim walks through `pending_idx` (claim.sql): the first of the batch's
 /// size from where the last claim left off, each next one after the last row the previous one
