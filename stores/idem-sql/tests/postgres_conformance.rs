@@ -460,6 +460,9 @@ async fn a_row_numbered_zero_or_below_is_claimed() {
 #[tokio::test]
 async fn a_claim_leaves_an_aggregate_whose_chosen_row_another_claim_leased_meanwhile() {
     let pg = aggregate_with_its_first_row_parked().await;
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[scenarios::event("z", 1)]).await.unwrap();
+    tx.commit().await;
 
     // X leases row 2 and holds its transaction open.
     let mut x = pg.pool().begin().await.unwrap();
@@ -490,17 +493,19 @@ async fn a_claim_leaves_an_aggregate_whose_chosen_row_another_claim_leased_meanw
     lock_waiters(&pg, 1).await;
     x.commit().await.unwrap();
 
-    let y: Vec<i64> = y
+    let y: Vec<(String, i64)> = y
         .await
         .unwrap()
         .unwrap()
         .records
         .iter()
-        .map(|r| r.aggregate_seq)
+        .map(|r| (r.aggregate_id.clone(), r.aggregate_seq))
         .collect();
-    assert!(
-        !y.contains(&3) && !y.contains(&2),
-        "Y holds {y:?} while X holds row 2: row 3 could be published before it"
+    assert_eq!(
+        y,
+        vec![("z".to_owned(), 1)],
+        "Y holds {y:?} while X holds x's row 2: it must leave x whole (row 3 could be published \
+         before 2) and still take z"
     );
 }
 
@@ -514,15 +519,7 @@ async fn a_row_with_a_writers_own_lease_holds_its_aggregate_and_nothing_else() {
     let mut tx = pg.begin().await;
     tx.enqueue(&[scenarios::event("x", 1)]).await.unwrap();
     tx.commit().await;
-    pg.exec(
-        "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, claimed_until) \
-         VALUES (gen_random_uuid(), 'order', 'x', 'order.paid', '{}', now() + interval '1 hour')",
-    )
-    .await
-    .unwrap();
-    let mut tx = pg.begin().await;
-    tx.enqueue(&[scenarios::event("y", 1)]).await.unwrap();
-    tx.commit().await;
+    writer_row_of_x_then_y(&pg, "claimed_until", "now() + interval '1 hour'").await;
 
     let claim = pg.store().claim(&req(10)).await.unwrap();
     let claimed: Vec<(&str, i64)> = claim
@@ -535,6 +532,67 @@ async fn a_row_with_a_writers_own_lease_holds_its_aggregate_and_nothing_else() {
         vec![("y", 1)],
         "x waits behind its leased row 2, y does not"
     );
+}
+
+/// A writer may insert any count in `attempts` and `permanent_failures`: at the column's
+/// maximum the claim and the mark keep it there instead of failing on an overflow, which would
+/// fail every claim that reaches the row and so stop every other aggregate too.
+#[tokio::test]
+async fn counts_a_writer_set_to_their_maximum_stop_no_claim_and_no_mark() {
+    use idem_core::outbox::{ClaimOutcome, Disposition, Failure};
+    let pg = Pg::new().await;
+    writer_row_of_x_then_y(
+        &pg,
+        "attempts, permanent_failures",
+        "2147483647, 2147483647",
+    )
+    .await;
+
+    let claim = pg.store().claim(&req(10)).await.unwrap();
+    let ids: Vec<&str> = claim
+        .records
+        .iter()
+        .map(|r| r.aggregate_id.as_str())
+        .collect();
+    assert_eq!(ids, vec!["x", "y"]);
+    let x = claim.records[0].id;
+    pg.store()
+        .complete(
+            &claim,
+            &ClaimOutcome {
+                published: vec![claim.records[1].id],
+                failed: vec![Failure {
+                    id: x,
+                    reason: "refused".into(),
+                    backoff: std::time::Duration::ZERO,
+                    disposition: Disposition::Permanent,
+                }],
+            },
+        )
+        .await
+        .unwrap();
+    let again = pg.store().claim(&req(10)).await.unwrap();
+    assert_eq!(
+        again.records.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![x]
+    );
+    assert_eq!(again.records[0].attempt, i32::MAX);
+    assert_eq!(again.records[0].permanent_failures, i32::MAX);
+}
+
+/// A row of aggregate `x` inserted by a writer with `columns` set to `values` (SQL), then an
+/// event of aggregate `y` enqueued after it.
+#[allow(clippy::unwrap_used)]
+async fn writer_row_of_x_then_y(pg: &Pg, columns: &str, values: &str) {
+    pg.exec(&format!(
+        "INSERT INTO idem_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, {columns}) \
+         VALUES (gen_random_uuid(), 'order', 'x', 'order.paid', '{{}}', {values})"
+    ))
+    .await
+    .unwrap();
+    let mut tx = pg.begin().await;
+    tx.enqueue(&[scenarios::event("y", 1)]).await.unwrap();
+    tx.commit().await;
 }
 
 /// Rows 1, 2 and 3 of aggregate `x`, row 1 parked.

@@ -4,7 +4,8 @@
 -- looking pending. Commits without waiting for the WAL flush, for the same reason.
 WITH marked AS (
     UPDATE {outbox}
-    SET status = 'published', published_at = now(), attempts = attempts + 1, last_error = NULL
+    SET status = 'published', published_at = now(), attempts = LEAST(attempts, 2147483646) + 1,
+        last_error = NULL
     WHERE id = ANY($1) AND status = 'pending'
     RETURNING id
 )

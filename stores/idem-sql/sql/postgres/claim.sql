@@ -103,7 +103,8 @@ leased AS (
     SET claim_id = $2,
         claimed_by = $3,
         claimed_until = clock_timestamp() + $4 * interval '1 millisecond',
-        attempts = u.attempts + 1
+        -- Saturating: a writer may insert any count, and an overflow would fail every claim.
+        attempts = LEAST(u.attempts, 2147483646) + 1
     WHERE u.id = ANY (ARRAY(SELECT id FROM chosen))
       AND CASE u.status WHEN 'pending' THEN true ELSE false END
       AND (u.claimed_until IS NULL OR u.claimed_until < clock_timestamp())

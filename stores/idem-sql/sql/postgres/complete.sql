@@ -20,7 +20,9 @@ released AS (
         next_attempt_at = now() + f.backoff_ms * interval '1 millisecond',
         status = CASE WHEN f.park THEN 'parked' ELSE 'pending' END,
         attempts = CASE WHEN f.attempted THEN u.attempts ELSE u.attempts - 1 END,
-        permanent_failures = CASE WHEN f.permanent THEN u.permanent_failures + 1 ELSE u.permanent_failures END
+        -- Saturating, like the claim's count: a writer may insert any value.
+        permanent_failures = CASE WHEN f.permanent THEN LEAST(u.permanent_failures, 2147483646) + 1
+                                  ELSE u.permanent_failures END
     FROM UNNEST($3::bigint[], $4::text[], $5::bigint[], $6::bool[], $7::bool[], $8::bool[])
          AS f(id, reason, backoff_ms, park, attempted, permanent)
     WHERE u.id = f.id AND u.claim_id = $2 AND NOT (u.id = ANY($1))

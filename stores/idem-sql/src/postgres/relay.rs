@@ -133,15 +133,28 @@ impl PgStore {
         } else {
             self.walk_from.load(Ordering::Relaxed)
         };
-        for _ in 0..CLAIM_ATTEMPTS {
-            if let Some((rows, walk)) = self.claim_attempt(request, claim_id, from).await? {
-                self.walk_from.store(walk.next_from(), Ordering::Relaxed);
-                return Ok(rows);
+        for attempt in 1..=CLAIM_ATTEMPTS {
+            match self.claim_attempt(request, claim_id, from).await {
+                Ok(Some((rows, walk))) => {
+                    self.walk_from.store(walk.next_from(), Ordering::Relaxed);
+                    return Ok(rows);
+                }
+                Ok(None) => tracing::debug!(
+                    attempt,
+                    "a chosen row changed after the claim read it; the claim is taken again"
+                ),
+                Err(e) => {
+                    // The next claim still walks from the first row, as the release asked.
+                    self.walk_again.fetch_or(released, Ordering::Relaxed);
+                    return Err(e);
+                }
             }
         }
+        self.walk_again.fetch_or(released, Ordering::Relaxed);
         tracing::warn!(
             attempts = CLAIM_ATTEMPTS,
-            "each claim chose a row another claim leased meanwhile; this claim takes nothing"
+            "in each attempt a chosen row changed after the claim read it (another relay's \
+             lease, mark or park); this claim takes nothing, the next one claims"
         );
         Ok(Vec::new())
     }
@@ -201,9 +214,10 @@ impl PgStore {
     }
 }
 
-/// How many times a claim is taken again after it leased fewer rows than it chose
-/// ([`PgStore::claim_rows`]). Each retry reads what the claims that got in the way committed,
-/// so the first retry leaves their aggregates alone; more than one is a burst of such claims.
+/// How many times a claim is taken at most when it leased fewer rows than it chose
+/// ([`PgStore::claim_rows`]). Each attempt reads what got in the way of the last (another
+/// claim's lease, a mark, a park), committed, so the second leaves those rows alone; a third is
+/// a burst of such changes.
 const CLAIM_ATTEMPTS: usize = 3;
 
 /// The windows one claim walks through `pending_idx` (claim.sql): the first of the batch's
